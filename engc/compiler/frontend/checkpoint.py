@@ -1,0 +1,46 @@
+"""What every checkpoint reader hands the compiler: an HF-style config, tensors by HF name, tokenizer files.
+
+Readers (HF safetensors folders, GGUF files, AWQ/GPTQ checkpoints) differ only in how they find these;
+the family mappings downstream see one shape.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engc.errors import UserError
+
+
+@dataclass
+class Checkpoint:
+    name: str                                   # display name, no machine paths
+    hf_config: dict                             # contents of an HF config.json
+    loaders: dict[str, Callable[[], torch.Tensor]]  # HF tensor name -> loads that tensor (lazy)
+    tokenizer_files: dict[str, bytes]           # tokenizer.json, tokenizer_config.json, ...
+    source_files: list[Path] = field(default_factory=list)  # hashed into the manifest's provenance
+
+    def names(self) -> list[str]:
+        return sorted(self.loaders)
+
+    def has(self, name: str) -> bool:
+        return name in self.loaders
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.loaders:
+            raise UserError(f"checkpoint {self.name} is missing tensor '{name}'")
+        return self.loaders[name]()
+
+    def source_sha256(self) -> dict[str, str]:
+        return {p.name: sha256_file(p) for p in sorted(self.source_files, key=lambda p: p.name)}
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,129 @@
+"""Lowers any supported decoder-only family to the engine program.
+
+The families differ in a few facts (families.py); everything else here is shared. The lowered graph
+is deliberately unfused (one Gemm per projection, joined by Concat): fusion is the passes' job.
+"""
+from __future__ import annotations
+
+import torch
+
+from engc.bundle.model_config import ModelConfig
+from engc.compiler.frontend.checkpoint import Checkpoint
+from engc.compiler.frontend.families import Family, family_of
+from engc.compiler.frontend.rope import inv_freq, rope_params
+from engc.compiler.ir import Graph
+from engc.errors import UserError
+
+
+def resolve_config(hf: dict) -> ModelConfig:
+    family = family_of(hf)
+    try:
+        heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        theta, scaling = rope_params(hf)
+        eos = hf.get("eos_token_id")
+        return ModelConfig(
+            family=family.name, vocab_size=hf["vocab_size"], hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=family.qkv_bias or bool(hf.get("attention_bias", False)),
+            qk_norm=family.qk_norm, rope_scaling=scaling,
+            sliding_window=_sliding_window(hf, family),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
+    except KeyError as e:
+        raise UserError(f"config.json lacks {e.args[0]}, needed for a {family.name} model") from None
+
+
+def _sliding_window(hf: dict, family: Family) -> int:
+    window = hf.get("sliding_window") or 0
+    if family.sliding_window_switch is not None and not hf.get(family.sliding_window_switch, False):
+        return 0
+    if window and hf.get("max_window_layers") not in (None, 0, hf.get("num_hidden_layers")):
+        raise UserError("sliding window on only some layers (max_window_layers) is not supported")
+    return window if window and window < hf.get("max_position_embeddings", 1 << 30) else 0
+
+
+def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
+    cfg = resolve_config(ckpt.hf_config)
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise UserError(f"num_attention_heads {cfg.num_heads} is not a multiple of "
+                        f"num_key_value_heads {cfg.num_kv_heads}")
+    g = Graph(num_layers=cfg.num_layers)
+    weight = _weight_binder(ckpt, g, dtype)
+    rope = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    g.weights["rope.inv_freq"] = lambda: rope
+    eps = cfg.rms_norm_eps
+
+    embed = weight("embed.weight", "model.embed_tokens.weight")
+    x = g.onnx_op("Gather", [embed, "input_ids"], "h.embed", axis=0)
+    residual = None
+    for i in range(cfg.num_layers):
+        hf, p = f"model.layers.{i}.", f"layers.{i}."
+        h, residual = _norm(g, x, residual, weight(p + "attn_norm.weight", hf + "input_layernorm.weight"),
+                            eps, f"{p}attn_in")
+        qkv = _concat(g, [_linear(g, h, weight, p + n, hf + f"self_attn.{n}_proj", cfg.qkv_bias)
+                          for n in ("q", "k", "v")], p + "qkv")
+        if cfg.qk_norm:
+            qkv = g.add("QKNorm", [qkv, weight(p + "q_norm.weight", hf + "self_attn.q_norm.weight"),
+                                   weight(p + "k_norm.weight", hf + "self_attn.k_norm.weight")],
+                        p + "qkv.normed", num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                        head_dim=cfg.head_dim, eps=eps)
+        heads = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+        q = g.add("RotaryKVWrite", [qkv, "positions", "rope.inv_freq", f"kv_cache.{i}", "slot_mapping"],
+                  p + "q.rot", **heads)
+        attn = g.add("PagedAttention", [q, f"kv_cache.{i}", "block_tables", "context_lens",
+                                        "query_start_loc"], p + "attn",
+                     scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window, **heads)
+        x = _linear(g, attn, weight, p + "o", hf + "self_attn.o_proj", False)
+        h, residual = _norm(g, x, residual, weight(p + "mlp_norm.weight",
+                                                   hf + "post_attention_layernorm.weight"),
+                            eps, f"{p}mlp_in")
+        gate_up = _concat(g, [_linear(g, h, weight, p + n, hf + f"mlp.{n}_proj", False)
+                              for n in ("gate", "up")], p + "gate_up")
+        act = g.add("SiluMul", [gate_up], p + "act")
+        x = _linear(g, act, weight, p + "down", hf + "mlp.down_proj", False)
+
+    h, _ = _norm(g, x, residual, weight("norm.weight", "model.norm.weight"), eps, "final")
+    sampled = g.onnx_op("Gather", [h, "logits_indices"], "h.sampled", axis=0)
+    if cfg.tie_word_embeddings or not ckpt.has("lm_head.weight"):
+        head = embed
+    else:
+        head = weight("lm_head.weight", "lm_head.weight")
+    logits = g.onnx_op("Gemm", [sampled, head], "logits.raw", transB=1)
+    g.onnx_op("Cast", [logits], "logits", to=1)  # float32 logits for sampling
+    return cfg, g
+
+
+def _weight_binder(ckpt: Checkpoint, g: Graph, dtype: torch.dtype):
+    def bind(name: str, hf_name: str) -> str:
+        if not ckpt.has(hf_name):
+            raise UserError(f"checkpoint {ckpt.name} is missing tensor '{hf_name}'")
+        # inv_freq and norms stay exact in float32 only when the model is float32; bf16 models
+        # keep norm weights in bf16 like the HF reference does.
+        g.weights[name] = lambda: ckpt.get(hf_name).to(dtype).contiguous()
+        return name
+    return bind
+
+
+def _linear(g: Graph, x: str, weight, name: str, hf_prefix: str, bias: bool) -> str:
+    inputs = [x, weight(name + ".weight", hf_prefix + ".weight")]
+    if bias:
+        inputs.append(weight(name + ".bias", hf_prefix + ".bias"))
+    return g.onnx_op("Gemm", inputs, name + ".out", transB=1)
+
+
+def _concat(g: Graph, parts: list[str], name: str) -> str:
+    return g.onnx_op("Concat", parts, name, axis=-1)
+
+
+def _norm(g: Graph, x: str, residual: str | None, w: str, eps: float, name: str):
+    if residual is None:
+        # The first block: the embedding itself is the residual stream.
+        return g.add("RMSNorm", [x, w], name, eps=eps), x
+    out, res = g.add("AddRMSNorm", [x, residual, w], [name, name + ".residual"], eps=eps)
+    return out, res

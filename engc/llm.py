@@ -1,0 +1,39 @@
+"""engc.LLM: offline batch generation from a bundle, for scripts and notebooks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engc.runtime.engine import Engine, EngineConfig
+from engc.runtime.loader import load
+from engc.runtime.sampling import SamplingParams
+
+
+@dataclass
+class Completion:
+    prompt: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+
+
+class LLM:
+    def __init__(self, bundle: str, device: str = "cpu", engine: EngineConfig = EngineConfig()):
+        self.model = load(bundle, device=device)
+        self.engine = Engine(self.model, engine)
+        self.tokenizer = self.model.tokenizer
+
+    def generate(self, prompts: str | list[str], params: SamplingParams | None = None,
+                 chat: bool = False) -> list[Completion]:
+        """All prompts run as one continuously batched workload; results keep the prompts' order."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        params = params or SamplingParams()
+        seqs = [self.engine.add_request(self.encode(p, chat), params) for p in prompts]
+        self.engine.run_to_completion()
+        return [Completion(p, s.output_text, list(s.output_ids), len(s.prompt_ids), s.finish_reason)
+                for p, s in zip(prompts, seqs)]
+
+    def encode(self, prompt: str, chat: bool) -> list[int]:
+        if chat:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)

@@ -1,0 +1,165 @@
+"""The engine's step loop: schedule a batch, run one program step, sample, detokenize, stop.
+
+Synchronous and single-threaded by design; the async server drives it from one worker.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engc.runtime.kv_cache import KVCache
+from engc.runtime.loader import LoadedModel
+from engc.runtime.sampling import SamplingParams, sample_row
+from engc.runtime.scheduler import Scheduler
+from engc.runtime.sequence import Sequence
+from engc.runtime.tokenizer import IncrementalDecoder
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int = 512               # KV blocks (CPU); GPUs size this from free memory
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 2048      # per-step token budget: bounds a prefill chunk
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
+        self.model = model
+        self.config = config
+        self.kv = KVCache(model.config, config.num_blocks, model.block_size, model.dtype, model.device)
+        self.scheduler = Scheduler(self.kv.allocator, config.max_num_seqs, config.max_batched_tokens)
+        self.max_context = min(model.config.max_position_embeddings, config.num_blocks * model.block_size)
+        self.decoders: dict[Sequence, IncrementalDecoder] = {}
+        self.sequences: dict[str, Sequence] = {}
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+                    request_id: str | None = None) -> Sequence:
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this engine's context is "
+                             f"{self.max_context} tokens")
+        vocab = self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        seq = Sequence(list(prompt_ids), params, priority)
+        if request_id is not None:
+            seq.request_id = request_id
+        self.sequences[seq.request_id] = seq
+        self.decoders[seq] = IncrementalDecoder(self.model.tokenizer, seq.prompt_ids)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq, "abort")
+            self.decoders.pop(seq, None)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        inputs, sampled = self._inputs(batch)
+        with torch.inference_mode():
+            logits = self.model.executor.forward(inputs, self.kv.layers)
+        outputs = []
+        for (seq, n) in batch:
+            seq.num_computed += n
+        for row, seq in enumerate(sampled):
+            outputs.append(self._append(seq, logits[row].float().cpu()))
+        return outputs
+
+    def _inputs(self, batch: list[tuple[Sequence, int]]):
+        bs = self.model.block_size
+        ids, positions, slots, ctx, starts, sample_at, sampled = [], [], [], [], [0], [], []
+        for seq, n in batch:
+            start = seq.num_computed
+            ids += seq.token_ids[start:start + n]
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            ctx.append(start + n)
+            starts.append(starts[-1] + n)
+            if start + n == seq.num_tokens:  # this chunk finishes the known tokens: sample next
+                sample_at.append(starts[-1] - 1)
+                sampled.append(seq)
+        width = max(len(seq.block_table) for seq, _ in batch)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch]
+        dev = self.model.device
+        inputs = {
+            "input_ids": torch.tensor(ids, dtype=torch.int64, device=dev),
+            "positions": torch.tensor(positions, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.tensor(slots, dtype=torch.int64, device=dev),
+            "block_tables": torch.tensor(tables, dtype=torch.int32, device=dev),
+            "context_lens": torch.tensor(ctx, dtype=torch.int32, device=dev),
+            "query_start_loc": torch.tensor(starts, dtype=torch.int32, device=dev),
+            "logits_indices": torch.tensor(sample_at, dtype=torch.int64, device=dev),
+        }
+        return inputs, sampled
+
+    def _append(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+        p = seq.params
+        s = sample_row(logits, p, seq.prompt_ids, seq.output_ids, seq.generator)
+        seq.output_ids.append(s.token)
+        if p.logprobs is not None:
+            seq.logprobs.append(s)
+        reason = None
+        if (not p.ignore_eos and s.token in self.model.tokenizer.eos_token_ids) or s.token in p.stop_token_ids:
+            reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_context:
+            reason = "length"
+        decoder = self.decoders[seq]
+        if reason != "stop":
+            seq.output_text += decoder.step([s.token]) + (decoder.flush() if reason else "")
+        if self._hit_stop_string(seq):
+            reason = "stop"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.decoders.pop(seq, None)
+            self.sequences.pop(seq.request_id, None)
+        return StepOutput(seq, [s.token], self._release_text(seq, reason is not None), reason is not None)
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        """Truncates output_text at the first stop string, if one has appeared."""
+        stops = seq.params.stop
+        if not stops:
+            return False
+        start = max(0, seq.emitted - max(len(s) for s in stops))
+        hits = [i for s in stops if (i := seq.output_text.find(s, start)) >= 0]
+        if hits:
+            seq.output_text = seq.output_text[:min(hits)]
+        return bool(hits)
+
+    def _release_text(self, seq: Sequence, finished: bool) -> str:
+        """The text a stream may show now: all of it at the end, else all but a possible stop-string start."""
+        end = len(seq.output_text)
+        if not finished and seq.params.stop:
+            end = max(seq.emitted, end - max(len(s) for s in seq.params.stop) + 1)
+        delta = seq.output_text[seq.emitted:end]
+        seq.emitted = end
+        return delta
+
+    # --- convenience ------------------------------------------------------------------------------
+
+    def run_to_completion(self) -> None:
+        while self.has_work:
+            self.step()

@@ -1,0 +1,51 @@
+"""Runs the engine program one step at a time: each node bound to an op implementation.
+
+Binding happens once at load (names resolved to slots, attributes decoded), so a step is a flat loop
+of calls. Values are dropped after their last use to keep activation memory at a layer's worth.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from engc.bundle.program import Program
+from engc.errors import BundleError
+
+
+class Executor:
+    def __init__(self, program: Program, weights: dict[str, torch.Tensor],
+                 ops: dict[tuple[str, str], Callable]):
+        self.program = program
+        self.weights = weights
+        self.steps = []
+        last_use = {}
+        for i, node in enumerate(program.nodes):
+            for name in node.inputs:
+                last_use[name] = i
+        for i, node in enumerate(program.nodes):
+            impl = ops.get((node.domain, node.op))
+            if impl is None:
+                raise BundleError(f"program uses op {node.domain or 'onnx'}::{node.op}, "
+                                  "which this runtime does not implement")
+            missing = [n for n in node.inputs if n and n not in weights and n not in program.inputs
+                       and not any(n in p.outputs for p in program.nodes[:i])]
+            if missing:
+                raise BundleError(f"program node {node.op} reads unknown value '{missing[0]}'")
+            drop = tuple(n for n in node.inputs if last_use.get(n) == i and n not in weights
+                         and n not in program.inputs)
+            self.steps.append((impl, node.inputs, node.outputs, dict(node.attrs), drop))
+
+    def forward(self, inputs: dict[str, torch.Tensor], kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        env = dict(self.weights)
+        env.update(inputs)
+        for i, cache in enumerate(kv_caches):
+            env[f"kv_cache.{i}"] = cache
+        for impl, ins, outs, attrs, drop in self.steps:
+            results = impl(*[env[n] for n in ins], **attrs)
+            for name, value in zip(outs, results):
+                env[name] = value
+            for name in drop:
+                del env[name]
+        return env[self.program.outputs[0]]
+

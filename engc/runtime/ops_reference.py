@@ -1,0 +1,42 @@
+"""The CPU binding of every op in an engine program: the plain-torch references of kernels/<op>.
+
+Each entry takes the node's input tensors and attributes and returns its outputs as a tuple. The GPU
+binding (the bundle's cubins) has the same shape, so the executor does not care which one it runs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engc.bundle.program import ENGC_DOMAIN
+from engc.kernels.paged_attention import paged_attention
+from engc.kernels.qk_norm import qk_norm
+from engc.kernels.rms_norm import add_rms_norm, rms_norm
+from engc.kernels.rotary import rotary_kv_write
+from engc.kernels.silu_mul import silu_mul
+
+_ONNX_TO_TORCH = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
+
+
+def _gather(data, indices, axis=0):
+    return (torch.index_select(data, axis, indices.long()),)
+
+
+def _gemm(a, b, c=None, transB=0, transA=0, alpha=1.0, beta=1.0):
+    if transA or alpha != 1.0 or beta != 1.0:
+        raise NotImplementedError("Gemm with transA/alpha/beta")
+    return (F.linear(a, b, c) if transB else a @ b + (c if c is not None else 0),)
+
+
+REFERENCE_OPS = {
+    ("", "Gather"): _gather,
+    ("", "Gemm"): _gemm,
+    ("", "Concat"): lambda *xs, axis: (torch.cat(xs, dim=axis),),
+    ("", "Cast"): lambda x, to: (x.to(_ONNX_TO_TORCH[to]),),
+    (ENGC_DOMAIN, "RMSNorm"): lambda x, w, eps: (rms_norm(x, w, eps),),
+    (ENGC_DOMAIN, "AddRMSNorm"): lambda x, r, w, eps: add_rms_norm(x, r, w, eps),
+    (ENGC_DOMAIN, "QKNorm"): lambda qkv, qw, kw, **a: (qk_norm(qkv, qw, kw, **a),),
+    (ENGC_DOMAIN, "RotaryKVWrite"): lambda *xs, **a: (rotary_kv_write(*xs, **a),),
+    (ENGC_DOMAIN, "PagedAttention"): lambda *xs, **a: (paged_attention(*xs, **a),),
+    (ENGC_DOMAIN, "SiluMul"): lambda x: (silu_mul(x),),
+}

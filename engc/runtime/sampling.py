@@ -1,0 +1,95 @@
+"""Sampling parameters and the per-row sampler (penalties, temperature, top-k, top-p, seeded draws)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0          # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0: off
+    seed: int | None = None
+    repetition_penalty: float = 1.0   # HF style, over prompt and output
+    presence_penalty: float = 0.0     # OpenAI style, over output
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None       # None: none; k: the chosen token's logprob and the top k
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def validate(self) -> None:
+        checks = [(self.max_tokens >= 1, "max_tokens must be at least 1"),
+                  (self.temperature >= 0, "temperature must be >= 0"),
+                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+                  (self.top_k >= 0, "top_k must be >= 0"),
+                  (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+                  (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+                  (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+                  (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class Sampled:
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    return g
+
+
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]):
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if output and (p.presence_penalty or p.frequency_penalty):
+        ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
+        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.float()
+    return logits
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+        # drop a token once the mass before it already reaches top_p; the first token always stays
+        drop = (cum - torch.softmax(sorted_logits, -1)) >= top_p
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def sample_row(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int],
+               generator: torch.Generator) -> Sampled:
+    raw = logits
+    logits = apply_penalties(logits.clone(), p, prompt, output)
+    if p.greedy:
+        token = int(torch.argmax(logits))
+    else:
+        logits = filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+    if p.logprobs is None:
+        return Sampled(token)
+    logp = torch.log_softmax(raw.float(), -1)
+    top = torch.topk(logp, p.logprobs) if p.logprobs else None
+    return Sampled(token, float(logp[token]),
+                   [(int(i), float(v)) for v, i in zip(top.values, top.indices)] if top else [])

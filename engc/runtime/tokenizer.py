@@ -1,0 +1,104 @@
+"""Tokenizer and chat template from a bundle: `tokenizers` for text, a sandboxed jinja2 for templates.
+
+The chat template is data from the bundle, so it renders in jinja2's immutable sandbox: it can format
+messages but cannot reach Python objects or the file system.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from engc.errors import UserError
+
+
+class Tokenizer:
+    def __init__(self, folder: Path, model_eos_ids: tuple[int, ...] = ()):
+        self.tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        cfg_path = folder / "tokenizer_config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        template_path = folder / "chat_template.jinja"
+        self.chat_template = template_path.read_text() if template_path.is_file() else None
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        eos = set(model_eos_ids)
+        if self.eos_token and self.tok.token_to_id(self.eos_token) is not None:
+            eos.add(self.tok.token_to_id(self.eos_token))
+        gen_path = folder / "generation_config.json"
+        if gen_path.is_file():
+            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        self.eos_token_ids = frozenset(eos)
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise UserError("this model has no chat template; send a plain prompt instead")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as e:
+            raise UserError(f"chat template refused the messages: {e}") from None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template writes any BOS itself, as HF's apply_chat_template assumes.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas without splitting multi-byte characters.
+
+    Decodes a small window before the new tokens so byte-level merges and leading spaces come out as
+    they would in a full decode, and holds back text that ends in an incomplete UTF-8 sequence.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def step(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back when the sequence ends (an incomplete character, as U+FFFD)."""
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):]
