@@ -1,0 +1,90 @@
+"""The command line: one clear line and a non-zero exit for every bad input, never a traceback."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def engc(*args, check=False):
+    r = subprocess.run([sys.executable, "-m", "engc.cli", *map(str, args)], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def assert_one_line_error(r, *fragments):
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr
+    # progress lines may precede it; the error itself is exactly one line
+    lines = [line for line in r.stderr.splitlines() if line.startswith("engc: error")]
+    assert len(lines) == 1 and r.stderr.rstrip().endswith(lines[0]), r.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def test_build_generate_inspect_verify(tiny_dir, tmp_path):
+    out = tmp_path / "b"
+    summary = json.loads(engc("build", tiny_dir("qwen3"), "-o", out, "--json", check=True).stdout)
+    assert summary["family"] == "qwen3" and summary["dtype"] == "float32"
+    r = engc("generate", out, "--prompt", "Hello", "--max-tokens", "5", "--raw", check=True)
+    assert r.stdout.strip()
+    assert "qwen3" in engc("inspect", out, check=True).stdout
+    assert engc("verify", out, check=True).stdout.startswith("OK")
+
+
+def test_verify_fails_on_flipped_byte(tiny_bundle, tmp_path):
+    b = tmp_path / "b"
+    shutil.copytree(tiny_bundle("llama"), b)
+    w = b / "weights/rank0.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-3] ^= 0x80
+    w.write_bytes(bytes(data))
+    r = engc("verify", b)
+    assert r.returncode == 1 and "weights/rank0.safetensors" in r.stderr
+
+
+def test_missing_path(tmp_path):
+    assert_one_line_error(engc("build", tmp_path / "nope", "-o", tmp_path / "b"), "no such file")
+
+
+def test_unsupported_architecture(tiny_dir, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir("llama"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(model_type="mamba", architectures=["MambaForCausalLM"])
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(engc("build", src, "-o", tmp_path / "b"), "MambaForCausalLM", "llama", "qwen3")
+
+
+def test_unknown_arch(tiny_dir, tmp_path):
+    assert_one_line_error(engc("build", tiny_dir("llama"), "-o", tmp_path / "b", "--arch", "sm75"),
+                          "sm75", "sm90")
+
+
+def test_corrupted_and_future_bundles(tiny_bundle, tmp_path):
+    b = tmp_path / "b"
+    shutil.copytree(tiny_bundle("llama"), b)
+    (b / "program.onnx").write_bytes(b"garbage")
+    assert_one_line_error(engc("generate", b, "--prompt", "hi"), "program.onnx")
+    shutil.rmtree(b)
+    shutil.copytree(tiny_bundle("llama"), b)
+    m = json.loads((b / "manifest.json").read_text())
+    m["format_version"] = [9, 1]
+    (b / "manifest.json").write_text(json.dumps(m))
+    assert_one_line_error(engc("generate", b, "--prompt", "hi"), "9.1")
+    assert_one_line_error(engc("generate", tmp_path / "nothing", "--prompt", "hi"), "nothing")
+
+
+def test_runtime_imports_no_compiler():
+    """The runtime side loads without the compiler, triton or transformers."""
+    code = ("import sys, engc.cli, engc.runtime.engine, engc.runtime.loader, engc.llm\n"
+            "from engc.runtime import executor, scheduler, kv_cache, sampling, tokenizer\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('triton', 'transformers', 'gguf')"
+            " or m.startswith('engc.compiler')]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
