@@ -10,7 +10,7 @@ import torch
 
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import LoadedModel
-from engc.runtime.sampling import SamplingParams, sample_row
+from engc.runtime.sampling import Sampled, SamplingParams, sample_row
 from engc.runtime.scheduler import Scheduler
 from engc.runtime.sequence import Sequence
 from engc.runtime.tokenizer import IncrementalDecoder
@@ -84,8 +84,8 @@ class Engine:
         outputs = []
         for (seq, n) in batch:
             seq.num_computed += n
-        for row, seq in enumerate(sampled):
-            outputs.append(self._append(seq, logits[row].float().cpu()))
+        for seq, token in zip(sampled, self._sample(logits, sampled)):
+            outputs.append(self._append(seq, token))
         return outputs
 
     def _inputs(self, batch: list[tuple[Sequence, int]]):
@@ -104,7 +104,8 @@ class Engine:
                 sampled.append(seq)
         width = max(len(seq.block_table) for seq, _ in batch)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch]
-        dev = self.model.device
+        # Built on the host; a GPU executor moves them (and reads host-side facts from them first).
+        dev = "cpu"
         inputs = {
             "input_ids": torch.tensor(ids, dtype=torch.int64, device=dev),
             "positions": torch.tensor(positions, dtype=torch.int64, device=dev),
@@ -116,9 +117,20 @@ class Engine:
         }
         return inputs, sampled
 
-    def _append(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+    @staticmethod
+    def _sample(logits: torch.Tensor, sampled: list[Sequence]) -> list[Sampled]:
+        """One token per row. Plain greedy batches on a GPU take one argmax there and one small copy."""
+        plain_greedy = all(s.params.greedy and s.params.logprobs is None and s.params.repetition_penalty == 1.0
+                           and not s.params.presence_penalty and not s.params.frequency_penalty
+                           for s in sampled)
+        if plain_greedy and logits.device.type != "cpu":
+            return [Sampled(t) for t in logits.argmax(-1).tolist()]
+        rows = logits.float().cpu()
+        return [sample_row(rows[i], s.params, s.prompt_ids, s.output_ids, s.generator)
+                for i, s in enumerate(sampled)]
+
+    def _append(self, seq: Sequence, s: Sampled) -> StepOutput:
         p = seq.params
-        s = sample_row(logits, p, seq.prompt_ids, seq.output_ids, seq.generator)
         seq.output_ids.append(s.token)
         if p.logprobs is not None:
             seq.logprobs.append(s)
