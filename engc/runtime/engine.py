@@ -4,7 +4,7 @@ Synchronous and single-threaded by design; the async server drives it from one w
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,8 @@ class EngineConfig:
     num_blocks: int = 512               # KV blocks (CPU); GPUs size this from free memory
     max_num_seqs: int = 256
     max_batched_tokens: int = 2048      # per-step token budget: bounds a prefill chunk
+    prefix_cache: bool = True           # reuse the K/V of full blocks whose token prefix was seen
+    max_sessions: int = 64              # chats whose KV is held between requests (session_id)
 
 
 @dataclass
@@ -29,22 +31,28 @@ class StepOutput:
     new_token_ids: list[int]
     text_delta: str
     finished: bool
+    logprobs: list = field(default_factory=list)   # the new tokens' Sampled, when logprobs were asked
 
 
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
         self.model = model
         self.config = config
-        self.kv = KVCache(model.config, config.num_blocks, model.block_size, model.dtype, model.device)
-        self.scheduler = Scheduler(self.kv.allocator, config.max_num_seqs, config.max_batched_tokens)
+        self.kv = KVCache(model.config, config.num_blocks, model.block_size, model.dtype, model.device,
+                          config.prefix_cache)
+        self.scheduler = Scheduler(self.kv.allocator, config.max_num_seqs, config.max_batched_tokens,
+                                   config.max_sessions)
         self.max_context = min(model.config.max_position_embeddings, config.num_blocks * model.block_size)
         self.decoders: dict[Sequence, IncrementalDecoder] = {}
         self.sequences: dict[str, Sequence] = {}
 
     # --- requests -------------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-                    request_id: str | None = None) -> Sequence:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError with a one-line reason if the engine would refuse this request.
+
+        Reads only fixed state, so the server calls it from any thread before queueing a request.
+        """
         params.validate()
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -54,7 +62,11 @@ class Engine:
         vocab = self.model.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab})")
-        seq = Sequence(list(prompt_ids), params, priority)
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+                    request_id: str | None = None, session_id: str | None = None) -> Sequence:
+        self.check_request(prompt_ids, params)
+        seq = Sequence(list(prompt_ids), params, priority, session_id=session_id)
         if request_id is not None:
             seq.request_id = request_id
         self.sequences[seq.request_id] = seq
@@ -82,8 +94,7 @@ class Engine:
         with torch.inference_mode():
             logits = self.model.executor.forward(inputs, self.kv.layers)
         outputs = []
-        for (seq, n) in batch:
-            seq.num_computed += n
+        self.scheduler.commit(batch)
         for seq, token in zip(sampled, self._sample(logits, sampled)):
             outputs.append(self._append(seq, token))
         return outputs
@@ -148,7 +159,8 @@ class Engine:
             self.scheduler.finish(seq, reason)
             self.decoders.pop(seq, None)
             self.sequences.pop(seq.request_id, None)
-        return StepOutput(seq, [s.token], self._release_text(seq, reason is not None), reason is not None)
+        return StepOutput(seq, [s.token], self._release_text(seq, reason is not None), reason is not None,
+                          [s] if p.logprobs is not None else [])
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         """Truncates output_text at the first stop string, if one has appeared."""
@@ -156,9 +168,10 @@ class Engine:
         if not stops:
             return False
         start = max(0, seq.emitted - max(len(s) for s in stops))
-        hits = [i for s in stops if (i := seq.output_text.find(s, start)) >= 0]
+        hits = [(i, s) for s in stops if (i := seq.output_text.find(s, start)) >= 0]
         if hits:
-            seq.output_text = seq.output_text[:min(hits)]
+            i, seq.stop_string = min(hits)
+            seq.output_text = seq.output_text[:i]
         return bool(hits)
 
     def _release_text(self, seq: Sequence, finished: bool) -> str:
@@ -171,6 +184,18 @@ class Engine:
         return delta
 
     # --- convenience ------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        sched, alloc = self.scheduler, self.kv.allocator
+        return {"waiting": len(sched.waiting), "running": len(sched.running),
+                "kv_usage": 1 - alloc.num_free / alloc.num_blocks, "num_free_blocks": alloc.num_free,
+                "num_blocks": alloc.num_blocks, "preemptions": sched.num_preemptions,
+                "computed_tokens": sched.computed_tokens,
+                "prefix_hit_rate": sched.cached_tokens / sched.prompt_tokens if sched.prompt_tokens else 0.0}
+
+    def check_integrity(self) -> None:
+        """Allocator and block tables agree (tests call this; it is O(blocks))."""
+        self.scheduler.check_integrity()
 
     def run_to_completion(self) -> None:
         while self.has_work:

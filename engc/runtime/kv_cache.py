@@ -1,43 +1,112 @@
-"""Paged KV cache: fixed-size blocks handed out to sequences through block tables.
+"""Paged KV cache: fixed-size blocks handed out to sequences through block tables, plus a prefix cache.
 
 The allocator only counts blocks; the cache tensors live in KVCache, one per layer, laid out
 [2, num_blocks, block_size, num_kv_heads, head_dim] as the attention and rotary ops expect.
+
+Prefix cache: a full block whose K/V are computed is registered under a hash chained over every token
+up to its end, so equal hashes mean equal prefixes. A released block keeps its hash and waits in an
+LRU list; it is reused on a match, and evicted (oldest first) only when no never-hashed block is left.
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
 
 import torch
 
 from engc.bundle.model_config import ModelConfig
 
 
+def chain_hash(prev: bytes, tokens: list[int]) -> bytes:
+    h = hashlib.blake2b(prev, digest_size=16)
+    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens))
+    return h.digest()
+
+
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free = deque(range(num_blocks))
+        self.prefix_cache = prefix_cache
+        self.empty = deque(range(num_blocks))          # free, holding nothing reusable
+        self.cached: OrderedDict[int, None] = OrderedDict()  # free but hashed, least recently used first
         self.ref_count = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.by_hash: dict[bytes, int] = {}
+        self.queried_tokens = 0                         # prefix-cache lookups, for the hit rate
+        self.hit_tokens = 0
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.empty) + len(self.cached)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     def allocate(self) -> int:
-        if not self.free:
+        if self.empty:
+            block = self.empty.popleft()
+        elif self.cached:
+            block, _ = self.cached.popitem(last=False)
+            del self.by_hash[self.block_hash[block]]
+            self.block_hash[block] = None
+        else:
             raise RuntimeError("KV cache out of blocks")
-        block = self.free.popleft()
         self.ref_count[block] = 1
         return block
 
     def release(self, blocks: list[int]) -> None:
-        for b in blocks:
+        # Later blocks of a chain are worth less (they match only after all earlier ones), so they
+        # go first into the LRU order and are evicted first.
+        for b in reversed(blocks):
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
-                self.free.append(b)
+                if self.block_hash[b] is None:
+                    self.empty.append(b)
+                else:
+                    self.cached[b] = None
+
+    def match(self, token_ids: list[int], hashes: list[bytes]) -> list[int]:
+        """Takes a reference on the longest run of cached full blocks that prefix token_ids.
+
+        Fills `hashes` with the chain over the matched blocks. Never matches the last token, whose
+        logits the caller still needs.
+        """
+        bs, blocks = self.block_size, []
+        self.queried_tokens += len(token_ids)
+        if not self.prefix_cache:
+            return blocks
+        prev = b""
+        for i in range((len(token_ids) - 1) // bs):
+            h = chain_hash(prev, token_ids[i * bs:(i + 1) * bs])
+            block = self.by_hash.get(h)
+            if block is None:
+                break
+            if self.ref_count[block] == 0:
+                del self.cached[block]
+            self.ref_count[block] += 1
+            blocks.append(block)
+            hashes.append(h)
+            prev = h
+        self.hit_tokens += len(blocks) * bs
+        return blocks
+
+    def register(self, token_ids: list[int], num_computed: int, table: list[int], hashes: list[bytes]) -> None:
+        """Hashes every block of `table` that is full and computed and not yet in `hashes`."""
+        if not self.prefix_cache:
+            return
+        bs = self.block_size
+        for i in range(len(hashes), num_computed // bs):
+            h = chain_hash(hashes[-1] if hashes else b"", token_ids[i * bs:(i + 1) * bs])
+            hashes.append(h)
+            block = table[i]
+            if h not in self.by_hash and self.block_hash[block] is None:
+                self.by_hash[h] = block
+                self.block_hash[block] = h
 
     def check_integrity(self, tables: list[list[int]]) -> None:
         """Every block is free xor referenced exactly as often as the live block tables hold it."""
@@ -45,19 +114,24 @@ class BlockAllocator:
         for table in tables:
             for b in table:
                 held[b] += 1
-        free = set(self.free)
-        assert len(free) == len(self.free), "a block is free twice"
+        free = list(self.empty) + list(self.cached)
+        assert len(set(free)) == len(free), "a block is free twice"
+        free = set(free)
         for b in range(self.num_blocks):
             assert held[b] == self.ref_count[b], f"block {b}: held {held[b]}, ref_count {self.ref_count[b]}"
             assert (b in free) == (held[b] == 0), f"block {b}: free list disagrees with its ref_count"
+            assert (b in self.cached) == (held[b] == 0 and self.block_hash[b] is not None), \
+                f"block {b}: LRU list disagrees with its hash"
+        assert all(self.block_hash[b] == h for h, b in self.by_hash.items()), "hash index out of date"
+        assert sum(h is not None for h in self.block_hash) == len(self.by_hash), "a hash is unindexed"
 
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", prefix_cache: bool = True):
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size, prefix_cache)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

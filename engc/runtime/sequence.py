@@ -23,12 +23,16 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int = 0                         # lower runs first
+    session_id: str | None = None             # a chat whose KV blocks outlive this request
     request_id: str = field(default_factory=lambda: f"seq-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0                     # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain over full computed blocks
+    num_cached_tokens: int | None = None      # prompt tokens found in the prefix cache at first admission
     status: Status = Status.WAITING
     finish_reason: str | None = None          # "stop" | "length" | "abort"
+    stop_string: str | None = None            # the stop string that ended it, if one did
     output_text: str = ""
     emitted: int = 0                          # chars of output_text already streamed
     logprobs: list[Sampled] = field(default_factory=list)
