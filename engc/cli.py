@@ -60,6 +60,57 @@ def build(src, out, arch, dtype, as_json):
                    f"{summary['bytes'] / 1e6:.1f} MB) in {summary['seconds']}s")
 
 
+@main.command()
+@click.argument("src")
+@click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Checkpoint folder to write.")
+@click.option("--method", default="awq", show_default=True, help="awq, gptq or rtn (round to nearest).")
+@click.option("--bits", default=4, show_default=True, type=int)
+@click.option("--group-size", default=128, show_default=True, type=int, help="32, 64 or 128.")
+@click.option("--calib", default=None, help="Calibration text or JSONL file (default: a built-in corpus).")
+@click.option("--calib-samples", default=64, show_default=True, type=int)
+@click.option("--calib-seqlen", default=256, show_default=True, type=int)
+@click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in decreasing Hessian order.")
+@click.option("--damp", default=0.01, show_default=True, type=float, help="GPTQ: Hessian dampening.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+def quantize(src, out, method, bits, group_size, calib, calib_samples, calib_seqlen, act_order, damp, as_json):
+    """Quantize SRC to int4 one layer at a time; writes an AutoAWQ (awq) or GPTQ (gptq, rtn) checkpoint."""
+    from engc.compiler.quantize import QuantOptions
+    from engc.compiler.quantize.stream import quantize_checkpoint
+    from engc.progress import Progress
+    opts = QuantOptions(method=method, bits=bits, group_size=group_size, calib=calib,
+                        calib_samples=calib_samples, calib_seqlen=calib_seqlen, act_order=act_order,
+                        damp=damp).validate()
+    summary = quantize_checkpoint(src, out, opts, Progress(enabled=not as_json))
+    if as_json:
+        click.echo(json.dumps(summary, sort_keys=True))
+    else:
+        click.echo(f"quantized {summary['model']} -> {summary['out']}: {method} int{bits} g{group_size} "
+                   f"({summary['format']} layout), {summary['layers']} layers in {summary['seconds']}s; "
+                   f"peak RSS {summary['peak_rss_mb']:.0f} MB (one layer's weights: "
+                   f"{summary['layer_weights_mb']:.0f} MB)")
+
+
+@main.command(name="eval")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--ppl", "ppl_file", required=True, type=click.Path(path_type=Path), help="Text file to score.")
+@click.option("--window", default=512, show_default=True, type=click.IntRange(2))
+@click.option("--stride", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--max-tokens", default=0, show_default=True, type=click.IntRange(0), help="0 = the whole file.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+def eval_(bundle, ppl_file, window, stride, max_tokens, as_json):
+    """Perplexity of BUNDLE on a text file (fixed windows and stride, the same for every bundle)."""
+    from engc.runtime.eval import EvalOptions, perplexity
+    from engc.runtime.loader import load
+    if not ppl_file.is_file():
+        raise UserError(f"{ppl_file}: no such file")
+    result = perplexity(load(bundle), ppl_file.read_text(encoding="utf-8", errors="replace"),
+                        EvalOptions(window=window, stride=stride, max_tokens=max_tokens))
+    if as_json:
+        click.echo(json.dumps(result, sort_keys=True))
+    else:
+        click.echo(f"perplexity {result['ppl']:.4f} over {result['scored']} tokens "
+                   f"({result['windows']} windows of {window}, stride {stride})")
+
 def _sampling_options(f):
     for opt in reversed([
         click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1)),

@@ -27,6 +27,7 @@ class BuildOptions:
     archs: tuple[str, ...] = ("cpu",)
     dtype: str = "auto"          # auto: float32 for a CPU-only bundle, bfloat16 when GPUs are targeted
     kv_block_size: int = KV_BLOCK_SIZE
+    quant: str = "auto"          # auto: as the checkpoint is (float, or AWQ/GPTQ int4 repacked)
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
@@ -46,6 +47,10 @@ def read_source(src: str) -> Checkpoint:
         raise UserError(f"{src}: no such file or folder")
     if path.is_dir():
         from engc.compiler.frontend.hf import read_hf_folder
+        from engc.compiler.frontend.quantized import is_quantized, read_quantized_folder
+        config = path / "config.json"
+        if config.is_file() and is_quantized(json.loads(config.read_text() or "{}")):
+            return read_quantized_folder(path)
         return read_hf_folder(path)
     if path.suffix.lower() == ".gguf":
         from engc.compiler.frontend.gguf import read_gguf
@@ -57,6 +62,9 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
     progress = progress or Progress(enabled=False)
     started = time.monotonic()
     dtype_name = opts.resolved_dtype()
+    if opts.quant != "auto":
+        raise UserError(f"--quant {opts.quant} is not supported yet; known: auto (int4 comes from "
+                        "AWQ/GPTQ checkpoints: see engc quantize)")
     with progress.step("read checkpoint"):
         ckpt = read_source(src)
     with progress.step("lower to engine program"):
@@ -83,7 +91,7 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
 
     manifest = {
         "source": {"name": ckpt.name, "sha256": ckpt.source_sha256()},
-        "model": cfg.to_dict(), "dtype": dtype_name, "quantization": None, "tp": 1,
+        "model": cfg.to_dict(), "dtype": dtype_name, "quantization": _quantization(ckpt), "tp": 1,
         "archs": list(opts.archs), "kv_block_size": opts.kv_block_size,
         "program": mf.PROGRAM, "weights": [mf.WEIGHTS], "kernels": kernels,
         "passes": [p.__name__ for p in PASSES],
@@ -107,3 +115,11 @@ def tokenizer_files(ckpt: Checkpoint) -> dict[str, bytes]:
         if isinstance(template, str):
             files["tokenizer/chat_template.jinja"] = template.encode()
     return files
+
+
+def _quantization(ckpt: Checkpoint) -> dict | None:
+    qc = ckpt.hf_config.get("quantization_config")
+    if not qc:
+        return None
+    from engc.compiler.frontend.quantized import describe
+    return describe(qc)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engc.bundle.program import ENGC_DOMAIN
+from engc.kernels.int4_linear import int4_linear
 from engc.kernels.paged_attention import paged_attention
 from engc.kernels.qk_norm import qk_norm
 from engc.kernels.rms_norm import add_rms_norm, rms_norm
@@ -39,4 +40,5 @@ REFERENCE_OPS = {
     (ENGC_DOMAIN, "RotaryKVWrite"): lambda *xs, **a: (rotary_kv_write(*xs, **a),),
     (ENGC_DOMAIN, "PagedAttention"): lambda *xs, **a: (paged_attention(*xs, **a),),
     (ENGC_DOMAIN, "SiluMul"): lambda x: (silu_mul(x),),
+    (ENGC_DOMAIN, "QLinear"): lambda *xs, **a: (int4_linear(*xs, **a),),
 }

@@ -1,0 +1,306 @@
+"""GGUF files (llama.cpp's format) as a Checkpoint: HF config, HF-named float32 tensors, HF tokenizer files.
+
+A GGUF stores the config as metadata under llama.cpp's key names, tensors under llama.cpp's names
+(some quantized, some with rows reordered), and the tokenizer as vocabulary arrays. We translate all
+three back to what an HF folder would hold, so the family mappings downstream never see GGUF.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from engc.compiler.frontend.checkpoint import Checkpoint
+from engc.errors import UserError
+
+# GGUF architecture -> (HF model_type, HF class). llama.cpp writes Mistral 7B-style models as "llama",
+# and those are the same network as Llama (llama.cpp runs no sliding window), so they map to llama.
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+# llama.cpp's converter reorders q/k rows (its rotary pairs adjacent dims; HF pairs i with i+d/2) only
+# for the families it converts through its LlamaModel class; qwen2/qwen3 keep HF's order.
+PERMUTED_QK = {"llama"}
+
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# Llama 3.x GGUFs carry their rope scaling only as a precomputed `rope_freqs` tensor; these are the
+# parameter sets Meta shipped (3.1, then 3.2/3.3), tried in turn until one reproduces the tensor.
+_LLAMA3_ROPE_CANDIDATES = [
+    {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+]
+
+
+def read_gguf(path: Path) -> Checkpoint:
+    path = Path(path)
+    reader = _open(path)
+    meta = _Metadata(reader, path.name)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UserError(f"{path.name}: GGUF architecture '{arch}' is not supported "
+                        f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    tensors = {t.name: t for t in reader.tensors}
+    hf_config = _hf_config(meta, arch, tensors)
+    loaders = _loaders(arch, tensors, hf_config, path.name)
+    return Checkpoint(
+        name=path.stem,
+        hf_config=hf_config,
+        loaders=loaders,
+        tokenizer_files=_tokenizer_files(path, meta, hf_config),
+        source_files=[path],
+    )
+
+
+def _open(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise UserError(f"{path}: no such GGUF file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on bad bytes
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise UserError(f"{path}: not a readable GGUF file ({reason})") from None
+
+
+class _Metadata:
+    """Typed access to a GGUF's key/value metadata."""
+
+    def __init__(self, reader, file_name: str):
+        self.fields = reader.fields
+        self.file_name = file_name
+
+    def get(self, key: str, default=None):
+        field = self.fields.get(key)
+        if field is None:
+            return default
+        value = field.contents()
+        if isinstance(value, float):
+            # GGUF stores float32: 1e-5 comes back as 9.99999974e-06. The shortest decimal that
+            # round-trips through float32 is the value the model's config.json had.
+            value = float(str(np.float32(value)))
+        return value
+
+    def token(self, token_id: int) -> str:
+        return self.fields["tokenizer.ggml.tokens"].contents(token_id)
+
+    def require(self, key: str):
+        if key not in self.fields:
+            raise UserError(f"{self.file_name}: GGUF metadata lacks '{key}'")
+        return self.get(key)
+
+
+def _hf_config(meta: _Metadata, arch: str, tensors: dict) -> dict:
+    model_type, hf_class = ARCHITECTURES[arch]
+    key = lambda name: meta.require(f"{arch}.{name}")  # noqa: E731
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
+    rotary_dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    if rotary_dims != head_dim:
+        raise UserError(f"GGUF rotary width {rotary_dims} != head dim {head_dim}: partial rotary is not supported")
+    if "token_embd.weight" not in tensors:
+        raise UserError("GGUF file has no token_embd.weight tensor")
+    config = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        # an absent kv head count means plain multi-head attention, as in llama.cpp
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": key("context_length"),
+        # the embedding table is the model's vocabulary; metadata vocab_size is sometimes absent
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),
+        # llama.cpp writes output.weight only when it differs from the embedding
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": False,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _eos_ids(meta),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+    rope_scaling = _rope_scaling(meta, arch, tensors, config)
+    if rope_scaling:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _eos_ids(meta: _Metadata):
+    """eos plus llama.cpp's end-of-turn/message ids: chat models stop on those too (e.g. Llama 3's <|eot_id|>)."""
+    ids = []
+    for k in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = meta.get(f"tokenizer.ggml.{k}")
+        if value is not None and value not in ids:
+            ids.append(value)
+    return ids[0] if len(ids) == 1 else (ids or None)
+
+
+def _rope_scaling(meta: _Metadata, arch: str, tensors: dict, config: dict) -> dict | None:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn" and factor:
+        original = meta.get(f"{arch}.rope.scaling.original_context_length", config["max_position_embeddings"])
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    if kind not in ("none", "linear", "yarn"):
+        raise UserError(f"GGUF rope scaling type '{kind}' is not supported")
+    if "rope_freqs.weight" in tensors:
+        return _llama3_rope_scaling(tensors["rope_freqs.weight"], config)
+    return None
+
+
+def _llama3_rope_scaling(tensor, config: dict) -> dict:
+    stored = torch.from_numpy(np.array(tensor.data, dtype=np.float32)).double()
+    for candidate in _LLAMA3_ROPE_CANDIDATES:
+        expected = _llama3_rope_factors(config["head_dim"], config["rope_theta"], **candidate)
+        if expected.shape == stored.shape and torch.allclose(stored, expected, rtol=1e-4):
+            return {"rope_type": "llama3", **candidate}
+    raise UserError("GGUF rope_freqs tensor matches no known Llama 3 rope scaling")
+
+
+def _llama3_rope_factors(head_dim, theta, factor, low_freq_factor, high_freq_factor,
+                         original_max_position_embeddings) -> torch.Tensor:
+    """Per-frequency wavelength multipliers, as llama.cpp's converter computes them for Llama 3."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    return torch.where(wavelen < high_freq_wavelen, torch.ones_like(freqs),
+                       torch.where(wavelen > low_freq_wavelen, torch.full_like(freqs, factor), mid))
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    m = _LAYER_NAME.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _loaders(arch: str, tensors: dict, config: dict, file_name: str) -> dict[str, Callable[[], torch.Tensor]]:
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    loaders = {}
+    for gguf_name, tensor in tensors.items():
+        if gguf_name == "rope_freqs.weight":  # folded into config["rope_scaling"]
+            continue
+        hf_name = _hf_name(gguf_name)
+        if hf_name is None:
+            raise UserError(f"{file_name}: GGUF tensor '{gguf_name}' has no mapping for architecture '{arch}'")
+        row_groups = None
+        if arch in PERMUTED_QK and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            row_groups = heads if ".attn_q." in gguf_name else kv_heads
+        loaders[hf_name] = _loader(tensor, row_groups)
+    return loaders
+
+
+def _loader(tensor, row_groups: int | None) -> Callable[[], torch.Tensor]:
+    def load() -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        # GGUF lists dims fastest-first, so [in, out] there is HF's [out, in]
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        if row_groups is not None:
+            weights = _unpermute_rows(weights, row_groups)
+        return torch.from_numpy(np.array(weights, dtype=np.float32))  # copy: the source is a read-only mmap
+
+    return load
+
+
+def _unpermute_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's per-head (2, d/2) -> (d/2, 2) row interleave, restoring HF's rotate-half layout."""
+    half = weights.shape[0] // n_head // 2
+    return weights.reshape(n_head, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def _tokenizer_files(path: Path, meta: _Metadata, hf_config: dict) -> dict[str, bytes]:
+    return {
+        "tokenizer.json": _tokenizer_json(path, meta),
+        "tokenizer_config.json": _tokenizer_config_json(meta, hf_config),
+    }
+
+
+def _tokenizer_json(path: Path, meta: _Metadata) -> bytes:
+    """transformers' own GGUF tokenizer conversion, serialized: the runtime then encodes exactly as it does.
+
+    Its per-vocabulary pre-tokenizer rules (tokenizer.ggml.pre) and added-token handling are too
+    intricate to copy; this is build-time only, so depending on transformers here costs nothing at run time.
+    """
+    from transformers import PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its GGUF path logs every metadata key it skips
+    try:
+        # Same conversion AutoTokenizer runs, without AutoTokenizer's extra full parse of the file
+        # just to pick a class (3x faster on SmolLM2).
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except Exception as e:
+        model = meta.get("tokenizer.ggml.model")
+        reason = " ".join(str(e).split())
+        raise UserError(f"{path.name}: cannot build a tokenizer from GGUF tokenizer '{model}' ({reason})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    # tokenizers writes vocab and added tokens in id order and has no clock or randomness in its output
+    return tok.backend_tokenizer.to_str().encode("utf-8")
+
+
+def _tokenizer_config_json(meta: _Metadata, hf_config: dict) -> bytes:
+    def token(key: str) -> str | None:
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        return None if token_id is None else meta.token(token_id)
+
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        # llama.cpp's defaults when the flags are absent: sentencepiece vocabularies add BOS, BPE ones do not
+        "add_bos_token": meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"),
+        "add_eos_token": meta.get("tokenizer.ggml.add_eos_token", False),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": hf_config["max_position_embeddings"],
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template is not None:
+        config["chat_template"] = template
+    return (json.dumps(config, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
