@@ -190,6 +190,35 @@ def chat(bundle, system, **sampling):
 
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=23333, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", default=None, envvar="ENGC_API_KEY",
+              help="Require this key (Authorization: Bearer or x-api-key) on every route but /health.")
+@click.option("--served-model-name", default=None, help="Model name clients send; default: the bundle's.")
+@click.option("--max-batch-size", default=256, show_default=True, type=click.IntRange(1),
+              help="Most sequences running at once.")
+@click.option("--max-prefill-tokens", default=2048, show_default=True, type=click.IntRange(1),
+              help="Token budget of one engine step; longer prompts prefill in chunks of this size.")
+@click.option("--cache-max-entry-count", default=None, type=click.FloatRange(0, 1, min_open=True),
+              help="GPU: fraction of free memory for the KV cache.")
+@click.option("--num-blocks", default=None, type=click.IntRange(1),
+              help="KV cache size in blocks (overrides --cache-max-entry-count; the CPU default is 512).")
+@click.option("--no-prefix-cache", is_flag=True, help="Do not reuse the KV of shared prompt prefixes.")
+def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_prefill_tokens,
+        cache_max_entry_count, num_blocks, no_prefix_cache):
+    """Serve BUNDLE over HTTP with OpenAI- and Anthropic-compatible APIs (see docs/serving.md)."""
+    from engc.runtime.engine import EngineConfig
+    from engc.runtime.server.app import serve
+    extra = {"kv_memory_fraction": cache_max_entry_count} if cache_max_entry_count else {}
+    if num_blocks:
+        extra["num_blocks"] = num_blocks
+    config = EngineConfig(max_num_seqs=max_batch_size, max_batched_tokens=max_prefill_tokens,
+                          prefix_cache=not no_prefix_cache, **extra)
+    serve(str(bundle), config, host, port, served_model_name, api_key)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
 def inspect(bundle, as_json):
     """Show a bundle's model, dtype, archs, kernels, sizes and hashes."""

@@ -1,0 +1,220 @@
+"""The engine behind an asyncio server: one thread owns the Engine and drives its step loop.
+
+Requests never touch the Engine directly. They put commands (add, abort, call) on the thread's inbox;
+the thread applies them between steps and hands each request's outputs back to that request's
+asyncio queue. So the Engine stays single-threaded, and a cancelled request frees its blocks before
+the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from engc.runtime.engine import Engine
+from engc.runtime.sampling import Sampled, SamplingParams
+
+log = logging.getLogger("engc.engine")
+_ids = itertools.count()
+
+
+@dataclass
+class Delta:
+    """What one step produced for one sequence of a request, copied out of the engine thread."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[Sampled]
+    finished: bool
+    finish_reason: str | None
+    stop_string: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class _Route:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    index: int
+
+
+class EngineError(RuntimeError):
+    """The step loop failed while this request was in flight (a bug, reported as a 500)."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, metrics=None):
+        self.engine = engine
+        self.metrics = metrics
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.routes: dict[str, _Route] = {}
+        self.stats = engine.stats()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="engc-engine", daemon=True)
+
+    def start(self) -> "AsyncEngine":
+        self.thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.inbox.put(("wake",))
+        self.thread.join(timeout=10)
+
+    # --- the request side (event loop) ---------------------------------------------------------
+
+    def generate(self, prompts: list[tuple[list[int], SamplingParams]], priority: int = 0,
+                 session_id: str | None = None) -> "RequestStream":
+        """Queues one sequence per (prompt, params); raises ValueError if the engine would refuse one."""
+        for ids, params in prompts:
+            self.engine.check_request(ids, params)
+        return RequestStream(self, prompts, priority, session_id)
+
+    async def call(self, fn):
+        """Runs fn(engine) in the engine thread between steps and returns its result."""
+        return await asyncio.wrap_future(self.submit_call(fn))
+
+    def submit_call(self, fn) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        self.inbox.put(("call", fn, future))
+        return future
+
+    # --- the engine thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                cmd = self.inbox.get(timeout=0.5) if not self.engine.has_work else self.inbox.get_nowait()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                self._apply(cmd)
+                try:
+                    cmd = self.inbox.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self.engine.has_work:
+                self._step()
+            self.stats = self.engine.stats()
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt_ids, params, priority, session_id, route = cmd
+            self.routes[rid] = route
+            try:
+                self.engine.add_request(prompt_ids, params, priority, rid, session_id)
+            except ValueError as e:
+                self._deliver(self.routes.pop(rid), e)
+        elif kind == "abort":
+            self.engine.abort(cmd[1])
+            self.routes.pop(cmd[1], None)
+        elif kind == "call":
+            _, fn, future = cmd
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                future.set_exception(e)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # noqa: BLE001 - a failed step fails its requests, not the server
+            log.exception("engine step failed; aborting the requests in flight")
+            for rid, route in list(self.routes.items()):
+                self.engine.abort(rid)
+                self._deliver(route, EngineError("the engine failed while running this request"))
+            self.routes.clear()
+            return
+        for out in outputs:
+            seq = out.seq
+            route = self.routes.get(seq.request_id)
+            if route is None:
+                continue
+            if out.finished:
+                del self.routes[seq.request_id]
+            self._deliver(route, Delta(route.index, out.text_delta, list(out.new_token_ids), list(out.logprobs),
+                                       out.finished, seq.finish_reason, seq.stop_string, len(seq.prompt_ids),
+                                       seq.num_cached_tokens or 0, len(seq.output_ids)))
+
+    @staticmethod
+    def _deliver(route: _Route, item) -> None:
+        try:
+            route.loop.call_soon_threadsafe(route.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the request's event loop is gone; so is the request
+
+
+@dataclass
+class RequestStream:
+    """An async iterator over a request's Deltas; leaving it early (or `async with`) aborts the rest."""
+    engine: AsyncEngine
+    prompts: list
+    priority: int = 0
+    session_id: str | None = None
+    request_ids: list[str] = field(default_factory=list)
+    start: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.remaining = len(self.prompts)
+        self.last_token_at: dict[int, float] = {}
+        tag = next(_ids)
+        for i, (ids, params) in enumerate(self.prompts):
+            rid = f"req-{tag}-{i}"
+            self.request_ids.append(rid)
+            session = self.session_id if i == 0 else None
+            self.engine.inbox.put(("add", rid, list(ids), params, self.priority, session,
+                                   _Route(loop, self.queue, i)))
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.remaining == 0:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            self.remaining = 0
+            self.abort()
+            raise item
+        self._observe(item)
+        if item.finished:
+            self.remaining -= 1
+        return item
+
+    def abort(self) -> None:
+        for rid in self.request_ids:
+            self.engine.inbox.put(("abort", rid))
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        if self.remaining:
+            self.remaining = 0
+            self.abort()
+
+    def _observe(self, d: Delta) -> None:
+        metrics, now = self.engine.metrics, time.perf_counter()
+        if metrics is None:
+            return
+        last = self.last_token_at.get(d.index)
+        if last is None:
+            metrics.ttft.observe(now - self.start)
+        elif d.token_ids:
+            metrics.tpot.observe((now - last) / len(d.token_ids))
+        self.last_token_at[d.index] = now
+        metrics.generation_tokens.inc(len(d.token_ids))
+        if d.finished:
+            metrics.prompt_tokens.inc(d.prompt_tokens)
+            metrics.cached_tokens.inc(d.cached_tokens)
+            metrics.e2e.observe(now - self.start)

@@ -1,0 +1,191 @@
+"""The FastAPI app: routes of both APIs over one AsyncEngine, error shapes, API key, health, metrics.
+
+Every error a client can cause leaves as a 4xx in the shape of the API it called (OpenAI's
+{"error": {...}} or Anthropic's {"type": "error", ...}); anything else is a 500 in the same shape,
+and the server keeps serving.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engc.errors import UserError
+from engc.runtime.async_engine import AsyncEngine
+from engc.runtime.engine import Engine, EngineConfig
+from engc.runtime.sampling import SamplingParams
+from engc.runtime.server.metrics import Metrics
+
+log = logging.getLogger("engc.server")
+
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
+OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    api_key: str | None
+    metrics: Metrics
+    created: int
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.model.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.engine.max_context
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+                           "model", "model_not_found")
+
+    def params(self, prompt_len: int, max_tokens: int | None, **kw) -> SamplingParams:
+        """SamplingParams for a prompt of prompt_len tokens, refusing what cannot fit the context."""
+        room = self.max_context - prompt_len
+        if room <= 0:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is "
+                                f"{self.max_context} tokens", "messages", "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = room
+        if max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        if max_tokens > room:
+            raise APIError(400, f"max_tokens is {max_tokens}, but the prompt has {prompt_len} tokens and this "
+                                f"model's context is {self.max_context}: at most {room} can be generated",
+                           "max_tokens", "context_length_exceeded")
+        kw = {k: v for k, v in kw.items() if v is not None}
+        if kw.get("top_k", 0) < 0:
+            kw["top_k"] = 0
+        try:
+            p = SamplingParams(max_tokens=max_tokens, **kw)
+            p.validate()
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+        return p
+
+    def stream(self, prompts, priority: int = 0, session_id: str | None = None):
+        try:
+            return self.engine.generate(prompts, priority, session_id)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+
+def error_response(request: Request, status: int, message: str, param=None, code=None) -> JSONResponse:
+    if request.url.path.startswith("/v1/messages"):
+        kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
+    kind = OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    from engc.runtime.server import anthropic, openai
+    import time
+
+    app = FastAPI(title="engc", description="OpenAI- and Anthropic-compatible LLM server", version="1")
+    metrics = engine.metrics or Metrics()
+    engine.metrics = metrics
+    metrics.bind(lambda: engine.stats)
+    app.state.engc = ServerState(engine, model_name, api_key, metrics, int(time.time()))
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(request, e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        err = (e.errors() or [{}])[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        if err.get("type") == "json_invalid":
+            message, where = "the request body is not valid JSON", ""
+        else:
+            message = f"{where}: {err.get('msg', 'invalid value')}" if where else err.get("msg", "invalid request")
+        return error_response(request, 400, message, where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        detail = e.detail if isinstance(e.detail, str) else "bad request"
+        if e.status_code == 400 and "parsing the body" in detail:
+            detail = "the request body is not valid JSON (or not UTF-8)"
+        return error_response(request, e.status_code, detail)
+
+    @app.exception_handler(UserError)
+    async def _user(request: Request, e: UserError):
+        return error_response(request, 400, str(e))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):
+        log.exception("unhandled error")
+        return error_response(request, 500, "internal server error")
+
+    @app.middleware("http")
+    async def _auth_and_count(request: Request, call_next):
+        if api_key and request.url.path != "/health" and not _authorized(request, api_key):
+            response = error_response(request, 401, "missing or invalid API key")
+        else:
+            response = await call_next(request)
+        route = request.scope.get("route")
+        metrics.requests.labels(getattr(route, "path", "other"), str(response.status_code)).inc()
+        return response
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        s = app.state.engc
+        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.created,
+                                            "owned_by": "engc", "max_model_len": s.max_context}]}
+
+    app.include_router(openai.router)
+    app.include_router(anthropic.router)
+    return app
+
+
+def _authorized(request: Request, key: str) -> bool:
+    given = request.headers.get("x-api-key")
+    auth = request.headers.get("authorization", "")
+    if given is None and auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    return given is not None and hmac.compare_digest(given.encode(), key.encode())
+
+
+def build_server(bundle: str, config: EngineConfig, model_name: str | None = None,
+                 api_key: str | None = None, device: str = "cpu") -> tuple[FastAPI, AsyncEngine]:
+    from engc.runtime.loader import load
+    model = load(bundle, device=device)
+    engine = AsyncEngine(Engine(model, config), Metrics()).start()
+    name = model_name or model.bundle.manifest.get("source", {}).get("name") or "engc"
+    return create_app(engine, name, api_key), engine
+
+
+def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int = 23333,
+          model_name: str | None = None, api_key: str | None = None) -> None:
+    import uvicorn
+    app, engine = build_server(bundle, config, model_name, api_key)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        engine.shutdown()

@@ -1,0 +1,198 @@
+"""OpenAI routes: /v1/chat/completions and /v1/completions, streamed (SSE) and not."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import replace
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from engc.runtime.async_engine import Delta, EngineError
+from engc.runtime.server.app import APIError, ServerState
+from engc.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request):
+    s: ServerState = request.app.state.engc
+    s.check_model(req.model)
+    if not req.messages:
+        raise APIError(400, "messages must not be empty", "messages")
+    if req.tools:
+        raise APIError(400, "tools are not supported by engc", "tools")
+    if req.response_format is not None and req.response_format.type == "json_schema":
+        raise APIError(400, "response_format json_schema is not supported; use json_object", "response_format")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
+                for m in req.messages]
+    prompt_ids = s.tokenizer.encode_chat(messages)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    prompts = _prompts(s, [prompt_ids], req, max_tokens, logprobs)
+    out = _Output(s, req, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", [len(prompt_ids)])
+    stream = s.stream(prompts, req.priority, req.session_id)
+    if req.stream:
+        return StreamingResponse(_events(stream, out), media_type="text/event-stream")
+    return await _collect(stream, out)
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request):
+    s: ServerState = request.app.state.engc
+    s.check_model(req.model)
+    if req.echo:
+        raise APIError(400, "echo is not supported by engc", "echo")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported by engc", "suffix")
+    p = req.prompt
+    if isinstance(p, str):
+        id_lists = [s.tokenizer.encode(p)]
+    elif not p:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    elif isinstance(p[0], str):
+        id_lists = [s.tokenizer.encode(x) for x in p]
+    elif isinstance(p[0], int):
+        id_lists = [list(p)]
+    else:
+        id_lists = [list(x) for x in p]
+    if any(not ids for ids in id_lists):
+        raise APIError(400, "prompt must not be empty", "prompt")
+    prompts = _prompts(s, id_lists, req, req.max_tokens, req.logprobs)
+    out = _Output(s, req, f"cmpl-{uuid.uuid4().hex}", "text_completion", [len(x) for x in id_lists])
+    stream = s.stream(prompts, req.priority, req.session_id)
+    if req.stream:
+        return StreamingResponse(_events(stream, out), media_type="text/event-stream")
+    return await _collect(stream, out)
+
+
+def _text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.text for part in content)
+
+
+def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs):
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    prompts = []
+    for ids in id_lists:
+        base = s.params(len(ids), max_tokens, temperature=req.temperature if req.temperature is not None else 1.0,
+                        top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop,
+                        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                        repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs)
+        for j in range(req.n):
+            prompts.append((ids, base if req.seed is None or j == 0 else replace(base, seed=req.seed + j)))
+    return prompts
+
+
+class _Output:
+    """Builds the response objects (whole or chunks) of one chat or text completion."""
+
+    def __init__(self, s: ServerState, req, rid: str, kind: str, prompt_lens: list[int]):
+        self.s, self.req, self.id, self.kind = s, req, rid, kind
+        self.chat = kind == "chat.completion"
+        self.prompt_lens = prompt_lens
+        self.created = int(time.time())
+        self.num_choices = len(prompt_lens) * req.n
+        self.completion_tokens = [0] * self.num_choices
+        self.cached = 0
+
+    def track(self, d: Delta) -> None:
+        self.completion_tokens[d.index] = d.completion_tokens
+        if d.index % self.req.n == 0:
+            self.cached += d.cached_tokens if d.finished else 0
+
+    def usage(self) -> dict:
+        prompt, completion = sum(self.prompt_lens), sum(self.completion_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached}}
+
+    def obj(self, choices: list[dict], chunk: bool, usage=None) -> dict:
+        o = {"id": self.id, "object": self.kind + (".chunk" if chunk and self.chat else ""),
+             "created": self.created, "model": self.s.model_name, "system_fingerprint": None, "choices": choices}
+        if not chunk or self.include_usage:
+            o["usage"] = usage
+        return o
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+    def logprobs(self, sampled: list, offset: int = 0):
+        if not sampled:
+            return None
+        tok = self.s.tokenizer
+        text = [tok.decode([x.token], skip_special_tokens=False) for x in sampled]
+        if self.chat:
+            def entry(t, lp):
+                return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
+            return {"content": [dict(entry(t, x.logprob), top_logprobs=[
+                entry(tok.decode([i], skip_special_tokens=False), lp) for i, lp in x.top or []])
+                for t, x in zip(text, sampled)]}
+        offsets = [offset + sum(len(t) for t in text[:k]) for k in range(len(text))]
+        return {"tokens": text, "token_logprobs": [x.logprob for x in sampled],
+                "top_logprobs": [{tok.decode([i], skip_special_tokens=False): lp for i, lp in x.top or []}
+                                 for x in sampled], "text_offset": offsets}
+
+    def choice(self, index: int, text: str | None, finish_reason, logprobs, delta: bool, role: bool = False):
+        c = {"index": index}
+        if self.chat and delta:
+            c["delta"] = ({"role": "assistant", "content": ""} if role else
+                          {"content": text} if text is not None else {})
+        elif self.chat:
+            c["message"] = {"role": "assistant", "content": text}
+        else:
+            c["text"] = text or ""
+        c["logprobs"] = logprobs
+        c["finish_reason"] = finish_reason
+        return c
+
+
+async def _collect(stream, out: _Output) -> dict:
+    texts = [""] * out.num_choices
+    sampled: list[list] = [[] for _ in range(out.num_choices)]
+    reasons = [None] * out.num_choices
+    async with stream:
+        try:
+            async for d in stream:
+                texts[d.index] += d.text
+                sampled[d.index] += d.logprobs
+                out.track(d)
+                if d.finished:
+                    reasons[d.index] = _reason(d)
+        except EngineError as e:
+            raise APIError(500, str(e)) from None
+    want_logprobs = bool(out.req.logprobs) if out.chat else out.req.logprobs is not None
+    choices = [out.choice(i, texts[i], reasons[i], out.logprobs(sampled[i]) if want_logprobs else None, delta=False)
+               for i in range(out.num_choices)]
+    return out.obj(choices, chunk=False, usage=out.usage())
+
+
+async def _events(stream, out: _Output):
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    offsets = [0] * out.num_choices
+    async with stream:
+        try:
+            if out.chat:
+                for i in range(out.num_choices):
+                    yield sse(out.obj([out.choice(i, None, None, None, delta=True, role=True)], chunk=True))
+            async for d in stream:
+                out.track(d)
+                if d.text or d.logprobs:
+                    lp = out.logprobs(d.logprobs, offsets[d.index])
+                    offsets[d.index] += len(d.text)
+                    yield sse(out.obj([out.choice(d.index, d.text, None, lp, delta=True)], chunk=True))
+                if d.finished:
+                    yield sse(out.obj([out.choice(d.index, None, _reason(d), None, delta=True)], chunk=True))
+            if out.include_usage:
+                yield sse(out.obj([], chunk=True, usage=out.usage()))
+        except EngineError as e:
+            yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+    yield "data: [DONE]\n\n"
+
+
+def _reason(d: Delta) -> str:
+    return "length" if d.finish_reason == "length" else "stop"

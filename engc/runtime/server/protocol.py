@@ -1,0 +1,107 @@
+"""Request bodies of the OpenAI and Anthropic APIs, as pydantic models (the HTTP edge only).
+
+Unknown fields are accepted and ignored, as the reference APIs' SDKs send fields that come and go;
+fields engc would have to honour but cannot (tools, images, json_schema) are refused where used.
+Fields marked "engc" are extensions.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# --- OpenAI ----------------------------------------------------------------------------------------
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class _OpenAISampling(_Body):
+    model: str
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1, description="engc: 0 or -1 is off")
+    n: int = Field(1, ge=1, le=16)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, description="engc: HF-style, over prompt and output")
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    ignore_eos: bool = Field(False, description="engc: keep generating past end-of-sequence")
+    priority: int = Field(0, description="engc: lower runs first")
+    session_id: Optional[str] = Field(None, description="engc: keep this chat's KV cache between requests")
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list] = None
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: Optional[str] = None
+
+
+# --- Anthropic -------------------------------------------------------------------------------------
+
+class AnthropicText(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[AnthropicText]]
+
+
+class _AnthropicPrompt(_Body):
+    model: str
+    messages: list[AnthropicMessage]
+    system: Union[str, list[AnthropicText], None] = None
+
+
+class MessagesRequest(_AnthropicPrompt):
+    max_tokens: int
+    stop_sequences: Optional[list[str]] = None
+    temperature: Optional[float] = Field(None, ge=0, le=1)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    stream: bool = False
+    metadata: Optional[dict] = None
+    tools: Optional[list] = None
+    session_id: Optional[str] = Field(None, description="engc: keep this chat's KV cache between requests")
+
+
+class CountTokensRequest(_AnthropicPrompt):
+    pass

@@ -1,0 +1,52 @@
+"""A live engc server in this process: uvicorn on a free loopback port, in a thread."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from engc.runtime.engine import EngineConfig
+from engc.runtime.server.app import build_server
+
+
+class LiveServer:
+    def __init__(self, bundle, config: EngineConfig = EngineConfig(), api_key: str | None = None,
+                 model_name: str = "tiny"):
+        self.app, self.engine = build_server(str(bundle), config, model_name, api_key)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model_name
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.engine.shutdown()
+
+    def call(self, fn, timeout: float = 30):
+        """fn(engine) run in the engine thread between steps."""
+        return self.engine.submit_call(fn).result(timeout)
+
+    def wait_idle(self, timeout: float = 30) -> dict:
+        """Waits until nothing is queued or running; returns the engine's stats then."""
+        deadline = time.time() + timeout
+        while True:
+            stats = self.call(lambda e: None if e.has_work else e.stats())
+            if stats is not None:
+                return stats
+            assert time.time() < deadline, "engine still busy"
+            time.sleep(0.05)

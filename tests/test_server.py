@@ -1,0 +1,249 @@
+"""The HTTP server on a tiny model: official SDKs, concurrency, prefix cache, disconnects, KV exhaustion,
+bad requests, auth, health/metrics/openapi. Loopback only; the server runs in this process."""
+import asyncio
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+import torch
+
+from engc.runtime.engine import EngineConfig
+from live_server import LiveServer
+
+torch.set_num_threads(1)  # tiny models: threads only contend
+
+LONG = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+        "Hello, world! How are you today? engc compiles models ahead of time. ")
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_bundle):
+    with LiveServer(tiny_bundle("llama")) as s:
+        yield s
+
+
+@pytest.fixture
+def http(srv):
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        yield c
+
+
+def tok(srv):
+    return srv.engine.engine.model.tokenizer
+
+
+def assert_clean(srv):
+    stats = srv.wait_idle()
+    srv.call(lambda e: e.check_integrity())
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_openai_sdk_chat_and_completions(srv):
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    prompt_len = len(tok(srv).encode_chat(messages))
+    r = client.chat.completions.create(model=srv.model, messages=messages, max_tokens=7, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.role == "assistant"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (prompt_len, 7, prompt_len + 7)
+
+    chunks = list(client.chat.completions.create(model=srv.model, messages=messages, max_tokens=7, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+    assert chunks[-1].usage.prompt_tokens == prompt_len
+
+    r = client.completions.create(model=srv.model, prompt="Paris is", max_tokens=5, temperature=0, n=2,
+                                  logprobs=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == r.choices[1].text
+    assert len(r.choices[0].logprobs.token_logprobs) == 5 and len(r.choices[0].logprobs.top_logprobs[0]) == 2
+    assert r.usage.prompt_tokens == len(tok(srv).encode("Paris is")) and r.usage.completion_tokens == 10
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=srv.model, prompt="Paris is", max_tokens=5, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert streamed == r.choices[0].text
+    assert [m.id for m in client.models.list().data] == [srv.model]
+    assert_clean(srv)
+
+
+def test_anthropic_sdk_messages(srv):
+    client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    kw = dict(model=srv.model, max_tokens=6, extra_body={"temperature": 0}, system="Be brief.",
+              messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}]}])
+    prompt_len = len(tok(srv).encode_chat([{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": "Hello"}]))
+    assert client.messages.count_tokens(model=srv.model, system=kw["system"],
+                                        messages=kw["messages"]).input_tokens == prompt_len
+    m = client.messages.create(**kw)
+    assert m.role == "assistant" and m.content[0].type == "text" and m.stop_reason in ("max_tokens", "end_turn")
+    u = m.usage
+    assert u.input_tokens + (u.cache_read_input_tokens or 0) == prompt_len and 1 <= u.output_tokens <= 6
+
+    with client.messages.stream(**kw) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert final.content[0].text == m.content[0].text and final.usage.output_tokens == u.output_tokens
+    body = {k: v for k, v in kw.items() if k != "extra_body"}
+    raw = httpx.post(srv.url + "/v1/messages", json=dict(body, stream=True, temperature=0), timeout=60).text
+    order = [line[7:] for line in raw.splitlines() if line.startswith("event: ")]
+    deltas = order[3:-3]
+    assert order[:3] == ["message_start", "content_block_start", "ping"]
+    assert order[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(deltas) <= {"content_block_delta"} and "message_stop" in kinds
+    assert_clean(srv)
+
+
+def test_stop_sequences_and_logprobs(srv, http):
+    body = {"model": srv.model, "prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = full[3:5]
+    r = http.post("/v1/completions", json=dict(body, stop=[stop])).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["text"] == full[:full.index(stop)]
+    m = http.post("/v1/messages", json={"model": srv.model, "max_tokens": 12, "temperature": 0,
+                                        "stop_sequences": [stop], "messages": [{"role": "user", "content": "Hi"}]})
+    assert m.status_code == 200
+    chat = http.post("/v1/chat/completions", json={"model": srv.model, "max_tokens": 3, "logprobs": True,
+                                                    "top_logprobs": 3, "messages": [{"role": "user", "content": "x"}]})
+    content = chat.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) >= 1 and len(content[0]["top_logprobs"]) == 3
+
+
+def test_32_concurrent_equal_one_at_a_time(srv):
+    bodies = [{"model": srv.model, "prompt": f"{i} {LONG[: 10 + 7 * i]}", "max_tokens": 12, "temperature": 0,
+               "ignore_eos": True} for i in range(32)]
+
+    async def run(concurrent: bool):
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+            async def one(b):
+                r = await c.post("/v1/completions", json=b)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+            if concurrent:
+                return await asyncio.gather(*(one(b) for b in bodies))
+            return [await one(b) for b in bodies]
+    together = asyncio.run(run(True))
+    alone = asyncio.run(run(False))
+    assert together == alone
+    assert_clean(srv)
+
+
+def test_shared_prefix_reports_cached_tokens_and_prefills_less(srv, http):
+    base = "Shared prefix test. " + LONG
+    first = http.post("/v1/completions", json={"model": srv.model, "prompt": base, "max_tokens": 2})
+    assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    before = srv.wait_idle()["computed_tokens"]
+    second = http.post("/v1/completions", json={"model": srv.model, "prompt": base + " More.", "max_tokens": 1})
+    usage = second.json()["usage"]
+    prefilled = srv.wait_idle()["computed_tokens"] - before
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 64
+    assert prefilled == usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+    assert "engc_prefix_cache_hit_rate" in http.get("/metrics").text
+
+
+def test_client_disconnect_mid_stream_frees_blocks(srv):
+    for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}),
+                       ("/v1/messages", {"messages": [{"role": "user", "content": LONG}]})]:
+        body = dict(body, model=srv.model, max_tokens=150, stream=True, ignore_eos=True)
+        before = srv.wait_idle()["computed_tokens"]
+        for _ in range(3):
+            with httpx.Client(base_url=srv.url, timeout=60) as c:
+                with c.stream("POST", path, json=body) as r:
+                    lines = r.iter_lines()
+                    for _ in range(6):
+                        next(lines)
+            # the connection is closed here, long before 150 tokens
+        assert_clean(srv)
+        assert srv.wait_idle()["computed_tokens"] - before < 3 * 150  # really cut short
+
+
+def test_kv_exhaustion_completes(tiny_bundle):
+    config = EngineConfig(num_blocks=8, max_batched_tokens=64)  # 128 tokens of KV for ~400 tokens of work
+    with LiveServer(tiny_bundle("llama"), config) as s:
+        async def run():
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json={
+                    "model": s.model, "prompt": f"{i} {LONG[:60]}", "max_tokens": 60, "temperature": 0,
+                    "ignore_eos": True}) for i in range(6)))
+        results = asyncio.run(run())
+        assert [r.status_code for r in results] == [200] * 6
+        assert all(r.json()["usage"]["completion_tokens"] == 60 for r in results)
+        assert s.wait_idle()["preemptions"] > 0
+        s.call(lambda e: e.check_integrity())
+
+
+BAD = [
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [', 400),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 10 ** 9}, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 400}]}, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "temperature": "hot"}, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": [10 ** 6]}, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400),
+    ("/v1/messages", b"not json", 400),
+    ("/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, 400),
+    ("/v1/messages", {"model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}, 404),
+    ("/v1/messages", {"model": "tiny", "max_tokens": -3, "messages": [{"role": "user", "content": "hi"}]}, 400),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": []}, 400),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": 5}]}, 400),
+    ("/v1/messages/count_tokens", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400),
+]
+
+
+@pytest.mark.parametrize("path,body,status", BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_4xx_in_the_right_shape(srv, http, path, body, status):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    r = http.post(path, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()
+    if path.startswith("/v1/messages"):
+        assert err["type"] == "error" and set(err["error"]) == {"type", "message"} and err["error"]["message"]
+    else:
+        assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
+    ok = http.post("/v1/completions", json={"model": srv.model, "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_api_key(tiny_bundle):
+    with LiveServer(tiny_bundle("llama"), api_key="sekret") as s:
+        body = {"model": s.model, "prompt": "hi", "max_tokens": 2}
+        msg = {"model": s.model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.get(s.url + "/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}):
+            r = httpx.post(s.url + "/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            r = httpx.post(s.url + "/v1/messages", json=msg, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            assert httpx.get(s.url + "/metrics", headers=headers).status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0).completions.create(
+            **body).usage.completion_tokens >= 1
+        assert anthropic.Anthropic(base_url=s.url, api_key="sekret", max_retries=0).messages.create(
+            **msg).usage.output_tokens >= 1
+
+
+def test_health_metrics_openapi(srv, http):
+    assert http.get("/health").json() == {"status": "ok"}
+    http.post("/v1/completions", json={"model": srv.model, "prompt": "hi", "max_tokens": 3})
+    text = http.get("/metrics").text
+    for name in ("engc_requests_total", "engc_generation_tokens_total", "engc_num_requests_waiting",
+                 "engc_kv_cache_usage_ratio", "engc_prefix_cache_hit_rate", "engc_time_to_first_token_seconds_bucket",
+                 "engc_time_per_output_token_seconds_bucket"):
+        assert name in text, name
+    paths = json.loads(http.get("/openapi.json").text)["paths"]
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+            "/v1/models", "/health", "/metrics"} <= set(paths)
