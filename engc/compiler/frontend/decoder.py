@@ -66,7 +66,8 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
         hf, p = f"model.layers.{i}.", f"layers.{i}."
         h, residual = _norm(g, x, residual, weight(p + "attn_norm.weight", hf + "input_layernorm.weight"),
                             eps, f"{p}attn_in")
-        qkv = _concat(g, [_linear(g, h, weight, p + n, hf + f"self_attn.{n}_proj", cfg.qkv_bias)
+        qkv = _concat(g, [_linear(g, h, weight, p + n, hf + f"self_attn.{n}_proj", cfg.qkv_bias,
+                                  cfg.hidden_size)
                           for n in ("q", "k", "v")], p + "qkv")
         if cfg.qk_norm:
             qkv = g.add("QKNorm", [qkv, weight(p + "q_norm.weight", hf + "self_attn.q_norm.weight"),
@@ -79,14 +80,15 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
         attn = g.add("PagedAttention", [q, f"kv_cache.{i}", "block_tables", "context_lens",
                                         "query_start_loc"], p + "attn",
                      scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window, **heads)
-        x = _linear(g, attn, weight, p + "o", hf + "self_attn.o_proj", False)
+        x = _linear(g, attn, weight, p + "o", hf + "self_attn.o_proj", False, cfg.q_size)
         h, residual = _norm(g, x, residual, weight(p + "mlp_norm.weight",
                                                    hf + "post_attention_layernorm.weight"),
                             eps, f"{p}mlp_in")
-        gate_up = _concat(g, [_linear(g, h, weight, p + n, hf + f"mlp.{n}_proj", False)
+        gate_up = _concat(g, [_linear(g, h, weight, p + n, hf + f"mlp.{n}_proj", False, cfg.hidden_size)
                               for n in ("gate", "up")], p + "gate_up")
         act = g.add("SiluMul", [gate_up], p + "act")
-        x = _linear(g, act, weight, p + "down", hf + "mlp.down_proj", False)
+        x = _linear(g, act, weight, p + "down", hf + "mlp.down_proj", False,
+                    cfg.intermediate_size)
 
     h, _ = _norm(g, x, residual, weight("norm.weight", "model.norm.weight"), eps, "final")
     sampled = g.onnx_op("Gather", [h, "logits_indices"], "h.sampled", axis=0)
@@ -100,21 +102,41 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
 
 
 def _weight_binder(ckpt: Checkpoint, g: Graph, dtype: torch.dtype):
-    def bind(name: str, hf_name: str) -> str:
+    def bind(name: str, hf_name: str, cast: bool = True) -> str:
         if not ckpt.has(hf_name):
             raise UserError(f"checkpoint {ckpt.name} is missing tensor '{hf_name}'")
         # inv_freq and norms stay exact in float32 only when the model is float32; bf16 models
-        # keep norm weights in bf16 like the HF reference does.
-        g.weights[name] = lambda: ckpt.get(hf_name).to(dtype).contiguous()
+        # keep norm weights in bf16 like the HF reference does. Packed int4 tensors keep their type.
+        g.weights[name] = ((lambda: ckpt.get(hf_name).to(dtype).contiguous()) if cast
+                           else (lambda: ckpt.get(hf_name).contiguous()))
         return name
+    bind.has = ckpt.has
+    bind.quant_config = ckpt.hf_config.get("quantization_config") or {}
     return bind
 
 
-def _linear(g: Graph, x: str, weight, name: str, hf_prefix: str, bias: bool) -> str:
+def _linear(g: Graph, x: str, weight, name: str, hf_prefix: str, bias: bool, in_features: int) -> str:
+    if weight.has(hf_prefix + ".qweight"):
+        return _qlinear(g, x, weight, name, hf_prefix, bias, in_features)
     inputs = [x, weight(name + ".weight", hf_prefix + ".weight")]
     if bias:
         inputs.append(weight(name + ".bias", hf_prefix + ".bias"))
     return g.onnx_op("Gemm", inputs, name + ".out", transB=1)
+
+
+def _qlinear(g: Graph, x: str, weight, name: str, hf_prefix: str, bias: bool, in_features: int) -> str:
+    """An int4 projection (frontend/quantized.py gives its tensors in the engc int4 layout)."""
+    from engc.compiler.frontend.quantized import group_size
+    inputs = [x, weight(name + ".qweight", hf_prefix + ".qweight", cast=False),
+              weight(name + ".scales", hf_prefix + ".scales"),
+              weight(name + ".zeros", hf_prefix + ".zeros", cast=False)]
+    if bias:
+        inputs.append(weight(name + ".bias", hf_prefix + ".bias"))
+    act_order = weight.has(hf_prefix + ".perm")
+    if act_order:
+        inputs.append(weight(name + ".perm", hf_prefix + ".perm", cast=False))
+    return g.add("QLinear", inputs, name + ".out", has_bias=bias, act_order=act_order,
+                 group_size=group_size(weight.quant_config, in_features))
 
 
 def _concat(g: Graph, parts: list[str], name: str) -> str:

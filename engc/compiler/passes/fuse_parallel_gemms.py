@@ -1,13 +1,18 @@
-"""Fuses Gemms that read the same input and are joined by a Concat into one Gemm (qkv, gate_up).
+"""Fuses Gemms (or int4 QLinears) that read the same input and are joined by a Concat into one (qkv, gate_up).
 
-One wide GEMM reads the activation once and launches once; the fused weight is the row-wise
-concatenation of the parts, so the Concat's output is unchanged and downstream ops never notice.
+One wide GEMM reads the activation once and launches once; the fused weight is the concatenation of
+the parts along the output dimension (rows of a Gemm's transposed weight; columns of the engc int4
+layout's qweight, scales and zeros), so the Concat's output is unchanged and downstream ops never
+notice. act-order QLinears are left alone: each part may order its inputs differently.
 """
 from __future__ import annotations
 
 import torch
 
 from engc.compiler.ir import Graph, Node
+
+# op -> the output-dimension axis of each weight input (after the activation), by position
+_OUT_AXIS = {"Gemm": (0, 0), "QLinear": (1, 1, 1, 0)}
 
 
 def fuse_parallel_gemms(g: Graph) -> Graph:
@@ -16,11 +21,13 @@ def fuse_parallel_gemms(g: Graph) -> Graph:
         if not _fusable(g, concat, parts):
             continue
         name = concat.outputs[0]
-        inputs = [parts[0].inputs[0], _fuse_weights(g, [p.inputs[1] for p in parts], name + ".weight")]
-        if len(parts[0].inputs) == 3:
-            inputs.append(_fuse_weights(g, [p.inputs[2] for p in parts], name + ".bias"))
-        fused = Node("Gemm", inputs, [name], {"transB": 1}, "")
-        at = g.nodes.index(parts[0])
+        first = parts[0]
+        inputs = [first.inputs[0]]
+        for pos, axis in enumerate(_OUT_AXIS[first.op][:len(first.inputs) - 1], start=1):
+            suffix = first.inputs[pos].rsplit(".", 1)[1]
+            inputs.append(_fuse_weights(g, [p.inputs[pos] for p in parts], f"{name}.{suffix}", axis))
+        fused = Node(first.op, inputs, [name], dict(first.attrs), first.domain)
+        at = g.nodes.index(first)
         for n in (*parts, concat):
             g.nodes.remove(n)
         g.nodes.insert(at, fused)
@@ -28,9 +35,16 @@ def fuse_parallel_gemms(g: Graph) -> Graph:
 
 
 def _fusable(g: Graph, concat: Node, parts: list[Node | None]) -> bool:
-    if any(p is None or p.op != "Gemm" or p.attrs.get("transB") != 1 for p in parts):
+    if any(p is None for p in parts) or concat.attrs.get("axis") not in (-1, 1):
         return False
-    if concat.attrs.get("axis") not in (-1, 1):
+    op = parts[0].op
+    if op == "Gemm":
+        if any(p.op != "Gemm" or p.attrs.get("transB") != 1 for p in parts):
+            return False
+    elif op == "QLinear":
+        if any(p.op != "QLinear" or p.attrs != parts[0].attrs for p in parts) or parts[0].attrs.get("act_order"):
+            return False
+    else:
         return False
     if len({p.inputs[0] for p in parts}) != 1 or len({len(p.inputs) for p in parts}) != 1:
         return False
@@ -39,7 +53,7 @@ def _fusable(g: Graph, concat: Node, parts: list[Node | None]) -> bool:
                all(len(g.consumers(w)) == 1 for w in p.inputs[1:]) for p in parts)
 
 
-def _fuse_weights(g: Graph, names: list[str], fused_name: str) -> str:
+def _fuse_weights(g: Graph, names: list[str], fused_name: str, axis: int) -> str:
     loaders = [g.weights.pop(n) for n in names]
-    g.weights[fused_name] = lambda: torch.cat([load() for load in loaders], dim=0).contiguous()
+    g.weights[fused_name] = lambda: torch.cat([load() for load in loaders], dim=axis).contiguous()
     return fused_name

@@ -1,0 +1,77 @@
+"""Held-out perplexity of RTN, AWQ and GPTQ int4 vs the float model (SmolLM2-135M-Instruct by default).
+
+    python bench/quant_ppl.py [--src default] [--groups 128,32] [--methods rtn,awq,gptq] [--work DIR]
+
+Calibrates on the calibration half of the default corpus (engc.compiler.quantize.calibration) and
+scores the held-out half, so no evaluated token was seen by a quantizer. Every bundle is scored with
+the same windows and stride. Writes DIR/results.json and prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from engc.compiler.build import BuildOptions, build
+from engc.compiler.quantize import QuantOptions
+from engc.compiler.quantize.calibration import default_corpus
+from engc.compiler.quantize.stream import quantize_checkpoint
+from engc.runtime.eval import EvalOptions, perplexity
+from engc.runtime.loader import load
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--src", default="default")
+    ap.add_argument("--groups", default="128,32")
+    ap.add_argument("--methods", default="rtn,awq,gptq")
+    ap.add_argument("--work", default="/tmp/engc_quant_bench")
+    ap.add_argument("--calib-samples", type=int, default=16)
+    ap.add_argument("--calib-seqlen", type=int, default=256)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--stride", type=int, default=512)
+    ap.add_argument("--eval-tokens", type=int, default=4096)
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    results_path = work / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    text = default_corpus("heldout")
+    ev = EvalOptions(window=args.window, stride=args.stride, max_tokens=args.eval_tokens)
+
+    def score(key: str, bundle: Path, extra: dict):
+        t = time.monotonic()
+        r = perplexity(load(bundle), text, ev)
+        results[key] = dict(extra, ppl=r["ppl"], scored=r["scored"], eval_seconds=round(time.monotonic() - t, 1))
+        results_path.write_text(json.dumps(results, indent=1, sort_keys=True))
+        print(key, json.dumps(results[key]), flush=True)
+
+    if "float" not in results:
+        build(args.src, work / "b_float", BuildOptions())
+        score("float", work / "b_float", {})
+    for g in map(int, args.groups.split(",")):
+        for m in args.methods.split(","):
+            key = f"{m}_g{g}"
+            if key in results:
+                continue
+            opts = QuantOptions(method=m, group_size=g, calib_samples=args.calib_samples,
+                                calib_seqlen=args.calib_seqlen)
+            summary = quantize_checkpoint(args.src, work / f"q_{key}", opts)
+            build(str(work / f"q_{key}"), work / f"b_{key}", BuildOptions())
+            score(key, work / f"b_{key}", {"quantize_seconds": summary["seconds"],
+                                            "peak_rss_mb": summary["peak_rss_mb"]})
+    print_table(results)
+
+
+def print_table(results: dict):
+    print("| group size | float | RTN | AWQ | GPTQ |\n|---|---|---|---|---|")
+    for g in (128, 64, 32):
+        row = [results.get(f"{m}_g{g}", {}).get("ppl") for m in ("rtn", "awq", "gptq")]
+        if any(row):
+            cells = " | ".join(f"{p:.3f}" if p else "-" for p in row)
+            print(f"| {g} | {results['float']['ppl']:.3f} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()

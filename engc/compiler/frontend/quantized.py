@@ -1,0 +1,83 @@
+"""Pre-quantized int4 checkpoints (AutoAWQ GEMM, GPTQ v1/v2) as a Checkpoint in the engc int4 layout.
+
+Each quantized projection `P` (P.qweight, P.qzeros, P.scales[, P.g_idx] in the file) is offered as
+P.qweight, P.scales, P.zeros[, P.perm] laid out as kernels/int4_linear wants them; the decoder lowers
+a projection that has P.qweight to QLinear. Everything else passes through from the HF folder reader.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engc.compiler.frontend.checkpoint import Checkpoint
+from engc.compiler.frontend.hf import read_hf_folder
+from engc.compiler.quantize.formats import AWQ_ORDER, NATURAL, unpack_columns
+from engc.errors import UserError
+from engc.kernels.int4_linear import pack_int4, unpack_int4
+
+GPTQ_ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
+
+
+def is_quantized(hf_config: dict) -> bool:
+    return bool(hf_config.get("quantization_config"))
+
+
+def read_quantized_folder(path: Path) -> Checkpoint:
+    ckpt = read_hf_folder(path)
+    qc = check_config(ckpt.hf_config.get("quantization_config") or {}, ckpt.name)
+    method = qc["quant_method"]
+    prefixes = sorted(n[:-len(".qweight")] for n in ckpt.names() if n.endswith(".qweight"))
+    if not prefixes:
+        raise UserError(f"{ckpt.name}: config.json says {method} but no tensor is named *.qweight")
+    loaders = {n: f for n, f in ckpt.loaders.items()
+               if not n.endswith((".qweight", ".qzeros", ".scales", ".g_idx"))}
+    for p in prefixes:
+        src = {k: ckpt.loaders.get(f"{p}.{k}") for k in ("qweight", "qzeros", "scales", "g_idx")}
+        if not all(src[k] for k in ("qweight", "qzeros", "scales")):
+            raise UserError(f"{ckpt.name}: {p} has qweight but lacks qzeros or scales")
+        loaders.update({f"{p}.{k}": f for k, f in _engc_loaders(src, qc).items()})
+    ckpt.loaders = loaders
+    return ckpt
+
+
+def check_config(qc: dict, name: str) -> dict:
+    method = qc.get("quant_method")
+    if method not in ("awq", "gptq"):
+        raise UserError(f"{name}: quantization '{method}' is not supported; engc reads awq and gptq int4")
+    if qc.get("bits", 4) != 4:
+        raise UserError(f"{name}: {qc.get('bits')}-bit {method} is not supported; engc reads 4-bit")
+    if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+        raise UserError(f"{name}: AWQ version '{qc.get('version')}' is not supported; engc reads the GEMM layout")
+    if method == "gptq" and qc.get("checkpoint_format", "gptq") not in GPTQ_ZERO_OFFSET:
+        raise UserError(f"{name}: GPTQ checkpoint_format '{qc.get('checkpoint_format')}' is not supported")
+    return qc
+
+
+def group_size(qc: dict, in_features: int) -> int:
+    g = int(qc.get("group_size", 128))
+    return in_features if g <= 0 else g
+
+
+def describe(qc: dict) -> dict:
+    """The manifest's `quantization` field."""
+    return {"method": (qc.get("meta") or {}).get("method", qc["quant_method"]), "bits": 4,
+            "group_size": int(qc.get("group_size", 128)), "source_format": qc["quant_method"],
+            "act_order": bool(qc.get("desc_act", False)), "layout": "engc-int4"}
+
+
+def _engc_loaders(src: dict, qc: dict) -> dict:
+    if qc["quant_method"] == "awq":
+        return {"qweight": lambda: pack_int4(unpack_columns(src["qweight"](), AWQ_ORDER)),
+                "zeros": lambda: unpack_columns(src["qzeros"](), AWQ_ORDER),
+                "scales": src["scales"]}
+    offset = GPTQ_ZERO_OFFSET[qc.get("checkpoint_format", "gptq")]
+    out = {"zeros": lambda: ((unpack_columns(src["qzeros"](), NATURAL).to(torch.int16) + offset) & 0xF)
+           .to(torch.uint8),
+           "scales": src["scales"], "qweight": src["qweight"]}
+    if qc.get("desc_act") and src["g_idx"] is not None:
+        # groups of an act-order weight are scattered over the inputs: sort the input rows by group
+        perm = lambda: torch.argsort(src["g_idx"]().long(), stable=True)  # noqa: E731
+        out["qweight"] = lambda: pack_int4(unpack_int4(src["qweight"]())[perm()])
+        out["perm"] = perm
+    return out

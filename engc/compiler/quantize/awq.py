@@ -1,0 +1,111 @@
+"""AWQ (Lin et al. 2023): activation-aware per-input-channel scales, then a weight clipping search.
+
+For each group of projections that read one input (qkv after input_layernorm, gate/up after
+post_attention_layernorm, down after up, o after v when the shapes allow), search s = x_mean^a /
+w_mean^(1-a) over a grid of a in [0, 1), scoring each candidate by the MSE of the *block output*
+(attention or MLP output, or the projection's own for down/o) with the scaled weights fake-quantized.
+The best s is folded into the previous op (norm weight or projection rows) and multiplied into the
+projections, so the float network is unchanged and only quantization error moves. Then, per output
+channel and group, the clipping range max|w| * (1 - i/grid), i < grid/2, minimizing the projection's
+output error on a token sample. This is the search of the paper and of AutoAWQ.
+"""
+from __future__ import annotations
+
+import torch
+
+from engc.compiler.quantize.layer import DecoderLayer, batched
+from engc.compiler.quantize.rtn import fake_quantize, pad_groups
+
+CLIP_TOKENS = 512       # tokens sampled for the clipping search
+CLIP_MAX_SHRINK = 0.5
+CLIP_ELEMENTS = 1 << 24  # elements of one clipping-search batch: bounds its memory (64 MB)
+
+
+def awq_layer(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int = 20) -> None:
+    """Rewrites layer.w in place (scales folded, weights clipped); x [B, T, D] is the layer's input."""
+    w, cfg = layer.w, layer.cfg
+    h = batched(layer.attn_in, x)
+    qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    _scale(layer, "input_layernorm", qkv, h, lambda inp: batched(layer.attention, inp), group_size, grid)
+    h = batched(layer.attn_in, x)
+    if cfg.num_heads == cfg.num_kv_heads:  # v -> o folds only when v's outputs are o's inputs one to one
+        ctx = batched(layer.attn_context, h)
+        _scale(layer, "self_attn.v_proj", ["self_attn.o_proj"], ctx,
+               lambda inp: layer.linear(inp, "self_attn.o_proj"), group_size, grid)
+    x_mid = x + batched(layer.attention, h)
+    m = batched(layer.mlp_in, x_mid)
+    _scale(layer, "post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], m,
+           lambda inp: batched(layer.mlp, inp), group_size, grid)
+    m = batched(layer.mlp_in, x_mid)
+    act = batched(layer.mlp_act, m)
+    _scale(layer, "mlp.up_proj", ["mlp.down_proj"], act,
+           lambda inp: layer.linear(inp, "mlp.down_proj"), group_size, grid)
+
+    # clipping, on the inputs as they are after scaling; q and k are left alone (as in AWQ: their
+    # errors pass through the softmax, which a per-projection MSE does not see)
+    h = batched(layer.attn_in, x)
+    ctx = batched(layer.attn_context, h)
+    m = batched(layer.mlp_in, x + layer.linear(ctx, "self_attn.o_proj"))
+    act = batched(layer.mlp_act, m)
+    for name, inp in (("self_attn.v_proj", h), ("self_attn.o_proj", ctx), ("mlp.gate_proj", m),
+                      ("mlp.up_proj", m), ("mlp.down_proj", act)):
+        w[name + ".weight"] = clip_weight(w[name + ".weight"], inp, group_size, grid)
+
+
+def _scale(layer: DecoderLayer, prev: str, names: list[str], inp: torch.Tensor, block, group_size: int,
+           grid: int) -> None:
+    w = layer.w
+    originals = {n: w[n + ".weight"] for n in names}
+    x_mean = inp.abs().reshape(-1, inp.shape[-1]).float().mean(0)
+    weight = torch.cat(list(originals.values()), dim=0)
+    g = pad_groups(weight.abs(), group_size).reshape(weight.shape[0], -1, group_size)
+    w_mean = (g / g.amax(dim=-1, keepdim=True).clamp(min=1e-8)).reshape(weight.shape[0], -1)
+    w_mean = w_mean[:, :weight.shape[1]].mean(0)
+    with torch.no_grad():
+        reference = block(inp)
+        best, best_loss = torch.ones_like(x_mean), float("inf")
+        for i in range(grid):
+            ratio = i / grid
+            s = (x_mean.pow(ratio) / w_mean.pow(1 - ratio).clamp(min=1e-4)).clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            for n, orig in originals.items():
+                w[n + ".weight"] = fake_quantize(orig * s, group_size) / s
+            loss = (block(inp) - reference).float().pow(2).mean().item()
+            if loss < best_loss:
+                best, best_loss = s, loss
+    for n, orig in originals.items():
+        w[n + ".weight"] = orig * best
+    prev_w = prev + ".weight"
+    if prev.endswith("layernorm"):
+        w[prev_w] = w[prev_w] / best
+    else:  # a projection: its output rows (and bias) feed the scaled inputs
+        w[prev_w] = w[prev_w] / best[:, None]
+        if prev + ".bias" in w:
+            w[prev + ".bias"] = w[prev + ".bias"] / best
+
+
+def clip_weight(weight: torch.Tensor, inp: torch.Tensor, group_size: int, grid: int) -> torch.Tensor:
+    x = pad_groups(inp.reshape(-1, inp.shape[-1]).float(), group_size)  # zero inputs add nothing
+    x = x[torch.linspace(0, x.shape[0] - 1, min(CLIP_TOKENS, x.shape[0])).long()]
+    k_orig = weight.shape[1]
+    weight = pad_groups(weight, group_size)
+    out_ch, k = weight.shape
+    n_groups = k // group_size
+    xg = x.reshape(1, -1, n_groups, group_size)                     # [1, tokens, groups, g]
+    clipped = []
+    chunk = max(1, CLIP_ELEMENTS // (x.shape[0] * k))
+    for w in weight.float().split(chunk):
+        wg = w.reshape(w.shape[0], 1, n_groups, group_size)          # [oc, 1, groups, g]
+        org_max = wg.abs().amax(dim=-1, keepdim=True)
+        reference = (xg * wg).sum(-1)                               # [oc, tokens, groups]
+        best_err = torch.full(org_max.shape, float("inf"))
+        best_max = org_max.clone()
+        for i in range(int(CLIP_MAX_SHRINK * grid)):
+            max_val = org_max * (1 - i / grid)
+            q = fake_quantize(torch.clamp(wg, -max_val, max_val), group_size)
+            err = ((xg * q).sum(-1) - reference).pow(2).mean(dim=1, keepdim=True).unsqueeze(-1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_max = torch.where(better, max_val, best_max)
+        clipped.append(torch.clamp(wg, -best_max, best_max).reshape(w.shape))
+    return torch.cat(clipped)[:, :k_orig].to(weight.dtype)

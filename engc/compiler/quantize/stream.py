@@ -1,0 +1,188 @@
+"""engc quantize: walk a checkpoint one decoder layer at a time, in bounded memory.
+
+Per layer: load its float weights from the checkpoint, run the calibration activations through it
+(layer.py), let the method choose the int4 weights (rtn.py, awq.py, gptq.py), write that layer's
+shard, compute the next layer's input through the *quantized* layer, drop everything else. The peak is
+one layer's weights plus the activations of the calibration set, whatever the depth of the model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engc.compiler.frontend.checkpoint import Checkpoint
+from engc.compiler.frontend.decoder import resolve_config
+from engc.compiler.frontend.rope import inv_freq
+from engc.compiler.quantize.awq import awq_layer
+from engc.compiler.quantize.calibration import calibration_samples
+from engc.compiler.quantize.formats import to_awq, to_gptq
+from engc.compiler.quantize.gptq import Hessian, gptq_quantize
+from engc.compiler.quantize.layer import LINEARS, DecoderLayer, batched
+from engc.compiler.quantize.options import QuantOptions
+from engc.compiler.quantize.rtn import quantize_rtn
+from engc.errors import UserError
+from engc.progress import Progress
+
+# GPTQ's true-sequential stages: projections quantized together, and how to get their input from x
+GPTQ_STAGES = (
+    (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), lambda L, x: L.attn_in(x)),
+    (("self_attn.o_proj",), lambda L, x: L.attn_context(L.attn_in(x))),
+    (("mlp.gate_proj", "mlp.up_proj"), lambda L, x: L.mlp_in(x + L.attention(L.attn_in(x)))),
+    (("mlp.down_proj",), lambda L, x: L.mlp_act(L.mlp_in(x + L.attention(L.attn_in(x))))),
+)
+
+
+def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progress | None = None) -> dict:
+    from engc.compiler.build import read_source
+    progress = progress or Progress(enabled=False)
+    opts.validate()
+    started, start_rss = time.monotonic(), current_rss_mb()
+    ckpt = read_source(src)
+    refuse_quantized(ckpt)
+    cfg = resolve_config(ckpt.hf_config)
+    check_shapes(cfg, opts.group_size)
+    x = None
+    if opts.method != "rtn":
+        with progress.step("tokenize calibration text"):
+            ids = calibration_samples(ckpt.tokenizer_files["tokenizer.json"], opts.calib,
+                                      opts.calib_samples, opts.calib_seqlen)
+        embed = ckpt.get("model.embed_tokens.weight")
+        x = embed.float()[ids]
+        del embed
+    rope = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    out = Path(out).resolve()
+    tmp = out.with_name(out.name + ".engc-tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards = cfg.num_layers + 1
+    index, layer_bytes = {}, 0
+    try:
+        bar = progress.bar(f"quantize {opts.method} g{opts.group_size}", total=cfg.num_layers)
+        for i in range(cfg.num_layers):
+            tensors, x, nbytes = quantize_layer(ckpt, cfg, rope, i, x, opts)
+            layer_bytes = max(layer_bytes, nbytes)
+            shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+            index.update({name: shard for name in tensors})
+            del tensors
+            bar.advance()
+        bar.close()
+        del x
+        shard = f"model-{shards:05d}-of-{shards:05d}.safetensors"
+        rest = {n: ckpt.get(n).contiguous() for n in ckpt.names() if not n.startswith("model.layers.")}
+        save_file(rest, str(tmp / shard), metadata={"format": "pt"})
+        index.update({name: shard for name in rest})
+        del rest
+        write_metadata(tmp, ckpt, opts, index)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out": str(out), "model": ckpt.name, "method": opts.method, "bits": opts.bits,
+            "group_size": opts.group_size, "format": opts.format, "layers": cfg.num_layers,
+            "layer_weights_mb": round(layer_bytes / 2**20, 1), "start_rss_mb": round(start_rss, 1),
+            "peak_rss_mb": round(peak_rss_mb(), 1), "seconds": round(time.monotonic() - started, 1)}
+
+
+def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions):
+    prefix = f"model.layers.{i}."
+    names = [n for n in ckpt.names() if n.startswith(prefix)]
+    originals = {n[len(prefix):]: ckpt.get(n) for n in names}
+    nbytes = sum(t.numel() * 4 for t in originals.values())
+    layer = DecoderLayer(cfg, {k: v.float() for k, v in originals.items()}, rope)
+    missing = [n for n in LINEARS if n + ".weight" not in layer.w]
+    if missing:
+        raise UserError(f"checkpoint {ckpt.name} is missing tensor '{prefix}{missing[0]}.weight'")
+    with torch.no_grad():
+        if opts.method == "gptq":
+            quantized = gptq_layer(layer, x, opts)
+        else:
+            if opts.method == "awq":
+                awq_layer(layer, x, opts.group_size, opts.awq_grid)
+            quantized = {n: quantize_rtn(layer.w[n + ".weight"], opts.group_size) for n in LINEARS}
+        if x is not None:
+            for n, qw in quantized.items():
+                layer.w[n + ".weight"] = qw.dequantize()
+            x = batched(layer.forward, x)
+    pack = to_awq if opts.format == "awq" else to_gptq
+    tensors = {}
+    for key, t in layer.w.items():  # norms and biases, AWQ's folded scales included
+        if key.rsplit(".", 1)[0] not in LINEARS or key.endswith(".bias"):
+            tensors[prefix + key] = t.to(originals[key].dtype).contiguous()
+    for n, qw in quantized.items():
+        for key, t in pack(qw).items():
+            tensors[f"{prefix}{n}.{key}"] = t
+    return tensors, x, nbytes
+
+
+def gptq_layer(layer: DecoderLayer, x: torch.Tensor, opts: QuantOptions) -> dict:
+    quantized = {}
+    for names, input_of in GPTQ_STAGES:
+        width = layer.w[names[0] + ".weight"].shape[1]
+        hessian = Hessian(width)
+        for rows in range(0, x.shape[0], 8):  # activations a few sequences at a time
+            hessian.add(input_of(layer, x[rows:rows + 8]))
+        for n in names:
+            qw = gptq_quantize(layer.w[n + ".weight"], hessian.H, opts.group_size, opts.damp, opts.act_order)
+            quantized[n] = qw
+            layer.w[n + ".weight"] = qw.dequantize()  # later stages see this stage quantized
+    return quantized
+
+
+def refuse_quantized(ckpt: Checkpoint) -> None:
+    qc = ckpt.hf_config.get("quantization_config")
+    if qc or any(n.endswith(".qweight") for n in ckpt.names()):
+        method = (qc or {}).get("quant_method", "int4")
+        raise UserError(f"{ckpt.name} is already quantized ({method}); quantize its float checkpoint instead")
+
+
+def check_shapes(cfg, group_size: int) -> None:
+    """A group size need not divide the widths (the last group is then short, see rtn.pad_groups);
+    packing needs multiples of 8."""
+    for what, dim in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
+                      ("num_heads * head_dim", cfg.q_size), ("num_kv_heads * head_dim", cfg.kv_size)):
+        if dim % 8:
+            raise UserError(f"{what} {dim} is not a multiple of 8, which packing int4 weights needs")
+
+
+def write_metadata(folder: Path, ckpt: Checkpoint, opts: QuantOptions, index: dict) -> None:
+    qc = quantization_config(opts)
+    config = dict(ckpt.hf_config, quantization_config=qc)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if opts.format == "gptq":
+        (folder / "quantize_config.json").write_text(json.dumps(qc, indent=2, sort_keys=True) + "\n")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": dict(sorted(index.items()))}, indent=2) + "\n")
+    for name, data in ckpt.tokenizer_files.items():
+        (folder / name).write_bytes(data)
+
+
+def quantization_config(opts: QuantOptions) -> dict:
+    meta = {"quantizer": ["engc"], "method": opts.method}
+    if opts.format == "awq":
+        return {"quant_method": "awq", "bits": opts.bits, "group_size": opts.group_size,
+                "zero_point": True, "version": "gemm", "modules_to_not_convert": None, "meta": meta}
+    return {"quant_method": "gptq", "bits": opts.bits, "group_size": opts.group_size,
+            "desc_act": opts.act_order, "sym": False, "true_sequential": True, "static_groups": False,
+            "damp_percent": opts.damp, "checkpoint_format": "gptq", "lm_head": False, "meta": meta}
+
+
+def current_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

@@ -1,0 +1,91 @@
+"""The int4 math on its own: packing layouts, RTN, GPTQ and AWQ against each other on synthetic data."""
+import torch
+
+from engc.compiler.quantize.awq import clip_weight
+from engc.compiler.quantize.formats import AWQ_ORDER, pack_columns, to_awq, to_gptq, unpack_columns
+from engc.compiler.quantize.gptq import Hessian, gptq_quantize
+from engc.compiler.quantize.rtn import quantize_rtn
+from engc.kernels.int4_linear import dequantize, int4_linear, pack_int4, unpack_int4
+
+
+def correlated_inputs(n=2048, k=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) / k ** 0.5
+    x = torch.randn(n, k, generator=g) @ mix
+    x[:, :8] *= 20  # a few outlier channels, as real activations have
+    return x
+
+
+def test_pack_roundtrips():
+    q = torch.randint(0, 16, (64, 48), dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(q)), q)
+    assert torch.equal(unpack_columns(pack_columns(q, AWQ_ORDER), AWQ_ORDER), q)
+    words = pack_columns(torch.arange(8, dtype=torch.uint8)[None, :], AWQ_ORDER)
+    assert int(words) == sum(c << (4 * i) for i, c in enumerate(AWQ_ORDER))  # AutoAWQ's interleave
+
+
+def test_formats_hold_the_same_weight():
+    w = torch.randn(96, 128)
+    qw = quantize_rtn(w, 32)
+    ref = qw.dequantize()
+    assert (ref - w).abs().max() <= qw.scales.max() * 0.5 + 1e-6
+    a, g = to_awq(qw), to_gptq(qw)
+    awq = (unpack_columns(a["qweight"], AWQ_ORDER).float()
+           - unpack_columns(a["qzeros"], AWQ_ORDER).float().repeat_interleave(32, 0)) * a["scales"].float().repeat_interleave(32, 0)
+    z = ((unpack_columns(g["qzeros"]).long() + 1) & 15).float()
+    gptq = (unpack_int4(g["qweight"]).float() - z[g["g_idx"].long()]) * g["scales"].float()[g["g_idx"].long()]
+    for dense in (awq, gptq):
+        assert torch.allclose(dense.T, ref, atol=1e-2 * ref.abs().max())
+
+
+def test_int4_linear_reference_matches_dense():
+    w = torch.randn(64, 128)
+    qw = quantize_rtn(w, 64)
+    qweight, zeros = pack_int4(qw.q.T.contiguous()), qw.zeros.T.contiguous()
+    x = torch.randn(5, 128)
+    y = int4_linear(x, qweight, qw.scales.T.contiguous(), zeros, group_size=64)
+    assert torch.allclose(y, x @ qw.dequantize().T, atol=1e-4)
+    assert torch.allclose(dequantize(qweight, qw.scales.T.contiguous(), zeros, 64), qw.dequantize().T)
+
+
+def test_gptq_beats_rtn_on_layer_output():
+    x = correlated_inputs()
+    w = torch.randn(128, 256)
+    h = Hessian(256)
+    for chunk in x.split(512):
+        h.add(chunk)
+    ref = x @ w.T
+    err = lambda qw: ((x @ qw.dequantize().T - ref) ** 2).mean().item()  # noqa: E731
+    rtn = err(quantize_rtn(w, 64))
+    gptq = err(gptq_quantize(w, h.H, 64))
+    act = gptq_quantize(w, h.H, 64, act_order=True)
+    assert gptq < 0.8 * rtn and err(act) < 0.8 * rtn
+    assert not torch.equal(act.g_idx.long(), torch.arange(256) // 64)  # act-order really permuted
+
+
+def test_awq_clipping_does_not_hurt():
+    x = correlated_inputs(k=128)
+    w = torch.randn(64, 128)
+    w[0, 0] = 12.0  # an outlier weight worth clipping
+    ref = x @ w.T
+    err = lambda v: ((x @ quantize_rtn(v, 32).dequantize().T - ref) ** 2).mean().item()  # noqa: E731
+    assert err(clip_weight(w, x, 32, grid=20)) <= err(w)
+
+
+def test_ragged_last_group_is_zero_padding():
+    """576 inputs in groups of 128 (SmolLM2's hidden size): the last group holds 64 channels."""
+    x = correlated_inputs(k=576)
+    w = torch.randn(64, 576)
+    qw = quantize_rtn(w, 128)
+    assert qw.scales.shape == (64, 5) and (qw.dequantize() - w).abs().max() <= qw.scales.max() / 2 + 1e-6
+    padded = quantize_rtn(torch.nn.functional.pad(w, (0, 64)), 128)
+    assert torch.equal(padded.q[:, :576], qw.q) and torch.equal(padded.scales, qw.scales)
+    h = Hessian(576)
+    h.add(x)
+    g = gptq_quantize(w, h.H, 128)
+    assert g.scales.shape == (64, 5)
+    y = x @ w.T
+    assert ((x @ g.dequantize().T - y) ** 2).mean() < ((x @ qw.dequantize().T - y) ** 2).mean()
+    qweight = pack_int4(qw.q.T.contiguous())
+    assert torch.allclose(dequantize(qweight, qw.scales.T.contiguous(), qw.zeros.T.contiguous(), 128),
+                          qw.dequantize().T)
