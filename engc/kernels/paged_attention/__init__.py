@@ -34,8 +34,8 @@ def paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc,
         k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)                 # [H, ctx, D]
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (qb @ k.transpose(1, 2)) * scale
-        q_pos = torch.arange(ctx - (qe - qs), ctx)[:, None]
-        k_pos = torch.arange(ctx)[None, :]
+        q_pos = torch.arange(ctx - (qe - qs), ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
         visible = k_pos <= q_pos
         if sliding_window:
             visible &= k_pos > q_pos - sliding_window
@@ -43,3 +43,88 @@ def paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc,
         o = torch.softmax(scores, dim=-1) @ v                                         # [H, n, D]
         out[qs:qe] = o.transpose(0, 1).reshape(qe - qs, num_heads * head_dim).to(q.dtype)
     return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, decode_consts: dict) -> int:
+    """How many programs share one (sequence, KV head) in the split-KV decode kernel: enough to reach
+    target_programs, each with at least a minimum of context, since a split costs a partial write and
+    the reduce launch. The minimum is min_split_tokens while (sequence, KV head) pairs alone fill less
+    than half of target_programs, else min_split_tokens_busy (measured on an H200: with 256 pairs,
+    splitting paid only from 2048 tokens of context)."""
+    ctx = max(max_context_len, 1)
+    pairs = max(num_seqs, 1) * num_kv_heads
+    busy = 2 * pairs >= decode_consts["target_programs"]
+    min_tokens = decode_consts.get("min_split_tokens_busy" if busy else "min_split_tokens", 1)
+    tiles = _cdiv(ctx, decode_consts["BLOCK_N"])
+    wanted = _cdiv(decode_consts["target_programs"], pairs)
+    return max(1, min(decode_consts["max_splits"], tiles, ctx // min_tokens, wanted))
+
+
+def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, num_splits: int, device):
+    """Partial results of the split-KV decode: (acc [S*H*splits*D], max/sum [S*H*splits*2]) float32."""
+    n = num_seqs * num_heads * num_splits
+    return (torch.empty(n * head_dim, dtype=torch.float32, device=device),
+            torch.empty(n * 2, dtype=torch.float32, device=device))
+
+
+def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num_heads: int, num_kv_heads: int,
+           head_dim: int, scale: float, sliding_window: int = 0, max_query_len: int,
+           max_context_len: int | None = None, decode_rows: bool = True, workspace=None, consts):
+    """Launch rule of the paged-attention kernels: [(variant, grid, args)], in launch order.
+
+    q, out contiguous [T, H * D]; kv_cache contiguous [2, blocks, block_size, KV, D]; block_tables
+    [B, max_blocks], context_lens [B], query_start_loc [B + 1], all int32. Host-side facts:
+    max_query_len (the longest query slice), max_context_len (bounds the split count; defaults to the
+    block table's capacity; keep it fixed when capturing a CUDA graph), decode_rows (False when no sequence
+    has exactly one query token: skips the decode launch beside a prefill). consts: variant -> the
+    record's 'launch' dict, for 'decode', 'decode_reduce', 'prefill'. workspace: decode_workspace(...)
+    with at least this launch's split count, else allocated here.
+
+    args of 'decode' (grid (B, KV, splits); part_acc, part_ml are 0 (null) when splits == 1):
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, part_acc, part_ml,
+        scale (fp32), sliding_window (i32), block_table_stride (i32), num_splits (i32), 0, 0
+    args of 'decode_reduce' (grid (B, H), only when splits > 1):
+        query_start_loc, part_acc, part_ml, out, num_splits (i32), 0, 0
+    args of 'prefill' (grid (cdiv(max_query_len, BLOCK_M // GROUP), B, KV)):
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
+        scale (fp32), sliding_window (i32), block_table_stride (i32), skip_decode (i32), 0, 0
+    """
+    assert q.is_contiguous() and out.is_contiguous() and kv_cache.is_contiguous()
+    assert block_tables.dtype == context_lens.dtype == query_start_loc.dtype == torch.int32
+    assert block_tables.stride(1) == 1
+    num_seqs = block_tables.shape[0]
+    if num_seqs == 0 or max_query_len == 0:
+        return []
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    bt_stride = block_tables.stride(0)
+    common = [q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out]
+    launches = []
+    if max_query_len > 1:
+        skip = 1 if decode_rows else 0
+        p = consts["prefill"]
+        tokens = p["BLOCK_M"] // p["GROUP"]
+        launches.append(("prefill", (_cdiv(max_query_len, tokens), num_seqs, num_kv_heads),
+                         common + [float(scale), int(sliding_window), bt_stride, skip, 0, 0]))
+        if not decode_rows:
+            return launches
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * kv_cache.shape[2]
+    d = consts["decode"]
+    splits = decode_splits(num_seqs, num_kv_heads, max_context_len, d)
+    if splits > 1:
+        if workspace is None:
+            workspace = decode_workspace(num_seqs, num_heads, head_dim, splits, q.device)
+        part_acc, part_ml = workspace
+        assert part_ml.numel() >= num_seqs * num_heads * splits * 2
+    else:
+        part_acc, part_ml = 0, 0          # unused with one split: null pointers
+    launches.append(("decode", (num_seqs, num_kv_heads, splits),
+                     common + [part_acc, part_ml, float(scale), int(sliding_window), bt_stride, splits, 0, 0]))
+    if splits > 1:
+        launches.append(("decode_reduce", (num_seqs, num_heads, 1),
+                         [query_start_loc, part_acc, part_ml, out, splits, 0, 0]))
+    return launches

@@ -13,3 +13,18 @@ def qk_norm(qkv, q_weight, k_weight, num_heads: int, num_kv_heads: int, head_dim
     q = rms_norm(q.reshape(t, num_heads, head_dim), q_weight, eps).reshape(t, -1)
     k = rms_norm(k.reshape(t, num_kv_heads, head_dim), k_weight, eps).reshape(t, -1)
     return torch.cat([q, k, v], dim=-1)
+
+
+def launch(qkv, q_weight, k_weight, eps: float, out, consts=None):
+    """Launch rule of qk_norm_kernel: [(variant, grid, args)].
+
+    qkv, out: contiguous [T, (H + 2 KV) * D]; out may be qkv (in place, v untouched) or a separate buffer
+    (v is copied). args: qkv, q_weight, k_weight, out, eps (fp32), copy_v (i32),
+    global_scratch=0, profile_scratch=0. consts is unused.
+    """
+    rows = qkv.numel() // qkv.shape[-1]
+    assert qkv.is_contiguous() and out.is_contiguous() and qkv.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
+    if rows == 0:
+        return []
+    copy_v = 0 if out.data_ptr() == qkv.data_ptr() else 1
+    return [("default", (rows, 1, 1), [qkv, q_weight, k_weight, out, float(eps), copy_v, 0, 0])]

@@ -1,0 +1,99 @@
+"""compile_kernels and the kernel-table record written for each compiled kernel.
+
+Record schema (all JSON types; one per (op, variant, arch)):
+  op, variant, arch            e.g. "paged_attention", "decode", "sm90"
+  entry                        kernel symbol in the cubin (cuModuleGetFunction name)
+  cubin, ptx, source           bundle-relative paths of the cubin, its PTX and the Triton source file
+  ptx_version, ptx_target      PTX ISA pinned for the driver's JIT (87 = ISA 8.7), .target of the PTX
+  num_warps, num_ctas          block = (32 * num_warps, 1, 1); num_ctas is always 1
+  shared_mem                   dynamic shared memory bytes to pass to cuLaunchKernel; above 49152 the
+                               launcher must first raise CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+  args                         [{"name", "type"}] in launch order: the kernel's runtime params (types
+                               "*bf16" pointer, "i32", "fp32", ...) then two "*i8" scratch params
+                               (global_scratch, profile_scratch) that take null
+  align                        pointer params are assumed 16-byte aligned (Triton divisibility hint)
+  constexprs                   the values the kernel was specialized on
+  launch                       constants the op's launch rule reads (pass as consts[variant])
+  tune_key, tune               tune-table key and entry chosen
+  triton_version               compiler that produced the cubin
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engc.bundle.model_config import ModelConfig
+from engc.compiler.codegen.aot import PTX_VERSION, compile_in_children, compile_spec
+from engc.compiler.codegen.specs import KernelSpec, model_specs
+
+SCRATCH_ARGS = [{"name": "global_scratch", "type": "*i8"}, {"name": "profile_scratch", "type": "*i8"}]
+
+
+@dataclass
+class CodegenResult:
+    files: dict[str, bytes] = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)
+
+
+def kernel_record(spec: KernelSpec, meta: dict, cubin_path: str, ptx_path: str, source_path: str) -> dict:
+    args = [{"name": name, "type": ty} for name, ty in spec.signature().items() if ty != "constexpr"]
+    return {
+        "op": spec.op, "variant": spec.variant, "arch": spec.arch, "entry": meta["name"],
+        "cubin": cubin_path, "ptx": ptx_path, "source": source_path,
+        "ptx_version": PTX_VERSION, "ptx_target": meta["ptx_target"],
+        "num_warps": meta["num_warps"], "num_ctas": meta["num_ctas"], "shared_mem": meta["shared"],
+        "args": args + SCRATCH_ARGS, "align": 16,
+        "constexprs": {k: spec.constexprs[k] for k in sorted(spec.constexprs)},
+        "launch": dict(sorted(spec.launch.items())),
+        "tune_key": spec.tune_key, "tune": dict(sorted(spec.tune.items())),
+        "triton_version": meta["triton_version"],
+    }
+
+
+def default_jobs() -> int:
+    """Half the CPUs, at most 8: each child pays a few seconds to import Triton, so two CPUs gain nothing."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
+def _compile_all(specs: list[KernelSpec], progress, jobs: int) -> list:
+    """compile_spec over specs, in order; jobs > 1 spreads them over child processes."""
+    if jobs <= 1 or len(specs) <= 1:
+        out = []
+        for spec in specs:
+            if progress:
+                progress(f"compiling {spec.arch} {spec.op}.{spec.variant}")
+            out.append(compile_spec(spec))
+        return out
+    if progress:
+        progress(f"compiling {len(specs)} kernels in {min(jobs, len(specs))} processes")
+    return compile_in_children(specs, jobs)
+
+
+def compile_specs(specs: list[KernelSpec], progress: Callable[[str], None] | None = None,
+                  jobs: int | None = None) -> CodegenResult:
+    result = CodegenResult()
+    specs = sorted(specs, key=lambda s: (s.arch, s.op, s.variant))
+    compiled = _compile_all(specs, progress, default_jobs() if jobs is None else jobs)
+    for spec, (cubin, ptx, meta) in zip(specs, compiled):
+        stem = f"kernels/{spec.arch}/{spec.op}.{spec.variant}"
+        source_path = f"kernels/src/{spec.op}.py"
+        result.files[f"{stem}.cubin"] = cubin
+        result.files[f"{stem}.ptx"] = ptx.encode()
+        if source_path not in result.files:
+            result.files[source_path] = inspect.getsource(inspect.getmodule(spec.fn().fn)).encode()
+        result.records.append(kernel_record(spec, meta, f"{stem}.cubin", f"{stem}.ptx", source_path))
+    return result
+
+
+def compile_kernels(cfg: ModelConfig, dtype: torch.dtype, archs: list[str], block_size: int,
+                    progress: Callable[[str], None] | None = None, jobs: int | None = None) -> CodegenResult:
+    """Compile every kernel cfg needs for each arch ("sm80", "sm90"), for a KV cache of block_size tokens.
+
+    jobs: compiler processes (default: default_jobs(); 1 compiles in this process).
+    """
+    specs = [s for arch in sorted(set(archs)) for s in model_specs(cfg, dtype, arch, block_size)]
+    return compile_specs(specs, progress, jobs)

@@ -1,0 +1,63 @@
+"""The per-arch tune table: block shapes, warps, pipeline depth and launch constants per kernel.
+
+Keys are "arch/op/variant/bucket"; the bucket names the shape class the entry was chosen for. The chosen
+key and entry go into every kernel record of the manifest. The sm90 decode and prefill entries and the
+decode split rule were picked from sweeps on an H200 with bench/kernels_device.py (Llama-3-8B and
+Llama-3.2-1B attention shapes, bf16): decode d=64 BLOCK_N 128 and d=128 BLOCK_N 64 were best or within
+noise on most of B 1/32/64 x ctx 512/4096; prefill m64n64w4s3 (d=64) and m128n64w4s3 (d=128) were best on
+2-3 of 3 shapes. sm80 entries are carried over by analogy (no A100 was measured).
+"""
+from __future__ import annotations
+
+ARCHS = ("sm80", "sm90")
+# Programs the split-KV decode aims to keep in flight: about 2 per multiprocessor.
+_SM_COUNT = {"sm80": 108, "sm90": 132}
+
+TUNE: dict[str, dict] = {}
+
+
+def _put(arch: str, op: str, variant: str, bucket: str, **entry):
+    TUNE[f"{arch}/{op}/{variant}/{bucket}"] = entry
+
+
+for _arch in ("sm80", "sm90"):
+    for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 16)):
+        _put(_arch, "rms_norm", "*", _bucket, num_warps=_warps, num_stages=1)
+        _put(_arch, "qk_norm", "*", _bucket, num_warps=_warps, num_stages=1)
+        _put(_arch, "rotary", "*", _bucket, num_warps=_warps, num_stages=1)
+    _put(_arch, "silu_mul", "*", "any", BLOCK=1024, num_warps=4, num_stages=1)
+    _put(_arch, "sampling", "*", "any", BLOCK_V=4096, num_warps=8, num_stages=1)
+    _split = dict(target_programs=2 * _SM_COUNT[_arch], max_splits=64, min_split_tokens=128,
+                  min_split_tokens_busy=1024)
+    _put(_arch, "paged_attention", "decode", "d<=64", BLOCK_N=128, num_warps=4, num_stages=2, **_split)
+    _put(_arch, "paged_attention", "decode", "d<=128", BLOCK_N=64, num_warps=4,
+         num_stages=3 if _arch == "sm90" else 2, **_split)
+    _put(_arch, "paged_attention", "decode", "d>128", BLOCK_N=32, num_warps=4, num_stages=2, **_split)
+    _put(_arch, "paged_attention", "decode_reduce", "any", num_warps=4, num_stages=1)
+
+_put("sm90", "paged_attention", "prefill", "d<=64", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+_put("sm90", "paged_attention", "prefill", "d<=128", BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+_put("sm90", "paged_attention", "prefill", "d>128", BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+_put("sm80", "paged_attention", "prefill", "d<=64", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+_put("sm80", "paged_attention", "prefill", "d<=128", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+_put("sm80", "paged_attention", "prefill", "d>128", BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def block_bucket(block: int) -> str:
+    return "block<=1024" if block <= 1024 else "block<=4096" if block <= 4096 else "block>4096"
+
+
+def head_dim_bucket(head_dim: int) -> str:
+    return "d<=64" if head_dim <= 64 else "d<=128" if head_dim <= 128 else "d>128"
+
+
+def lookup(arch: str, op: str, variant: str, bucket: str, overrides: dict | None = None) -> tuple[str, dict]:
+    """The tune entry for a kernel: exact variant first, then the op's '*' entry."""
+    for key in (f"{arch}/{op}/{variant}/{bucket}", f"{arch}/{op}/*/{bucket}"):
+        if key in TUNE:
+            entry = dict(TUNE[key])
+            if overrides:
+                entry.update(overrides)
+                key += "+override"
+            return key, entry
+    raise KeyError(f"no tune-table entry for {arch}/{op}/{variant}/{bucket}")

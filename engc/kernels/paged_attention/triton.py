@@ -1,0 +1,196 @@
+"""Paged attention kernels: split-KV decode (+ its reduce) and varlen causal prefill/extend.
+
+Both are GQA-aware: one program owns one KV head and every query head of its group, so each KV tile is
+read once per group, not once per query head. KV tiles are BLOCK_N consecutive token positions; each
+token's page comes from the block table (page = pos // PAGE), so BLOCK_N and PAGE are independent.
+Scores use exp2 with the scale folded into log2(e).
+
+decode: grid (num_seqs, NUM_KV_HEADS, num_splits). Handles sequences with exactly one query token (it
+  skips the others, so it can run beside the prefill kernel on a mixed batch). The KV tiles of a
+  sequence are dealt to num_splits programs; with num_splits == 1 the program writes the output itself,
+  otherwise it writes an unnormalized partial (acc, max, sum) that decode_reduce combines.
+decode_reduce: grid (num_seqs, NUM_HEADS).
+prefill: grid (cdiv(max_query_len, BLOCK_M // GROUP), num_seqs, NUM_KV_HEADS). Row m of a program's
+  tile is query token m // GROUP of its slice and head m % GROUP of the group. With skip_decode != 0
+  it leaves one-token sequences to the decode kernel.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, block_table_row, pos, valid, kvh, d,
+                  PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    page = tl.load(block_table_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+    tok = page * PAGE + pos % PAGE
+    ptrs = cache_ptr + (tok * NUM_KV_HEADS + kvh)[:, None] * HEAD_DIM + d[None, :]
+    return tl.load(ptrs, mask=valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                        query_start_loc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                        scale, sliding_window, block_table_stride, num_splits,
+                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(query_start_loc_ptr + b)
+    qlen = tl.load(query_start_loc_ptr + b + 1) - row
+    if qlen != 1:
+        return
+    ctx = tl.load(context_lens_ptr + b)
+    start = 0
+    if sliding_window > 0:
+        start = tl.maximum(ctx - sliding_window, 0)
+    first_tile = start // BLOCK_N
+    n_tiles = tl.cdiv(ctx, BLOCK_N) - first_tile
+    per_split = tl.cdiv(n_tiles, num_splits)
+    lo = first_tile + split * per_split
+    hi = tl.minimum(lo + per_split, first_tile + n_tiles)
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kvh * GROUP + g
+    g_mask = g < GROUP
+    q = tl.load(q_ptr + row.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
+                mask=g_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    qk_scale = scale * 1.4426950408889634
+    bt_row = block_tables_ptr + b.to(tl.int64) * block_table_stride
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    for tile in range(lo, hi):
+        pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = (pos < ctx) & (pos >= start)
+        k = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM)
+        v = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = g_mask[:, None] & (d[None, :] < HEAD_DIM)
+    if num_splits == 1:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + row.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = (b.to(tl.int64) * NUM_HEADS + heads) * num_splits + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + part * 2, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def paged_decode_reduce_kernel(query_start_loc_ptr, part_acc_ptr, part_ml_ptr, out_ptr, num_splits,
+                               NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                               MAX_SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(query_start_loc_ptr + b)
+    if tl.load(query_start_loc_ptr + b + 1) - row != 1:
+        return
+    s = tl.arange(0, MAX_SPLITS)
+    d = tl.arange(0, D_PAD)
+    s_mask = s < num_splits
+    part = (b.to(tl.int64) * NUM_HEADS + h) * num_splits + s
+    m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(l > 0, tl.exp2(m - m_max), 0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                  mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + row.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + h * HEAD_DIM + d,
+             o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, bt_row, kvh, d, q_pos, row_valid, last_pos,
+                  qk_scale, sliding_window, PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  MASKED: tl.constexpr):
+    pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    if MASKED:
+        valid = pos <= last_pos
+    else:
+        valid = pos >= 0
+    k = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM)
+    v = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        visible = (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
+        if sliding_window > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                         query_start_loc_ptr, out_ptr, scale, sliding_window, block_table_stride,
+                         skip_decode,
+                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         D_PAD: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    TOKENS: tl.constexpr = BLOCK_M // GROUP
+    q_tile = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + b)
+    qlen = tl.load(query_start_loc_ptr + b + 1) - q_start
+    if q_tile * TOKENS >= qlen:
+        return
+    if (skip_decode != 0) & (qlen == 1):
+        return
+    ctx = tl.load(context_lens_ptr + b)
+    m_idx = tl.arange(0, BLOCK_M)
+    tok = q_tile * TOKENS + m_idx // GROUP
+    head = kvh * GROUP + m_idx % GROUP
+    row_valid = (m_idx < TOKENS * GROUP) & (tok < qlen)
+    q_pos = ctx - qlen + tok
+    d = tl.arange(0, D_PAD)
+    q_rows = (q_start + tok).to(tl.int64) * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_valid[:, None] & (d[None, :] < HEAD_DIM),
+                other=0.0)
+
+    first_pos = ctx - qlen + q_tile * TOKENS
+    last_pos = ctx - qlen + tl.minimum(q_tile * TOKENS + TOKENS, qlen) - 1
+    qk_scale = scale * 1.4426950408889634
+    bt_row = block_tables_ptr + b.to(tl.int64) * block_table_stride
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    # Tiles wholly at or before every row's position need no mask (the causal prefix); a sliding window
+    # masks everywhere. Rows past qlen attend there too, harmlessly: they are never stored.
+    full_tiles = (first_pos + 1) // BLOCK_N
+    masked_start = full_tiles
+    if sliding_window > 0:
+        full_tiles = 0
+        masked_start = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N
+    for tile in range(0, full_tiles):
+        acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, bt_row, kvh, d, q_pos,
+                                      row_valid, last_pos, qk_scale, sliding_window, PAGE, NUM_KV_HEADS,
+                                      HEAD_DIM, BLOCK_N, DOT_PRECISION, False)
+    for tile in range(masked_start, tl.cdiv(last_pos + 1, BLOCK_N)):
+        acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, bt_row, kvh, d, q_pos,
+                                      row_valid, last_pos, qk_scale, sliding_window, PAGE, NUM_KV_HEADS,
+                                      HEAD_DIM, BLOCK_N, DOT_PRECISION, True)
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + q_rows[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=row_valid[:, None] & (d[None, :] < HEAD_DIM))

@@ -1,0 +1,28 @@
+"""RMSNorm and fused residual-add + RMSNorm: one program per row, the whole row in registers.
+
+Residual: the sum x + residual is written to residual_out, which may be the residual buffer itself (in
+place: each program reads its row completely before it writes it) or a separate buffer.
+Rounding follows the torch reference: the sum is rounded to the storage dtype before it is normalized,
+the normalized value is rounded before the weight multiply.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
+                    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    x = tl.load(x_ptr + row * HIDDEN + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * HIDDEN + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * HIDDEN + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / HIDDEN
+    rstd = 1.0 / tl.sqrt(var + eps)
+    y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * HIDDEN + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)

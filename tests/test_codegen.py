@@ -1,0 +1,137 @@
+"""Codegen compiles every kernel of a tiny model for sm80 and sm90 with no GPU, deterministically, and its
+records agree with the op launch rules the runtime uses."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engc.bundle.model_config import ModelConfig
+
+ARCHS = ["sm80", "sm90"]
+TINY = ModelConfig(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=1,
+                   num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                   max_position_embeddings=256, tie_word_embeddings=True, qk_norm=True)
+EXPECTED = {("rms_norm", "rms_norm"), ("rms_norm", "add_rms_norm"), ("silu_mul", "default"),
+            ("qk_norm", "default"), ("rotary", "pos_i64"), ("rotary", "pos_i32"),
+            ("paged_attention", "decode"), ("paged_attention", "decode_reduce"), ("paged_attention", "prefill"),
+            ("sampling", "logits_bf16"), ("sampling", "logits_fp32")}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from engc.compiler.codegen import compile_kernels
+    # The second run compiles in child processes: identical bytes also prove the parallel path.
+    first = compile_kernels(TINY, torch.bfloat16, ARCHS, block_size=16, jobs=1)
+    second = compile_kernels(TINY, torch.bfloat16, list(reversed(ARCHS)), block_size=16, jobs=2)
+    return first, second
+
+
+def test_every_kernel_compiled_per_arch(runs):
+    result, _ = runs
+    got = {(r["op"], r["variant"], r["arch"]) for r in result.records}
+    assert got == {(op, v, a) for op, v in EXPECTED for a in ARCHS}
+    for r in result.records:
+        cubin, ptx = result.files[r["cubin"]], result.files[r["ptx"]].decode()
+        assert r["source"] in result.files
+        assert cubin[:4] == b"\x7fELF"
+        assert f".entry {r['entry']}(" in ptx
+        assert ".version 8.7" in ptx
+        assert f".target {r['ptx_target']}" in ptx
+        assert r["ptx_target"] == {"sm80": "sm_80", "sm90": "sm_90a"}[r["arch"]]
+        assert r["cubin"].startswith(f"kernels/{r['arch']}/") and r["ptx"].startswith(f"kernels/{r['arch']}/")
+        assert r["args"][-2:] == [{"name": "global_scratch", "type": "*i8"},
+                                  {"name": "profile_scratch", "type": "*i8"}]
+        assert r["tune_key"].startswith(f"{r['arch']}/{r['op']}/")
+        assert r["num_ctas"] == 1 and r["num_warps"] in (1, 2, 4, 8, 16) and r["shared_mem"] >= 0
+
+
+def test_records_are_json_and_paths_are_clean(runs):
+    result, _ = runs
+    json.dumps(result.records, sort_keys=True)
+    for path, data in result.files.items():
+        assert not path.startswith("/") and ".." not in path
+        for marker in (b"/work/", b"/root/", b"/home/", b"/tmp/", b"site-packages"):
+            assert marker not in data, f"{path} embeds a machine path ({marker!r})"
+
+
+def test_byte_identical_across_runs(runs):
+    first, second = runs
+    assert sorted(first.files) == sorted(second.files)
+    for path in first.files:
+        assert first.files[path] == second.files[path], path
+    assert json.dumps(first.records, sort_keys=True) == json.dumps(second.records, sort_keys=True)
+
+
+def _example_launches(consts):
+    """One call of every launch rule on small CPU tensors (only shapes and dtypes matter here)."""
+    from engc.kernels import paged_attention, qk_norm, rms_norm, rotary, sampling, silu_mul
+    H, KV, D, T = TINY.num_heads, TINY.num_kv_heads, TINY.head_dim, 3
+    bf = torch.bfloat16
+    x = torch.randn(T, TINY.hidden_size, dtype=bf)
+    w = torch.ones(TINY.hidden_size, dtype=bf)
+    qkv = torch.randn(T, (H + 2 * KV) * D, dtype=bf)
+    cache = torch.zeros(2, 4, 16, KV, D, dtype=bf)
+    q = torch.randn(T, H * D, dtype=bf)
+    bt = torch.zeros(2, 4, dtype=torch.int32)
+    yield "rms_norm", rms_norm.launch(x, w, 1e-6, torch.empty_like(x))
+    yield "rms_norm", rms_norm.launch(x, w, 1e-6, torch.empty_like(x), residual=x.clone())
+    yield "silu_mul", silu_mul.launch(torch.randn(T, 2 * TINY.intermediate_size, dtype=bf),
+                                      torch.empty(T, TINY.intermediate_size, dtype=bf), consts=consts["silu_mul"])
+    yield "qk_norm", qk_norm.launch(qkv, torch.ones(D, dtype=bf), torch.ones(D, dtype=bf), 1e-6, qkv)
+    for idx in (torch.int64, torch.int32):
+        yield "rotary", rotary.launch(qkv, torch.arange(T).to(idx), torch.ones(D // 2), cache,
+                                      torch.arange(T).to(idx), torch.empty_like(q))
+    for max_q in (1, 2):
+        qsl = torch.tensor([0, 1, 1 + max_q], dtype=torch.int32)
+        yield "paged_attention", paged_attention.launch(
+            q, cache, bt, torch.tensor([5, 9], dtype=torch.int32), qsl, torch.empty_like(q), num_heads=H,
+            num_kv_heads=KV, head_dim=D, scale=0.25, max_query_len=max_q, max_context_len=4096,
+            consts=consts["paged_attention"])
+    for dt in (bf, torch.float32):
+        yield "sampling", sampling.launch(torch.randn(2, TINY.vocab_size, dtype=dt), torch.ones(2),
+                                          torch.zeros(2, dtype=torch.int32), torch.ones(2), torch.rand(2),
+                                          torch.empty(2, dtype=torch.int64))
+
+
+def test_launch_rules_match_records(runs):
+    result, _ = runs
+    records = {(r["op"], r["variant"]): r for r in result.records if r["arch"] == "sm90"}
+    consts = {}
+    for (op, variant), r in records.items():
+        consts.setdefault(op, {})[variant] = r["launch"]
+    seen = set()
+    for op, launches in _example_launches(consts):
+        assert launches
+        for variant, grid, args in launches:
+            seen.add((op, variant))
+            rec = records[(op, variant)]
+            assert len(grid) == 3 and all(isinstance(g, int) and g >= 1 for g in grid)
+            assert len(args) == len(rec["args"]), (op, variant)
+            for value, spec in zip(args, rec["args"]):
+                if spec["type"] == "*i8" or (spec["type"].startswith("*") and isinstance(value, int)):
+                    assert value == 0, (op, variant, spec)    # scratch or an unused (null) pointer
+                elif spec["type"].startswith("*"):
+                    assert isinstance(value, torch.Tensor), (op, variant, spec)
+                    assert value.dtype == _TORCH[spec["type"][1:]], (op, variant, spec)
+                elif spec["type"] == "fp32":
+                    assert isinstance(value, float), (op, variant, spec)
+                else:
+                    assert isinstance(value, int) and not isinstance(value, bool), (op, variant, spec)
+    assert seen == set(records)
+
+
+_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "i32": torch.int32,
+          "i64": torch.int64}
+
+
+def test_tune_entry_recorded_and_unknown_arch_refused():
+    from engc.compiler.codegen import model_specs
+    from engc.errors import UserError
+    specs = model_specs(TINY, torch.float16, "sm90", 16)
+    decode = next(s for s in specs if s.variant == "decode")
+    assert decode.constexprs["BLOCK_N"] == decode.tune["BLOCK_N"]
+    assert decode.launch["target_programs"] == decode.tune["target_programs"]
+    with pytest.raises(UserError, match="unsupported arch 'sm70'"):
+        model_specs(TINY, torch.float16, "sm70", 16)

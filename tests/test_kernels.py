@@ -1,0 +1,284 @@
+"""Triton kernels under TRITON_INTERPRET=1 against their plain-torch references (the op contracts).
+
+The interpreter must be switched on before triton is first imported, and other test modules import
+triton for real, so the checks run in one child process (this file run as a script) and the tests here
+assert on its report. Every launch goes through the op's launch rule with the constexprs codegen picks
+for a small model, so the rules, the argument orders and the specializations are what is tested.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, f"kernel checks crashed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1])
+
+
+CASES = ["rms_norm_fp32", "rms_norm_bf16", "silu_mul_fp32", "silu_mul_bf16", "qk_norm_fp32", "qk_norm_bf16",
+         "rotary_fp32_i64", "rotary_bf16_i32", "attention_mixed_fp32", "attention_mixed_bf16",
+         "attention_gqa3_d64_fp32", "attention_prefill_only_fp32", "attention_decode_split_fp32",
+         "attention_decode_bf16", "attention_window_fp32", "attention_window_long_fp32", "sampling_fp32",
+         "sampling_bf16"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_reference(report, case):
+    assert case in report, f"{case} did not run"
+    assert report[case]["ok"], report[case]
+
+
+def test_op_contracts_do_not_import_triton():
+    code = ("import sys; import engc.kernels.rms_norm, engc.kernels.silu_mul, engc.kernels.qk_norm, "
+            "engc.kernels.rotary, engc.kernels.paged_attention, engc.kernels.sampling; "
+            "assert 'triton' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+# ---------------------------------------------------------------- the child process (TRITON_INTERPRET=1)
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _rel(out, ref):
+    import torch
+    out, ref = out.double(), ref.double()
+    if torch.isnan(out).any():
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _specs(cfg, dtype, page=16, overrides=None):
+    from engc.compiler.codegen.specs import model_specs
+    by_op = {}
+    for s in model_specs(cfg, dtype, "sm90", page, overrides):
+        by_op.setdefault(s.op, {})[s.variant] = s
+    return by_op
+
+
+def _run(specs: dict, launches):
+    """Run launch-rule output the way the runtime does, through the interpreter."""
+    for variant, grid, args in launches:
+        spec = specs[variant]
+        assert args[-2:] == [0, 0], "launch rule must end with the two scratch params"
+        n_params = len([n for n, t in spec.signature().items() if t != "constexpr"])
+        assert len(args) - 2 == n_params, (variant, len(args), n_params)
+        spec.fn()[grid](*args[:-2], **spec.constexprs)
+
+
+def _consts(specs: dict):
+    return {v: s.launch for v, s in specs.items()}
+
+
+def _cfg(**kw):
+    from engc.bundle.model_config import ModelConfig
+    base = dict(family="llama", vocab_size=3000, hidden_size=96, intermediate_size=1500, num_layers=1,
+                num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e4,
+                max_position_embeddings=4096, tie_word_embeddings=False, qk_norm=True)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def check_rms_norm(dtype):
+    import torch
+    from engc.kernels import rms_norm as op
+    cfg = _cfg(hidden_size=200)
+    specs = _specs(cfg, dtype)["rms_norm"]
+    x, r = torch.randn(7, 200, dtype=dtype), torch.randn(7, 200, dtype=dtype)
+    w = torch.randn(200, dtype=dtype)
+    out = torch.full_like(x, float("nan"))
+    _run(specs, op.launch(x, w, 1e-6, out))
+    e1 = _rel(out, op.rms_norm(x, w, 1e-6))
+    y_ref, s_ref = op.add_rms_norm(x, r, w, 1e-6)
+    out = torch.full_like(x, float("nan"))
+    res = r.clone()
+    _run(specs, op.launch(x, w, 1e-6, out, residual=res))      # in place into the residual
+    return max(e1, _rel(out, y_ref), _rel(res, s_ref))
+
+
+def check_silu_mul(dtype):
+    import torch
+    from engc.kernels import silu_mul as op
+    specs = _specs(_cfg(), dtype)["silu_mul"]
+    gu = torch.randn(5, 3000, dtype=dtype)
+    out = torch.full((5, 1500), float("nan"), dtype=dtype)
+    _run(specs, op.launch(gu, out, consts=_consts(specs)))
+    return _rel(out, op.silu_mul(gu))
+
+
+def check_qk_norm(dtype):
+    import torch
+    from engc.kernels import qk_norm as op
+    cfg = _cfg(num_heads=6, num_kv_heads=2, head_dim=32)
+    specs = _specs(cfg, dtype)["qk_norm"]
+    qkv = torch.randn(5, (6 + 4) * 32, dtype=dtype)
+    qw, kw = torch.randn(32, dtype=dtype), torch.randn(32, dtype=dtype)
+    ref = op.qk_norm(qkv, qw, kw, 6, 2, 32, 1e-6)
+    out = torch.full_like(qkv, float("nan"))
+    _run(specs, op.launch(qkv, qw, kw, 1e-6, out))
+    inplace = qkv.clone()
+    _run(specs, op.launch(inplace, qw, kw, 1e-6, inplace))
+    return max(_rel(out, ref), _rel(inplace, ref))
+
+
+def check_rotary(dtype, idx_dtype):
+    import torch
+    from engc.kernels import rotary as op
+    H, KV, D, page = 6, 2, 32, 4
+    cfg = _cfg(num_heads=H, num_kv_heads=KV, head_dim=D)
+    specs = _specs(cfg, dtype, page)["rotary"]
+    T = 9
+    qkv = torch.randn(T, (H + 2 * KV) * D, dtype=dtype)
+    positions = torch.tensor([0, 1, 2, 7, 100, 4000, 5, 6, 70000]).to(idx_dtype)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+    slots = torch.randperm(6 * page)[:T].to(idx_dtype)
+    cache = torch.randn(2, 6, page, KV, D, dtype=dtype)
+    ref_cache = cache.clone()
+    ref_q = op.rotary_kv_write(qkv, positions, inv_freq, ref_cache, slots, H, KV, D)
+    q_out = torch.full((T, H * D), float("nan"), dtype=dtype)
+    _run(specs, op.launch(qkv, positions, inv_freq, cache, slots, q_out))
+    return max(_rel(q_out, ref_q), _rel(cache, ref_cache))
+
+
+def _attention_batch(seqs, H, KV, D, page, dtype, gen):
+    import torch
+    blocks_per = [_cdiv(ctx, page) for ctx, _ in seqs]
+    total = sum(blocks_per) + 3
+    perm = torch.randperm(total, generator=gen).to(torch.int32)
+    bt = torch.full((len(seqs), max(blocks_per) + 1), total - 1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per):
+        bt[b, :n] = perm[used:used + n]
+        used += n
+    kv_cache = torch.randn(2, total, page, KV, D, generator=gen).to(dtype)
+    ctx = torch.tensor([c for c, _ in seqs], dtype=torch.int32)
+    qsl = torch.tensor([0] + [q for _, q in seqs], dtype=torch.int32).cumsum(0).to(torch.int32)
+    q = torch.randn(int(qsl[-1]), H * D, generator=gen).to(dtype)
+    return q, kv_cache, bt, ctx, qsl
+
+
+def check_attention(dtype, seqs, H=4, KV=2, D=32, page=16, window=0, overrides=None, decode_rows=True,
+                    max_context_len=None):
+    import torch
+    from engc.kernels import paged_attention as op
+    gen = torch.Generator().manual_seed(len(seqs) * 1000 + H * 10 + D)
+    cfg = _cfg(num_heads=H, num_kv_heads=KV, head_dim=D)
+    specs = _specs(cfg, dtype, page, {"paged_attention": overrides or {}})["paged_attention"]
+    q, kv_cache, bt, ctx, qsl = _attention_batch(seqs, H, KV, D, page, dtype, gen)
+    scale = D ** -0.5
+    ref = op.paged_attention(q, kv_cache, bt, ctx, qsl, H, KV, D, scale, window)
+    out = torch.full_like(q, float("nan"))
+    launches = op.launch(q, kv_cache, bt, ctx, qsl, out, num_heads=H, num_kv_heads=KV, head_dim=D, scale=scale,
+                         sliding_window=window, max_query_len=max(n for _, n in seqs),
+                         max_context_len=max_context_len, decode_rows=decode_rows, consts=_consts(specs))
+    _run(specs, launches)
+    return _rel(out, ref), [(v, list(g)) for v, g, _ in launches]
+
+
+def check_sampling(dtype, block_v=None):
+    import torch
+    from engc.kernels import sampling as op
+    cfg = _cfg(vocab_size=3000)
+    specs = _specs(cfg, torch.bfloat16, overrides={"sampling": {"BLOCK_V": block_v}} if block_v else None)["sampling"]
+    gen = torch.Generator().manual_seed(7)
+    rows = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 50, 1.0), (1.3, 0, 0.9), (0.8, 20, 0.5), (1.0, 1, 1.0),
+            (2.0, 2999, 0.99), (0.5, 3000, 0.3), (1.0, 0, 1.0), (0.0, 5, 0.5)]
+    B = len(rows)
+    logits = (torch.randn(B, 3000, generator=gen) * 3).to(dtype)
+    logits[8, 100:200] = 4.0        # a plateau of ties
+    temperature = torch.tensor([r[0] for r in rows], dtype=torch.float32)
+    top_k = torch.tensor([r[1] for r in rows], dtype=torch.int32)
+    top_p = torch.tensor([r[2] for r in rows], dtype=torch.float32)
+    mismatches = 0
+    for trial in range(3):
+        uniform = torch.rand(B, generator=gen)
+        ref = op.sample(logits, temperature, top_k, top_p, uniform)
+        out = torch.full((B,), -1, dtype=torch.int64)
+        _run(specs, op.launch(logits, temperature, top_k, top_p, uniform, out))
+        mismatches += int((out != ref).sum())
+    return mismatches
+
+
+def _patch_interpreter_bf16_dot():
+    """Triton 3.9's interpreter multiplies bf16 dot operands as their raw uint16 storage; widen them first."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+    original = interp.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def widen(h):
+            if h.dtype.scalar == tl.bfloat16:
+                data = interp._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
+                return interp.TensorHandle(data, tl.float32)
+            return h
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+
+
+def main():
+    import torch
+    _patch_interpreter_bf16_dot()
+    torch.manual_seed(0)
+    f32, bf16 = torch.float32, torch.bfloat16
+    tol = {f32: 1e-5, bf16: 1.5e-2}
+    attn_tol = {f32: 1e-5, bf16: 2e-2}
+    mixed = [(37, 37), (50, 13), (1, 1), (70, 1), (16, 16), (33, 1), (20, 2)]
+    small_tiles = {"decode": {"BLOCK_N": 16, "target_programs": 64, "min_split_tokens": 16},
+                   "prefill": {"BLOCK_M": 16, "BLOCK_N": 16}}
+    checks = {
+        "rms_norm_fp32": (lambda: check_rms_norm(f32), tol[f32]),
+        "rms_norm_bf16": (lambda: check_rms_norm(bf16), tol[bf16]),
+        "silu_mul_fp32": (lambda: check_silu_mul(f32), tol[f32]),
+        "silu_mul_bf16": (lambda: check_silu_mul(bf16), tol[bf16]),
+        "qk_norm_fp32": (lambda: check_qk_norm(f32), tol[f32]),
+        "qk_norm_bf16": (lambda: check_qk_norm(bf16), tol[bf16]),
+        "rotary_fp32_i64": (lambda: check_rotary(f32, torch.int64), tol[f32]),
+        "rotary_bf16_i32": (lambda: check_rotary(bf16, torch.int32), tol[bf16]),
+        "attention_mixed_fp32": (lambda: check_attention(f32, mixed, overrides=small_tiles), attn_tol[f32]),
+        "attention_mixed_bf16": (lambda: check_attention(bf16, mixed, overrides=small_tiles), attn_tol[bf16]),
+        "attention_gqa3_d64_fp32": (lambda: check_attention(f32, mixed, H=6, KV=2, D=64, page=8,
+                                                            overrides=small_tiles), attn_tol[f32]),
+        "attention_prefill_only_fp32": (lambda: check_attention(f32, mixed, decode_rows=False,
+                                                                overrides=small_tiles), attn_tol[f32]),
+        "attention_decode_split_fp32": (lambda: check_attention(f32, [(1, 1), (45, 1), (130, 1), (64, 1)],
+                                                                overrides=small_tiles), attn_tol[f32]),
+        "attention_decode_bf16": (lambda: check_attention(bf16, [(5, 1), (200, 1)], H=8, KV=1, D=64, page=32,
+                                                          max_context_len=32), attn_tol[bf16]),
+        "attention_window_fp32": (lambda: check_attention(f32, mixed, window=9, overrides=small_tiles),
+                                  attn_tol[f32]),
+        "attention_window_long_fp32": (lambda: check_attention(f32, [(150, 40), (100, 1), (90, 90)], window=33,
+                                                               overrides=small_tiles), attn_tol[f32]),
+        "sampling_fp32": (lambda: check_sampling(f32, block_v=512), 0),
+        "sampling_bf16": (lambda: check_sampling(bf16), 0),
+    }
+    report = {}
+    for name, (fn, limit) in checks.items():
+        try:
+            got = fn()
+            err, info = got if isinstance(got, tuple) else (got, None)
+            report[name] = {"ok": err <= limit, "err": err, "limit": limit, "launches": info}
+        except Exception as exc:  # reported per case, so one failure does not hide the others
+            import traceback
+            report[name] = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path.insert(0, str(ROOT))
+    main()
