@@ -43,14 +43,16 @@ def main():
               help="Comma list of targets: cpu, sm80, sm86, sm89, sm90 (GPU kernels are compiled ahead of time).")
 @click.option("--dtype", default="auto", show_default=True,
               help="float32, bfloat16 or float16; auto = float32 for cpu-only bundles, bfloat16 otherwise.")
+@click.option("--kernel-cache", default=None, envvar="ENGC_KERNEL_CACHE", type=click.Path(file_okay=False),
+              help="Folder of compiled kernels to reuse and fill (keyed by shapes, dtype, arch, sources).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
-def build(src, out, arch, dtype, as_json):
+def build(src, out, arch, dtype, kernel_cache, as_json):
     """Build a bundle from SRC: a Hugging Face folder, a .gguf file, or 'default'."""
     from engc.bundle.manifest import parse_archs
     from engc.compiler.build import BuildOptions
     from engc.compiler.build import build as build_bundle
     from engc.progress import Progress
-    opts = BuildOptions(archs=tuple(parse_archs(arch)), dtype=dtype)
+    opts = BuildOptions(archs=tuple(parse_archs(arch)), dtype=dtype, kernel_cache=kernel_cache)
     summary = build_bundle(src, out, opts, Progress(enabled=not as_json))
     if as_json:
         click.echo(json.dumps(summary, sort_keys=True))

@@ -27,6 +27,7 @@ class BuildOptions:
     archs: tuple[str, ...] = ("cpu",)
     dtype: str = "auto"          # auto: float32 for a CPU-only bundle, bfloat16 when GPUs are targeted
     kv_block_size: int = KV_BLOCK_SIZE
+    kernel_cache: str | None = None   # folder of compiled kernels to reuse (see kernel_cache.py)
     quant: str = "auto"          # auto: as the checkpoint is (float, or AWQ/GPTQ int4 repacked)
 
     def resolved_dtype(self) -> str:
@@ -77,8 +78,9 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
     gpu_archs = [a for a in opts.archs if a != "cpu"]
     if gpu_archs:
         with progress.step(f"compile kernels for {','.join(gpu_archs)}"):
-            from engc.compiler.codegen import compile_kernels
-            result = compile_kernels(cfg, DTYPES[dtype_name], gpu_archs, opts.kv_block_size)
+            from engc.compiler.kernel_cache import compile_cached
+            result = compile_cached(cfg, DTYPES[dtype_name], gpu_archs, opts.kv_block_size,
+                                    Path(opts.kernel_cache) if opts.kernel_cache else None)
             files.update(result.files)
             kernels = result.records
 

@@ -18,11 +18,21 @@ from engc.runtime.tokenizer import IncrementalDecoder
 
 @dataclass(frozen=True)
 class EngineConfig:
-    num_blocks: int = 512               # KV blocks (CPU); GPUs size this from free memory
+    num_blocks: int = 0                 # KV blocks; 0: 512 on the CPU, kv_memory_fraction of free GPU memory
     max_num_seqs: int = 256
     max_batched_tokens: int = 2048      # per-step token budget: bounds a prefill chunk
     prefix_cache: bool = True           # reuse the K/V of full blocks whose token prefix was seen
     max_sessions: int = 64              # chats whose KV is held between requests (session_id)
+    kv_memory_fraction: float = 0.85    # of the GPU memory free after weights, when num_blocks is 0
+    cuda_graphs: bool = True            # capture decode graphs at start (GPU only)
+
+
+def default_num_blocks(model: LoadedModel, fraction: float) -> int:
+    if model.device.type != "cuda":
+        return 512
+    free, _ = torch.cuda.mem_get_info(model.device)
+    per_block = KVCache.bytes_per_block(model.config, model.block_size, model.dtype)
+    return max(16, int(free * fraction) // per_block)
 
 
 @dataclass
@@ -38,11 +48,20 @@ class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
         self.model = model
         self.config = config
-        self.kv = KVCache(model.config, config.num_blocks, model.block_size, model.dtype, model.device,
+        num_blocks = config.num_blocks or default_num_blocks(model, config.kv_memory_fraction)
+        self.kv = KVCache(model.config, num_blocks, model.block_size, model.dtype, model.device,
                           config.prefix_cache)
         self.scheduler = Scheduler(self.kv.allocator, config.max_num_seqs, config.max_batched_tokens,
                                    config.max_sessions)
-        self.max_context = min(model.config.max_position_embeddings, config.num_blocks * model.block_size)
+        self.max_context = min(model.config.max_position_embeddings, num_blocks * model.block_size)
+        self.executor = model.executor
+        if model.device.type == "cuda":
+            from engc.runtime.cuda_graphs import GraphedExecutor
+            self.executor = GraphedExecutor(model.executor, model.step_facts,
+                                            -(-self.max_context // model.block_size), model.block_size,
+                                            config.max_num_seqs, model.device, config.cuda_graphs)
+            if config.cuda_graphs:
+                self.executor.capture(self.kv.layers)
         self.decoders: dict[Sequence, IncrementalDecoder] = {}
         self.sequences: dict[str, Sequence] = {}
 
@@ -92,7 +111,7 @@ class Engine:
             return []
         inputs, sampled = self._inputs(batch)
         with torch.inference_mode():
-            logits = self.model.executor.forward(inputs, self.kv.layers)
+            logits = self.executor.forward(inputs, self.kv.layers)
         outputs = []
         self.scheduler.commit(batch)
         for seq, token in zip(sampled, self._sample(logits, sampled)):

@@ -27,6 +27,7 @@ class LoadedModel:
     executor: Executor
     tokenizer: Tokenizer
     block_size: int
+    step_facts: object = None   # gpu_ops.StepFacts on a GPU: host-side batch facts kernels read
 
 
 def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> LoadedModel:
@@ -34,9 +35,7 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
     cfg = bundle.config
     if bundle.dtype not in TORCH_DTYPES:
         raise BundleError(f"{bundle.path}: unsupported dtype '{bundle.dtype}'")
-    dev = torch.device(device)
-    if dev.type != "cpu":
-        raise BundleError(f"device '{device}' is not supported by this runtime yet; use cpu")
+    dev = pick_device(device)
     program = parse_program(bundle.read(bundle.manifest["program"]))
     weights = {}
     for rel in bundle.manifest["weights"]:
@@ -44,7 +43,25 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
     missing = [n for n in program.initializers if n not in weights]
     if missing:
         raise BundleError(f"{bundle.path}: program needs weight '{missing[0]}' missing from the weights")
-    executor = Executor(program, weights, REFERENCE_OPS)
+    facts = None
+    if dev.type == "cuda":
+        from engc.runtime.gpu_ops import BundleKernels, StepFacts, device_arch, gpu_ops
+        facts = StepFacts()
+        executor = Executor(program, weights, gpu_ops(BundleKernels(bundle, device_arch(dev)), facts))
+    else:
+        executor = Executor(program, weights, REFERENCE_OPS)
     tokenizer = Tokenizer(bundle.file("tokenizer"), cfg.eos_token_ids)
     return LoadedModel(bundle, cfg, TORCH_DTYPES[bundle.dtype], dev, executor, tokenizer,
-                       bundle.manifest["kv_block_size"])
+                       bundle.manifest["kv_block_size"], facts)
+
+
+def pick_device(device: str) -> torch.device:
+    """'auto' is the GPU when there is one, else the CPU; an explicit 'cuda' without one is refused."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BundleError("no CUDA device is available; run with --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise BundleError(f"unsupported device '{device}'; use cpu, cuda or auto")
+    return dev

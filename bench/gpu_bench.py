@@ -1,0 +1,293 @@
+#!/usr/bin/env python3
+"""engc on the H200: random-weight Llama-3.2-1B and Llama-3-8B shapes, built, checked and timed.
+
+Here (CPU):    python bench/gpu_bench.py prepare --cache .kcache     # compile the sm90 kernels into a cache
+On the device: python bench/gpu_bench.py run --cache .kcache --shapes 1b,8b --out $OUT
+
+`run` makes each checkpoint (HF folder, bf16, seed 0), builds its bundle with `engc build --arch sm90
+--kernel-cache` (the cubins compiled here, no compiler there), checks GPU logits against the reference
+ops, and times decode, throughput, prefill and start-up. Figures are printed as ratios against the
+copy-bandwidth roofline and LMDeploy's figures measured on the same card; JSON goes to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+COPY_BW = 4.25e12        # bytes/s, measured on the H200 2026-11-30
+GEMM_PEAK = 793e12       # bf16 FLOP/s, same day
+LMDEPLOY = {"1b": {"b1": 517.0, "bN": 14356.0, "N": 64}, "8b": {"b1": 214.7, "bN": 5347.0, "N": 32}}
+SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, vocab_size=512),
+}
+
+
+def hf_config(shape: str) -> dict:
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+               rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+               bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
+               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    cfg.update(SHAPES[shape])
+    return cfg
+
+
+def model_config(shape: str):
+    from engc.compiler.frontend.decoder import resolve_config
+    return resolve_config(hf_config(shape))
+
+
+def dtype_of(shape: str):
+    import torch
+    return torch.float32 if shape == "tiny" else torch.bfloat16
+
+
+def prepare(args):
+    from engc.compiler.kernel_cache import compile_cached
+    for shape in args.shapes.split(","):
+        t = time.time()
+        r = compile_cached(model_config(shape), dtype_of(shape), ["sm90"], 16, Path(args.cache))
+        print(f"{shape}: {len(r.records)} kernels in {time.time() - t:.1f}s")
+
+
+# ------------------------------------------------------------------------------------------ device
+
+def make_checkpoint(shape: str, folder: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config(shape)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t128001"}))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dt = dtype_of(shape)
+    h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+
+    def rand(*shape_, std=0.02):
+        return (torch.randn(*shape_, generator=g, device="cuda", dtype=torch.float32) * std).to(dt).cpu()
+
+    tensors = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=dt)}
+    if not cfg["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = rand(cfg["vocab_size"], h)
+    save_file(tensors, str(folder / "model-embed.safetensors"))
+    for layer in range(L):
+        p = f"model.layers.{layer}."
+        t = {p + "input_layernorm.weight": torch.ones(h, dtype=dt),
+             p + "post_attention_layernorm.weight": torch.ones(h, dtype=dt),
+             p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
+             p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
+             p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
+             p + "mlp.down_proj.weight": rand(h, i)}
+        save_file(t, str(folder / f"model-layer{layer:03d}.safetensors"))
+
+
+def timed(fn):
+    import torch
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+def prompts(n: int, length: int, vocab: int, seed: int):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(200, vocab - 200, (n, length), generator=g).tolist()
+
+
+def run_batch(engine, ids_list, out_len):
+    from engc.runtime.sampling import SamplingParams
+    p = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(ids, p) for ids in ids_list]
+    first = None
+    import torch
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+        if first is None and all(len(s.output_ids) >= 1 for s in seqs):
+            first = time.perf_counter()
+    t1 = time.perf_counter()
+    return seqs, t1 - t0, first - t0
+
+
+def weight_bytes(cfg) -> tuple[int, int]:
+    """(bytes a decode step reads, non-embedding parameter count) for bf16 weights."""
+    h, i, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
+    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i
+    params = L * per_layer + V * h  # lm_head counts: it is read every step (tied or not)
+    return 2 * params, params
+
+
+def bench_shape(shape: str, args) -> dict:
+    import torch
+    from engc.compiler.build import BuildOptions, build
+    from engc.runtime.engine import Engine, EngineConfig
+    from engc.runtime.loader import load
+    work = Path(args.work)
+    ckpt, bundle = work / f"ckpt-{shape}", work / f"bundle-{shape}"
+    res = {"shape": shape, "gpu": torch.cuda.get_device_name(), "commit": args.commit}
+    if not (ckpt / "config.json").exists():
+        _, res["make_checkpoint_s"] = timed(lambda: make_checkpoint(shape, ckpt))
+    t = time.perf_counter()
+    build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="float32" if shape == "tiny" else "bfloat16",
+                                          kernel_cache=args.cache))
+    res["build_s"] = round(time.perf_counter() - t, 1)
+
+    # start-up: a fresh process from `engc generate` to its one token, as a user would see it
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "engc.cli", "generate", str(bundle), "--raw", "--prompt",
+                        "t5 t6 t7", "--max-tokens", "1"], capture_output=True, text=True, timeout=300)
+    res["process_to_first_token_s"] = round(time.perf_counter() - t, 2)
+    if r.returncode:
+        res["generate_error"] = r.stderr[-2000:]
+
+    model, res["load_s"] = timed(lambda: load(bundle, device="cuda"))
+    cfg = model.config
+    engine, res["engine_init_and_graph_capture_s"] = timed(
+        lambda: Engine(model, EngineConfig(max_num_seqs=256, max_batched_tokens=8192)))
+    res["kv_blocks"] = engine.kv.allocator.num_blocks
+
+    # correctness: GPU kernels vs the reference ops on the same weights (prefill + 16 greedy tokens)
+    res["check"] = check_against_reference(model, engine, cfg)
+
+    wbytes, params = weight_bytes(cfg)
+    # batch 1 decode, 128 in / 128 out
+    ids = prompts(1, 128, cfg.vocab_size, 1)
+    run_batch(engine, ids, 8)  # warm-up
+    seqs, total, first = run_batch(engine, ids, 128)
+    decode_tps = 127 / (total - first)
+    kv_bytes = 2 * cfg.num_layers * cfg.kv_size * 2 * 192  # average context ~192 tokens
+    res["b1_decode_tok_s"] = round(decode_tps, 1)
+    res["b1_frac_of_copy_roofline"] = round(decode_tps * (wbytes + kv_bytes) / COPY_BW, 3)
+    res["b1_vs_lmdeploy"] = round(decode_tps / LMDEPLOY.get(shape, {}).get("b1", float("nan")), 3)
+    # throughput, 128 in / 128 out, end to end
+    for n in args.batches.get(shape, []):
+        seqs, total, first = run_batch(engine, prompts(n, 128, cfg.vocab_size, n), 128)
+        res[f"b{n}_128_128_out_tok_s"] = round(n * 128 / total, 1)
+        if LMDEPLOY.get(shape, {}).get("N") == n:
+            res[f"b{n}_vs_lmdeploy"] = round(n * 128 / total / LMDEPLOY[shape]["bN"], 3)
+    if shape != "tiny" and args.long:
+        n = 64
+        seqs, total, first = run_batch(engine, prompts(n, 1000, cfg.vocab_size, 7), 1000)
+        res[f"b{n}_1000_1000_out_tok_s"] = round(n * 1000 / total, 1)
+    # prefill at 4k tokens: one request, one step
+    if shape != "tiny":
+        from engc.runtime.sampling import SamplingParams
+        ids = prompts(1, 4096, cfg.vocab_size, 3)[0]
+        for _ in range(2):
+            engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+            _, dt = timed(engine.step)
+        flops = 2 * params * 4096 + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 4096 * 4096  # causal
+        res["prefill_4k_s"] = round(dt, 4)
+        res["prefill_4k_tflops"] = round(flops / dt / 1e12, 1)
+        res["prefill_4k_frac_of_gemm_peak"] = round(flops / dt / GEMM_PEAK, 3)
+    return res
+
+
+def check_against_reference(model, engine, cfg) -> dict:
+    import torch
+    from engc.runtime.executor import Executor
+    from engc.runtime.ops_reference import REFERENCE_OPS
+    from engc.runtime.sampling import SamplingParams
+    ref_exec = Executor(model.executor.program, model.executor.weights, REFERENCE_OPS)
+    ids_list = prompts(2, 40, cfg.vocab_size, 11)
+    p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(ids, p) for ids in ids_list]
+    engine.run_to_completion()
+    # the reference engine: same weights, plain-torch ops on the GPU, no graphs
+    ref_engine = type(engine)(model.__class__(**{**model.__dict__, "executor": ref_exec, "step_facts": None}),
+                              engine.config.__class__(num_blocks=64, cuda_graphs=False))
+    ref_engine.executor = _Eager(ref_exec, model.device)
+    ref_seqs = [ref_engine.add_request(ids, p) for ids in ids_list]
+    ref_engine.run_to_completion()
+    agree = [sum(a == b for a, b in zip(s.output_ids, r.output_ids)) / 16 for s, r in zip(seqs, ref_seqs)]
+    # logits of one prefill through both executors
+    ids = torch.tensor(ids_list[0])
+    n = len(ids)
+    inputs = {"input_ids": ids, "positions": torch.arange(n), "slot_mapping": torch.arange(n),
+              "block_tables": torch.arange((n + 15) // 16, dtype=torch.int32)[None],
+              "context_lens": torch.tensor([n], dtype=torch.int32),
+              "query_start_loc": torch.tensor([0, n], dtype=torch.int32),
+              "logits_indices": torch.arange(n)}
+    kv_a = [torch.zeros_like(t[:, :8]) for t in engine.kv.layers]
+    kv_b = [torch.zeros_like(t[:, :8]) for t in engine.kv.layers]
+    with torch.inference_mode():
+        a = engine.executor.forward(inputs, kv_a)
+        b = _Eager(ref_exec, model.device).forward(inputs, kv_b)
+    rel = float((a - b).abs().max() / b.abs().max())
+    top1 = float((a.argmax(-1) == b.argmax(-1)).float().mean())
+    return {"greedy_token_agreement": agree, "prefill_logits_max_rel_err": rel, "prefill_top1_agreement": top1}
+
+
+class _Eager:
+    def __init__(self, executor, device):
+        self.executor, self.device = executor, device
+
+    def forward(self, inputs, kv):
+        return self.executor.forward({k: v.to(self.device) for k, v in inputs.items()}, kv)
+
+
+def run(args):
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.batches = {"1b": [64, 256], "8b": [32, 256], "tiny": [4]}
+    results = []
+    for shape in args.shapes.split(","):
+        if args.child:
+            res = bench_shape(shape, args)
+            (out / f"engc_{shape}.json").write_text(json.dumps(res, indent=1))
+            print(json.dumps(res), flush=True)
+            return
+        # one process per shape, so each starts with an empty GPU
+        cmd = [sys.executable, __file__, "run", "--child", "--shapes", shape, "--cache", args.cache,
+               "--out", str(out), "--work", args.work, "--commit", args.commit] + (["--long"] if args.long else [])
+        subprocess.run(cmd, timeout=args.timeout)
+        f = out / f"engc_{shape}.json"
+        results.append(json.loads(f.read_text()) if f.exists() else {"shape": shape, "error": "no result"})
+    print("\n===== engc on", results[0].get("gpu", "?"), "=====")
+    keys = sorted({k for r in results for k in r if k not in ("gpu", "commit", "check", "shape")})
+    for r in results:
+        print(f"-- {r['shape']}: check {json.dumps(r.get('check'))}")
+        for k in keys:
+            if k in r:
+                print(f"   {k:36} {r[k]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("verb", choices=["prepare", "run"])
+    ap.add_argument("--shapes", default="tiny,1b,8b")
+    ap.add_argument("--cache", default=str(ROOT / ".kcache"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/engc_bench"))
+    ap.add_argument("--work", default="/tmp/engc_work")
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--long", action="store_true")
+    ap.add_argument("--timeout", type=int, default=400)
+    args = ap.parse_args()
+    prepare(args) if args.verb == "prepare" else run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""A build cache for compiled kernels, keyed by everything that decides their bytes.
+
+Kernels depend on the model's shapes, the dtype, the arch list, the KV block size and the kernel and
+codegen sources, not on the weights. So a cache filled on one machine (a CPU-only CI runner, say)
+lets a build elsewhere reuse the same cubins without a compiler: `engc build --kernel-cache DIR`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+import engc
+from engc.bundle.model_config import ModelConfig
+
+
+def sources_digest() -> str:
+    root = Path(engc.__file__).parent
+    files = sorted([*root.glob("kernels/*/*.py"), *root.glob("compiler/codegen/*.py")])
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def compile_cached(cfg: ModelConfig, dtype: torch.dtype, archs: list[str], block_size: int,
+                   cache_dir: Path | None):
+    """compile_kernels, answered from cache_dir when it already holds this exact compilation."""
+    from engc.compiler.codegen import CodegenResult, compile_kernels
+    if cache_dir is None:
+        return compile_kernels(cfg, dtype, archs, block_size)
+    key = hashlib.sha256(json.dumps({"model": cfg.to_dict(), "dtype": str(dtype), "archs": sorted(archs),
+                                     "block_size": block_size, "sources": sources_digest()},
+                                    sort_keys=True).encode()).hexdigest()[:32]
+    entry = Path(cache_dir) / key
+    if (entry / "records.json").is_file():
+        records = json.loads((entry / "records.json").read_text())
+        files = {rel: (entry / "files" / rel).read_bytes() for rel in json.loads((entry / "files.json").read_text())}
+        return CodegenResult(files=files, records=records)
+    result = compile_kernels(cfg, dtype, archs, block_size)
+    for rel, data in result.files.items():
+        (entry / "files" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (entry / "files" / rel).write_bytes(data)
+    (entry / "files.json").write_text(json.dumps(sorted(result.files)))
+    (entry / "records.json").write_text(json.dumps(result.records, sort_keys=True))
+    return result

@@ -1,0 +1,119 @@
+"""The GPU binding of an engine program: each ai.engc op launches the bundle's cubins for this arch.
+
+Every op's launch rule (kernels/<op>/__init__.py) turns tensors into (variant, grid, args); this module
+finds the cubin recorded for (op, variant, arch) and launches it on torch's current stream, which makes
+every step capturable in a CUDA graph. Dense GEMMs, gathers and casts stay with torch (cuBLAS).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engc.bundle.program import ENGC_DOMAIN
+from engc.bundle.reader import Bundle
+from engc.errors import BundleError
+from engc.kernels import paged_attention, qk_norm, rms_norm, rotary, silu_mul
+from engc.runtime.cubin import Kernel, current_stream, require_cuda, signature_from_triton
+from engc.runtime.ops_reference import REFERENCE_OPS
+
+SCRATCH = 2  # Triton's trailing global/profile scratch pointers: the launch rules list them, Kernel adds them
+
+
+def device_arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+@dataclass
+class StepFacts:
+    """Host-side facts about the current batch that kernels' grids depend on (no device reads)."""
+    max_query_len: int = 1
+    max_context_len: int | None = None  # None: the block table's capacity (fixed under CUDA graphs)
+    has_decode_rows: bool = True
+
+
+class BundleKernels:
+    """The cubins of one arch, loaded once: (op, variant) -> Kernel, op -> launch constants."""
+
+    def __init__(self, bundle: Bundle, arch: str):
+        native = require_cuda()
+        records = [r for r in bundle.manifest["kernels"] if r["arch"] == arch]
+        if not records:
+            archs = sorted({r["arch"] for r in bundle.manifest["kernels"]}) or ["none"]
+            raise BundleError(f"{bundle.path} has GPU kernels for {', '.join(archs)}; this GPU is {arch}: "
+                              f"rebuild with --arch {arch}")
+        self.kernels: dict[tuple[str, str], Kernel] = {}
+        self.consts: dict[str, dict] = {}
+        modules = {}
+        for r in records:
+            if r["cubin"] not in modules:
+                modules[r["cubin"]] = native.load_module(bundle.read(r["cubin"]))
+            func = native.get_function(modules[r["cubin"]], r["entry"])
+            if r["shared_mem"] > 48 * 1024:
+                native.set_max_dynamic_shared(func, r["shared_mem"])
+            sig = signature_from_triton([a["type"] for a in r["args"][:-SCRATCH]])
+            self.kernels[(r["op"], r["variant"])] = Kernel(modules[r["cubin"]], func, r["entry"], sig,
+                                                           32 * r["num_warps"], r["shared_mem"], SCRATCH)
+            self.consts.setdefault(r["op"], {})[r["variant"]] = r.get("launch", {})
+
+    def run(self, op: str, launches) -> None:
+        stream = current_stream()
+        for variant, grid, args in launches:
+            kernel = self.kernels[(op, variant)]
+            kernel.launch(grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a
+                                 for a in args[:-SCRATCH]], stream)
+
+
+def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
+    """The op table for the executor; `facts` is updated by the caller before each step."""
+
+    def norm(x, w, eps):
+        out = torch.empty_like(x)
+        k.run("rms_norm", rms_norm.launch(x, w, eps, out))
+        return (out,)
+
+    def add_norm(x, r, w, eps):
+        out, r_out = torch.empty_like(x), torch.empty_like(r)
+        k.run("rms_norm", rms_norm.launch(x, w, eps, out, residual=r, residual_out=r_out))
+        return out, r_out
+
+    def qk(qkv, qw, kw, num_heads, num_kv_heads, head_dim, eps):
+        out = torch.empty_like(qkv)
+        k.run("qk_norm", qk_norm.launch(qkv, qw, kw, eps, out))
+        return (out,)
+
+    def rope(qkv, positions, inv_freq, kv, slots, num_heads, num_kv_heads, head_dim):
+        q = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+        k.run("rotary", rotary.launch(qkv, positions, inv_freq, kv, slots, q))
+        return (q,)
+
+    def attention(q, kv, tables, ctx, starts, num_heads, num_kv_heads, head_dim, scale, sliding_window=0):
+        out = torch.empty_like(q)
+        k.run("paged_attention", paged_attention.launch(
+            q, kv, tables, ctx, starts, out, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, scale=scale, sliding_window=sliding_window,
+            max_query_len=facts.max_query_len, max_context_len=facts.max_context_len,
+            decode_rows=facts.has_decode_rows, consts=k.consts["paged_attention"]))
+        return (out,)
+
+    def act(x):
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
+        k.run("silu_mul", silu_mul.launch(x, out, k.consts["silu_mul"]))
+        return (out,)
+
+    def gather(data, indices, axis=0):
+        return (F.embedding(indices, data) if axis == 0 else torch.index_select(data, axis, indices),)
+
+    ops = dict(REFERENCE_OPS)
+    ops.update({
+        ("", "Gather"): gather,
+        (ENGC_DOMAIN, "RMSNorm"): norm,
+        (ENGC_DOMAIN, "AddRMSNorm"): add_norm,
+        (ENGC_DOMAIN, "QKNorm"): qk,
+        (ENGC_DOMAIN, "RotaryKVWrite"): rope,
+        (ENGC_DOMAIN, "PagedAttention"): attention,
+        (ENGC_DOMAIN, "SiluMul"): act,
+    })
+    return ops
