@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import time
 from pathlib import Path
@@ -187,13 +186,19 @@ def release_freed_memory() -> None:
         pass
 
 
-def current_rss_mb() -> float:
+def _status_mb(field: str) -> float:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024
     return 0.0
 
 
+def current_rss_mb() -> float:
+    return _status_mb("VmRSS:")
+
+
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    # VmHWM, not ru_maxrss: a child forked from a big process (a test runner) inherits the parent's
+    # ru_maxrss across exec, while VmHWM belongs to this address space alone.
+    return _status_mb("VmHWM:")
