@@ -96,3 +96,22 @@ def test_missing_tensor_is_named(tiny_dir, tmp_path):
     with pytest.raises(UserError, match="missing tensor 'model.layers.1.mlp.up_proj.weight'"):
         build(str(src), tmp_path / "out", BuildOptions())
     assert not (tmp_path / "out").exists()  # no half-written bundle is left behind
+
+
+def test_big_files_are_verified_by_chunks(tiny_dir, tmp_path, monkeypatch):
+    """Loading checks big files by parallel chunk digests; a flipped byte in any chunk is caught."""
+    from engc.bundle import hashing
+    monkeypatch.setattr(hashing, "CHUNK", 4096)
+    monkeypatch.setattr(hashing, "CHUNKED_ABOVE", 8192)
+    out = tmp_path / "b"
+    build(str(tiny_dir("llama")), out, BuildOptions())
+    manifest = json.loads((out / "manifest.json").read_text())
+    table = manifest["chunks"]["weights/rank0.safetensors"]
+    assert table["size"] == 4096 and len(table["sha256"]) > 2
+    open_bundle(out)
+    w = out / "weights/rank0.safetensors"
+    data = bytearray(w.read_bytes())
+    data[4096 * 2 + 17] ^= 0x04
+    w.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="does not match"):
+        open_bundle(out)

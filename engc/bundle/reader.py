@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engc.bundle.manifest import FORMAT, FORMAT_VERSION, MANIFEST, REQUIRED
 from engc.bundle.model_config import ModelConfig
-from engc.bundle.writer import sha256_file
+from engc.bundle.hashing import chunk_digests, sha256_file
 from engc.errors import BundleError
 
 
@@ -69,19 +69,21 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def check_files(path: Path, manifest: dict, verify_hashes: bool = True) -> list[str]:
-    """Every problem found, one line each: missing, extra, resized or altered files."""
+def check_files(path: Path, manifest: dict, verify_hashes: bool = True, whole_files: bool = False) -> list[str]:
+    """Every problem found, one line each: missing, extra, resized or altered files.
+
+    Big files are checked by their chunk digests (in parallel) unless whole_files asks for both."""
     problems = []
-    listed = manifest["files"]
-    if not isinstance(listed, dict):
-        return ["manifest 'files' is not a table"]
+    listed, chunks = manifest["files"], manifest.get("chunks", {})
+    if not isinstance(listed, dict) or not isinstance(chunks, dict):
+        return ["manifest 'files' or 'chunks' is not a table"]
     for rel, digest in sorted(listed.items()):
         p = path / rel
         if ".." in Path(rel).parts or Path(rel).is_absolute():
             problems.append(f"manifest names a path outside the bundle: {rel}")
         elif not p.is_file():
             problems.append(f"missing file {rel}")
-        elif verify_hashes and sha256_file(p) != digest:
+        elif verify_hashes and not _intact(p, digest, chunks.get(rel), whole_files):
             problems.append(f"{rel} does not match its sha256 in the manifest (corrupted or tampered)")
     extra = [p.relative_to(path).as_posix() for p in sorted(path.rglob("*"))
              if p.is_file() and p.name != MANIFEST and p.relative_to(path).as_posix() not in listed]
@@ -91,3 +93,13 @@ def check_files(path: Path, manifest: dict, verify_hashes: bool = True) -> list[
             if rel not in listed:
                 problems.append(f"manifest {key} '{rel}' is not among its files")
     return problems
+
+
+def _intact(p: Path, digest: str, chunked: dict | None, whole_file: bool) -> bool:
+    if chunked is None or whole_file:
+        if sha256_file(p) != digest:
+            return False
+    if chunked is not None:
+        size = chunked.get("size")
+        return isinstance(size, int) and size > 0 and chunk_digests(p, size) == chunked.get("sha256")
+    return True

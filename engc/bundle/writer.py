@@ -5,12 +5,12 @@ half-written bundle where a good one is expected.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
 
+from engc.bundle.hashing import chunk_table, sha256_file
 from engc.bundle.manifest import FORMAT, FORMAT_VERSION, MANIFEST
 
 
@@ -26,8 +26,10 @@ def write_bundle(out: Path, manifest: dict, files: dict[str, bytes], write_large
             p = tmp / rel
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(data)
-        manifest = dict(manifest, format=FORMAT, format_version=list(FORMAT_VERSION),
-                        files=hash_tree(tmp))
+        files = hash_tree(tmp)
+        chunks = {rel: table for rel in files if (table := chunk_table(tmp / rel)) is not None}
+        manifest = dict(manifest, format=FORMAT, format_version=list(FORMAT_VERSION), files=files,
+                        chunks=chunks)
         (tmp / MANIFEST).write_bytes(dump_manifest(manifest))
         if out.exists():
             shutil.rmtree(out)
@@ -45,11 +47,3 @@ def dump_manifest(manifest: dict) -> bytes:
 def hash_tree(root: Path) -> dict[str, str]:
     return {p.relative_to(root).as_posix(): sha256_file(p)
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST}
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()

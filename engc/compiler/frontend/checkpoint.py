@@ -5,13 +5,13 @@ the family mappings downstream see one shape.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from engc.bundle.hashing import sha256_file
 from engc.errors import UserError
 
 
@@ -37,10 +37,3 @@ class Checkpoint:
     def source_sha256(self) -> dict[str, str]:
         return {p.name: sha256_file(p) for p in sorted(self.source_files, key=lambda p: p.name)}
 
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
