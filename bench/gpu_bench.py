@@ -153,6 +153,9 @@ def bench_shape(shape: str, args) -> dict:
     build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="float32" if shape == "tiny" else "bfloat16",
                                           kernel_cache=args.cache))
     res["build_s"] = round(time.perf_counter() - t, 1)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    # which Triton compiled the cubins: this machine's 3.6 would mean the kernel cache missed
+    res["kernels_compiled_by_triton"] = sorted({k["triton_version"] for k in manifest["kernels"]})
 
     # start-up: a fresh process from `engc generate` to its one token, as a user would see it
     t = time.perf_counter()
@@ -162,6 +165,10 @@ def bench_shape(shape: str, args) -> dict:
     if r.returncode:
         res["generate_error"] = r.stderr[-2000:]
 
+    if args.serve:
+        res.update(serve_first_token(bundle))
+    from engc.bundle.reader import open_bundle
+    _, res["verify_hashes_s"] = timed(lambda: open_bundle(bundle))
     model, res["load_s"] = timed(lambda: load(bundle, device="cuda"))
     cfg = model.config
     engine, res["engine_init_and_graph_capture_s"] = timed(
@@ -169,7 +176,10 @@ def bench_shape(shape: str, args) -> dict:
     res["kv_blocks"] = engine.kv.allocator.num_blocks
 
     # correctness: GPU kernels vs the reference ops on the same weights (prefill + 16 greedy tokens)
-    res["check"] = check_against_reference(model, engine, cfg)
+    try:
+        res["check"] = check_against_reference(model, engine, cfg)
+    except Exception as e:  # report and go on to the timings
+        res["check"] = {"error": repr(e)[:500]}
 
     wbytes, params = weight_bytes(cfg)
     # batch 1 decode, 128 in / 128 out
@@ -181,6 +191,7 @@ def bench_shape(shape: str, args) -> dict:
     res["b1_decode_tok_s"] = round(decode_tps, 1)
     res["b1_frac_of_copy_roofline"] = round(decode_tps * (wbytes + kv_bytes) / COPY_BW, 3)
     res["b1_vs_lmdeploy"] = round(decode_tps / LMDEPLOY.get(shape, {}).get("b1", float("nan")), 3)
+    res.update(decode_breakdown(engine, ids, Path(args.out) / f"profile_{shape}.txt"))
     # throughput, 128 in / 128 out, end to end
     for n in args.batches.get(shape, []):
         seqs, total, first = run_batch(engine, prompts(n, 128, cfg.vocab_size, n), 128)
@@ -194,8 +205,8 @@ def bench_shape(shape: str, args) -> dict:
     # prefill at 4k tokens: one request, one step
     if shape != "tiny":
         from engc.runtime.sampling import SamplingParams
-        ids = prompts(1, 4096, cfg.vocab_size, 3)[0]
-        for _ in range(2):
+        for seed in (3, 4):  # distinct prompts: the prefix cache must not serve the second one
+            ids = prompts(1, 4096, cfg.vocab_size, seed)[0]
             engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
             _, dt = timed(engine.step)
         flops = 2 * params * 4096 + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 4096 * 4096  # causal
@@ -203,6 +214,60 @@ def bench_shape(shape: str, args) -> dict:
         res["prefill_4k_tflops"] = round(flops / dt / 1e12, 1)
         res["prefill_4k_frac_of_gemm_peak"] = round(flops / dt / GEMM_PEAK, 3)
     return res
+
+
+def serve_first_token(bundle: Path, port: int = 23391) -> dict:
+    """`engc run` in a fresh process: seconds from its start to the first completion token."""
+    import urllib.request
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "engc.cli", "run", str(bundle), "--port", str(port),
+                             "--served-model-name", "m"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    body = json.dumps({"model": "m", "prompt": "t5 t6 t7", "max_tokens": 1}).encode()
+    out = {}
+    try:
+        while time.perf_counter() - t0 < 120 and proc.poll() is None:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    out["engc_run_to_first_token_s"] = round(time.perf_counter() - t0, 2)
+                    out["engc_run_reply"] = json.loads(r.read())["usage"]
+                    break
+            except OSError:
+                time.sleep(0.05)
+    finally:
+        proc.terminate()
+        log = proc.communicate(timeout=30)[0].decode(errors="replace")
+    if "engc_run_to_first_token_s" not in out:
+        out["engc_run_error"] = log[-1500:]
+    return out
+
+
+def decode_breakdown(engine, ids, profile_path: Path) -> dict:
+    """Where a batch-1 decode step's time goes: graph replay alone (GPU) vs the whole engine step."""
+    import cProfile
+    import pstats
+    import torch
+    graph, _ = engine.executor.graphs[1]
+    for _ in range(5):
+        graph.replay()
+    _, t = timed(lambda: [graph.replay() for _ in range(100)])
+    out = {"b1_graph_replay_ms": round(t * 10, 3)}
+    prof = cProfile.Profile()
+    from engc.runtime.sampling import SamplingParams
+    engine.add_request(ids[0], SamplingParams(max_tokens=101, temperature=0, ignore_eos=True))
+    engine.step()  # prefill
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(100):
+        engine.step()
+    prof.disable()
+    out["b1_engine_step_ms"] = round((time.perf_counter() - t0) * 10, 3)
+    with open(profile_path, "w") as f:
+        pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(25)
+    engine.run_to_completion()
+    return out
 
 
 def check_against_reference(model, engine, cfg) -> dict:
@@ -237,7 +302,18 @@ def check_against_reference(model, engine, cfg) -> dict:
         b = _Eager(ref_exec, model.device).forward(inputs, kv_b)
     rel = float((a - b).abs().max() / b.abs().max())
     top1 = float((a.argmax(-1) == b.argmax(-1)).float().mean())
-    return {"greedy_token_agreement": agree, "prefill_logits_max_rel_err": rel, "prefill_top1_agreement": top1}
+    # the float32 oracle: the same weights upcast, reference ops; how far is each bf16 path from it?
+    fp32 = {k: v.float() for k, v in model.executor.weights.items()}
+    kv_c = [torch.zeros_like(t[:, :8], dtype=torch.float32) for t in engine.kv.layers]
+    with torch.inference_mode():
+        c = _Eager(Executor(model.executor.program, fp32, REFERENCE_OPS), model.device).forward(inputs, kv_c)
+    del fp32
+    err = lambda x: float((x - c).abs().max() / c.abs().max())
+    return {"greedy_token_agreement_vs_bf16_reference": agree, "prefill_logits_max_rel_err_vs_bf16_reference": rel,
+            "prefill_top1_agreement_vs_bf16_reference": top1,
+            "gpu_bf16_vs_fp32_oracle_max_rel_err": err(a), "reference_bf16_vs_fp32_oracle_max_rel_err": err(b),
+            "gpu_bf16_top1_vs_fp32_oracle": float((a.argmax(-1) == c.argmax(-1)).float().mean()),
+            "reference_bf16_top1_vs_fp32_oracle": float((b.argmax(-1) == c.argmax(-1)).float().mean())}
 
 
 class _Eager:
@@ -261,7 +337,8 @@ def run(args):
             return
         # one process per shape, so each starts with an empty GPU
         cmd = [sys.executable, __file__, "run", "--child", "--shapes", shape, "--cache", args.cache,
-               "--out", str(out), "--work", args.work, "--commit", args.commit] + (["--long"] if args.long else [])
+               "--out", str(out), "--work", args.work, "--commit", args.commit] + (["--long"] if args.long else []) \
+            + (["--serve"] if args.serve else [])
         subprocess.run(cmd, timeout=args.timeout)
         f = out / f"engc_{shape}.json"
         results.append(json.loads(f.read_text()) if f.exists() else {"shape": shape, "error": "no result"})
@@ -284,6 +361,7 @@ def main():
     ap.add_argument("--commit", default="")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--long", action="store_true")
+    ap.add_argument("--serve", action="store_true", help="also time `engc run` to its first token")
     ap.add_argument("--timeout", type=int, default=400)
     args = ap.parse_args()
     prepare(args) if args.verb == "prepare" else run(args)

@@ -153,12 +153,14 @@ def _stream(engine, prompt_ids, params):
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompt", required=True, help="The prompt; sent through the chat template unless --raw.")
 @click.option("--raw", is_flag=True, help="Send the prompt as plain text, without the chat template.")
+@click.option("--device", default="auto", show_default=True,
+              help="cpu, cuda or auto (the GPU when there is one).")
 @_sampling_options
-def generate(bundle, prompt, raw, **sampling):
+def generate(bundle, prompt, raw, device, **sampling):
     """Answer one prompt and exit (for scripts)."""
     from engc.runtime.engine import Engine
     from engc.runtime.loader import load
-    model = load(bundle)
+    model = load(bundle, device=device)
     tok = model.tokenizer
     ids = tok.encode(prompt) if raw or tok.chat_template is None else tok.encode_chat(
         [{"role": "user", "content": prompt}])
@@ -168,12 +170,14 @@ def generate(bundle, prompt, raw, **sampling):
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--system", default=None, help="System prompt.")
+@click.option("--device", default="auto", show_default=True,
+              help="cpu, cuda or auto (the GPU when there is one).")
 @_sampling_options
-def chat(bundle, system, **sampling):
+def chat(bundle, system, device, **sampling):
     """Interactive chat in the terminal (streams tokens; empty line or Ctrl-D to quit)."""
     from engc.runtime.engine import Engine
     from engc.runtime.loader import load
-    model = load(bundle)
+    model = load(bundle, device=device)
     engine = Engine(model)
     params = _params(**sampling)
     messages = [{"role": "system", "content": system}] if system else []
@@ -206,8 +210,10 @@ def chat(bundle, system, **sampling):
 @click.option("--num-blocks", default=None, type=click.IntRange(1),
               help="KV cache size in blocks (overrides --cache-max-entry-count; the CPU default is 512).")
 @click.option("--no-prefix-cache", is_flag=True, help="Do not reuse the KV of shared prompt prefixes.")
+@click.option("--device", default="auto", show_default=True,
+              help="cpu, cuda or auto (the GPU when there is one).")
 def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_prefill_tokens,
-        cache_max_entry_count, num_blocks, no_prefix_cache):
+        cache_max_entry_count, num_blocks, no_prefix_cache, device):
     """Serve BUNDLE over HTTP with OpenAI- and Anthropic-compatible APIs (see docs/serving.md)."""
     from engc.runtime.engine import EngineConfig
     from engc.runtime.server.app import serve
@@ -216,7 +222,7 @@ def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_pref
         extra["num_blocks"] = num_blocks
     config = EngineConfig(max_num_seqs=max_batch_size, max_batched_tokens=max_prefill_tokens,
                           prefix_cache=not no_prefix_cache, **extra)
-    serve(str(bundle), config, host, port, served_model_name, api_key)
+    serve(str(bundle), config, host, port, served_model_name, api_key, device)
 
 
 @main.command()
@@ -236,7 +242,7 @@ def verify(bundle):
     """Check a bundle's integrity: format version, every file's sha256. Exit 0 if intact, 1 if not."""
     from engc.bundle.reader import check_files, read_manifest
     manifest = read_manifest(Path(bundle))
-    problems = check_files(Path(bundle), manifest)
+    problems = check_files(Path(bundle), manifest, whole_files=True)
     for p in problems:
         click.echo(f"FAIL {p}", err=True)
     if problems:

@@ -1,8 +1,9 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, captured once, replayed per step.
 
 A decode step of a small model is a few hundred short launches; replaying them as one graph removes
-the host from the critical path. Graphs read fixed buffers, so a step copies its inputs into them and
-pads up to the bucket: padded rows write no KV (slot -1) and their logits are dropped.
+the host from the critical path. Graphs read fixed buffers, so a step writes its inputs into one
+pinned host staging area, sends it with a single copy, and pads up to the bucket: padded rows write
+no KV (slot -1), read a one-token context, and their logits are dropped.
 """
 from __future__ import annotations
 
@@ -12,6 +13,57 @@ from engc.runtime.executor import Executor
 from engc.runtime.gpu_ops import StepFacts
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# int64 fields first (two int32 words each), then int32 fields; block_tables last so a step copies
+# only the rows it uses.
+I64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices")
+I32_FIELDS = ("context_lens", "query_start_loc")
+
+
+class StagedInputs:
+    """The decode graphs' input tensors as views of one device buffer, mirrored by a pinned host one."""
+
+    def __init__(self, max_batch: int, max_blocks: int, device):
+        self.n, self.width = max_batch, max_blocks
+        self.offsets, at = {}, 0
+        for name in I64_FIELDS:
+            self.offsets[name] = at
+            at += 2 * max_batch
+        for name in I32_FIELDS:
+            self.offsets[name] = at
+            at += max_batch + 1
+        self.offsets["block_tables"] = at
+        self.size = at + max_batch * max_blocks
+        self.host = torch.zeros(self.size, dtype=torch.int32).pin_memory()
+        self.device = torch.zeros(self.size, dtype=torch.int32, device=device)
+        self.dev = self._views(self.device)
+        self.cpu = self._views(self.host)
+        for views in (self.cpu, self.dev):
+            views["query_start_loc"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))
+            views["logits_indices"].copy_(torch.arange(max_batch))
+            views["context_lens"].fill_(1)
+            views["slot_mapping"].fill_(-1)
+
+    def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        o, n = self.offsets, self.n
+        views = {name: buf[o[name]:o[name] + 2 * n].view(torch.int64) for name in I64_FIELDS}
+        views.update({name: buf[o[name]:o[name] + n + 1] for name in I32_FIELDS})
+        views["context_lens"] = views["context_lens"][:n]
+        views["block_tables"] = buf[o["block_tables"]:].view(n, self.width)
+        return views
+
+    def bucket_inputs(self, b: int) -> dict[str, torch.Tensor]:
+        return {name: (t[:b + 1] if name == "query_start_loc" else t[:b]) for name, t in self.dev.items()}
+
+    def send(self, inputs: dict[str, torch.Tensor], n: int, b: int) -> None:
+        cpu = self.cpu
+        for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
+            cpu[name][:n].copy_(inputs[name])
+        cpu["slot_mapping"][n:b].fill_(-1)   # padded rows: no KV write
+        cpu["context_lens"][n:b].fill_(1)
+        width = inputs["block_tables"].shape[1]
+        cpu["block_tables"][:n, :width].copy_(inputs["block_tables"])
+        used = self.offsets["block_tables"] + b * self.width
+        self.device[:used].copy_(self.host[:used], non_blocking=True)
 
 
 class GraphedExecutor:
@@ -20,20 +72,11 @@ class GraphedExecutor:
     def __init__(self, executor: Executor, facts: StepFacts, max_blocks_per_seq: int, block_size: int,
                  max_batch: int = 256, device: str | torch.device = "cuda", enabled: bool = True):
         self.executor = executor
+        self.facts = facts
         self.device = device
         self.enabled = enabled
-        self.facts = facts
-        self.block_size = block_size
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
-        n = self.buckets[-1]
-        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
-        self.buf = {
-            "input_ids": torch.zeros(n, **i64), "positions": torch.zeros(n, **i64),
-            "slot_mapping": torch.full((n,), -1, **i64),
-            "block_tables": torch.zeros(n, max_blocks_per_seq, **i32),
-            "context_lens": torch.ones(n, **i32),
-            "query_start_loc": torch.arange(n + 1, **i32), "logits_indices": torch.arange(n, **i64),
-        }
+        self.staged = StagedInputs(self.buckets[-1], max_blocks_per_seq, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
@@ -46,7 +89,7 @@ class GraphedExecutor:
         """inputs are host tensors (the engine builds them there); they cross to the GPU here."""
         n = inputs["input_ids"].shape[0]
         decode = (self.enabled and n == inputs["block_tables"].shape[0] and n <= self.buckets[-1]
-                  and inputs["block_tables"].shape[1] <= self.buf["block_tables"].shape[1])
+                  and inputs["block_tables"].shape[1] <= self.staged.width)
         if not decode:
             query_lens = inputs["query_start_loc"][1:] - inputs["query_start_loc"][:-1]
             self.facts.max_query_len = int(query_lens.max())
@@ -57,20 +100,13 @@ class GraphedExecutor:
         b = next(x for x in self.buckets if x >= n)
         if b not in self.graphs:
             self._capture(b, kv_caches)
-        buf = self.buf
-        for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
-            buf[name][:n].copy_(inputs[name])
-        width = inputs["block_tables"].shape[1]
-        buf["block_tables"][:n, :width].copy_(inputs["block_tables"])
-        if n < b:  # padded rows: no KV write, a one-token context of block 0, output ignored
-            buf["slot_mapping"][n:b].fill_(-1)
-            buf["context_lens"][n:b].fill_(1)
+        self.staged.send(inputs, n, b)
         graph, out = self.graphs[b]
         graph.replay()
         return out[:n]
 
     def _capture(self, b: int, kv_caches: list[torch.Tensor]) -> None:
-        inputs = {name: t[:b] if name != "query_start_loc" else t[:b + 1] for name, t in self.buf.items()}
+        inputs = self.staged.bucket_inputs(b)
         # Decode kernels size their split-KV grid from the block table's capacity: fixed for a graph.
         self.facts.max_query_len, self.facts.max_context_len, self.facts.has_decode_rows = 1, None, True
         stream = torch.cuda.Stream()

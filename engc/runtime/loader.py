@@ -35,7 +35,7 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
     cfg = bundle.config
     if bundle.dtype not in TORCH_DTYPES:
         raise BundleError(f"{bundle.path}: unsupported dtype '{bundle.dtype}'")
-    dev = pick_device(device)
+    dev = pick_device(device, bundle)
     program = parse_program(bundle.read(bundle.manifest["program"]))
     weights = {}
     for rel in bundle.manifest["weights"]:
@@ -55,10 +55,15 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
                        bundle.manifest["kv_block_size"], facts)
 
 
-def pick_device(device: str) -> torch.device:
-    """'auto' is the GPU when there is one, else the CPU; an explicit 'cuda' without one is refused."""
+def pick_device(device: str, bundle: Bundle) -> torch.device:
+    """'auto' is the GPU when there is one and the bundle has kernels for it, else the CPU; an explicit
+    'cuda' without a GPU is refused (and one the bundle lacks kernels for, by gpu_ops)."""
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cpu"
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            if any(k["arch"] == f"sm{major}{minor}" for k in bundle.manifest["kernels"]):
+                device = "cuda"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BundleError("no CUDA device is available; run with --device cpu")

@@ -182,9 +182,9 @@ def build_server(bundle: str, config: EngineConfig, model_name: str | None = Non
 
 
 def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int = 23333,
-          model_name: str | None = None, api_key: str | None = None) -> None:
+          model_name: str | None = None, api_key: str | None = None, device: str = "auto") -> None:
     import uvicorn
-    app, engine = build_server(bundle, config, model_name, api_key)
+    app, engine = build_server(bundle, config, model_name, api_key, device)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
