@@ -115,3 +115,19 @@ def test_big_files_are_verified_by_chunks(tiny_dir, tmp_path, monkeypatch):
     w.write_bytes(bytes(data))
     with pytest.raises(BundleError, match="does not match"):
         open_bundle(out)
+
+
+def test_loader_checks_big_files_while_reading_them(tiny_dir, tmp_path, monkeypatch):
+    from engc.bundle import hashing
+    from engc.runtime.loader import load
+    monkeypatch.setattr(hashing, "CHUNK", 4096)
+    monkeypatch.setattr(hashing, "CHUNKED_ABOVE", 8192)
+    out = tmp_path / "b"
+    build(str(tiny_dir("llama")), out, BuildOptions())
+    load(out)
+    w = out / "weights/rank0.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-100] ^= 0x10  # inside a tensor: safetensors reads it happily, only the digest can tell
+    w.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="rank0.safetensors does not match"):
+        load(out)

@@ -35,15 +35,31 @@ class Bundle:
         return (self.path / rel).read_bytes()
 
 
-def open_bundle(path: Path | str, verify_hashes: bool = True) -> Bundle:
+def open_bundle(path: Path | str, verify_hashes: bool = True, defer_big: bool = False) -> Bundle:
+    """Refuses a bundle with any problem. defer_big leaves the big (chunk-hashed) files' digests to a
+    later verify_big_files call, so a loader can check them while it reads the weights."""
     path = Path(path)
     if not path.is_dir():
         raise BundleError(f"{path}: no such bundle folder")
     manifest = read_manifest(path)
-    problems = check_files(path, manifest, verify_hashes)
-    if problems:
-        raise BundleError(f"{path}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    raise_problems(path, check_files(path, manifest, verify_hashes, skip=_big(manifest) if defer_big else ()))
     return Bundle(path=path, manifest=manifest)
+
+
+def verify_big_files(bundle: Bundle) -> None:
+    only = {rel: bundle.manifest["files"][rel] for rel in _big(bundle.manifest)}
+    raise_problems(bundle.path, check_files(bundle.path, dict(bundle.manifest, files=only), True, extra=False))
+
+
+def raise_problems(path: Path, problems: list[str]) -> None:
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise BundleError(f"{path}: {problems[0]}{more}")
+
+
+def _big(manifest: dict) -> set[str]:
+    chunks = manifest.get("chunks")
+    return set(chunks) & set(manifest["files"]) if isinstance(chunks, dict) else set()
 
 
 def read_manifest(path: Path) -> dict:
@@ -69,7 +85,8 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def check_files(path: Path, manifest: dict, verify_hashes: bool = True, whole_files: bool = False) -> list[str]:
+def check_files(path: Path, manifest: dict, verify_hashes: bool = True, whole_files: bool = False,
+                skip=(), extra: bool = True) -> list[str]:
     """Every problem found, one line each: missing, extra, resized or altered files.
 
     Big files are checked by their chunk digests (in parallel) unless whole_files asks for both."""
@@ -83,11 +100,13 @@ def check_files(path: Path, manifest: dict, verify_hashes: bool = True, whole_fi
             problems.append(f"manifest names a path outside the bundle: {rel}")
         elif not p.is_file():
             problems.append(f"missing file {rel}")
-        elif verify_hashes and not _intact(p, digest, chunks.get(rel), whole_files):
+        elif verify_hashes and rel not in skip and not _intact(p, digest, chunks.get(rel), whole_files):
             problems.append(f"{rel} does not match its sha256 in the manifest (corrupted or tampered)")
-    extra = [p.relative_to(path).as_posix() for p in sorted(path.rglob("*"))
-             if p.is_file() and p.name != MANIFEST and p.relative_to(path).as_posix() not in listed]
-    problems += [f"unexpected file {rel} (not in the manifest)" for rel in extra]
+    if not extra:
+        return problems
+    unlisted = [p.relative_to(path).as_posix() for p in sorted(path.rglob("*"))
+                if p.is_file() and p.name != MANIFEST and p.relative_to(path).as_posix() not in listed]
+    problems += [f"unexpected file {rel} (not in the manifest)" for rel in unlisted]
     for key in ("program", "weights"):
         for rel in ([manifest[key]] if isinstance(manifest[key], str) else manifest[key]):
             if rel not in listed:

@@ -123,7 +123,7 @@ class Engine:
         ids, positions, slots, ctx, starts, sample_at, sampled = [], [], [], [], [0], [], []
         for seq, n in batch:
             start = seq.num_computed
-            ids += seq.token_ids[start:start + n]
+            ids += seq.tokens(start, start + n)
             for pos in range(start, start + n):
                 positions.append(pos)
                 slots.append(seq.block_table[pos // bs] * bs + pos % bs)

@@ -42,6 +42,13 @@ class Sequence:
     def __post_init__(self):
         self.generator = make_generator(self.params.seed)
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list (a decode step needs one token)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:end] + self.output_ids[:max(0, end - p)]
+
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
