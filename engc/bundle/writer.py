@@ -1,26 +1,20 @@
 """Writes a bundle deterministically: sorted keys, no timestamps, sha256 of every file in the manifest.
 
-The folder is assembled beside the target and renamed into place, so a failed build never leaves a
-half-written bundle where a good one is expected.
+The folder is assembled beside the target and renamed into place (engc/atomic.py).
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
+from engc.atomic import atomic_folder
 from engc.bundle.hashing import chunk_table, sha256_file
 from engc.bundle.manifest import FORMAT, FORMAT_VERSION, MANIFEST
 
 
 def write_bundle(out: Path, manifest: dict, files: dict[str, bytes], write_large) -> dict:
     """files: small bundle-relative files; write_large(tmp_dir) writes the big ones (weights) itself."""
-    out = out.resolve()
-    tmp = out.with_name(out.name + ".engc-tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_folder(out) as tmp:
         write_large(tmp)
         for rel, data in sorted(files.items()):
             p = tmp / rel
@@ -31,12 +25,6 @@ def write_bundle(out: Path, manifest: dict, files: dict[str, bytes], write_large
         manifest = dict(manifest, format=FORMAT, format_version=list(FORMAT_VERSION), files=files,
                         chunks=chunks)
         (tmp / MANIFEST).write_bytes(dump_manifest(manifest))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-import onnx
 import torch
 from onnx import TensorProto, helper
 

@@ -8,14 +8,13 @@ one layer's weights plus the activations of the calibration set, whatever the de
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from engc.atomic import atomic_folder
 from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.decoder import resolve_config
 from engc.compiler.frontend.rope import inv_freq
@@ -57,12 +56,9 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
         del embed
     rope = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     out = Path(out).resolve()
-    tmp = out.with_name(out.name + ".engc-tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     shards = cfg.num_layers + 1
     index, layer_bytes = {}, 0
-    try:
+    with atomic_folder(out) as tmp:
         bar = progress.bar(f"quantize {opts.method} g{opts.group_size}", total=cfg.num_layers)
         for i in range(cfg.num_layers):
             tensors, x, nbytes = quantize_layer(ckpt, cfg, rope, i, x, opts)
@@ -81,12 +77,6 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
         index.update({name: shard for name in rest})
         del rest
         write_metadata(tmp, ckpt, opts, index)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"out": str(out), "model": ckpt.name, "method": opts.method, "bits": opts.bits,
             "group_size": opts.group_size, "format": opts.format, "layers": cfg.num_layers,
             "layer_weights_mb": round(layer_bytes / 2**20, 1), "start_rss_mb": round(start_rss, 1),
