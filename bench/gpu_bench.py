@@ -146,7 +146,8 @@ def bench_shape(shape: str, args) -> dict:
     from engc.runtime.loader import load
     work = Path(args.work)
     ckpt, bundle = work / f"ckpt-{shape}", work / f"bundle-{shape}"
-    res = {"shape": shape, "gpu": torch.cuda.get_device_name(), "commit": args.commit}
+    res = {"shape": shape, "gpu": torch.cuda.get_device_name(), "commit": args.commit,
+           "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d")}
     if not (ckpt / "config.json").exists():
         _, res["make_checkpoint_s"] = timed(lambda: make_checkpoint(shape, ckpt))
     t = time.perf_counter()
