@@ -115,9 +115,9 @@ def prompts(n: int, length: int, vocab: int, seed: int):
     return torch.randint(200, vocab - 200, (n, length), generator=g).tolist()
 
 
-def run_batch(engine, ids_list, out_len):
+def run_batch(engine, ids_list, out_len, **sampling):
     from engc.runtime.sampling import SamplingParams
-    p = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    p = SamplingParams(max_tokens=out_len, ignore_eos=True, **({"temperature": 0} | sampling))
     seqs = [engine.add_request(ids, p) for ids in ids_list]
     first = None
     import torch
@@ -168,6 +168,11 @@ def bench_shape(shape: str, args) -> dict:
             res["generate_error"] = r.stderr[-2000:]
     if args.serve and not args.profile_only:
         res.update(serve_first_token(bundle))
+    if shape != "tiny" and not args.profile_only:
+        try:
+            res.update(hf_floor(ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"]))
+        except Exception as e:  # the floor is context, not a gate
+            res["hf_transformers_error"] = repr(e)[:300]
     from engc.bundle.reader import open_bundle
     _, res["verify_hashes_s"] = timed(lambda: open_bundle(bundle))
     model, res["load_s"] = timed(lambda: load(bundle, device="cuda"))
@@ -202,6 +207,11 @@ def bench_shape(shape: str, args) -> dict:
         res[f"b{n}_128_128_out_tok_s"] = round(n * 128 / total, 1)
         if LMDEPLOY.get(shape, {}).get("N") == n:
             res[f"b{n}_vs_lmdeploy"] = round(n * 128 / total / LMDEPLOY[shape]["bN"], 3)
+    # sampled decoding (temperature, top-k, top-p on the GPU), same shape of work as the greedy run
+    n = LMDEPLOY.get(shape, {}).get("N", 4)
+    seqs, total, first = run_batch(engine, prompts(n, 128, cfg.vocab_size, n + 1), 128,
+                                   temperature=0.8, top_k=50, top_p=0.95, seed=0)
+    res[f"b{n}_128_128_sampled_out_tok_s"] = round(n * 128 / total, 1)
     if shape != "tiny" and args.long:
         n = 64
         seqs, total, first = run_batch(engine, prompts(n, 1000, cfg.vocab_size, 7), 1000)
@@ -218,6 +228,21 @@ def bench_shape(shape: str, args) -> dict:
         res["prefill_4k_tflops"] = round(flops / dt / 1e12, 1)
         res["prefill_4k_frac_of_gemm_peak"] = round(flops / dt / GEMM_PEAK, 3)
     return res
+
+
+def hf_floor(ckpt: Path, cfg_vocab: int) -> dict:
+    """HF transformers on the same checkpoint, bf16, batch 1, greedy: the floor any engine must clear."""
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor(prompts(1, 128, cfg_vocab, 1), device="cuda")
+    kw = dict(do_sample=False, min_new_tokens=64, max_new_tokens=64, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, **kw)  # warm-up
+        _, dt = timed(lambda: model.generate(ids, **kw))
+    del model
+    torch.cuda.empty_cache()
+    return {"hf_transformers_b1_tok_s": round(64 / dt, 1)}
 
 
 def serve_first_token(bundle: Path, port: int = 23391) -> dict:

@@ -30,6 +30,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     block_size: int
     step_facts: object = None   # gpu_ops.StepFacts on a GPU: host-side batch facts kernels read
+    sampler: object = None      # gpu_sampler.GpuSampler on a GPU whose bundle has the sampling kernel
 
 
 def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> LoadedModel:
@@ -57,16 +58,20 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
     missing = [n for n in program.initializers if n not in weights]
     if missing:
         raise BundleError(f"{bundle.path}: program needs weight '{missing[0]}' missing from the weights")
-    facts = None
+    facts = sampler = None
     if dev.type == "cuda":
         from engc.runtime.gpu_ops import BundleKernels, StepFacts, device_arch, gpu_ops
         facts = StepFacts()
-        executor = Executor(program, weights, gpu_ops(BundleKernels(bundle, device_arch(dev)), facts))
+        kernels = BundleKernels(bundle, device_arch(dev))
+        executor = Executor(program, weights, gpu_ops(kernels, facts))
+        if "sampling" in kernels.consts:
+            from engc.runtime.gpu_sampler import GpuSampler
+            sampler = GpuSampler(kernels, dev)
     else:
         executor = Executor(program, weights, REFERENCE_OPS)
     tokenizer = Tokenizer(bundle.file("tokenizer"), cfg.eos_token_ids)
     return LoadedModel(bundle, cfg, TORCH_DTYPES[bundle.dtype], dev, executor, tokenizer,
-                       bundle.manifest["kv_block_size"], facts)
+                       bundle.manifest["kv_block_size"], facts, sampler)
 
 
 def pick_device(device: str, bundle: Bundle) -> torch.device:
