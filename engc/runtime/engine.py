@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engc.runtime.kv_cache import KVCache
@@ -62,6 +63,7 @@ class Engine:
                                             config.max_num_seqs, model.device, config.cuda_graphs)
             if config.cuda_graphs:
                 self.executor.capture(self.kv.layers)
+        self.eos_token_ids = model.tokenizer.eos_token_ids
         self.decoders: dict[Sequence, IncrementalDecoder] = {}
         self.sequences: dict[str, Sequence] = {}
 
@@ -121,58 +123,60 @@ class Engine:
     def _inputs(self, batch: list[tuple[Sequence, int]]):
         bs = self.model.block_size
         ids, positions, slots, ctx, starts, sample_at, sampled = [], [], [], [], [0], [], []
+        width = max(len(seq.block_table) for seq, _ in batch)
+        tables = []  # flat, row after row, each padded to width
         for seq, n in batch:
-            start = seq.num_computed
-            ids += seq.tokens(start, start + n)
-            for pos in range(start, start + n):
-                positions.append(pos)
-                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-            ctx.append(start + n)
+            start, end, table = seq.num_computed, seq.num_computed + n, seq.block_table
+            ids += seq.tokens(start, end)
+            if n == 1:  # a decode row: the common case, without building ranges
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                positions += range(start, end)
+                slots += [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+            ctx.append(end)
             starts.append(starts[-1] + n)
-            if start + n == seq.num_tokens:  # this chunk finishes the known tokens: sample next
+            if end == seq.num_tokens:  # this chunk finishes the known tokens: sample next
                 sample_at.append(starts[-1] - 1)
                 sampled.append(seq)
-        width = max(len(seq.block_table) for seq, _ in batch)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch]
+            tables += table
+            tables += [0] * (width - len(table))
         # Built on the host; a GPU executor moves them (and reads host-side facts from them first).
-        dev = "cpu"
+        # numpy turns a list of ints into an array several times faster than torch.tensor does.
         inputs = {
-            "input_ids": torch.tensor(ids, dtype=torch.int64, device=dev),
-            "positions": torch.tensor(positions, dtype=torch.int64, device=dev),
-            "slot_mapping": torch.tensor(slots, dtype=torch.int64, device=dev),
-            "block_tables": torch.tensor(tables, dtype=torch.int32, device=dev),
-            "context_lens": torch.tensor(ctx, dtype=torch.int32, device=dev),
-            "query_start_loc": torch.tensor(starts, dtype=torch.int32, device=dev),
-            "logits_indices": torch.tensor(sample_at, dtype=torch.int64, device=dev),
+            "input_ids": _host(ids, np.int64),
+            "positions": _host(positions, np.int64),
+            "slot_mapping": _host(slots, np.int64),
+            "block_tables": _host(tables, np.int32).view(len(batch), width),
+            "context_lens": _host(ctx, np.int32),
+            "query_start_loc": _host(starts, np.int32),
+            "logits_indices": _host(sample_at, np.int64),
         }
         return inputs, sampled
 
     @staticmethod
     def _sample(logits: torch.Tensor, sampled: list[Sequence]) -> list[Sampled]:
         """One token per row. Plain greedy batches on a GPU take one argmax there and one small copy."""
-        plain_greedy = all(s.params.greedy and s.params.logprobs is None and s.params.repetition_penalty == 1.0
-                           and not s.params.presence_penalty and not s.params.frequency_penalty
-                           for s in sampled)
-        if plain_greedy and logits.device.type != "cpu":
+        if logits.device.type != "cpu" and all(s.params.plain_greedy for s in sampled):
             return [Sampled(t) for t in logits.argmax(-1).tolist()]
         rows = logits.float().cpu()
         return [sample_row(rows[i], s.params, s.prompt_ids, s.output_ids, s.generator)
                 for i, s in enumerate(sampled)]
 
     def _append(self, seq: Sequence, s: Sampled) -> StepOutput:
-        p = seq.params
-        seq.output_ids.append(s.token)
+        p, token = seq.params, s.token
+        seq.output_ids.append(token)
         if p.logprobs is not None:
             seq.logprobs.append(s)
         reason = None
-        if (not p.ignore_eos and s.token in self.model.tokenizer.eos_token_ids) or s.token in p.stop_token_ids:
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_context:
             reason = "length"
         decoder = self.decoders[seq]
         if reason != "stop":
-            seq.output_text += decoder.step([s.token]) + (decoder.flush() if reason else "")
-        if self._hit_stop_string(seq):
+            seq.output_text += decoder.step([token]) + (decoder.flush() if reason else "")
+        if p.stop and self._hit_stop_string(seq):
             reason = "stop"
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -186,7 +190,7 @@ class Engine:
         stops = seq.params.stop
         if not stops:
             return False
-        start = max(0, seq.emitted - max(len(s) for s in stops))
+        start = max(0, seq.emitted - _longest(stops))
         hits = [(i, s) for s in stops if (i := seq.output_text.find(s, start)) >= 0]
         if hits:
             i, seq.stop_string = min(hits)
@@ -197,7 +201,7 @@ class Engine:
         """The text a stream may show now: all of it at the end, else all but a possible stop-string start."""
         end = len(seq.output_text)
         if not finished and seq.params.stop:
-            end = max(seq.emitted, end - max(len(s) for s in seq.params.stop) + 1)
+            end = max(seq.emitted, end - _longest(seq.params.stop) + 1)
         delta = seq.output_text[seq.emitted:end]
         seq.emitted = end
         return delta
@@ -219,3 +223,11 @@ class Engine:
     def run_to_completion(self) -> None:
         while self.has_work:
             self.step()
+
+
+def _host(values: list[int], dtype) -> torch.Tensor:
+    return torch.from_numpy(np.array(values, dtype=dtype))
+
+
+def _longest(stops) -> int:
+    return max(map(len, stops))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -38,6 +39,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @cached_property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that needs the logits on the host (cached: the engine asks every step)."""
+        return (self.greedy and self.logprobs is None and self.repetition_penalty == 1.0
+                and not self.presence_penalty and not self.frequency_penalty)
 
 
 @dataclass

@@ -41,7 +41,7 @@ class Scheduler:
         budget, batch = self.max_batched_tokens, []
         self.running.sort(key=_order)
         for seq in list(self.running):
-            if seq not in self.running or budget == 0:
+            if seq.status is not Status.RUNNING or budget == 0:
                 continue  # preempted below to make room for a higher-priority sequence
             n = min(seq.num_pending, budget)
             while not self._reserve(seq, seq.num_computed + n):
@@ -72,10 +72,12 @@ class Scheduler:
 
     def commit(self, batch: list[tuple[Sequence, int]]) -> None:
         """After a step ran the batch: its tokens are in the cache, and newly full blocks are hashed."""
+        bs = self.allocator.block_size
         for seq, n in batch:
             seq.num_computed += n
             self.computed_tokens += n
-            self.allocator.register(seq.token_ids, seq.num_computed, seq.block_table, seq.block_hashes)
+            if seq.num_computed // bs > len(seq.block_hashes):  # a block filled: only then build token_ids
+                self.allocator.register(seq.token_ids, seq.num_computed, seq.block_table, seq.block_hashes)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq in self.running:
@@ -105,11 +107,13 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         need = self.allocator.blocks_needed(num_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True  # most decode steps: the last block still has room
         while need > self.allocator.num_free and self.sessions:
             self.allocator.release(self.sessions.popitem(last=False)[1])
         if need > self.allocator.num_free:
             return False
-        seq.block_table.extend(self.allocator.allocate() for _ in range(max(need, 0)))
+        seq.block_table.extend(self.allocator.allocate() for _ in range(need))
         return True
 
     def _preempt(self, seq: Sequence) -> None:

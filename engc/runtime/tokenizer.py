@@ -81,15 +81,15 @@ class IncrementalDecoder:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
-        self.tokenizer = tokenizer
+        self.decode = tokenizer.decode   # bound once: step calls it twice per token
         self.ids = list(prompt_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def step(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -98,7 +98,7 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """Whatever is still held back when the sequence ends (an incomplete character, as U+FFFD)."""
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.decode(self.ids[self.prefix_offset:])
+        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
         self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix):]
