@@ -154,11 +154,14 @@ class Engine:
         }
         return inputs, sampled
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, sampled: list[Sequence]) -> list[Sampled]:
-        """One token per row. Plain greedy batches on a GPU take one argmax there and one small copy."""
-        if logits.device.type != "cpu" and all(s.params.plain_greedy for s in sampled):
-            return [Sampled(t) for t in logits.argmax(-1).tolist()]
+    def _sample(self, logits: torch.Tensor, sampled: list[Sequence]) -> list[Sampled]:
+        """One token per row. On a GPU, plain greedy batches take one argmax there, and batches that only
+        use temperature/top-k/top-p the sampling kernel; either way one token a row comes back."""
+        if logits.device.type != "cpu":
+            if all(s.params.plain_greedy for s in sampled):
+                return [Sampled(t) for t in logits.argmax(-1).tolist()]
+            if self.model.sampler is not None and all(s.params.device_sampleable for s in sampled):
+                return [Sampled(t) for t in self.model.sampler(logits, sampled)]
         rows = logits.float().cpu()
         return [sample_row(rows[i], s.params, s.prompt_ids, s.output_ids, s.generator)
                 for i, s in enumerate(sampled)]

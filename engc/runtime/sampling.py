@@ -43,7 +43,12 @@ class SamplingParams:
     @cached_property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that needs the logits on the host (cached: the engine asks every step)."""
-        return (self.greedy and self.logprobs is None and self.repetition_penalty == 1.0
+        return self.greedy and self.device_sampleable
+
+    @cached_property
+    def device_sampleable(self) -> bool:
+        """Only temperature, top-k and top-p: what the GPU sampling kernel does, no host-side logits."""
+        return (self.logprobs is None and self.repetition_penalty == 1.0
                 and not self.presence_penalty and not self.frequency_penalty)
 
 
