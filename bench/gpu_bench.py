@@ -98,6 +98,13 @@ def make_checkpoint(shape: str, folder: Path) -> None:
              p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
              p + "mlp.down_proj.weight": rand(h, i)}
         save_file(t, str(folder / f"model-layer{layer:03d}.safetensors"))
+    # the index HF transformers needs to read a sharded folder (engc reads any *.safetensors)
+    weight_map = {}
+    for shard in sorted(folder.glob("model-*.safetensors")):
+        from safetensors import safe_open
+        with safe_open(str(shard), framework="pt") as f:
+            weight_map.update({name: shard.name for name in f.keys()})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 def timed(fn):
