@@ -74,3 +74,18 @@ def test_gpu_sampling_is_seeded_and_top_k_1_is_greedy(gpu_bundle):
     assert a == run(temperature=0.9, top_p=0.9, seed=1)
     assert all(0 <= t < model.config.vocab_size for t in a)
     assert run(temperature=0.7, top_k=1, seed=3) == run(temperature=0)
+
+
+def test_kernel_selection_by_arch():
+    """Own arch: cubins; same major: the older cubins; newer major: portable PTX; older GPU: refused."""
+    from engc.errors import BundleError
+    from engc.runtime.gpu_ops import select_kernels
+    records = [{"arch": "sm80", "op": "x", "ptx_target": "sm_80"},
+               {"arch": "sm90", "op": "x", "ptx_target": "sm_90a"}]
+    assert select_kernels(records, "sm90") == ([records[1]], "cubin")
+    assert select_kernels(records, "sm89") == ([records[0]], "cubin")
+    assert select_kernels(records, "sm100") == ([records[0]], "ptx")  # sm_90a PTX cannot JIT elsewhere
+    with pytest.raises(BundleError, match="sm80, sm90; this GPU is sm75"):
+        select_kernels(records, "sm75")
+    with pytest.raises(BundleError, match="none"):
+        select_kernels([], "sm90")

@@ -6,6 +6,7 @@ every step capturable in a CUDA graph. Dense GEMMs, gathers and casts stay with 
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -34,27 +35,54 @@ class StepFacts:
     has_decode_rows: bool = True
 
 
+def _capability(arch: str) -> int:
+    return int(arch[2:])
+
+
+def select_kernels(records: list[dict], arch: str) -> tuple[list[dict], str]:
+    """Which of a bundle's kernels a GPU of `arch` runs, and from which image ('cubin' or 'ptx').
+
+    Its own arch's cubins; else cubins of an older arch of the same major (sm80 code runs on sm86 and
+    sm89 as it is); else, on a GPU newer than every built arch, the newest portable PTX (an 'sm_90a'
+    target is tied to its arch), which the driver JIT-compiles at load."""
+    by_arch: dict[str, list[dict]] = {}
+    for r in records:
+        by_arch.setdefault(r["arch"], []).append(r)
+    cap = _capability(arch)
+    if arch in by_arch:
+        return by_arch[arch], "cubin"
+    older = sorted((a for a in by_arch if _capability(a) < cap), key=_capability)
+    same_major = [a for a in older if _capability(a) // 10 == cap // 10]
+    if same_major:
+        return by_arch[same_major[-1]], "cubin"
+    portable = [a for a in older if not any(r.get("ptx_target", "").endswith("a") for r in by_arch[a])]
+    if portable:
+        return by_arch[portable[-1]], "ptx"
+    have = ", ".join(sorted(by_arch, key=_capability)) or "none"
+    raise BundleError(f"the bundle has GPU kernels for {have}; this GPU is {arch}: rebuild with --arch {arch}")
+
+
 class BundleKernels:
-    """The cubins of one arch, loaded once: (op, variant) -> Kernel, op -> launch constants."""
+    """The kernels this GPU runs, loaded once: (op, variant) -> Kernel, op -> launch constants."""
 
     def __init__(self, bundle: Bundle, arch: str):
         native = require_cuda()
-        records = [r for r in bundle.manifest["kernels"] if r["arch"] == arch]
-        if not records:
-            archs = sorted({r["arch"] for r in bundle.manifest["kernels"]}) or ["none"]
-            raise BundleError(f"{bundle.path} has GPU kernels for {', '.join(archs)}; this GPU is {arch}: "
-                              f"rebuild with --arch {arch}")
+        records, image = select_kernels(bundle.manifest["kernels"], arch)
+        if image == "ptx":
+            print(f"engc: warning: this GPU ({arch}) is newer than the bundle's archs; the driver compiles "
+                  f"{records[0]['arch']} PTX at load (slower start, older code): rebuild with --arch {arch}",
+                  file=sys.stderr)
         self.kernels: dict[tuple[str, str], Kernel] = {}
         self.consts: dict[str, dict] = {}
         modules = {}
         for r in records:
-            if r["cubin"] not in modules:
-                modules[r["cubin"]] = native.load_module(bundle.read(r["cubin"]))
-            func = native.get_function(modules[r["cubin"]], r["entry"])
+            if r[image] not in modules:
+                modules[r[image]] = native.load_module(bundle.read(r[image]))
+            func = native.get_function(modules[r[image]], r["entry"])
             if r["shared_mem"] > 48 * 1024:
                 native.set_max_dynamic_shared(func, r["shared_mem"])
             sig = signature_from_triton([a["type"] for a in r["args"][:-SCRATCH]])
-            self.kernels[(r["op"], r["variant"])] = Kernel(modules[r["cubin"]], func, r["entry"], sig,
+            self.kernels[(r["op"], r["variant"])] = Kernel(modules[r[image]], func, r["entry"], sig,
                                                            32 * r["num_warps"], r["shared_mem"], SCRATCH)
             self.consts.setdefault(r["op"], {})[r["variant"]] = r.get("launch", {})
 

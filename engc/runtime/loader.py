@@ -80,9 +80,13 @@ def pick_device(device: str, bundle: Bundle) -> torch.device:
     if device == "auto":
         device = "cpu"
         if torch.cuda.is_available():
+            from engc.runtime.gpu_ops import select_kernels
             major, minor = torch.cuda.get_device_capability()
-            if any(k["arch"] == f"sm{major}{minor}" for k in bundle.manifest["kernels"]):
+            try:
+                select_kernels(bundle.manifest["kernels"], f"sm{major}{minor}")
                 device = "cuda"
+            except BundleError:
+                pass  # no kernels this GPU can run: serve from the CPU
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BundleError("no CUDA device is available; run with --device cpu")
