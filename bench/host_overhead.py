@@ -80,7 +80,7 @@ def make_engine(model, batch: int, prompt_len: int, steps: int, stops: tuple[str
     text = re.sub(r"#+", "", Path(__file__).parents[1].joinpath("docs/architecture.md").read_text())
     text_ids = model.tokenizer.encode(text, add_special_tokens=False)
     fake = FakeModel(model.config.vocab_size, text_ids, cuda_graphs.BUCKETS[-1])
-    ex = GraphedExecutor(fake, StepFacts(), -(-engine.max_context // bs), bs, batch, "cpu", True)
+    ex = GraphedExecutor(fake, StepFacts(), -(-engine.max_context // bs), batch, "cpu", True)
     ex.graphs = {b: (fake, fake) for b in ex.buckets}
     engine.executor = ex
     params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True, stop=stops)

@@ -72,7 +72,7 @@ class StagedInputs:
 class GraphedExecutor:
     """Executor.forward with decode batches served from captured graphs, everything else eager."""
 
-    def __init__(self, executor: Executor, facts: StepFacts, max_blocks_per_seq: int, block_size: int,
+    def __init__(self, executor: Executor, facts: StepFacts, max_blocks_per_seq: int,
                  max_batch: int = 256, device: str | torch.device = "cuda", enabled: bool = True):
         self.executor = executor
         self.facts = facts

@@ -59,7 +59,7 @@ class Engine:
         if model.device.type == "cuda":
             from engc.runtime.cuda_graphs import GraphedExecutor
             self.executor = GraphedExecutor(model.executor, model.step_facts,
-                                            -(-self.max_context // model.block_size), model.block_size,
+                                            -(-self.max_context // model.block_size),
                                             config.max_num_seqs, model.device, config.cuda_graphs)
             if config.cuda_graphs:
                 self.executor.capture(self.kv.layers)

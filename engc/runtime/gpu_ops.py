@@ -16,7 +16,7 @@ from engc.bundle.program import ENGC_DOMAIN
 from engc.bundle.reader import Bundle
 from engc.errors import BundleError
 from engc.kernels import paged_attention, qk_norm, rms_norm, rotary, silu_mul
-from engc.runtime.cubin import Kernel, current_stream, require_cuda, signature_from_triton
+from engc.runtime.cubin import Kernel, current_stream, load_kernel, require_cuda, signature_from_triton
 from engc.runtime.ops_reference import REFERENCE_OPS
 
 SCRATCH = 2  # Triton's trailing global/profile scratch pointers: the launch rules list them, Kernel adds them
@@ -66,7 +66,7 @@ class BundleKernels:
     """The kernels this GPU runs, loaded once: (op, variant) -> Kernel, op -> launch constants."""
 
     def __init__(self, bundle: Bundle, arch: str):
-        native = require_cuda()
+        require_cuda()
         records, image = select_kernels(bundle.manifest["kernels"], arch)
         if image == "ptx":
             print(f"engc: warning: this GPU ({arch}) is newer than the bundle's archs; the driver compiles "
@@ -74,16 +74,11 @@ class BundleKernels:
                   file=sys.stderr)
         self.kernels: dict[tuple[str, str], Kernel] = {}
         self.consts: dict[str, dict] = {}
-        modules = {}
-        for r in records:
-            if r[image] not in modules:
-                modules[r[image]] = native.load_module(bundle.read(r[image]))
-            func = native.get_function(modules[r[image]], r["entry"])
-            if r["shared_mem"] > 48 * 1024:
-                native.set_max_dynamic_shared(func, r["shared_mem"])
+        for r in records:  # one image file per (op, variant): each loads as its own module
             sig = signature_from_triton([a["type"] for a in r["args"][:-SCRATCH]])
-            self.kernels[(r["op"], r["variant"])] = Kernel(modules[r[image]], func, r["entry"], sig,
-                                                           32 * r["num_warps"], r["shared_mem"], SCRATCH)
+            self.kernels[(r["op"], r["variant"])] = load_kernel(
+                bundle.read(r[image]), r["entry"], sig, block_x=32 * r["num_warps"],
+                shared_mem=r["shared_mem"], scratch_params=SCRATCH)
             self.consts.setdefault(r["op"], {})[r["variant"]] = r.get("launch", {})
 
     def run(self, op: str, launches) -> None:
