@@ -13,7 +13,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ["gemv_m1_g32", "gemv_m5_g64_bias", "gemm_m37_g32", "gemm_m20_g128_bias_actorder", "gemm_fp16", "gemv_bf16"]
+# (name, M, K, N, group, bias, act_order, dtype, split K): ragged K tails (K % BLOCK_R and K % group != 0)
+# and N % BLOCK_N != 0, every GEMV row bucket, the split-K reduce and the GEMM
+SHAPES = [
+    ("gemv_m1_g32_split", 1, 136, 96, 32, False, False, "float32", True),
+    ("gemv_m1_g128_nosplit", 1, 264, 40, 128, False, False, "float32", False),
+    ("gemv_m2_g64_bias", 2, 200, 80, 64, True, False, "float32", True),
+    ("gemv_m3_g32", 3, 96, 72, 32, False, False, "float32", True),
+    ("gemv_m5_g64_bias_nosplit", 5, 192, 80, 64, True, False, "float32", False),
+    ("gemv_m8_g128_actorder", 8, 256, 64, 128, False, True, "float32", True),
+    ("gemv_m7_bf16", 7, 128, 64, 32, True, False, "bfloat16", True),
+    ("gemm_m9_g32", 9, 96, 72, 32, False, False, "float32", False),
+    ("gemm_m16_g64_bias", 16, 160, 56, 64, True, False, "float32", False),
+    ("gemm_m37_g128_actorder", 37, 272, 64, 128, True, True, "float32", False),
+    ("gemm_fp16_m70", 70, 128, 64, 32, False, False, "float16", False),
+]
+CASES = [c[0] for c in SHAPES]
 
 
 @pytest.fixture(scope="module")
@@ -33,22 +48,16 @@ def test_int4_kernel_matches_reference(report, case):
 
 def _run_cases() -> dict:
     import torch
-    from engc.kernels.int4_linear import int4_linear, pack_int4
-    from engc.kernels.int4_linear.triton import int4_linear_triton
+    from engc.kernels.int4_linear import int4_linear, jit_consts, pack_int4
+    from engc.kernels.int4_linear.triton import JIT_CONSTS, int4_linear_triton
     out = {}
-    for name, m, k, n, g, bias, act, dtype in [
-        ("gemv_m1_g32", 1, 128, 96, 32, False, False, torch.float32),
-        ("gemv_m5_g64_bias", 5, 192, 80, 64, True, False, torch.float32),
-        ("gemm_m37_g32", 37, 96, 72, 32, False, False, torch.float32),
-        ("gemm_m20_g128_bias_actorder", 20, 256, 64, 128, True, True, torch.float32),
-        # the interpreter's tl.dot mishandles bfloat16 (numpy has no such type): bf16 GEMMs run on GPU only
-        ("gemm_fp16", 24, 128, 64, 32, False, False, torch.float16),
-        ("gemv_bf16", 3, 128, 64, 32, True, False, torch.bfloat16),
-    ]:
+    for name, m, k, n, g, bias, act, dtype, split in SHAPES:
+        dtype = getattr(torch, dtype)
         gen = torch.Generator().manual_seed(m * 1000 + k)
+        groups = (k + g - 1) // g
         qweight = pack_int4(torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8))
-        scales = (torch.rand(k // g, n, generator=gen) * 0.02 + 0.001).to(dtype)
-        zeros = torch.randint(0, 16, (k // g, n), generator=gen, dtype=torch.uint8)
+        scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(dtype)
+        zeros = torch.randint(0, 16, (groups, n), generator=gen, dtype=torch.uint8)
         x = torch.randn(m, k, generator=gen).to(dtype)
         extra = []
         if bias:
@@ -56,9 +65,13 @@ def _run_cases() -> dict:
         if act:
             extra.append(torch.randperm(k, generator=gen))
         kw = dict(group_size=g, has_bias=int(bias), act_order=int(act))
+        consts = jit_consts(g, JIT_CONSTS)
+        for v in consts.values():  # a small BLOCK_R so short K still spans several row tiles
+            if "BLOCK_R" in v:
+                v.update(BLOCK_R=4, BLOCK_N=16, target_programs=64 if split else 1)
         ref = int4_linear(x.float(), qweight, scales.float(), zeros, *[e.float() if e.is_floating_point() else e
                                                                        for e in extra], **kw)
-        got = int4_linear_triton(x, qweight, scales, zeros, *extra, **kw).float()
+        got = int4_linear_triton(x, qweight, scales, zeros, *extra, consts=consts, **kw).float()
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         err = float((got - ref).abs().max() / ref.abs().max())
         out[name] = {"ok": err < tol, "rel_err": err}

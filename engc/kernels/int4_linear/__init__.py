@@ -12,13 +12,17 @@ K-major packing keeps a GEMM tile's loads contiguous along N and lets fused proj
 concatenate along N. act_order checkpoints (GPTQ desc_act) have their input channels sorted by group
 at build time; perm (int64 [K]) then says which input channel each sorted row reads: y = x[:, perm] @ W.
 
-Launch rule (GPU, triton.py): M <= 8 rows use the GEMV kernel, one program per BLOCK_N outputs and
-split over K; larger M use the GEMM kernel, grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
+Launch rule (GPU, triton.py; launch() below): M <= gemv_max_rows rows (a launch constant) run the GEMV
+variant for M rounded up to a power of two, which reads each weight word once for all rows, split over K
+when N alone gives fewer than target_programs programs (then 'gemv_reduce' sums the fp32 partials);
+larger M run the GEMM. Variants carry the group size, a kernel constant: gemv_m{1,2,4,8}_g{G}, gemm_g{G}.
 """
 import torch
 
 PACK = 8  # nibbles per int32 word
-GEMV_MAX_ROWS = 8
+GEMV_ROWS = (1, 2, 4, 8)   # the GEMV's BLOCK_M specializations; M rounds up to one of them
+# launch args of each kernel kind: how many lead pointers (the rest, before the 2 scratch slots, are scalars)
+POINTER_ARGS = {"gemv": 7, "gemv_reduce": 3, "gemm": 6}
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -56,3 +60,90 @@ def int4_linear(x, qweight, scales, zeros, *extra, group_size: int, has_bias: in
     w = dequantize(qweight, scales, zeros, group_size).to(x.dtype)
     y = x @ w
     return y + bias if bias is not None else y
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def gemv_variant(rows: int, group_size: int) -> str:
+    return f"gemv_m{rows}_g{group_size}"
+
+
+def gemm_variant(group_size: int) -> str:
+    return f"gemm_g{group_size}"
+
+
+def variant_kind(variant: str) -> str:
+    return "gemv_reduce" if variant == "gemv_reduce" else variant.split("_", 1)[0]
+
+
+def variant_rows(variant: str) -> int:
+    return int(variant.split("_")[1][1:])
+
+
+def gemm_block_k(group_size: int, block_k: int) -> int:
+    """The GEMM's K tile: at most block_k and a divisor of the group, so a tile never straddles groups."""
+    while group_size % block_k:
+        block_k //= 2
+    if block_k < 16:
+        raise ValueError(f"int4 group size {group_size} is not a multiple of 16, which the GPU GEMM needs")
+    return block_k
+
+
+def jit_consts(group_size: int, table: dict) -> dict:
+    """Every variant's constants for one group size from a per-kind table (the JIT path's stand-in for
+    the bundle's records)."""
+    consts = {gemv_variant(r, group_size): dict(table["gemv"], gemv_max_rows=GEMV_ROWS[-1]) for r in GEMV_ROWS}
+    consts["gemv_reduce"] = dict(table["gemv_reduce"])
+    gemm = dict(table["gemm"])
+    gemm["BLOCK_K"] = gemm_block_k(group_size, gemm["BLOCK_K"])
+    consts[gemm_variant(group_size)] = gemm
+    return consts
+
+
+def gemv_splits(tiles_n: int, word_rows: int, c: dict) -> tuple[int, int]:
+    """(splits, word rows per split) of the GEMV: split K only while the N tiles alone are fewer than
+    target_programs (a split costs a partial write and the reduce launch), each split a whole number
+    of BLOCK_R row tiles."""
+    splits = 1
+    if tiles_n < c["target_programs"]:
+        splits = min(c["max_splits"], _cdiv(c["target_programs"], tiles_n), _cdiv(word_rows, c["BLOCK_R"]))
+    rows_per_split = _cdiv(_cdiv(word_rows, splits), c["BLOCK_R"]) * c["BLOCK_R"]
+    return _cdiv(word_rows, rows_per_split), rows_per_split
+
+
+def launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: dict):
+    """Launch rule of the int4 kernels: [(variant, grid, args)], in launch order.
+
+    x [M, K] and y [M, N] contiguous in the activation dtype; qweight, scales, zeros in the engc int4
+    layout; bias [N] or None. consts: variant -> the record's 'launch' dict. Null pointers are 0.
+    args of 'gemv_m{R}_g{G}' (grid (cdiv(N, BLOCK_N), splits)):
+        x, qweight, scales, zeros, bias, y, part, M, N, K, rows_per_split, has_bias, 0, 0
+        (part: fp32 [splits, M, N] partial sums when splits > 1, else 0)
+    args of 'gemv_reduce' (grid (cdiv(N, BLOCK), M)): part, bias, y, M, N, splits, has_bias, 0, 0
+    args of 'gemm_g{G}' (grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)): x, qweight, scales, zeros, bias, y,
+        M, N, K, has_bias, 0, 0
+    """
+    m, k = x.shape
+    n = qweight.shape[1]
+    assert x.is_contiguous() and y.is_contiguous() and qweight.shape[0] * PACK == k and n % 8 == 0
+    if m == 0:
+        return []
+    has_bias, b = (1, bias) if bias is not None else (0, 0)
+    gemv = consts.get(gemv_variant(1, group_size))
+    if gemv is not None and m <= gemv["gemv_max_rows"]:
+        variant = gemv_variant(next(r for r in GEMV_ROWS if r >= m), group_size)
+        c = consts[variant]
+        tiles_n = _cdiv(n, c["BLOCK_N"])
+        splits, rows_per_split = gemv_splits(tiles_n, k // PACK, c)
+        part = torch.empty(splits * m * n, dtype=torch.float32, device=x.device) if splits > 1 else 0
+        launches = [(variant, (tiles_n, splits, 1),
+                     [x, qweight, scales, zeros, b, y, part, m, n, k, rows_per_split, has_bias, 0, 0])]
+        if splits > 1:
+            block = consts["gemv_reduce"]["BLOCK"]
+            launches.append(("gemv_reduce", (_cdiv(n, block), m, 1), [part, b, y, m, n, splits, has_bias, 0, 0]))
+        return launches
+    c = consts[gemm_variant(group_size)]
+    grid = (_cdiv(m, c["BLOCK_M"]) * _cdiv(n, c["BLOCK_N"]), 1, 1)
+    return [(gemm_variant(group_size), grid, [x, qweight, scales, zeros, b, y, m, n, k, has_bias, 0, 0])]
