@@ -45,14 +45,21 @@ def main():
               help="float32, bfloat16 or float16; auto = float32 for cpu-only bundles, bfloat16 otherwise.")
 @click.option("--kernel-cache", default=None, envvar="ENGC_KERNEL_CACHE", type=click.Path(file_okay=False),
               help="Folder of compiled kernels to reuse and fill (keyed by shapes, dtype, arch, sources).")
+@click.option("--quant", default="auto", show_default=True,
+              help="auto = as the checkpoint is (float, or AWQ/GPTQ int4); fp8 = W8A8 float8 projections "
+                   "(GPU archs sm89+; see docs/quantization.md).")
+@click.option("--kv-cache", default="auto", show_default=True,
+              help="auto = the model dtype; int8 or fp8 (e4m3, sm89+) = KV cache stored in 1 byte a value plus "
+                   "a float32 scale per token and KV head: about half the memory, twice the cached tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
-def build(src, out, arch, dtype, kernel_cache, as_json):
+def build(src, out, arch, dtype, kernel_cache, quant, kv_cache, as_json):
     """Build a bundle from SRC: a Hugging Face folder, a .gguf file, or 'default'."""
     from engc.bundle.manifest import parse_archs
     from engc.compiler.build import BuildOptions
     from engc.compiler.build import build as build_bundle
     from engc.progress import Progress
-    opts = BuildOptions(archs=tuple(parse_archs(arch)), dtype=dtype, kernel_cache=kernel_cache)
+    opts = BuildOptions(archs=tuple(parse_archs(arch)), dtype=dtype, kernel_cache=kernel_cache, quant=quant,
+                        kv_cache=kv_cache)
     summary = build_bundle(src, out, opts, Progress(enabled=not as_json))
     if as_json:
         click.echo(json.dumps(summary, sort_keys=True))

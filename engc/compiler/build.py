@@ -15,6 +15,8 @@ from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.decoder import lower
 from engc.compiler.ir import to_onnx
 from engc.compiler.passes import PASSES
+from engc.compiler.passes.quantize_kv_cache import KV_CACHE_PASSES
+from engc.compiler.passes.quantize_fp8 import FP8_MANIFEST, check_fp8_shapes, check_fp8_targets, quantize_fp8
 from engc.errors import UserError
 from engc.progress import Progress
 
@@ -28,7 +30,8 @@ class BuildOptions:
     dtype: str = "auto"          # auto: float32 for a CPU-only bundle, bfloat16 when GPUs are targeted
     kv_block_size: int = KV_BLOCK_SIZE
     kernel_cache: str | None = None   # folder of compiled kernels to reuse (see kernel_cache.py)
-    quant: str = "auto"          # auto: as the checkpoint is (float, or AWQ/GPTQ int4 repacked)
+    kv_cache: str = "auto"       # auto: the model dtype; int8 / fp8 (e4m3): codes + per-token scales
+    quant: str = "auto"          # auto: as the checkpoint is (float, or AWQ/GPTQ int4 repacked); fp8: W8A8
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
@@ -63,14 +66,27 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
     progress = progress or Progress(enabled=False)
     started = time.monotonic()
     dtype_name = opts.resolved_dtype()
-    if opts.quant != "auto":
-        raise UserError(f"--quant {opts.quant} is not supported yet; known: auto (int4 comes from "
-                        "AWQ/GPTQ checkpoints: see engc quantize)")
+    if opts.quant not in ("auto", "fp8"):
+        raise UserError(f"unknown --quant '{opts.quant}'; known: auto, fp8 (int4 comes from AWQ/GPTQ "
+                        "checkpoints: see engc quantize)")
+    fp8 = opts.quant == "fp8"
+    if opts.kv_cache != "auto" and opts.kv_cache not in KV_CACHE_PASSES:
+        raise UserError(f"unknown --kv-cache '{opts.kv_cache}'; known: auto, {', '.join(KV_CACHE_PASSES)}")
+    if fp8:
+        check_fp8_targets(opts.archs, dtype_name)
     with progress.step("read checkpoint"):
         ckpt = read_source(src)
+    if fp8 and _quantization(ckpt):
+        raise UserError(f"{ckpt.name} is already quantized ({_quantization(ckpt)['method']} int4); "
+                        "--quant fp8 needs a float checkpoint")
+    passes = [*PASSES, quantize_fp8] if fp8 else PASSES
+    if opts.kv_cache != "auto":
+        passes = [*passes, KV_CACHE_PASSES[opts.kv_cache]]
     with progress.step("lower to engine program"):
         cfg, graph = lower(ckpt, DTYPES[dtype_name])
-        for p in PASSES:
+        if fp8 and opts.archs != ("cpu",):
+            check_fp8_shapes(cfg)
+        for p in passes:
             graph = p(graph)
         graph.validate()
     files = tokenizer_files(ckpt)
@@ -80,7 +96,9 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
         with progress.step(f"compile kernels for {','.join(gpu_archs)}"):
             from engc.compiler.kernel_cache import compile_cached
             result = compile_cached(cfg, DTYPES[dtype_name], gpu_archs, opts.kv_block_size,
-                                    Path(opts.kernel_cache) if opts.kernel_cache else None)
+                                    Path(opts.kernel_cache) if opts.kernel_cache else None,
+                                    quant="fp8" if fp8 else "none", kv_cache=opts.kv_cache,
+                                    int4_group_sizes=int4_group_sizes(graph))
             files.update(result.files)
             kernels = result.records
 
@@ -93,10 +111,11 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
 
     manifest = {
         "source": {"name": ckpt.name, "sha256": ckpt.source_sha256()},
-        "model": cfg.to_dict(), "dtype": dtype_name, "quantization": _quantization(ckpt), "tp": 1,
-        "archs": list(opts.archs), "kv_block_size": opts.kv_block_size,
+        "model": cfg.to_dict(), "dtype": dtype_name, "tp": 1,
+        "quantization": dict(FP8_MANIFEST) if fp8 else _quantization(ckpt),
+        "archs": list(opts.archs), "kv_block_size": opts.kv_block_size, "kv_cache": opts.kv_cache,
         "program": mf.PROGRAM, "weights": [mf.WEIGHTS], "kernels": kernels,
-        "passes": [p.__name__ for p in PASSES],
+        "passes": [p.__name__ for p in passes],
     }
     with progress.step("write bundle"):
         manifest = write_bundle(out, manifest, files, write_large)
@@ -104,6 +123,11 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
     return {"bundle": str(out), "model": ckpt.name, "family": cfg.family, "dtype": dtype_name,
             "archs": list(opts.archs), "kernels": len(kernels), "files": len(sizes),
             "bytes": sum(sizes.values()), "seconds": round(time.monotonic() - started, 2)}
+
+
+def int4_group_sizes(graph) -> tuple[int, ...]:
+    """The group sizes of the program's int4 projections: each gets its own GEMV/GEMM kernels."""
+    return tuple(sorted({int(n.attrs["group_size"]) for n in graph.nodes if n.op == "QLinear"}))
 
 
 def tokenizer_files(ckpt: Checkpoint) -> dict[str, bytes]:

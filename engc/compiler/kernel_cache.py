@@ -18,7 +18,7 @@ from engc.bundle.model_config import ModelConfig
 
 def sources_digest() -> str:
     root = Path(engc.__file__).parent
-    files = sorted([*root.glob("kernels/*/*.py"), *root.glob("compiler/codegen/*.py")])
+    files = sorted([*root.glob("kernels/*/*.py"), *root.glob("compiler/codegen/*.py"), *root.glob("templates/*.j2")])
     h = hashlib.sha256()
     for f in files:
         h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
@@ -26,20 +26,24 @@ def sources_digest() -> str:
 
 
 def compile_cached(cfg: ModelConfig, dtype: torch.dtype, archs: list[str], block_size: int,
-                   cache_dir: Path | None):
+                   cache_dir: Path | None, quant: str = "none", kv_cache: str = "auto", int4_group_sizes=()):
     """compile_kernels, answered from cache_dir when it already holds this exact compilation."""
     from engc.compiler.codegen import CodegenResult, compile_kernels
     if cache_dir is None:
-        return compile_kernels(cfg, dtype, archs, block_size)
+        return compile_kernels(cfg, dtype, archs, block_size, quant=quant, kv_cache=kv_cache,
+                               int4_group_sizes=int4_group_sizes)
     key = hashlib.sha256(json.dumps({"model": cfg.to_dict(), "dtype": str(dtype), "archs": sorted(archs),
-                                     "block_size": block_size, "sources": sources_digest()},
+                                     "block_size": block_size, "sources": sources_digest(), "quant": quant,
+                                     "kv_cache": kv_cache,
+                                     **({"int4_group_sizes": sorted(set(int4_group_sizes))} if int4_group_sizes else {})},
                                     sort_keys=True).encode()).hexdigest()[:32]
     entry = Path(cache_dir) / key
     if (entry / "records.json").is_file():
         records = json.loads((entry / "records.json").read_text())
         files = {rel: (entry / "files" / rel).read_bytes() for rel in json.loads((entry / "files.json").read_text())}
         return CodegenResult(files=files, records=records)
-    result = compile_kernels(cfg, dtype, archs, block_size)
+    result = compile_kernels(cfg, dtype, archs, block_size, quant=quant, kv_cache=kv_cache,
+                               int4_group_sizes=int4_group_sizes)
     for rel, data in result.files.items():
         (entry / "files" / rel).parent.mkdir(parents=True, exist_ok=True)
         (entry / "files" / rel).write_bytes(data)

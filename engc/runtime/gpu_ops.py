@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from engc.bundle.program import ENGC_DOMAIN
 from engc.bundle.reader import Bundle
 from engc.errors import BundleError
-from engc.kernels import paged_attention, qk_norm, rms_norm, rotary, silu_mul
+from engc.kernels import fp8_quant, paged_attention, qk_norm, rms_norm, rotary, silu_mul
+from engc.kernels import int4_linear
 from engc.runtime.cubin import Kernel, current_stream, load_kernel, require_cuda, signature_from_triton
 from engc.runtime.ops_reference import REFERENCE_OPS
 
-SCRATCH = 2  # Triton's trailing global/profile scratch pointers: the launch rules list them, Kernel adds them
+SCRATCH = 2  # Triton's trailing global/profile scratch pointers (records older than 'scratch_params' mean 2)
 
 
 def device_arch(device: torch.device) -> str:
@@ -75,18 +76,21 @@ class BundleKernels:
         self.kernels: dict[tuple[str, str], Kernel] = {}
         self.consts: dict[str, dict] = {}
         for r in records:  # one image file per (op, variant): each loads as its own module
-            sig = signature_from_triton([a["type"] for a in r["args"][:-SCRATCH]])
+            scratch = r.get("scratch_params", SCRATCH)   # CUDA C++ kernels take none
+            sig = signature_from_triton([a["type"] for a in r["args"][:len(r["args"]) - scratch]])
             self.kernels[(r["op"], r["variant"])] = load_kernel(
                 bundle.read(r[image]), r["entry"], sig, block_x=32 * r["num_warps"],
-                shared_mem=r["shared_mem"], scratch_params=SCRATCH)
+                shared_mem=r["shared_mem"], scratch_params=scratch)
             self.consts.setdefault(r["op"], {})[r["variant"]] = r.get("launch", {})
 
     def run(self, op: str, launches) -> None:
         stream = current_stream()
         for variant, grid, args in launches:
             kernel = self.kernels[(op, variant)]
+            # A launch rule lists every parameter of the record, scratch zeros included; the kernel
+            # appends its own null scratch pointers, so pass only its own parameters.
             kernel.launch(grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a
-                                 for a in args[:-SCRATCH]], stream)
+                                 for a in args[:len(kernel.signature)]], stream)
 
 
 def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
@@ -107,18 +111,20 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         k.run("qk_norm", qk_norm.launch(qkv, qw, kw, eps, out))
         return (out,)
 
-    def rope(qkv, positions, inv_freq, kv, slots, num_heads, num_kv_heads, head_dim):
+    # kv_scale: the 6th input of a quantized KV cache's program (engc build --kv-cache int8|fp8)
+    def rope(qkv, positions, inv_freq, kv, slots, kv_scale=None, *, num_heads, num_kv_heads, head_dim):
         q = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-        k.run("rotary", rotary.launch(qkv, positions, inv_freq, kv, slots, q))
+        k.run("rotary", rotary.launch(qkv, positions, inv_freq, kv, slots, q, kv_scale=kv_scale))
         return (q,)
 
-    def attention(q, kv, tables, ctx, starts, num_heads, num_kv_heads, head_dim, scale, sliding_window=0):
+    def attention(q, kv, tables, ctx, starts, kv_scale=None, *, num_heads, num_kv_heads, head_dim, scale,
+                  sliding_window=0):
         out = torch.empty_like(q)
         k.run("paged_attention", paged_attention.launch(
             q, kv, tables, ctx, starts, out, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, scale=scale, sliding_window=sliding_window,
             max_query_len=facts.max_query_len, max_context_len=facts.max_context_len,
-            decode_rows=facts.has_decode_rows, consts=k.consts["paged_attention"]))
+            decode_rows=facts.has_decode_rows, consts=k.consts["paged_attention"], kv_scale=kv_scale))
         return (out,)
 
     def act(x):
@@ -128,6 +134,29 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
 
     def gather(data, indices, axis=0):
         return (F.embedding(indices, data) if axis == 0 else torch.index_select(data, axis, indices),)
+
+    def fp8_linear(x, weight, weight_scale, bias=None, has_bias=0):
+        # Per-token scales from the bundle's kernel, then cuBLASLt/CUTLASS FP8 with row-wise scales:
+        # weight [N, K] row-major, so weight.t() is the column-major second operand _scaled_mm wants.
+        rows = x.shape[0]
+        if rows == 0:
+            return (x.new_empty(0, weight.shape[0]),)
+        xq = torch.empty(x.shape, dtype=fp8_quant.FP8, device=x.device)
+        x_scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+        k.run("fp8_quant", fp8_quant.launch(x, xq, x_scale))
+        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],
+                             out_dtype=x.dtype)
+        return (y + bias if has_bias else y,)
+
+    def qlinear(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0):
+        # W4A16: the GEMV for decode-sized batches, the GEMM above gemv_max_rows (int4_linear.launch)
+        if act_order:  # GPTQ desc_act: rows were sorted by group at build time, x follows them
+            x = x.index_select(-1, extra[int(bool(has_bias))])
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], qweight.shape[1], dtype=x.dtype, device=x.device)
+        k.run("int4_linear", int4_linear.launch(x, qweight, scales, zeros, extra[0] if has_bias else None, y,
+                                                group_size=group_size, consts=k.consts["int4_linear"]))
+        return (y,)
 
     ops = dict(REFERENCE_OPS)
     ops.update({
@@ -139,4 +168,8 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         (ENGC_DOMAIN, "PagedAttention"): attention,
         (ENGC_DOMAIN, "SiluMul"): act,
     })
+    if "int4_linear" in k.consts:  # a bundle built from an AWQ/GPTQ checkpoint
+        ops[(ENGC_DOMAIN, "QLinear")] = qlinear
+    if "fp8_quant" in k.consts:  # an fp8 bundle (engc build --quant fp8)
+        ops[(ENGC_DOMAIN, "FP8Linear")] = fp8_linear
     return ops

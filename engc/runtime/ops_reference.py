@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engc.bundle.program import ENGC_DOMAIN
+from engc.kernels.fp8_quant import fp8_linear
 from engc.kernels.int4_linear import int4_linear
 from engc.kernels.paged_attention import paged_attention
 from engc.kernels.qk_norm import qk_norm
@@ -37,8 +38,12 @@ REFERENCE_OPS = {
     (ENGC_DOMAIN, "RMSNorm"): lambda x, w, eps: (rms_norm(x, w, eps),),
     (ENGC_DOMAIN, "AddRMSNorm"): lambda x, r, w, eps: add_rms_norm(x, r, w, eps),
     (ENGC_DOMAIN, "QKNorm"): lambda qkv, qw, kw, **a: (qk_norm(qkv, qw, kw, **a),),
-    (ENGC_DOMAIN, "RotaryKVWrite"): lambda *xs, **a: (rotary_kv_write(*xs, **a),),
-    (ENGC_DOMAIN, "PagedAttention"): lambda *xs, **a: (paged_attention(*xs, **a),),
+    # a quantized KV cache (--kv-cache int8|fp8) passes its scales as a 6th input
+    (ENGC_DOMAIN, "RotaryKVWrite"): lambda qkv, pos, inv_freq, kv, slots, kv_scale=None, **a: (
+        rotary_kv_write(qkv, pos, inv_freq, kv, slots, kv_scale=kv_scale, **a),),
+    (ENGC_DOMAIN, "PagedAttention"): lambda q, kv, tables, ctx, starts, kv_scale=None, **a: (
+        paged_attention(q, kv, tables, ctx, starts, kv_scale=kv_scale, **a),),
     (ENGC_DOMAIN, "SiluMul"): lambda x: (silu_mul(x),),
     (ENGC_DOMAIN, "QLinear"): lambda *xs, **a: (int4_linear(*xs, **a),),
+    (ENGC_DOMAIN, "FP8Linear"): lambda *xs, **a: (fp8_linear(*xs, **a),),
 }

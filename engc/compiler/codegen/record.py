@@ -15,7 +15,8 @@ Record schema (all JSON types; one per (op, variant, arch)):
   constexprs                   the values the kernel was specialized on
   launch                       constants the op's launch rule reads (pass as consts[variant])
   tune_key, tune               tune-table key and entry chosen
-  triton_version               compiler that produced the cubin
+  scratch_params               trailing scratch pointers the kernel takes (Triton: 2; CUDA C++: 0)
+  triton_version               compiler that produced the cubin (CUDA C++ kernels: nvcc_version)
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import torch
 
 from engc.bundle.model_config import ModelConfig
 from engc.compiler.codegen.aot import PTX_VERSION, compile_in_children, compile_spec
+from engc.compiler.codegen.cuda import add_selected as add_selected_cuda
 from engc.compiler.codegen.specs import KernelSpec, model_specs
 
 SCRATCH_ARGS = [{"name": "global_scratch", "type": "*i8"}, {"name": "profile_scratch", "type": "*i8"}]
@@ -46,7 +48,7 @@ def kernel_record(spec: KernelSpec, meta: dict, cubin_path: str, ptx_path: str, 
         "cubin": cubin_path, "ptx": ptx_path, "source": source_path,
         "ptx_version": PTX_VERSION, "ptx_target": meta["ptx_target"],
         "num_warps": meta["num_warps"], "num_ctas": meta["num_ctas"], "shared_mem": meta["shared"],
-        "args": args + SCRATCH_ARGS, "align": 16,
+        "args": args + SCRATCH_ARGS, "scratch_params": len(SCRATCH_ARGS), "align": 16,
         "constexprs": {k: spec.constexprs[k] for k in sorted(spec.constexprs)},
         "launch": dict(sorted(spec.launch.items())),
         "tune_key": spec.tune_key, "tune": dict(sorted(spec.tune.items())),
@@ -90,10 +92,17 @@ def compile_specs(specs: list[KernelSpec], progress: Callable[[str], None] | Non
 
 
 def compile_kernels(cfg: ModelConfig, dtype: torch.dtype, archs: list[str], block_size: int,
-                    progress: Callable[[str], None] | None = None, jobs: int | None = None) -> CodegenResult:
+                    progress: Callable[[str], None] | None = None, jobs: int | None = None,
+                    quant: str = "none", kv_cache: str = "auto", int4_group_sizes=()) -> CodegenResult:
     """Compile every kernel cfg needs for each arch ("sm80", "sm90"), for a KV cache of block_size tokens.
 
     jobs: compiler processes (default: default_jobs(); 1 compiles in this process).
+    quant: the build's --quant ('fp8' adds the activation quantization kernels).
+    kv_cache: the build's --kv-cache ('int8'/'fp8': rotary and attention on a quantized KV cache).
+    int4_group_sizes: group sizes of the program's int4 QLinears (adds the W4A16 GEMV/GEMM per size).
     """
-    specs = [s for arch in sorted(set(archs)) for s in model_specs(cfg, dtype, arch, block_size)]
-    return compile_specs(specs, progress, jobs)
+    specs = [s for arch in sorted(set(archs))
+             for s in model_specs(cfg, dtype, arch, block_size, quant=quant, kv_cache=kv_cache,
+                                       int4_group_sizes=int4_group_sizes)]
+    # CUDA C++ kernels (nvcc) join where the tune table prefers them to a Triton kernel of the same op.
+    return add_selected_cuda(compile_specs(specs, progress, jobs), specs, cfg, progress)

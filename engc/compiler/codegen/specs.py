@@ -5,6 +5,7 @@ type of every runtime parameter in the kernel's own order, the constexpr values,
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 
@@ -13,8 +14,11 @@ import torch
 from engc.bundle.model_config import ModelConfig
 from engc.compiler.codegen import tune
 from engc.errors import UserError
+from engc.kernels import kv_quant
+from engc.kernels.fp8_quant import FP8_ARCHS, FP8_MAX, MIN_AMAX
 
 TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+KV_TRITON_DTYPE = {torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 @dataclass(frozen=True)
@@ -90,35 +94,50 @@ def qk_norm_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
                   overrides=overrides)]
 
 
-def rotary_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
+def _kv_cache_args(t: str, kv: torch.dtype | None) -> tuple[dict, dict]:
+    """(arg types, constexprs) of the KV-cache params: codes + scale pointers for a quantized cache; the
+    model dtype and scale pointers fixed to None (no params) otherwise. kv: kv_quant's code dtype or None."""
+    if kv is None:
+        return ({"k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}"},
+                {"k_scale_ptr": None, "v_scale_ptr": None, "KV_QUANT": 0})
+    c = KV_TRITON_DTYPE[kv]
+    return ({"k_cache_ptr": f"*{c}", "v_cache_ptr": f"*{c}", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"},
+            {"KV_QUANT": kv_quant.KV_QUANT_CODE[kv]})
+
+
+def rotary_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, kv: torch.dtype | None = None):
     consts = {"NUM_HEADS": cfg.num_heads, "NUM_KV_HEADS": cfg.num_kv_heads, "HEAD_DIM": cfg.head_dim,
               "H_PAD": _pow2(cfg.num_heads), "KV_PAD": _pow2(cfg.num_kv_heads),
               "HALF_PAD": _pow2(cfg.head_dim // 2), "D_PAD": _pow2(cfg.head_dim)}
     block = consts["H_PAD"] * consts["D_PAD"]
+    kv_types, kv_consts = _kv_cache_args(t, kv)
+    consts.update(kv_consts)
     specs = []
     for idx in ("i64", "i32"):
-        types = {"qkv_ptr": f"*{t}", "positions_ptr": f"*{idx}", "inv_freq_ptr": "*fp32",
-                 "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}", "slot_mapping_ptr": f"*{idx}",
-                 "q_out_ptr": f"*{t}"}
+        types = {"qkv_ptr": f"*{t}", "positions_ptr": f"*{idx}", "inv_freq_ptr": "*fp32", **kv_types,
+                 "slot_mapping_ptr": f"*{idx}", "q_out_ptr": f"*{t}"}
         specs.append(_spec("rotary", f"pos_{idx}", arch, "rotary_kv_kernel", types, consts,
                            tune.block_bucket(block), overrides=overrides))
     return specs
 
 
-def paged_attention_specs(cfg: ModelConfig, t: str, arch: str, block_size: int, overrides=None):
+def paged_attention_specs(cfg: ModelConfig, t: str, arch: str, block_size: int, overrides=None,
+                          kv: torch.dtype | None = None):
     group = cfg.num_heads // cfg.num_kv_heads
     precision = "ieee" if t == "fp32" else "tf32"
+    kv_types, kv_consts = _kv_cache_args(t, kv)
     common = {"NUM_HEADS": cfg.num_heads, "NUM_KV_HEADS": cfg.num_kv_heads, "HEAD_DIM": cfg.head_dim,
-              "D_PAD": _pow2(cfg.head_dim), "GROUP": group, "PAGE": block_size, "DOT_PRECISION": precision}
+              "D_PAD": _pow2(cfg.head_dim), "GROUP": group, "PAGE": block_size, "DOT_PRECISION": precision,
+              **kv_consts}
     bucket = tune.head_dim_bucket(cfg.head_dim)
-    cache = {"q_ptr": f"*{t}", "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}", "block_tables_ptr": "*i32",
+    cache = {"q_ptr": f"*{t}", **kv_types, "block_tables_ptr": "*i32",
              "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "out_ptr": f"*{t}"}
     decode_types = dict(cache, part_acc_ptr="*fp32", part_ml_ptr="*fp32", scale="fp32", sliding_window="i32",
                         block_table_stride="i32", num_splits="i32")
     decode = _spec("paged_attention", "decode", arch, "paged_decode_kernel", decode_types,
                    dict(common, G_PAD=max(16, _pow2(group))), bucket,
                    launch_keys=("BLOCK_N", "target_programs", "max_splits", "min_split_tokens",
-                                "min_split_tokens_busy"),
+                                "min_split_tokens_busy", "impl"),
                    overrides=(overrides or {}).get("decode"))
     reduce_types = {"query_start_loc_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
                     "out_ptr": f"*{t}", "num_splits": "i32"}
@@ -144,8 +163,96 @@ def sampling_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
     return specs
 
 
-def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int, overrides=None) -> list:
-    """Every kernel the model needs on one arch. overrides: op -> tune overrides (bench sweeps)."""
+def fp8_quant_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
+    """Per-token FP8 activation quantization, one variant per projection input width (hidden, q, inter)."""
+    if arch not in FP8_ARCHS:
+        raise UserError(f"--quant fp8 needs FP8 tensor cores (sm89 or newer); {arch} has none")
+    specs = []
+    for k in sorted({cfg.hidden_size, cfg.q_size, cfg.intermediate_size}):
+        types = {"x_ptr": f"*{t}", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+        consts = {"K": k, "BLOCK": _pow2(k), "FP8_MAX": FP8_MAX, "MIN_AMAX": MIN_AMAX}
+        specs.append(_spec("fp8_quant", f"k{k}", arch, "fp8_quant_kernel", types, consts,
+                           tune.block_bucket(_pow2(k)), overrides=overrides))
+    return specs
+
+
+def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
+    """Decode GEMV per input width K (hidden: qkv, gate_up, lm_head; q_size: o; SiLU-fused intermediate:
+    down) and per M class of the tune table. N is a run-time argument, so one kernel serves every
+    projection of that width. overrides: M class -> tune overrides."""
+    from engc.kernels.gemv import variant_name
+    if t == "fp32":
+        return []   # float32 bundles keep cuBLAS: the tensor-core path would round through tf32
+    types = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "out_ptr": f"*{t}", "partial_ptr": "*fp32",
+             "counter_ptr": "*i32", "M": "i32", "N": "i32", "k_tiles_per_split": "i32", "splits": "i32"}
+    specs = []
+    for k, silu in sorted({(cfg.hidden_size, False), (cfg.q_size, False), (cfg.intermediate_size, True)}):
+        for bucket in tune.GEMV_M_CLASSES:
+            _, entry = tune.lookup(arch, "gemv", "*", bucket, (overrides or {}).get(bucket))
+            specs.append(_spec("gemv", variant_name(k, silu, entry["max_m"]), arch, "gemv_kernel", types,
+                               {"K": k, "SILU": silu}, bucket, overrides=(overrides or {}).get(bucket),
+                               launch_keys=("K", "SILU", "max_m", "BLOCK_N", "BLOCK_K", "target_programs",
+                                            "max_splits", "min_split_k_tiles")))
+    return specs
+
+
+def int4_linear_specs(t: str, arch: str, group_sizes, overrides=None):
+    """W4A16 kernels for each group size the program's QLinears use: a GEMV per row bucket, a GEMM, and
+    the GEMV's split-K reduce (group-free). overrides: tune-bucket ('gemv_m1', 'gemm', ...) -> entry."""
+    from engc.kernels.int4_linear import GEMV_ROWS, gemm_block_k, gemm_variant, gemv_variant
+    if not group_sizes:
+        return []
+    ov = overrides or {}
+    ptr = {"x_ptr": f"*{t}", "qw_ptr": "*i32", "s_ptr": f"*{t}", "z_ptr": "*u8", "bias_ptr": f"*{t}", "y_ptr": f"*{t}"}
+    gemv_types = dict(ptr, part_ptr="*fp32", M="i32", N="i32", K="i32", rows_per_split="i32", has_bias="i32")
+    gemm_types = dict(ptr, M="i32", N="i32", K="i32", has_bias="i32")
+    specs = []
+    for g in sorted(set(int(g) for g in group_sizes)):
+        if g % 8:
+            raise UserError(f"int4 group size {g} is not a multiple of 8, which the engc int4 layout needs")
+        for rows in GEMV_ROWS:
+            bucket = f"gemv_m{rows}"
+            specs.append(_spec("int4_linear", gemv_variant(rows, g), arch, "int4_gemv_kernel", gemv_types,
+                               {"GROUP": g, "BLOCK_M": rows}, bucket, overrides=ov.get(bucket),
+                               launch_keys=("BLOCK_N", "BLOCK_R", "gemv_max_rows", "target_programs", "max_splits")))
+        gemm = _spec("int4_linear", gemm_variant(g), arch, "int4_gemm_kernel", gemm_types, {"GROUP": g},
+                     "gemm", overrides=ov.get("gemm"), launch_keys=("BLOCK_M", "BLOCK_N"))
+        try:  # a K tile must not straddle groups: the tune entry's BLOCK_K, halved until it divides g
+            block_k = gemm_block_k(g, gemm.constexprs["BLOCK_K"])
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        specs.append(dataclasses.replace(gemm, constexprs={**gemm.constexprs, "BLOCK_K": block_k}))
+    reduce_types = {"part_ptr": "*fp32", "bias_ptr": f"*{t}", "y_ptr": f"*{t}", "M": "i32", "N": "i32",
+                    "num_splits": "i32", "has_bias": "i32"}
+    specs.append(_spec("int4_linear", "gemv_reduce", arch, "int4_gemv_reduce_kernel", reduce_types, {},
+                       "gemv_reduce", overrides=ov.get("gemv_reduce"), launch_keys=("BLOCK",)))
+    return specs
+
+
+def argmax_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
+    key, entry = tune.lookup(arch, "argmax", "*", "any", overrides)
+    # chunks of at least one BLOCK each, at most MAX_SPLITS of them (a power of two: stage 2 loads them all)
+    splits = 1
+    while splits * 2 <= entry["max_splits"] and splits * 2 * entry["block"] <= cfg.vocab_size:
+        splits *= 2
+    consts = {"VOCAB": cfg.vocab_size, "SPLITS": splits, "CHUNK": -(-cfg.vocab_size // splits),
+              "BLOCK": entry["block"]}
+    specs = [_spec("argmax", f"partial_{lt}", arch, "argmax_partial_kernel",
+                   {"logits_ptr": f"*{lt}", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32"}, consts, "any",
+                   launch_keys=("SPLITS",), overrides=overrides)
+             for lt in sorted({t, "fp32"})]
+    specs.append(_spec("argmax", "final", arch, "argmax_final_kernel",
+                       {"part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "out_ptr": "*i64"}, {"SPLITS": splits},
+                       "any", overrides=overrides))
+    return specs
+
+
+def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int, overrides=None,
+                quant: str = "none", kv_cache: str = "auto", int4_group_sizes=()) -> list:
+    """Every kernel the model needs on one arch. overrides: op -> tune overrides (bench sweeps).
+    quant: the build's --quant ('none' for float or int4-from-checkpoint; 'fp8' adds fp8_quant).
+    kv_cache: the build's --kv-cache ('auto': the model dtype; 'int8'/'fp8': rotary and paged attention
+    specialized on that quantized cache). int4_group_sizes: group sizes of the program's int4 QLinears."""
     if arch not in tune.ARCHS:
         raise UserError(f"unsupported arch '{arch}': engc builds kernels for {', '.join(tune.ARCHS)}")
     if dtype not in TRITON_DTYPE:
@@ -153,11 +260,21 @@ def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int
     if cfg.num_heads % cfg.num_kv_heads:
         raise UserError(f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}")
     t = TRITON_DTYPE[dtype]
+    kv = kv_quant.cache_dtype(kv_cache, dtype)
+    kv = kv if kv_quant.is_quantized(kv) else None
+    if kv == torch.float8_e4m3fn and int(arch[2:]) < 89:
+        raise UserError(f"--kv-cache fp8 needs sm89 or newer (e4m3 conversions); {arch} has none: "
+                        "use --kv-cache int8")
     ov = overrides or {}
     specs = rms_norm_specs(cfg, t, arch, ov.get("rms_norm")) + silu_mul_specs(cfg, t, arch, ov.get("silu_mul"))
     if cfg.qk_norm:
         specs += qk_norm_specs(cfg, t, arch, ov.get("qk_norm"))
-    specs += rotary_specs(cfg, t, arch, ov.get("rotary"))
-    specs += paged_attention_specs(cfg, t, arch, block_size, ov.get("paged_attention"))
+    specs += rotary_specs(cfg, t, arch, ov.get("rotary"), kv)
+    specs += paged_attention_specs(cfg, t, arch, block_size, ov.get("paged_attention"), kv)
     specs += sampling_specs(cfg, t, arch, ov.get("sampling"))
+    specs += argmax_specs(cfg, t, arch, ov.get("argmax"))
+    specs += gemv_specs(cfg, t, arch, ov.get("gemv"))
+    if quant == "fp8":
+        specs += fp8_quant_specs(cfg, t, arch, ov.get("fp8_quant"))
+    specs += int4_linear_specs(t, arch, int4_group_sizes, ov.get("int4_linear"))
     return specs

@@ -27,13 +27,51 @@ for _arch in ("sm80", "sm90"):
         _put(_arch, "rotary", "*", _bucket, num_warps=_warps, num_stages=1)
     _put(_arch, "silu_mul", "*", "any", BLOCK=1024, num_warps=4, num_stages=1)
     _put(_arch, "sampling", "*", "any", BLOCK_V=4096, num_warps=8, num_stages=1)
+    _put(_arch, "argmax", "*", "any", block=1024, max_splits=64, num_warps=4, num_stages=1)
     _split = dict(target_programs=2 * _SM_COUNT[_arch], max_splits=64, min_split_tokens=128,
                   min_split_tokens_busy=1024)
-    _put(_arch, "paged_attention", "decode", "d<=64", BLOCK_N=128, num_warps=4, num_stages=2, **_split)
+    # impl: which decode kernel the runtime launches, "triton" or "cuda" (the template below); Triton
+    # until bench/kernels_device.py shows the template faster on that arch and head_dim class.
+    _put(_arch, "paged_attention", "decode", "d<=64", BLOCK_N=128, num_warps=4, num_stages=2, impl="triton",
+         **_split)
     _put(_arch, "paged_attention", "decode", "d<=128", BLOCK_N=64, num_warps=4,
-         num_stages=3 if _arch == "sm90" else 2, **_split)
-    _put(_arch, "paged_attention", "decode", "d>128", BLOCK_N=32, num_warps=4, num_stages=2, **_split)
+         num_stages=3 if _arch == "sm90" else 2, impl="triton", **_split)
+    _put(_arch, "paged_attention", "decode", "d>128", BLOCK_N=32, num_warps=4, num_stages=2, impl="triton",
+         **_split)
     _put(_arch, "paged_attention", "decode_reduce", "any", num_warps=4, num_stages=1)
+    # The CUDA C++ twin of the decode kernel (templates/paged_decode.cu.j2): built and launched instead of
+    # the Triton one only where the 'decode' entry says impl="cuda" and nvcc was there at build time.
+    # BLOCK_N follows from warps and tokens per thread (64 tokens for d<=128, 32 for d=256).
+    _put(_arch, "paged_attention", "decode_cuda", "d<=64", TOKENS_PER_THREAD=4, num_warps=4, **_split)
+    _put(_arch, "paged_attention", "decode_cuda", "d<=128", TOKENS_PER_THREAD=8, num_warps=4, **_split)
+    _put(_arch, "paged_attention", "decode_cuda", "d>128", TOKENS_PER_THREAD=8, num_warps=4, **_split)
+
+# fp8_quant (per-token activation quantization) holds a whole row in registers: warps grow with the row.
+for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 16)):
+    _put("sm90", "fp8_quant", "*", _bucket, num_warps=_warps, num_stages=1)
+
+# Decode GEMV (kernels/gemv), one entry per M class: few rows multiply on the CUDA cores, up to 16 pad
+# into tensor-core tiles. Split K until about 4 programs per multiprocessor are in flight. Starting
+# points, not measured yet: bench/gemv_device.py sweeps them on an H200 and prints the best per shape.
+GEMV_M_CLASSES = ("m<=4", "m<=16")
+for _arch in ("sm80", "sm90"):
+    _gemv_split = dict(target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
+    _put(_arch, "gemv", "*", "m<=4", max_m=4, BLOCK_M=4, BLOCK_N=16, BLOCK_K=512, DOT=False, num_warps=4,
+         num_stages=2, **_gemv_split)
+    _put(_arch, "gemv", "*", "m<=16", max_m=16, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT=True, num_warps=4,
+         num_stages=4, **_gemv_split)
+
+# int4_linear (W4A16), not yet measured on a device: bench/int4_device.py sweeps these. The GEMV's tile
+# shrinks in R as BLOCK_M grows, so partial sums for all rows stay in registers; splits over K aim at a
+# few programs per SM.
+for _arch in ("sm80", "sm90"):
+    _gemv = dict(BLOCK_N=32, num_warps=4, num_stages=3, gemv_max_rows=8, target_programs=4 * _SM_COUNT[_arch],
+                 max_splits=16)
+    for _rows, _block_r in ((1, 64), (2, 64), (4, 32), (8, 32)):
+        _put(_arch, "int4_linear", "*", f"gemv_m{_rows}", BLOCK_R=_block_r, **_gemv)
+    _put(_arch, "int4_linear", "*", "gemv_reduce", BLOCK=512, num_warps=4, num_stages=1)
+    _put(_arch, "int4_linear", "*", "gemm", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8,
+         num_stages=3 if _arch == "sm90" else 2)
 
 _put("sm90", "paged_attention", "prefill", "d<=64", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 _put("sm90", "paged_attention", "prefill", "d<=128", BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)

@@ -1,0 +1,62 @@
+"""W8A8 FP8 linear: per-output-channel float8_e4m3fn weights, per-token dynamic float8 activations.
+
+ONNX: ai.engc::FP8Linear(x, weight, weight_scale[, bias]) -> y, attribute has_bias.
+  weight        float8_e4m3fn [N, K] (row-major: w.t() is the column-major operand _scaled_mm wants)
+  weight_scale  float32 [N], absmax of each output row / 448, taken at build time
+  W[n, k] = weight[n, k] * weight_scale[n]
+At run time each token's row of x gets its own scale (row absmax / 448): x ~= x_fp8 * x_scale[:, None].
+Then y = (x_fp8 @ weight.t()) * x_scale[:, None] * weight_scale[None, :] (+ bias), accumulated in fp32.
+
+The kernel here is the activation quantization (triton.py, fp8_quant_kernel); the GEMM is cuBLASLt
+through torch._scaled_mm with row-wise scales (runtime/gpu_ops.py). fp8_linear below is the op's
+reference: the same quantization, the matmul in float32 on the dequantized operands, which is what the
+GPU computes up to accumulation order.
+
+Launch rule: one program per row (the whole row in registers: the absmax needs all of it before any
+element can be scaled); the variant is the row width, 'k<K>', one per distinct projection input width.
+"""
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0        # largest finite float8_e4m3fn
+MIN_AMAX = 1e-12       # an all-zero row still gets a finite scale (its values quantize to 0)
+FP8_ARCHS = ("sm89", "sm90")   # GPUs with FP8 tensor cores (Ada, Hopper); sm80/sm86 have none
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] float -> (q float8_e4m3fn [..., K], scale float32 [...]), x ~= q * scale[..., None].
+
+    One scale per row (output channel of a weight, or token of an activation). The clamp matters: torch
+    turns a value past 448 into NaN, and x / scale can round just past it."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp_min(MIN_AMAX) / FP8_MAX
+    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float().unsqueeze(-1)
+
+
+def fp8_linear(x, weight, weight_scale, bias=None, has_bias: int = 0) -> torch.Tensor:
+    """The reference of FP8Linear: quantize x per token, matmul in float32 with the dequantized weight.
+
+    weight may be the float8 tensor or an upcast copy of it (a float32 oracle): values are the same."""
+    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
+    y = dequantize_rows(xq, xs) @ dequantize_rows(weight, weight_scale).t()
+    y = y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+    return y + bias if has_bias else y
+
+
+def launch(x, out, scale, consts=None):
+    """Launch rule of fp8_quant_kernel: [(variant, grid, args)], nothing to launch for 0 rows.
+
+    x contiguous [M, K] (bf16/fp16/fp32), out float8_e4m3fn [M, K], scale float32 [M].
+    args: x, out, scale, global_scratch=0, profile_scratch=0. consts is unused.
+    """
+    rows, k = x.shape
+    assert x.is_contiguous() and out.is_contiguous() and out.shape == x.shape and scale.shape == (rows,)
+    assert x.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
+    if rows == 0:
+        return []
+    return [(f"k{k}", (rows, 1, 1), [x, out, scale, 0, 0])]

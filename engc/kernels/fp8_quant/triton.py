@@ -1,0 +1,22 @@
+"""Per-token dynamic FP8 quantization: x [M, K] -> x_fp8 [M, K] e4m3 and scale [M] = row absmax / 448.
+
+One program per row, the whole row (BLOCK = next power of two of K) in registers; K is a constexpr so
+the loads vectorize. Arithmetic as the reference (kernels/fp8_quant): divisions correctly rounded
+(Triton's plain '/' is div.full, off by up to 2 ulp), x / scale clamped to +-448, then rounded to
+nearest-even by the float8 conversion (cvt.rn.satfinite), so GPU and reference agree bit for bit.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def fp8_quant_kernel(x_ptr, out_ptr, scale_ptr, K: tl.constexpr, BLOCK: tl.constexpr,
+                     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX), FP8_MAX)
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    tl.store(out_ptr + row * K + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
