@@ -31,7 +31,7 @@ CASES = ["rms_norm_fp32", "rms_norm_bf16", "silu_mul_fp32", "silu_mul_bf16", "qk
          "rotary_fp32_i64", "rotary_bf16_i32", "attention_mixed_fp32", "attention_mixed_bf16",
          "attention_gqa3_d64_fp32", "attention_prefill_only_fp32", "attention_decode_split_fp32",
          "attention_decode_bf16", "attention_window_fp32", "attention_window_long_fp32", "sampling_fp32",
-         "sampling_bf16"]
+         "sampling_bf16", "argmax_fp32", "argmax_bf16", "argmax_small_vocab_fp32"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -42,7 +42,7 @@ def test_kernel_matches_reference(report, case):
 
 def test_op_contracts_do_not_import_triton():
     code = ("import sys; import engc.kernels.rms_norm, engc.kernels.silu_mul, engc.kernels.qk_norm, "
-            "engc.kernels.rotary, engc.kernels.paged_attention, engc.kernels.sampling; "
+            "engc.kernels.rotary, engc.kernels.paged_attention, engc.kernels.sampling, engc.kernels.argmax; "
             "assert 'triton' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
@@ -212,6 +212,23 @@ def check_sampling(dtype, block_v=None):
     return mismatches
 
 
+def check_argmax(dtype, vocab=3000, block=None):
+    import torch
+    from engc.kernels import argmax as op
+    ov = {"argmax": {"block": block}} if block else None
+    specs = _specs(_cfg(vocab_size=vocab), dtype, overrides=ov)["argmax"]
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, vocab, generator=gen) * 3).to(dtype)
+    logits[1, :] = 0.5                          # all tied: the first index wins
+    logits[2, vocab - 1] = 100.0                # the last element of the last chunk
+    logits[3, 7], logits[3, vocab - 3] = 50.0, 50.0   # tie across chunks
+    logits[4, :] = float("-inf")
+    logits[5, 1:] = float("-inf")
+    out = torch.full((6,), -1, dtype=torch.int64)
+    _run(specs, op.launch(logits, out, _consts(specs)))
+    return int((out != op.argmax(logits)).sum()), [list(g) for _, g, _ in op.launch(logits, out, _consts(specs))]
+
+
 def _patch_interpreter_bf16_dot():
     """Triton 3.9's interpreter multiplies bf16 dot operands as their raw uint16 storage; widen them first."""
     import numpy as np
@@ -265,6 +282,9 @@ def main():
                                                                overrides=small_tiles), attn_tol[f32]),
         "sampling_fp32": (lambda: check_sampling(f32, block_v=512), 0),
         "sampling_bf16": (lambda: check_sampling(bf16), 0),
+        "argmax_fp32": (lambda: check_argmax(f32, block=128), 0),
+        "argmax_bf16": (lambda: check_argmax(bf16, vocab=5000), 0),
+        "argmax_small_vocab_fp32": (lambda: check_argmax(f32, vocab=37), 0),
     }
     report = {}
     for name, (fn, limit) in checks.items():
