@@ -51,12 +51,13 @@ for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 1
     _put("sm90", "fp8_quant", "*", _bucket, num_warps=_warps, num_stages=1)
 
 # Decode GEMV (kernels/gemv), one entry per M class: few rows multiply on the CUDA cores, up to 16 pad
-# into tensor-core tiles. Split K until about 4 programs per multiprocessor are in flight. Starting
+# into tensor-core tiles (the CUDA-core path wants BLOCK_K a multiple of 256 * num_warps, so x's row
+# loads share the W tile's layout). Split K until about 4 programs per multiprocessor are in flight. Starting
 # points, not measured yet: bench/gemv_device.py sweeps them on an H200 and prints the best per shape.
 GEMV_M_CLASSES = ("m<=4", "m<=16")
 for _arch in ("sm80", "sm90"):
     _gemv_split = dict(target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
-    _put(_arch, "gemv", "*", "m<=4", max_m=4, BLOCK_M=4, BLOCK_N=16, BLOCK_K=512, DOT=False, num_warps=4,
+    _put(_arch, "gemv", "*", "m<=4", max_m=4, BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, DOT=False, num_warps=4,
          num_stages=2, **_gemv_split)
     _put(_arch, "gemv", "*", "m<=16", max_m=16, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT=True, num_warps=4,
          num_stages=4, **_gemv_split)

@@ -1,0 +1,79 @@
+"""Decode GEMV for dense projections: y[M, N] = x[M, K] @ W[N, K]^T for a few rows (decode batches).
+
+ONNX: the standard Gemm (transB=1, no bias) and ai.engc::SiluMulLinear(gate_up, W) = silu_mul(gate_up) @ W^T,
+which the fuse_silu_mul_linear pass makes of SiluMul -> Gemm. cuBLAS is fine for wide batches but at M of
+1-8 it leaves bandwidth on the table and adds a splitK-reduce launch; this kernel reads W once for all
+rows in one launch (kernels/gemv/triton.py says how).
+
+A bundle holds one kernel per (K, SILU, M class): variant `[silu_]k{K}_m{max_m}`, each with launch
+constants (its record's `launch`): K, SILU, max_m, BLOCK_N, BLOCK_K and the split rule's target_programs,
+max_splits, min_split_k_tiles. The runtime picks the kernel of the smallest M class that holds M
+(`pick`) and falls back to cuBLAS when none does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engc.kernels.silu_mul import silu_mul
+
+# Split-K arrival counters the runtime keeps zeroed: one per N tile of a launch.
+NUM_COUNTERS = 1 << 16
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(silu_mul(gate_up), w)
+
+
+def variant_name(k: int, silu: bool, max_m: int) -> str:
+    return f"{'silu_' if silu else ''}k{k}_m{max_m}"
+
+
+def variant_table(consts: dict) -> dict:
+    """(K, silu) -> [(max_m, variant)] ascending, from the op's launch constants (variant -> record launch)."""
+    table: dict = {}
+    for variant, c in consts.items():
+        table.setdefault((c["K"], bool(c["SILU"])), []).append((c["max_m"], variant))
+    return {key: sorted(v) for key, v in table.items()}
+
+
+def pick(table: dict, k: int, silu: bool, m: int) -> str | None:
+    """The variant for M rows of a K-wide input, or None (then cuBLAS runs)."""
+    return next((v for max_m, v in table.get((k, silu), ()) if 1 <= m <= max_m), None)
+
+
+def split_count(n_tiles: int, k_tiles: int, c: dict) -> tuple[int, int]:
+    """(splits, K tiles per split): split K until the grid reaches target_programs, each split keeping at
+    least min_split_k_tiles tiles; no split is left empty."""
+    splits = 1
+    while (n_tiles * splits < c["target_programs"] and 2 * splits <= c["max_splits"]
+           and k_tiles // (2 * splits) >= c["min_split_k_tiles"]):
+        splits *= 2
+    per = -(-k_tiles // splits)
+    return -(-k_tiles // per), per
+
+
+def launch(x, w, out, variant: str, consts: dict, counters):
+    """Launch rule of gemv_kernel: [(variant, grid, args)].
+
+    x contiguous [M, K] ([M, 2K] gate_up for a SILU variant), w contiguous [N, K], out contiguous [M, N];
+    consts: the variant's record launch; counters: NUM_COUNTERS int32, zero, owned by the caller (split
+    launches leave them zero). The fp32 split partials come from torch's allocator (inside a CUDA graph,
+    its pool). args: x, w, out, partial, counter, M, N, k_tiles_per_split, splits, global/profile scratch.
+    """
+    m, (n, k) = x.shape[0], w.shape
+    assert k == consts["K"] and x.shape[1] == (2 * k if consts["SILU"] else k) and m <= consts["max_m"]
+    assert x.is_contiguous() and w.is_contiguous() and out.is_contiguous() and out.shape == (m, n)
+    if m == 0:
+        return []
+    n_tiles = -(-n // consts["BLOCK_N"])
+    splits, per = split_count(n_tiles, -(-k // consts["BLOCK_K"]), consts)
+    if splits > 1 and n_tiles > counters.numel():
+        splits, per = 1, -(-k // consts["BLOCK_K"])
+    partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else 0
+    return [(variant, (n_tiles, splits, 1),
+             [x, w, out, partial, counters if splits > 1 else 0, m, n, per, splits, 0, 0])]

@@ -1,0 +1,115 @@
+"""Decode GEMV: y[M, N] = act(x)[M, K] @ W[N, K]^T for a few rows M; grid (cdiv(N, BLOCK_N), splits).
+
+Each program owns BLOCK_N rows of W and one K range (a split); it reads that slice of W from DRAM once,
+for all M rows of x, in BLOCK_K-wide contiguous loads. Small M (BLOCK_M <= 4 or so) multiplies on the
+CUDA cores (DOT=False: a row of x times the W tile, reduced along K; rows past M are skipped at run
+time); larger M pads to BLOCK_M >= 16 and uses tl.dot (tensor cores), whose W tiles Triton pipelines
+through shared memory over num_stages.
+
+Split-K for parallelism when N alone gives too few programs: every split stores its fp32 partial
+[M, BLOCK_N] to partial_ptr[split], then counts itself in counter_ptr[pid_n]; the last one to arrive
+sums the partials in split order (deterministic), writes y and zeroes the counter for the next launch,
+so one launch does the job of cuBLAS's GEMV + splitK-reduce pair. Counters start zeroed (the runtime
+owns them) and are left zeroed.
+
+SILU: x is the fused gate_up [M, 2K] (gate first) and the kernel multiplies by silu(gate) * up, rounded
+to the storage dtype at the same two points as kernels/silu_mul does, so results match silu_mul + linear.
+"""
+import triton
+import triton.language as tl
+
+# K elements per thread and load: 16 bytes of bf16/fp16
+VEC: tl.constexpr = tl.constexpr(8)
+
+
+@triton.jit
+def _act_tile(x_ptr, rows, offs_k, row_mask, k_mask, K: tl.constexpr, SILU: tl.constexpr):
+    """[len(rows), BLOCK_K] fp32 of the GEMV's input; silu(gate) * up when SILU."""
+    stride: tl.constexpr = 2 * K if SILU else K
+    ptrs = x_ptr + rows[:, None] * stride + offs_k[None, :]
+    mask = row_mask[:, None] & k_mask[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if SILU:
+        g = x.to(tl.float32)
+        u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
+        x = (s * u).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _row_partial(w, x_ptr, m: tl.constexpr, offs_k, k_mask, K: tl.constexpr, SILU: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """W tile times row m of x, summed over each thread's VEC contiguous K elements only: [BLOCK_N,
+    BLOCK_K // VEC]. The [1, BLOCK_K] row load gets the W tile's own layout when BLOCK_K is a multiple of
+    VEC * 32 * num_warps, so no layout conversion runs in the loop; the cross-thread sum waits until
+    the end."""
+    x = _act_tile(x_ptr + m * (2 * K if SILU else K), tl.arange(0, 1), offs_k, tl.arange(0, 1) < 1,
+                  k_mask, K, SILU)
+    prod = w.to(tl.float32) * x.to(tl.float32)
+    return tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_tiles_per_split, splits,
+                K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SILU: tl.constexpr, DOT: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past N read row N-1 again (stores are masked): W loads need no mask along N and stay wide.
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
+    rows = tl.arange(0, BLOCK_M)
+    k_tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    t_begin = pid_k * k_tiles_per_split
+    t_end = tl.minimum(t_begin + k_tiles_per_split, k_tiles)
+    if DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:  # per row of x, per thread partial sums; reduced across threads once, after the loop
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    for t in range(t_begin, t_end):
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        if K % BLOCK_K == 0:
+            w = tl.load(w_rows + offs_k[None, :])
+        else:
+            w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        if DOT:
+            x = _act_tile(x_ptr, rows, offs_k, rows < M, k_mask, K, SILU)
+            acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)
+        else:
+            acc0 += _row_partial(w, x_ptr, 0, offs_k, k_mask, K, SILU, BLOCK_N, BLOCK_K, VEC)
+            if BLOCK_M > 1:
+                if M > 1:
+                    acc1 += _row_partial(w, x_ptr, 1, offs_k, k_mask, K, SILU, BLOCK_N, BLOCK_K, VEC)
+            if BLOCK_M > 2:
+                if M > 2:
+                    acc2 += _row_partial(w, x_ptr, 2, offs_k, k_mask, K, SILU, BLOCK_N, BLOCK_K, VEC)
+            if BLOCK_M > 3:
+                if M > 3:
+                    acc3 += _row_partial(w, x_ptr, 3, offs_k, k_mask, K, SILU, BLOCK_N, BLOCK_K, VEC)
+    if not DOT:
+        r = rows[:, None]
+        acc = tl.where(r == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+        acc = tl.where(r == 1, tl.sum(acc1, axis=1)[None, :], acc)
+        acc = tl.where(r == 2, tl.sum(acc2, axis=1)[None, :], acc)
+        acc = tl.where(r == 3, tl.sum(acc3, axis=1)[None, :], acc)
+
+    out_offs = rows[:, None] * N + offs_n[None, :]
+    out_mask = (rows[:, None] < M) & (offs_n[None, :] < N)
+    if splits == 1:
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(partial_ptr + pid_k * M * N + out_offs, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before this program counts as arrived
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(0, splits):
+                total += tl.load(partial_ptr + s * M * N + out_offs, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
