@@ -20,8 +20,8 @@ assume it for 16-byte loads along N.
 import triton
 import triton.language as tl
 
-MAGIC = 0x4B000000      # float 2**23: its 23 mantissa bits hold an integer exactly
-MAGIC_F = 8388608.0
+MAGIC = tl.constexpr(0x4B000000)   # float 2**23: its 23 mantissa bits hold an integer exactly
+MAGIC_F = tl.constexpr(8388608.0)
 
 
 @triton.jit
