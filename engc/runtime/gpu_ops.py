@@ -2,7 +2,8 @@
 
 Every op's launch rule (kernels/<op>/__init__.py) turns tensors into (variant, grid, args); this module
 finds the cubin recorded for (op, variant, arch) and launches it on torch's current stream, which makes
-every step capturable in a CUDA graph. Dense GEMMs, gathers and casts stay with torch (cuBLAS).
+every step capturable in a CUDA graph. Dense GEMMs of decode batches run the bundle's GEMV (kernels/gemv)
+when it has one for the shape; wider ones, gathers and casts stay with torch (cuBLAS).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from engc.bundle.program import ENGC_DOMAIN
 from engc.bundle.reader import Bundle
 from engc.errors import BundleError
-from engc.kernels import fp8_quant, paged_attention, qk_norm, rms_norm, rotary, silu_mul
+from engc.kernels import fp8_quant, gemv, paged_attention, qk_norm, rms_norm, rotary, silu_mul
 from engc.kernels import int4_linear
 from engc.runtime.cubin import Kernel, current_stream, load_kernel, require_cuda, signature_from_triton
 from engc.runtime.ops_reference import REFERENCE_OPS
@@ -132,6 +133,31 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         k.run("silu_mul", silu_mul.launch(x, out, k.consts["silu_mul"]))
         return (out,)
 
+    # Decode GEMV for dense projections when the bundle has a kernel for this K and M; else cuBLAS.
+    gemv_consts = k.consts.get("gemv", {})
+    gemv_table = gemv.variant_table(gemv_consts)
+    gemv_counters = (torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
+                     if gemv_table else None)  # made before any capture: graphs replay on these zeros
+
+    def run_gemv(x, w, silu):
+        variant = gemv.pick(gemv_table, w.shape[1], silu, x.shape[0])
+        if variant is None or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()):
+            return None
+        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+        k.run("gemv", gemv.launch(x, w, out, variant, gemv_consts[variant], gemv_counters))
+        return out
+
+    def gemm(a, b, c=None, transB=0, **attrs):
+        if transB and c is None and not attrs and a.dim() == 2:
+            out = run_gemv(a, b, silu=False)
+            if out is not None:
+                return (out,)
+        return REFERENCE_OPS[("", "Gemm")](a, b, c, transB=transB, **attrs)
+
+    def silu_linear(gate_up, w):
+        out = run_gemv(gate_up, w, silu=True)
+        return (out,) if out is not None else (F.linear(act(gate_up)[0], w),)
+
     def gather(data, indices, axis=0):
         return (F.embedding(indices, data) if axis == 0 else torch.index_select(data, axis, indices),)
 
@@ -167,6 +193,8 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         (ENGC_DOMAIN, "RotaryKVWrite"): rope,
         (ENGC_DOMAIN, "PagedAttention"): attention,
         (ENGC_DOMAIN, "SiluMul"): act,
+        (ENGC_DOMAIN, "SiluMulLinear"): silu_linear,
+        ("", "Gemm"): gemm,
     })
     if "int4_linear" in k.consts:  # a bundle built from an AWQ/GPTQ checkpoint
         ops[(ENGC_DOMAIN, "QLinear")] = qlinear

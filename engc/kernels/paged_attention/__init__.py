@@ -64,6 +64,15 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, decode
     return max(1, min(decode_consts["max_splits"], tiles, ctx // min_tokens, wanted))
 
 
+def decode_variant(consts: dict, quantized_cache: bool = False) -> str:
+    """'decode_cuda' (the CUDA C++ template's kernel) where the decode record's tune entry chose impl "cuda"
+    and the bundle has that kernel (nvcc was present at build time) and the cache is not quantized;
+    else 'decode' (Triton). Both take the same arguments and leave the same partials to decode_reduce."""
+    if consts["decode"].get("impl") == "cuda" and "decode_cuda" in consts and not quantized_cache:
+        return "decode_cuda"
+    return "decode"
+
+
 def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, num_splits: int, device):
     """Partial results of the split-KV decode: (acc [S*H*splits*D], max/sum [S*H*splits*2]) float32."""
     n = num_seqs * num_heads * num_splits
@@ -87,6 +96,7 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
     args of 'decode' (grid (B, KV, splits); part_acc, part_ml are 0 (null) when splits == 1):
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, part_acc, part_ml,
         scale (fp32), sliding_window (i32), block_table_stride (i32), num_splits (i32), 0, 0
+    args of 'decode_cuda' (instead of 'decode', see decode_variant): the same without the two scratch zeros
     args of 'decode_reduce' (grid (B, H), only when splits > 1):
         query_start_loc, part_acc, part_ml, out, num_splits (i32), 0, 0
     args of 'prefill' (grid (cdiv(max_query_len, BLOCK_M // GROUP), B, KV)):
@@ -113,7 +123,8 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
             return launches
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * kv_cache.shape[2]
-    d = consts["decode"]
+    variant = decode_variant(consts, kv_scale is not None)
+    d = consts[variant]
     splits = decode_splits(num_seqs, num_kv_heads, max_context_len, d)
     if splits > 1:
         if workspace is None:
@@ -122,8 +133,9 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
         assert part_ml.numel() >= num_seqs * num_heads * splits * 2
     else:
         part_acc, part_ml = 0, 0          # unused with one split: null pointers
-    launches.append(("decode", (num_seqs, num_kv_heads, splits),
-                     common + [part_acc, part_ml, float(scale), int(sliding_window), bt_stride, splits, 0, 0]))
+    scratch = [] if variant == "decode_cuda" else [0, 0]    # only Triton kernels take scratch pointers
+    launches.append((variant, (num_seqs, num_kv_heads, splits),
+                     common + [part_acc, part_ml, float(scale), int(sliding_window), bt_stride, splits, *scratch]))
     if splits > 1:
         launches.append(("decode_reduce", (num_seqs, num_heads, 1),
                          [query_start_loc, part_acc, part_ml, out, splits, 0, 0]))

@@ -1,0 +1,228 @@
+"""CUDA C++ kernels from jinja2 templates: render per model shape, compile per arch with nvcc through a
+generated build.ninja, and record them in the same kernel-table schema as the Triton kernels.
+
+    specs = cuda_specs(cfg, "bf16", "sm90", block_size=16)       # [] for shapes a template does not cover
+    result = compile_cuda(specs)                                   # a CodegenResult, like compile_specs
+
+nvcc is optional: without it (a CI runner, most CPU boxes) `nvcc_path()` is None and the build keeps the
+Triton kernels. Flags: -O3 and no --use_fast_math, so division and rounding stay IEEE; the templates call
+the approximate exp2 instruction themselves where Triton does too (the softmax). Line info is off so no
+machine path reaches the cubin; the PTX's ISA version is pinned to PTX_VERSION like Triton's.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engc.bundle.model_config import ModelConfig
+from engc.compiler.codegen import tune
+from engc.compiler.codegen.aot import ARCH_CAPABILITY, PTX_VERSION
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
+NVCC_FLAGS = ["-O3", "-std=c++17", "--restrict"]
+C_TYPE = {"bf16": "__nv_bfloat16", "fp16": "__half", "fp32": "float"}
+ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_PTX_VERSION_LINE = re.compile(r"^\.version\s+\d+\.\d+\s*$", re.MULTILINE)
+_PTX_TARGET = re.compile(r"^\.target\s+(\S+)", re.MULTILINE)
+SHARED_LIMIT = 48 * 1024   # static shared memory; the templates never ask for the dynamic kind
+
+
+@dataclass(frozen=True)
+class CudaKernelSpec:
+    op: str
+    variant: str
+    arch: str
+    template: str               # file in engc/templates
+    entry: str                  # extern "C" symbol
+    render: dict                # template variables (the shape the kernel is specialized on)
+    arg_types: dict             # runtime params in kernel order -> Triton-style type names ("*bf16", "i32")
+    num_warps: int
+    tune_key: str
+    tune: dict
+    launch: dict = field(default_factory=dict)
+
+    @property
+    def stem(self) -> str:
+        return f"{self.op}.{self.variant}"
+
+
+def nvcc_path() -> str | None:
+    """nvcc from $CUDA_HOME/bin, else PATH; None when there is none."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.access(Path(home) / "bin" / "nvcc", os.X_OK):
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"release \S+, V(\S+)", out)
+    return found.group(1) if found else out.strip().splitlines()[-1]
+
+
+def render(template: str, **values) -> str:
+    import jinja2
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    return env.get_template(template).render(**values)
+
+
+def decode_spec(cfg: ModelConfig, t: str, arch: str, block_size: int, overrides=None) -> tuple:
+    """(spec, '') for the paged decode template on this shape, or (None, why it does not apply)."""
+    vec = 16 // ELEM_BYTES[t]
+    tpt = cfg.head_dim // vec if cfg.head_dim % vec == 0 else 0
+    if not tpt or 32 % tpt:
+        return None, f"head_dim {cfg.head_dim} does not split into a power-of-two group of 16-byte loads"
+    key, entry = tune.lookup(arch, "paged_attention", "decode_cuda", tune.head_dim_bucket(cfg.head_dim), overrides)
+    tokens = entry["TOKENS_PER_THREAD"]
+    if block_size % tokens:
+        return None, f"KV block size {block_size} is not a multiple of {tokens} tokens per thread"
+    group = cfg.num_heads // cfg.num_kv_heads
+    warps = entry["num_warps"]
+    shared = warps * group * (cfg.head_dim + 2) * 4
+    if shared > SHARED_LIMIT:
+        return None, f"GQA group {group} x head_dim {cfg.head_dim} needs {shared} bytes of shared memory"
+    block_n = warps * (32 // tpt) * tokens
+    entry_name = f"paged_decode_{t}_h{cfg.num_heads}_kv{cfg.num_kv_heads}_d{cfg.head_dim}_p{block_size}"
+    values = {"dtype": t, "ctype": C_TYPE[t], "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+              "head_dim": cfg.head_dim, "page": block_size, "num_warps": warps, "tokens_per_thread": tokens,
+              "block_n": block_n, "entry": entry_name}
+    types = {"q_ptr": f"*{t}", "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}", "block_tables_ptr": "*i32",
+             "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "out_ptr": f"*{t}",
+             "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "scale": "fp32", "sliding_window": "i32",
+             "block_table_stride": "i32", "num_splits": "i32"}
+    launch = {"BLOCK_N": block_n}
+    launch.update({k: entry[k] for k in ("target_programs", "max_splits", "min_split_tokens",
+                                         "min_split_tokens_busy")})
+    return CudaKernelSpec(op="paged_attention", variant="decode_cuda", arch=arch, template="paged_decode.cu.j2",
+                          entry=entry_name, render=values, arg_types=types, num_warps=warps, tune_key=key,
+                          tune=entry, launch=launch), ""
+
+
+def write_build_ninja(build_dir: Path, nvcc: str, specs: list[CudaKernelSpec]) -> Path:
+    """One cubin and one PTX rule per arch; one build edge per (kernel, arch). Sources are in src/."""
+    lines = ["ninja_required_version = 1.3", f"nvcc = {nvcc}", f"flags = {' '.join(NVCC_FLAGS)}", ""]
+    for arch in sorted({s.arch for s in specs}):
+        cap = ARCH_CAPABILITY[arch]
+        lines += [f"rule cubin_{arch}", f"  command = $nvcc $flags -cubin -arch=sm_{cap} -o $out $in",
+                  f"  description = nvcc {arch} cubin $out",
+                  f"rule ptx_{arch}", f"  command = $nvcc $flags -ptx -arch=compute_{cap} -o $out $in",
+                  f"  description = nvcc {arch} ptx $out", ""]
+    for s in sorted(specs, key=lambda s: (s.arch, s.stem)):
+        src = f"src/{s.stem}.cu"
+        lines.append(f"build {s.arch}/{s.stem}.cubin: cubin_{s.arch} {src}")
+        lines.append(f"build {s.arch}/{s.stem}.ptx: ptx_{s.arch} {src}")
+    path = build_dir / "build.ninja"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _ninja() -> list[str]:
+    exe = shutil.which("ninja")
+    if exe:
+        return [exe]
+    import ninja  # the PyPI package ships the binary
+    return [str(Path(ninja.BIN_DIR) / "ninja")]
+
+
+def pin_ptx_version(ptx: str) -> str:
+    """nvcc writes its own PTX ISA (9.0 for CUDA 13); the bundle promises PTX_VERSION to older drivers."""
+    major, minor = divmod(PTX_VERSION, 10)
+    return _PTX_VERSION_LINE.sub(f".version {major}.{minor}", ptx, count=1)
+
+
+def kernel_record(spec: CudaKernelSpec, ptx: str, cubin_path: str, ptx_path: str, source_path: str,
+                  version: str) -> dict:
+    """The Triton record schema (record.py), with no scratch params and nvcc_version for triton_version."""
+    return {
+        "op": spec.op, "variant": spec.variant, "arch": spec.arch, "entry": spec.entry,
+        "cubin": cubin_path, "ptx": ptx_path, "source": source_path,
+        "ptx_version": PTX_VERSION, "ptx_target": _PTX_TARGET.search(ptx).group(1),
+        "num_warps": spec.num_warps, "num_ctas": 1, "shared_mem": 0,
+        "args": [{"name": name, "type": ty} for name, ty in spec.arg_types.items()], "scratch_params": 0,
+        "align": 16, "constexprs": dict(sorted(spec.render.items())), "launch": dict(sorted(spec.launch.items())),
+        "tune_key": spec.tune_key, "tune": dict(sorted(spec.tune.items())), "nvcc_version": version,
+    }
+
+
+def compile_cuda(specs: list[CudaKernelSpec], build_dir: str | Path | None = None, nvcc: str | None = None):
+    """Render, write build.ninja, run ninja; a CodegenResult of cubins, pinned PTX, sources and records.
+
+    build_dir: keep the build tree there (inspection, incremental rebuilds); default a temporary folder."""
+    from engc.compiler.codegen.record import CodegenResult
+    nvcc = nvcc or nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    result = CodegenResult()
+    if not specs:
+        return result
+    version = nvcc_version(nvcc)
+    with tempfile.TemporaryDirectory(prefix="engc-nvcc-") as tmp:
+        root = Path(build_dir) if build_dir else Path(tmp)
+        (root / "src").mkdir(parents=True, exist_ok=True)
+        sources = {}
+        for s in specs:
+            text = render(s.template, **s.render)
+            prev = sources.setdefault(s.stem, text)
+            if prev != text:
+                raise ValueError(f"{s.stem}: the template renders differently per arch; name the variants apart")
+        for stem, text in sources.items():
+            path = root / "src" / f"{stem}.cu"
+            if not path.is_file() or path.read_text() != text:   # unchanged sources keep ninja's work
+                path.write_text(text)
+        write_build_ninja(root, nvcc, specs)
+        proc = subprocess.run(_ninja() + ["-C", str(root)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc build failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        for s in sorted(specs, key=lambda s: (s.arch, s.op, s.variant)):
+            stem = f"kernels/{s.arch}/{s.stem}"
+            source_path = f"kernels/src/{s.stem}.cu"
+            ptx = pin_ptx_version((root / s.arch / f"{s.stem}.ptx").read_text())
+            result.files[f"{stem}.cubin"] = (root / s.arch / f"{s.stem}.cubin").read_bytes()
+            result.files[f"{stem}.ptx"] = ptx.encode()
+            result.files[source_path] = sources[s.stem].encode()
+            result.records.append(kernel_record(s, ptx, f"{stem}.cubin", f"{stem}.ptx", source_path, version))
+    return result
+
+
+def selected_specs(triton_specs: list, cfg: ModelConfig) -> tuple[list[CudaKernelSpec], list[str]]:
+    """The CUDA kernels the tune table selects in place of Triton ones (a 'decode' entry with impl "cuda"),
+    and a note for each selected one that this shape cannot have."""
+    specs, notes = [], []
+    for s in triton_specs:
+        if (s.op, s.variant) != ("paged_attention", "decode") or s.launch.get("impl") != "cuda":
+            continue
+        t = s.arg_types["q_ptr"][1:]
+        if s.arg_types["k_cache_ptr"] != s.arg_types["q_ptr"]:
+            notes.append(f"{s.arch}: the CUDA decode kernel reads only a {t} KV cache; Triton's decode is used")
+            continue
+        spec, why = decode_spec(cfg, t, s.arch, s.constexprs["PAGE"])
+        if spec is None:
+            notes.append(f"{s.arch}: no CUDA decode kernel ({why}); Triton's decode is used")
+        else:
+            specs.append(spec)
+    return specs, notes
+
+
+def add_selected(result, triton_specs: list, cfg: ModelConfig, progress=None):
+    """Compile the selected CUDA kernels into result (a CodegenResult). Without nvcc they are skipped with
+    one line: the Triton kernels they replace are in the bundle anyway, and the launch rule falls back."""
+    specs, notes = selected_specs(triton_specs, cfg)
+    if specs and nvcc_path() is None:
+        notes.append("nvcc not found: the CUDA decode kernel is skipped, Triton's decode is used")
+        specs = []
+    for note in notes:
+        print(f"engc: note: {note}", file=sys.stderr)
+    if specs:
+        if progress:
+            progress(f"compiling {len(specs)} CUDA kernels with nvcc")
+        extra = compile_cuda(specs)
+        result.files.update(extra.files)
+        result.records = sorted(result.records + extra.records, key=lambda r: (r["arch"], r["op"], r["variant"]))
+    return result
