@@ -79,7 +79,9 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
     if fp8 and _quantization(ckpt):
         raise UserError(f"{ckpt.name} is already quantized ({_quantization(ckpt)['method']} int4); "
                         "--quant fp8 needs a float checkpoint")
-    passes = [*PASSES, quantize_fp8] if fp8 else PASSES
+    passes = list(PASSES)
+    if fp8:  # right after the qkv/gate_up fusion, before any pass that claims a plain Gemm (silu_mul+down)
+        passes.insert([p.__name__ for p in passes].index("fuse_parallel_gemms") + 1, quantize_fp8)
     if opts.kv_cache != "auto":
         passes = [*passes, KV_CACHE_PASSES[opts.kv_cache]]
     with progress.step("lower to engine program"):
