@@ -33,6 +33,7 @@ class Graph:
     weights: dict[str, Lazy] = field(default_factory=dict)
     outputs: list[str] = field(default_factory=lambda: ["logits"])
     num_layers: int = 0
+    kv_cache: str = "auto"      # int8/fp8: a quantized cache, kv_scale.{i} inputs (passes/quantize_kv_cache)
 
     def add(self, op: str, inputs: list[str], outputs: list[str] | str, domain: str = ENGC_DOMAIN,
             **attrs) -> str | list[str]:
@@ -50,7 +51,8 @@ class Graph:
         return next((n for n in self.nodes if value in n.outputs), None)
 
     def input_names(self) -> list[str]:
-        return list(GRAPH_INPUTS) + [f"kv_cache.{i}" for i in range(self.num_layers)]
+        scales = [f"kv_scale.{i}" for i in range(self.num_layers)] if self.kv_cache != "auto" else []
+        return list(GRAPH_INPUTS) + [f"kv_cache.{i}" for i in range(self.num_layers)] + scales
 
     def validate(self) -> None:
         """Every value is defined before use, exactly once; every weight used exists and vice versa."""
@@ -83,7 +85,8 @@ def to_onnx(graph: Graph, tensor_layout: dict[str, dict], weights_file: str, dty
                               **_attrs(n.attrs))
              for i, n in enumerate(graph.nodes)]
     inits = [_external(name, tensor_layout[name], weights_file) for name in sorted(graph.weights)]
-    inputs = [_input_info(name, dtype_name) for name in graph.input_names()]
+    kv_dtype = {"int8": "int8", "fp8": "float8_e4m3fn"}.get(graph.kv_cache, dtype_name)
+    inputs = [_input_info(name, kv_dtype) for name in graph.input_names()]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["num_sampled", "vocab"])]
     g = helper.make_graph(nodes, "engc_step", inputs, outputs, initializer=inits)
     model = helper.make_model(g, producer_name="engc", opset_imports=[
@@ -109,7 +112,7 @@ def _external(name: str, layout: dict, weights_file: str) -> TensorProto:
     return t
 
 
-def _input_info(name: str, dtype_name: str):
+def _input_info(name: str, kv_dtype_name: str):
     int_inputs = {"input_ids": ["num_tokens"], "positions": ["num_tokens"],
                   "slot_mapping": ["num_tokens"], "block_tables": ["num_seqs", "max_blocks"],
                   "context_lens": ["num_seqs"], "query_start_loc": ["num_seqs_plus_1"],
@@ -118,6 +121,9 @@ def _input_info(name: str, dtype_name: str):
         elem = TensorProto.INT64 if name in ("input_ids", "positions", "slot_mapping",
                                              "logits_indices") else TensorProto.INT32
         return helper.make_tensor_value_info(name, elem, int_inputs[name])
+    if name.startswith("kv_scale."):  # a quantized cache's scales: one per (k/v, token, KV head)
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT,
+                                             [2, "num_blocks", "block_size", "num_kv_heads"])
     # kv_cache.{i}: [2, num_blocks, block_size, num_kv_heads, head_dim], updated in place
-    return helper.make_tensor_value_info(name, ONNX_DTYPES[dtype_name],
+    return helper.make_tensor_value_info(name, ONNX_DTYPES[kv_dtype_name],
                                          [2, "num_blocks", "block_size", "num_kv_heads", "head_dim"])

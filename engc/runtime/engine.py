@@ -32,7 +32,7 @@ def default_num_blocks(model: LoadedModel, fraction: float) -> int:
     if model.device.type != "cuda":
         return 512
     free, _ = torch.cuda.mem_get_info(model.device)
-    per_block = KVCache.bytes_per_block(model.config, model.block_size, model.dtype)
+    per_block = KVCache.bytes_per_block(model.config, model.block_size, model.kv_dtype or model.dtype)
     return max(16, int(free * fraction) // per_block)
 
 
@@ -50,8 +50,8 @@ class Engine:
         self.model = model
         self.config = config
         num_blocks = config.num_blocks or default_num_blocks(model, config.kv_memory_fraction)
-        self.kv = KVCache(model.config, num_blocks, model.block_size, model.dtype, model.device,
-                          config.prefix_cache)
+        self.kv = KVCache(model.config, num_blocks, model.block_size, model.kv_dtype or model.dtype,
+                          model.device, config.prefix_cache)
         self.scheduler = Scheduler(self.kv.allocator, config.max_num_seqs, config.max_batched_tokens,
                                    config.max_sessions)
         self.max_context = min(model.config.max_position_embeddings, num_blocks * model.block_size)

@@ -35,7 +35,7 @@ def perplexity(model: LoadedModel, text: str, opts: EvalOptions = EvalOptions())
     if len(ids) < 2:
         raise UserError("the evaluation text has fewer than 2 tokens")
     blocks = -(-opts.window // model.block_size)
-    kv = KVCache(model.config, blocks, model.block_size, model.dtype, model.device)
+    kv = KVCache(model.config, blocks, model.block_size, model.kv_dtype or model.dtype, model.device)
     nll, scored, windows, prev_end = 0.0, 0, 0, 0
     for begin in range(0, len(ids), opts.stride):
         end = min(begin + opts.window, len(ids))

@@ -39,8 +39,11 @@ class Executor:
     def forward(self, inputs: dict[str, torch.Tensor], kv_caches: list[torch.Tensor]) -> torch.Tensor:
         env = dict(self.weights)
         env.update(inputs)
-        for i, cache in enumerate(kv_caches):
-            env[f"kv_cache.{i}"] = cache
+        for i, cache in enumerate(kv_caches):  # KVCache.layers: (codes, scales) when quantized
+            if isinstance(cache, tuple):
+                env[f"kv_cache.{i}"], env[f"kv_scale.{i}"] = cache
+            else:
+                env[f"kv_cache.{i}"] = cache
         for impl, ins, outs, attrs, drop in self.steps:
             results = impl(*[env[n] for n in ins], **attrs)
             for name, value in zip(outs, results):

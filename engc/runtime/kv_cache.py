@@ -1,7 +1,9 @@
 """Paged KV cache: fixed-size blocks handed out to sequences through block tables, plus a prefix cache.
 
 The allocator only counts blocks; the cache tensors live in KVCache, one per layer, laid out
-[2, num_blocks, block_size, num_kv_heads, head_dim] as the attention and rotary ops expect.
+[2, num_blocks, block_size, num_kv_heads, head_dim] as the attention and rotary ops expect. A quantized
+cache (a bundle built with --kv-cache int8|fp8) holds per layer a pair: codes of that layout in int8 or
+float8_e4m3fn, and float32 scales [2, num_blocks, block_size, num_kv_heads] (kernels/kv_quant.py).
 
 Prefix cache: a full block whose K/V are computed is registered under a hash chained over every token
 up to its end, so equal hashes mean equal prefixes. A released block keeps its hash and waits in an
@@ -15,6 +17,7 @@ from collections import OrderedDict, deque
 import torch
 
 from engc.bundle.model_config import ModelConfig
+from engc.kernels import kv_quant
 
 
 def chain_hash(prev: bytes, tokens: list[int]) -> bytes:
@@ -127,13 +130,24 @@ class BlockAllocator:
 
 
 class KVCache:
+    """layers[i] is what the program's kv_cache.{i} input takes: a tensor, or for a quantized cache the
+    pair (codes, scales), which the executor binds to kv_cache.{i} and kv_scale.{i}."""
+
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", prefix_cache: bool = True):
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        if kv_quant.is_quantized(dtype):
+            self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                            torch.zeros(shape[:-1], dtype=torch.float32, device=device))
+                           for _ in range(cfg.num_layers)]
+        else:
+            self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_cache)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem * cfg.num_layers
+        """dtype: the cache's (the model's, or int8/float8_e4m3fn, which add a float32 scale a row)."""
+        row = cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+        if kv_quant.is_quantized(dtype):
+            row += 4
+        return 2 * block_size * cfg.num_kv_heads * row * cfg.num_layers

@@ -13,6 +13,7 @@ from engc.bundle.model_config import ModelConfig
 from engc.bundle.program import parse_program
 from engc.bundle.reader import Bundle, open_bundle, verify_big_files
 from engc.errors import BundleError
+from engc.kernels import kv_quant
 from engc.runtime.executor import Executor
 from engc.runtime.ops_reference import REFERENCE_OPS
 from engc.runtime.tokenizer import Tokenizer
@@ -31,6 +32,7 @@ class LoadedModel:
     block_size: int
     step_facts: object = None   # gpu_ops.StepFacts on a GPU: host-side batch facts kernels read
     sampler: object = None      # gpu_sampler.GpuSampler on a GPU whose bundle has the sampling kernel
+    kv_dtype: torch.dtype | None = None   # the KV cache's: dtype, or int8/float8_e4m3fn (--kv-cache)
 
 
 def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> LoadedModel:
@@ -43,6 +45,11 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
     cfg = bundle.config
     if bundle.dtype not in TORCH_DTYPES:
         raise BundleError(f"{bundle.path}: unsupported dtype '{bundle.dtype}'")
+    try:  # bundles from before --kv-cache have no field: their cache is in the model dtype
+        kv_dtype = kv_quant.cache_dtype(bundle.manifest.get("kv_cache", "auto"), TORCH_DTYPES[bundle.dtype])
+    except ValueError as e:
+        raise BundleError(f"{bundle.path}: {e}; this engc reads {', '.join(kv_quant.KV_CACHE_CHOICES)}: "
+                          "use a matching engc or rebuild the bundle") from None
     dev = pick_device(device, bundle)
     program = parse_program(bundle.read(bundle.manifest["program"]))
     weights = {}
@@ -71,7 +78,7 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
         executor = Executor(program, weights, REFERENCE_OPS)
     tokenizer = Tokenizer(bundle.file("tokenizer"), cfg.eos_token_ids)
     return LoadedModel(bundle, cfg, TORCH_DTYPES[bundle.dtype], dev, executor, tokenizer,
-                       bundle.manifest["kv_block_size"], facts, sampler)
+                       bundle.manifest["kv_block_size"], facts, sampler, kv_dtype)
 
 
 def pick_device(device: str, bundle: Bundle) -> torch.device:

@@ -6,22 +6,29 @@ Sequence b owns query rows query_start_loc[b]:query_start_loc[b+1]; they are the
 context of context_lens[b] tokens, whose keys are in the blocks listed by block_tables[b]. A query at
 absolute position p sees keys at positions (p - sliding_window, p]. GQA: query head h reads KV head
 h // (num_heads // num_kv_heads).
+A quantized cache (int8 or float8_e4m3fn codes, engc build --kv-cache) has a 6th input, kv_scale
+[2, num_blocks, block_size, num_kv_heads] float32; keys and values are codes * scale (kernels/kv_quant.py).
 """
 import torch
 
+from engc.kernels import kv_quant
 
-def gather_kv(kv_cache, block_table, context_len: int):
+
+def gather_kv(kv_cache, block_table, context_len: int, kv_scale=None):
     block_size = kv_cache.shape[2]
     n_blocks = (context_len + block_size - 1) // block_size
     blocks = block_table[:n_blocks].long()
     k = kv_cache[0, blocks].flatten(0, 1)[:context_len]
     v = kv_cache[1, blocks].flatten(0, 1)[:context_len]
+    if kv_scale is not None:
+        k = kv_quant.dequantize(k, kv_scale[0, blocks].flatten(0, 1)[:context_len])
+        v = kv_quant.dequantize(v, kv_scale[1, blocks].flatten(0, 1)[:context_len])
     return k, v  # [context_len, num_kv_heads, head_dim]
 
 
 def paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc,
                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                    sliding_window: int = 0) -> torch.Tensor:
+                    sliding_window: int = 0, kv_scale=None) -> torch.Tensor:
     out = torch.empty_like(q)
     group = num_heads // num_kv_heads
     for b in range(block_tables.shape[0]):
@@ -29,7 +36,7 @@ def paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc,
         ctx = int(context_lens[b])
         if qe == qs:
             continue
-        k, v = gather_kv(kv_cache, block_tables[b], ctx)
+        k, v = gather_kv(kv_cache, block_tables[b], ctx, kv_scale)
         qb = q[qs:qe].reshape(qe - qs, num_heads, head_dim).float().transpose(0, 1)  # [H, n, D]
         k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)                 # [H, ctx, D]
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -82,7 +89,7 @@ def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, num_splits: i
 
 def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num_heads: int, num_kv_heads: int,
            head_dim: int, scale: float, sliding_window: int = 0, max_query_len: int,
-           max_context_len: int | None = None, decode_rows: bool = True, workspace=None, consts):
+           max_context_len: int | None = None, decode_rows: bool = True, workspace=None, consts, kv_scale=None):
     """Launch rule of the paged-attention kernels: [(variant, grid, args)], in launch order.
 
     q, out contiguous [T, H * D]; kv_cache contiguous [2, blocks, block_size, KV, D]; block_tables
@@ -92,6 +99,10 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
     has exactly one query token: skips the decode launch beside a prefill). consts: variant -> the
     record's 'launch' dict, for 'decode', 'decode_reduce', 'prefill'. workspace: decode_workspace(...)
     with at least this launch's split count, else allocated here.
+
+    kv_scale: the float32 [2, blocks, block_size, KV] scales of a quantized (int8/fp8) kv_cache; its
+    halves k_scale, v_scale follow v_cache in the 'decode' and 'prefill' args (the same variant names:
+    a bundle's kernels are specialized on its one KV-cache format). Without it, the args are:
 
     args of 'decode' (grid (B, KV, splits); part_acc, part_ml are 0 (null) when splits == 1):
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, part_acc, part_ml,
@@ -106,12 +117,15 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
     assert q.is_contiguous() and out.is_contiguous() and kv_cache.is_contiguous()
     assert block_tables.dtype == context_lens.dtype == query_start_loc.dtype == torch.int32
     assert block_tables.stride(1) == 1
+    assert (kv_scale is not None) == kv_quant.is_quantized(kv_cache.dtype)
+    assert kv_scale is None or kv_scale.is_contiguous()
     num_seqs = block_tables.shape[0]
     if num_seqs == 0 or max_query_len == 0:
         return []
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     bt_stride = block_tables.stride(0)
-    common = [q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out]
+    scales = [] if kv_scale is None else [kv_scale[0], kv_scale[1]]
+    common = [q, k_cache, v_cache, *scales, block_tables, context_lens, query_start_loc, out]
     launches = []
     if max_query_len > 1:
         skip = 1 if decode_rows else 0

@@ -4,6 +4,12 @@ Both are GQA-aware: one program owns one KV head and every query head of its gro
 read once per group, not once per query head. KV tiles are BLOCK_N consecutive token positions; each
 token's page comes from the block table (page = pos // PAGE), so BLOCK_N and PAGE are independent.
 Scores use exp2 with the scale folded into log2(e).
+KV_QUANT (constexpr; 0 model dtype, 1 int8, 2 fp8 e4m3) picks the cache format. A quantized cache
+(kernels/kv_quant.py) holds codes plus one float32 scale per (token, KV head): codes are widened to q's
+dtype (exact: |int8| <= 127 and e4m3 fit bf16/fp16; int8 through fp32, which is what the conversion
+lowers to anyway), K's scale multiplies the scores after the dot and
+V's the probabilities before it, both in fp32. The unquantized build has the scale pointers as constexpr
+None, so its code and arguments are as without quantization.
 
 decode: grid (num_seqs, NUM_KV_HEADS, num_splits). Handles sequences with exactly one query token (it
   skips the others, so it can run beside the prefill kernel on a mixed batch). The KV tiles of a
@@ -28,12 +34,27 @@ def _load_kv_tile(cache_ptr, block_table_row, pos, valid, kvh, d,
 
 
 @triton.jit
-def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                        query_start_loc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+def _widen(codes, dtype: tl.constexpr, KV_QUANT: tl.constexpr):
+    if KV_QUANT == 1:
+        return codes.to(tl.float32).to(dtype)
+    return codes.to(dtype)
+
+
+@triton.jit
+def _load_kv_scales(scale_ptr, block_table_row, pos, valid, kvh, PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr):
+    page = tl.load(block_table_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+    tok = page * PAGE + pos % PAGE
+    return tl.load(scale_ptr + tok * NUM_KV_HEADS + kvh, mask=valid, other=0.0)
+
+
+@triton.jit
+def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                        context_lens_ptr, query_start_loc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                         scale, sliding_window, block_table_stride, num_splits,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                         D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        KV_QUANT: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -67,13 +88,22 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
         valid = (pos < ctx) & (pos >= start)
         k = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM)
         v = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if KV_QUANT != 0:
+            k_scale = _load_kv_scales(k_scale_ptr, bt_row, pos, valid, kvh, PAGE, NUM_KV_HEADS)
+            v_scale = _load_kv_scales(v_scale_ptr, bt_row, pos, valid, kvh, PAGE, NUM_KV_HEADS)
+            s = tl.dot(q, tl.trans(_widen(k, q.dtype, KV_QUANT)), input_precision=DOT_PRECISION) * (qk_scale * k_scale[None, :])
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if KV_QUANT != 0:
+            pv = tl.dot((p * v_scale[None, :]).to(q.dtype), _widen(v, q.dtype, KV_QUANT), input_precision=DOT_PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     out_mask = g_mask[:, None] & (d[None, :] < HEAD_DIM)
@@ -113,10 +143,10 @@ def paged_decode_reduce_kernel(query_start_loc_ptr, part_acc_ptr, part_ml_ptr, o
 
 
 @triton.jit
-def _prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, bt_row, kvh, d, q_pos, row_valid, last_pos,
-                  qk_scale, sliding_window, PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  MASKED: tl.constexpr):
+def _prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row, kvh, d,
+                  q_pos, row_valid, last_pos, qk_scale, sliding_window, PAGE: tl.constexpr,
+                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr):
     pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     if MASKED:
         valid = pos <= last_pos
@@ -124,7 +154,12 @@ def _prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, bt_row, kvh,
         valid = pos >= 0
     k = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM)
     v = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if KV_QUANT != 0:
+        k_scale = _load_kv_scales(k_scale_ptr, bt_row, pos, valid, kvh, PAGE, NUM_KV_HEADS)
+        v_scale = _load_kv_scales(v_scale_ptr, bt_row, pos, valid, kvh, PAGE, NUM_KV_HEADS)
+        s = tl.dot(q, tl.trans(_widen(k, q.dtype, KV_QUANT)), input_precision=DOT_PRECISION) * (qk_scale * k_scale[None, :])
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
         if sliding_window > 0:
@@ -135,17 +170,22 @@ def _prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, bt_row, kvh,
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if KV_QUANT != 0:
+        pv = tl.dot((p * v_scale[None, :]).to(q.dtype), _widen(v, q.dtype, KV_QUANT), input_precision=DOT_PRECISION)
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 
 @triton.jit
-def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                         query_start_loc_ptr, out_ptr, scale, sliding_window, block_table_stride,
-                         skip_decode,
+def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                         context_lens_ptr, query_start_loc_ptr, out_ptr, scale, sliding_window,
+                         block_table_stride, skip_decode,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         KV_QUANT: tl.constexpr):
     TOKENS: tl.constexpr = BLOCK_M // GROUP
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -182,13 +222,13 @@ def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         full_tiles = 0
         masked_start = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N
     for tile in range(0, full_tiles):
-        acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, bt_row, kvh, d, q_pos,
-                                      row_valid, last_pos, qk_scale, sliding_window, PAGE, NUM_KV_HEADS,
-                                      HEAD_DIM, BLOCK_N, DOT_PRECISION, False)
+        acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                      bt_row, kvh, d, q_pos, row_valid, last_pos, qk_scale, sliding_window,
+                                      PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, False, KV_QUANT)
     for tile in range(masked_start, tl.cdiv(last_pos + 1, BLOCK_N)):
-        acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, bt_row, kvh, d, q_pos,
-                                      row_valid, last_pos, qk_scale, sliding_window, PAGE, NUM_KV_HEADS,
-                                      HEAD_DIM, BLOCK_N, DOT_PRECISION, True)
+        acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                      bt_row, kvh, d, q_pos, row_valid, last_pos, qk_scale, sliding_window,
+                                      PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, True, KV_QUANT)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_i[:, None]
