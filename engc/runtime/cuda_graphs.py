@@ -4,23 +4,28 @@ A decode step of a small model is a few hundred short launches; replaying them a
 the host from the critical path. Graphs read fixed buffers, so a step writes its inputs into one
 pinned host staging area, sends it with a single copy, and pads up to the bucket: padded rows write
 no KV (slot -1), read a one-token context, and their logits are dropped.
+
+Overlapped steps (engine.py) launch step N+1 before the host has read step N's tokens: rows whose input
+id is such a token get it on the device, from the indices staged with the other inputs. The host
+stages into two pinned buffers in turn, since a buffer's copy may still be queued behind the GPU's
+current step when the host writes the next one.
 """
 from __future__ import annotations
 
 import torch
 
-from engc.runtime.executor import Executor
+from engc.runtime.executor import Executor, TokenFill
 from engc.runtime.gpu_ops import StepFacts
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # int64 fields first (two int32 words each), then int32 fields; block_tables last so a step copies
 # only the rows it uses.
-I64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices")
+I64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices", "fill_rows", "fill_src")
 I32_FIELDS = ("context_lens", "query_start_loc")
 
 
 class StagedInputs:
-    """The decode graphs' input tensors as views of one device buffer, mirrored by a pinned host one."""
+    """The decode graphs' input tensors as views of one device buffer, mirrored by pinned host ones."""
 
     def __init__(self, max_batch: int, max_blocks: int, device):
         self.n, self.width = max_batch, max_blocks
@@ -33,12 +38,13 @@ class StagedInputs:
             at += max_batch + 1
         self.offsets["block_tables"] = at
         self.size = at + max_batch * max_blocks
-        self.host = torch.zeros(self.size, dtype=torch.int32).pin_memory()
+        self.hosts = [torch.zeros(self.size, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self.turn = 0                                   # which host buffer the next step writes
         self.device = torch.zeros(self.size, dtype=torch.int32, device=device)
         self.dev = self._views(self.device)
-        self.cpu = self._views(self.host)
-        self.cpu_np = {name: view.numpy() for name, view in self.cpu.items()}
-        for views in (self.cpu, self.dev):
+        cpus = [self._views(host) for host in self.hosts]
+        self.cpu_np = [{name: view.numpy() for name, view in cpu.items()} for cpu in cpus]
+        for views in (*cpus, self.dev):
             views["query_start_loc"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))
             views["logits_indices"].copy_(torch.arange(max_batch))
             views["context_lens"].fill_(1)
@@ -53,20 +59,28 @@ class StagedInputs:
         return views
 
     def bucket_inputs(self, b: int) -> dict[str, torch.Tensor]:
-        return {name: (t[:b + 1] if name == "query_start_loc" else t[:b]) for name, t in self.dev.items()}
+        return {name: (t[:b + 1] if name == "query_start_loc" else t[:b]) for name, t in self.dev.items()
+                if not name.startswith("fill_")}
 
-    def send(self, inputs: dict[str, torch.Tensor], n: int, b: int) -> None:
+    def send(self, inputs: dict[str, torch.Tensor], n: int, b: int, fill: TokenFill | None) -> None:
         # Written through numpy views of the pinned buffer: a numpy slice assignment costs a fraction
         # of a torch copy_ call, and this runs every decode step.
-        cpu = self.cpu_np
+        host, cpu = self.hosts[self.turn], self.cpu_np[self.turn]
+        self.turn ^= 1
         for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
             cpu[name][:n] = inputs[name].numpy()
         cpu["slot_mapping"][n:b] = -1   # padded rows: no KV write
         cpu["context_lens"][n:b] = 1
+        if fill is not None:
+            cpu["fill_rows"][:len(fill.rows)] = fill.rows.numpy()
+            cpu["fill_src"][:len(fill.src)] = fill.src.numpy()
         width = inputs["block_tables"].shape[1]
         cpu["block_tables"][:n, :width] = inputs["block_tables"].numpy()
         used = self.offsets["block_tables"] + b * self.width
-        self.device[:used].copy_(self.host[:used], non_blocking=True)
+        self.device[:used].copy_(host[:used], non_blocking=True)
+        if fill is not None:
+            k = len(fill.rows)
+            fill.apply(self.dev["input_ids"], self.dev["fill_rows"][:k], self.dev["fill_src"][:k])
 
 
 class GraphedExecutor:
@@ -88,8 +102,10 @@ class GraphedExecutor:
         for b in reversed(self.buckets):
             self._capture(b, kv_caches)
 
-    def forward(self, inputs: dict[str, torch.Tensor], kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """inputs are host tensors (the engine builds them there); they cross to the GPU here."""
+    def forward(self, inputs: dict[str, torch.Tensor], kv_caches: list[torch.Tensor],
+                fill: TokenFill | None = None) -> torch.Tensor:
+        """inputs are host tensors (the engine builds them there); they cross to the GPU here without
+        a sync, so the host can go on while earlier steps still run."""
         n = inputs["input_ids"].shape[0]
         decode = (self.enabled and n == inputs["block_tables"].shape[0] and n <= self.buckets[-1]
                   and inputs["block_tables"].shape[1] <= self.staged.width)
@@ -98,12 +114,15 @@ class GraphedExecutor:
             self.facts.max_query_len = int(query_lens.max())
             self.facts.has_decode_rows = bool((query_lens == 1).any())
             self.facts.max_context_len = int(inputs["context_lens"].max())
-            on_device = {k: v.to(self.device) for k, v in inputs.items()}
+            on_device = {k: _to_device(v, self.device) for k, v in inputs.items()}
+            if fill is not None:
+                fill.apply(on_device["input_ids"], _to_device(fill.rows, self.device),
+                           _to_device(fill.src, self.device))
             return self.executor.forward(on_device, kv_caches)
         b = next(x for x in self.buckets if x >= n)
         if b not in self.graphs:
             self._capture(b, kv_caches)
-        self.staged.send(inputs, n, b)
+        self.staged.send(inputs, n, b, fill)
         graph, out = self.graphs[b]
         graph.replay()
         return out[:n]
@@ -122,3 +141,8 @@ class GraphedExecutor:
             out = self.executor.forward(inputs, kv_caches)
         self.pool = graph.pool()
         self.graphs[b] = (graph, out)
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    # From pageable memory a copy waits for the GPU to finish its queued work; from pinned it does not.
+    return t.pin_memory().to(device, non_blocking=True)

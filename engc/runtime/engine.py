@@ -1,6 +1,15 @@
 """The engine's step loop: schedule a batch, run one program step, sample, detokenize, stop.
 
-Synchronous and single-threaded by design; the async server drives it from one worker.
+Single-threaded by design; the async server drives it from one worker.
+
+Overlap (one step of lookahead): a step whose tokens can be sampled where the logits are is launched,
+and its tokens are read back only during the next step, after that step is launched in turn. So on a
+GPU the host's scheduling, input building, stop checks and detokenizing run while the GPU computes.
+Meanwhile each sampled sequence counts one token in flight (Sequence.num_in_flight): the scheduler
+plans with it, the next step's executor takes its id from the device (TokenFill), and only known
+tokens are ever hashed, appended or returned. A sequence that finished in the step being read may
+already be in the launched one: that row's token is dropped. A step that needs the host sampler
+(penalties, logprobs) is read at once, after the step before it: _sample_on_device is that rule.
 """
 from __future__ import annotations
 
@@ -9,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engc.runtime.executor import TokenFill
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import LoadedModel
 from engc.runtime.sampling import Sampled, SamplingParams, sample_row
@@ -26,6 +36,7 @@ class EngineConfig:
     max_sessions: int = 64              # chats whose KV is held between requests (session_id)
     kv_memory_fraction: float = 0.85    # of the GPU memory free after weights, when num_blocks is 0
     cuda_graphs: bool = True            # capture decode graphs at start (GPU only)
+    overlap: bool = True                # launch step N+1 before reading step N's tokens (same outputs)
 
 
 def default_num_blocks(model: LoadedModel, fraction: float) -> int:
@@ -43,6 +54,38 @@ class StepOutput:
     text_delta: str
     finished: bool
     logprobs: list = field(default_factory=list)   # the new tokens' Sampled, when logprobs were asked
+
+
+@dataclass
+class InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
+    batch: list[tuple[Sequence, int]]
+    sampled: list[Sequence]                  # one row each of logits (and tokens), in order
+    logits: torch.Tensor                     # for the host sampler, when a row needs it
+    tokens: torch.Tensor | None = None       # [len(sampled)] ids where the logits are, when sampled there
+    host: torch.Tensor | None = None         # their pinned copy on the host, valid once `ready` passed
+    ready: torch.cuda.Event | None = None
+    row_of: dict[Sequence, int] = field(default_factory=dict)   # seq -> its row of tokens
+
+
+class Readback:
+    """Sampled ids copied to pinned host memory without waiting. Two buffers used in turn: one step's
+    buffer is still to be read while the next step's copy is queued."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.buffers = [torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
+                        for _ in range(2)]
+        self.turn = 0
+
+    def start(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        host = self.buffers[self.turn][:len(tokens)]
+        self.turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        if not tokens.is_cuda:
+            return host, None
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
 
 
 class Engine:
@@ -66,6 +109,8 @@ class Engine:
         self.eos_token_ids = model.tokenizer.eos_token_ids
         self.decoders: dict[Sequence, IncrementalDecoder] = {}
         self.sequences: dict[str, Sequence] = {}
+        self.readback = Readback(config.max_num_seqs, model.device)
+        self.in_flight: InFlight | None = None
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -103,26 +148,77 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.in_flight is not None
 
     # --- one step ---------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        """Runs one step and returns what sequences produced. With overlap, the tokens of this step stay
+        on the device until the next call, so the outputs returned are mostly the previous step's."""
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        inputs, sampled = self._inputs(batch)
+        launched = self._launch(batch) if batch else None
+        outputs = self._read(self.in_flight)
+        self.in_flight = None
+        if launched is not None:
+            self._commit(launched)
+            if self.config.overlap and launched.tokens is not None:
+                self.in_flight = launched
+            else:
+                outputs += self._read(launched)
+        return outputs
+
+    def _launch(self, batch: list[tuple[Sequence, int]]) -> InFlight:
+        inputs, sampled, fill = self._inputs(batch)
         with torch.inference_mode():
-            logits = self.executor.forward(inputs, self.kv.layers)
+            logits = self.executor.forward(inputs, self.kv.layers, fill)
+            tokens = self._sample_on_device(logits, sampled) if sampled else None
+        step = InFlight(batch, sampled, logits)
+        if tokens is not None:
+            step.tokens = tokens
+            step.host, step.ready = self.readback.start(tokens)
+            step.row_of = {seq: i for i, seq in enumerate(sampled)}
+        return step
+
+    def _sample_on_device(self, logits: torch.Tensor, sampled: list[Sequence]) -> torch.Tensor | None:
+        """One token a row, left where the logits are: one argmax for plain greedy batches, the GPU
+        sampler for temperature/top-k/top-p ones. None when a row needs the host sampler (penalties,
+        logprobs, or any non-greedy row on a CPU): such a step is read at once, never overlapped."""
+        if all(s.params.plain_greedy for s in sampled):
+            return logits.argmax(-1)
+        if self.model.sampler is not None and all(s.params.device_sampleable for s in sampled):
+            return self.model.sampler(logits, sampled)
+        return None
+
+    def _commit(self, step: InFlight) -> None:
+        """The step's K/V count as cached and its samples as in flight. Runs after the step before it
+        was read, so each block the scheduler hashes here holds known tokens only; sequences that
+        finished in that read are left out (their blocks are already released)."""
+        self.scheduler.commit([(seq, n) for seq, n in step.batch if not seq.finished])
+        for seq in step.sampled:
+            if not seq.finished:
+                seq.num_in_flight = 1
+
+    def _read(self, step: InFlight | None) -> list[StepOutput]:
+        """Appends a launched step's tokens: from the device copy, or sampled on the host now."""
+        if step is None or not step.sampled:
+            return []
+        if step.tokens is None:
+            samples = self._sample_on_host(step.logits, step.sampled)
+        else:
+            if step.ready is not None:
+                step.ready.synchronize()
+            samples = [Sampled(t) for t in step.host.tolist()]
         outputs = []
-        self.scheduler.commit(batch)
-        for seq, token in zip(sampled, self._sample(logits, sampled)):
-            outputs.append(self._append(seq, token))
+        for seq, s in zip(step.sampled, samples):
+            seq.num_in_flight = 0
+            if not seq.finished:  # else it stopped (or was aborted) one step ago: drop the extra token
+                outputs.append(self._append(seq, s))
         return outputs
 
     def _inputs(self, batch: list[tuple[Sequence, int]]):
         bs = self.model.block_size
         ids, positions, slots, ctx, starts, sample_at, sampled = [], [], [], [], [0], [], []
+        fill_rows, fill_src = [], []   # rows whose token is still on the device, and where it is there
         width = max(len(seq.block_table) for seq, _ in batch)
         tables = []  # flat, row after row, each padded to width
         for seq, n in batch:
@@ -139,6 +235,9 @@ class Engine:
             if end == seq.num_tokens:  # this chunk finishes the known tokens: sample next
                 sample_at.append(starts[-1] - 1)
                 sampled.append(seq)
+                if seq.num_in_flight:  # its last token is the one in flight
+                    fill_rows.append(starts[-1] - 1)
+                    fill_src.append(self.in_flight.row_of[seq])
             tables += table
             tables += [0] * (width - len(table))
         # Built on the host; a GPU executor moves them (and reads host-side facts from them first).
@@ -152,18 +251,14 @@ class Engine:
             "query_start_loc": _host(starts, np.int32),
             "logits_indices": _host(sample_at, np.int64),
         }
-        return inputs, sampled
+        fill = None
+        if fill_rows:
+            fill = TokenFill(_host(fill_rows, np.int64), _host(fill_src, np.int64), self.in_flight.tokens)
+        return inputs, sampled, fill
 
-    def _sample(self, logits: torch.Tensor, sampled: list[Sequence]) -> list[Sampled]:
-        """One token per row. On a GPU, plain greedy batches take one argmax there, and batches that only
-        use temperature/top-k/top-p the sampling kernel; either way one token a row comes back."""
-        if logits.device.type != "cpu":
-            if all(s.params.plain_greedy for s in sampled):
-                return [Sampled(t) for t in logits.argmax(-1).tolist()]
-            if self.model.sampler is not None and all(s.params.device_sampleable for s in sampled):
-                return [Sampled(t) for t in self.model.sampler(logits, sampled)]
+    def _sample_on_host(self, logits: torch.Tensor, sampled: list[Sequence]) -> list[Sampled | None]:
         rows = logits.float().cpu()
-        return [sample_row(rows[i], s.params, s.prompt_ids, s.output_ids, s.generator)
+        return [None if s.finished else sample_row(rows[i], s.params, s.prompt_ids, s.output_ids, s.generator)
                 for i, s in enumerate(sampled)]
 
     def _append(self, seq: Sequence, s: Sampled) -> StepOutput:

@@ -5,12 +5,28 @@ of calls. Values are dropped after their last use to keep activation memory at a
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from engc.bundle.program import Program
 from engc.errors import BundleError
+
+
+@dataclass
+class TokenFill:
+    """Input ids that are still on the device: the previous step's sampled tokens (overlapped steps).
+
+    input_ids[rows] = tokens[src], done where the inputs already are, so the host never waits for them.
+    """
+    rows: torch.Tensor      # int64 positions in the flat input_ids (host)
+    src: torch.Tensor       # int64 rows of `tokens` (host)
+    tokens: torch.Tensor    # the previous step's sampled ids, on the executor's device
+
+    def apply(self, input_ids: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+        """rows and src given on input_ids' device (a GPU executor stages them with its other inputs)."""
+        input_ids.index_copy_(0, rows, self.tokens.index_select(0, src))
 
 
 class Executor:
@@ -36,7 +52,10 @@ class Executor:
                          and n not in program.inputs)
             self.steps.append((impl, node.inputs, node.outputs, dict(node.attrs), drop))
 
-    def forward(self, inputs: dict[str, torch.Tensor], kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, inputs: dict[str, torch.Tensor], kv_caches: list[torch.Tensor],
+                fill: TokenFill | None = None) -> torch.Tensor:
+        if fill is not None:
+            fill.apply(inputs["input_ids"], fill.rows, fill.src)
         env = dict(self.weights)
         env.update(inputs)
         for i, cache in enumerate(kv_caches):  # KVCache.layers: (codes, scales) when quantized

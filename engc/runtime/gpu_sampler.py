@@ -19,14 +19,17 @@ class GpuSampler:
         self.kernels = kernels
         self.device = device
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The sampled ids, [len(seqs)] int64 on the device; nothing here waits for the GPU."""
         rows = [(s.params.temperature, s.params.top_k, s.params.top_p,
                  0.0 if s.params.greedy else float(torch.rand((), generator=s.generator)))
                 for s in seqs]
-        params = torch.tensor(rows, dtype=torch.float32).to(self.device).T.contiguous()
+        # pinned, so the upload does not wait for the step still running on the GPU
+        params = torch.tensor(rows, dtype=torch.float32).pin_memory().to(self.device, non_blocking=True)
+        params = params.T.contiguous()
         temperature, top_p, uniform = params[0].contiguous(), params[2].contiguous(), params[3].contiguous()
         top_k = params[1].to(torch.int32)
         out = torch.empty(len(seqs), dtype=torch.int64, device=self.device)
         self.kernels.run("sampling", sampling.launch(logits.contiguous(), temperature, top_k, top_p,
                                                      uniform, out))
-        return out.tolist()
+        return out

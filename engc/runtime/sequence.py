@@ -10,6 +10,8 @@ import torch
 from engc.runtime.sampling import Sampled, SamplingParams, make_generator
 
 _ids = itertools.count()
+IN_FLIGHT = -1  # stands in for a token id still on the device; the executor overwrites it before use
+                # (negative, so on the CPU a missed one fails loudly in the embedding lookup)
 
 
 class Status(enum.Enum):
@@ -26,6 +28,7 @@ class Sequence:
     session_id: str | None = None             # a chat whose KV blocks outlive this request
     request_id: str = field(default_factory=lambda: f"seq-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
+    num_in_flight: int = 0                    # sampled on the device, not read back yet (overlapped steps)
     num_computed: int = 0                     # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain over full computed blocks
@@ -43,19 +46,27 @@ class Sequence:
         self.generator = make_generator(self.params.seed)
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """token_ids[start:end] without building the whole list (a decode step needs one token)."""
+        """token_ids[start:end] without building the whole list (a decode step needs one token).
+
+        A token still in flight reads as IN_FLIGHT; the executor takes its id from the device.
+        """
         p = len(self.prompt_ids)
         if start >= p:
-            return self.output_ids[start - p:end - p]
-        return self.prompt_ids[start:end] + self.output_ids[:max(0, end - p)]
+            ids = self.output_ids[start - p:end - p]
+        else:
+            ids = self.prompt_ids[start:end] + self.output_ids[:max(0, end - p)]
+        missing = end - start - len(ids)
+        return ids + [IN_FLIGHT] * missing if missing else ids
 
     @property
     def token_ids(self) -> list[int]:
+        """The known tokens: never an in-flight one, so prefix-cache hashes see real ids only."""
         return self.prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Known and in-flight: what the scheduler plans with."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_in_flight
 
     @property
     def num_pending(self) -> int:

@@ -1,0 +1,207 @@
+"""Overlapped steps (EngineConfig.overlap) give exactly what synchronous steps give.
+
+The same workloads run with overlap on and off on the CPU, where the lookahead logic is the one a GPU
+runs: tokens, texts, finish reasons, stop strings, logprobs and prefix-cache hits must be identical,
+and the allocator intact after every step. A CPU stand-in for the GPU sampler (the sampling kernel's
+reference) lets seeded temperature sampling take the overlapped path too.
+"""
+import pytest
+import torch
+
+from engc.kernels import sampling
+from engc.runtime.engine import Engine, EngineConfig
+from engc.runtime.loader import load
+from engc.runtime.sampling import SamplingParams
+from test_gpu import gpu_bundle, gpu_ready  # noqa: F401 - a fixture, used by the GPU test below
+
+torch.set_num_threads(1)
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+        "Hello, world! How are you today? engc compiles models ahead of time. ")
+
+
+class ReferenceSampler:
+    """GpuSampler's contract on the CPU: one uniform draw per row from the row's generator."""
+
+    def __call__(self, logits, seqs):
+        p = [s.params for s in seqs]
+        uniform = [0.0 if q.greedy else float(torch.rand((), generator=s.generator)) for q, s in zip(p, seqs)]
+        return sampling.sample(logits, torch.tensor([q.temperature for q in p]),
+                               torch.tensor([q.top_k for q in p], dtype=torch.int32),
+                               torch.tensor([q.top_p for q in p]), torch.tensor(uniform))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_bundle):
+    return load(tiny_bundle("llama"))
+
+
+@pytest.fixture
+def with_sampler(model):
+    model.sampler = ReferenceSampler()
+    yield model
+    model.sampler = None
+
+
+def prompts(model, n, length=20):
+    return [model.tokenizer.encode(f"{i} {TEXT}")[:length + 3 * i] for i in range(n)]
+
+
+def run(model, overlap, requests, config=EngineConfig(), abort_at=None, add_later=()):
+    """requests: [(ids, params, session_id)], all added first; add_later: [(after_step, ids, params)].
+
+    abort_at: {request index: number of known tokens after which it is aborted}. Returns per request
+    what a client sees, plus how many launched steps carried a row that had already finished."""
+    engine = Engine(model, EngineConfig(**{**config.__dict__, "overlap": overlap}))
+    seqs = [engine.add_request(ids, p, session_id=sid) for ids, p, sid in requests]
+    later, steps, dropped = list(add_later), 0, 0
+    texts = {}
+    while engine.has_work or later:
+        for out in engine.step():
+            texts[out.seq] = texts.get(out.seq, "") + out.text_delta
+            assert -1 not in out.new_token_ids
+        steps += 1
+        engine.check_integrity()
+        if engine.in_flight is not None:
+            dropped += any(s.finished for s in engine.in_flight.sampled)
+        while later and later[0][0] <= steps:
+            _, ids, p = later.pop(0)
+            seqs.append(engine.add_request(ids, p))
+        for i, n in (abort_at or {}).items():
+            if not seqs[i].finished and len(seqs[i].output_ids) >= n:
+                engine.abort(seqs[i].request_id)
+    engine.check_integrity()
+    results = [(s.output_ids, s.output_text, texts.get(s, ""), s.finish_reason, s.stop_string,
+                [(x.token, x.logprob, x.top) for x in s.logprobs], s.num_cached_tokens) for s in seqs]
+    return results, engine, dropped
+
+
+def assert_same(model, requests, **kw):
+    sync, _, _ = run(model, False, requests, **kw)
+    overlapped, engine, dropped = run(model, True, requests, **kw)
+    for i, (a, b) in enumerate(zip(sync, overlapped)):
+        assert a == b, f"request {i} differs"
+    return sync, engine, dropped
+
+
+def stops_from(model, ids, n=12):
+    """A stop string and a stop token that a greedy run of ids really produces, a few tokens in."""
+    engine = Engine(model, EngineConfig(num_blocks=64, max_num_seqs=4))
+    seq = engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    engine.run_to_completion()
+    text = model.tokenizer.decode(seq.output_ids[4:7])
+    return text.strip()[:3] or text, seq.output_ids[5]
+
+
+def test_greedy_stops_and_lengths_match(model):
+    ids = prompts(model, 6)
+    stop, stop_token = stops_from(model, ids[0])
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0, stop=(stop,)),
+              SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(stop_token,)),
+              SamplingParams(max_tokens=3, temperature=0),
+              SamplingParams(max_tokens=1, temperature=0),
+              SamplingParams(max_tokens=20, top_k=1, temperature=0.8, stop=(stop, "zz"))]
+    requests = [(ids[0], p, None) for p in params[1:3]] + [(i, p, None) for i, p in zip(ids, params)]
+    results, engine, dropped = assert_same(model, requests)
+    reasons = [r[3] for r in results]
+    assert reasons.count("stop") >= 2 and "length" in reasons
+    assert dropped > 0  # a row that had stopped was in the next launched step, and its token dropped
+    assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
+
+
+def test_seeded_sampling_on_the_device_path_matches(with_sampler):
+    model = with_sampler
+    ids = prompts(model, 5)
+    params = [SamplingParams(max_tokens=18, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True) for i in range(3)]
+    params += [SamplingParams(max_tokens=12, temperature=0.7, top_k=5, seed=9),
+               SamplingParams(max_tokens=15, temperature=0)]
+    results, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, params)])
+    assert len({tuple(r[0]) for r in results[:3]}) == 3  # different seeds, different draws
+
+
+def test_host_sampled_rows_fall_back_and_match(with_sampler):
+    """Logprobs and penalties need the host sampler: those steps are read at once, in order."""
+    model = with_sampler
+    ids = prompts(model, 5)
+    params = [SamplingParams(max_tokens=14, temperature=0, logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=0.8, seed=4, repetition_penalty=1.3),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.8, seed=5, presence_penalty=0.5, logprobs=0),
+              SamplingParams(max_tokens=20, temperature=1.0, seed=6)]
+    later = [(6, ids[2], params[2]), (9, ids[4], params[1])]   # join while others decode
+    results, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, params)], add_later=later)
+    assert len(results[0][5]) == 14 and all(len(top) == 3 for _, _, top in results[0][5])
+
+
+def test_preemption_chunked_prefill_and_prefix_hits_match(model):
+    ids = prompts(model, 6, length=30)
+    shared = model.tokenizer.encode(TEXT * 2)
+    greedy = SamplingParams(max_tokens=26, temperature=0, ignore_eos=True)
+    requests = [(i, greedy, None) for i in ids] + [(shared, greedy, None), (shared + ids[1], greedy, None)]
+    later = [(5, shared + ids[2], greedy), (12, shared[:40], greedy)]
+    for config in (EngineConfig(num_blocks=14, max_batched_tokens=24),      # preempts, chunks, mixes
+                   EngineConfig(num_blocks=14, max_batched_tokens=24, prefix_cache=False),
+                   EngineConfig(max_batched_tokens=16)):                       # chunked, prefix hits
+        results, engine, _ = assert_same(model, requests, config=config, add_later=later)
+        if config.num_blocks:
+            assert engine.scheduler.num_preemptions > 0
+        if config.prefix_cache and not config.num_blocks:
+            assert results[-1][6] > 0 and results[-2][6] > 0
+
+
+def test_aborts_mid_stream_match(model):
+    ids = prompts(model, 5)
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    results, engine, _ = assert_same(model, [(i, greedy, None) for i in ids], abort_at={0: 1, 2: 7, 4: 12})
+    assert [len(r[0]) for r in results] == [1, 30, 7, 30, 12]
+    assert [r[3] for r in results] == ["abort", "length", "abort", "length", "abort"]
+
+
+def test_sessions_match_and_keep_their_blocks(model):
+    tok = model.tokenizer
+    turn1 = tok.encode(TEXT)[:40]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    first, _, _ = assert_same(model, [(turn1, greedy, "chat")])
+    turn2 = turn1 + first[0][0] + tok.encode(" Next?")
+    traffic = [(tok.encode(f"{i} {TEXT}")[:50], greedy, None) for i in range(3)]
+    results, engine, _ = assert_same(model, [(turn1, greedy, "chat")] + traffic,
+                                     config=EngineConfig(num_blocks=16),
+                                     add_later=[(40, turn2, greedy)])
+    assert results[-1][6] > 0 and engine.scheduler.sessions
+
+
+def test_placeholders_never_reach_prefix_cache_hashes(model):
+    """With no eviction, both modes register exactly the same block hashes."""
+    ids = prompts(model, 4, length=31)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    requests = [(i, greedy, None) for i in ids]
+    _, sync_engine, _ = run(model, False, requests)
+    _, overlap_engine, _ = run(model, True, requests)
+    assert set(overlap_engine.kv.allocator.by_hash) == set(sync_engine.kv.allocator.by_hash)
+
+
+@pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA device and engc._native")
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_overlap_matches_sync(gpu_bundle, graphs):  # noqa: F811
+    """On the GPU: in-flight ids filled on the device (graph and eager paths), the GPU sampler, host
+    fallbacks, stops, aborts, preemption and chunked prefill, against synchronous steps."""
+    model = load(gpu_bundle, device="cuda")
+    ids = prompts(model, 6)
+    stop, stop_token = stops_from(model, ids[0])
+    params = [SamplingParams(max_tokens=24, temperature=0, stop=(stop,)),
+              SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(stop_token,)),
+              SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.7, top_k=8, seed=2, ignore_eos=True)]
+    requests = [(i, p, None) for i, p in zip(ids, params)] + [(ids[0], params[4], None)]
+    config = EngineConfig(num_blocks=20, max_num_seqs=8, max_batched_tokens=24, cuda_graphs=graphs)
+    kw = dict(config=config, abort_at={5: 9}, add_later=[(4, ids[3], params[0])])
+    sync, _, _ = run(model, False, requests, **kw)
+    overlapped, engine, dropped = run(model, True, requests, **kw)
+    for a, b in zip(sync, overlapped):
+        assert a[:5] == b[:5] and [x[0] for x in a[5]] == [x[0] for x in b[5]]
+        assert torch.allclose(torch.tensor([x[1] for x in a[5]]), torch.tensor([x[1] for x in b[5]]))
+    assert dropped > 0
+    assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
