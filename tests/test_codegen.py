@@ -16,7 +16,8 @@ TINY = ModelConfig(family="qwen3", vocab_size=512, hidden_size=64, intermediate_
 EXPECTED = {("rms_norm", "rms_norm"), ("rms_norm", "add_rms_norm"), ("silu_mul", "default"),
             ("qk_norm", "default"), ("rotary", "pos_i64"), ("rotary", "pos_i32"),
             ("paged_attention", "decode"), ("paged_attention", "decode_reduce"), ("paged_attention", "prefill"),
-            ("sampling", "logits_bf16"), ("sampling", "logits_fp32")}
+            ("sampling", "logits_bf16"), ("sampling", "logits_fp32"),
+            ("gemv", "k64_m4"), ("gemv", "k64_m16"), ("gemv", "silu_k128_m4"), ("gemv", "silu_k128_m16")}
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,15 @@ def _example_launches(consts):
             q, cache, bt, torch.tensor([5, 9], dtype=torch.int32), qsl, torch.empty_like(q), num_heads=H,
             num_kv_heads=KV, head_dim=D, scale=0.25, max_query_len=max_q, max_context_len=4096,
             consts=consts["paged_attention"])
+    from engc.kernels import gemv
+    counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32)
+    table = gemv.variant_table(consts["gemv"])
+    for silu, k, n in ((False, TINY.hidden_size, TINY.vocab_size), (True, TINY.intermediate_size, 64)):
+        for m in (3, 9):
+            variant = gemv.pick(table, k, silu, m)
+            x = torch.randn(m, 2 * k if silu else k, dtype=bf)
+            yield "gemv", gemv.launch(x, torch.randn(n, k, dtype=bf), torch.empty(m, n, dtype=bf), variant,
+                                      consts["gemv"][variant], counters)
     for dt in (bf, torch.float32):
         yield "sampling", sampling.launch(torch.randn(2, TINY.vocab_size, dtype=dt), torch.ones(2),
                                           torch.zeros(2, dtype=torch.int32), torch.ones(2), torch.rand(2),
