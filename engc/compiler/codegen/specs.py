@@ -100,7 +100,7 @@ def _kv_cache_args(t: str, kv: torch.dtype | None) -> tuple[dict, dict]:
     if kv is None:
         return ({"k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}"},
                 {"k_scale_ptr": None, "v_scale_ptr": None, "KV_QUANT": 0})
-    c = KV_TRITON_DTYPE[kv]
+    c = KV_TRITON_DTYPE[kv]   # (dict order is free: signature() follows the kernel's parameter order)
     return ({"k_cache_ptr": f"*{c}", "v_cache_ptr": f"*{c}", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"},
             {"KV_QUANT": kv_quant.KV_QUANT_CODE[kv]})
 

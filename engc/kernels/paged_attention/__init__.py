@@ -101,8 +101,8 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
     with at least this launch's split count, else allocated here.
 
     kv_scale: the float32 [2, blocks, block_size, KV] scales of a quantized (int8/fp8) kv_cache; its
-    halves k_scale, v_scale follow v_cache in the 'decode' and 'prefill' args (the same variant names:
-    a bundle's kernels are specialized on its one KV-cache format). Without it, the args are:
+    halves k_scale, v_scale are appended to the 'decode' and 'prefill' args below, before the scratch
+    zeros (the same variant names: a bundle's kernels are specialized on its one KV-cache format).
 
     args of 'decode' (grid (B, KV, splits); part_acc, part_ml are 0 (null) when splits == 1):
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, part_acc, part_ml,
@@ -125,14 +125,14 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     bt_stride = block_tables.stride(0)
     scales = [] if kv_scale is None else [kv_scale[0], kv_scale[1]]
-    common = [q, k_cache, v_cache, *scales, block_tables, context_lens, query_start_loc, out]
+    common = [q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out]
     launches = []
     if max_query_len > 1:
         skip = 1 if decode_rows else 0
         p = consts["prefill"]
         tokens = p["BLOCK_M"] // p["GROUP"]
         launches.append(("prefill", (_cdiv(max_query_len, tokens), num_seqs, num_kv_heads),
-                         common + [float(scale), int(sliding_window), bt_stride, skip, 0, 0]))
+                         common + [float(scale), int(sliding_window), bt_stride, skip, *scales, 0, 0]))
         if not decode_rows:
             return launches
     if max_context_len is None:
@@ -149,7 +149,8 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
         part_acc, part_ml = 0, 0          # unused with one split: null pointers
     scratch = [] if variant == "decode_cuda" else [0, 0]    # only Triton kernels take scratch pointers
     launches.append((variant, (num_seqs, num_kv_heads, splits),
-                     common + [part_acc, part_ml, float(scale), int(sliding_window), bt_stride, splits, *scratch]))
+                     common + [part_acc, part_ml, float(scale), int(sliding_window), bt_stride, splits, *scales,
+                               *scratch]))
     if splits > 1:
         launches.append(("decode_reduce", (num_seqs, num_heads, 1),
                          [query_start_loc, part_acc, part_ml, out, splits, 0, 0]))

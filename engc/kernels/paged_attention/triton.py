@@ -8,8 +8,8 @@ KV_QUANT (constexpr; 0 model dtype, 1 int8, 2 fp8 e4m3) picks the cache format. 
 (kernels/kv_quant.py) holds codes plus one float32 scale per (token, KV head): codes are widened to q's
 dtype (exact: |int8| <= 127 and e4m3 fit bf16/fp16; int8 through fp32, which is what the conversion
 lowers to anyway), K's scale multiplies the scores after the dot and
-V's the probabilities before it, both in fp32. The unquantized build has the scale pointers as constexpr
-None, so its code and arguments are as without quantization.
+V's the probabilities before it, both in fp32. The scale pointers are the last runtime params; the
+unquantized build has them as constexpr None, so its code and arguments are as without quantization.
 
 decode: grid (num_seqs, NUM_KV_HEADS, num_splits). Handles sequences with exactly one query token (it
   skips the others, so it can run beside the prefill kernel on a mixed batch). The KV tiles of a
@@ -48,9 +48,9 @@ def _load_kv_scales(scale_ptr, block_table_row, pos, valid, kvh, PAGE: tl.conste
 
 
 @triton.jit
-def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-                        context_lens_ptr, query_start_loc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                        scale, sliding_window, block_table_stride, num_splits,
+def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                        query_start_loc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                        scale, sliding_window, block_table_stride, num_splits, k_scale_ptr, v_scale_ptr,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                         D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -179,9 +179,9 @@ def _prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, k_scale_ptr,
 
 
 @triton.jit
-def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-                         context_lens_ptr, query_start_loc_ptr, out_ptr, scale, sliding_window,
-                         block_table_stride, skip_decode,
+def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                         query_start_loc_ptr, out_ptr, scale, sliding_window, block_table_stride,
+                         skip_decode, k_scale_ptr, v_scale_ptr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,

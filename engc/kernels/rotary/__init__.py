@@ -56,7 +56,7 @@ def launch(qkv, positions, inv_freq, kv_cache, slot_mapping, q_out, consts=None,
     args: qkv, positions, inv_freq, k_cache (kv_cache[0]), v_cache (kv_cache[1]), slot_mapping, q_out,
     global_scratch=0, profile_scratch=0. consts is unused.
     A quantized cache (int8/fp8 kv_cache with its float32 kv_scale [2, blocks, block_size, KV]) adds
-    k_scale (kv_scale[0]), v_scale (kv_scale[1]) after v_cache; the variant names are the same (a bundle
+    k_scale (kv_scale[0]), v_scale (kv_scale[1]) after q_out; the variant names are the same (a bundle
     holds one KV-cache format, its kernels specialized on it).
     """
     assert positions.dtype == slot_mapping.dtype and positions.dtype in (torch.int64, torch.int32)
@@ -69,4 +69,4 @@ def launch(qkv, positions, inv_freq, kv_cache, slot_mapping, q_out, consts=None,
     variant = "pos_i64" if positions.dtype == torch.int64 else "pos_i32"
     scales = [] if kv_scale is None else [kv_scale[0], kv_scale[1]]
     return [(variant, (rows, 1, 1),
-             [qkv, positions, inv_freq, kv_cache[0], kv_cache[1], *scales, slot_mapping, q_out, 0, 0])]
+             [qkv, positions, inv_freq, kv_cache[0], kv_cache[1], slot_mapping, q_out, *scales, 0, 0])]

@@ -5,7 +5,8 @@ angles, unlike the sin.approx/cos.approx instructions; checked in the PTX).
 A negative slot means "do not cache this token" (padding).
 KV_QUANT (constexpr; 0 model dtype, 1 int8, 2 fp8 e4m3) picks the cache format: a quantized cache gets
 each (token, KV head) row of k and v as codes plus a float32 scale (kernels/kv_quant.py), the scale
-pointers being constexpr None in the unquantized build, so that kernel's code and arguments are as before.
+pointers (the last runtime params) being constexpr None in the unquantized build, so that kernel's code
+and arguments are as before.
 """
 import triton
 import triton.language as tl
@@ -70,8 +71,8 @@ def _write_quantized(src, k_dst, v_dst, ks_dst, vs_dst, cos, sin, NUM_KV_HEADS: 
 
 
 @triton.jit
-def rotary_kv_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                     slot_mapping_ptr, q_out_ptr,
+def rotary_kv_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                     q_out_ptr, k_scale_ptr, v_scale_ptr,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      H_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
                      D_PAD: tl.constexpr, KV_QUANT: tl.constexpr):
