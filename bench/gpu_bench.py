@@ -4,6 +4,10 @@
 Here (CPU):    python bench/gpu_bench.py prepare --cache .kcache     # compile the sm90 kernels into a cache
 On the device: python bench/gpu_bench.py run --cache .kcache --shapes 1b,8b --out $OUT
 
+A shape name may carry a build variant: "8b-kv8" is the 8b checkpoint built with --kv-cache int8,
+"8b-kvfp8" with --kv-cache fp8 (same weights: one checkpoint per base shape). With the base shape in the
+same invocation, the table ends with the variant's KV blocks and throughputs against it.
+
 `run` makes each checkpoint (HF folder, bf16, seed 0), builds its bundle with `engc build --arch sm90
 --kernel-cache` (the cubins compiled here, no compiler there), checks GPU logits against the reference
 ops, and times decode, throughput, prefill and start-up. Figures are printed as ratios against the
@@ -35,13 +39,24 @@ SHAPES = {
 }
 
 
+KV_VARIANTS = {"kv8": "int8", "kvfp8": "fp8"}   # shape suffix -> --kv-cache
+
+
+def base_shape(shape: str) -> str:
+    return shape.split("-")[0]
+
+
+def kv_cache_of(shape: str) -> str:
+    return next((KV_VARIANTS[v] for v in shape.split("-")[1:] if v in KV_VARIANTS), "auto")
+
+
 def hf_config(shape: str) -> dict:
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
                rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
                bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    cfg.update(SHAPES[shape])
+    cfg.update(SHAPES[base_shape(shape)])
     return cfg
 
 
@@ -52,14 +67,15 @@ def model_config(shape: str):
 
 def dtype_of(shape: str):
     import torch
-    return torch.float32 if shape == "tiny" else torch.bfloat16
+    return torch.float32 if base_shape(shape) == "tiny" else torch.bfloat16
 
 
 def prepare(args):
     from engc.compiler.kernel_cache import compile_cached
     for shape in args.shapes.split(","):
         t = time.time()
-        r = compile_cached(model_config(shape), dtype_of(shape), ["sm90"], 16, Path(args.cache))
+        r = compile_cached(model_config(shape), dtype_of(shape), ["sm90"], 16, Path(args.cache),
+                           kv_cache=kv_cache_of(shape))
         print(f"{shape}: {len(r.records)} kernels in {time.time() - t:.1f}s")
 
 
@@ -152,14 +168,15 @@ def bench_shape(shape: str, args) -> dict:
     from engc.runtime.engine import Engine, EngineConfig
     from engc.runtime.loader import load
     work = Path(args.work)
-    ckpt, bundle = work / f"ckpt-{shape}", work / f"bundle-{shape}"
+    base = base_shape(shape)
+    ckpt, bundle = work / f"ckpt-{base}", work / f"bundle-{shape}"
     res = {"shape": shape, "gpu": torch.cuda.get_device_name(), "commit": args.commit,
            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d")}
     if not (ckpt / "config.json").exists():
-        _, res["make_checkpoint_s"] = timed(lambda: make_checkpoint(shape, ckpt))
+        _, res["make_checkpoint_s"] = timed(lambda: make_checkpoint(base, ckpt))
     t = time.perf_counter()
-    build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="float32" if shape == "tiny" else "bfloat16",
-                                          kernel_cache=args.cache))
+    build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="float32" if base == "tiny" else "bfloat16",
+                                          kernel_cache=args.cache, kv_cache=kv_cache_of(shape)))
     res["build_s"] = round(time.perf_counter() - t, 1)
     manifest = json.loads((bundle / "manifest.json").read_text())
     # which Triton compiled the cubins: this machine's 3.6 would mean the kernel cache missed
@@ -175,7 +192,7 @@ def bench_shape(shape: str, args) -> dict:
             res["generate_error"] = r.stderr[-2000:]
     if args.serve and not args.profile_only:
         res.update(serve_first_token(bundle))
-    if shape != "tiny" and not args.profile_only:
+    if base != "tiny" and not args.profile_only:
         try:
             res.update(hf_floor(ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"]))
         except Exception as e:  # the floor is context, not a gate
@@ -206,25 +223,25 @@ def bench_shape(shape: str, args) -> dict:
     kv_bytes = 2 * cfg.num_layers * cfg.kv_size * 2 * 192  # average context ~192 tokens
     res["b1_decode_tok_s"] = round(decode_tps, 1)
     res["b1_frac_of_copy_roofline"] = round(decode_tps * (wbytes + kv_bytes) / COPY_BW, 3)
-    res["b1_vs_lmdeploy"] = round(decode_tps / LMDEPLOY.get(shape, {}).get("b1", float("nan")), 3)
+    res["b1_vs_lmdeploy"] = round(decode_tps / LMDEPLOY.get(base, {}).get("b1", float("nan")), 3)
     res.update(decode_breakdown(engine, ids, Path(args.out) / f"profile_{shape}.txt"))
     # throughput, 128 in / 128 out, end to end
-    for n in args.batches.get(shape, []):
+    for n in args.batches.get(base, []):
         seqs, total, first = run_batch(engine, prompts(n, 128, cfg.vocab_size, n), 128)
         res[f"b{n}_128_128_out_tok_s"] = round(n * 128 / total, 1)
-        if LMDEPLOY.get(shape, {}).get("N") == n:
-            res[f"b{n}_vs_lmdeploy"] = round(n * 128 / total / LMDEPLOY[shape]["bN"], 3)
+        if LMDEPLOY.get(base, {}).get("N") == n:
+            res[f"b{n}_vs_lmdeploy"] = round(n * 128 / total / LMDEPLOY[base]["bN"], 3)
     # sampled decoding (temperature, top-k, top-p on the GPU), same shape of work as the greedy run
-    n = LMDEPLOY.get(shape, {}).get("N", 4)
+    n = LMDEPLOY.get(base, {}).get("N", 4)
     seqs, total, first = run_batch(engine, prompts(n, 128, cfg.vocab_size, n + 1), 128,
                                    temperature=0.8, top_k=50, top_p=0.95, seed=0)
     res[f"b{n}_128_128_sampled_out_tok_s"] = round(n * 128 / total, 1)
-    if shape != "tiny" and args.long:
+    if base != "tiny" and args.long:
         n = 64
         seqs, total, first = run_batch(engine, prompts(n, 1000, cfg.vocab_size, 7), 1000)
         res[f"b{n}_1000_1000_out_tok_s"] = round(n * 1000 / total, 1)
     # prefill at 4k tokens: one request, one step
-    if shape != "tiny":
+    if base != "tiny":
         from engc.runtime.sampling import SamplingParams
         for seed in (3, 4):  # distinct prompts: the prefix cache must not serve the second one
             ids = prompts(1, 4096, cfg.vocab_size, seed)[0]
@@ -367,8 +384,8 @@ def check_against_reference(model, engine, cfg) -> dict:
               "context_lens": torch.tensor([n], dtype=torch.int32),
               "query_start_loc": torch.tensor([0, n], dtype=torch.int32),
               "logits_indices": torch.arange(n)}
-    kv_a = [torch.zeros_like(t[:, :8]) for t in engine.kv.layers]
-    kv_b = [torch.zeros_like(t[:, :8]) for t in engine.kv.layers]
+    kv_a = [_small_cache(t) for t in engine.kv.layers]
+    kv_b = [_small_cache(t) for t in engine.kv.layers]
     with torch.inference_mode():
         a = engine.executor.forward(inputs, kv_a)
         b = _Eager(ref_exec, model.device).forward(inputs, kv_b)
@@ -380,7 +397,7 @@ def check_against_reference(model, engine, cfg) -> dict:
         return res  # an 8B float32 copy does not fit beside the KV cache: the oracle runs on the 1B shape
     # the float32 oracle: the same weights upcast, reference ops; how far is each bf16 path from it?
     fp32 = {k: v.float() for k, v in model.executor.weights.items()}
-    kv_c = [torch.zeros_like(t[:, :8], dtype=torch.float32) for t in engine.kv.layers]
+    kv_c = [_small_cache(t, torch.float32) for t in engine.kv.layers]
     with torch.inference_mode():
         c = _Eager(Executor(model.executor.program, fp32, REFERENCE_OPS), model.device).forward(inputs, kv_c)
     del fp32
@@ -388,6 +405,15 @@ def check_against_reference(model, engine, cfg) -> dict:
     return {**res, "gpu_bf16_vs_fp32_oracle_max_rel_err": err(a), "reference_bf16_vs_fp32_oracle_max_rel_err": err(b),
             "gpu_bf16_top1_vs_fp32_oracle": float((a.argmax(-1) == c.argmax(-1)).float().mean()),
             "reference_bf16_top1_vs_fp32_oracle": float((b.argmax(-1) == c.argmax(-1)).float().mean())}
+
+
+def _small_cache(layer, dtype=None):
+    """A zeroed 8-block cache like `layer`: a tensor, or the (codes, scales) of a quantized KV cache
+    (whose codes keep their dtype: the float32 oracle then runs the same quantized-cache program)."""
+    import torch
+    if isinstance(layer, tuple):
+        return tuple(torch.zeros_like(t[:, :8]) for t in layer)
+    return torch.zeros_like(layer[:, :8], dtype=dtype)
 
 
 class _Eager:
@@ -423,6 +449,22 @@ def run(args):
         for k in keys:
             if k in r:
                 print(f"   {k:36} {r[k]}")
+    _compare_variants(results, out)
+
+
+def _compare_variants(results: list[dict], out: Path) -> None:
+    """A --kv-cache variant's KV blocks and throughputs against its base shape's, when both ran."""
+    by_shape = {r["shape"]: r for r in results}
+    for r in results:
+        base = by_shape.get(base_shape(r["shape"]))
+        if base is None or base is r or kv_cache_of(r["shape"]) == "auto":
+            continue
+        keys = [k for k in sorted(r) if k == "kv_blocks" or (k.endswith("_out_tok_s") and k.startswith("b"))]
+        ratios = {k: round(r[k] / base[k], 3) for k in keys if isinstance(base.get(k), (int, float)) and base[k]}
+        r["vs_" + base["shape"]] = ratios
+        (out / f"engc_{r['shape']}_vs_{base['shape']}.json").write_text(
+            json.dumps({"variant": r["shape"], "base": base["shape"], "ratios": ratios}, indent=1))
+        print(f"-- {r['shape']} / {base['shape']}: " + ", ".join(f"{k} x{v}" for k, v in ratios.items()))
 
 
 def main():
