@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from engc.kernels import sampling
+from engc.runtime.cuda_graphs import GraphedExecutor
 from engc.runtime.engine import Engine, EngineConfig
+from engc.runtime.gpu_ops import StepFacts
 from engc.runtime.loader import load
 from engc.runtime.sampling import SamplingParams
 from test_gpu import gpu_bundle, gpu_ready  # noqa: F401 - a fixture, used by the GPU test below
@@ -47,12 +49,37 @@ def prompts(model, n, length=20):
     return [model.tokenizer.encode(f"{i} {TEXT}")[:length + 3 * i] for i in range(n)]
 
 
-def run(model, overlap, requests, config=EngineConfig(), abort_at=None, add_later=()):
+class ReplayOnCpu:
+    """A captured decode graph's stand-in: replay runs the program on the staged buffers it was made with."""
+
+    def __init__(self, executor, inputs, kv_caches):
+        self.run = lambda: executor.forward(inputs, kv_caches)
+        self.out = self.run().clone()   # staged defaults: padded rows only, no KV written
+
+    def replay(self):
+        self.out.copy_(self.run())
+
+
+def cpu_graphed(engine):
+    """engine's executor as the GPU's GraphedExecutor: staging, padding, device-side fills, on the CPU."""
+    ex = GraphedExecutor(engine.executor, StepFacts(), -(-engine.max_context // engine.model.block_size),
+                         engine.config.max_num_seqs, "cpu", True)
+
+    def capture(b, kv_caches):
+        graph = ReplayOnCpu(ex.executor, ex.staged.bucket_inputs(b), kv_caches)
+        ex.graphs[b] = (graph, graph.out)
+    ex._capture = capture
+    engine.executor = ex
+
+
+def run(model, overlap, requests, config=EngineConfig(), abort_at=None, add_later=(), graphed=False):
     """requests: [(ids, params, session_id)], all added first; add_later: [(after_step, ids, params)].
 
     abort_at: {request index: number of known tokens after which it is aborted}. Returns per request
     what a client sees, plus how many launched steps carried a row that had already finished."""
     engine = Engine(model, EngineConfig(**{**config.__dict__, "overlap": overlap}))
+    if graphed:
+        cpu_graphed(engine)
     seqs = [engine.add_request(ids, p, session_id=sid) for ids, p, sid in requests]
     later, steps, dropped = list(add_later), 0, 0
     texts = {}
@@ -108,6 +135,27 @@ def test_greedy_stops_and_lengths_match(model):
     assert reasons.count("stop") >= 2 and "length" in reasons
     assert dropped > 0  # a row that had stopped was in the next launched step, and its token dropped
     assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
+
+
+def test_graphed_executor_fills_in_flight_ids(model, monkeypatch):
+    """The GPU executor's path on the CPU: in-flight ids scattered into the staged decode inputs (and
+    into eager mixed batches), two host staging buffers in turn, padded buckets."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+    ids = prompts(model, 7)
+    stop, stop_token = stops_from(model, ids[0])
+    params = [SamplingParams(max_tokens=20, temperature=0, stop=(stop,)),
+              SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(stop_token,)),
+              SamplingParams(max_tokens=9, temperature=0, logprobs=1, ignore_eos=True)]
+    params += [SamplingParams(max_tokens=12 + 3 * i, temperature=0, ignore_eos=True) for i in range(4)]
+    requests = [(i, p, None) for i, p in zip(ids, params)]
+    kw = dict(config=EngineConfig(num_blocks=16, max_num_seqs=8, max_batched_tokens=24), graphed=True,
+              add_later=[(5, ids[0], params[3])])
+    sync, _, _ = run(model, False, requests, **kw)
+    overlapped, engine, dropped = run(model, True, requests, **kw)
+    assert overlapped == sync and dropped > 0 and engine.scheduler.num_preemptions > 0
+    assert engine.executor.graphs  # decode batches went through the staged path
+    assert [r[0] for r in sync] == [r[0] for r in run(model, False, requests, config=kw["config"],
+                                                       add_later=kw["add_later"])[0]]
 
 
 def test_seeded_sampling_on_the_device_path_matches(with_sampler):

@@ -69,7 +69,8 @@ class StagedInputs:
         self.turn ^= 1
         for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
             cpu[name][:n] = inputs[name].numpy()
-        cpu["slot_mapping"][n:b] = -1   # padded rows: no KV write
+        cpu["input_ids"][n:b] = 0       # padded rows: a valid id (a buffer may hold an in-flight -1)
+        cpu["slot_mapping"][n:b] = -1   # no KV write
         cpu["context_lens"][n:b] = 1
         if fill is not None:
             cpu["fill_rows"][:len(fill.rows)] = fill.rows.numpy()
