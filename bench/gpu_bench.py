@@ -342,20 +342,27 @@ def decode_breakdown(engine, ids, profile_path: Path) -> dict:
         graph.replay()
     _, t = timed(lambda: [graph.replay() for _ in range(100)])
     out = {"b1_graph_replay_ms": round(t * 10, 3)}
-    prof = cProfile.Profile()
+    from dataclasses import replace
     from engc.runtime.sampling import SamplingParams
-    engine.add_request(ids[0], SamplingParams(max_tokens=101, temperature=0, ignore_eos=True))
-    engine.step()  # prefill
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    prof.enable()
-    for _ in range(100):
-        engine.step()
-    prof.disable()
-    out["b1_engine_step_ms"] = round((time.perf_counter() - t0) * 10, 3)
-    with open(profile_path, "w") as f:
+    overlap = engine.config.overlap
+    # synchronous steps (host work in series with the GPU) and overlapped ones (the default)
+    for key, on in (("b1_engine_step_sync_ms", False), ("b1_engine_step_ms", True)):
+        engine.config = replace(engine.config, overlap=on)
+        engine.add_request(ids[0], SamplingParams(max_tokens=101, temperature=0, ignore_eos=True))
+        engine.step()  # prefill
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(100):
+            engine.step()
+        prof.disable()
+        torch.cuda.synchronize()
+        out[key] = round((time.perf_counter() - t0) * 10, 3)
+        engine.run_to_completion()
+    engine.config = replace(engine.config, overlap=overlap)
+    with open(profile_path, "w") as f:  # the overlapped run's profile
         pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(25)
-    engine.run_to_completion()
     return out
 
 
