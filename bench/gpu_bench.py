@@ -5,8 +5,9 @@ Here (CPU):    python bench/gpu_bench.py prepare --cache .kcache     # compile t
 On the device: python bench/gpu_bench.py run --cache .kcache --shapes 1b,8b --out $OUT
 
 A shape name may carry a build variant: "8b-kv8" is the 8b checkpoint built with --kv-cache int8,
-"8b-kvfp8" with --kv-cache fp8 (same weights: one checkpoint per base shape). With the base shape in the
-same invocation, the table ends with the variant's KV blocks and throughputs against it.
+"8b-kvfp8" with --kv-cache fp8, "8b-fp8" with --quant fp8 (W8A8 projections) (same weights: one checkpoint
+per base shape). With the base shape in the same invocation, the table ends with the variant's KV blocks
+and throughputs (b1 decode, b32/b64/b256) against it.
 
 `run` makes each checkpoint (HF folder, bf16, seed 0), builds its bundle with `engc build --arch sm90
 --kernel-cache` (the cubins compiled here, no compiler there), checks GPU logits against the reference
@@ -50,6 +51,11 @@ def kv_cache_of(shape: str) -> str:
     return next((KV_VARIANTS[v] for v in shape.split("-")[1:] if v in KV_VARIANTS), "auto")
 
 
+def quant_of(shape: str) -> str:
+    """--quant of a shape: "fp8" for an "-fp8" variant (W8A8 projections), else "auto"."""
+    return "fp8" if "fp8" in shape.split("-")[1:] else "auto"
+
+
 def hf_config(shape: str) -> dict:
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
                rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
@@ -75,7 +81,7 @@ def prepare(args):
     for shape in args.shapes.split(","):
         t = time.time()
         r = compile_cached(model_config(shape), dtype_of(shape), ["sm90"], 16, Path(args.cache),
-                           kv_cache=kv_cache_of(shape))
+                           kv_cache=kv_cache_of(shape), quant="fp8" if quant_of(shape) == "fp8" else "none")
         print(f"{shape}: {len(r.records)} kernels in {time.time() - t:.1f}s")
 
 
@@ -154,12 +160,12 @@ def run_batch(engine, ids_list, out_len, **sampling):
     return seqs, t1 - t0, first - t0
 
 
-def weight_bytes(cfg) -> tuple[int, int]:
-    """(bytes a decode step reads, non-embedding parameter count) for bf16 weights."""
+def weight_bytes(cfg, projection_bytes: int = 2) -> tuple[int, int]:
+    """(bytes a decode step reads, non-embedding parameter count): bf16 weights, or 1-byte projections (fp8)."""
     h, i, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
     per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i
     params = L * per_layer + V * h  # lm_head counts: it is read every step (tied or not)
-    return 2 * params, params
+    return projection_bytes * L * per_layer + 2 * V * h, params
 
 
 def bench_shape(shape: str, args) -> dict:
@@ -176,7 +182,8 @@ def bench_shape(shape: str, args) -> dict:
         _, res["make_checkpoint_s"] = timed(lambda: make_checkpoint(base, ckpt))
     t = time.perf_counter()
     build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="float32" if base == "tiny" else "bfloat16",
-                                          kernel_cache=args.cache, kv_cache=kv_cache_of(shape)))
+                                          kernel_cache=args.cache, kv_cache=kv_cache_of(shape),
+                                          quant=quant_of(shape)))
     res["build_s"] = round(time.perf_counter() - t, 1)
     manifest = json.loads((bundle / "manifest.json").read_text())
     # which Triton compiled the cubins: this machine's 3.6 would mean the kernel cache missed
@@ -214,7 +221,7 @@ def bench_shape(shape: str, args) -> dict:
     except Exception as e:  # report and go on to the timings
         res["check"] = {"error": repr(e)[:500]}
 
-    wbytes, params = weight_bytes(cfg)
+    wbytes, params = weight_bytes(cfg, 1 if quant_of(shape) == "fp8" else 2)
     # batch 1 decode, 128 in / 128 out
     ids = prompts(1, 128, cfg.vocab_size, 1)
     run_batch(engine, ids, 8)  # warm-up
@@ -434,7 +441,7 @@ class _Eager:
 def run(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    args.batches = {"1b": [64, 256], "8b": [32, 256], "tiny": [4]}
+    args.batches = {"1b": [64, 256], "8b": [32, 64, 256], "tiny": [4]}
     results = []
     for shape in args.shapes.split(","):
         if args.child:
@@ -460,13 +467,14 @@ def run(args):
 
 
 def _compare_variants(results: list[dict], out: Path) -> None:
-    """A --kv-cache variant's KV blocks and throughputs against its base shape's, when both ran."""
+    """A --kv-cache or --quant variant's KV blocks and throughputs against its base shape's, when both ran."""
     by_shape = {r["shape"]: r for r in results}
     for r in results:
         base = by_shape.get(base_shape(r["shape"]))
-        if base is None or base is r or kv_cache_of(r["shape"]) == "auto":
+        if base is None or base is r or (kv_cache_of(r["shape"]) == "auto" and quant_of(r["shape"]) == "auto"):
             continue
-        keys = [k for k in sorted(r) if k == "kv_blocks" or (k.endswith("_out_tok_s") and k.startswith("b"))]
+        keys = [k for k in sorted(r) if k in ("kv_blocks", "b1_decode_tok_s")
+                or (k.endswith("_out_tok_s") and k.startswith("b"))]
         ratios = {k: round(r[k] / base[k], 3) for k in keys if isinstance(base.get(k), (int, float)) and base[k]}
         r["vs_" + base["shape"]] = ratios
         (out / f"engc_{r['shape']}_vs_{base['shape']}.json").write_text(
