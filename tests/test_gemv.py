@@ -51,7 +51,7 @@ def test_pick_and_split_rule():
                                                                           "k64_m16", None]
     assert gemv.pick(table, 64, True, 8) is None and gemv.pick(table, 32, False, 1) is None
     rule = {"target_programs": 528, "max_splits": 16, "min_split_k_tiles": 2}
-    assert gemv.split_count(256, 28, rule) == (2, 14)      # 8B down at BLOCK_N 16, BLOCK_K 512
+    assert gemv.split_count(256, 28, rule) == (4, 7)       # 8B down at BLOCK_N 16, BLOCK_K 512: 1024 programs
     assert gemv.split_count(8016, 4, rule) == (1, 4)       # lm_head: N alone fills the GPU
     assert gemv.split_count(128, 4, rule) == (2, 2)        # 1B o: at most K tiles / min_split_k_tiles
     assert gemv.split_count(4, 7, dict(rule, min_split_k_tiles=1)) == (4, 2)  # never an empty split
