@@ -28,9 +28,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     One scale per row (output channel of a weight, or token of an activation). The clamp matters: torch
     turns a value past 448 into NaN, and x / scale can round just past it."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp_min(MIN_AMAX) / FP8_MAX
-    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    # In place on one float32 copy: the build quantizes every projection of the model through here.
+    xf = x.to(torch.float32, copy=True)
+    scale = torch.linalg.vector_norm(xf, ord=float("inf"), dim=-1).clamp_min_(MIN_AMAX).div_(FP8_MAX)
+    q = xf.div_(scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
 
