@@ -79,6 +79,37 @@ def test_fp8_quant_compiles_for_sm90():
     assert variant in {r["variant"] for r in result.records} and grid == (3, 1, 1) and args[-2:] == [0, 0]
 
 
+def test_gpu_binding_glue_on_cpu():
+    """runtime/gpu_ops.py's FP8Linear (launch rule, then torch._scaled_mm with row-wise scales on the
+    transposed [N, K] weight) run on the CPU, which torch's _scaled_mm also serves, with the quant kernel
+    replaced by its reference: the argument order, layouts and scale shapes the H200 will see."""
+    from engc.bundle.program import ENGC_DOMAIN
+    from engc.kernels.fp8_quant import fp8_linear, quantize_rows
+    from engc.runtime.gpu_ops import StepFacts, gpu_ops
+
+    class ReferenceKernels:
+        consts = {"fp8_quant": {}}
+
+        def run(self, op, launches):
+            for _variant, _grid, (x, out, scale, *_scratch) in launches:
+                q, s = quantize_rows(x)
+                out.copy_(q)
+                scale.copy_(s)
+
+    op = gpu_ops(ReferenceKernels(), StepFacts())[(ENGC_DOMAIN, "FP8Linear")]
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(5, 64, generator=g).to(torch.bfloat16), torch.randn(48, 64, generator=g) * 0.02
+    bias = torch.randn(48, generator=g).to(torch.bfloat16)
+    wq, ws = quantize_rows(w)
+    try:
+        (y,) = op(x, wq, ws, bias, has_bias=1)
+    except (RuntimeError, NotImplementedError) as e:  # a torch without a CPU _scaled_mm
+        pytest.skip(f"torch._scaled_mm on the CPU: {e}")
+    ref = fp8_linear(x.float(), wq, ws, bias.float(), has_bias=1)
+    assert y.dtype == torch.bfloat16 and float((y.float() - ref).norm() / ref.norm()) < 1e-2  # bf16 output
+    assert op(x[:0], wq, ws)[0].shape == (0, 48)
+
+
 # ------------------------------------------------------------------------ bundles (CPU reference path)
 
 def _logits(bundle, ids):
