@@ -232,7 +232,7 @@ class Engine:
                 slots += [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
             ctx.append(end)
             starts.append(starts[-1] + n)
-            if end == seq.num_tokens:  # this chunk finishes the known tokens: sample next
+            if end == seq.num_tokens:  # this chunk reaches the last token (known or in flight): sample next
                 sample_at.append(starts[-1] - 1)
                 sampled.append(seq)
                 if seq.num_in_flight:  # its last token is the one in flight
