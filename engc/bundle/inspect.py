@@ -12,7 +12,8 @@ def describe(b: Bundle) -> str:
         f"model      {m['source']['name']}  family {c['family']}, {c['num_layers']} layers, "
         f"hidden {c['hidden_size']}, heads {c['num_heads']}/{c['num_kv_heads']}, vocab {c['vocab_size']}",
         f"dtype      {m['dtype']}   quantization {m['quantization'] or 'none'}   tp {m['tp']}",
-        f"archs      {', '.join(m['archs'])}   kv block {m['kv_block_size']} tokens",
+        f"archs      {', '.join(m['archs'])}   kv block {m['kv_block_size']} tokens   "
+        f"kv cache {m.get('kv_cache', 'auto')}",
         f"kernels    {len(m['kernels'])}",
     ]
     for k in m["kernels"]:
