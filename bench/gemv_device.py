@@ -65,7 +65,8 @@ def prepare(out_dir: Path):
         for name, ov in configs.items():
             specs = []
             for k, silu in pairs:
-                specs += [s for s in gemv_specs(_cfg(k), "bf16", "sm90", {m_class: ov} if ov else None)
+                specs += [s for s in gemv_specs(_cfg(k), "bf16", "sm90", {m_class: ov} if ov else None,
+                                            classes=tuple(SWEEP))
                           if s.tune_key.split("/")[3].startswith(m_class) and s.constexprs["SILU"] == silu
                           and s.constexprs["K"] == k]
             res = compile_specs(specs, progress=None)

@@ -17,7 +17,8 @@ EXPECTED = {("rms_norm", "rms_norm"), ("rms_norm", "add_rms_norm"), ("silu_mul",
             ("qk_norm", "default"), ("rotary", "pos_i64"), ("rotary", "pos_i32"),
             ("paged_attention", "decode"), ("paged_attention", "decode_reduce"), ("paged_attention", "prefill"),
             ("sampling", "logits_bf16"), ("sampling", "logits_fp32"),
-            ("gemv", "k64_m4"), ("gemv", "k64_m16"), ("gemv", "silu_k128_m4"), ("gemv", "silu_k128_m16")}
+            ("gemv", "silu_k128_m1"),
+            ("argmax", "partial_bf16"), ("argmax", "partial_fp32"), ("argmax", "final")}
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +94,17 @@ def _example_launches(consts):
     from engc.kernels import gemv
     counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32)
     table = gemv.variant_table(consts["gemv"])
-    for silu, k, n in ((False, TINY.hidden_size, TINY.vocab_size), (True, TINY.intermediate_size, 64)):
-        for m in (3, 9):
+    assert gemv.pick(table, TINY.hidden_size, False, 1) is None      # plain projections stay on cuBLAS
+    for silu, k, n in ((True, TINY.intermediate_size, 64),):
+        for m in (1,):
             variant = gemv.pick(table, k, silu, m)
             x = torch.randn(m, 2 * k if silu else k, dtype=bf)
             yield "gemv", gemv.launch(x, torch.randn(n, k, dtype=bf), torch.empty(m, n, dtype=bf), variant,
                                       consts["gemv"][variant], counters)
+    from engc.kernels import argmax
+    for dt in (bf, torch.float32):
+        yield "argmax", argmax.launch(torch.randn(2, TINY.vocab_size, dtype=dt), torch.empty(2, dtype=torch.int64),
+                                      consts["argmax"])
     for dt in (bf, torch.float32):
         yield "sampling", sampling.launch(torch.randn(2, TINY.vocab_size, dtype=dt), torch.ones(2),
                                           torch.zeros(2, dtype=torch.int32), torch.ones(2), torch.rand(2),

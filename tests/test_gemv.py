@@ -69,7 +69,8 @@ def _check(dtype, n, k, silu, overrides):
     cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=k, intermediate_size=k, num_layers=1,
                       num_heads=1, num_kv_heads=1, head_dim=k, rms_norm_eps=1e-6, rope_theta=1e4,
                       max_position_embeddings=64, tie_word_embeddings=True)
-    specs = {s.variant: s for s in gemv_specs(cfg, TRITON_DTYPE[dtype], "sm90", overrides)}
+    specs = {s.variant: s for s in gemv_specs(cfg, TRITON_DTYPE[dtype], "sm90", overrides,
+                                                 classes=("m<=4", "m<=16"))}
     table = gemv.variant_table({v: s.launch for v, s in specs.items()})
     counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32)
     w = torch.randn(n, k, dtype=dtype) / k ** 0.5

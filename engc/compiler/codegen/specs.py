@@ -176,10 +176,11 @@ def fp8_quant_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
     return specs
 
 
-def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
+def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, classes=None):
     """Decode GEMV per input width K (hidden: qkv, gate_up, lm_head; q_size: o; SiLU-fused intermediate:
     down) and per M class of the tune table. N is a run-time argument, so one kernel serves every
-    projection of that width. overrides: M class -> tune overrides."""
+    projection of that width. overrides: M class -> tune overrides; classes: the M classes to build
+    (default: the tune table's GEMV_M_CLASSES)."""
     from engc.kernels.gemv import variant_name
     if t == "fp32":
         return []   # float32 bundles keep cuBLAS: the tensor-core path would round through tf32
@@ -187,8 +188,10 @@ def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
              "counter_ptr": "*i32", "M": "i32", "N": "i32", "k_tiles_per_split": "i32", "splits": "i32"}
     specs = []
     for k, silu in sorted({(cfg.hidden_size, False), (cfg.q_size, False), (cfg.intermediate_size, True)}):
-        for bucket in tune.GEMV_M_CLASSES:
+        for bucket in classes or tune.GEMV_M_CLASSES:
             _, entry = tune.lookup(arch, "gemv", "*", bucket, (overrides or {}).get(bucket))
+            if not silu and not entry.get("plain", True):
+                continue
             specs.append(_spec("gemv", variant_name(k, silu, entry["max_m"]), arch, "gemv_kernel", types,
                                {"K": k, "SILU": silu}, bucket, overrides=(overrides or {}).get(bucket),
                                launch_keys=("K", "SILU", "max_m", "BLOCK_N", "BLOCK_K", "target_programs",

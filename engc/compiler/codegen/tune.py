@@ -50,17 +50,20 @@ for _arch in ("sm80", "sm90"):
 for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 16)):
     _put("sm90", "fp8_quant", "*", _bucket, num_warps=_warps, num_stages=1)
 
-# Decode GEMV (kernels/gemv), one entry per M class: few rows multiply on the CUDA cores, up to 16 pad
-# into tensor-core tiles (the CUDA-core path wants BLOCK_K a multiple of 256 * num_warps, so x's row
-# loads share the W tile's layout). Split K until about 4 programs per multiprocessor are in flight. Starting
-# points, not measured yet: bench/gemv_device.py sweeps them on an H200 and prints the best per shape.
-GEMV_M_CLASSES = ("m<=4", "m<=16")
+# Decode GEMV (kernels/gemv), one entry per M class. Measured on the H200 (bench/gemv_device.py, cold L2,
+# 2026-11-30): against cuBLAS it wins only at M=1, and only clearly for the SiLU-fused down projection
+# (1B 11.9 vs 14.4 us, 8B 32.0 vs 32.7 us, plus the silu_mul launch it removes); at M=1 for K=hidden it
+# wins on o and lm_head but loses more on gate_up (-2 us a layer), and from M=2 up cuBLAS wins everywhere.
+# So: one class, M=1, SiLU-fused down only (plain=False keeps K=hidden projections on cuBLAS).
+GEMV_M_CLASSES = ("m<=1",)
 for _arch in ("sm80", "sm90"):
-    _gemv_split = dict(target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
+    _put(_arch, "gemv", "*", "m<=1", max_m=1, plain=False, BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, DOT=False,
+         num_warps=4, num_stages=2, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
+    # classes kept for sweeps and tests (bench/gemv_device.py, tests/test_gemv.py); cuBLAS was faster
     _put(_arch, "gemv", "*", "m<=4", max_m=4, BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, DOT=False, num_warps=4,
-         num_stages=2, **_gemv_split)
+         num_stages=2, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
     _put(_arch, "gemv", "*", "m<=16", max_m=16, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT=True, num_warps=4,
-         num_stages=4, **_gemv_split)
+         num_stages=4, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
 
 # int4_linear (W4A16), not yet measured on a device: bench/int4_device.py sweeps these. The GEMV's tile
 # shrinks in R as BLOCK_M grows, so partial sums for all rows stay in registers; splits over K aim at a
