@@ -8,7 +8,7 @@ reference) lets seeded temperature sampling take the overlapped path too.
 import pytest
 import torch
 
-from engc.kernels import sampling
+from engc.kernels import argmax, sampling
 from engc.runtime.cuda_graphs import GraphedExecutor
 from engc.runtime.engine import Engine, EngineConfig
 from engc.runtime.gpu_ops import StepFacts
@@ -31,6 +31,9 @@ class ReferenceSampler:
         return sampling.sample(logits, torch.tensor([q.temperature for q in p]),
                                torch.tensor([q.top_k for q in p], dtype=torch.int32),
                                torch.tensor([q.top_p for q in p]), torch.tensor(uniform))
+
+    def greedy(self, logits):
+        return argmax.argmax(logits)
 
 
 @pytest.fixture(scope="module")

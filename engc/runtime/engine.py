@@ -184,7 +184,8 @@ class Engine:
         sampler for temperature/top-k/top-p ones. None when a row needs the host sampler (penalties,
         logprobs, or any non-greedy row on a CPU): such a step is read at once, never overlapped."""
         if all(s.params.plain_greedy for s in sampled):
-            return logits.argmax(-1)
+            sampler = self.model.sampler
+            return sampler.greedy(logits) if sampler is not None else logits.argmax(-1)
         if self.model.sampler is not None and all(s.params.device_sampleable for s in sampled):
             return self.model.sampler(logits, sampled)
         return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engc.kernels import sampling
+from engc.kernels import argmax, sampling
 from engc.runtime.gpu_ops import BundleKernels
 from engc.runtime.sequence import Sequence
 
@@ -18,6 +18,14 @@ class GpuSampler:
     def __init__(self, kernels: BundleKernels, device: torch.device):
         self.kernels = kernels
         self.device = device
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Argmax per row, [rows] int64 on the device (the split kernel: torch's takes 27 us a step)."""
+        if "argmax" not in self.kernels.consts:  # a bundle built before the kernel existed
+            return logits.argmax(-1)
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)
+        self.kernels.run("argmax", argmax.launch(logits.contiguous(), out, self.kernels.consts["argmax"]))
+        return out
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The sampled ids, [len(seqs)] int64 on the device; nothing here waits for the GPU."""
