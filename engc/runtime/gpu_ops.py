@@ -133,14 +133,15 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         k.run("silu_mul", silu_mul.launch(x, out, k.consts["silu_mul"]))
         return (out,)
 
-    # Decode GEMV for dense projections when the bundle has a kernel for this K and M; else cuBLAS.
+    # Decode GEMV for dense projections when the bundle has a kernel for this K and M (the CUDA C++ one
+    # where built, else Triton's); else cuBLAS. Both take the same counters and torch-allocated partials.
     gemv_consts = k.consts.get("gemv", {})
     gemv_table = gemv.variant_table(gemv_consts)
     gemv_counters = (torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
                      if gemv_table else None)  # made before any capture: graphs replay on these zeros
 
     def run_gemv(x, w, silu):
-        variant = gemv.pick(gemv_table, w.shape[1], silu, x.shape[0])
+        variant = gemv.pick(gemv_table, w.shape[1], silu, x.shape[0], w.shape[0])   # CUDA first, then Triton
         if variant is None or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()):
             return None
         out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)

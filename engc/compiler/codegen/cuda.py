@@ -210,13 +210,33 @@ def selected_specs(triton_specs: list, cfg: ModelConfig) -> tuple[list[CudaKerne
     return specs, notes
 
 
-def add_selected(result, triton_specs: list, cfg: ModelConfig, progress=None):
+def selected_gemv_specs(triton_specs: list, cfg: ModelConfig, overrides=None) -> tuple[list, list[str]]:
+    """The CUDA decode GEMVs (codegen/cuda_gemv.py) the tune table turns on, per arch of the build, in the
+    model's dtype (that of its attention). overrides: CUDA GEMV M class -> tune overrides."""
+    from engc.compiler.codegen import cuda_gemv
+    specs, notes = [], []
+    for s in triton_specs:
+        if (s.op, s.variant) == ("paged_attention", "decode"):
+            more, why = cuda_gemv.gemv_specs(cfg, s.arg_types["q_ptr"][1:], s.arch, overrides)
+            specs += more
+            notes += why
+    return specs, notes
+
+
+def add_selected(result, triton_specs: list, cfg: ModelConfig, progress=None, gemv_overrides=None):
     """Compile the selected CUDA kernels into result (a CodegenResult). Without nvcc they are skipped with
-    one line: the Triton kernels they replace are in the bundle anyway, and the launch rule falls back."""
+    one line: the Triton kernels they replace are in the bundle anyway, and the launch rule falls back
+    (the GEMV to the Triton GEMV where the bundle has one, else cuBLAS)."""
     specs, notes = selected_specs(triton_specs, cfg)
-    if specs and nvcc_path() is None:
-        notes.append("nvcc not found: the CUDA decode kernel is skipped, Triton's decode is used")
-        specs = []
+    gemv_specs, gemv_notes = selected_gemv_specs(triton_specs, cfg, gemv_overrides)
+    notes += gemv_notes
+    if (specs or gemv_specs) and nvcc_path() is None:
+        if specs:
+            notes.append("nvcc not found: the CUDA decode kernel is skipped, Triton's decode is used")
+        if gemv_specs:
+            notes.append("nvcc not found: the CUDA GEMV is skipped, the Triton GEMV or cuBLAS runs")
+        specs, gemv_specs = [], []
+    specs += gemv_specs
     for note in notes:
         print(f"engc: note: {note}", file=sys.stderr)
     if specs:

@@ -65,6 +65,18 @@ for _arch in ("sm80", "sm90"):
     _put(_arch, "gemv", "*", "m<=16", max_m=16, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT=True, num_warps=4,
          num_stages=4, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
 
+# The CUDA C++ decode GEMV (templates/gemv.cu.j2: tensor-core mma, any M <= max_m <= 8 for the cost of
+# one), per M class. Built, and preferred by the runtime to the Triton GEMV and cuBLAS, for the kinds the
+# entry turns on -- plain: K = hidden / q_size (qkv, o; gate_up and lm_head too unless N > max_n, 0 = any);
+# silu: the fused down -- and only where nvcc was there at build time. Tiles: num_warps warps share
+# 16 * TILES rows of W, each reads UNROLL 32-wide K steps per iteration (BLOCK_K = 32 * warps * UNROLL);
+# min_blocks: CTAs per SM the register budget allows (65536 / (32 * warps * min_blocks) registers each).
+# Not measured on a device yet: plain and silu stay False until bench/gemv_cuda_device.py shows it ahead.
+GEMV_CUDA_M_CLASSES = ("m<=8",)
+for _arch in ("sm80", "sm90"):
+    _put(_arch, "gemv", "cuda", "m<=8", max_m=8, plain=False, silu=False, max_n=0, num_warps=4, TILES=2,
+         UNROLL=4, min_blocks=4, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
+
 # int4_linear (W4A16), not yet measured on a device: bench/int4_device.py sweeps these. The GEMV's tile
 # shrinks in R as BLOCK_M grows, so partial sums for all rows stay in registers; splits over K aim at a
 # few programs per SM.

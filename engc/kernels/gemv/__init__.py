@@ -7,8 +7,10 @@ rows in one launch (kernels/gemv/triton.py says how).
 
 A bundle holds one kernel per (K, SILU, M class): variant `[silu_]k{K}_m{max_m}`, each with launch
 constants (its record's `launch`): K, SILU, max_m, BLOCK_N, BLOCK_K and the split rule's target_programs,
-max_splits, min_split_k_tiles. The runtime picks the kernel of the smallest M class that holds M
-(`pick`) and falls back to cuBLAS when none does.
+max_splits, min_split_k_tiles. It may also hold the CUDA C++ twin (templates/gemv.cu.j2, same parameters
+and launch rule, no Triton scratch pointers): variant `cuda_[silu_]k{K}_m{max_m}`, launch constants plus
+impl "cuda" and max_n (used for N <= max_n only; 0: any N). The runtime picks a CUDA kernel first, else
+a Triton one, of the smallest M class that holds M (`pick`), and falls back to cuBLAS when none does.
 """
 from __future__ import annotations
 
@@ -33,17 +35,25 @@ def variant_name(k: int, silu: bool, max_m: int) -> str:
     return f"{'silu_' if silu else ''}k{k}_m{max_m}"
 
 
+def is_cuda(c: dict) -> bool:
+    """A variant of the CUDA C++ template (its launch constants say so)."""
+    return c.get("impl") == "cuda"
+
+
 def variant_table(consts: dict) -> dict:
-    """(K, silu) -> [(max_m, variant)] ascending, from the op's launch constants (variant -> record launch)."""
+    """(K, silu) -> [(rank, max_m, max_n, variant)] in pick order: CUDA variants (rank 0) before Triton ones
+    (the tune table builds a CUDA kernel only where it beat both), each by ascending M class."""
     table: dict = {}
     for variant, c in consts.items():
-        table.setdefault((c["K"], bool(c["SILU"])), []).append((c["max_m"], variant))
+        table.setdefault((c["K"], bool(c["SILU"])), []).append(
+            (0 if is_cuda(c) else 1, c["max_m"], c.get("max_n", 0), variant))
     return {key: sorted(v) for key, v in table.items()}
 
 
-def pick(table: dict, k: int, silu: bool, m: int) -> str | None:
-    """The variant for M rows of a K-wide input, or None (then cuBLAS runs)."""
-    return next((v for max_m, v in table.get((k, silu), ()) if 1 <= m <= max_m), None)
+def pick(table: dict, k: int, silu: bool, m: int, n: int = 0) -> str | None:
+    """The variant for M rows of a K-wide input and N outputs, or None (then cuBLAS runs)."""
+    return next((v for _, max_m, max_n, v in table.get((k, silu), ())
+                 if 1 <= m <= max_m and (not max_n or n <= max_n)), None)
 
 
 def split_count(n_tiles: int, k_tiles: int, c: dict) -> tuple[int, int]:
@@ -63,7 +73,8 @@ def launch(x, w, out, variant: str, consts: dict, counters):
     x contiguous [M, K] ([M, 2K] gate_up for a SILU variant), w contiguous [N, K], out contiguous [M, N];
     consts: the variant's record launch; counters: NUM_COUNTERS int32, zero, owned by the caller (split
     launches leave them zero). The fp32 split partials come from torch's allocator (inside a CUDA graph,
-    its pool). args: x, w, out, partial, counter, M, N, k_tiles_per_split, splits, global/profile scratch.
+    its pool). args: x, w, out, partial, counter, M, N, k_tiles_per_split, splits, then the Triton
+    kernel's global/profile scratch zeros (a CUDA variant takes none).
     """
     m, (n, k) = x.shape[0], w.shape
     assert k == consts["K"] and x.shape[1] == (2 * k if consts["SILU"] else k) and m <= consts["max_m"]
@@ -75,5 +86,6 @@ def launch(x, w, out, variant: str, consts: dict, counters):
     if splits > 1 and n_tiles > counters.numel():
         splits, per = 1, -(-k // consts["BLOCK_K"])
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else 0
+    scratch = [] if is_cuda(consts) else [0, 0]
     return [(variant, (n_tiles, splits, 1),
-             [x, w, out, partial, counters if splits > 1 else 0, m, n, per, splits, 0, 0])]
+             [x, w, out, partial, counters if splits > 1 else 0, m, n, per, splits] + scratch)]
