@@ -6,7 +6,8 @@ On the device: python bench/gpu_bench.py run --cache .kcache --shapes 1b,8b --ou
 
 A shape name may carry a build variant: "8b-kv8" is the 8b checkpoint built with --kv-cache int8,
 "8b-kvfp8" with --kv-cache fp8, "8b-fp8" with --quant fp8 (W8A8 projections) (same weights: one checkpoint
-per base shape). With the base shape in the same invocation, the table ends with the variant's KV blocks
+per base shape). "8b-int4" / "1b-int4" are a random AutoAWQ-GEMM int4 g128 checkpoint of that shape (its own
+folder), which `engc build` repacks as it would a real one; its kernels need `prepare --shapes 8b-int4`. With the base shape in the same invocation, the table ends with the variant's KV blocks
 and throughputs (b1 decode, b32/b64/b256) against it.
 
 `run` makes each checkpoint (HF folder, bf16, seed 0), builds its bundle with `engc build --arch sm90
@@ -51,6 +52,14 @@ def kv_cache_of(shape: str) -> str:
     return next((KV_VARIANTS[v] for v in shape.split("-")[1:] if v in KV_VARIANTS), "auto")
 
 
+INT4_GROUP = 128
+
+
+def is_int4(shape: str) -> bool:
+    """An "-int4" variant: its checkpoint is AutoAWQ GEMM int4, group size INT4_GROUP."""
+    return "int4" in shape.split("-")[1:]
+
+
 def quant_of(shape: str) -> str:
     """--quant of a shape: "fp8" for an "-fp8" variant (W8A8 projections), else "auto"."""
     return "fp8" if "fp8" in shape.split("-")[1:] else "auto"
@@ -81,18 +90,22 @@ def prepare(args):
     for shape in args.shapes.split(","):
         t = time.time()
         r = compile_cached(model_config(shape), dtype_of(shape), ["sm90"], 16, Path(args.cache),
-                           kv_cache=kv_cache_of(shape), quant="fp8" if quant_of(shape) == "fp8" else "none")
+                           kv_cache=kv_cache_of(shape), quant="fp8" if quant_of(shape) == "fp8" else "none",
+                           int4_group_sizes=(INT4_GROUP,) if is_int4(shape) else ())
         print(f"{shape}: {len(r.records)} kernels in {time.time() - t:.1f}s")
 
 
 # ------------------------------------------------------------------------------------------ device
 
-def make_checkpoint(shape: str, folder: Path) -> None:
+def make_checkpoint(shape: str, folder: Path, int4: bool = False) -> None:
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     folder.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(shape)
+    if int4:
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": INT4_GROUP,
+                                      "version": "gemm", "zero_point": True}
     (folder / "config.json").write_text(json.dumps(cfg))
     vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
@@ -107,6 +120,17 @@ def make_checkpoint(shape: str, folder: Path) -> None:
     def rand(*shape_, std=0.02):
         return (torch.randn(*shape_, generator=g, device="cuda", dtype=torch.float32) * std).to(dt).cpu()
 
+    def proj(name, out_f, in_f):
+        """A projection's tensors: bf16 weight, or AutoAWQ GEMM int4 (random codes and zeros; scales
+        that give weights of about the float checkpoint's spread)."""
+        if not int4:
+            return {name + ".weight": rand(out_f, in_f)}
+        words = lambda rows: torch.randint(-2**31, 2**31 - 1, (rows, out_f // 8), generator=g, device="cuda",  # noqa: E731
+                                           dtype=torch.int32).cpu()
+        scales = torch.rand(in_f // INT4_GROUP, out_f, generator=g, device="cuda") * 0.002 + 0.002
+        return {name + ".qweight": words(in_f), name + ".qzeros": words(in_f // INT4_GROUP),
+                name + ".scales": scales.to(torch.float16).cpu()}
+
     tensors = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=dt)}
     if not cfg["tie_word_embeddings"]:
         tensors["lm_head.weight"] = rand(cfg["vocab_size"], h)
@@ -115,10 +139,9 @@ def make_checkpoint(shape: str, folder: Path) -> None:
         p = f"model.layers.{layer}."
         t = {p + "input_layernorm.weight": torch.ones(h, dtype=dt),
              p + "post_attention_layernorm.weight": torch.ones(h, dtype=dt),
-             p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
-             p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
-             p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
-             p + "mlp.down_proj.weight": rand(h, i)}
+             **proj(p + "self_attn.q_proj", q, h), **proj(p + "self_attn.k_proj", kv, h),
+             **proj(p + "self_attn.v_proj", kv, h), **proj(p + "self_attn.o_proj", h, q),
+             **proj(p + "mlp.gate_proj", i, h), **proj(p + "mlp.up_proj", i, h), **proj(p + "mlp.down_proj", h, i)}
         save_file(t, str(folder / f"model-layer{layer:03d}.safetensors"))
     # the index HF transformers needs to read a sharded folder (engc reads any *.safetensors)
     weight_map = {}
@@ -175,11 +198,11 @@ def bench_shape(shape: str, args) -> dict:
     from engc.runtime.loader import load
     work = Path(args.work)
     base = base_shape(shape)
-    ckpt, bundle = work / f"ckpt-{base}", work / f"bundle-{shape}"
+    ckpt, bundle = work / f"ckpt-{base}{'-int4' if is_int4(shape) else ''}", work / f"bundle-{shape}"
     res = {"shape": shape, "gpu": torch.cuda.get_device_name(), "commit": args.commit,
            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d")}
     if not (ckpt / "config.json").exists():
-        _, res["make_checkpoint_s"] = timed(lambda: make_checkpoint(base, ckpt))
+        _, res["make_checkpoint_s"] = timed(lambda: make_checkpoint(base, ckpt, int4=is_int4(shape)))
     t = time.perf_counter()
     build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="float32" if base == "tiny" else "bfloat16",
                                           kernel_cache=args.cache, kv_cache=kv_cache_of(shape),
@@ -199,7 +222,7 @@ def bench_shape(shape: str, args) -> dict:
             res["generate_error"] = r.stderr[-2000:]
     if args.serve and not args.profile_only:
         res.update(serve_first_token(bundle))
-    if base != "tiny" and not args.profile_only:
+    if base != "tiny" and shape == base and not args.profile_only:  # the floor once per checkpoint
         try:
             res.update(hf_floor(ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"]))
         except Exception as e:  # the floor is context, not a gate
@@ -221,7 +244,8 @@ def bench_shape(shape: str, args) -> dict:
     except Exception as e:  # report and go on to the timings
         res["check"] = {"error": repr(e)[:500]}
 
-    wbytes, params = weight_bytes(cfg, 1 if quant_of(shape) == "fp8" else 2)
+    wbytes, params = weight_bytes(cfg, 1 if quant_of(shape) == "fp8" else
+                                  0.5 + 3 / INT4_GROUP if is_int4(shape) else 2)  # int4: codes, bf16 scale, u8 zero
     # batch 1 decode, 128 in / 128 out
     ids = prompts(1, 128, cfg.vocab_size, 1)
     run_batch(engine, ids, 8)  # warm-up
@@ -410,7 +434,7 @@ def check_against_reference(model, engine, cfg) -> dict:
     if weight_bytes(cfg)[1] > 3e9:
         return res  # an 8B float32 copy does not fit beside the KV cache: the oracle runs on the 1B shape
     # the float32 oracle: the same weights upcast, reference ops; how far is each bf16 path from it?
-    fp32 = {k: v.float() for k, v in model.executor.weights.items()}
+    fp32 = {k: v.float() if v.is_floating_point() else v for k, v in model.executor.weights.items()}
     kv_c = [_small_cache(t, torch.float32) for t in engine.kv.layers]
     with torch.inference_mode():
         c = _Eager(Executor(model.executor.program, fp32, REFERENCE_OPS), model.device).forward(inputs, kv_c)
@@ -434,8 +458,11 @@ class _Eager:
     def __init__(self, executor, device):
         self.executor, self.device = executor, device
 
-    def forward(self, inputs, kv):
-        return self.executor.forward({k: v.to(self.device) for k, v in inputs.items()}, kv)
+    def forward(self, inputs, kv, fill=None):
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        if fill is not None:  # the engine's overlapped step: rows whose input id is still on the device
+            fill.apply(inputs["input_ids"], fill.rows.to(self.device), fill.src.to(self.device))
+        return self.executor.forward(inputs, kv)
 
 
 def run(args):
@@ -471,12 +498,12 @@ def _compare_variants(results: list[dict], out: Path) -> None:
     by_shape = {r["shape"]: r for r in results}
     for r in results:
         base = by_shape.get(base_shape(r["shape"]))
-        if base is None or base is r or (kv_cache_of(r["shape"]) == "auto" and quant_of(r["shape"]) == "auto"):
+        if base is None or base is r or (kv_cache_of(r["shape"]) == "auto" and quant_of(r["shape"]) == "auto"
+                                         and not is_int4(r["shape"])):
             continue
         keys = [k for k in sorted(r) if k in ("kv_blocks", "b1_decode_tok_s")
                 or (k.endswith("_out_tok_s") and k.startswith("b"))]
         ratios = {k: round(r[k] / base[k], 3) for k in keys if isinstance(base.get(k), (int, float)) and base[k]}
-        r["vs_" + base["shape"]] = ratios
         (out / f"engc_{r['shape']}_vs_{base['shape']}.json").write_text(
             json.dumps({"variant": r["shape"], "base": base["shape"], "ratios": ratios}, indent=1))
         print(f"-- {r['shape']} / {base['shape']}: " + ", ".join(f"{k} x{v}" for k, v in ratios.items()))
