@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""FP8 W8A8 projections on the H200: the bundle's per-token quant kernel + torch._scaled_mm vs bf16 F.linear.
+"""FP8 W8A8 projections on the H200: the bundle's fp8_linear GEMM (kernels/fp8_linear) and the per-token
+quant kernel + torch._scaled_mm, against bf16 F.linear.
 
 Two steps, two machines:
-  python bench/fp8_device.py prepare .kcache/fp8_kernels    # here, CPU only: AOT-compile fp8_quant for sm90
-  python bench/fp8_device.py run .kcache/fp8_kernels        # on the GPU (no Triton): check, then time
+  python bench/fp8_device.py prepare .kcache/fp8_kernels    # here, CPU only: AOT-compile for sm90 (~2 min)
+  python bench/fp8_device.py run .kcache/fp8_kernels        # on the GPU (no Triton): check, then time (<60 s)
 
-The quant kernel is loaded from its cubin through engc._native, as the runtime does (runtime/gpu_ops.py).
-Shapes: the Llama-3-8B decoder projections (qkv, o, gate_up, down) at M in {1, 32, 64, 256, 4096} tokens.
+The kernels are loaded from their cubins through engc._native, and FP8Linear runs through runtime/gpu_ops.py's
+own binding (fused x quant for the smallest M class, fp8_quant + fp8_linear up to 256 rows, fp8_quant +
+_scaled_mm above). Shapes: the Llama-3-8B decoder projections (qkv, o, gate_up, down) at M in {1, 32, 64, 256}.
 Each timing is a CUDA graph of 20 calls cycling over enough weight copies that no call finds its weight
-in L2 (as in a decode step, where each layer's weights are read once), median of 5 replays.
+in L2 (as in a decode step, where each layer's weights are read once), median of 5 replays. At M=64 a
+sweep of fp8_linear configs (BLOCK_N, BLOCK_K, stages, target_programs) prints the best per projection.
 Writes fp8_kernels.json under --out ($OUT); prints a short table last.
 """
 from __future__ import annotations
@@ -25,48 +28,70 @@ sys.path.insert(0, str(ROOT))
 
 # Llama-3-8B: hidden 4096, inter 14336, 32 heads x 128, 8 KV heads
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-ROWS = (1, 32, 64, 256, 4096)
+ROWS = (1, 32, 64, 256)
 CALLS = 20
 
 
-def prepare(out: Path):
-    import torch
+# fp8_linear configs tried at M=64 (the m<=64 class): tag -> tune overrides
+SWEEP = {"n64k128s4": dict(BLOCK_N=64, BLOCK_K=128, num_stages=4),
+         "n64k256s4": dict(BLOCK_N=64, BLOCK_K=256, num_stages=4),
+         "n128k128s3": dict(BLOCK_N=128, BLOCK_K=128, num_stages=3),
+         "n128k128s6": dict(BLOCK_N=128, BLOCK_K=128, num_stages=6),
+         "n128k256s3": dict(BLOCK_N=128, BLOCK_K=256, num_stages=3),
+         "n128k128s4t264": dict(BLOCK_N=128, BLOCK_K=128, num_stages=4, target_programs=264)}
+
+
+def _llama8b():
     from engc.bundle.model_config import ModelConfig
-    from engc.compiler.codegen.record import compile_specs
-    from engc.compiler.codegen.specs import fp8_quant_specs
-    cfg = ModelConfig(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                      num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=5e5,
-                      max_position_embeddings=8192, tie_word_embeddings=False)
+    return ModelConfig(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                       num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=5e5,
+                       max_position_embeddings=8192, tie_word_embeddings=False)
+
+
+def prepare(out: Path):
+    import dataclasses
+    from engc.compiler.codegen.record import compile_specs, default_jobs
+    from engc.compiler.codegen.specs import fp8_linear_specs, fp8_quant_specs
+    cfg = _llama8b()
     t = time.time()
-    result = compile_specs(fp8_quant_specs(cfg, "bf16", "sm90"), jobs=1)
+    specs = fp8_quant_specs(cfg, "bf16", "sm90") + fp8_linear_specs(cfg, "bf16", "sm90")
+    for tag, ov in SWEEP.items():   # same kernel, other constants, variant '<plain m64 variant>@<tag>'
+        specs += [dataclasses.replace(s, variant=f"{s.variant}@{tag}")
+                  for s in fp8_linear_specs(cfg, "bf16", "sm90", {"m<=64": ov}, classes=("m<=64",))]
+    result = compile_specs(specs, jobs=default_jobs())
     for rel, data in result.files.items():
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_bytes(data)
     (out / "records.json").write_text(json.dumps(result.records, indent=1, sort_keys=True))
-    print(f"{len(result.records)} fp8_quant kernels for sm90 in {time.time() - t:.1f}s -> {out}")
-    del torch
+    print(f"{len(result.records)} fp8_quant/fp8_linear kernels for sm90 in {time.time() - t:.1f}s -> {out}")
 
 
 class Kernels:
-    """The fp8_quant cubins, loaded and launched the way runtime/gpu_ops.py's BundleKernels does."""
+    """The cubins, loaded and launched the way runtime/gpu_ops.py's BundleKernels does; sweep variants
+    ('...@tag') are kept out of consts, so the runtime binding sees the bundle's own table."""
 
     def __init__(self, folder: Path):
         from engc.runtime.cubin import load_kernel, signature_from_triton
-        self.kernels = {}
+        self.kernels, self.consts, self.all_consts = {}, {}, {}
         for r in json.loads((folder / "records.json").read_text()):
             sig = signature_from_triton([a["type"] for a in r["args"][:-2]])
-            self.kernels[r["variant"]] = load_kernel((folder / r["cubin"]).read_bytes(), r["entry"], sig,
-                                                     block_x=32 * r["num_warps"], shared_mem=r["shared_mem"],
-                                                     scratch_params=2)
+            self.kernels[(r["op"], r["variant"])] = load_kernel(
+                (folder / r["cubin"]).read_bytes(), r["entry"], sig, block_x=32 * r["num_warps"],
+                shared_mem=r["shared_mem"], scratch_params=2)
+            self.all_consts.setdefault(r["op"], {})[r["variant"]] = r.get("launch", {})
+            if "@" not in r["variant"]:
+                self.consts.setdefault(r["op"], {})[r["variant"]] = r.get("launch", {})
 
     def run(self, op, launches):
         from engc.runtime.cubin import current_stream
         for variant, grid, args in launches:
-            self.kernels[variant].launch(grid, [a.data_ptr() if hasattr(a, "data_ptr") else a for a in args[:-2]],
-                                         current_stream())
+            kernel = self.kernels[(op, variant)]
+            kernel.launch(grid, [a.data_ptr() if hasattr(a, "data_ptr") else a for a in args[:len(kernel.signature)]],
+                          current_stream())
 
 
 def fp8_linear(k: Kernels, x, w, w_scale, fast_accum=False):
+    """fp8_quant + _scaled_mm: the path before fp8_linear (and still the one above its M classes)."""
     import torch
     from engc.kernels import fp8_quant
     xq = torch.empty(x.shape, dtype=fp8_quant.FP8, device=x.device)
@@ -74,6 +99,16 @@ def fp8_linear(k: Kernels, x, w, w_scale, fast_accum=False):
     k.run("fp8_quant", fp8_quant.launch(x, xq, xs))
     return torch._scaled_mm(xq, w.t(), scale_a=xs[:, None], scale_b=w_scale[None, :], out_dtype=x.dtype,
                             use_fast_accum=fast_accum)
+
+
+def gemm_only(k: Kernels, variant, xq, xs, w, ws, counters):
+    """fp8_linear alone on already-quantized x: the weight-streaming rate of the kernel."""
+    import torch
+    from engc.kernels import fp8_linear as fp8_gemm
+    out = torch.empty(xq.shape[0], w.shape[0], dtype=torch.bfloat16, device=xq.device)
+    k.run("fp8_linear", fp8_gemm.launch(xq, xs, w, ws, None, out, variant, k.all_consts["fp8_linear"][variant],
+                                        counters))
+    return out
 
 
 def graph_time(fn, calls=CALLS, replays=5) -> float:
@@ -102,45 +137,63 @@ def graph_time(fn, calls=CALLS, replays=5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def check(k: Kernels) -> dict:
-    """The kernel bit for bit against quantize_rows; the fp8 GEMM against the op's fp32 reference."""
+def check(k: Kernels, op, counters) -> dict:
+    """The quant kernel bit for bit against quantize_rows on the CPU; FP8Linear through the runtime binding
+    (each path: fused quant, quant + fp8_linear, quant + _scaled_mm) and every fp8_linear variant against
+    the op's reference on the same codes, in fp32 on the GPU."""
     import torch
-    from engc.kernels.fp8_quant import fp8_linear as reference, quantize_rows
+    import torch.nn.functional as F
+    from engc.kernels import fp8_linear as fp8_gemm
+    from engc.kernels.fp8_quant import dequantize_rows, launch, quantize_rows
     g = torch.Generator(device="cuda").manual_seed(0)
     out = {}
     for name, (n, kdim) in PROJECTIONS.items():
-        x = torch.randn(67, kdim, device="cuda", generator=g).to(torch.bfloat16)
-        x[3] = 0
-        x[5] *= 1e3
         w = (torch.randn(n, kdim, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
         wq, ws = quantize_rows(w)
-        xq = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda")
-        xs = torch.empty(x.shape[0], device="cuda")
-        from engc.kernels.fp8_quant import launch
-        k.run("fp8_quant", launch(x, xq, xs))
-        rq, rs = quantize_rows(x)
-        y = fp8_linear(k, x, wq, ws).float()
-        ref = reference(x.float(), wq, ws)
-        bf16 = torch.nn.functional.linear(x, w).float()
-        out[name] = {"quant_codes_differing": int((xq.view(torch.uint8) != rq.view(torch.uint8)).sum()),
-                     "quant_scale_max_rel_diff": float(((xs - rs).abs() / rs).max()),
-                     "gemm_rel_err_vs_fp8_reference": float((y - ref).norm() / ref.norm()),
-                     "fp8_rel_err_vs_bf16_linear": float((y - bf16).norm() / bf16.norm())}
-        # output is bf16 (2^-9 relative rounding) and accumulation order differs: 1e-2 is generous
-        out[name]["ok"] = (out[name]["quant_codes_differing"] == 0 and out[name]["quant_scale_max_rel_diff"] < 1e-6
-                           and out[name]["gemm_rel_err_vs_fp8_reference"] < 1e-2)
+        w_ref = dequantize_rows(wq, ws)
+        for m in (3, 67, 300):   # fused-quant class, the m<=128 class, above every class (_scaled_mm)
+            x = torch.randn(m, kdim, device="cuda", generator=g).to(torch.bfloat16)
+            x[1] = 0
+            x[2] *= 1e3
+            xq = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda")
+            xs = torch.empty(m, device="cuda")
+            k.run("fp8_quant", launch(x, xq, xs))
+            rq, rs = (t.cuda() for t in quantize_rows(x.cpu()))
+            ref = dequantize_rows(rq, rs) @ w_ref.t()
+            rel = lambda y: float((y.float() - ref).norm() / ref.norm())  # noqa: E731
+            r = {"quant_codes_differing": int((xq.view(torch.uint8) != rq.view(torch.uint8)).sum()),
+                 "quant_scales_differing": int((xs != rs).sum()),
+                 "op_rel_err": rel(op(x, wq, ws)[0]),
+                 "fp8_vs_bf16_linear": float((ref - F.linear(x, w).float()).norm() / ref.norm())}
+            variants = [v for v, c in k.all_consts["fp8_linear"].items() if c["K"] == kdim and m <= c["max_m"]]
+            r["variants_rel_err"] = {v: rel(gemm_only(k, v, x if k.all_consts["fp8_linear"][v]["QUANT_X"] else xq,
+                                                     None if k.all_consts["fp8_linear"][v]["QUANT_X"] else xs,
+                                                     wq, ws, counters)) for v in variants}
+            # bf16 output (2^-9 relative rounding), accumulation order: 1e-2 is generous for the GEMMs; the
+            # e4m3 rounding of both operands puts fp8 at ~3.7% of bf16 F.linear (a sanity bound, not a check)
+            r["ok"] = (r["quant_codes_differing"] == 0 and r["quant_scales_differing"] == 0
+                       and r["op_rel_err"] < 1e-2 and all(e < 1e-2 for e in r["variants_rel_err"].values())
+                       and r["fp8_vs_bf16_linear"] < 0.06 and int(counters.abs().sum()) == 0)
+            out[f"{name}_m{m}"] = r
     return out
 
 
 def run(folder: Path, out_dir: Path):
     import torch
     import torch.nn.functional as F
+    from engc.bundle.program import ENGC_DOMAIN
+    from engc.kernels import fp8_linear as fp8_gemm
     from engc.kernels import fp8_quant
     from engc.kernels.fp8_quant import quantize_rows
+    from engc.runtime.gpu_ops import StepFacts, gpu_ops
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     k = Kernels(folder)
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "check": check(k), "timings": {}}
+    op = gpu_ops(k, StepFacts())[(ENGC_DOMAIN, "FP8Linear")]   # the runtime's FP8Linear binding
+    counters = torch.zeros(fp8_gemm.NUM_COUNTERS, dtype=torch.int32, device="cuda")
+    table = fp8_gemm.variant_table(k.consts["fp8_linear"])
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "check": check(k, op, counters),
+           "timings": {}, "sweep_m64": {}}
     print(json.dumps(res["check"]), flush=True)
     rows = []
     for name, (n, kdim) in PROJECTIONS.items():
@@ -151,16 +204,25 @@ def run(folder: Path, out_dir: Path):
             x = torch.randn(m, kdim, device="cuda").to(torch.bfloat16)
             xq = torch.empty(m, kdim, dtype=fp8_quant.FP8, device="cuda")
             xs = torch.empty(m, device="cuda")
-            r = {}
+            k.run("fp8_quant", fp8_quant.launch(x, xq, xs))
+            plain = fp8_gemm.pick(table, kdim, m, quant_x=False)
+            r = {"plain_variant": plain, "fused_variant": fp8_gemm.pick(table, kdim, m, quant_x=True)}
             try:
                 r["bf16_us"] = graph_time(lambda i: F.linear(x, w16[i % copies])) * 1e6
-                r["fp8_us"] = graph_time(lambda i: fp8_linear(k, x, *w8[i % copies])) * 1e6
-                r["fp8_fast_accum_us"] = graph_time(lambda i: fp8_linear(k, x, *w8[i % copies], True)) * 1e6
+                r["scaled_mm_us"] = graph_time(lambda i: fp8_linear(k, x, *w8[i % copies])) * 1e6
                 r["quant_only_us"] = graph_time(lambda i: k.run("fp8_quant", fp8_quant.launch(x, xq, xs))) * 1e6
-                r["speedup"] = r["bf16_us"] / r["fp8_us"]
-                r["fp8_weight_TBps"] = n * kdim / (r["fp8_us"] * 1e-6) / 1e12
-                r["fp8_TFLOPs"] = 2 * m * n * kdim / (r["fp8_us"] * 1e-6) / 1e12
-                r["bf16_TFLOPs"] = 2 * m * n * kdim / (r["bf16_us"] * 1e-6) / 1e12
+                r["op_us"] = graph_time(lambda i: op(x, *w8[i % copies])) * 1e6
+                r["gemm_us"] = graph_time(lambda i: gemm_only(k, plain, xq, xs, *w8[i % copies], counters)) * 1e6
+                r["quant_gemm_us"] = graph_time(lambda i: (k.run("fp8_quant", fp8_quant.launch(x, xq, xs)),
+                                                           gemm_only(k, plain, xq, xs, *w8[i % copies], counters)))
+                r["quant_gemm_us"] *= 1e6
+                r["speedup_vs_bf16"] = r["bf16_us"] / r["op_us"]
+                r["gemm_weight_TBps"] = n * kdim / (r["gemm_us"] * 1e-6) / 1e12
+                if m == 64:
+                    for v in (v for v in k.all_consts["fp8_linear"] if v.startswith(f"{plain}@")):
+                        res["sweep_m64"].setdefault(name, {})[v.split("@")[1]] = graph_time(
+                            lambda i: gemm_only(k, v, xq, xs, *w8[i % copies], counters)) * 1e6
+                    res["sweep_m64"][name]["(tune table)"] = r["gemm_us"]
             except Exception as e:  # report and go on
                 r["error"] = repr(e)[:300]
             res["timings"][f"{name}_m{m}"] = r
@@ -169,18 +231,23 @@ def run(folder: Path, out_dir: Path):
         torch.cuda.empty_cache()
     res["seconds"] = round(time.time() - t0, 1)
     (out_dir / "fp8_kernels.json").write_text(json.dumps(res, indent=1))
+    bad = [c for c, v in res["check"].items() if not v["ok"]]
     print(f"\n===== fp8 projections on {res['gpu']} (torch {res['torch']}), {res['seconds']} s =====")
-    print("check: " + ", ".join(f"{k_}: {'ok' if v['ok'] else 'FAIL'} (fp8 vs bf16 {v['fp8_rel_err_vs_bf16_linear']:.3f})"
-                                for k_, v in res["check"].items()))
-    print(f"{'proj':8} {'M':>5} {'bf16 us':>9} {'fp8 us':>9} {'fastacc':>9} {'quant us':>9} {'x':>6} "
-          f"{'fp8 TB/s':>8} {'fp8 TF':>7} {'bf16 TF':>7}")
+    print(f"check ({len(res['check'])} shape x M, every variant): " + ("ok" if not bad else f"FAIL {bad}"))
+    print("sweep at M=64, fp8_linear alone (us): " + "; ".join(
+        f"{p}: best {min(v, key=v.get)} {min(v.values()):.1f} (table {v['(tune table)']:.1f})"
+        for p, v in res["sweep_m64"].items()))
+    print("us per call. op: the runtime's FP8Linear (fused quant for m<=16, else fp8_quant + fp8_linear); "
+          "sm+q: fp8_quant + _scaled_mm;\nq+gemm: fp8_quant + fp8_linear; gemm: fp8_linear alone; x bf16: op vs bf16")
+    print(f"{'proj':8} {'M':>4} {'bf16':>7} {'sm+q':>7} {'op':>7} {'q+gemm':>7} {'gemm':>7} {'quant':>6} "
+          f"{'x bf16':>7} {'gemm TB/s':>9}")
     for name, m, r in rows:
         if "error" in r:
-            print(f"{name:8} {m:>5} error {r['error'][:80]}")
+            print(f"{name:8} {m:>4} error {r['error'][:80]}")
             continue
-        print(f"{name:8} {m:>5} {r['bf16_us']:9.1f} {r['fp8_us']:9.1f} {r['fp8_fast_accum_us']:9.1f} "
-              f"{r['quant_only_us']:9.1f} {r['speedup']:6.2f} {r['fp8_weight_TBps']:8.2f} {r['fp8_TFLOPs']:7.0f} "
-              f"{r['bf16_TFLOPs']:7.0f}")
+        print(f"{name:8} {m:>4} {r['bf16_us']:7.1f} {r['scaled_mm_us']:7.1f} {r['op_us']:7.1f} "
+              f"{r['quant_gemm_us']:7.1f} {r['gemm_us']:7.1f} "
+              f"{r['quant_only_us']:6.1f} {r['speedup_vs_bf16']:7.2f} {r['gemm_weight_TBps']:9.2f}")
 
 
 def main():

@@ -85,7 +85,7 @@ def make_engine(model, batch: int, prompt_len: int, steps: int, stops: tuple[str
     text_ids = model.tokenizer.encode(text, add_special_tokens=False)
     fake = FakeModel(model.config.vocab_size, text_ids, cuda_graphs.BUCKETS[-1])
     ex = GraphedExecutor(fake, StepFacts(), -(-engine.max_context // bs), batch, "cpu", True)
-    ex.graphs = {b: (fake, fake) for b in ex.buckets}
+    ex.graphs = {(b, c): (fake, fake) for b in ex.buckets for c in ex._ctx_buckets(b)}
     engine.executor = ex
     params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True, stop=stops)
     for i in range(batch):

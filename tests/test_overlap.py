@@ -68,9 +68,9 @@ def cpu_graphed(engine):
     ex = GraphedExecutor(engine.executor, StepFacts(), -(-engine.max_context // engine.model.block_size),
                          engine.config.max_num_seqs, "cpu", True)
 
-    def capture(b, kv_caches):
-        graph = ReplayOnCpu(ex.executor, ex.staged.bucket_inputs(b), kv_caches)
-        ex.graphs[b] = (graph, graph.out)
+    def capture(key, kv_caches):
+        graph = ReplayOnCpu(ex.executor, ex.staged.bucket_inputs(key[0]), kv_caches)
+        ex.graphs[key] = (graph, graph.out)
     ex._capture = capture
     engine.executor = ex
 

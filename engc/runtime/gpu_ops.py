@@ -17,6 +17,7 @@ from engc.bundle.program import ENGC_DOMAIN
 from engc.bundle.reader import Bundle
 from engc.errors import BundleError
 from engc.kernels import fp8_quant, gemv, paged_attention, qk_norm, rms_norm, rotary, silu_mul
+from engc.kernels import fp8_linear as fp8_gemm
 from engc.kernels import int4_linear
 from engc.runtime.cubin import Kernel, current_stream, load_kernel, require_cuda, signature_from_triton
 from engc.runtime.ops_reference import REFERENCE_OPS
@@ -162,15 +163,35 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
     def gather(data, indices, axis=0):
         return (F.embedding(indices, data) if axis == 0 else torch.index_select(data, axis, indices),)
 
+    # FP8Linear: the bundle's W8A8 GEMM (kernels/fp8_linear) for decode/small-prefill rows, quantizing x
+    # itself for a few rows or taking it from the fp8_quant kernel; above its M classes, fp8_quant then
+    # cuBLASLt FP8 with row-wise scales (weight [N, K] row-major: weight.t() is the column-major operand).
+    fp8_consts = k.consts.get("fp8_linear", {})
+    fp8_table = fp8_gemm.variant_table(fp8_consts)
+    # split-K counters, made before any capture (graphs replay on these zeros); the CPU serves tests
+    fp8_counters = (torch.zeros(fp8_gemm.NUM_COUNTERS, dtype=torch.int32,
+                                device="cuda" if torch.cuda.is_available() else "cpu") if fp8_table else None)
+
     def fp8_linear(x, weight, weight_scale, bias=None, has_bias=0):
-        # Per-token scales from the bundle's kernel, then cuBLASLt/CUTLASS FP8 with row-wise scales:
-        # weight [N, K] row-major, so weight.t() is the column-major second operand _scaled_mm wants.
-        rows = x.shape[0]
+        rows, kdim = x.shape
+        bias = bias if has_bias else None
         if rows == 0:
             return (x.new_empty(0, weight.shape[0]),)
+        fused = fp8_gemm.pick(fp8_table, kdim, rows, quant_x=True)
+        if fused and x.is_contiguous():
+            out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+            k.run("fp8_linear", fp8_gemm.launch(x, None, weight, weight_scale, bias, out, fused,
+                                                fp8_consts[fused], fp8_counters))
+            return (out,)
         xq = torch.empty(x.shape, dtype=fp8_quant.FP8, device=x.device)
         x_scale = torch.empty(rows, dtype=torch.float32, device=x.device)
         k.run("fp8_quant", fp8_quant.launch(x, xq, x_scale))
+        plain = fp8_gemm.pick(fp8_table, kdim, rows, quant_x=False)
+        if plain:
+            out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+            k.run("fp8_linear", fp8_gemm.launch(xq, x_scale, weight, weight_scale, bias, out, plain,
+                                                fp8_consts[plain], fp8_counters))
+            return (out,)
         y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],
                              out_dtype=x.dtype)
         return (y + bias if has_bias else y,)

@@ -176,6 +176,32 @@ def fp8_quant_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
     return specs
 
 
+def fp8_linear_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, classes=None):
+    """W8A8 GEMM for decode/small-prefill rows per projection input width K (hidden: qkv, gate_up;
+    q_size: o; intermediate: down) and M class of the tune table (FP8_LINEAR_M_CLASSES), taking float8 x
+    from fp8_quant; plus a variant that quantizes x itself where the class's entry says fuse_quant.
+    overrides: M class -> tune overrides; classes: the M classes to build (default: all)."""
+    from engc.kernels.fp8_linear import variant_name
+    if arch not in FP8_ARCHS:
+        raise UserError(f"--quant fp8 needs FP8 tensor cores (sm89 or newer); {arch} has none")
+    specs = []
+    for k in sorted({cfg.hidden_size, cfg.q_size, cfg.intermediate_size}):
+        for bucket in classes or tune.FP8_LINEAR_M_CLASSES:
+            ov = (overrides or {}).get(bucket)
+            _, entry = tune.lookup(arch, "fp8_linear", "*", bucket, ov)
+            for quant_x in (False, True) if entry.get("fuse_quant") else (False,):
+                types = {"x_ptr": f"*{t}" if quant_x else "*fp8e4nv", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+                         "w_scale_ptr": "*fp32", "bias_ptr": f"*{t}", "out_ptr": f"*{t}", "partial_ptr": "*fp32",
+                         "counter_ptr": "*i32", "M": "i32", "N": "i32", "k_tiles_per_split": "i32",
+                         "splits": "i32", "has_bias": "i32"}
+                consts = {"K": k, "QUANT_X": quant_x, "FP8_MAX": FP8_MAX, "MIN_AMAX": MIN_AMAX}
+                specs.append(_spec("fp8_linear", variant_name(k, entry["max_m"], quant_x), arch,
+                                   "fp8_linear_kernel", types, consts, bucket, overrides=ov,
+                                   launch_keys=("K", "QUANT_X", "max_m", "BLOCK_N", "BLOCK_K", "target_programs",
+                                                "max_splits", "min_split_k_tiles")))
+    return specs
+
+
 def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, classes=None):
     """Decode GEMV per input width K (hidden: qkv, gate_up, lm_head; q_size: o; SiLU-fused intermediate:
     down) and per M class of the tune table. N is a run-time argument, so one kernel serves every
@@ -253,7 +279,8 @@ def argmax_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
 def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int, overrides=None,
                 quant: str = "none", kv_cache: str = "auto", int4_group_sizes=()) -> list:
     """Every kernel the model needs on one arch. overrides: op -> tune overrides (bench sweeps).
-    quant: the build's --quant ('none' for float or int4-from-checkpoint; 'fp8' adds fp8_quant).
+    quant: the build's --quant ('none' for float or int4-from-checkpoint; 'fp8' adds fp8_quant and
+    fp8_linear).
     kv_cache: the build's --kv-cache ('auto': the model dtype; 'int8'/'fp8': rotary and paged attention
     specialized on that quantized cache). int4_group_sizes: group sizes of the program's int4 QLinears."""
     if arch not in tune.ARCHS:
@@ -279,5 +306,6 @@ def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int
     specs += gemv_specs(cfg, t, arch, ov.get("gemv"))
     if quant == "fp8":
         specs += fp8_quant_specs(cfg, t, arch, ov.get("fp8_quant"))
+        specs += fp8_linear_specs(cfg, t, arch, ov.get("fp8_linear"))
     specs += int4_linear_specs(t, arch, int4_group_sizes, ov.get("int4_linear"))
     return specs

@@ -77,6 +77,27 @@ for _arch in ("sm80", "sm90"):
     _put(_arch, "gemv", "cuda", "m<=8", max_m=8, plain=False, silu=False, max_n=0, num_warps=4, TILES=2,
          UNROLL=4, min_blocks=4, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
 
+# fp8_linear (W8A8 GEMM, kernels/fp8_linear) for --quant fp8 bundles, one entry per M class; prefill above
+# the last class stays with fp8_quant + torch._scaled_mm. Not yet measured: bench/fp8_device.py times these
+# against _scaled_mm and sweeps BLOCK_N/BLOCK_K/stages/target_programs at M=64. Chosen for bandwidth: W
+# tiles of 16 KB over 4-5 stages, shared memory for 2 programs per SM, at least one program per SM (split-K
+# where N / BLOCK_N is short; the grid then fits in one wave), the token dim (BLOCK_M >= 16, the narrow
+# side of the swapped wgmma) padded to the class. fuse_quant: also build the variant that quantizes x
+# itself, used for M in this class: every program then reads all of x [M, K] bf16 once more from L2,
+# cheap only for a few rows (kernels/fp8_linear/triton.py).
+FP8_LINEAR_M_CLASSES = ("m<=16", "m<=32", "m<=64", "m<=128", "m<=256")
+_fp8_split = dict(target_programs=_SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
+_put("sm90", "fp8_linear", "*", "m<=16", max_m=16, fuse_quant=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
+     num_warps=4, num_stages=4, **_fp8_split)
+_put("sm90", "fp8_linear", "*", "m<=32", max_m=32, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4,
+     num_stages=5, **_fp8_split)
+_put("sm90", "fp8_linear", "*", "m<=64", max_m=64, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4,
+     num_stages=4, **_fp8_split)
+_put("sm90", "fp8_linear", "*", "m<=128", max_m=128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8,
+     num_stages=4, **_fp8_split)
+_put("sm90", "fp8_linear", "*", "m<=256", max_m=256, BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, num_warps=8,
+     num_stages=3, **_fp8_split)
+
 # int4_linear (W4A16), not yet measured on a device: bench/int4_device.py sweeps these. The GEMV's tile
 # shrinks in R as BLOCK_M grows, so partial sums for all rows stay in registers; splits over K aim at a
 # few programs per SM.

@@ -1,0 +1,67 @@
+"""FP8Linear's GEMM for decode and small-prefill batches (M <= 256): a Triton W8A8 kernel (triton.py).
+
+ONNX: ai.engc::FP8Linear(x, weight, weight_scale[, bias]) -> y; the op, its scales and its reference
+(`fp8_linear`, re-exported here) are kernels/fp8_quant's. torch._scaled_mm (cuBLASLt) reads the float8
+weight at only ~1.5 TB/s at decode batch sizes on the H200 and needs a separate activation-quant launch;
+this kernel streams the weight through wgmma with split-K and, for a few rows, quantizes x itself.
+
+A bundle holds one kernel per (K, M class, QUANT_X): variant `[q_]k{K}_m{max_m}` (q_: x is bf16 and the
+kernel quantizes it; else x is float8 from the fp8_quant kernel, with its per-token scales). Each has
+launch constants (its record's `launch`): K, QUANT_X, max_m, BLOCK_N, BLOCK_K and the split rule's
+target_programs, max_splits, min_split_k_tiles. The runtime picks a fused variant for the smallest M
+class holding M if there is one, else the fp8_quant kernel + a plain variant, else (M above every
+class: prefill) fp8_quant + _scaled_mm, where cuBLASLt's big tiles win.
+"""
+from __future__ import annotations
+
+import torch
+
+from engc.kernels.fp8_quant import fp8_linear  # noqa: F401  (the op's reference)
+from engc.kernels.gemv import split_count
+
+# Split-K arrival counters the runtime keeps zeroed: one per N tile of a launch.
+NUM_COUNTERS = 1 << 16
+
+
+def variant_name(k: int, max_m: int, quant_x: bool) -> str:
+    return f"{'q_' if quant_x else ''}k{k}_m{max_m}"
+
+
+def variant_table(consts: dict) -> dict:
+    """(K, quant_x) -> [(max_m, variant)] ascending, from the op's launch constants (variant -> record launch)."""
+    table: dict = {}
+    for variant, c in consts.items():
+        table.setdefault((c["K"], bool(c["QUANT_X"])), []).append((c["max_m"], variant))
+    return {key: sorted(v) for key, v in table.items()}
+
+
+def pick(table: dict, k: int, m: int, quant_x: bool) -> str | None:
+    """The variant for M rows of a K-wide input (x bf16 when quant_x, else float8), or None."""
+    return next((v for max_m, v in table.get((k, quant_x), ()) if 1 <= m <= max_m), None)
+
+
+def launch(x, x_scale, w, w_scale, bias, out, variant: str, consts: dict, counters):
+    """Launch rule of fp8_linear_kernel: [(variant, grid, args)].
+
+    x contiguous [M, K]: bf16/fp16 for a QUANT_X variant (x_scale None), else float8_e4m3fn with x_scale
+    float32 [M]; w float8_e4m3fn [N, K] contiguous, w_scale float32 [N], bias [N] or None, out [M, N];
+    consts: the variant's record launch; counters: NUM_COUNTERS int32, zero, owned by the caller (split
+    launches leave them zero). The fp32 split partials come from torch's allocator (inside a CUDA graph,
+    its pool). args: x, x_scale, w, w_scale, bias, out, partial, counter, M, N, k_tiles_per_split, splits,
+    has_bias, global/profile scratch.
+    """
+    m, (n, k) = x.shape[0], w.shape
+    assert k == consts["K"] and x.shape[1] == k and m <= consts["max_m"] and out.shape == (m, n)
+    assert (x_scale is None) == bool(consts["QUANT_X"])
+    assert x.is_contiguous() and w.is_contiguous() and out.is_contiguous()
+    if m == 0:
+        return []
+    n_tiles = -(-n // consts["BLOCK_N"])
+    k_tiles = -(-k // consts["BLOCK_K"])
+    splits, per = split_count(n_tiles, k_tiles, consts)
+    if splits > 1 and n_tiles > counters.numel():
+        splits, per = 1, k_tiles
+    partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else 0
+    return [(variant, (n_tiles, splits, 1),
+             [x, 0 if x_scale is None else x_scale, w, w_scale, 0 if bias is None else bias, out, partial,
+              counters if splits > 1 else 0, m, n, per, splits, int(bias is not None), 0, 0])]

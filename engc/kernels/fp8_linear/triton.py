@@ -1,0 +1,101 @@
+"""W8A8 FP8 GEMM for decode and small prefill batches: y[M, N] = (xq[M, K] @ wq[N, K]^T) * x_scale[m] * w_scale[n].
+
+At M <= 256 the GEMM is bound by reading the float8 weight once from DRAM, so the kernel is shaped for
+that (cuBLASLt's _scaled_mm reached ~1.5 TB/s there on the H200):
+- swap AB: the weight tile [BLOCK_N, BLOCK_K] is the MMA's A operand, so N fills the 64-row wgmma
+  instruction and the few tokens M are its narrow N side (16..256); on sm90 tl.dot on float8e4nv
+  operands becomes wgmma ...e4m3.e4m3 with an fp32 accumulator. Both operands are K-contiguous in memory,
+  which is the only fp8 wgmma layout.
+- split-K when N / BLOCK_N alone gives too few programs for the SMs; the splits are reduced in the same
+  launch by the last program to arrive (as kernels/gemv does): fp32 partials, a per-N-tile counter left
+  at zero for the next launch, the sum taken in split order, so results do not depend on timing.
+- W tiles are plain 16-byte-vector loads of K-contiguous rows; Triton pipelines them through shared
+  memory over num_stages (cp.async).
+
+QUANT_X: x is the bf16/fp16 activation and each program quantizes it itself (no separate quant launch):
+a first pass over x takes each row's absmax, then every K tile is scaled and rounded to e4m3 on the way
+into the MMA, with the arithmetic of kernels/fp8_quant (correctly rounded divisions, clamp, RNE cast), so
+the codes are the reference's bit for bit. The price is that every program reads all of x [M, K] from L2
+once more: cheap for a few rows, not at M=64 (each program would read 512 KB for K=4096), so the launch
+rule uses it up to `fuse_quant_max_m` rows only. Otherwise x is already float8 with its x_scale.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_scales(x_ptr, rows, row_mask, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """Per-token scale of x's rows: absmax / 448, as kernels/fp8_quant computes it."""
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for t in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * K + offs_k[None, :], mask=row_mask[:, None] & (offs_k < K)[None, :],
+                    other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    return tl.math.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX)
+
+
+@triton.jit
+def _store_tile(acc, w_scale_ptr, x_scale, bias_ptr, out_ptr, offs_n, rows, row_mask, N, has_bias):
+    """acc [BLOCK_N, BLOCK_M] (transposed: swap AB) -> out[m, n] in the output dtype, scaled, bias added in
+    the output dtype afterwards (as _scaled_mm(...) + bias rounds)."""
+    n_mask = offs_n < N
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
+    y = (acc * w_scale[:, None] * x_scale[None, :]).to(out_ptr.dtype.element_ty)
+    if has_bias:
+        b = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0)
+        y = (y.to(tl.float32) + b.to(tl.float32)[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[None, :] * N + offs_n[:, None], y, mask=n_mask[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def fp8_linear_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+                      M, N, k_tiles_per_split, splits, has_bias,
+                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past N read row N-1 again (stores are masked): W loads need no mask along N and stay wide.
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    x_rows = x_ptr + rows[:, None] * K
+    if QUANT_X:
+        x_scale = _row_scales(x_ptr, rows, row_mask, K, BLOCK_M, BLOCK_K, FP8_MAX, MIN_AMAX)
+    else:
+        x_scale = tl.load(x_scale_ptr + rows, mask=row_mask, other=0.0)
+
+    k_tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    t_begin = pid_k * k_tiles_per_split
+    t_end = tl.minimum(t_begin + k_tiles_per_split, k_tiles)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for t in range(t_begin, t_end):
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        if K % BLOCK_K == 0:
+            w = tl.load(w_rows + offs_k[None, :])
+        else:
+            w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        x = tl.load(x_rows + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        if QUANT_X:
+            x = tl.clamp(tl.math.div_rn(x.to(tl.float32), x_scale[:, None]), -FP8_MAX, FP8_MAX)
+            x = x.to(w.dtype)
+        acc = tl.dot(w, tl.trans(x), acc)
+
+    if splits == 1:
+        _store_tile(acc, w_scale_ptr, x_scale, bias_ptr, out_ptr, offs_n, rows, row_mask, N, has_bias)
+    else:
+        part_offs = rows[None, :] * N + offs_n[:, None]
+        part_mask = row_mask[None, :] & (offs_n < N)[:, None]
+        tl.store(partial_ptr + pid_k * M * N + part_offs, acc, mask=part_mask)
+        tl.debug_barrier()  # every thread's partial is stored before this program counts as arrived
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(0, splits):
+                total += tl.load(partial_ptr + s * M * N + part_offs, mask=part_mask, other=0.0,
+                                 cache_modifier=".cg")
+            _store_tile(total, w_scale_ptr, x_scale, bias_ptr, out_ptr, offs_n, rows, row_mask, N, has_bias)
+            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
