@@ -143,7 +143,6 @@ def check(k: Kernels, op, counters) -> dict:
     the op's reference on the same codes, in fp32 on the GPU."""
     import torch
     import torch.nn.functional as F
-    from engc.kernels import fp8_linear as fp8_gemm
     from engc.kernels.fp8_quant import dequantize_rows, launch, quantize_rows
     g = torch.Generator(device="cuda").manual_seed(0)
     out = {}
