@@ -85,13 +85,18 @@ for _arch in ("sm80", "sm90"):
 # side of the swapped wgmma) padded to the class. fuse_quant: also build the variant that quantizes x
 # itself, used for M in this class: every program then reads all of x [M, K] bf16 once more from L2,
 # cheap only for a few rows (kernels/fp8_linear/triton.py).
-FP8_LINEAR_M_CLASSES = ("m<=16", "m<=32", "m<=64", "m<=128", "m<=256")
+# Measured on the H200 (bench/fp8_device.py, 2026-11-30; bench/results/h200_fp8_kernels_v2.txt): quantizing
+# x inside the GEMM (fuse_quant) was 3-5x slower than fp8_quant + this GEMM even at M=1, so it is off; at M=1
+# fp8_quant + GEMM beat bf16 on every 8B projection (qkv 12.3 vs 15.3 us, down 22.8 vs 31.6); at M=64 the
+# sweep's best tile was BLOCK_N 64 x BLOCK_K 128 over 4 stages (qkv 15.4, o 16.8, gate_up 35.2, down 27.8 us);
+# at M=256 this GEMM lost badly to _scaled_mm (qkv 103 vs 17 us), so rows above 64 take fp8_quant + _scaled_mm.
+FP8_LINEAR_M_CLASSES = ("m<=16", "m<=64")
 _fp8_split = dict(target_programs=_SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
-_put("sm90", "fp8_linear", "*", "m<=16", max_m=16, fuse_quant=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
+_put("sm90", "fp8_linear", "*", "m<=16", max_m=16, fuse_quant=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
      num_warps=4, num_stages=4, **_fp8_split)
-_put("sm90", "fp8_linear", "*", "m<=32", max_m=32, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4,
-     num_stages=5, **_fp8_split)
-_put("sm90", "fp8_linear", "*", "m<=64", max_m=64, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4,
+_put("sm90", "fp8_linear", "*", "m<=32", max_m=32, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4,
+     num_stages=4, **_fp8_split)
+_put("sm90", "fp8_linear", "*", "m<=64", max_m=64, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4,
      num_stages=4, **_fp8_split)
 _put("sm90", "fp8_linear", "*", "m<=128", max_m=128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8,
      num_stages=4, **_fp8_split)

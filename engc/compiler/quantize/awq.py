@@ -85,27 +85,30 @@ def _scale(layer: DecoderLayer, prev: str, names: list[str], inp: torch.Tensor, 
 
 
 def clip_weight(weight: torch.Tensor, inp: torch.Tensor, group_size: int, grid: int) -> torch.Tensor:
+    """Per (output channel, group): the clip max|w|*(1 - i/grid) whose fake-quantized weight changes
+    the projection's output least on the sampled tokens. The output error of a group is x_g @ (q_g - w_g),
+    so each candidate is one batched matmul over the groups ([G, T, g] @ [G, g, oc]), not a
+    broadcast product of tokens x channels x inputs."""
     x = pad_groups(inp.reshape(-1, inp.shape[-1]).float(), group_size)  # zero inputs add nothing
     x = x[torch.linspace(0, x.shape[0] - 1, min(CLIP_TOKENS, x.shape[0])).long()]
     k_orig = weight.shape[1]
-    weight = pad_groups(weight, group_size)
-    out_ch, k = weight.shape
-    n_groups = k // group_size
-    xg = x.reshape(1, -1, n_groups, group_size)                     # [1, tokens, groups, g]
+    padded = pad_groups(weight.float(), group_size)
+    out_ch, k = padded.shape
+    n_groups, tokens = k // group_size, x.shape[0]
+    xg = x.reshape(tokens, n_groups, group_size).transpose(0, 1)      # [G, T, g]
     clipped = []
-    chunk = max(1, CLIP_ELEMENTS // (x.shape[0] * k))
-    for w in weight.float().split(chunk):
-        wg = w.reshape(w.shape[0], 1, n_groups, group_size)          # [oc, 1, groups, g]
-        org_max = wg.abs().amax(dim=-1, keepdim=True)
-        reference = (xg * wg).sum(-1)                               # [oc, tokens, groups]
-        best_err = torch.full(org_max.shape, float("inf"))
+    chunk = max(1, CLIP_ELEMENTS // (tokens * n_groups))
+    for w in padded.split(chunk):
+        wg = w.reshape(w.shape[0], n_groups, group_size)              # [oc, G, g]
+        org_max = wg.abs().amax(dim=-1, keepdim=True)                 # [oc, G, 1]
+        best_err = torch.full((w.shape[0], n_groups), float("inf"))
         best_max = org_max.clone()
         for i in range(int(CLIP_MAX_SHRINK * grid)):
             max_val = org_max * (1 - i / grid)
-            q = fake_quantize(torch.clamp(wg, -max_val, max_val), group_size)
-            err = ((xg * q).sum(-1) - reference).pow(2).mean(dim=1, keepdim=True).unsqueeze(-1)
+            dq = fake_quantize(torch.clamp(wg, -max_val, max_val), group_size) - wg
+            err = torch.bmm(xg, dq.permute(1, 2, 0)).pow_(2).mean(dim=1).T  # [oc, G]
             better = err < best_err
             best_err = torch.where(better, err, best_err)
-            best_max = torch.where(better, max_val, best_max)
+            best_max = torch.where(better[..., None], max_val, best_max)
         clipped.append(torch.clamp(wg, -best_max, best_max).reshape(w.shape))
     return torch.cat(clipped)[:, :k_orig].to(weight.dtype)

@@ -39,9 +39,16 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, damp:
     H[dead, dead] = 1
     W[:, dead] = 0
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k)
-    W, H = W[:, perm], H[perm][:, perm]
-    H += torch.eye(k) * (damp * torch.mean(torch.diag(H)))
-    Hinv = _inverse_cholesky_upper(H)
+    if act_order:
+        W, H = W[:, perm], H[perm][:, perm]
+    H.diagonal().add_(damp * torch.mean(torch.diag(H)))
+    # H^-1's upper Cholesky factor, never more than two K x K matrices alive besides the caller's H:
+    # for a down_proj of width 8192 each is 256 MB, more than the rest of the layer's working set
+    L = torch.linalg.cholesky(H)
+    del H
+    Hinv = torch.cholesky_inverse(L)
+    del L
+    Hinv = torch.linalg.cholesky(Hinv, upper=True)
 
     Q = torch.zeros_like(W)
     n_groups = -(-k // group_size)  # a ragged last group is allowed
@@ -62,15 +69,10 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, damp:
             q = quantize_with(w_col, scale, zero)
             Q[:, col] = q
             err = (w_col - (q - zero) * scale) / Hinv1[i, i]
-            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+            W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1)  # in place: no [out, BLOCK] temporary a column
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
 
     inverse = torch.argsort(perm)
     g_idx = (inverse // group_size).to(torch.int32)  # group of each original input channel
     return QuantizedWeight(Q[:, inverse].to(torch.uint8), scales, zeros.to(torch.uint8), g_idx, group_size)
-
-
-def _inverse_cholesky_upper(H: torch.Tensor) -> torch.Tensor:
-    L = torch.linalg.cholesky(H)
-    return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)

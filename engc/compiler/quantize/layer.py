@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from engc.bundle.model_config import ModelConfig
 from engc.kernels.rms_norm import rms_norm
 from engc.kernels.rotary import cos_sin, rotate
-from engc.kernels.silu_mul import silu_mul
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -21,6 +20,7 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 class DecoderLayer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor):
         self.cfg, self.w, self.inv_freq = cfg, weights, inv_freq
+        self._rotary: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
@@ -40,7 +40,7 @@ class DecoderLayer:
         if c.qk_norm:
             q = rms_norm(q, self.w["self_attn.q_norm.weight"], c.rms_norm_eps)
             k = rms_norm(k, self.w["self_attn.k_norm.weight"], c.rms_norm_eps)
-        cos, sin = cos_sin(torch.arange(t).repeat(b), self.inv_freq)
+        cos, sin = self.rotary(b, t)
         q = rotate(q, cos, sin).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
         k = rotate(k, cos, sin).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = v.transpose(1, 2)
@@ -54,6 +54,12 @@ class DecoderLayer:
                                            scale=c.head_dim ** -0.5)
         return o.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim)
 
+    def rotary(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of positions 0..t-1 for b sequences, made once per shape (searches re-run attention)."""
+        if (b, t) not in self._rotary:
+            self._rotary[(b, t)] = cos_sin(torch.arange(t).repeat(b), self.inv_freq)
+        return self._rotary[(b, t)]
+
     def attention(self, h: torch.Tensor) -> torch.Tensor:
         return self.linear(self.attn_context(h), "self_attn.o_proj")
 
@@ -61,7 +67,8 @@ class DecoderLayer:
         return rms_norm(x, self.w["post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
 
     def mlp_act(self, h: torch.Tensor) -> torch.Tensor:
-        return silu_mul(torch.cat([self.linear(h, "mlp.gate_proj"), self.linear(h, "mlp.up_proj")], -1))
+        # silu_mul's arithmetic on the two halves it would split, without concatenating them first
+        return F.silu(self.linear(h, "mlp.gate_proj")) * self.linear(h, "mlp.up_proj")
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.linear(self.mlp_act(h), "mlp.down_proj")

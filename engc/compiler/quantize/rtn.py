@@ -36,8 +36,8 @@ def pad_groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point of each row of w [..., n] from its min and max (the range includes 0)."""
-    lo = w.amin(dim=-1).clamp(max=0)
-    hi = w.amax(dim=-1).clamp(min=0)
+    lo, hi = torch.aminmax(w, dim=-1)
+    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
     scale = ((hi - lo) / MAXQ).clamp(min=1e-8)
     zero = torch.round(-lo / scale).clamp(0, MAXQ)
     return scale, zero
@@ -53,8 +53,10 @@ def fake_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:
     padded = pad_groups(w, group_size)
     g = padded.reshape(-1, group_size)
     scale, zero = params(g)
-    q = quantize_with(g, scale[:, None], zero[:, None])
-    return ((q - zero[:, None]) * scale[:, None]).reshape(padded.shape)[..., :k]
+    scale, zero = scale[:, None], zero[:, None]
+    # quantize_with then dequantize, in place: AWQ's searches call this ~200 times a layer
+    out = torch.div(g, scale).round_().add_(zero).clamp_(0, MAXQ).sub_(zero).mul_(scale)
+    return out.reshape(padded.shape)[..., :k]
 
 
 def quantize_rtn(w: torch.Tensor, group_size: int) -> QuantizedWeight:
