@@ -36,6 +36,7 @@ def read_quantized_folder(path: Path) -> Checkpoint:
         src = {k: ckpt.loaders.get(f"{p}.{k}") for k in ("qweight", "qzeros", "scales", "g_idx")}
         if not all(src[k] for k in ("qweight", "qzeros", "scales")):
             raise UserError(f"{ckpt.name}: {p} has qweight but lacks qzeros or scales")
+        src["scales"] = _checked_scales(src, qc, p, ckpt.name)
         loaders.update({f"{p}.{k}": f for k, f in _engc_loaders(src, qc).items()})
     ckpt.loaders = loaders
     return ckpt
@@ -64,6 +65,26 @@ def describe(qc: dict) -> dict:
     return {"method": (qc.get("meta") or {}).get("method", qc["quant_method"]), "bits": 4,
             "group_size": int(qc.get("group_size", 128)), "source_format": qc["quant_method"],
             "act_order": bool(qc.get("desc_act", False)), "layout": "engc-int4"}
+
+
+def _checked_scales(src: dict, qc: dict, prefix: str, name: str):
+    """The scales loader, refusing scales whose rows are not one per group of the config's group size
+    (a wrong group_size in config.json would otherwise build a bundle that computes garbage)."""
+    read_scales = src["scales"]
+    def load():
+        scales = read_scales()
+        if qc["quant_method"] == "awq":
+            in_features = src["qweight"]().shape[0]  # AWQ packs along out: qweight [in, out / 8]
+        elif src["g_idx"] is not None:
+            in_features = src["g_idx"]().shape[0]
+        else:
+            in_features = src["qweight"]().shape[0] * 8
+        g = group_size(qc, in_features)
+        if scales.shape[0] != -(-in_features // g):
+            raise UserError(f"{name}: {prefix}.scales has {scales.shape[0]} rows but {in_features} inputs "
+                            f"in groups of {g} (group_size in quantization_config) need {-(-in_features // g)}")
+        return scales
+    return load
 
 
 def _engc_loaders(src: dict, qc: dict) -> dict:
