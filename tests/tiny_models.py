@@ -57,3 +57,45 @@ def make_tiny(family: str, folder: Path, seed: int = 0, dtype=torch.float32, **o
                 p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def write_random_llama(folder: Path, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                       head_dim: int, vocab: int, dtype=torch.bfloat16, seed: int = 0) -> dict:
+    """A random Llama checkpoint of any size, written one shard per layer (plus one for the tied
+    embedding and final norm), so making it never holds more than a layer or the embedding.
+    Returns the bytes of the largest layer, of the embedding and of the whole model."""
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder)  # config.vocab_size may exceed the tokenizer's: calibration ids stay in range
+    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=vocab,
+                  hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=500000.0,
+                  tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, torch_dtype=str(dtype)[6:])
+    (folder / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import save_file
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std=0.02):
+        return (torch.randn(*shape, generator=gen) * std).to(dtype)
+
+    shards = layers + 1
+    embed = {"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": torch.ones(hidden, dtype=dtype)}
+    save_file(embed, str(folder / f"model-{shards:05d}-of-{shards:05d}.safetensors"))
+    sizes = {"embedding_bytes": embed["model.embed_tokens.weight"].nbytes, "layer_bytes": 0}
+    total = sum(t.nbytes for t in embed.values())
+    del embed
+    q, kv = heads * head_dim, kv_heads * head_dim
+    shapes = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
+              "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (intermediate, hidden),
+              "mlp.up_proj": (intermediate, hidden), "mlp.down_proj": (hidden, intermediate)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors = {p + name + ".weight": rand(*shape) for name, shape in shapes.items()}
+        tensors[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=dtype)
+        tensors[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=dtype)
+        nbytes = sum(t.nbytes for t in tensors.values())
+        sizes["layer_bytes"] = max(sizes["layer_bytes"], nbytes)
+        total += nbytes
+        save_file(tensors, str(folder / f"model-{i + 1:05d}-of-{shards:05d}.safetensors"))
+    sizes["model_bytes"] = total
+    return sizes

@@ -42,6 +42,7 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
     progress = progress or Progress(enabled=False)
     opts.validate()
     started, start_rss = time.monotonic(), current_rss_mb()
+    refuse_quantized_config(Path(src) / "config.json")  # before read_source, which may not read its method
     ckpt = read_source(src)
     refuse_quantized(ckpt)
     cfg = resolve_config(ckpt.hf_config)
@@ -52,11 +53,12 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
             ids = calibration_samples(ckpt.tokenizer_files["tokenizer.json"], opts.calib,
                                       opts.calib_samples, opts.calib_seqlen)
         embed = ckpt.get("model.embed_tokens.weight")
-        x = embed.float()[ids]
+        x = embed[ids].float()  # rows first: a float32 copy of a 128k-vocab embedding is 4 layers' worth
         del embed
     rope = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     out = Path(out).resolve()
-    shards = cfg.num_layers + 1
+    rest_names = [n for n in ckpt.names() if not n.startswith("model.layers.")]
+    shards = cfg.num_layers + len(rest_names)
     index, layer_bytes = {}, 0
     with atomic_folder(out) as tmp:
         bar = progress.bar(f"quantize {opts.method} g{opts.group_size}", total=cfg.num_layers)
@@ -71,11 +73,12 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
             bar.advance()
         bar.close()
         del x
-        shard = f"model-{shards:05d}-of-{shards:05d}.safetensors"
-        rest = {n: ckpt.get(n).contiguous() for n in ckpt.names() if not n.startswith("model.layers.")}
-        save_file(rest, str(tmp / shard), metadata={"format": "pt"})
-        index.update({name: shard for name in rest})
-        del rest
+        # embedding, lm_head, final norm: one shard each, so at most one of them is in memory
+        for j, name in enumerate(rest_names, cfg.num_layers + 1):
+            shard = f"model-{j:05d}-of-{shards:05d}.safetensors"
+            save_file({name: ckpt.get(name).contiguous()}, str(tmp / shard), metadata={"format": "pt"})
+            index[name] = shard
+            release_freed_memory()
         write_metadata(tmp, ckpt, opts, index)
     return {"out": str(out), "model": ckpt.name, "method": opts.method, "bits": opts.bits,
             "group_size": opts.group_size, "format": opts.format, "layers": cfg.num_layers,
@@ -85,37 +88,47 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
 
 def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions):
     prefix = f"model.layers.{i}."
-    names = [n for n in ckpt.names() if n.startswith(prefix)]
-    originals = {n[len(prefix):]: ckpt.get(n) for n in names}
-    nbytes = sum(t.numel() * 4 for t in originals.values())
-    layer = DecoderLayer(cfg, {k: v.float() for k, v in originals.items()}, rope)
+    dtypes, weights = {}, {}
+    for n in ckpt.names():  # one source tensor at a time, kept only as float32
+        if n.startswith(prefix):
+            t = ckpt.get(n)
+            dtypes[n[len(prefix):]], weights[n[len(prefix):]] = t.dtype, t.float()
+            del t
+    nbytes = sum(t.numel() * 4 for t in weights.values())
+    layer = DecoderLayer(cfg, weights, rope)
     missing = [n for n in LINEARS if n + ".weight" not in layer.w]
     if missing:
         raise UserError(f"checkpoint {ckpt.name} is missing tensor '{prefix}{missing[0]}.weight'")
+    pack = to_awq if opts.format == "awq" else to_gptq
+    tensors = {}
     with torch.no_grad():
         if opts.method == "gptq":
-            quantized = gptq_layer(layer, x, opts)
+            packed = gptq_layer(layer, x, opts, pack)
         else:
             if opts.method == "awq":
                 awq_layer(layer, x, opts.group_size, opts.awq_grid)
-            quantized = {n: quantize_rtn(layer.w[n + ".weight"], opts.group_size) for n in LINEARS}
+            packed = {}
+            for n in LINEARS:  # packed as it goes: never all seven uint8 copies at once
+                qw = quantize_rtn(layer.w[n + ".weight"], opts.group_size)
+                packed[n] = pack(qw)
+                if x is None:  # no calibration (RTN): the float weight is done with
+                    del layer.w[n + ".weight"]
+                else:
+                    layer.w[n + ".weight"] = qw.dequantize()
+                del qw
         if x is not None:
-            for n, qw in quantized.items():
-                layer.w[n + ".weight"] = qw.dequantize()
             x = batched(layer.forward, x)
-    pack = to_awq if opts.format == "awq" else to_gptq
-    tensors = {}
     for key, t in layer.w.items():  # norms and biases, AWQ's folded scales included
         if key.rsplit(".", 1)[0] not in LINEARS or key.endswith(".bias"):
-            tensors[prefix + key] = t.to(originals[key].dtype).contiguous()
-    for n, qw in quantized.items():
-        for key, t in pack(qw).items():
+            tensors[prefix + key] = t.to(dtypes[key]).contiguous()
+    for n, parts in packed.items():
+        for key, t in parts.items():
             tensors[f"{prefix}{n}.{key}"] = t
     return tensors, x, nbytes
 
 
-def gptq_layer(layer: DecoderLayer, x: torch.Tensor, opts: QuantOptions) -> dict:
-    quantized = {}
+def gptq_layer(layer: DecoderLayer, x: torch.Tensor, opts: QuantOptions, pack) -> dict:
+    packed = {}
     for names, input_of in GPTQ_STAGES:
         width = layer.w[names[0] + ".weight"].shape[1]
         hessian = Hessian(width)
@@ -123,9 +136,21 @@ def gptq_layer(layer: DecoderLayer, x: torch.Tensor, opts: QuantOptions) -> dict
             hessian.add(input_of(layer, x[rows:rows + 8]))
         for n in names:
             qw = gptq_quantize(layer.w[n + ".weight"], hessian.H, opts.group_size, opts.damp, opts.act_order)
-            quantized[n] = qw
+            packed[n] = pack(qw)
             layer.w[n + ".weight"] = qw.dequantize()  # later stages see this stage quantized
-    return quantized
+            del qw
+        del hessian
+    return packed
+
+
+def refuse_quantized_config(config: Path) -> None:
+    try:
+        qc = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return  # read_source reports a broken config.json
+    if qc:
+        method = qc.get("quant_method", "unknown method") if isinstance(qc, dict) else "unknown method"
+        raise UserError(f"{config.parent.name} is already quantized ({method}); quantize its float checkpoint instead")
 
 
 def refuse_quantized(ckpt: Checkpoint) -> None:
