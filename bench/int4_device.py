@@ -3,11 +3,14 @@
   python bench/int4_device.py prepare .aot_int4     # here, CPU only: sm90 cubins, default tune + a sweep
   python bench/int4_device.py run .aot_int4         # on the GPU box: cubins through the CUDA driver API
 
-Llama-3-8B projections (qkv, o, gate_up, down) at M in 1, 4, 8, 16, 64, 4096, group size 128. Each case is
-checked against the torch reference (dequantize, matmul in float32) before it is timed; times are medians
-of CUDA-graph replays over enough weight copies to miss L2. GB/s counts the int4 weights, scales, zeros,
-x and y once. The GEMV sweep varies tile shapes (compiled here) and target_programs (a launch constant,
-no compile); the best per shape is printed for tune.py. JSON and the log go to $OUT; a table prints last.
+Llama-3-8B projections (qkv, o, gate_up, down) at M in 1, 4, 8, 16, 64, 4096, group size 128. Every case is
+checked against the torch reference (dequantize, matmul in float32) before it is timed; the dequant kernel
+must match the reference's dequantize bit for bit. Times are medians of CUDA-graph replays over enough
+weight copies to miss L2. Per case: the launch rule's path ('int4': the GEMV up to gemv_max_rows, else
+dequant + cuBLAS), dequant + cuBLAS at every M (the crossover), the dequant kernel alone, bf16 F.linear.
+GB/s counts the int4 weights, scales, zeros, x and y once (the dequant alone: packed in + bf16 out).
+The sweep varies GEMV tiles at M=1 and 8 (compiled here) x target_programs, and the dequant tile.
+JSON and the log go to $OUT; the table prints last.
 """
 from __future__ import annotations
 
@@ -26,14 +29,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 GROUP = 128
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 ROWS = (1, 4, 8, 16, 64, 4096)
-GEMV_SWEEP = {"n16r64": dict(BLOCK_N=16, BLOCK_R=64), "n32r32": dict(BLOCK_N=32, BLOCK_R=32),
-              "n32r64s2": dict(BLOCK_N=32, BLOCK_R=64, num_stages=2), "n64r32": dict(BLOCK_N=64, BLOCK_R=32),
-              "n32r128w8": dict(BLOCK_N=32, BLOCK_R=128, num_warps=8)}
-GEMM_SWEEP = {"m64n128k64w4": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
-              "m128n256k64w8": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
-              "m128n128k128w8": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=2)}
-TARGETS = (132, 264, 528, 1056)
-SWEEP_ROWS = (1, 8)
+GEMV_SWEEP = {  # bucket -> name -> overrides
+    "gemv_m1": {"m1n8": dict(BLOCK_N=8), "m1n2": dict(BLOCK_N=2), "m1n4c64w2": dict(BLOCK_C=64, num_warps=2),
+                "m1n4c256w8": dict(BLOCK_C=256, num_warps=8), "m1n4c256w4": dict(BLOCK_C=256)},
+    "gemv_m8": {"m8n2": dict(BLOCK_N=2), "m8c64w2": dict(BLOCK_C=64, num_warps=2)},
+}
+DEQUANT_SWEEP = {"dq_n8": dict(BLOCK_N=8), "dq_n2c256w8": dict(BLOCK_N=2, BLOCK_C=256, num_warps=8),
+                 "dq_n16c32w1": dict(BLOCK_N=16, BLOCK_C=32, num_warps=1)}
+TARGETS = (132, 264)
 
 
 # ------------------------------------------------------------------------------------------ prepare (CPU)
@@ -42,8 +45,9 @@ def prepare(out_dir: Path):
     from engc.compiler.codegen.record import compile_specs
     from engc.compiler.codegen.specs import int4_linear_specs
     sets = {"default": None}
-    sets.update({k: {f"gemv_m{r}": v for r in SWEEP_ROWS} for k, v in GEMV_SWEEP.items()})
-    sets.update({k: {"gemm": v} for k, v in GEMM_SWEEP.items()})
+    for bucket, configs in GEMV_SWEEP.items():
+        sets.update({name: {bucket: ov} for name, ov in configs.items()})
+    sets.update({name: {"dequant": ov} for name, ov in DEQUANT_SWEEP.items()})
     index = {}
     for name, ov in sets.items():
         specs = int4_linear_specs("bf16", "sm90", (GROUP,), ov)
@@ -67,116 +71,11 @@ def make_weights(n, k, copies, gen):
     g = k // GROUP
     out = []
     for _ in range(copies):
-        qw = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda", generator=gen)
-        s = (torch.rand(g, n, device="cuda", generator=gen) * 0.01 + 0.001).to(torch.bfloat16)
-        z = torch.randint(0, 16, (g, n), dtype=torch.uint8, device="cuda", generator=gen)
+        qw = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda", generator=gen)
+        s = (torch.rand(n, g, device="cuda", generator=gen) * 0.01 + 0.001).to(torch.bfloat16)
+        z = torch.randint(0, 16, (n, g), dtype=torch.uint8, device="cuda", generator=gen)
         out.append((qw, s, z))
     return out
-
-
-def run(aot: Path, out: Path):
-    import torch
-    import torch.nn.functional as F
-    from kernels_device import KernelSet, rel_err, time_graph
-    from engc.kernels import int4_linear as op
-    out.mkdir(parents=True, exist_ok=True)
-    torch.zeros(1, device="cuda")   # the primary context, before any driver call loads a module
-    index = json.loads((aot / "index.json").read_text())
-    sets = {name: KernelSet(aot / name, recs) for name, recs in index.items()}
-    default = sets["default"]
-    base_consts = {r["variant"]: dict(r["launch"]) for r in index["default"]}
-    log_lines, results = [], {"cases": [], "gemv_sweep": [], "gemm_sweep": []}
-
-    def log(msg):
-        print(msg, flush=True)
-        log_lines.append(msg)
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    t_start = time.time()
-    table = []
-    for shape, (n, k) in SHAPES.items():
-        wbytes = k // 8 * n * 4 + 3 * (k // GROUP) * n
-        copies = max(2, math.ceil(200e6 / wbytes))
-        weights = make_weights(n, k, copies, gen)
-        dense = [op.dequantize(*weights[i], GROUP).to(torch.bfloat16).t().contiguous()
-                 for i in range(max(2, math.ceil(200e6 / (2 * n * k))))]
-        for m in ROWS:
-            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda", generator=gen)
-            ys = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
-
-            def launches(consts, i):
-                return op.launch(x, *weights[i], None, ys[i], group_size=GROUP, consts=consts)
-
-            ks = default
-            plan = [launches(base_consts, i) for i in range(copies)]
-            ks.run("int4_linear", plan[0])
-            ref = (x.float() @ op.dequantize(*weights[0], GROUP).float())
-            err = rel_err(ys[0], ref)
-            us = time_graph(lambda i: ks.run("int4_linear", plan[i]), copies)
-            dense_us = time_graph(lambda i: F.linear(x, dense[i % len(dense)]), len(dense))
-            nbytes = wbytes + 2 * m * (k + n)
-            row = dict(shape=shape, N=n, K=k, M=m, kernel=plan[0][0][0], rel_err=err, ok=err < 1e-2, us=us,
-                       gbs=nbytes / us / 1e3, bf16_us=dense_us, speedup_vs_bf16=dense_us / us,
-                       tflops=2 * m * n * k / us / 1e6)
-            results["cases"].append(row)
-            table.append(row)
-            log(f"{shape} M={m}: {row['kernel']} err {err:.1e} {'OK' if row['ok'] else 'FAIL'} {us:.1f} us "
-                f"({row['gbs']:.0f} GB/s, {row['tflops']:.0f} TFLOP/s) vs bf16 {dense_us:.1f} us: "
-                f"x{row['speedup_vs_bf16']:.2f}")
-            if m in SWEEP_ROWS:  # GEMV tiles x target_programs
-                for name in ["default", *GEMV_SWEEP]:
-                    consts = dict(base_consts)
-                    for r in index[name]:
-                        consts[r["variant"]] = dict(r["launch"])
-                    for target in TARGETS:
-                        for v in consts:
-                            if v.startswith("gemv_m"):
-                                consts[v] = dict(consts[v], target_programs=target)
-                        p = [launches(consts, i) for i in range(copies)]
-                        kset = sets[name] if name != "default" else default
-                        merged = _Merged(kset, default)
-                        merged.run("int4_linear", p[0])
-                        e = rel_err(ys[0], ref)
-                        t = time_graph(lambda i: merged.run("int4_linear", p[i]), copies)
-                        results["gemv_sweep"].append(dict(shape=shape, M=m, config=name, target_programs=target,
-                                                          us=t, gbs=nbytes / t / 1e3, rel_err=e, ok=e < 1e-2))
-            if m == 4096:
-                for name in GEMM_SWEEP:
-                    consts = dict(base_consts)
-                    for r in index[name]:
-                        consts[r["variant"]] = dict(r["launch"])
-                    p = [launches(consts, i) for i in range(copies)]
-                    merged = _Merged(sets[name], default)
-                    merged.run("int4_linear", p[0])
-                    e = rel_err(ys[0], ref)
-                    t = time_graph(lambda i: merged.run("int4_linear", p[i]), copies, reps=5)
-                    results["gemm_sweep"].append(dict(shape=shape, config=name, us=t, tflops=2 * m * n * k / t / 1e6,
-                                                      vs_bf16=dense_us / t, rel_err=e, ok=e < 1e-2))
-            del ys
-        del weights, dense
-        torch.cuda.empty_cache()
-    results["seconds"] = time.time() - t_start
-    best = {}
-    for r in results["gemv_sweep"]:
-        key = f"{r['shape']}/M={r['M']}"
-        if r["ok"] and (key not in best or r["us"] < best[key]["us"]):
-            best[key] = r
-    for r in results["gemm_sweep"]:
-        key = f"{r['shape']}/M=4096"
-        if r["ok"] and (key not in best or r["us"] < best[key]["us"]):
-            best[key] = r
-    results["best"] = best
-    (out / "int4_results.json").write_text(json.dumps(results, indent=1))
-    (out / "int4_log.txt").write_text("\n".join(log_lines))
-    print("\n===== best configs (tune.py) =====")
-    for key, r in best.items():
-        extra = f"target_programs={r['target_programs']}" if "target_programs" in r else f"{r['tflops']:.0f} TFLOP/s"
-        print(f"  {key:18} {r['config']:16} {extra:22} {r['us']:.1f} us")
-    print("\n===== int4 g128 vs bf16 F.linear (default tune) =====")
-    print(f"  {'shape':8} {'M':>5} {'kernel':12} {'us':>8} {'GB/s':>6} {'bf16 us':>8} {'x bf16':>7} check")
-    for r in table:
-        print(f"  {r['shape']:8} {r['M']:5d} {r['kernel'][:12]:12} {r['us']:8.1f} {r['gbs']:6.0f} {r['bf16_us']:8.1f} "
-              f"{r['speedup_vs_bf16']:7.2f} {'OK' if r['ok'] else 'FAIL'}")
 
 
 class _Merged:
@@ -189,6 +88,117 @@ class _Merged:
         for variant, grid, args in launches:
             ks = self.first if (op_name, variant) in self.first.kernels else self.fallback
             ks.kernels[(op_name, variant)](grid, args)
+
+
+def run(aot: Path, out: Path):
+    import torch
+    import torch.nn.functional as F
+    from kernels_device import KernelSet, rel_err, time_graph
+    from engc.kernels import int4_linear as op
+    out.mkdir(parents=True, exist_ok=True)
+    torch.zeros(1, device="cuda")   # the primary context, before any driver call loads a module
+    index = json.loads((aot / "index.json").read_text())
+    default = KernelSet(aot / "default", index["default"])
+    sets = {name: _Merged(KernelSet(aot / name, recs), default) for name, recs in index.items() if name != "default"}
+    sets["default"] = default
+    base = {r["variant"]: dict(r["launch"]) for r in index["default"]}
+    log_lines, results = [], {"cases": [], "sweep": []}
+
+    def log(msg):
+        print(msg, flush=True)
+        log_lines.append(msg)
+
+    def consts_of(name, target=None):
+        consts = dict(base)
+        for r in index.get(name, []):
+            consts[r["variant"]] = dict(r["launch"])
+        if target:
+            consts = {v: dict(c, target_programs=target) if v.startswith("gemv_m") else c for v, c in consts.items()}
+        return consts
+
+    def linear(ks, consts, x, w, force_dequant=False):
+        run = lambda launches: ks.run("int4_linear", launches)  # noqa: E731
+        if force_dequant:
+            consts = {v: dict(c, gemv_max_rows=0) if v.startswith("gemv_m") else c for v, c in consts.items()}
+        return op.run_quantized_linear(x, *w, None, group_size=GROUP, consts=consts, run=run)
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t_start = time.time()
+    table = []
+    for shape, (n, k) in SHAPES.items():
+        wbytes = k // 8 * n * 4 + 3 * (k // GROUP) * n
+        copies = max(2, math.ceil(200e6 / wbytes))
+        weights = make_weights(n, k, copies, gen)
+        ref_w = op.dequantize(*weights[0], GROUP)
+        dense = [op.dequantize(*weights[i % copies], GROUP) for i in range(max(2, math.ceil(200e6 / (2 * n * k))))]
+        scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
+        dq_plan = [op.dequant_launch(*weights[i], scratch, group_size=GROUP, consts=base) for i in range(copies)]
+        default.run("int4_linear", dq_plan[0])
+        dq_exact = torch.equal(scratch, ref_w)
+        dq_us = time_graph(lambda i: default.run("int4_linear", dq_plan[i]), copies)
+        dq_gbs = (wbytes + 2 * n * k) / dq_us / 1e3
+        for m in ROWS:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda", generator=gen)
+            ref = x.float() @ ref_w.float().t()
+            y = linear(default, base, x, weights[0])
+            err = rel_err(y, ref)
+            y2 = linear(default, base, x, weights[0], force_dequant=True)
+            err2 = rel_err(y2, ref)
+            ok = err < 1e-2 and err2 < 1e-2 and dq_exact
+            us = time_graph(lambda i: linear(default, base, x, weights[i]), copies, reps=5 if m > 64 else 20)
+            dqc_us = (us if not op.uses_gemv(m, GROUP, base) else
+                      time_graph(lambda i: linear(default, base, x, weights[i], force_dequant=True), copies))
+            bf16_us = time_graph(lambda i: F.linear(x, dense[i % len(dense)]), len(dense), reps=5 if m > 64 else 20)
+            path = "gemv" if op.uses_gemv(m, GROUP, base) else "dequant+cublas"
+            row = dict(shape=shape, N=n, K=k, M=m, path=path, rel_err=err, rel_err_dequant_path=err2, ok=ok, us=us,
+                       gbs=(wbytes + 2 * m * (k + n)) / us / 1e3, dequant_cublas_us=dqc_us, dequant_us=dq_us,
+                       dequant_gbs=dq_gbs, dequant_exact=dq_exact, bf16_us=bf16_us, x_bf16=bf16_us / us)
+            results["cases"].append(row)
+            table.append(row)
+            log(f"{shape} M={m}: {path} err {err:.1e}/{err2:.1e} {'OK' if ok else 'FAIL'} {us:.1f} us "
+                f"({row['gbs']:.0f} GB/s) dequant+cuBLAS {dqc_us:.1f} us, bf16 {bf16_us:.1f} us: x{row['x_bf16']:.2f}")
+            if m in (1, 8):
+                bucket = f"gemv_m{m}"
+                for name in ["default", *GEMV_SWEEP[bucket]]:
+                    ks = sets[name]
+                    for target in TARGETS:
+                        consts = consts_of(name, target)
+                        yv = linear(ks, consts, x, weights[0])
+                        e = rel_err(yv, ref)
+                        t = time_graph(lambda i: linear(ks, consts, x, weights[i]), copies)
+                        results["sweep"].append(dict(shape=shape, M=m, config=name, target_programs=target, us=t,
+                                                     gbs=(wbytes + 2 * m * (k + n)) / t / 1e3, rel_err=e, ok=e < 1e-2))
+        for name in DEQUANT_SWEEP:
+            ks, consts = sets[name], consts_of(name)
+            plan = [op.dequant_launch(*weights[i], scratch, group_size=GROUP, consts=consts) for i in range(copies)]
+            scratch.zero_()
+            ks.run("int4_linear", plan[0])
+            exact = torch.equal(scratch, ref_w)
+            t = time_graph(lambda i: ks.run("int4_linear", plan[i]), copies)
+            results["sweep"].append(dict(shape=shape, M="dequant", config=name, us=t,
+                                         gbs=(wbytes + 2 * n * k) / t / 1e3, ok=exact))
+        del weights, dense, scratch
+        torch.cuda.empty_cache()
+    results["seconds"] = time.time() - t_start
+    best = {}
+    for r in results["sweep"]:
+        key = f"{r['shape']}/M={r['M']}"
+        if r["ok"] and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    results["best"] = best
+    (out / "int4_results.json").write_text(json.dumps(results, indent=1))
+    (out / "int4_log.txt").write_text("\n".join(log_lines))
+    print(f"\n===== sweep: best config per shape (tune.py), {results['seconds']:.0f} s =====")
+    for key, r in best.items():
+        print(f"  {key:18} {r['config']:12} target={r.get('target_programs', '-')!s:5} {r['us']:8.1f} us "
+              f"{r['gbs']:6.0f} GB/s")
+    print("\n===== int4 g128 vs bf16 F.linear (default tune; dq = dequant + cuBLAS; dequant alone per shape) =====")
+    print(f"  {'shape':8} {'M':>5} {'path':14} {'us':>8} {'GB/s':>6} {'dq us':>8} {'bf16 us':>8} {'x bf16':>7} "
+          f"{'deq us':>7} {'deq GB/s':>8} check")
+    for r in table:
+        print(f"  {r['shape']:8} {r['M']:5d} {r['path']:14} {r['us']:8.1f} {r['gbs']:6.0f} {r['dequant_cublas_us']:8.1f} "
+              f"{r['bf16_us']:8.1f} {r['x_bf16']:7.2f} {r['dequant_us']:7.1f} {r['dequant_gbs']:8.0f} "
+              f"{'OK' if r['ok'] else 'FAIL'}")
 
 
 def main():

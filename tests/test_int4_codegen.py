@@ -24,10 +24,10 @@ def records():
 
 def test_int4_variants_compiled_per_arch(records):
     got = {(r["arch"], r["variant"]) for r in records}
-    variants = {"gemv_m1_g64", "gemv_m2_g64", "gemv_m4_g64", "gemv_m8_g64", "gemm_g64", "gemv_reduce"}
+    variants = {"gemv_m1_g64", "gemv_m2_g64", "gemv_m4_g64", "gemv_m8_g64", "dequant_g64", "gemv_reduce"}
     assert got == {(a, v) for a in ("sm80", "sm90") for v in variants}
-    gemm = next(r for r in records if r["variant"] == "gemm_g64")
-    assert gemm["constexprs"]["GROUP"] == 64 and 64 % gemm["constexprs"]["BLOCK_K"] == 0
+    dequant = next(r for r in records if r["variant"] == "dequant_g64")
+    assert dequant["constexprs"]["GROUP"] == 64 and dequant["launch"]["BLOCK_C"] == dequant["constexprs"]["BLOCK_C"]
     gemv = next(r for r in records if r["variant"] == "gemv_m4_g64")
     assert gemv["constexprs"]["BLOCK_M"] == 4 and gemv["launch"]["gemv_max_rows"] == 8
 
@@ -39,19 +39,30 @@ def test_no_int4_kernels_without_int4_projections():
     assert sorted({s.constexprs.get("GROUP") for s in with_int4 if s.op == "int4_linear"} - {None}) == [32, 128]
 
 
+def test_group_size_the_layout_cannot_take_is_one_line():
+    from engc.compiler.codegen.specs import int4_linear_specs
+    from engc.errors import UserError
+    with pytest.raises(UserError, match="not a multiple of 32"):
+        int4_linear_specs("bf16", "sm90", (48,))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 300])
 def test_launch_rule_matches_records(records, rows):
     from engc.kernels import int4_linear
     recs = {r["variant"]: r for r in records if r["arch"] == "sm90"}
     consts = {v: r["launch"] for v, r in recs.items()}
-    k, n = 1024, 96  # few N tiles: the GEMV splits over K
+    k, n = 8192, 96  # few N tiles and two BLOCK_C tiles of K: the GEMV splits over K
     x, y = torch.randn(rows, k, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
-    qw = torch.zeros(k // 8, n, dtype=torch.int32)
-    s, z = torch.ones(k // 64, n, dtype=torch.bfloat16), torch.zeros(k // 64, n, dtype=torch.uint8)
+    qw = torch.zeros(n, k // 8, dtype=torch.int32)
+    s, z = torch.ones(n, k // 64, dtype=torch.bfloat16), torch.zeros(n, k // 64, dtype=torch.uint8)
     for bias in (None, torch.zeros(n, dtype=torch.bfloat16)):
-        launches = int4_linear.launch(x, qw, s, z, bias, y, group_size=64, consts=consts)
+        if int4_linear.uses_gemv(rows, 64, consts):
+            launches = int4_linear.launch(x, qw, s, z, bias, y, group_size=64, consts=consts)
+        else:
+            launches = int4_linear.dequant_launch(qw, s, z, torch.empty(n, k, dtype=torch.bfloat16), group_size=64,
+                                                  consts=consts)
         kinds = [int4_linear.variant_kind(v) for v, _, _ in launches]
-        assert kinds == (["gemm"] if rows > 8 else ["gemv", "gemv_reduce"])
+        assert kinds == (["dequant"] if rows > 8 else ["gemv", "gemv_reduce"])
         for variant, grid, args in launches:
             rec = recs[variant]
             assert len(grid) == 3 and all(isinstance(g, int) and g >= 1 for g in grid)

@@ -2,7 +2,7 @@
 import torch
 
 from engc.compiler.quantize.awq import clip_weight
-from engc.compiler.quantize.formats import AWQ_ORDER, pack_columns, to_awq, to_gptq, unpack_columns
+from engc.compiler.quantize.formats import AWQ_ORDER, pack_columns, pack_rows, to_awq, to_gptq, unpack_columns, unpack_rows
 from engc.compiler.quantize.gptq import Hessian, gptq_quantize
 from engc.compiler.quantize.rtn import quantize_rtn
 from engc.kernels.int4_linear import dequantize, int4_linear, pack_int4, unpack_int4
@@ -17,8 +17,13 @@ def correlated_inputs(n=2048, k=256, seed=0):
 
 
 def test_pack_roundtrips():
-    q = torch.randint(0, 16, (64, 48), dtype=torch.uint8)
+    q = torch.randint(0, 16, (64, 96), dtype=torch.uint8)
     assert torch.equal(unpack_int4(pack_int4(q)), q)
+    assert torch.equal(unpack_rows(pack_rows(q)), q)
+    # the engc layout: nibble j of word 4c + i holds input 32c + 4j + i of the row
+    words = pack_int4(torch.arange(32, dtype=torch.uint8)[None, :] % 16)
+    assert [int(w) & 0xFFFFFFFF for w in words[0]] == [sum(((4 * j + i) % 16) << (4 * j) for j in range(8))
+                                                       for i in range(4)]
     assert torch.equal(unpack_columns(pack_columns(q, AWQ_ORDER), AWQ_ORDER), q)
     words = pack_columns(torch.arange(8, dtype=torch.uint8)[None, :], AWQ_ORDER)
     assert int(words) == sum(c << (4 * i) for i, c in enumerate(AWQ_ORDER))  # AutoAWQ's interleave
@@ -33,7 +38,7 @@ def test_formats_hold_the_same_weight():
     awq = (unpack_columns(a["qweight"], AWQ_ORDER).float()
            - unpack_columns(a["qzeros"], AWQ_ORDER).float().repeat_interleave(32, 0)) * a["scales"].float().repeat_interleave(32, 0)
     z = ((unpack_columns(g["qzeros"]).long() + 1) & 15).float()
-    gptq = (unpack_int4(g["qweight"]).float() - z[g["g_idx"].long()]) * g["scales"].float()[g["g_idx"].long()]
+    gptq = (unpack_rows(g["qweight"]).float() - z[g["g_idx"].long()]) * g["scales"].float()[g["g_idx"].long()]
     for dense in (awq, gptq):
         assert torch.allclose(dense.T, ref, atol=1e-2 * ref.abs().max())
 
@@ -41,11 +46,11 @@ def test_formats_hold_the_same_weight():
 def test_int4_linear_reference_matches_dense():
     w = torch.randn(64, 128)
     qw = quantize_rtn(w, 64)
-    qweight, zeros = pack_int4(qw.q.T.contiguous()), qw.zeros.T.contiguous()
+    qweight = pack_int4(qw.q)
     x = torch.randn(5, 128)
-    y = int4_linear(x, qweight, qw.scales.T.contiguous(), zeros, group_size=64)
+    y = int4_linear(x, qweight, qw.scales, qw.zeros, group_size=64)
     assert torch.allclose(y, x @ qw.dequantize().T, atol=1e-4)
-    assert torch.allclose(dequantize(qweight, qw.scales.T.contiguous(), zeros, 64), qw.dequantize().T)
+    assert torch.allclose(dequantize(qweight, qw.scales, qw.zeros, 64), qw.dequantize())
 
 
 def test_gptq_beats_rtn_on_layer_output():
@@ -86,6 +91,5 @@ def test_ragged_last_group_is_zero_padding():
     assert g.scales.shape == (64, 5)
     y = x @ w.T
     assert ((x @ g.dequantize().T - y) ** 2).mean() < ((x @ qw.dequantize().T - y) ** 2).mean()
-    qweight = pack_int4(qw.q.T.contiguous())
-    assert torch.allclose(dequantize(qweight, qw.scales.T.contiguous(), qw.zeros.T.contiguous(), 128),
-                          qw.dequantize().T)
+    qweight = pack_int4(qw.q)
+    assert torch.allclose(dequantize(qweight, qw.scales, qw.zeros, 128), qw.dequantize())

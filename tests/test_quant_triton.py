@@ -13,20 +13,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# (name, M, K, N, group, bias, act_order, dtype, split K): ragged K tails (K % BLOCK_R and K % group != 0)
-# and N % BLOCK_N != 0, every GEMV row bucket, the split-K reduce and the GEMM
+# (name, M, K, N, group, bias, act_order, dtype, split K): every GEMV row bucket (M 1..8), the split-K
+# reduce, the dequant + matmul path (M 16, 64, a prefill-sized 300), group sizes 32/64/128 and one covering
+# all of K, ragged K (K % group != 0, K % (BLOCK_C chunks) != 0) and N % BLOCK_N != 0, act_order
 SHAPES = [
-    ("gemv_m1_g32_split", 1, 136, 96, 32, False, False, "float32", True),
-    ("gemv_m1_g128_nosplit", 1, 264, 40, 128, False, False, "float32", False),
-    ("gemv_m2_g64_bias", 2, 200, 80, 64, True, False, "float32", True),
+    ("gemv_m1_g32_split", 1, 160, 96, 32, False, False, "float32", True),
+    ("gemv_m1_g128_nosplit", 1, 288, 40, 128, False, False, "float32", False),
+    ("gemv_m2_g64_bias", 2, 224, 80, 64, True, False, "float32", True),
     ("gemv_m3_g32", 3, 96, 72, 32, False, False, "float32", True),
+    ("gemv_m4_g128_ragged_group", 4, 192, 24, 128, False, False, "float32", True),
     ("gemv_m5_g64_bias_nosplit", 5, 192, 80, 64, True, False, "float32", False),
-    ("gemv_m8_g128_actorder", 8, 256, 64, 128, False, True, "float32", True),
+    ("gemv_m6_per_channel", 6, 96, 16, 96, False, False, "float32", True),
     ("gemv_m7_bf16", 7, 128, 64, 32, True, False, "bfloat16", True),
-    ("gemm_m9_g32", 9, 96, 72, 32, False, False, "float32", False),
-    ("gemm_m16_g64_bias", 16, 160, 56, 64, True, False, "float32", False),
-    ("gemm_m37_g128_actorder", 37, 272, 64, 128, True, True, "float32", False),
-    ("gemm_fp16_m70", 70, 128, 64, 32, False, False, "float16", False),
+    ("gemv_m8_g128_actorder", 8, 256, 64, 128, False, True, "float32", True),
+    ("dequant_m16_g64_bias", 16, 160, 56, 64, True, False, "float32", False),
+    ("dequant_m64_g32", 64, 96, 72, 32, False, False, "float32", False),
+    ("dequant_m300_g128_actorder", 300, 288, 64, 128, True, True, "float32", False),
+    ("dequant_fp16_m70", 70, 128, 64, 32, False, False, "float16", False),
 ]
 CASES = [c[0] for c in SHAPES]
 
@@ -48,16 +51,16 @@ def test_int4_kernel_matches_reference(report, case):
 
 def _run_cases() -> dict:
     import torch
-    from engc.kernels.int4_linear import int4_linear, jit_consts, pack_int4
+    from engc.kernels.int4_linear import dequantize, int4_linear, jit_consts, pack_int4
     from engc.kernels.int4_linear.triton import JIT_CONSTS, int4_linear_triton
     out = {}
     for name, m, k, n, g, bias, act, dtype, split in SHAPES:
         dtype = getattr(torch, dtype)
         gen = torch.Generator().manual_seed(m * 1000 + k)
         groups = (k + g - 1) // g
-        qweight = pack_int4(torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8))
-        scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(dtype)
-        zeros = torch.randint(0, 16, (groups, n), generator=gen, dtype=torch.uint8)
+        qweight = pack_int4(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8))
+        scales = (torch.rand(n, groups, generator=gen) * 0.02 + 0.001).to(dtype)
+        zeros = torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8)
         x = torch.randn(m, k, generator=gen).to(dtype)
         extra = []
         if bias:
@@ -66,15 +69,27 @@ def _run_cases() -> dict:
             extra.append(torch.randperm(k, generator=gen))
         kw = dict(group_size=g, has_bias=int(bias), act_order=int(act))
         consts = jit_consts(g, JIT_CONSTS)
-        for v in consts.values():  # a small BLOCK_R so short K still spans several row tiles
-            if "BLOCK_R" in v:
-                v.update(BLOCK_R=4, BLOCK_N=16, target_programs=64 if split else 1)
+        for v in consts.values():  # small tiles so short K still spans several chunk tiles and N several rows
+            if "gemv_max_rows" in v:
+                v.update(BLOCK_N=4, BLOCK_C=2, num_warps=1, target_programs=64 if split else 1)
+            elif "BLOCK_C" in v:
+                v.update(BLOCK_N=8, BLOCK_C=2, num_warps=1)
         ref = int4_linear(x.float(), qweight, scales.float(), zeros, *[e.float() if e.is_floating_point() else e
                                                                        for e in extra], **kw)
         got = int4_linear_triton(x, qweight, scales, zeros, *extra, consts=consts, **kw).float()
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         err = float((got - ref).abs().max() / ref.abs().max())
         out[name] = {"ok": err < tol, "rel_err": err}
+        if m > 8:  # the dequant kernel writes exactly what the reference's dequantize gives
+            from engc.kernels.int4_linear import dequant_launch
+            from engc.kernels.int4_linear.triton import KERNELS
+            w = torch.empty(n, k, dtype=dtype)
+            for _, grid, args in dequant_launch(qweight, scales, zeros, w, group_size=g, consts=consts):
+                c = consts[f"dequant_g{g}"]
+                KERNELS["dequant"][grid](*args[:-2], GROUP=g, BLOCK_N=c["BLOCK_N"], BLOCK_C=c["BLOCK_C"],
+                                         num_warps=c["num_warps"])
+            exact = torch.equal(w, dequantize(qweight, scales, zeros, g).to(dtype))
+            out[name] = {"ok": out[name]["ok"] and exact, "rel_err": err, "dequant_exact": exact}
     return out
 
 

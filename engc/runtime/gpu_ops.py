@@ -197,14 +197,13 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         return (y + bias if has_bias else y,)
 
     def qlinear(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0):
-        # W4A16: the GEMV for decode-sized batches, the GEMM above gemv_max_rows (int4_linear.launch)
+        # W4A16: the GEMV up to gemv_max_rows rows; above, dequantize into a scratch W and cuBLAS
         if act_order:  # GPTQ desc_act: rows were sorted by group at build time, x follows them
             x = x.index_select(-1, extra[int(bool(has_bias))])
-        x = x.contiguous()
-        y = torch.empty(x.shape[0], qweight.shape[1], dtype=x.dtype, device=x.device)
-        k.run("int4_linear", int4_linear.launch(x, qweight, scales, zeros, extra[0] if has_bias else None, y,
-                                                group_size=group_size, consts=k.consts["int4_linear"]))
-        return (y,)
+        return (int4_linear.run_quantized_linear(x.contiguous(), qweight, scales, zeros,
+                                                 extra[0] if has_bias else None, group_size=group_size,
+                                                 consts=k.consts["int4_linear"],
+                                                 run=lambda launches: k.run("int4_linear", launches)),)
 
     ops = dict(REFERENCE_OPS)
     ops.update({

@@ -226,31 +226,28 @@ def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, classes=None
 
 
 def int4_linear_specs(t: str, arch: str, group_sizes, overrides=None):
-    """W4A16 kernels for each group size the program's QLinears use: a GEMV per row bucket, a GEMM, and
-    the GEMV's split-K reduce (group-free). overrides: tune-bucket ('gemv_m1', 'gemm', ...) -> entry."""
-    from engc.kernels.int4_linear import GEMV_ROWS, gemm_block_k, gemm_variant, gemv_variant
+    """W4A16 kernels for each group size the program's QLinears use: a GEMV per row bucket, the dequant
+    kernel (prefill-sized M: dequantize, then cuBLAS), and the GEMV's split-K reduce (group-free).
+    overrides: tune-bucket ('gemv_m1', 'dequant', ...) -> entry."""
+    from engc.kernels.int4_linear import CHUNK, GEMV_ROWS, dequant_variant, gemv_variant
     if not group_sizes:
         return []
     ov = overrides or {}
-    ptr = {"x_ptr": f"*{t}", "qw_ptr": "*i32", "s_ptr": f"*{t}", "z_ptr": "*u8", "bias_ptr": f"*{t}", "y_ptr": f"*{t}"}
-    gemv_types = dict(ptr, part_ptr="*fp32", M="i32", N="i32", K="i32", rows_per_split="i32", has_bias="i32")
-    gemm_types = dict(ptr, M="i32", N="i32", K="i32", has_bias="i32")
+    ptr = {"qw_ptr": "*i32", "s_ptr": f"*{t}", "z_ptr": "*u8"}
+    gemv_types = dict(ptr, x_ptr=f"*{t}", bias_ptr=f"*{t}", y_ptr=f"*{t}", part_ptr="*fp32", M="i32", N="i32",
+                      K="i32", chunks_per_split="i32", has_bias="i32")
+    dequant_types = dict(ptr, w_ptr=f"*{t}", N="i32", K="i32")
     specs = []
     for g in sorted(set(int(g) for g in group_sizes)):
-        if g % 8:
-            raise UserError(f"int4 group size {g} is not a multiple of 8, which the engc int4 layout needs")
+        if g % CHUNK:  # a group covering all of K (per-channel) is fine too, but then g is K, a multiple of 32
+            raise UserError(f"int4 group size {g} is not a multiple of {CHUNK}, which the engc int4 layout needs")
         for rows in GEMV_ROWS:
             bucket = f"gemv_m{rows}"
             specs.append(_spec("int4_linear", gemv_variant(rows, g), arch, "int4_gemv_kernel", gemv_types,
                                {"GROUP": g, "BLOCK_M": rows}, bucket, overrides=ov.get(bucket),
-                               launch_keys=("BLOCK_N", "BLOCK_R", "gemv_max_rows", "target_programs", "max_splits")))
-        gemm = _spec("int4_linear", gemm_variant(g), arch, "int4_gemm_kernel", gemm_types, {"GROUP": g},
-                     "gemm", overrides=ov.get("gemm"), launch_keys=("BLOCK_M", "BLOCK_N"))
-        try:  # a K tile must not straddle groups: the tune entry's BLOCK_K, halved until it divides g
-            block_k = gemm_block_k(g, gemm.constexprs["BLOCK_K"])
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        specs.append(dataclasses.replace(gemm, constexprs={**gemm.constexprs, "BLOCK_K": block_k}))
+                               launch_keys=("BLOCK_N", "BLOCK_C", "gemv_max_rows", "target_programs", "max_splits")))
+        specs.append(_spec("int4_linear", dequant_variant(g), arch, "int4_dequant_kernel", dequant_types,
+                           {"GROUP": g}, "dequant", overrides=ov.get("dequant"), launch_keys=("BLOCK_N", "BLOCK_C")))
     reduce_types = {"part_ptr": "*fp32", "bias_ptr": f"*{t}", "y_ptr": f"*{t}", "M": "i32", "N": "i32",
                     "num_splits": "i32", "has_bias": "i32"}
     specs.append(_spec("int4_linear", "gemv_reduce", arch, "int4_gemv_reduce_kernel", reduce_types, {},

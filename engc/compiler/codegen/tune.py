@@ -103,17 +103,21 @@ _put("sm90", "fp8_linear", "*", "m<=128", max_m=128, BLOCK_M=128, BLOCK_N=128, B
 _put("sm90", "fp8_linear", "*", "m<=256", max_m=256, BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, num_warps=8,
      num_stages=3, **_fp8_split)
 
-# int4_linear (W4A16), not yet measured on a device: bench/int4_device.py sweeps these. The GEMV's tile
-# shrinks in R as BLOCK_M grows, so partial sums for all rows stay in registers; splits over K aim at a
-# few programs per SM.
+# int4_linear (W4A16), not yet measured on a device (bench/int4_device.py sweeps these). GEMV: a tile is
+# BLOCK_N rows x BLOCK_C 16-byte chunks (32 weights each); threads and warps all run along K (BLOCK_C =
+# 32 * num_warps: one chunk per thread and row), rows stay in registers, so x's loads share the words'
+# layout (no shared-memory shuffles; a smaller BLOCK_C gives x tiles of one element per thread, which
+# Triton then converts through shared memory every plane). Each row of x adds [BLOCK_N, 4] fp32 partials
+# per thread, so BLOCK_N shrinks as BLOCK_M grows. target_programs: below that many N tiles the GEMV
+# splits K (+ a reduce launch); the 8B projections have 1024+ tiles and never split. gemv_max_rows: the
+# largest M that runs the GEMV; above it the dequant kernel writes W [N, K] and cuBLAS multiplies.
 for _arch in ("sm80", "sm90"):
-    _gemv = dict(BLOCK_N=32, num_warps=4, num_stages=3, gemv_max_rows=8, target_programs=4 * _SM_COUNT[_arch],
+    _gemv = dict(BLOCK_C=128, num_warps=4, num_stages=1, gemv_max_rows=8, target_programs=_SM_COUNT[_arch],
                  max_splits=16)
-    for _rows, _block_r in ((1, 64), (2, 64), (4, 32), (8, 32)):
-        _put(_arch, "int4_linear", "*", f"gemv_m{_rows}", BLOCK_R=_block_r, **_gemv)
+    for _rows, _block_n in ((1, 4), (2, 4), (4, 2), (8, 1)):
+        _put(_arch, "int4_linear", "*", f"gemv_m{_rows}", BLOCK_N=_block_n, **_gemv)
     _put(_arch, "int4_linear", "*", "gemv_reduce", BLOCK=512, num_warps=4, num_stages=1)
-    _put(_arch, "int4_linear", "*", "gemm", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8,
-         num_stages=3 if _arch == "sm90" else 2)
+    _put(_arch, "int4_linear", "*", "dequant", BLOCK_N=4, BLOCK_C=128, num_warps=4, num_stages=1)
 
 _put("sm90", "paged_attention", "prefill", "d<=64", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 _put("sm90", "paged_attention", "prefill", "d<=128", BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)

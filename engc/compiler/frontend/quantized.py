@@ -12,9 +12,9 @@ import torch
 
 from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.hf import read_hf_folder
-from engc.compiler.quantize.formats import AWQ_ORDER, NATURAL, unpack_columns
+from engc.compiler.quantize.formats import AWQ_ORDER, NATURAL, unpack_columns, unpack_rows
 from engc.errors import UserError
-from engc.kernels.int4_linear import pack_int4, unpack_int4
+from engc.kernels.int4_linear import check_shape, pack_int4
 
 GPTQ_ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
 
@@ -88,17 +88,30 @@ def _checked_scales(src: dict, qc: dict, prefix: str, name: str):
 
 
 def _engc_loaders(src: dict, qc: dict) -> dict:
+    """Loaders of the engc int4 layout (N-major: kernels/int4_linear) from the checkpoint's tensors,
+    each read and repacked when the build asks for it."""
     if qc["quant_method"] == "awq":
-        return {"qweight": lambda: pack_int4(unpack_columns(src["qweight"](), AWQ_ORDER)),
-                "zeros": lambda: unpack_columns(src["qzeros"](), AWQ_ORDER),
-                "scales": src["scales"]}
+        codes = lambda: unpack_columns(src["qweight"](), AWQ_ORDER)  # noqa: E731  [K, N]
+        return {"qweight": lambda: _pack(codes(), qc),
+                "zeros": lambda: unpack_columns(src["qzeros"](), AWQ_ORDER).T.contiguous(),
+                "scales": lambda: src["scales"]().T.contiguous()}
     offset = GPTQ_ZERO_OFFSET[qc.get("checkpoint_format", "gptq")]
     out = {"zeros": lambda: ((unpack_columns(src["qzeros"](), NATURAL).to(torch.int16) + offset) & 0xF)
-           .to(torch.uint8),
-           "scales": src["scales"], "qweight": src["qweight"]}
+           .to(torch.uint8).T.contiguous(),
+           "scales": lambda: src["scales"]().T.contiguous(),
+           "qweight": lambda: _pack(unpack_rows(src["qweight"]()), qc)}
     if qc.get("desc_act") and src["g_idx"] is not None:
         # groups of an act-order weight are scattered over the inputs: sort the input rows by group
         perm = lambda: torch.argsort(src["g_idx"]().long(), stable=True)  # noqa: E731
-        out["qweight"] = lambda: pack_int4(unpack_int4(src["qweight"]())[perm()])
+        out["qweight"] = lambda: _pack(unpack_rows(src["qweight"]())[perm()], qc)
         out["perm"] = perm
     return out
+
+
+def _pack(codes, qc: dict):
+    """codes uint8 [K, N] -> the engc layout's qweight [N, K // 8], refusing K the layout cannot hold."""
+    k = codes.shape[0]
+    why = check_shape(k, group_size(qc, k))
+    if why:
+        raise UserError(f"int4 projection with {k} inputs: {why}")
+    return pack_int4(codes.T.contiguous())

@@ -1,8 +1,8 @@
 """Fuses Gemms (or int4 QLinears) that read the same input and are joined by a Concat into one (qkv, gate_up).
 
 One wide GEMM reads the activation once and launches once; the fused weight is the concatenation of
-the parts along the output dimension (rows of a Gemm's transposed weight; columns of the engc int4
-layout's qweight, scales and zeros), so the Concat's output is unchanged and downstream ops never
+the parts along the output dimension (rows of a Gemm's transposed weight; rows of the N-major engc
+int4 layout's qweight, scales and zeros), so the Concat's output is unchanged and downstream ops never
 notice. act-order QLinears are left alone: each part may order its inputs differently.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from engc.compiler.ir import Graph, Node
 
 # op -> the output-dimension axis of each weight input (after the activation), by position
-_OUT_AXIS = {"Gemm": (0, 0), "QLinear": (1, 1, 1, 0)}
+_OUT_AXIS = {"Gemm": (0, 0), "QLinear": (0, 0, 0, 0)}
 
 
 def fuse_parallel_gemms(g: Graph) -> Graph:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from engc.compiler.quantize.rtn import QuantizedWeight
-from engc.kernels.int4_linear import pack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 NATURAL = tuple(range(8))
@@ -36,6 +35,23 @@ def unpack_columns(words: torch.Tensor, order=NATURAL) -> torch.Tensor:
     return nibbles[..., inverse].reshape(r, c8 * 8).to(torch.uint8)
 
 
+def pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """[R, C] values 0..15, R % 8 == 0 -> int32 [R / 8, C]; nibble i of word [r, c] holds row 8r + i (GPTQ)."""
+    r, c = q.shape
+    q = q.reshape(r // 8, 8, c)
+    words = torch.zeros(r // 8, c, dtype=torch.int32)
+    for i in range(8):  # int32 shifts wrap in two's complement: nibble 7 lands in the sign bit
+        words |= q[:, i].to(torch.int32) << (4 * i)
+    return words
+
+
+def unpack_rows(words: torch.Tensor) -> torch.Tensor:
+    """int32 [R / 8, C] -> uint8 [R, C], the inverse of pack_rows."""
+    r8, c = words.shape
+    nibbles = (words.unsqueeze(1) >> (torch.arange(8, dtype=torch.int32) * 4).view(1, 8, 1)) & 0xF
+    return nibbles.reshape(r8 * 8, c).to(torch.uint8)
+
+
 def to_awq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     if not torch.equal(qw.g_idx.long(), torch.arange(qw.q.shape[1]) // qw.group_size):
         raise ValueError("the AWQ layout has no g_idx: act-order weights go to the GPTQ layout")
@@ -45,7 +61,7 @@ def to_awq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
 
 
 def to_gptq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
-    return {"qweight": pack_int4(qw.q.T.contiguous()),
+    return {"qweight": pack_rows(qw.q.T.contiguous()),
             "qzeros": pack_columns(((qw.zeros.to(torch.int64) - 1) & 0xF).T.contiguous()),
             "scales": qw.scales.T.contiguous().to(torch.float16),
             "g_idx": qw.g_idx.to(torch.int32)}

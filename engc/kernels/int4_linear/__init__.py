@@ -1,55 +1,81 @@
-"""W4A16 linear: y = x @ dequant(W) (+ bias), W stored as asymmetric uint4 with per-group scale and zero.
+"""W4A16 linear: y = x @ dequant(W)^T (+ bias), W stored as asymmetric uint4 with per-group scale and zero.
 
 ONNX: ai.engc::QLinear(x, qweight, scales, zeros[, bias][, perm]) -> y, attributes group_size,
 has_bias, act_order (flags for the optional inputs, so the input list never holds empty names).
 
-The engc int4 layout (what every AWQ/GPTQ checkpoint is repacked into), for a K-in, N-out projection:
-  qweight int32 [K // 8, N]   nibble j (bits 4j..4j+3) of word [r, n] holds q[8r + j, n], low nibble first
-  scales  float [ceil(K / group_size), N]   (the last group may be short: K need not divide)
-  zeros   uint8 [ceil(K / group_size), N]   zero points in [0, 15]
-  W[k, n] = (q[k, n] - zeros[k // g, n]) * scales[k // g, n]
-K-major packing keeps a GEMM tile's loads contiguous along N and lets fused projections (qkv, gate_up)
-concatenate along N. act_order checkpoints (GPTQ desc_act) have their input channels sorted by group
-at build time; perm (int64 [K]) then says which input channel each sorted row reads: y = x[:, perm] @ W.
+The engc int4 layout (what every AWQ/GPTQ checkpoint is repacked into), for a K-in, N-out projection,
+N-major like a torch Linear weight, so a decode GEMV reads each output row as one contiguous stream:
+  qweight int32 [N, K // 8]   chunk c (inputs 32c .. 32c+31) is words 4c .. 4c+3 (16 bytes); nibble j
+                              (bits 4j..4j+3) of word 4c+i holds q[n, 32c + 4j + i]
+  scales  float [N, ceil(K / group_size)]   (the last group may be short: K need not divide)
+  zeros   uint8 [N, ceil(K / group_size)]   zero points in [0, 15]
+  W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]
+Why the interleave: one 16-byte load gives a thread 32 weights of one row, and nibble j of its four words
+holds 4 consecutive inputs, so the matching x is one 8-byte load per nibble position. K % 32 == 0 and
+a group size that is a multiple of 32 (or covers all of K) keep every chunk inside one group.
+Fused projections (qkv, gate_up) concatenate along N (dim 0 of every tensor). act_order checkpoints
+(GPTQ desc_act) have their input channels sorted by group at build time; perm (int64 [K]) then says
+which input channel each sorted column reads: y = x[:, perm] @ W^T.
 
-Launch rule (GPU, triton.py; launch() below): M <= gemv_max_rows rows (a launch constant) run the GEMV
-variant for M rounded up to a power of two, which reads each weight word once for all rows, split over K
-when N alone gives fewer than target_programs programs (then 'gemv_reduce' sums the fp32 partials);
-larger M run the GEMM. Variants carry the group size, a kernel constant: gemv_m{1,2,4,8}_g{G}, gemm_g{G}.
+Launch rule (GPU, triton.py): M <= gemv_max_rows rows (a launch constant) run the GEMV for M rounded up
+to a power of two (gemv_m{1,2,4,8}_g{G}), which reads each weight once for all rows, split over K only
+when N alone gives fewer than target_programs programs (then 'gemv_reduce' sums the fp32 partials).
+Larger M (prefill) dequantize the weight into a bf16/fp16 scratch [N, K] (dequant_g{G}, bandwidth-bound)
+and call cuBLAS: cheaper than any int4 tensor-core GEMM engc has, by far (bench/int4_device.py).
 """
 import torch
 
-PACK = 8  # nibbles per int32 word
+PACK = 8    # nibbles per int32 word
+CHUNK = 32  # inputs per 16-byte chunk (4 words)
 GEMV_ROWS = (1, 2, 4, 8)   # the GEMV's BLOCK_M specializations; M rounds up to one of them
 # launch args of each kernel kind: how many lead pointers (the rest, before the 2 scratch slots, are scalars)
-POINTER_ARGS = {"gemv": 7, "gemv_reduce": 3, "gemm": 6}
+POINTER_ARGS = {"gemv": 7, "gemv_reduce": 3, "dequant": 4}
+
+
+def _chunk_order(k: int) -> torch.Tensor:
+    """Input index held by each (word, nibble) slot, in storage order: [K // 8, 8]."""
+    w = torch.arange(k // PACK).view(-1, 1)
+    j = torch.arange(PACK).view(1, -1)
+    return (w // 4) * CHUNK + 4 * j + w % 4
+
+
+def check_shape(k: int, group_size: int) -> str | None:
+    """Why the engc int4 layout cannot hold a K-in projection in groups of group_size, or None."""
+    if k % CHUNK:
+        return f"{k} inputs are not a multiple of {CHUNK}, which the engc int4 layout needs"
+    if group_size % CHUNK and group_size < k:
+        return f"int4 group size {group_size} is not a multiple of {CHUNK}, which the engc int4 layout needs"
+    return None
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q uint8-valued [K, N] (values 0..15), K % 8 == 0 -> int32 [K // 8, N]."""
-    k, n = q.shape
-    q = q.reshape(k // PACK, PACK, n)
-    words = torch.zeros(k // PACK, n, dtype=torch.int32, device=q.device)
+    """q uint8-valued [N, K] (values 0..15), K % 32 == 0 -> int32 [N, K // 8] in the engc layout."""
+    n, k = q.shape
+    assert k % CHUNK == 0, k
+    slots = q[:, _chunk_order(k).to(q.device)].to(torch.int32)   # [N, K // 8, 8]
+    words = torch.zeros(n, k // PACK, dtype=torch.int32, device=q.device)
     for j in range(PACK):  # int32 shifts wrap in two's complement: nibble 7 lands in the sign bit
-        words |= q[:, j].to(torch.int32) << (4 * j)
+        words |= slots[..., j] << (4 * j)
     return words
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """int32 [K // 8, N] -> uint8 [K, N]."""
-    r, n = qweight.shape
-    shifts = (torch.arange(PACK, dtype=torch.int32, device=qweight.device) * 4).view(1, PACK, 1)
-    q = (qweight.unsqueeze(1) >> shifts) & 0xF
-    return q.reshape(r * PACK, n).to(torch.uint8)
+    """int32 [N, K // 8] -> uint8 [N, K]."""
+    n, kw = qweight.shape
+    shifts = (torch.arange(PACK, dtype=torch.int32, device=qweight.device) * 4)
+    slots = (qweight.unsqueeze(-1) >> shifts) & 0xF                 # [N, K // 8, 8]
+    q = torch.empty(n, kw * PACK, dtype=torch.uint8, device=qweight.device)
+    q[:, _chunk_order(kw * PACK).to(qweight.device)] = slots.to(torch.uint8)
+    return q
 
 
 def dequantize(qweight, scales, zeros, group_size: int) -> torch.Tensor:
-    """-> W [K, N] in scales' dtype."""
+    """-> W [N, K] in scales' dtype (what the GPU dequant kernel writes, bit for bit)."""
     q = unpack_int4(qweight)
-    k = q.shape[0]
-    s = scales.repeat_interleave(group_size, dim=0)[:k]
-    z = zeros.repeat_interleave(group_size, dim=0)[:k]
-    return ((q.to(torch.int16) - z.to(torch.int16)).to(scales.dtype) * s)
+    k = q.shape[1]
+    s = scales.repeat_interleave(group_size, dim=1)[:, :k]
+    z = zeros.repeat_interleave(group_size, dim=1)[:, :k]
+    return (q.to(torch.int16) - z.to(torch.int16)).to(scales.dtype) * s
 
 
 def int4_linear(x, qweight, scales, zeros, *extra, group_size: int, has_bias: int = 0,
@@ -58,8 +84,7 @@ def int4_linear(x, qweight, scales, zeros, *extra, group_size: int, has_bias: in
     if act_order:
         x = x.index_select(-1, extra[int(bool(has_bias))])
     w = dequantize(qweight, scales, zeros, group_size).to(x.dtype)
-    y = x @ w
-    return y + bias if bias is not None else y
+    return torch.nn.functional.linear(x, w, bias)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -70,8 +95,8 @@ def gemv_variant(rows: int, group_size: int) -> str:
     return f"gemv_m{rows}_g{group_size}"
 
 
-def gemm_variant(group_size: int) -> str:
-    return f"gemm_g{group_size}"
+def dequant_variant(group_size: int) -> str:
+    return f"dequant_g{group_size}"
 
 
 def variant_kind(variant: str) -> str:
@@ -82,68 +107,85 @@ def variant_rows(variant: str) -> int:
     return int(variant.split("_")[1][1:])
 
 
-def gemm_block_k(group_size: int, block_k: int) -> int:
-    """The GEMM's K tile: at most block_k and a divisor of the group, so a tile never straddles groups."""
-    while group_size % block_k:
-        block_k //= 2
-    if block_k < 16:
-        raise ValueError(f"int4 group size {group_size} is not a multiple of 16, which the GPU GEMM needs")
-    return block_k
-
-
 def jit_consts(group_size: int, table: dict) -> dict:
     """Every variant's constants for one group size from a per-kind table (the JIT path's stand-in for
     the bundle's records)."""
-    consts = {gemv_variant(r, group_size): dict(table["gemv"], gemv_max_rows=GEMV_ROWS[-1]) for r in GEMV_ROWS}
+    consts = {gemv_variant(r, group_size): dict(table["gemv"]) for r in GEMV_ROWS}
     consts["gemv_reduce"] = dict(table["gemv_reduce"])
-    gemm = dict(table["gemm"])
-    gemm["BLOCK_K"] = gemm_block_k(group_size, gemm["BLOCK_K"])
-    consts[gemm_variant(group_size)] = gemm
+    consts[dequant_variant(group_size)] = dict(table["dequant"])
     return consts
 
 
-def gemv_splits(tiles_n: int, word_rows: int, c: dict) -> tuple[int, int]:
-    """(splits, word rows per split) of the GEMV: split K only while the N tiles alone are fewer than
+def uses_gemv(m: int, group_size: int, consts: dict) -> bool:
+    """Whether M rows run the GEMV (else dequantize + cuBLAS)."""
+    gemv = consts.get(gemv_variant(1, group_size))
+    return gemv is not None and m <= min(gemv["gemv_max_rows"], GEMV_ROWS[-1])
+
+
+def gemv_splits(tiles_n: int, chunks: int, c: dict) -> tuple[int, int]:
+    """(splits, chunks per split) of the GEMV: split K only while the N tiles alone are fewer than
     target_programs (a split costs a partial write and the reduce launch), each split a whole number
-    of BLOCK_R row tiles."""
+    of BLOCK_C-chunk tiles."""
     splits = 1
     if tiles_n < c["target_programs"]:
-        splits = min(c["max_splits"], _cdiv(c["target_programs"], tiles_n), _cdiv(word_rows, c["BLOCK_R"]))
-    rows_per_split = _cdiv(_cdiv(word_rows, splits), c["BLOCK_R"]) * c["BLOCK_R"]
-    return _cdiv(word_rows, rows_per_split), rows_per_split
+        splits = min(c["max_splits"], _cdiv(c["target_programs"], tiles_n), _cdiv(chunks, c["BLOCK_C"]))
+    per_split = _cdiv(_cdiv(chunks, splits), c["BLOCK_C"]) * c["BLOCK_C"]
+    return _cdiv(chunks, per_split), per_split
 
 
 def launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: dict):
-    """Launch rule of the int4 kernels: [(variant, grid, args)], in launch order.
+    """Launch rule of the GEMV (uses_gemv(M) true): [(variant, grid, args)], in launch order.
 
     x [M, K] and y [M, N] contiguous in the activation dtype; qweight, scales, zeros in the engc int4
     layout; bias [N] or None. consts: variant -> the record's 'launch' dict. Null pointers are 0.
     args of 'gemv_m{R}_g{G}' (grid (cdiv(N, BLOCK_N), splits)):
-        x, qweight, scales, zeros, bias, y, part, M, N, K, rows_per_split, has_bias, 0, 0
+        x, qweight, scales, zeros, bias, y, part, M, N, K, chunks_per_split, has_bias, 0, 0
         (part: fp32 [splits, M, N] partial sums when splits > 1, else 0)
     args of 'gemv_reduce' (grid (cdiv(N, BLOCK), M)): part, bias, y, M, N, splits, has_bias, 0, 0
-    args of 'gemm_g{G}' (grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)): x, qweight, scales, zeros, bias, y,
-        M, N, K, has_bias, 0, 0
     """
     m, k = x.shape
-    n = qweight.shape[1]
-    assert x.is_contiguous() and y.is_contiguous() and qweight.shape[0] * PACK == k and n % 8 == 0
+    n = qweight.shape[0]
+    assert x.is_contiguous() and y.is_contiguous() and qweight.shape[1] * PACK == k and k % CHUNK == 0
     if m == 0:
         return []
     has_bias, b = (1, bias) if bias is not None else (0, 0)
-    gemv = consts.get(gemv_variant(1, group_size))
-    if gemv is not None and m <= gemv["gemv_max_rows"]:
-        variant = gemv_variant(next(r for r in GEMV_ROWS if r >= m), group_size)
-        c = consts[variant]
-        tiles_n = _cdiv(n, c["BLOCK_N"])
-        splits, rows_per_split = gemv_splits(tiles_n, k // PACK, c)
-        part = torch.empty(splits * m * n, dtype=torch.float32, device=x.device) if splits > 1 else 0
-        launches = [(variant, (tiles_n, splits, 1),
-                     [x, qweight, scales, zeros, b, y, part, m, n, k, rows_per_split, has_bias, 0, 0])]
-        if splits > 1:
-            block = consts["gemv_reduce"]["BLOCK"]
-            launches.append(("gemv_reduce", (_cdiv(n, block), m, 1), [part, b, y, m, n, splits, has_bias, 0, 0]))
-        return launches
-    c = consts[gemm_variant(group_size)]
-    grid = (_cdiv(m, c["BLOCK_M"]) * _cdiv(n, c["BLOCK_N"]), 1, 1)
-    return [(gemm_variant(group_size), grid, [x, qweight, scales, zeros, b, y, m, n, k, has_bias, 0, 0])]
+    variant = gemv_variant(next(r for r in GEMV_ROWS if r >= m), group_size)
+    c = consts[variant]
+    tiles_n = _cdiv(n, c["BLOCK_N"])
+    splits, per_split = gemv_splits(tiles_n, k // CHUNK, c)
+    part = torch.empty(splits * m * n, dtype=torch.float32, device=x.device) if splits > 1 else 0
+    launches = [(variant, (tiles_n, splits, 1),
+                 [x, qweight, scales, zeros, b, y, part, m, n, k, per_split, has_bias, 0, 0])]
+    if splits > 1:
+        block = consts["gemv_reduce"]["BLOCK"]
+        launches.append(("gemv_reduce", (_cdiv(n, block), m, 1), [part, b, y, m, n, splits, has_bias, 0, 0]))
+    return launches
+
+
+def dequant_launch(qweight, scales, zeros, w, *, group_size: int, consts: dict):
+    """Launch rule of the dequant kernel: W [N, K] (contiguous, the activation dtype) = dequantize(...).
+    args of 'dequant_g{G}' (grid (cdiv(N, BLOCK_N), cdiv(K / 32, BLOCK_C))): qweight, scales, zeros, w,
+    N, K, 0, 0"""
+    n, k = w.shape
+    assert w.is_contiguous() and qweight.shape == (n, k // PACK) and k % CHUNK == 0
+    variant = dequant_variant(group_size)
+    c = consts[variant]
+    if n == 0:
+        return []
+    grid = (_cdiv(n, c["BLOCK_N"]), _cdiv(k // CHUNK, c["BLOCK_C"]), 1)
+    return [(variant, grid, [qweight, scales, zeros, w, n, k, 0, 0])]
+
+
+def run_quantized_linear(x, qweight, scales, zeros, bias, *, group_size: int, consts: dict, run):
+    """y = x @ dequant(W)^T (+ bias) on the GPU: the GEMV for decode-sized M, else the dequant kernel into
+    a scratch [N, K] from torch's allocator (graph-safe: a captured graph keeps it in its pool) and
+    cuBLAS. run(launches) launches the bundle's kernels. x contiguous [M, K]."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    if uses_gemv(m, group_size, consts):
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        run(launch(x, qweight, scales, zeros, bias, y, group_size=group_size, consts=consts))
+        return y
+    w = torch.empty(n, k, dtype=x.dtype, device=x.device)
+    run(dequant_launch(qweight, scales, zeros, w, group_size=group_size, consts=consts))
+    return torch.nn.functional.linear(x, w, bias)
