@@ -222,7 +222,7 @@ def bench_shape(shape: str, args) -> dict:
             res["generate_error"] = r.stderr[-2000:]
     if args.serve and not args.profile_only:
         res.update(serve_first_token(bundle))
-    if base != "tiny" and shape == base and not args.profile_only:  # the floor once per checkpoint
+    if base != "tiny" and shape == base and not args.profile_only and not args.no_hf:  # once per checkpoint
         try:
             res.update(hf_floor(ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"]))
         except Exception as e:  # the floor is context, not a gate
@@ -478,7 +478,8 @@ def run(args):
         # one process per shape, so each starts with an empty GPU
         cmd = [sys.executable, __file__, "run", "--child", "--shapes", shape, "--cache", args.cache,
                "--out", str(out), "--work", args.work, "--commit", args.commit] + (["--long"] if args.long else []) \
-            + (["--serve"] if args.serve else []) + (["--profile-only"] if args.profile_only else [])
+            + (["--serve"] if args.serve else []) + (["--profile-only"] if args.profile_only else []) \
+            + (["--no-hf"] if args.no_hf else [])
         subprocess.run(cmd, timeout=args.timeout)
         f = out / f"engc_{shape}.json"
         results.append(json.loads(f.read_text()) if f.exists() else {"shape": shape, "error": "no result"})
@@ -519,6 +520,7 @@ def main():
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--long", action="store_true")
     ap.add_argument("--serve", action="store_true", help="also time `engc run` to its first token")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers floor")
     ap.add_argument("--profile-only", action="store_true", help="per-kernel decode profile, no timings")
     ap.add_argument("--timeout", type=int, default=400)
     args = ap.parse_args()
