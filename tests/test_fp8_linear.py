@@ -22,6 +22,8 @@ CASES = {
     "m16_split_k": (16, 96, 512, False, False, torch.float32, SPLIT),
     "m3_quant_x_split_k_ragged_k": (3, 72, 208, True, False, torch.float32, SPLIT),
     "m16_quant_x_split_k_bias_bf16_out": (16, 64, 256, True, True, torch.bfloat16, SPLIT),
+    # 7 K tiles over 3 splits (3, 3, 1): a split count that is no power of two, a short last split
+    "m7_split_k_uneven": (7, 64, 448, False, False, torch.float32, {"target_programs": 3, "min_split_k_tiles": 1}),
 }
 
 
@@ -41,12 +43,12 @@ def test_fp8_linear_kernel_matches_reference(report, case):
 
 
 def test_launch_rule_splits_and_picks():
-    from engc.kernels.fp8_linear import NUM_COUNTERS, launch, pick, variant_table
+    from engc.kernels.fp8_linear import NUM_COUNTERS, launch, pick, split_count, variant_table
     consts = {"q_k4096_m16": dict(K=4096, QUANT_X=True, max_m=16, BLOCK_N=64, BLOCK_K=256, target_programs=132,
                                   max_splits=16, min_split_k_tiles=4),
               "k4096_m16": dict(K=4096, QUANT_X=False, max_m=16, BLOCK_N=64, BLOCK_K=256, target_programs=132,
                                 max_splits=16, min_split_k_tiles=4),
-              "k4096_m64": dict(K=4096, QUANT_X=False, max_m=64, BLOCK_N=128, BLOCK_K=128, target_programs=132,
+              "k4096_m64": dict(K=4096, QUANT_X=False, max_m=64, BLOCK_N=128, BLOCK_K=128, target_programs=264,
                                 max_splits=16, min_split_k_tiles=4)}
     table = variant_table(consts)
     assert pick(table, 4096, 1, True) == "q_k4096_m16" and pick(table, 4096, 17, True) is None
@@ -57,9 +59,13 @@ def test_launch_rule_splits_and_picks():
     x, xs = torch.empty(64, 4096, dtype=torch.float8_e4m3fn), torch.empty(64)
     out = torch.empty(64, 6144, dtype=torch.bfloat16)
     (variant, grid, args), = launch(x, xs, w, ws, None, out, "k4096_m64", consts["k4096_m64"], counters)
-    # 8B qkv at M=64: 48 N tiles, split 4 ways (192 programs >= 132), 8 K tiles of 128 each
-    assert grid == (48, 4, 1) and args[-7:] == [64, 6144, 8, 4, 0, 0, 0] and args[7] is counters
-    assert args[6].shape == (4, 64, 6144) and args[6].dtype == torch.float32
+    # 8B qkv at M=64: 48 N tiles, split 5 ways (240 programs, the most within 264), 7 K tiles of 128 each
+    # (the last split 4)
+    assert grid == (48, 5, 1) and args[-7:] == [64, 6144, 7, 5, 0, 0, 0] and args[7] is counters
+    assert args[6].shape == (5, 64, 6144) and args[6].dtype == torch.float32
+    assert split_count(448, 32, consts["k4096_m64"]) == (1, 32)     # gate_up: enough N tiles, no split
+    assert split_count(32, 112, consts["k4096_m64"]) == (8, 14)     # down at BLOCK_N 128: 256 programs
+    assert split_count(32, 8, consts["k4096_m64"]) == (2, 4)        # min_split_k_tiles bounds the split
     with pytest.raises(AssertionError):  # a QUANT_X variant takes bf16 x and no scales
         launch(x, xs, w, ws, None, out[:16], "q_k4096_m16", consts["q_k4096_m16"], counters)
 

@@ -8,16 +8,15 @@ this kernel streams the weight through wgmma with split-K and, for a few rows, q
 A bundle holds one kernel per (K, M class, QUANT_X): variant `[q_]k{K}_m{max_m}` (q_: x is bf16 and the
 kernel quantizes it; else x is float8 from the fp8_quant kernel, with its per-token scales). Each has
 launch constants (its record's `launch`): K, QUANT_X, max_m, BLOCK_N, BLOCK_K and the split rule's
-target_programs, max_splits, min_split_k_tiles. The runtime picks a fused variant for the smallest M
-class holding M if there is one, else the fp8_quant kernel + a plain variant, else (M above every
-class: prefill) fp8_quant + _scaled_mm, where cuBLASLt's big tiles win.
+target_programs, max_splits, min_split_k_tiles (split_count below). The runtime picks a fused variant
+for the smallest M class holding M if there is one, else the fp8_quant kernel + a plain variant, else
+(M above every class: prefill) fp8_quant + _scaled_mm, where cuBLASLt's big tiles win.
 """
 from __future__ import annotations
 
 import torch
 
 from engc.kernels.fp8_quant import fp8_linear  # noqa: F401  (the op's reference)
-from engc.kernels.gemv import split_count
 
 # Split-K arrival counters the runtime keeps zeroed: one per N tile of a launch.
 NUM_COUNTERS = 1 << 16
@@ -38,6 +37,21 @@ def variant_table(consts: dict) -> dict:
 def pick(table: dict, k: int, m: int, quant_x: bool) -> str | None:
     """The variant for M rows of a K-wide input (x bf16 when quant_x, else float8), or None."""
     return next((v for max_m, v in table.get((k, quant_x), ()) if 1 <= m <= max_m), None)
+
+
+def split_count(n_tiles: int, k_tiles: int, c: dict) -> tuple[int, int]:
+    """(splits, K tiles per split): the most splits that keep the grid within target_programs, each split
+    at least min_split_k_tiles tiles, at most max_splits; no split is left empty.
+
+    At decode sizes the kernel is bound by how many weight bytes are in flight (Little's law: the H200
+    measured ~1.3 TB/s with ~24 KB per program and ~1.5 programs per SM, ~2.5-3.5 TB/s with twice that),
+    so the grid should fill what the SMs hold at once (target_programs = SMs x programs per SM, which the
+    tune entry's shared memory allows) and not spill into a second, mostly empty wave. Any count is
+    allowed, not just powers of two: 8B qkv at BLOCK_N 128 is 48 N tiles, x5 = 240 programs for 264 slots
+    (doubling would give 192 or 384)."""
+    splits = max(1, min(c["target_programs"] // n_tiles, c["max_splits"], k_tiles // c["min_split_k_tiles"]))
+    per = -(-k_tiles // splits)
+    return -(-k_tiles // per), per
 
 
 def launch(x, x_scale, w, w_scale, bias, out, variant: str, consts: dict, counters):
