@@ -95,3 +95,26 @@ def test_build_refuses_scales_that_do_not_match_the_group_size(rtn_checkpoint, t
     edit_config(rtn_checkpoint, group_size=16)  # the tensors hold groups of 32
     out = CliRunner().invoke(main, ["build", str(rtn_checkpoint), "-o", str(tmp_path / "b"), "--json"])
     one_line_error(out, "group")
+
+
+def test_int4_bundle_of_another_layout_is_refused(tmp_path):
+    """A bundle whose int4 weights were packed another way (an older engc) is refused, never misread."""
+    import json
+    import shutil
+    from engc.compiler.build import BuildOptions, build
+    from engc.errors import BundleError
+    from engc.runtime.loader import load
+    from tiny_models import make_tiny
+    src = make_tiny("llama", tmp_path / "src")
+    quantize_checkpoint(str(src), tmp_path / "q", QuantOptions(method="rtn", group_size=32))
+    bundle = tmp_path / "b"
+    build(str(tmp_path / "q"), bundle, BuildOptions())
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["quantization"]["layout"] == "engc-int4-nmajor"
+    load(bundle)  # this engc's own layout loads
+    old = tmp_path / "old"
+    shutil.copytree(bundle, old)
+    manifest["quantization"]["layout"] = "engc-int4"
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="packed as 'engc-int4'.*rebuild"):
+        load(old, verify_hashes=False)

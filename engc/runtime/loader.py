@@ -13,7 +13,7 @@ from engc.bundle.model_config import ModelConfig
 from engc.bundle.program import parse_program
 from engc.bundle.reader import Bundle, open_bundle, verify_big_files
 from engc.errors import BundleError
-from engc.kernels import kv_quant
+from engc.kernels import int4_linear, kv_quant
 from engc.runtime.executor import Executor
 from engc.runtime.ops_reference import REFERENCE_OPS
 from engc.runtime.tokenizer import Tokenizer
@@ -50,6 +50,10 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
     except ValueError as e:
         raise BundleError(f"{bundle.path}: {e}; this engc reads {', '.join(kv_quant.KV_CACHE_CHOICES)}: "
                           "use a matching engc or rebuild the bundle") from None
+    layout = (bundle.manifest.get("quantization") or {}).get("layout")
+    if layout is not None and layout.startswith("engc-int4") and layout != int4_linear.LAYOUT:
+        raise BundleError(f"{bundle.path}: its int4 weights are packed as '{layout}'; this engc reads "
+                          f"'{int4_linear.LAYOUT}': rebuild the bundle with this engc")
     dev = pick_device(device, bundle)
     program = parse_program(bundle.read(bundle.manifest["program"]))
     weights = {}

@@ -14,6 +14,7 @@ from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.hf import read_hf_folder
 from engc.compiler.quantize.formats import AWQ_ORDER, NATURAL, unpack_columns, unpack_rows
 from engc.errors import UserError
+from engc.kernels import int4_linear
 from engc.kernels.int4_linear import check_shape, pack_int4
 
 GPTQ_ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
@@ -64,7 +65,7 @@ def describe(qc: dict) -> dict:
     """The manifest's `quantization` field."""
     return {"method": (qc.get("meta") or {}).get("method", qc["quant_method"]), "bits": 4,
             "group_size": int(qc.get("group_size", 128)), "source_format": qc["quant_method"],
-            "act_order": bool(qc.get("desc_act", False)), "layout": "engc-int4"}
+            "act_order": bool(qc.get("desc_act", False)), "layout": int4_linear.LAYOUT}
 
 
 def _checked_scales(src: dict, qc: dict, prefix: str, name: str):

@@ -25,6 +25,10 @@ and call cuBLAS: cheaper than any int4 tensor-core GEMM engc has, by far (bench/
 """
 import torch
 
+# The layout's name in the manifest (quantization.layout). Bumped whenever the packing changes, so a
+# runtime never reads a bundle packed another way (the K-major layout of before was "engc-int4").
+LAYOUT = "engc-int4-nmajor"
+
 PACK = 8    # nibbles per int32 word
 CHUNK = 32  # inputs per 16-byte chunk (4 words)
 GEMV_ROWS = (1, 2, 4, 8)   # the GEMV's BLOCK_M specializations; M rounds up to one of them
