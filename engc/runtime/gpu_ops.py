@@ -196,14 +196,20 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
                              out_dtype=x.dtype)
         return (y + bias if has_bias else y,)
 
+    # W4A16: the CUDA C++ GEMV where built (its split-K counters made before any capture), else the
+    # Triton GEMV up to gemv_max_rows rows; above, dequantize into a scratch W and cuBLAS
+    int4_counters = (torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32,
+                                 device="cuda" if torch.cuda.is_available() else "cpu")
+                     if any(gemv.is_cuda(c) for c in k.consts.get("int4_linear", {}).values()) else None)
+
     def qlinear(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0):
-        # W4A16: the GEMV up to gemv_max_rows rows; above, dequantize into a scratch W and cuBLAS
         if act_order:  # GPTQ desc_act: rows were sorted by group at build time, x follows them
             x = x.index_select(-1, extra[int(bool(has_bias))])
         return (int4_linear.run_quantized_linear(x.contiguous(), qweight, scales, zeros,
                                                  extra[0] if has_bias else None, group_size=group_size,
                                                  consts=k.consts["int4_linear"],
-                                                 run=lambda launches: k.run("int4_linear", launches)),)
+                                                 run=lambda launches: k.run("int4_linear", launches),
+                                                 counters=int4_counters),)
 
     ops = dict(REFERENCE_OPS)
     ops.update({

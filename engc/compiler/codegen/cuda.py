@@ -226,17 +226,21 @@ def selected_gemv_specs(triton_specs: list, cfg: ModelConfig, overrides=None) ->
 def add_selected(result, triton_specs: list, cfg: ModelConfig, progress=None, gemv_overrides=None):
     """Compile the selected CUDA kernels into result (a CodegenResult). Without nvcc they are skipped with
     one line: the Triton kernels they replace are in the bundle anyway, and the launch rule falls back
-    (the GEMV to the Triton GEMV where the bundle has one, else cuBLAS)."""
+    (the GEMV to the Triton GEMV where the bundle has one, else cuBLAS; the int4 GEMV to the Triton one)."""
+    from engc.compiler.codegen.cuda_int4 import selected_int4_specs
     specs, notes = selected_specs(triton_specs, cfg)
     gemv_specs, gemv_notes = selected_gemv_specs(triton_specs, cfg, gemv_overrides)
-    notes += gemv_notes
-    if (specs or gemv_specs) and nvcc_path() is None:
+    int4_specs, int4_notes = selected_int4_specs(triton_specs)
+    notes += gemv_notes + int4_notes
+    if (specs or gemv_specs or int4_specs) and nvcc_path() is None:
         if specs:
             notes.append("nvcc not found: the CUDA decode kernel is skipped, Triton's decode is used")
         if gemv_specs:
             notes.append("nvcc not found: the CUDA GEMV is skipped, the Triton GEMV or cuBLAS runs")
-        specs, gemv_specs = [], []
-    specs += gemv_specs
+        if int4_specs:
+            notes.append("nvcc not found: the CUDA int4 GEMV is skipped, the Triton int4 GEMV runs")
+        specs, gemv_specs, int4_specs = [], [], []
+    specs += gemv_specs + int4_specs
     for note in notes:
         print(f"engc: note: {note}", file=sys.stderr)
     if specs:

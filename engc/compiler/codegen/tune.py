@@ -128,6 +128,13 @@ for _arch in ("sm80", "sm90"):
         _put(_arch, "int4_linear", "*", f"gemv_m{_rows}", BLOCK_N=_block_n, **_gemv)
     _put(_arch, "int4_linear", "*", "gemv_reduce", BLOCK=512, num_warps=4, num_stages=1)
     _put(_arch, "int4_linear", "*", "dequant", BLOCK_N=4, BLOCK_C=128, num_warps=4, num_stages=1)
+    # The CUDA C++ int4 GEMV (templates/int4_gemv.cu.j2: magic-number dequant in registers, tensor-core mma,
+    # any M <= max_m <= 8 for the cost of one), run in place of the Triton GEMV for M <= max_m where
+    # enabled and nvcc was there at build time. Tiles as for the bf16 CUDA GEMV, but a K step is 128 wide
+    # (BLOCK_K = 128 * warps * UNROLL); split K (in-kernel, last-arriver) until target_programs CTAs.
+    # Not measured on a device yet: enabled stays False until bench/int4_cuda_device.py shows it ahead.
+    _put(_arch, "int4_linear", "cuda", "gemv", enabled=False, max_m=8, num_warps=4, TILES=2, UNROLL=2,
+         min_blocks=3, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
 
 _put("sm90", "paged_attention", "prefill", "d<=64", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 _put("sm90", "paged_attention", "prefill", "d<=128", BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)

@@ -22,6 +22,10 @@ to a power of two (gemv_m{1,2,4,8}_g{G}), which reads each weight once for all r
 when N alone gives fewer than target_programs programs (then 'gemv_reduce' sums the fp32 partials).
 Larger M (prefill) dequantize the weight into a bf16/fp16 scratch [N, K] (dequant_g{G}, bandwidth-bound)
 and call cuBLAS: cheaper than any int4 tensor-core GEMM engc has, by far (bench/int4_device.py).
+Where the build had nvcc and the tune table turns it on, the bundle also holds the CUDA C++ GEMV
+(templates/int4_gemv.cu.j2, variant cuda_g{G}: dequant in registers, tensor-core mma, M = 1..8 for the
+cost of one); it runs first for M <= its max_m (cuda_launch), splitting K in-kernel on the runtime's
+zeroed counters, with no reduce launch.
 """
 import torch
 
@@ -180,12 +184,54 @@ def dequant_launch(qweight, scales, zeros, w, *, group_size: int, consts: dict):
     return [(variant, grid, [qweight, scales, zeros, w, n, k, 0, 0])]
 
 
-def run_quantized_linear(x, qweight, scales, zeros, bias, *, group_size: int, consts: dict, run):
-    """y = x @ dequant(W)^T (+ bias) on the GPU: the GEMV for decode-sized M, else the dequant kernel into
-    a scratch [N, K] from torch's allocator (graph-safe: a captured graph keeps it in its pool) and
+def cuda_variant(group_size: int) -> str:
+    return f"cuda_g{group_size}"
+
+
+def uses_cuda_gemv(m: int, group_size: int, consts: dict) -> bool:
+    """Whether M rows run the CUDA C++ GEMV (the bundle has one for this group size and M fits)."""
+    c = consts.get(cuda_variant(group_size))
+    return c is not None and 1 <= m <= c["max_m"]
+
+
+def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: dict, counters):
+    """Launch rule of the CUDA GEMV (uses_cuda_gemv(M) true): [(variant, grid, args)].
+
+    grid (cdiv(N, BLOCK_N), splits); K splits as kernels/gemv's split_count says (toward target_programs
+    CTAs), whole BLOCK_K tiles each; the last split to arrive reduces. counters: int32, zero, at least one
+    per N tile for a split launch (left zero again). args: x, qweight, scales, zeros, bias, y, partial
+    (fp32 [splits, M, N] or 0), counter (or 0), M, N, K, k_tiles_per_split, splits, has_bias."""
+    from engc.kernels.gemv import split_count
+    m, k = x.shape
+    n = qweight.shape[0]
+    assert x.is_contiguous() and y.is_contiguous() and qweight.shape[1] * PACK == k and k % CHUNK == 0
+    if m == 0:
+        return []
+    variant = cuda_variant(group_size)
+    c = consts[variant]
+    assert m <= c["max_m"] and c["GROUP"] == group_size
+    n_tiles, k_tiles = _cdiv(n, c["BLOCK_N"]), _cdiv(k, c["BLOCK_K"])
+    splits, per = split_count(n_tiles, k_tiles, c)
+    if splits > 1 and n_tiles > counters.numel():
+        splits, per = 1, k_tiles
+    has_bias, b = (1, bias) if bias is not None else (0, 0)
+    partial = torch.empty(splits * m * n, dtype=torch.float32, device=x.device) if splits > 1 else 0
+    return [(variant, (n_tiles, splits, 1), [x, qweight, scales, zeros, b, y, partial,
+                                              counters if splits > 1 else 0, m, n, k, per, splits, has_bias])]
+
+
+def run_quantized_linear(x, qweight, scales, zeros, bias, *, group_size: int, consts: dict, run, counters=None):
+    """y = x @ dequant(W)^T (+ bias) on the GPU: the CUDA GEMV where the bundle has one (counters: the
+    runtime's zeroed split counters), else the Triton GEMV for decode-sized M, else the dequant kernel
+    into a scratch [N, K] from torch's allocator (graph-safe: a captured graph keeps it in its pool) and
     cuBLAS. run(launches) launches the bundle's kernels. x contiguous [M, K]."""
     m, k = x.shape
     n = qweight.shape[0]
+    if counters is not None and uses_cuda_gemv(m, group_size, consts):
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        run(cuda_launch(x, qweight, scales, zeros, bias, y, group_size=group_size, consts=consts,
+                        counters=counters))
+        return y
     if uses_gemv(m, group_size, consts):
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
         run(launch(x, qweight, scales, zeros, bias, y, group_size=group_size, consts=consts))

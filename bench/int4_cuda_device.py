@@ -1,0 +1,236 @@
+"""Check and time the CUDA C++ W4A16 GEMV (templates/int4_gemv.cu.j2) on an H200 against bf16 F.linear and the
+Triton int4 GEMV (kernels/int4_linear/triton.py).
+
+  python bench/int4_cuda_device.py prepare .aot_int4_cuda   # here, CPU only: nvcc sm90 cubins for a sweep of
+                                                            # template configs (g128; g64 for the edge checks)
+                                                            # and the Triton int4 kernels as tuned
+  python bench/int4_cuda_device.py run .aot_int4_cuda       # on the GPU box: cubins through the driver API
+
+First correctness: every config on odd shapes (N not a multiple of the tile, K not of 128 nor of the group,
+bias, M = 3, group 64: the per-weight scaling path) and on each 8B shape at every M, against the torch
+reference (dequantize, matmul in float64; rel err < 1e-2, split counters back to zero), again after the
+graph replays. Then timings: Llama-3-8B projections (qkv, o, gate_up, down; group 128) at M = 1, 2, 4, 8,
+each a CUDA graph cycling through enough weight copies to miss L2; TB/s counts packed weights + scales +
+zeros. Each CUDA config runs at 2x, 4x and 8x SMs of target_programs (a launch constant). The table (last)
+gives bf16, Triton int4 and the chosen CUDA config per case, the 8B's GEMV time per decode step (32 layers)
+at M = 1, and the tune.py entry. results.json and log.txt go under $OUT.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+GROUP = 128
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
+MS = (1, 2, 4, 8)
+SMS = 132
+TARGETS = (2, 4, 8)       # target_programs = this x SMs
+LAYERS = 32
+# config name -> template constants (w warps, t 16-row tiles, u 128-wide K steps per iteration, b CTAs per SM)
+SWEEP = {"w4t2u2b3": dict(num_warps=4, TILES=2, UNROLL=2, min_blocks=3),
+         "w4t1u4b3": dict(num_warps=4, TILES=1, UNROLL=4, min_blocks=3),
+         "w4t4u1b3": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=3),
+         "w4t2u1b4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4),
+         "w8t2u1b2": dict(num_warps=8, TILES=2, UNROLL=1, min_blocks=2),
+         "w2t2u2b6": dict(num_warps=2, TILES=2, UNROLL=2, min_blocks=6)}
+EDGE = [(3, 1000, 1056, True), (8, 48, 4096 + 32, False), (1, 257, 2080, True)]   # (M, N, K, bias)
+
+
+# ------------------------------------------------------------------------------------------ prepare (CPU)
+
+def prepare(out_dir: Path):
+    from engc.compiler.codegen import cuda, cuda_int4
+    from engc.compiler.codegen.record import compile_specs
+    from engc.compiler.codegen.specs import int4_linear_specs
+    if cuda.nvcc_path() is None:
+        raise SystemExit("nvcc not found: the CUDA int4 GEMV cannot be built here")
+    t0, index, sets = time.time(), {}, {}
+    for name, ov in SWEEP.items():
+        specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov)[0]]
+        if name == next(iter(SWEEP)):
+            specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov)[0])
+        sets[f"cuda/{name}"] = cuda.compile_cuda(specs)
+        print(f"cuda/{name}: {len(specs)} kernels ({time.time() - t0:.0f}s)", flush=True)
+    sets["triton"] = compile_specs(int4_linear_specs("bf16", "sm90", (GROUP, 64)), jobs=2)
+    print(f"triton: ({time.time() - t0:.0f}s)", flush=True)
+    for set_name, res in sets.items():
+        for path, data in res.files.items():
+            dst = out_dir / set_name / path
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(data)
+        index[set_name] = res.records
+    (out_dir / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
+
+
+# ------------------------------------------------------------------------------------------ run (GPU)
+
+def make_weights(n, k, group, copies, gen):
+    import torch
+    g = -(-k // group)
+    out = []
+    for _ in range(copies):
+        qw = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda", generator=gen)
+        s = (torch.rand(n, g, device="cuda", generator=gen) * 0.01 + 0.001).to(torch.bfloat16)
+        z = torch.randint(0, 16, (n, g), dtype=torch.uint8, device="cuda", generator=gen)
+        out.append((qw, s, z))
+    return out
+
+
+def run(aot: Path, out: Path):
+    import torch
+    import torch.nn.functional as F
+    from kernels_device import KernelSet, rel_err, time_graph
+    from engc.kernels import gemv
+    from engc.kernels import int4_linear as op
+    started = time.time()
+    torch.zeros(1, device="cuda")   # the primary context, before any driver call loads a module
+    index = json.loads((aot / "index.json").read_text())
+    sets = {name: KernelSet(aot / name, recs) for name, recs in index.items()}
+    counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "timings": []}
+    log = []
+
+    def say(msg):
+        print(msg, flush=True)
+        log.append(msg)
+
+    def cuda_linear(name, target, x, w, group, bias=None):
+        ks = sets[name]
+        consts = {v: dict(c, target_programs=target) if target else c for v, c in ks.consts("int4_linear").items()}
+        y = torch.empty(x.shape[0], w[0].shape[0], dtype=x.dtype, device="cuda")
+        ks.run("int4_linear", op.cuda_launch(x, *w, bias, y, group_size=group, consts=consts, counters=counters))
+        return y
+
+    def triton_linear(x, w, group, bias=None):
+        ks = sets["triton"]
+        return op.run_quantized_linear(x, *w, bias, group_size=group, consts=ks.consts("int4_linear"),
+                                       run=lambda launches: ks.run("int4_linear", launches))
+
+    def check(tag, got, ref):
+        err = rel_err(got, ref)
+        ok = err < 1e-2 and int(counters.abs().sum().item()) == 0
+        results["checks"].append(dict(tag, err=err, ok=ok))
+        if not ok:
+            say(f"CHECK FAILED {tag}: rel err {err:.2e}, counters {int(counters.abs().sum().item())}")
+        return ok
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cuda_sets = [name for name in sets if name.startswith("cuda/")]
+    # 1. odd shapes: tails along N and K, a short last group, bias, group 64 (scaled per weight)
+    for group in (GROUP, 64):
+        for m, n, k, with_bias in EDGE:
+            w = make_weights(n, k, group, 1, gen)[0]
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda", generator=gen)
+            b = torch.randn(n, dtype=torch.bfloat16, device="cuda", generator=gen) if with_bias else None
+            ref = x.double() @ op.dequantize(*w, group).double().t() + (b.double() if with_bias else 0)
+            for name in cuda_sets:
+                if op.cuda_variant(group) in sets[name].consts("int4_linear"):
+                    for target in (None, 8 * SMS):
+                        check(dict(case="edge", group=group, M=m, N=n, K=k, bias=with_bias, set=name, target=target),
+                              cuda_linear(name, target, x, w, group, b), ref)
+            check(dict(case="edge", group=group, M=m, N=n, K=k, bias=with_bias, set="triton"),
+                  triton_linear(x, w, group, b), ref)
+    say(f"edge checks: {sum(c['ok'] for c in results['checks'])}/{len(results['checks'])} ok "
+        f"({time.time() - started:.0f}s)")
+    # 2. the 8B shapes: check, time, check again after the graph replays
+    for shape, (n, k) in SHAPES.items():
+        wbytes = n * k // 2 + 3 * n * (k // GROUP)
+        copies = max(2, math.ceil(150e6 / wbytes))
+        ws = make_weights(n, k, GROUP, copies, gen)
+        dense = [op.dequantize(*ws[i], GROUP) for i in range(max(2, math.ceil(150e6 / (2 * n * k))))]
+        ref_w = dense[0].double()
+        for m in MS:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda", generator=gen)
+            ref = x.double() @ ref_w.t()
+            row = dict(shape=shape, N=n, K=k, M=m, wbytes=wbytes)
+            bf16_us = time_graph(lambda i: F.linear(x, dense[i % len(dense)]), len(dense))
+            results["timings"].append(dict(row, set="bf16", us=bf16_us, tbs=2 * n * k / bf16_us / 1e6))
+            if check(dict(row, set="triton"), triton_linear(x, ws[0], GROUP), ref):
+                us = time_graph(lambda i: triton_linear(x, ws[i], GROUP), copies)
+                results["timings"].append(dict(row, set="triton", us=us, tbs=wbytes / us / 1e6))
+            for name in cuda_sets:
+                for mult in TARGETS:
+                    target = mult * SMS
+                    tag = dict(row, set=name, target=target)
+                    if not check(tag, cuda_linear(name, target, x, ws[0], GROUP), ref):
+                        continue
+                    us = time_graph(lambda i: cuda_linear(name, target, x, ws[i], GROUP), copies)
+                    if check(dict(tag, after="graph"), cuda_linear(name, target, x, ws[0], GROUP), ref):
+                        results["timings"].append(dict(tag, us=us, tbs=wbytes / us / 1e6))
+        say(f"{shape}: done ({time.time() - started:.0f}s)")
+        ws = dense = None
+        torch.cuda.empty_cache()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    table(results, say)
+    say(f"total {time.time() - started:.0f}s")
+    (out / "log.txt").write_text("\n".join(log) + "\n")
+
+
+def table(results, say):
+    bad = [c for c in results["checks"] if not c["ok"]]
+    ts = results["timings"]
+    say("")
+    say(f"== checks: {len(results['checks']) - len(bad)}/{len(results['checks'])} ok (rel err < 1e-2 vs the float64 "
+        "reference, before and after graph replay, counters back to zero) ==")
+    for c in bad[:10]:
+        say(f"  FAILED {c}")
+    totals = {}
+    for t in ts:
+        if t["set"].startswith("cuda/"):
+            totals[(t["set"], t["target"])] = totals.get((t["set"], t["target"]), 0.0) + t["us"]
+    totals = {key: v for key, v in totals.items()
+              if sum(1 for t in ts if (t["set"], t.get("target")) == key) == len(SHAPES) * len(MS)}
+    if not totals:
+        say("no CUDA config passed every case")
+        return
+    (chosen, target), _ = min(totals.items(), key=lambda kv: kv[1])
+    say(f"== us per launch (TB/s of packed weights + scales + zeros; bf16: of its weights); CUDA = {chosen} at "
+        f"target_programs {target} ==")
+    say(f"  {'shape':<8} {'M':>1} {'bf16':>14} {'triton int4':>14} {'CUDA int4':>14} {'x bf16':>6} {'x triton':>8}"
+        f"  best CUDA (any config)")
+    step = {m: {"bf16": 0.0, "triton": 0.0, "cuda": 0.0} for m in MS}
+    for shape in SHAPES:
+        for m in MS:
+            mine = [t for t in ts if t["shape"] == shape and t["M"] == m]
+            get = lambda s, tg=None: next((t for t in mine if t["set"] == s and t.get("target") == tg), None)  # noqa
+            bf, tri, c = get("bf16"), get("triton"), get(chosen, target)
+            best = min((t for t in mine if t["set"].startswith("cuda/")), key=lambda t: t["us"])
+            fmt = lambda t: f"{t['us']:7.2f} ({t['tbs']:4.2f})" if t else f"{'-':>14}"  # noqa
+            say(f"  {shape:<8} {m:>1} {fmt(bf)} {fmt(tri)} {fmt(c)} {bf['us'] / c['us']:6.2f} "
+                f"{(tri['us'] / c['us']) if tri else float('nan'):8.2f}  {best['set'][5:]} t{best['target']} "
+                f"{best['us']:.2f}")
+            step[m]["bf16"] += LAYERS * bf["us"] / 1e3
+            step[m]["triton"] += LAYERS * (tri["us"] if tri else math.nan) / 1e3
+            step[m]["cuda"] += LAYERS * c["us"] / 1e3
+    say(f"== the 8B's projection GEMVs per decode step ({LAYERS} layers, no lm_head), ms ==")
+    for m in MS:
+        say(f"  M={m}: bf16 {step[m]['bf16']:.3f}  triton int4 {step[m]['triton']:.3f}  CUDA int4 {step[m]['cuda']:.3f}")
+    cfg = SWEEP[chosen.split("/")[-1]]
+    say(f"== for tune.py (sm90/int4_linear/cuda/gemv): enabled=True, max_m=8, "
+        f"{', '.join(f'{k}={v}' for k, v in cfg.items())}, target_programs={target // SMS} * _SM_COUNT[_arch] ==")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("step", choices=["prepare", "run"])
+    ap.add_argument("aot", type=Path)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
+    args = ap.parse_args()
+    if args.step == "prepare":
+        prepare(args.aot)
+    else:
+        run(args.aot, args.out)
+
+
+if __name__ == "__main__":
+    main()

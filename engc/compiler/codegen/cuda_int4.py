@@ -1,0 +1,64 @@
+"""The CUDA C++ W4A16 decode GEMV (templates/int4_gemv.cu.j2) as kernel specs for codegen/cuda.py's nvcc build.
+
+One kernel per int4 group size of the program (K and N are run-time arguments), built where the tune table's
+'int4_linear/cuda/gemv' entry is on and nvcc is there; the bundle keeps the Triton int4 kernels anyway (the
+GEMV for M the CUDA one does not take, dequant + cuBLAS for prefill, the fallback without nvcc). Records are
+op "int4_linear", variant `cuda_g{G}`; their launch constants (impl "cuda", GROUP, max_m, BLOCK_N, BLOCK_K
+and the split rule of kernels/gemv) drive kernels/int4_linear's cuda_launch.
+"""
+from __future__ import annotations
+
+from engc.compiler.codegen import tune
+from engc.compiler.codegen.cuda import C_TYPE, CudaKernelSpec
+
+MMA_TYPE = {"bf16": "bf16", "fp16": "f16"}
+LAUNCH_KEYS = ("GROUP", "max_m", "BLOCK_N", "BLOCK_K", "target_programs", "max_splits", "min_split_k_tiles")
+ARG_TYPES = {"x_ptr": "*{t}", "qw_ptr": "*i32", "s_ptr": "*{t}", "z_ptr": "*u8", "bias_ptr": "*{t}",
+             "y_ptr": "*{t}", "partial_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+             "k_tiles_per_split": "i32", "splits": "i32", "has_bias": "i32"}
+
+
+def variant_name(group: int) -> str:
+    return f"cuda_g{group}"
+
+
+def int4_gemv_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
+    """(spec, '') for the template at this group size, or (None, why it does not apply)."""
+    if t not in MMA_TYPE:
+        return None, f"the CUDA int4 GEMV multiplies bf16 or fp16, not {t}"
+    if group % 32:
+        return None, f"group size {group} is not a multiple of 32"
+    key, entry = tune.lookup(arch, "int4_linear", "cuda", "gemv", overrides)
+    if not 1 <= entry["max_m"] <= 8:
+        return None, f"max_m {entry['max_m']} is outside 1..8 (one n8 mma tile)"
+    warps, tiles, unroll = entry["num_warps"], entry["TILES"], entry["UNROLL"]
+    block_n, block_k = 16 * tiles, 128 * warps * unroll
+    name = f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}"
+    values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
+              "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
+              "block_k": block_k, "entry": name}
+    consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
+    launch = {k: consts[k] for k in LAUNCH_KEYS}
+    launch["impl"] = "cuda"
+    types = {name_: ty.format(t=t) for name_, ty in ARG_TYPES.items()}
+    return CudaKernelSpec(op="int4_linear", variant=variant_name(group), arch=arch, template="int4_gemv.cu.j2",
+                          entry=name, render=values, arg_types=types, num_warps=warps, tune_key=key, tune=entry,
+                          launch=launch), ""
+
+
+def selected_int4_specs(triton_specs: list, overrides=None) -> tuple[list[CudaKernelSpec], list[str]]:
+    """A CUDA int4 GEMV for each (arch, group size) the Triton int4 GEMVs of the build cover, where the tune
+    table turns it on; and a note for each it cannot have."""
+    specs, notes = [], []
+    for s in triton_specs:
+        if s.op != "int4_linear" or not s.variant.startswith("gemv_m1_g"):
+            continue
+        _, entry = tune.lookup(s.arch, "int4_linear", "cuda", "gemv", overrides)
+        if not entry["enabled"]:
+            continue
+        spec, why = int4_gemv_spec(s.constexprs["GROUP"], s.arg_types["x_ptr"][1:], s.arch, overrides)
+        if spec is None:
+            notes.append(f"{s.arch}: no CUDA int4 GEMV ({why}); the Triton int4 GEMV runs")
+        else:
+            specs.append(spec)
+    return specs, notes

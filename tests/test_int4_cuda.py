@@ -1,0 +1,193 @@
+"""The CUDA C++ W4A16 GEMV (templates/int4_gemv.cu.j2): its per-lane math emulated under plain torch on the
+engc int4 layout (magic-number dequant, x regrouping, mma fragments), render, nvcc compile for sm80/sm90
+(skipped without nvcc), records vs the launch rule, and the build's selection by the tune table."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engc.compiler.codegen import cuda, cuda_int4, tune
+from engc.kernels import int4_linear as op
+
+ON = {"enabled": True}
+
+
+# ------------------------------------------------------------------ the kernel's lane math, emulated
+
+def _bf16_bits(v: torch.Tensor) -> list[int]:
+    return [int(b) & 0xFFFF for b in v.to(torch.bfloat16).view(torch.int16)]
+
+
+def _bf16_pair(word: int) -> tuple[float, float]:
+    halves = torch.tensor([word & 0xFFFF, word >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return float(halves[0]), float(halves[1])
+
+
+def _byte_perm(a: int, b: int, sel: int) -> int:
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(src[(sel >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
+
+
+def _emulate_step(words, zeros, xs):
+    """One 16-row tile and one 128-wide K step as the template computes it, for 8 rows of x.
+    words [16, 16] int (4 chunks of 4 words per row), zeros [16], xs [8, 128] bf16 -> D [16, 8] = the
+    sum of the 8 mmas' products of (q - zero) with x, built from the m16n8k16 fragment definitions."""
+    d = torch.zeros(16, 8, dtype=torch.float64)
+    for i in range(4):               # word i of every lane's chunk
+        for mma in range(2):         # shifts (0, 1), then (2, 3)
+            a, b = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+            for lane in range(32):
+                g, c = lane // 4, lane % 4
+                xr = [lo | hi << 16 for lo, hi in zip(*[iter(_bf16_bits(xs[g, 32 * c:32 * c + 32]))] * 2)]
+                pairs = {}
+                for h in range(2):
+                    w = words[g + 8 * h][4 * c + i] & 0xFFFFFFFF
+                    for s in (2 * mma, 2 * mma + 1):
+                        v = ((w >> (4 * s)) & 0x000F000F) | 0x43004300       # the magic-number trick
+                        lo, hi = _bf16_pair(v)
+                        pairs[h, s] = (lo - (128 + zeros[g + 8 * h]), hi - (128 + zeros[g + 8 * h]))
+                xp = {}
+                for s in (2 * mma, 2 * mma + 1):
+                    e = 4 * s + i
+                    xp[s] = _bf16_pair(_byte_perm(xr[e // 2], xr[e // 2 + 8], 0x7632 if i & 1 else 0x5410))
+                s0, s1 = 2 * mma, 2 * mma + 1
+                # a0..a3: (row g | g+8) x (cols 2c, 2c+1 | 2c+8, 2c+9); b0, b1: (rows 2c, 2c+1 | 2c+8, 2c+9) x col g
+                a[g, 2 * c:2 * c + 2] = torch.tensor(pairs[0, s0], dtype=torch.float64)
+                a[g + 8, 2 * c:2 * c + 2] = torch.tensor(pairs[1, s0], dtype=torch.float64)
+                a[g, 2 * c + 8:2 * c + 10] = torch.tensor(pairs[0, s1], dtype=torch.float64)
+                a[g + 8, 2 * c + 8:2 * c + 10] = torch.tensor(pairs[1, s1], dtype=torch.float64)
+                b[2 * c:2 * c + 2, g] = torch.tensor(xp[s0], dtype=torch.float64)
+                b[2 * c + 8:2 * c + 10, g] = torch.tensor(xp[s1], dtype=torch.float64)
+            d += a @ b
+    return d
+
+
+def test_lane_math_matches_the_layout():
+    """The nibble extraction, the x regrouping and the fragment placement together compute
+    sum_k (q[n, k] - zero[n]) * x[m, k] over the step: any slip in the K renaming would mix inputs."""
+    torch.manual_seed(0)
+    q = torch.randint(0, 16, (16, 128), dtype=torch.uint8)
+    zeros = [int(z) for z in torch.randint(0, 16, (16,))]
+    xs = torch.randn(8, 128).to(torch.bfloat16)
+    words = op.pack_int4(q).tolist()
+    got = _emulate_step(words, zeros, xs)
+    want = (q.double() - torch.tensor(zeros, dtype=torch.float64)[:, None]) @ xs.double().t()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-9)
+
+
+def test_scale_after_is_within_tolerance_of_the_reference():
+    """Scaling each step's fp32 sum (group % 128 == 0) instead of rounding every weight to bf16 stays
+    well within the device checks' tolerance of the reference dequantize + matmul."""
+    torch.manual_seed(1)
+    n, k, g = 64, 1024, 128
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    s = (torch.rand(n, k // g) * 0.01 + 0.001).to(torch.bfloat16)
+    z = torch.randint(0, 16, (n, k // g), dtype=torch.uint8)
+    x = torch.randn(4, k).to(torch.bfloat16)
+    ref = x.double() @ op.dequantize(op.pack_int4(q), s, z, g).double().t()
+    ints = (q.double() - z.double().repeat_interleave(g, 1)).view(n, k // g, g)
+    steps = torch.einsum("ngk,mgk->mng", ints, x.double().view(4, k // g, g))
+    got = (steps * s.double()).sum(-1)   # before the output's bf16 rounding, which both paths share
+    # the difference is the reference's own rounding of every weight to bf16 (~1e-3 per weight; the Triton
+    # GEMV does not round them either); the device checks allow 1e-2
+    assert float((got - ref).norm() / ref.norm()) < 4e-3
+
+
+# ------------------------------------------------------------------ codegen, compile, launch rule
+
+def test_render_specializes_group_and_tiles():
+    spec, why = cuda_int4.int4_gemv_spec(64, "bf16", "sm90", {"TILES": 4, "UNROLL": 1})
+    assert why == "" and spec.launch["BLOCK_N"] == 64 and spec.launch["BLOCK_K"] == 512
+    src = cuda.render(spec.template, **spec.render)
+    assert "constexpr int GROUP = 64;" in src and "0x43004300u" in src and spec.entry in src
+    assert "constexpr int TILES = 4;" in src and "{{" not in src
+    fp16 = cuda.render(spec.template, **cuda_int4.int4_gemv_spec(128, "fp16", "sm90")[0].render)
+    assert "0x64006400u" in fp16 and "f16x2" in fp16
+    assert cuda_int4.int4_gemv_spec(128, "fp32", "sm90")[0] is None
+
+
+def test_selected_only_where_enabled():
+    from engc.compiler.codegen.specs import int4_linear_specs
+    triton_specs = int4_linear_specs("bf16", "sm90", (128, 32))
+    off, _ = cuda_int4.selected_int4_specs(triton_specs)
+    assert off == [] if not tune.TUNE["sm90/int4_linear/cuda/gemv"]["enabled"] else len(off) == 2
+    on, notes = cuda_int4.selected_int4_specs(triton_specs, ON)
+    assert sorted(s.variant for s in on) == ["cuda_g128", "cuda_g32"] and notes == []
+
+
+@pytest.fixture(scope="module")
+def records():
+    if cuda.nvcc_path() is None:
+        pytest.skip("nvcc not found")
+    specs = [cuda_int4.int4_gemv_spec(128, "bf16", arch)[0] for arch in ("sm80", "sm90")]
+    return cuda.compile_cuda(specs).records
+
+
+def test_compiles_for_sm80_and_sm90(records):
+    assert {(r["arch"], r["variant"]) for r in records} == {("sm80", "cuda_g128"), ("sm90", "cuda_g128")}
+    for r in records:
+        assert r["scratch_params"] == 0 and r["launch"]["impl"] == "cuda" and r["launch"]["GROUP"] == 128
+
+
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 4096, 4096, False), (8, 4096, 14336, True), (3, 28672, 4096, False),
+                                           (5, 96, 8192, True)])
+def test_launch_rule_matches_records(records, rows, n, k, bias):
+    rec = next(r for r in records if r["arch"] == "sm90")
+    consts = {rec["variant"]: rec["launch"]}
+    counters = torch.zeros(1 << 16, dtype=torch.int32)
+    x, y = torch.zeros(rows, k, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
+    qw = torch.zeros(n, k // 8, dtype=torch.int32)
+    s, z = torch.ones(n, k // 128, dtype=torch.bfloat16), torch.zeros(n, k // 128, dtype=torch.uint8)
+    b = torch.zeros(n, dtype=torch.bfloat16) if bias else None
+    assert op.uses_cuda_gemv(rows, 128, consts) and not op.uses_cuda_gemv(9, 128, consts)
+    (variant, grid, args), = op.cuda_launch(x, qw, s, z, b, y, group_size=128, consts=consts, counters=counters)
+    assert variant == rec["variant"] and len(args) == len(rec["args"])
+    c = rec["launch"]
+    n_tiles, k_tiles = -(-n // c["BLOCK_N"]), -(-k // c["BLOCK_K"])
+    splits, per = grid[1], args[11]
+    assert grid == (n_tiles, splits, 1) and args[12] == splits and -(-k_tiles // per) == splits
+    assert (n_tiles * splits >= c["target_programs"] or splits == 1 or per == 1) if n_tiles < 600 else splits == 1
+    for value, spec in zip(args, rec["args"]):
+        if spec["type"].startswith("*") and isinstance(value, int):
+            assert value == 0 and (spec["name"] == "bias_ptr" or splits == 1)
+        elif spec["type"].startswith("*"):
+            want = {"bf16": torch.bfloat16, "fp32": torch.float32, "i32": torch.int32, "u8": torch.uint8}
+            assert value.dtype == want[spec["type"][1:]], spec
+        else:
+            assert isinstance(value, int) and not isinstance(value, bool), spec
+    assert args[13] == int(bias)
+
+
+def test_runtime_prefers_cuda_then_triton_then_dequant():
+    consts = op.jit_consts(128, {"gemv": tune.TUNE["sm90/int4_linear/*/gemv_m1"],
+                                 "gemv_reduce": tune.TUNE["sm90/int4_linear/*/gemv_reduce"],
+                                 "dequant": tune.TUNE["sm90/int4_linear/*/dequant"]})
+    consts["cuda_g128"] = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", dict(ON, max_m=4))[0].launch
+    counters = torch.zeros(1 << 16, dtype=torch.int32)
+    n, k = 64, 256
+    qw = torch.zeros(n, k // 8, dtype=torch.int32)
+    s, z = torch.ones(n, k // 128, dtype=torch.bfloat16), torch.zeros(n, k // 128, dtype=torch.uint8)
+    for rows, kind in ((2, "cuda"), (6, "gemv"), (20, "dequant")):
+        seen = []
+        op.run_quantized_linear(torch.zeros(rows, k, dtype=torch.bfloat16), qw, s, z, None, group_size=128,
+                                consts=consts, run=lambda launches: seen.extend(v for v, _, _ in launches),
+                                counters=counters)
+        assert op.variant_kind(seen[0]) == kind, (rows, seen)
+
+
+def test_build_adds_the_cuda_gemv_where_enabled(monkeypatch):
+    """The build's CUDA step (cuda.add_selected) compiles one cuda_g{G} per arch and group size of the
+    program's Triton int4 kernels when the tune entry is on; the Triton ones stay (fallback, prefill)."""
+    if cuda.nvcc_path() is None:
+        pytest.skip("nvcc not found")
+    from engc.compiler.codegen.record import CodegenResult
+    from engc.compiler.codegen.specs import int4_linear_specs
+    from test_int4_codegen import TINY
+    monkeypatch.setitem(tune.TUNE, "sm90/int4_linear/cuda/gemv",
+                        dict(tune.TUNE["sm90/int4_linear/cuda/gemv"], enabled=True))
+    monkeypatch.setitem(tune.TUNE, "sm80/int4_linear/cuda/gemv",
+                        dict(tune.TUNE["sm80/int4_linear/cuda/gemv"], enabled=False))
+    triton_specs = [s for arch in ("sm80", "sm90") for s in int4_linear_specs("bf16", arch, (128,))]
+    result = cuda.add_selected(CodegenResult(), triton_specs, TINY)
+    assert [(r["arch"], r["variant"]) for r in result.records] == [("sm90", "cuda_g128")]
+    assert "kernels/sm90/int4_linear.cuda_g128.cubin" in result.files
