@@ -11,9 +11,10 @@ bias, M = 3, group 64: the per-weight scaling path) and on each 8B shape at ever
 reference (dequantize, matmul in float64; rel err < 1e-2, split counters back to zero), again after the
 graph replays. Then timings: Llama-3-8B projections (qkv, o, gate_up, down; group 128) at M = 1, 2, 4, 8,
 each a CUDA graph cycling through enough weight copies to miss L2; TB/s counts packed weights + scales +
-zeros. Each CUDA config runs at 2x, 4x and 8x SMs of target_programs (a launch constant). The table (last)
-gives bf16, Triton int4 and the chosen CUDA config per case, the 8B's GEMV time per decode step (32 layers)
-at M = 1, and the tune.py entry. results.json and log.txt go under $OUT.
+zeros. Each CUDA config runs at 2x, 4x and 8x SMs of target_programs (a launch constant). The prefill
+dequant (templates/int4_dequant.cu.j2, a few configs, and the Triton one) must equal the reference bit for bit
+and is timed per shape (TB/s of bf16 written). The table (last) gives bf16, Triton int4 and the chosen CUDA
+config per case, the 8B's GEMV time per decode step (32 layers) at each M, the dequant, and the tune.py entry. results.json and log.txt go under $OUT.
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ SWEEP = {"w4t2u2b3": dict(num_warps=4, TILES=2, UNROLL=2, min_blocks=3),
          "w4t2u1b4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4),
          "w8t2u1b2": dict(num_warps=8, TILES=2, UNROLL=1, min_blocks=2),
          "w2t2u2b6": dict(num_warps=2, TILES=2, UNROLL=2, min_blocks=6)}
+# the prefill dequant (templates/int4_dequant.cu.j2): w warps, c 16-byte chunks per thread
+DEQUANT_SWEEP = {"w8c4": dict(num_warps=8, CHUNKS=4), "w8c2": dict(num_warps=8, CHUNKS=2),
+                 "w4c8": dict(num_warps=4, CHUNKS=8), "w8c8": dict(num_warps=8, CHUNKS=8)}
 EDGE = [(3, 1000, 1056, True), (8, 48, 4096 + 32, False), (1, 257, 2080, True)]   # (M, N, K, bias)
 
 
@@ -60,6 +64,10 @@ def prepare(out_dir: Path):
             specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov)[0])
         sets[f"cuda/{name}"] = cuda.compile_cuda(specs)
         print(f"cuda/{name}: {len(specs)} kernels ({time.time() - t0:.0f}s)", flush=True)
+    for name, ov in DEQUANT_SWEEP.items():
+        specs = [cuda_int4.int4_dequant_spec(g, "bf16", "sm90", ov)[0] for g in (GROUP, 64)]
+        sets[f"cuda_dq/{name}"] = cuda.compile_cuda(specs)
+        print(f"cuda_dq/{name}: {len(specs)} kernels ({time.time() - t0:.0f}s)", flush=True)
     sets["triton"] = compile_specs(int4_linear_specs("bf16", "sm90", (GROUP, 64)), jobs=2)
     print(f"triton: ({time.time() - t0:.0f}s)", flush=True)
     for set_name, res in sets.items():
@@ -123,8 +131,22 @@ def run(aot: Path, out: Path):
             say(f"CHECK FAILED {tag}: rel err {err:.2e}, counters {int(counters.abs().sum().item())}")
         return ok
 
+    def dequant(name, w, group, n, k):
+        out = torch.zeros(n, k, dtype=torch.bfloat16, device="cuda")
+        sets[name].run("int4_linear", op.dequant_launch(*w, out, group_size=group,
+                                                        consts=sets[name].consts("int4_linear")))
+        return out
+
+    def exact(tag, got, w, group):
+        ok = torch.equal(got, op.dequantize(*w, group))
+        results["checks"].append(dict(tag, ok=ok))
+        if not ok:
+            say(f"CHECK FAILED {tag}: the dequant differs from the reference")
+        return ok
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     cuda_sets = [name for name in sets if name.startswith("cuda/")]
+    dq_sets = [name for name in sets if name.startswith("cuda_dq/")]
     # 1. odd shapes: tails along N and K, a short last group, bias, group 64 (scaled per weight)
     for group in (GROUP, 64):
         for m, n, k, with_bias in EDGE:
@@ -139,6 +161,8 @@ def run(aot: Path, out: Path):
                               cuda_linear(name, target, x, w, group, b), ref)
             check(dict(case="edge", group=group, M=m, N=n, K=k, bias=with_bias, set="triton"),
                   triton_linear(x, w, group, b), ref)
+            for name in dq_sets:
+                exact(dict(case="edge", group=group, N=n, K=k, set=name), dequant(name, w, group, n, k), w, group)
     say(f"edge checks: {sum(c['ok'] for c in results['checks'])}/{len(results['checks'])} ok "
         f"({time.time() - started:.0f}s)")
     # 2. the 8B shapes: check, time, check again after the graph replays
@@ -148,6 +172,15 @@ def run(aot: Path, out: Path):
         ws = make_weights(n, k, GROUP, copies, gen)
         dense = [op.dequantize(*ws[i], GROUP) for i in range(max(2, math.ceil(150e6 / (2 * n * k))))]
         ref_w = dense[0].double()
+        scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")   # the prefill path: dequant, cuBLAS
+        for name in ["triton", *dq_sets]:
+            consts = sets[name].consts("int4_linear")
+            plans = [op.dequant_launch(*ws[i], scratch, group_size=GROUP, consts=consts) for i in range(copies)]
+            if exact(dict(shape=shape, set=name, case="dequant"), dequant(name, ws[0], GROUP, n, k), ws[0], GROUP):
+                us = time_graph(lambda i: sets[name].run("int4_linear", plans[i]), copies)
+                results["timings"].append(dict(shape=shape, N=n, K=k, M="dequant", set=name, us=us,
+                                               write_tbs=2 * n * k / us / 1e6, tbs=(wbytes + 2 * n * k) / us / 1e6))
+        scratch = None
         for m in MS:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda", generator=gen)
             ref = x.double() @ ref_w.t()
@@ -178,7 +211,8 @@ def run(aot: Path, out: Path):
 
 def table(results, say):
     bad = [c for c in results["checks"] if not c["ok"]]
-    ts = results["timings"]
+    all_ts = results["timings"]
+    ts = [t for t in all_ts if t["M"] != "dequant"]
     say("")
     say(f"== checks: {len(results['checks']) - len(bad)}/{len(results['checks'])} ok (rel err < 1e-2 vs the float64 "
         "reference, before and after graph replay, counters back to zero) ==")
@@ -215,6 +249,21 @@ def table(results, say):
     say(f"== the 8B's projection GEMVs per decode step ({LAYERS} layers, no lm_head), ms ==")
     for m in MS:
         say(f"  M={m}: bf16 {step[m]['bf16']:.3f}  triton int4 {step[m]['triton']:.3f}  CUDA int4 {step[m]['cuda']:.3f}")
+    dq = [t for t in all_ts if t["M"] == "dequant"]
+    if dq:
+        say("== prefill dequant, us (TB/s written) ==")
+        names = sorted({t["set"] for t in dq})
+        say(f"  {'shape':<8} " + " ".join(f"{n.split('/')[-1]:>15}" for n in names))
+        for shape in SHAPES:
+            cells = [next((t for t in dq if t["shape"] == shape and t["set"] == n), None) for n in names]
+            say(f"  {shape:<8} " + " ".join(f"{c['us']:7.1f} ({c['write_tbs']:4.2f})" if c else f"{'-':>15}"
+                                          for c in cells))
+        full = {n: sum(t["us"] for t in dq if t["set"] == n) for n in names
+                if n != "triton" and sum(1 for t in dq if t["set"] == n) == len(SHAPES)}
+        if full:
+            best = min(full, key=full.get)
+            say(f"  for tune.py (sm90/int4_linear/cuda/dequant): enabled=True, "
+                f"{', '.join(f'{k}={v}' for k, v in DEQUANT_SWEEP[best.split('/')[-1]].items())}")
     cfg = SWEEP[chosen.split("/")[-1]]
     say(f"== for tune.py (sm90/int4_linear/cuda/gemv): enabled=True, max_m=8, "
         f"{', '.join(f'{k}={v}' for k, v in cfg.items())}, target_programs={target // SMS} * _SM_COUNT[_arch] ==")

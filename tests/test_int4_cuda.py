@@ -75,6 +75,32 @@ def test_lane_math_matches_the_layout():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-9)
 
 
+def test_dequant_lane_math_is_the_reference_bit_for_bit():
+    """int4_dequant.cu.j2's pairs, scaling (one rounding) and byte permutes back to input order give
+    exactly kernels/int4_linear.dequantize for one chunk."""
+    torch.manual_seed(2)
+    q = torch.randint(0, 16, (1, 32), dtype=torch.uint8)
+    z, s = torch.tensor([[11]], dtype=torch.uint8), torch.tensor([[0.0123]], dtype=torch.bfloat16)
+    words = [w & 0xFFFFFFFF for w in op.pack_int4(q)[0].tolist()]
+    scale = s.view(torch.int16).item() & 0xFFFF
+    p = {}
+    for i in range(4):
+        for sh in range(4):
+            v = ((words[i] >> (4 * sh)) & 0x000F000F) | 0x43004300
+            lo, hi = _bf16_pair(v)
+            pair = torch.tensor([lo - (128 + 11), hi - (128 + 11)]).to(torch.bfloat16)   # exact integers
+            prod = (pair.float() * torch.tensor([scale] * 2, dtype=torch.int32).to(torch.int16)
+                    .view(torch.bfloat16).float()).to(torch.bfloat16)                  # fma(x, s, -0): one rounding
+            b = [int(v) & 0xFFFF for v in prod.view(torch.int16)]
+            p[i, sh] = b[0] | b[1] << 16
+    out = []
+    for r in range(16):
+        e = (2 * r) % 16
+        out.append(_byte_perm(p[e % 4, e // 4], p[(e + 1) % 4, e // 4], 0x5410 if r < 8 else 0x7632))
+    got = torch.tensor([h for w in out for h in (w & 0xFFFF, w >> 16)], dtype=torch.int32).to(torch.int16)
+    assert torch.equal(got.view(torch.bfloat16), op.dequantize(op.pack_int4(q), s, z, 128)[0])
+
+
 def test_scale_after_is_within_tolerance_of_the_reference():
     """Scaling each step's fp32 sum (group % 128 == 0) instead of rounding every weight to bf16 stays
     well within the device checks' tolerance of the reference dequantize + matmul."""
@@ -109,30 +135,45 @@ def test_render_specializes_group_and_tiles():
 def test_selected_only_where_enabled():
     from engc.compiler.codegen.specs import int4_linear_specs
     triton_specs = int4_linear_specs("bf16", "sm90", (128, 32))
-    off, _ = cuda_int4.selected_int4_specs(triton_specs)
-    assert off == [] if not tune.TUNE["sm90/int4_linear/cuda/gemv"]["enabled"] else len(off) == 2
-    on, notes = cuda_int4.selected_int4_specs(triton_specs, ON)
+    off, _ = cuda_int4.selected_int4_specs(triton_specs, {"gemv": {"enabled": False}, "dequant": {"enabled": False}})
+    assert off == []
+    on, notes = cuda_int4.selected_int4_specs(triton_specs, {"gemv": ON, "dequant": {"enabled": False}})
     assert sorted(s.variant for s in on) == ["cuda_g128", "cuda_g32"] and notes == []
+    both, _ = cuda_int4.selected_int4_specs(triton_specs, {"gemv": ON, "dequant": ON})
+    assert sorted(s.variant for s in both) == ["cuda_dequant_g128", "cuda_dequant_g32", "cuda_g128", "cuda_g32"]
 
 
 @pytest.fixture(scope="module")
 def records():
     if cuda.nvcc_path() is None:
         pytest.skip("nvcc not found")
-    specs = [cuda_int4.int4_gemv_spec(128, "bf16", arch)[0] for arch in ("sm80", "sm90")]
+    specs = [make(128, "bf16", arch)[0] for arch in ("sm80", "sm90")
+             for make in (cuda_int4.int4_gemv_spec, cuda_int4.int4_dequant_spec)]
     return cuda.compile_cuda(specs).records
 
 
 def test_compiles_for_sm80_and_sm90(records):
-    assert {(r["arch"], r["variant"]) for r in records} == {("sm80", "cuda_g128"), ("sm90", "cuda_g128")}
+    assert {(r["arch"], r["variant"]) for r in records} == {
+        (a, v) for a in ("sm80", "sm90") for v in ("cuda_g128", "cuda_dequant_g128")}
     for r in records:
         assert r["scratch_params"] == 0 and r["launch"]["impl"] == "cuda" and r["launch"]["GROUP"] == 128
+
+
+def test_dequant_launch_rule_matches_records(records):
+    rec = next(r for r in records if (r["arch"], r["variant"]) == ("sm90", "cuda_dequant_g128"))
+    n, k = 1000, 4128
+    qw, w = torch.zeros(n, k // 8, dtype=torch.int32), torch.empty(n, k, dtype=torch.bfloat16)
+    s, z = torch.ones(n, 33, dtype=torch.bfloat16), torch.zeros(n, 33, dtype=torch.uint8)
+    (variant, grid, args), = op.dequant_launch(qw, s, z, w, group_size=128, consts={variant_: rec["launch"]
+                                                                                   for variant_ in [rec["variant"]]})
+    assert variant == rec["variant"] and len(args) == len(rec["args"]) and args[4:] == [n, k]
+    assert grid == (-(-n * k // 32 // rec["launch"]["BLOCK"]), 1, 1)
 
 
 @pytest.mark.parametrize("rows,n,k,bias", [(1, 4096, 4096, False), (8, 4096, 14336, True), (3, 28672, 4096, False),
                                            (5, 96, 8192, True)])
 def test_launch_rule_matches_records(records, rows, n, k, bias):
-    rec = next(r for r in records if r["arch"] == "sm90")
+    rec = next(r for r in records if (r["arch"], r["variant"]) == ("sm90", "cuda_g128"))
     consts = {rec["variant"]: rec["launch"]}
     counters = torch.zeros(1 << 16, dtype=torch.int32)
     x, y = torch.zeros(rows, k, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
@@ -188,6 +229,8 @@ def test_build_adds_the_cuda_gemv_where_enabled(monkeypatch):
     monkeypatch.setitem(tune.TUNE, "sm80/int4_linear/cuda/gemv",
                         dict(tune.TUNE["sm80/int4_linear/cuda/gemv"], enabled=False))
     triton_specs = [s for arch in ("sm80", "sm90") for s in int4_linear_specs("bf16", arch, (128,))]
+    monkeypatch.setitem(tune.TUNE, "sm90/int4_linear/cuda/dequant",
+                        dict(tune.TUNE["sm90/int4_linear/cuda/dequant"], enabled=False))
     result = cuda.add_selected(CodegenResult(), triton_specs, TINY)
     assert [(r["arch"], r["variant"]) for r in result.records] == [("sm90", "cuda_g128")]
     assert "kernels/sm90/int4_linear.cuda_g128.cubin" in result.files

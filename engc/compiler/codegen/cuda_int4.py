@@ -1,10 +1,13 @@
-"""The CUDA C++ W4A16 decode GEMV (templates/int4_gemv.cu.j2) as kernel specs for codegen/cuda.py's nvcc build.
+"""The CUDA C++ W4A16 decode GEMV (templates/int4_gemv.cu.j2) and prefill dequant (templates/int4_dequant.cu.j2)
+as kernel specs for codegen/cuda.py's nvcc build.
 
 One kernel per int4 group size of the program (K and N are run-time arguments), built where the tune table's
 'int4_linear/cuda/gemv' entry is on and nvcc is there; the bundle keeps the Triton int4 kernels anyway (the
 GEMV for M the CUDA one does not take, dequant + cuBLAS for prefill, the fallback without nvcc). Records are
 op "int4_linear", variant `cuda_g{G}`; their launch constants (impl "cuda", GROUP, max_m, BLOCK_N, BLOCK_K
-and the split rule of kernels/gemv) drive kernels/int4_linear's cuda_launch.
+and the split rule of kernels/gemv) drive kernels/int4_linear's cuda_launch. The dequant kernel, where its
+own entry ('int4_linear/cuda/dequant') is on: variant `cuda_dequant_g{G}` (launch: impl, GROUP, BLOCK chunks
+per CTA), run by kernels/int4_linear's dequant_launch in place of the Triton one.
 """
 from __future__ import annotations
 
@@ -18,8 +21,33 @@ ARG_TYPES = {"x_ptr": "*{t}", "qw_ptr": "*i32", "s_ptr": "*{t}", "z_ptr": "*u8",
              "k_tiles_per_split": "i32", "splits": "i32", "has_bias": "i32"}
 
 
+DEQUANT_ARG_TYPES = {"qw_ptr": "*i32", "s_ptr": "*{t}", "z_ptr": "*u8", "w_ptr": "*{t}", "N": "i32", "K": "i32"}
+
+
 def variant_name(group: int) -> str:
     return f"cuda_g{group}"
+
+
+def dequant_variant_name(group: int) -> str:
+    return f"cuda_dequant_g{group}"
+
+
+def int4_dequant_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
+    """(spec, '') for the dequant template at this group size, or (None, why it does not apply)."""
+    if t not in MMA_TYPE:
+        return None, f"the CUDA int4 dequant writes bf16 or fp16, not {t}"
+    if group % 32:
+        return None, f"group size {group} is not a multiple of 32"
+    key, entry = tune.lookup(arch, "int4_linear", "cuda", "dequant", overrides)
+    warps, chunks = entry["num_warps"], entry["CHUNKS"]
+    name = f"int4_dequant_{t}_g{group}_w{warps}c{chunks}"
+    values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
+              "chunks": chunks, "block": 32 * warps * chunks, "entry": name}
+    launch = {"impl": "cuda", "GROUP": group, "BLOCK": 32 * warps * chunks}
+    types = {name_: ty.format(t=t) for name_, ty in DEQUANT_ARG_TYPES.items()}
+    return CudaKernelSpec(op="int4_linear", variant=dequant_variant_name(group), arch=arch,
+                          template="int4_dequant.cu.j2", entry=name, render=values, arg_types=types,
+                          num_warps=warps, tune_key=key, tune=entry, launch=launch), ""
 
 
 def int4_gemv_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
@@ -47,18 +75,21 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
 
 
 def selected_int4_specs(triton_specs: list, overrides=None) -> tuple[list[CudaKernelSpec], list[str]]:
-    """A CUDA int4 GEMV for each (arch, group size) the Triton int4 GEMVs of the build cover, where the tune
-    table turns it on; and a note for each it cannot have."""
+    """A CUDA int4 GEMV and dequant kernel for each (arch, group size) the Triton int4 kernels of the build
+    cover, each where the tune table turns it on; and a note for each it cannot have. overrides: 'gemv' /
+    'dequant' -> tune overrides."""
     specs, notes = [], []
     for s in triton_specs:
         if s.op != "int4_linear" or not s.variant.startswith("gemv_m1_g"):
             continue
-        _, entry = tune.lookup(s.arch, "int4_linear", "cuda", "gemv", overrides)
-        if not entry["enabled"]:
-            continue
-        spec, why = int4_gemv_spec(s.constexprs["GROUP"], s.arg_types["x_ptr"][1:], s.arch, overrides)
-        if spec is None:
-            notes.append(f"{s.arch}: no CUDA int4 GEMV ({why}); the Triton int4 GEMV runs")
-        else:
-            specs.append(spec)
+        group, t = s.constexprs["GROUP"], s.arg_types["x_ptr"][1:]
+        for kind, make, what in (("gemv", int4_gemv_spec, "GEMV"), ("dequant", int4_dequant_spec, "dequant")):
+            ov = (overrides or {}).get(kind)
+            if not tune.lookup(s.arch, "int4_linear", "cuda", kind, ov)[1]["enabled"]:
+                continue
+            spec, why = make(group, t, s.arch, ov)
+            if spec is None:
+                notes.append(f"{s.arch}: no CUDA int4 {what} ({why}); the Triton one runs")
+            else:
+                specs.append(spec)
     return specs, notes

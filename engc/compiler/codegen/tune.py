@@ -135,6 +135,9 @@ for _arch in ("sm80", "sm90"):
     # Not measured on a device yet: enabled stays False until bench/int4_cuda_device.py shows it ahead.
     _put(_arch, "int4_linear", "cuda", "gemv", enabled=False, max_m=8, num_warps=4, TILES=2, UNROLL=2,
          min_blocks=3, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
+    # ... and its prefill dequant (templates/int4_dequant.cu.j2): CHUNKS 16-byte chunks per thread, all
+    # loaded before the first is written. Not measured yet either.
+    _put(_arch, "int4_linear", "cuda", "dequant", enabled=False, num_warps=8, CHUNKS=4)
 
 _put("sm90", "paged_attention", "prefill", "d<=64", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 _put("sm90", "paged_attention", "prefill", "d<=128", BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)

@@ -173,13 +173,17 @@ def launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: dict)
 def dequant_launch(qweight, scales, zeros, w, *, group_size: int, consts: dict):
     """Launch rule of the dequant kernel: W [N, K] (contiguous, the activation dtype) = dequantize(...).
     args of 'dequant_g{G}' (grid (cdiv(N, BLOCK_N), cdiv(K / 32, BLOCK_C))): qweight, scales, zeros, w,
-    N, K, 0, 0"""
+    N, K, 0, 0; of 'cuda_dequant_g{G}' (preferred where the bundle has it; grid (cdiv(N * K / 32, BLOCK),)):
+    the same without the scratch zeros"""
     n, k = w.shape
     assert w.is_contiguous() and qweight.shape == (n, k // PACK) and k % CHUNK == 0
-    variant = dequant_variant(group_size)
-    c = consts[variant]
     if n == 0:
         return []
+    cuda = f"cuda_dequant_g{group_size}"   # the CUDA C++ twin, where built: 16-byte chunks, BLOCK per CTA
+    if cuda in consts:
+        return [(cuda, (_cdiv(n * (k // CHUNK), consts[cuda]["BLOCK"]), 1, 1), [qweight, scales, zeros, w, n, k])]
+    variant = dequant_variant(group_size)
+    c = consts[variant]
     grid = (_cdiv(n, c["BLOCK_N"]), _cdiv(k // CHUNK, c["BLOCK_C"]), 1)
     return [(variant, grid, [qweight, scales, zeros, w, n, k, 0, 0])]
 
