@@ -103,7 +103,7 @@ def test_fp8_linear_compiles_to_fp8_wgmma():
         m = r["constexprs"]["BLOCK_M"]
         assert f"wgmma.mma_async.sync.aligned.m64n{m}k32.f32.e4m3.e4m3" in ptx  # swap AB: tokens are wgmma's N
         assert "cp.async" in ptx                                               # W tiles pipelined
-        assert r["shared_mem"] <= 227 * 1024 // 2                              # two programs fit an SM
+        assert r["shared_mem"] <= 227 * 1024                                   # fits an SM (the sweep may pick 1 a SM)
         if r["constexprs"]["QUANT_X"]:
             assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.full.f32" not in ptx  # as fp8_quant rounds
 

@@ -229,8 +229,9 @@ def test_build_adds_the_cuda_gemv_where_enabled(monkeypatch):
     monkeypatch.setitem(tune.TUNE, "sm80/int4_linear/cuda/gemv",
                         dict(tune.TUNE["sm80/int4_linear/cuda/gemv"], enabled=False))
     triton_specs = [s for arch in ("sm80", "sm90") for s in int4_linear_specs("bf16", arch, (128,))]
-    monkeypatch.setitem(tune.TUNE, "sm90/int4_linear/cuda/dequant",
-                        dict(tune.TUNE["sm90/int4_linear/cuda/dequant"], enabled=False))
+    for arch in ("sm80", "sm90"):
+        monkeypatch.setitem(tune.TUNE, f"{arch}/int4_linear/cuda/dequant",
+                            dict(tune.TUNE[f"{arch}/int4_linear/cuda/dequant"], enabled=False))
     result = cuda.add_selected(CodegenResult(), triton_specs, TINY)
     assert [(r["arch"], r["variant"]) for r in result.records] == [("sm90", "cuda_g128")]
     assert "kernels/sm90/int4_linear.cuda_g128.cubin" in result.files

@@ -113,6 +113,15 @@ _put("sm90", "fp8_linear", "*", "m<=128", max_m=128, BLOCK_M=128, BLOCK_N=128, B
 _put("sm90", "fp8_linear", "*", "m<=256", max_m=256, BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, num_warps=8,
      num_stages=3, **_fp8_split)
 
+# Per input width K of the Llama-3-8B shape, the best of the H200 sweep at M=32 and 64 (bench/fp8_device.py,
+# 2026-11-30, bench/results/h200_fp8_kernels_v3.txt; the lookup takes an exact variant before '*'): the
+# table above gave qkv+o+gate_up 69.7 us and down 28.6 us at M=64; these 57.3 and 21.0 us. Other widths
+# keep the '*' entries (not measured).
+_put("sm90", "fp8_linear", "k4096_m32", "m<=32", max_m=32, BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, target_programs=1 * _SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
+_put("sm90", "fp8_linear", "k14336_m32", "m<=32", max_m=32, BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=5, target_programs=1 * _SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
+_put("sm90", "fp8_linear", "k4096_m64", "m<=64", max_m=64, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=6, target_programs=1 * _SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
+_put("sm90", "fp8_linear", "k14336_m64", "m<=64", max_m=64, BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=6, target_programs=1 * _SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
+
 # int4_linear (W4A16), not yet measured on a device (bench/int4_device.py sweeps these). GEMV: a tile is
 # BLOCK_N rows x BLOCK_C 16-byte chunks (32 weights each); threads and warps all run along K (BLOCK_C =
 # 32 * num_warps: one chunk per thread and row), rows stay in registers, so x's loads share the words'
@@ -132,12 +141,14 @@ for _arch in ("sm80", "sm90"):
     # any M <= max_m <= 8 for the cost of one), run in place of the Triton GEMV for M <= max_m where
     # enabled and nvcc was there at build time. Tiles as for the bf16 CUDA GEMV, but a K step is 128 wide
     # (BLOCK_K = 128 * warps * UNROLL); split K (in-kernel, last-arriver) until target_programs CTAs.
-    # Not measured on a device yet: enabled stays False until bench/int4_cuda_device.py shows it ahead.
-    _put(_arch, "int4_linear", "cuda", "gemv", enabled=False, max_m=8, num_warps=4, TILES=2, UNROLL=2,
-         min_blocks=3, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
+    # H200 (bench/int4_cuda_device.py, 2026-11-30, bench/results/h200_int4_cuda.txt): the 8B projections'
+    # GEMVs of a decode step take 2.0 ms at M=1..8 against Triton int4 2.6 ms (M=1) to 31.5 ms (M=8) and
+    # bf16 3.8 ms; this config was the best over the sweep. sm80: by analogy, not measured.
+    _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
+         min_blocks=4, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
     # ... and its prefill dequant (templates/int4_dequant.cu.j2): CHUNKS 16-byte chunks per thread, all
-    # loaded before the first is written. Not measured yet either.
-    _put(_arch, "int4_linear", "cuda", "dequant", enabled=False, num_warps=8, CHUNKS=4)
+    # loaded before the first is written. H200: 1.3-1.45 TB/s written, about twice the Triton dequant.
+    _put(_arch, "int4_linear", "cuda", "dequant", enabled=True, num_warps=8, CHUNKS=2)
 
 _put("sm90", "paged_attention", "prefill", "d<=64", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 _put("sm90", "paged_attention", "prefill", "d<=128", BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
