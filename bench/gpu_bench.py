@@ -210,7 +210,9 @@ def bench_shape(shape: str, args) -> dict:
     res["build_s"] = round(time.perf_counter() - t, 1)
     manifest = json.loads((bundle / "manifest.json").read_text())
     # which Triton compiled the cubins: this machine's 3.6 would mean the kernel cache missed
-    res["kernels_compiled_by_triton"] = sorted({k["triton_version"] for k in manifest["kernels"]})
+    res["kernels_compiled_by_triton"] = sorted({k["triton_version"] for k in manifest["kernels"]
+                                                if "triton_version" in k})
+    res["kernels_compiled_by_nvcc"] = sorted({k["nvcc_version"] for k in manifest["kernels"] if "nvcc_version" in k})
 
     # start-up: a fresh process from `engc generate` to its one token, as a user would see it
     if not args.profile_only:
@@ -413,6 +415,7 @@ def check_against_reference(model, engine, cfg) -> dict:
     ref_seqs = [ref_engine.add_request(ids, p) for ids in ids_list]
     ref_engine.run_to_completion()
     agree = [sum(a == b for a, b in zip(s.output_ids, r.output_ids)) / 16 for s, r in zip(seqs, ref_seqs)]
+    firsts = [(s.output_ids[:6], r.output_ids[:6]) for s, r in zip(seqs, ref_seqs)]
     # logits of one prefill through both executors
     ids = torch.tensor(ids_list[0])
     n = len(ids)
@@ -428,7 +431,8 @@ def check_against_reference(model, engine, cfg) -> dict:
         b = _Eager(ref_exec, model.device).forward(inputs, kv_b)
     rel = float((a - b).abs().max() / b.abs().max())
     top1 = float((a.argmax(-1) == b.argmax(-1)).float().mean())
-    res = {"greedy_token_agreement_vs_bf16_reference": agree, "prefill_logits_max_rel_err_vs_bf16_reference": rel,
+    res = {"greedy_token_agreement_vs_bf16_reference": agree, "first_tokens_engine_vs_reference": firsts,
+           "prefill_logits_max_rel_err_vs_bf16_reference": rel,
            "prefill_top1_agreement_vs_bf16_reference": top1}
     if weight_bytes(cfg)[1] > 3e9:
         return res  # an 8B float32 copy does not fit beside the KV cache: the oracle runs on the 1B shape
