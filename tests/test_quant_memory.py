@@ -14,11 +14,13 @@ import pytest
 from tiny_models import write_random_llama
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE = dict(hidden=1024, intermediate=2816, layers=12, heads=8, kv_heads=8, head_dim=128, vocab=1024)
+SHAPE = dict(hidden=1024, intermediate=2816, layers=16, heads=8, kv_heads=8, head_dim=128, vocab=1024)
 # Peak growth allowed, in float32 layers: RTN holds the layer and its quantized/dequantized copies; AWQ also
-# holds the scaled copy, the block's outputs per scale candidate and the clip search's chunks (measured
-# +272 MB = 5.5 layers on this model, RTN +111 MB = 2.3).
-LAYERS_OF_PEAK = {"rtn": 4, "awq": 6}
+# holds the scaled copy, the block's outputs per scale candidate and the clip search's full-width chunks
+# (measured +272 to +304 MB = 5.5-6.2 layers, varying run to run with the allocator; RTN +111 MB = 2.3).
+# The growth does not depend on depth (that is the point), so the model is made deep enough to be about
+# twice the largest bound.
+LAYERS_OF_PEAK = {"rtn": 4, "awq": 8}
 
 
 @pytest.fixture(scope="module")
