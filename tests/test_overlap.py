@@ -161,6 +161,23 @@ def test_graphed_executor_fills_in_flight_ids(model, monkeypatch):
                                                        add_later=kw["add_later"])[0]]
 
 
+def test_graph_keys_by_batch_and_context_bucket(model, monkeypatch):
+    """Small batches with short contexts replay their own graph (one KV split); the rest the batch
+    bucket's graph sized for the block table's capacity; both kinds are captured at start."""
+    from engc.runtime import cuda_graphs
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+    ex = GraphedExecutor(model.executor, StepFacts(), 64, 16, "cpu", True)
+    short = cuda_graphs.CTX_BUCKETS[0]
+    assert ex.graph_key(1, 130) == (1, short) and ex.graph_key(3, short) == (4, short)
+    assert ex.graph_key(1, short + 1) == (1, None)
+    assert ex.graph_key(5, 10) == (8, None)   # above CTX_BUCKETED_UP_TO: one graph per batch bucket
+    captured = []
+    monkeypatch.setattr(ex, "_capture", lambda key, kv: captured.append(key))
+    ex.capture([])
+    assert set(captured) == {(b, None) for b in ex.buckets} | {(b, short) for b in ex.buckets
+                                                               if b <= cuda_graphs.CTX_BUCKETED_UP_TO}
+
+
 def test_seeded_sampling_on_the_device_path_matches(with_sampler):
     model = with_sampler
     ids = prompts(model, 5)
