@@ -63,10 +63,20 @@ def test_flipped_weight_byte_is_caught(copy_of):
 def test_future_format_is_refused(copy_of):
     b = copy_of()
     m = json.loads((b / "manifest.json").read_text())
-    m["format_version"] = [2, 0]
+    m["format_version"] = [3, 0]
     (b / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(BundleError, match="format 2.0 is newer"):
+    with pytest.raises(BundleError, match="format 3.0 is newer"):
         open_bundle(b)
+
+
+def test_format_version_marks_what_older_runtimes_would_misread():
+    """1.0 unless the bundle holds int4 weights in the N-major layout or a quantized KV cache (2.0): a
+    1.x runtime refuses a 2.0 bundle with one line instead of misreading it."""
+    from engc.bundle.manifest import format_version
+    assert format_version({"quantization": None, "kv_cache": "auto"}) == (1, 0)
+    assert format_version({"quantization": {"method": "fp8"}}) == (1, 0)   # 1.x refuses FP8Linear by name
+    assert format_version({"quantization": {"layout": "engc-int4-nmajor"}}) == (2, 0)
+    assert format_version({"quantization": None, "kv_cache": "int8"}) == (2, 0)
 
 
 @pytest.mark.parametrize("damage", ["delete", "extra", "garbage_manifest", "path_escape"])

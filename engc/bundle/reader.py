@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engc.bundle.manifest import FORMAT, FORMAT_VERSION, MANIFEST, REQUIRED
+from engc.bundle.manifest import FORMAT, FORMAT_VERSION, MANIFEST, READABLE_MAJORS, REQUIRED
 from engc.bundle.model_config import ModelConfig
 from engc.bundle.hashing import chunk_digests, sha256_file
 from engc.errors import BundleError
@@ -75,10 +75,11 @@ def read_manifest(path: Path) -> dict:
     version = manifest.get("format_version")
     if not (isinstance(version, list) and len(version) == 2 and all(isinstance(v, int) for v in version)):
         raise BundleError(f"{mf}: malformed format_version {version!r}")
-    if version[0] != FORMAT_VERSION[0]:
+    if version[0] not in READABLE_MAJORS:
         newer = "newer" if version[0] > FORMAT_VERSION[0] else "older"
+        readable = " and ".join(f"{m}.x" for m in READABLE_MAJORS)
         raise BundleError(f"{path}: bundle format {version[0]}.{version[1]} is {newer} than this engc reads "
-                          f"({FORMAT_VERSION[0]}.x); use a matching engc or rebuild the bundle")
+                          f"({readable}); use a matching engc or rebuild the bundle")
     missing = [k for k in REQUIRED if k not in manifest]
     if missing:
         raise BundleError(f"{mf}: manifest lacks {', '.join(missing)}")
