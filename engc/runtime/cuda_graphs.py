@@ -153,6 +153,10 @@ class GraphedExecutor:
     def _capture(self, key: tuple[int, int | None], kv_caches: list[torch.Tensor]) -> None:
         b, max_context = key
         inputs = self.staged.bucket_inputs(b)
+        # The warm-up below really runs: on inputs left by an earlier step (a lazy capture while serving)
+        # it would write K/V into slots that may belong to another sequence now. Padded rows write none.
+        inputs["slot_mapping"].fill_(-1)
+        inputs["context_lens"].fill_(1)
         # Decode kernels size their split-KV grid from the longest context the graph may see: the
         # context bucket, or the block table's capacity.
         self.facts.max_query_len, self.facts.max_context_len, self.facts.has_decode_rows = 1, max_context, True
