@@ -134,19 +134,23 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         k.run("silu_mul", silu_mul.launch(x, out, k.consts["silu_mul"]))
         return (out,)
 
+    # Split-K arrival counters of the GEMV, FP8 GEMM and CUDA int4 GEMV: each launch's last program
+    # leaves its counters zero again and launches follow one another on the stream, so one array serves
+    # them all. Made here, before any capture: graphs replay on these zeros (the CPU serves tests).
+    counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32,
+                           device="cuda" if torch.cuda.is_available() else "cpu")
+
     # Decode GEMV for dense projections when the bundle has a kernel for this K and M (the CUDA C++ one
     # where built, else Triton's); else cuBLAS. Both take the same counters and torch-allocated partials.
     gemv_consts = k.consts.get("gemv", {})
     gemv_table = gemv.variant_table(gemv_consts)
-    gemv_counters = (torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
-                     if gemv_table else None)  # made before any capture: graphs replay on these zeros
 
     def run_gemv(x, w, silu):
         variant = gemv.pick(gemv_table, w.shape[1], silu, x.shape[0], w.shape[0])   # CUDA first, then Triton
         if variant is None or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()):
             return None
         out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-        k.run("gemv", gemv.launch(x, w, out, variant, gemv_consts[variant], gemv_counters))
+        k.run("gemv", gemv.launch(x, w, out, variant, gemv_consts[variant], counters))
         return out
 
     def gemm(a, b, c=None, transB=0, **attrs):
@@ -168,9 +172,6 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
     # cuBLASLt FP8 with row-wise scales (weight [N, K] row-major: weight.t() is the column-major operand).
     fp8_consts = k.consts.get("fp8_linear", {})
     fp8_table = fp8_gemm.variant_table(fp8_consts)
-    # split-K counters, made before any capture (graphs replay on these zeros); the CPU serves tests
-    fp8_counters = (torch.zeros(fp8_gemm.NUM_COUNTERS, dtype=torch.int32,
-                                device="cuda" if torch.cuda.is_available() else "cpu") if fp8_table else None)
 
     def fp8_linear(x, weight, weight_scale, bias=None, has_bias=0):
         rows, kdim = x.shape
@@ -181,7 +182,7 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         if fused and x.is_contiguous():
             out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
             k.run("fp8_linear", fp8_gemm.launch(x, None, weight, weight_scale, bias, out, fused,
-                                                fp8_consts[fused], fp8_counters))
+                                                fp8_consts[fused], counters))
             return (out,)
         xq = torch.empty(x.shape, dtype=fp8_quant.FP8, device=x.device)
         x_scale = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -190,17 +191,14 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         if plain:
             out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
             k.run("fp8_linear", fp8_gemm.launch(xq, x_scale, weight, weight_scale, bias, out, plain,
-                                                fp8_consts[plain], fp8_counters))
+                                                fp8_consts[plain], counters))
             return (out,)
         y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],
                              out_dtype=x.dtype)
         return (y + bias if has_bias else y,)
 
-    # W4A16: the CUDA C++ GEMV where built (its split-K counters made before any capture), else the
-    # Triton GEMV up to gemv_max_rows rows; above, dequantize into a scratch W and cuBLAS
-    int4_counters = (torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32,
-                                 device="cuda" if torch.cuda.is_available() else "cpu")
-                     if any(gemv.is_cuda(c) for c in k.consts.get("int4_linear", {}).values()) else None)
+    # W4A16: the CUDA C++ GEMV where built, else the Triton GEMV up to gemv_max_rows rows; above,
+    # dequantize into a scratch W and cuBLAS
 
     def qlinear(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0):
         if act_order:  # GPTQ desc_act: rows were sorted by group at build time, x follows them
@@ -209,7 +207,7 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
                                                  extra[0] if has_bias else None, group_size=group_size,
                                                  consts=k.consts["int4_linear"],
                                                  run=lambda launches: k.run("int4_linear", launches),
-                                                 counters=int4_counters),)
+                                                 counters=counters),)
 
     ops = dict(REFERENCE_OPS)
     ops.update({

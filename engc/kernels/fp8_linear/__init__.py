@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import torch
 
+from engc.kernels import gemv
 from engc.kernels.fp8_quant import fp8_linear  # noqa: F401  (the op's reference)
 
-# Split-K arrival counters the runtime keeps zeroed: one per N tile of a launch.
-NUM_COUNTERS = 1 << 16
+# Split-K arrival counters the runtime keeps zeroed, one per N tile of a launch: the same array as
+# the GEMV's (runtime/gpu_ops.py shares one between them).
+NUM_COUNTERS = gemv.NUM_COUNTERS
 
 
 def variant_name(k: int, max_m: int, quant_x: bool) -> str:
