@@ -122,11 +122,15 @@ def test_scale_after_is_within_tolerance_of_the_reference():
 # ------------------------------------------------------------------ codegen, compile, launch rule
 
 def test_render_specializes_group_and_tiles():
-    spec, why = cuda_int4.int4_gemv_spec(64, "bf16", "sm90", {"TILES": 4, "UNROLL": 1})
+    spec, why = cuda_int4.int4_gemv_spec(64, "bf16", "sm90", {"TILES": 4, "UNROLL": 1, "STAGES": 3})
     assert why == "" and spec.launch["BLOCK_N"] == 64 and spec.launch["BLOCK_K"] == 512
+    assert spec.shared_mem == 3 * 128 * 4 * 2 * 16      # 3 stages x 128 threads x 8 pieces of 16 bytes
     src = cuda.render(spec.template, **spec.render)
     assert "constexpr int GROUP = 64;" in src and "0x43004300u" in src and spec.entry in src
-    assert "constexpr int TILES = 4;" in src and "{{" not in src
+    assert "constexpr int TILES = 4;" in src and "constexpr int STAGES = 3;" in src and "{{" not in src
+    assert cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"STAGES": 1})[0] is None
+    too_big = {"num_warps": 8, "TILES": 4, "UNROLL": 2, "STAGES": 8}   # 1 MiB of stages
+    assert "shared memory" in cuda_int4.int4_gemv_spec(128, "bf16", "sm90", too_big)[1]
     fp16 = cuda.render(spec.template, **cuda_int4.int4_gemv_spec(128, "fp16", "sm90")[0].render)
     assert "0x64006400u" in fp16 and "f16x2" in fp16
     assert cuda_int4.int4_gemv_spec(128, "fp32", "sm90")[0] is None
@@ -157,6 +161,24 @@ def test_compiles_for_sm80_and_sm90(records):
         (a, v) for a in ("sm80", "sm90") for v in ("cuda_g128", "cuda_dequant_g128")}
     for r in records:
         assert r["scratch_params"] == 0 and r["launch"]["impl"] == "cuda" and r["launch"]["GROUP"] == 128
+        assert r["shared_mem"] == (0 if "dequant" in r["variant"] else cuda_int4.gemv_shared_bytes(
+            r["tune"]["num_warps"], r["tune"]["TILES"], r["tune"]["UNROLL"], r["tune"]["STAGES"]))
+
+
+# the sweep's other corners: per-weight scaling (g32/g64), fp16, 2 and 6 stages, UNROLL 2, 8 and 2 warps
+KNOBS = [(64, "bf16", "sm90", dict(num_warps=8, TILES=1, UNROLL=2, STAGES=3, min_blocks=2)),
+         (128, "fp16", "sm90", dict(num_warps=4, TILES=4, UNROLL=1, STAGES=6, min_blocks=2)),
+         (32, "bf16", "sm80", dict(num_warps=2, TILES=2, UNROLL=2, STAGES=2, min_blocks=6))]
+
+
+@pytest.mark.parametrize("group,t,arch,knobs", KNOBS)
+def test_knobs_compile(group, t, arch, knobs):
+    if cuda.nvcc_path() is None:
+        pytest.skip("nvcc not found")
+    spec, why = cuda_int4.int4_gemv_spec(group, t, arch, knobs)
+    assert why == ""
+    rec, = cuda.compile_cuda([spec]).records
+    assert rec["shared_mem"] == spec.shared_mem and rec["launch"]["BLOCK_K"] == 128 * knobs["num_warps"] * knobs["UNROLL"]
 
 
 def test_dequant_launch_rule_matches_records(records):
@@ -171,7 +193,7 @@ def test_dequant_launch_rule_matches_records(records):
 
 
 @pytest.mark.parametrize("rows,n,k,bias", [(1, 4096, 4096, False), (8, 4096, 14336, True), (3, 28672, 4096, False),
-                                           (5, 96, 8192, True)])
+                                           (5, 96, 8192, True), (2, 32 * 396, 512, False)])
 def test_launch_rule_matches_records(records, rows, n, k, bias):
     rec = next(r for r in records if (r["arch"], r["variant"]) == ("sm90", "cuda_g128"))
     consts = {rec["variant"]: rec["launch"]}
@@ -185,18 +207,84 @@ def test_launch_rule_matches_records(records, rows, n, k, bias):
     assert variant == rec["variant"] and len(args) == len(rec["args"])
     c = rec["launch"]
     n_tiles, k_tiles = -(-n // c["BLOCK_N"]), -(-k // c["BLOCK_K"])
-    splits, per = grid[1], args[11]
-    assert grid == (n_tiles, splits, 1) and args[12] == splits and -(-k_tiles // per) == splits
-    assert (n_tiles * splits >= c["target_programs"] or splits == 1 or per == 1) if n_tiles < 600 else splits == 1
+    programs = grid[0]
+    assert grid == (programs, 1, 1) and programs == min(c["target_programs"], n_tiles * k_tiles)
+    shared = n_tiles % programs != 0
+    assert (args[6] is 0) == (args[7] is 0) == (not shared)
+    if shared:
+        assert args[6].numel() == programs * 2 * rows * c["BLOCK_N"]
     for value, spec in zip(args, rec["args"]):
         if spec["type"].startswith("*") and isinstance(value, int):
-            assert value == 0 and (spec["name"] == "bias_ptr" or splits == 1)
+            assert value == 0 and (spec["name"] == "bias_ptr" or not shared)
         elif spec["type"].startswith("*"):
             want = {"bf16": torch.bfloat16, "fp32": torch.float32, "i32": torch.int32, "u8": torch.uint8}
             assert value.dtype == want[spec["type"][1:]], spec
         else:
             assert isinstance(value, int) and not isinstance(value, bool), spec
-    assert args[13] == int(bias)
+    assert args[8:] == [rows, n, k, int(bias)]
+    few = torch.zeros(n_tiles - 1, dtype=torch.int32)     # too few counters: whole tiles, nothing shared
+    (_, grid, args), = op.cuda_launch(x, qw, s, z, b, y, group_size=128, consts=consts, counters=few)
+    assert grid[0] == n_tiles and args[6] == 0 and args[7] == 0
+
+
+def _stream_k(n_tiles: int, k_tiles: int, programs: int):
+    """The kernel's walk over its units, tile ends and last-arriver reads, step for step in Python:
+    -> (tile -> CTA that wrote it whole, tile -> [(CTA, slot, units)] partials written, tile -> slots read)."""
+    total = n_tiles * k_tiles
+    first = lambda b: op.stream_k_first_unit(b, programs, total)  # noqa: E731
+
+    def owner(u):
+        b = u * programs // total
+        return b + 1 if first(b + 1) <= u else b
+
+    whole, written, read = {}, {}, {}
+    for b in range(programs):
+        u_begin, units = first(b), first(b + 1) - first(b)
+        assert units >= 1
+        first_tile = u_begin // k_tiles
+        tile, kt = divmod(u_begin, k_tiles)
+        kt_first, mine = kt, []
+        for i in range(units):
+            mine.append(tile * k_tiles + kt)
+            t0, kt_last = tile, kt
+            kt += 1
+            if kt == k_tiles:
+                kt, tile = 0, tile + 1
+            if tile == t0 and i + 1 < units:
+                continue
+            covered, kt_first = kt_last - kt_first + 1, 0
+            if covered == k_tiles:
+                assert t0 not in whole and t0 not in written
+                whole[t0] = b
+                continue
+            written.setdefault(t0, []).append((b, 0 if t0 == first_tile else 1, covered))
+        assert mine == list(range(u_begin, u_begin + units))
+    for t in written:
+        b = owner(t * k_tiles)
+        u0, slots = first(b), []
+        while u0 < (t + 1) * k_tiles:
+            slots.append((b, 0 if u0 // k_tiles == t else 1))
+            b += 1
+            u0 = first(b)
+        read[t] = slots
+    return whole, written, read
+
+
+@pytest.mark.parametrize("n_tiles,k_tiles,programs", [(128, 8, 396), (192, 8, 396), (896, 8, 396), (128, 28, 396),
+                                                      (128, 28, 528), (4, 3, 12), (5, 3, 7), (7, 1, 3),
+                                                      (3, 5, 2), (32, 9, 32), (1, 40, 13)])
+def test_stream_k_partition_and_reduce(n_tiles, k_tiles, programs):
+    """Every tile is written exactly once: whole by one CTA, or summed by the last arriver from exactly the
+    partial slots its CTAs wrote (in CTA order, no slot written twice), their unit counts adding to k_tiles."""
+    whole, written, read = _stream_k(n_tiles, k_tiles, programs)
+    assert set(whole) | set(written) == set(range(n_tiles)) and not set(whole) & set(written)
+    slots = [(b, slot) for parts in written.values() for b, slot, _ in parts]
+    assert len(slots) == len(set(slots))
+    for t, parts in written.items():
+        assert sum(units for _, _, units in parts) == k_tiles
+        assert read[t] == [(b, slot) for b, slot, _ in parts]          # the same slots, in CTA order
+    if n_tiles % programs == 0:
+        assert not written                                              # the launch rule passes no partials then
 
 
 def test_runtime_prefers_cuda_then_triton_then_dequant():

@@ -30,7 +30,8 @@ C_TYPE = {"bf16": "__nv_bfloat16", "fp16": "__half", "fp32": "float"}
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _PTX_VERSION_LINE = re.compile(r"^\.version\s+\d+\.\d+\s*$", re.MULTILINE)
 _PTX_TARGET = re.compile(r"^\.target\s+(\S+)", re.MULTILINE)
-SHARED_LIMIT = 48 * 1024   # static shared memory; the templates never ask for the dynamic kind
+SHARED_LIMIT = 48 * 1024   # static shared memory; a template that needs more asks for the dynamic kind
+DYNAMIC_SHARED_LIMIT = {"sm80": 163 * 1024, "sm90": 227 * 1024}   # the most shared memory one CTA may take
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class CudaKernelSpec:
     tune_key: str
     tune: dict
     launch: dict = field(default_factory=dict)
+    shared_mem: int = 0         # dynamic shared memory bytes per CTA (the launcher raises the 48 KB cap)
 
     @property
     def stem(self) -> str:
@@ -144,7 +146,7 @@ def kernel_record(spec: CudaKernelSpec, ptx: str, cubin_path: str, ptx_path: str
         "op": spec.op, "variant": spec.variant, "arch": spec.arch, "entry": spec.entry,
         "cubin": cubin_path, "ptx": ptx_path, "source": source_path,
         "ptx_version": PTX_VERSION, "ptx_target": _PTX_TARGET.search(ptx).group(1),
-        "num_warps": spec.num_warps, "num_ctas": 1, "shared_mem": 0,
+        "num_warps": spec.num_warps, "num_ctas": 1, "shared_mem": spec.shared_mem,
         "args": [{"name": name, "type": ty} for name, ty in spec.arg_types.items()], "scratch_params": 0,
         "align": 16, "constexprs": dict(sorted(spec.render.items())), "launch": dict(sorted(spec.launch.items())),
         "tune_key": spec.tune_key, "tune": dict(sorted(spec.tune.items())), "nvcc_version": version,

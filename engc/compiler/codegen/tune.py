@@ -139,13 +139,14 @@ for _arch in ("sm80", "sm90"):
     _put(_arch, "int4_linear", "*", "dequant", BLOCK_N=4, BLOCK_C=128, num_warps=4, num_stages=1)
     # The CUDA C++ int4 GEMV (templates/int4_gemv.cu.j2: magic-number dequant in registers, tensor-core mma,
     # any M <= max_m <= 8 for the cost of one), run in place of the Triton GEMV for M <= max_m where
-    # enabled and nvcc was there at build time. Tiles as for the bf16 CUDA GEMV, but a K step is 128 wide
-    # (BLOCK_K = 128 * warps * UNROLL); split K (in-kernel, last-arriver) until target_programs CTAs.
-    # H200 (bench/int4_cuda_device.py, 2026-11-30, bench/results/h200_int4_cuda.txt): the 8B projections'
-    # GEMVs of a decode step take 2.0 ms at M=1..8 against Triton int4 2.6 ms (M=1) to 31.5 ms (M=8) and
-    # bf16 3.8 ms; this config was the best over the sweep. sm80: by analogy, not measured.
-    _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
-         min_blocks=4, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
+    # enabled and nvcc was there at build time. A unit is 16 * TILES rows x BLOCK_K = 128 * warps * UNROLL
+    # inputs; target_programs CTAs (min_blocks a SM: one wave) split the units evenly (stream-K), each
+    # streaming W through a STAGES-deep cp.async pipeline (STAGES - 1 units in flight per CTA).
+    # The first version (split-K, no pipeline) measured 2.0 ms of projection GEMVs per 8B decode step at
+    # M=1..8 (bench/results/h200_int4_cuda.txt, bf16 3.8 ms); this pipelined one is not measured yet
+    # (bench/int4_cuda_device.py sweeps STAGES, tiles, warps and CTAs a SM). sm80: by analogy.
+    _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1, STAGES=4,
+         min_blocks=3, target_programs=3 * _SM_COUNT[_arch])
     # ... and its prefill dequant (templates/int4_dequant.cu.j2): CHUNKS 16-byte chunks per thread, all
     # loaded before the first is written. H200: 1.3-1.45 TB/s written, about twice the Triton dequant.
     _put(_arch, "int4_linear", "cuda", "dequant", enabled=True, num_warps=8, CHUNKS=2)
