@@ -15,7 +15,7 @@ TINY = ModelConfig(family="qwen3", vocab_size=512, hidden_size=64, intermediate_
                    max_position_embeddings=256, tie_word_embeddings=True, qk_norm=True)
 EXPECTED = {("rms_norm", "rms_norm"), ("rms_norm", "add_rms_norm"), ("silu_mul", "default"),
             ("qk_norm", "default"), ("rotary", "pos_i64"), ("rotary", "pos_i32"),
-            ("paged_attention", "decode"), ("paged_attention", "decode_reduce"), ("paged_attention", "prefill"),
+            ("paged_attention", "decode"), ("paged_attention", "prefill"),
             ("sampling", "logits_bf16"), ("sampling", "logits_fp32"),
             ("gemv", "silu_k128_m1"),
             ("argmax", "partial_bf16"), ("argmax", "partial_fp32"), ("argmax", "final")}

@@ -30,7 +30,9 @@ def report():
 CASES = ["rms_norm_fp32", "rms_norm_bf16", "silu_mul_fp32", "silu_mul_bf16", "qk_norm_fp32", "qk_norm_bf16",
          "rotary_fp32_i64", "rotary_bf16_i32", "attention_mixed_fp32", "attention_mixed_bf16",
          "attention_gqa3_d64_fp32", "attention_prefill_only_fp32", "attention_decode_split_fp32",
-         "attention_decode_bf16", "attention_window_fp32", "attention_window_long_fp32", "sampling_fp32",
+         "attention_decode_bf16", "attention_window_fp32", "attention_window_long_fp32",
+         "decode_reduce_b1_d128_fp32", "decode_reduce_b3_d64_gqa8_fp32", "decode_reduce_graph_sized_fp32",
+         "decode_reduce_b2_d128_bf16", "decode_reduce_window_fp32", "sampling_fp32",
          "sampling_bf16", "argmax_fp32", "argmax_bf16", "argmax_small_vocab_fp32"]
 
 
@@ -188,6 +190,36 @@ def check_attention(dtype, seqs, H=4, KV=2, D=32, page=16, window=0, overrides=N
     return _rel(out, ref), [(v, list(g)) for v, g, _ in launches]
 
 
+def check_decode_reduce(dtype, contexts, H, KV, D, page=16, block_n=16, max_context_len=None, window=0,
+                        expect_splits=None):
+    """The decode kernel's in-kernel reduce: many splits of one or two tiles, launched twice on one
+    counters array, which each launch must leave zero (a CUDA graph replays on it)."""
+    import torch
+    from engc.kernels import paged_attention as op
+    gen = torch.Generator().manual_seed(sum(contexts) + H + D)
+    cfg = _cfg(num_heads=H, num_kv_heads=KV, head_dim=D)
+    overrides = {"decode": {"BLOCK_N": block_n, "target_programs": 128, "min_split_tokens": block_n}}
+    specs = _specs(cfg, dtype, page, {"paged_attention": overrides})["paged_attention"]
+    q, kv_cache, bt, ctx, qsl = _attention_batch([(c, 1) for c in contexts], H, KV, D, page, dtype, gen)
+    scale = D ** -0.5
+    ref = op.paged_attention(q, kv_cache, bt, ctx, qsl, H, KV, D, scale, window)
+    counters = torch.zeros(64, dtype=torch.int32)
+    err, launches = 0.0, []
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        launches = op.launch(q, kv_cache, bt, ctx, qsl, out, num_heads=H, num_kv_heads=KV, head_dim=D, scale=scale,
+                             sliding_window=window, max_query_len=1, max_context_len=max_context_len,
+                             consts=_consts(specs), counters=counters)
+        _run(specs, launches)
+        err = max(err, _rel(out, ref))
+        if int(counters.abs().sum()) != 0:
+            return float("inf"), "counters not left zero"
+    splits = [g[2] for v, g, _ in launches]
+    if [v for v, _, _ in launches] != ["decode"] or (expect_splits and splits != [expect_splits]):
+        return float("inf"), [(v, list(g)) for v, g, _ in launches]
+    return err, [(v, list(g)) for v, g, _ in launches]
+
+
 def check_sampling(dtype, block_v=None):
     import torch
     from engc.kernels import sampling as op
@@ -280,6 +312,19 @@ def main():
                                   attn_tol[f32]),
         "attention_window_long_fp32": (lambda: check_attention(f32, [(150, 40), (100, 1), (90, 90)], window=33,
                                                                overrides=small_tiles), attn_tol[f32]),
+        # contexts not multiples of the tile or page; splits of one tile (16 tokens)
+        "decode_reduce_b1_d128_fp32": (lambda: check_decode_reduce(f32, [203], H=8, KV=2, D=128,
+                                                                   expect_splits=14), attn_tol[f32]),
+        "decode_reduce_b3_d64_gqa8_fp32": (lambda: check_decode_reduce(f32, [1, 77, 130], H=8, KV=1, D=64, page=8,
+                                                                       expect_splits=9), attn_tol[f32]),
+        # a graph sized for 400 tokens: 25 splits, most of them empty for these contexts
+        "decode_reduce_graph_sized_fp32": (lambda: check_decode_reduce(f32, [5, 40], H=4, KV=2, D=64,
+                                                                       max_context_len=400, expect_splits=25),
+                                           attn_tol[f32]),
+        "decode_reduce_b2_d128_bf16": (lambda: check_decode_reduce(bf16, [100, 33], H=8, KV=2, D=128, page=32,
+                                                                   block_n=32), attn_tol[bf16]),
+        "decode_reduce_window_fp32": (lambda: check_decode_reduce(f32, [150, 61], H=6, KV=2, D=64, window=37,
+                                                                  max_context_len=160), attn_tol[f32]),
         "sampling_fp32": (lambda: check_sampling(f32, block_v=512), 0),
         "sampling_bf16": (lambda: check_sampling(bf16), 0),
         "argmax_fp32": (lambda: check_argmax(f32, block=128), 0),

@@ -2,8 +2,8 @@
 
 Small batches also get a graph per context bucket: the split-KV decode sizes its grid from the longest
 context a graph may see, and a graph captured for the block table's full capacity (8k tokens) runs
-30+ splits and a reduce launch even for a 130-token chat (6.1 us a layer on an H200 against 3.2 us
-with one split). Large batches fill the GPU with (sequence, head) pairs anyway, so they keep one graph.
+30+ splits even for a 130-token chat (6.1 us a layer on an H200 against 3.2 us with one split, measured
+when a reduce launch followed; the decode now reduces in-kernel and empty splits only count themselves). Large batches fill the GPU with (sequence, head) pairs anyway, so they keep one graph.
 
 A decode step of a small model is a few hundred short launches; replaying them as one graph removes
 the host from the critical path. Graphs read fixed buffers, so a step writes its inputs into one
@@ -23,7 +23,8 @@ from engc.runtime.executor import Executor, TokenFill
 from engc.runtime.gpu_ops import StepFacts
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# Longest context of the short-context graphs (255: one KV split), and the batch buckets that get them.
+# Longest context of the short-context graphs (255: at most 4 one-tile KV splits), and the batch buckets
+# that get them.
 # Few on purpose: each is one more graph to capture at start (an 8B graph takes ~50 ms), and on the H200
 # the 1B batch-1 step gained 24 us (1.082 -> 1.058 ms) while the 8B one did not move.
 CTX_BUCKETS = (255,)

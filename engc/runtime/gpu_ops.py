@@ -98,6 +98,13 @@ class BundleKernels:
 def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
     """The op table for the executor; `facts` is updated by the caller before each step."""
 
+    # Split-K arrival counters of the GEMV, FP8 GEMM, CUDA int4 GEMV and split-KV decode: each launch's
+    # last program leaves its counters zero again and launches follow one another on the stream, so one
+    # array serves them all. Made here, before any capture: graphs replay on these zeros (the CPU serves
+    # tests).
+    counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32,
+                           device="cuda" if torch.cuda.is_available() else "cpu")
+
     def norm(x, w, eps):
         out = torch.empty_like(x)
         k.run("rms_norm", rms_norm.launch(x, w, eps, out))
@@ -126,19 +133,14 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
             q, kv, tables, ctx, starts, out, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, scale=scale, sliding_window=sliding_window,
             max_query_len=facts.max_query_len, max_context_len=facts.max_context_len,
-            decode_rows=facts.has_decode_rows, consts=k.consts["paged_attention"], kv_scale=kv_scale))
+            decode_rows=facts.has_decode_rows, consts=k.consts["paged_attention"], kv_scale=kv_scale,
+            counters=counters))
         return (out,)
 
     def act(x):
         out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
         k.run("silu_mul", silu_mul.launch(x, out, k.consts["silu_mul"]))
         return (out,)
-
-    # Split-K arrival counters of the GEMV, FP8 GEMM and CUDA int4 GEMV: each launch's last program
-    # leaves its counters zero again and launches follow one another on the stream, so one array serves
-    # them all. Made here, before any capture: graphs replay on these zeros (the CPU serves tests).
-    counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32,
-                           device="cuda" if torch.cuda.is_available() else "cpu")
 
     # Decode GEMV for dense projections when the bundle has a kernel for this K and M (the CUDA C++ one
     # where built, else Triton's); else cuBLAS. Both take the same counters and torch-allocated partials.

@@ -132,17 +132,22 @@ def paged_attention_specs(cfg: ModelConfig, t: str, arch: str, block_size: int, 
     bucket = tune.head_dim_bucket(cfg.head_dim)
     cache = {"q_ptr": f"*{t}", **kv_types, "block_tables_ptr": "*i32",
              "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "out_ptr": f"*{t}"}
-    decode_types = dict(cache, part_acc_ptr="*fp32", part_ml_ptr="*fp32", scale="fp32", sliding_window="i32",
-                        block_table_stride="i32", num_splits="i32")
+    decode_types = dict(cache, part_acc_ptr="*fp32", part_ml_ptr="*fp32", counters_ptr="*i32", scale="fp32",
+                        sliding_window="i32", block_table_stride="i32", num_splits="i32")
+    decode_tune = tune.lookup(arch, "paged_attention", "decode", bucket, (overrides or {}).get("decode"))[1]
+    # The in-kernel reduce reads [RED_SPLITS, group, D] partials at a time: ~4k fp32, 32 a thread of 4 warps.
+    reduce_consts = dict(GR_PAD=_pow2(group), MAX_SPLITS=_pow2(decode_tune["max_splits"]),
+                         RED_SPLITS=max(1, 4096 // (_pow2(group) * _pow2(cfg.head_dim))))
     decode = _spec("paged_attention", "decode", arch, "paged_decode_kernel", decode_types,
-                   dict(common, G_PAD=max(16, _pow2(group))), bucket,
+                   dict(common, G_PAD=max(16, _pow2(group)), **reduce_consts), bucket,
                    launch_keys=("BLOCK_N", "target_programs", "max_splits", "min_split_tokens",
-                                "min_split_tokens_busy", "impl"),
+                                "min_split_tokens_busy", "impl", "in_kernel_reduce"),
                    overrides=(overrides or {}).get("decode"))
     reduce_types = {"query_start_loc_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
                     "out_ptr": f"*{t}", "num_splits": "i32"}
     max_splits = decode.tune["max_splits"]
-    reduce = _spec("paged_attention", "decode_reduce", arch, "paged_decode_reduce_kernel", reduce_types,
+    # decode_reduce finishes split launches of the CUDA decode template only (Triton's reduces in-kernel)
+    reduce = None if decode.launch.get("impl") != "cuda" else _spec("paged_attention", "decode_reduce", arch, "paged_decode_reduce_kernel", reduce_types,
                    {"NUM_HEADS": cfg.num_heads, "HEAD_DIM": cfg.head_dim, "D_PAD": _pow2(cfg.head_dim),
                     "MAX_SPLITS": _pow2(max_splits)}, "any", launch_keys=("MAX_SPLITS",))
     prefill_types = dict(cache, scale="fp32", sliding_window="i32", block_table_stride="i32", skip_decode="i32")
@@ -150,7 +155,7 @@ def paged_attention_specs(cfg: ModelConfig, t: str, arch: str, block_size: int, 
                     launch_keys=("BLOCK_M", "GROUP"), overrides=(overrides or {}).get("prefill"))
     if prefill.constexprs["BLOCK_M"] < group:
         raise ValueError(f"prefill BLOCK_M {prefill.constexprs['BLOCK_M']} is smaller than the GQA group {group}")
-    return [decode, reduce, prefill]
+    return [decode, prefill] if reduce is None else [decode, reduce, prefill]
 
 
 def sampling_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):

@@ -32,12 +32,16 @@ for _arch in ("sm80", "sm90"):
                   min_split_tokens_busy=1024)
     # impl: which decode kernel the runtime launches, "triton" or "cuda" (the template below); Triton
     # until bench/kernels_device.py shows the template faster on that arch and head_dim class.
-    _put(_arch, "paged_attention", "decode", "d<=64", BLOCK_N=128, num_warps=4, num_stages=2, impl="triton",
-         **_split)
-    _put(_arch, "paged_attention", "decode", "d<=128", BLOCK_N=64, num_warps=4,
-         num_stages=3 if _arch == "sm90" else 2, impl="triton", **_split)
-    _put(_arch, "paged_attention", "decode", "d>128", BLOCK_N=32, num_warps=4, num_stages=2, impl="triton",
-         **_split)
+    # The Triton decode combines its splits in the same launch (in_kernel_reduce: the last split to arrive
+    # reduces), so a split costs a partial write, not a launch: while (sequence, KV head) pairs leave the
+    # GPU short of target_programs, split down to one BLOCK_N tile a program (min_split_tokens = BLOCK_N;
+    # it was 128 tokens with the reduce launch). Busy batches keep min_split_tokens_busy (measured).
+    # Not yet measured on a device: bench/decode_device.py times it against the two-launch form.
+    for _bucket, _block_n, _stages in (("d<=64", 128, 2), ("d<=128", 64, 3 if _arch == "sm90" else 2),
+                                       ("d>128", 32, 2)):
+        _put(_arch, "paged_attention", "decode", _bucket, BLOCK_N=_block_n, num_warps=4, num_stages=_stages,
+             impl="triton", **dict(_split, min_split_tokens=_block_n), in_kernel_reduce=True)
+    # decode_reduce: the second launch of the CUDA decode template (the Triton decode reduces in-kernel)
     _put(_arch, "paged_attention", "decode_reduce", "any", num_warps=4, num_stages=1)
     # The CUDA C++ twin of the decode kernel (templates/paged_decode.cu.j2): built and launched instead of
     # the Triton one only where the 'decode' entry says impl="cuda" and nvcc was there at build time.

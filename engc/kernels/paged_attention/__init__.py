@@ -58,10 +58,11 @@ def _cdiv(a: int, b: int) -> int:
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, decode_consts: dict) -> int:
     """How many programs share one (sequence, KV head) in the split-KV decode kernel: enough to reach
-    target_programs, each with at least a minimum of context, since a split costs a partial write and
-    the reduce launch. The minimum is min_split_tokens while (sequence, KV head) pairs alone fill less
-    than half of target_programs, else min_split_tokens_busy (measured on an H200: with 256 pairs,
-    splitting paid only from 2048 tokens of context)."""
+    target_programs, each with at least a minimum of context, since a split costs a partial write (and,
+    for a kernel without the in-kernel reduce, a share of the reduce launch). The minimum is
+    min_split_tokens while (sequence, KV head) pairs alone fill less than half of target_programs, else
+    min_split_tokens_busy (measured on an H200: with 256 pairs, splitting paid only from 2048 tokens of
+    context). The tune table gives the in-kernel-reducing decode one BLOCK_N tile as min_split_tokens."""
     ctx = max(max_context_len, 1)
     pairs = max(num_seqs, 1) * num_kv_heads
     busy = 2 * pairs >= decode_consts["target_programs"]
@@ -74,10 +75,16 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, decode
 def decode_variant(consts: dict, quantized_cache: bool = False) -> str:
     """'decode_cuda' (the CUDA C++ template's kernel) where the decode record's tune entry chose impl "cuda"
     and the bundle has that kernel (nvcc was present at build time) and the cache is not quantized;
-    else 'decode' (Triton). Both take the same arguments and leave the same partials to decode_reduce."""
+    else 'decode' (Triton). The CUDA one leaves its partials to decode_reduce."""
     if consts["decode"].get("impl") == "cuda" and "decode_cuda" in consts and not quantized_cache:
         return "decode_cuda"
     return "decode"
+
+
+def reduces_in_kernel(consts: dict, variant: str) -> bool:
+    """True for a decode kernel that combines its own splits (counters argument, no decode_reduce launch);
+    bundles built before it have 'decode' records without the flag and keep the two-launch form."""
+    return bool(consts[variant].get("in_kernel_reduce"))
 
 
 def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, num_splits: int, device):
@@ -87,9 +94,16 @@ def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, num_splits: i
             torch.empty(n * 2, dtype=torch.float32, device=device))
 
 
+def decode_counters(num_seqs: int, num_kv_heads: int, device) -> torch.Tensor:
+    """Arrival counters of the in-kernel reduce, one int32 per (sequence, KV head), zero. A split launch
+    leaves them zero again, so the runtime makes one array before any CUDA graph capture and shares it."""
+    return torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device)
+
+
 def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num_heads: int, num_kv_heads: int,
            head_dim: int, scale: float, sliding_window: int = 0, max_query_len: int,
-           max_context_len: int | None = None, decode_rows: bool = True, workspace=None, consts, kv_scale=None):
+           max_context_len: int | None = None, decode_rows: bool = True, workspace=None, consts, kv_scale=None,
+           counters=None):
     """Launch rule of the paged-attention kernels: [(variant, grid, args)], in launch order.
 
     q, out contiguous [T, H * D]; kv_cache contiguous [2, blocks, block_size, KV, D]; block_tables
@@ -97,18 +111,25 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
     max_query_len (the longest query slice), max_context_len (bounds the split count; defaults to the
     block table's capacity; keep it fixed when capturing a CUDA graph), decode_rows (False when no sequence
     has exactly one query token: skips the decode launch beside a prefill). consts: variant -> the
-    record's 'launch' dict, for 'decode', 'decode_reduce', 'prefill'. workspace: decode_workspace(...)
+    record's 'launch' dict, for 'decode', 'prefill' (and 'decode_cuda', 'decode_reduce'). workspace: decode_workspace(...)
     with at least this launch's split count, else allocated here.
 
     kv_scale: the float32 [2, blocks, block_size, KV] scales of a quantized (int8/fp8) kv_cache; its
     halves k_scale, v_scale are appended to the 'decode' and 'prefill' args below, before the scratch
     zeros (the same variant names: a bundle's kernels are specialized on its one KV-cache format).
 
-    args of 'decode' (grid (B, KV, splits); part_acc, part_ml are 0 (null) when splits == 1):
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, part_acc, part_ml,
+    counters: int32, zero, at least B * KV long (decode_counters; the runtime shares one array between the
+    split-K kernels, each launch leaves it zero), else allocated here; an in-kernel-reducing decode takes a
+    ticket at counters[b * KV + kv_head].
+
+    args of 'decode' (grid (B, KV, splits); part_acc, part_ml, counters are 0 (null) when splits == 1):
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, part_acc, part_ml, counters,
         scale (fp32), sliding_window (i32), block_table_stride (i32), num_splits (i32), 0, 0
-    args of 'decode_cuda' (instead of 'decode', see decode_variant): the same without the two scratch zeros
-    args of 'decode_reduce' (grid (B, H), only when splits > 1):
+        (a bundle's 'decode' without launch['in_kernel_reduce'], built before it: no counters, and a
+        'decode_reduce' launch follows a split one)
+    args of 'decode_cuda' (instead of 'decode', see decode_variant): as the old 'decode', without the two
+        scratch zeros; followed by 'decode_reduce' when splits > 1
+    args of 'decode_reduce' (grid (B, H), only after a split 'decode_cuda' or old 'decode'):
         query_start_loc, part_acc, part_ml, out, num_splits (i32), 0, 0
     args of 'prefill' (grid (cdiv(max_query_len, BLOCK_M // GROUP), B, KV)):
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
@@ -138,20 +159,25 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * kv_cache.shape[2]
     variant = decode_variant(consts, kv_scale is not None)
-    d = consts[variant]
-    splits = decode_splits(num_seqs, num_kv_heads, max_context_len, d)
+    in_kernel = reduces_in_kernel(consts, variant)
+    splits = decode_splits(num_seqs, num_kv_heads, max_context_len, consts[variant])
+    if in_kernel and counters is not None and counters.numel() < num_seqs * num_kv_heads:
+        splits = 1                        # more (sequence, KV head) pairs than counters: fill the GPU anyway
     if splits > 1:
         if workspace is None:
             workspace = decode_workspace(num_seqs, num_heads, head_dim, splits, q.device)
         part_acc, part_ml = workspace
         assert part_ml.numel() >= num_seqs * num_heads * splits * 2
+        if in_kernel and counters is None:
+            counters = decode_counters(num_seqs, num_kv_heads, q.device)
     else:
         part_acc, part_ml = 0, 0          # unused with one split: null pointers
+    ticket = [(counters if splits > 1 else 0)] if in_kernel else []
     scratch = [] if variant == "decode_cuda" else [0, 0]    # only Triton kernels take scratch pointers
     launches.append((variant, (num_seqs, num_kv_heads, splits),
-                     common + [part_acc, part_ml, float(scale), int(sliding_window), bt_stride, splits, *scales,
-                               *scratch]))
-    if splits > 1:
+                     common + [part_acc, part_ml, *ticket, float(scale), int(sliding_window), bt_stride, splits,
+                               *scales, *scratch]))
+    if splits > 1 and not in_kernel:
         launches.append(("decode_reduce", (num_seqs, num_heads, 1),
                          [query_start_loc, part_acc, part_ml, out, splits, 0, 0]))
     return launches

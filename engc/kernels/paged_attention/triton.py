@@ -14,8 +14,11 @@ unquantized build has them as constexpr None, so its code and arguments are as w
 decode: grid (num_seqs, NUM_KV_HEADS, num_splits). Handles sequences with exactly one query token (it
   skips the others, so it can run beside the prefill kernel on a mixed batch). The KV tiles of a
   sequence are dealt to num_splits programs; with num_splits == 1 the program writes the output itself,
-  otherwise it writes an unnormalized partial (acc, max, sum) that decode_reduce combines.
-decode_reduce: grid (num_seqs, NUM_HEADS).
+  otherwise it writes an unnormalized partial (acc, max, sum), takes a ticket on its (sequence, KV head)
+  arrival counter, and the last to arrive combines the partials and writes the output (one launch, so
+  small batches can split finely: the reduce costs no launch of its own).
+decode_reduce: grid (num_seqs, NUM_HEADS). Combines the partials of the CUDA C++ decode template
+  (templates/paged_decode.cu.j2), which leaves them laid out [seq, head, split] for this second launch.
 prefill: grid (cdiv(max_query_len, BLOCK_M // GROUP), num_seqs, NUM_KV_HEADS). Row m of a program's
   tile is query token m // GROUP of its slice and head m % GROUP of the group. With skip_decode != 0
   it leaves one-token sequences to the decode kernel.
@@ -55,11 +58,47 @@ def _load_kv_scales(scale_ptr, block_table_row, pos, valid, kvh, PAGE: tl.conste
 
 
 @triton.jit
+def _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, pair, row, kvh, used_splits, num_splits,
+                    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
+                    GR_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, RED_SPLITS: tl.constexpr):
+    """out of one (sequence, KV head): the partials of its first used_splits splits, weighted by exp2 of
+    their max over the global max. Loads bypass L1 (.cg): other programs wrote them."""
+    g = tl.arange(0, GR_PAD)
+    d = tl.arange(0, D_PAD)
+    g_mask = g < GROUP
+    base = pair.to(tl.int64) * num_splits
+    s_all = tl.arange(0, MAX_SPLITS)
+    ml_mask = (s_all[:, None] < used_splits) & g_mask[None, :]
+    ml = (base + s_all)[:, None] * GROUP + g[None, :]
+    m = tl.load(part_ml_ptr + ml * 2, mask=ml_mask, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(part_ml_ptr + ml * 2 + 1, mask=ml_mask, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_sum = tl.sum(tl.where(l > 0, l * tl.exp2(m - m_max[None, :]), 0.0), axis=0)
+    acc = tl.zeros([GR_PAD, D_PAD], tl.float32)
+    s = tl.arange(0, RED_SPLITS)
+    for first in range(0, used_splits, RED_SPLITS):
+        ok = ((first + s)[:, None] < used_splits) & g_mask[None, :]
+        rows = (base + first + s)[:, None] * GROUP + g[None, :]                   # [RED_SPLITS, GR_PAD]
+        m_c = tl.load(part_ml_ptr + rows * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l_c = tl.load(part_ml_ptr + rows * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        w = tl.where(l_c > 0, tl.exp2(m_c - m_max[None, :]), 0.0)
+        a = tl.load(part_acc_ptr + rows[:, :, None] * HEAD_DIM + d[None, None, :],
+                    mask=ok[:, :, None] & (d[None, None, :] < HEAD_DIM), other=0.0, cache_modifier=".cg")
+        acc += tl.sum(a * w[:, :, None], axis=0)
+    o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    heads = kvh * GROUP + g
+    tl.store(out_ptr + row.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (d[None, :] < HEAD_DIM))
+
+
+@triton.jit
 def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                        query_start_loc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                        query_start_loc_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr,
                         scale, sliding_window, block_table_stride, num_splits, k_scale_ptr, v_scale_ptr,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                         D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                        GR_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, RED_SPLITS: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         KV_QUANT: tl.constexpr):
     b = tl.program_id(0)
@@ -83,46 +122,61 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
     d = tl.arange(0, D_PAD)
     heads = kvh * GROUP + g
     g_mask = g < GROUP
-    q = tl.load(q_ptr + row.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
-                mask=g_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-    qk_scale = scale * 1.4426950408889634
-    bt_row = block_tables_ptr + b.to(tl.int64) * block_table_stride
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for tile in range(lo, hi):
-        pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = (pos < ctx) & (pos >= start)
-        k = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM)
-        v = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM)
-        if KV_QUANT != 0:
-            k_scale = _load_kv_scales(k_scale_ptr, bt_row, pos, valid, kvh, PAGE, NUM_KV_HEADS)
-            v_scale = _load_kv_scales(v_scale_ptr, bt_row, pos, valid, kvh, PAGE, NUM_KV_HEADS)
-            s = tl.dot(q, tl.trans(_widen(k, q.dtype, KV_QUANT)), input_precision=DOT_PRECISION) * (qk_scale * k_scale[None, :])
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if KV_QUANT != 0:
-            pv = tl.dot((p * v_scale[None, :]).to(q.dtype), _widen(v, q.dtype, KV_QUANT), input_precision=DOT_PRECISION)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-
     out_mask = g_mask[:, None] & (d[None, :] < HEAD_DIM)
-    if num_splits == 1:
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + row.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        part = (b.to(tl.int64) * NUM_HEADS + heads) * num_splits + split
+    pair = b * NUM_KV_HEADS + kvh
+    # A graph sized for a longer context leaves the last splits without tiles: they only count themselves.
+    if lo < hi:
+        q = tl.load(q_ptr + row.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
+                    mask=out_mask, other=0.0)
+        qk_scale = scale * 1.4426950408889634
+        bt_row = block_tables_ptr + b.to(tl.int64) * block_table_stride
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        for tile in range(lo, hi):
+            pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = (pos < ctx) & (pos >= start)
+            k = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM)
+            v = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM)
+            if KV_QUANT != 0:
+                k_scale = _load_kv_scales(k_scale_ptr, bt_row, pos, valid, kvh, PAGE, NUM_KV_HEADS)
+                v_scale = _load_kv_scales(v_scale_ptr, bt_row, pos, valid, kvh, PAGE, NUM_KV_HEADS)
+                s = tl.dot(q, tl.trans(_widen(k, q.dtype, KV_QUANT)), input_precision=DOT_PRECISION) * (qk_scale * k_scale[None, :])
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if KV_QUANT != 0:
+                pv = tl.dot((p * v_scale[None, :]).to(q.dtype), _widen(v, q.dtype, KV_QUANT), input_precision=DOT_PRECISION)
+            else:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        if num_splits == 1:
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + row.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=out_mask)
+            return
+        # partial rows of a (sequence, KV head) are contiguous: [splits, GROUP]
+        part = (pair.to(tl.int64) * num_splits + split) * GROUP + g
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
         tl.store(part_ml_ptr + part * 2, m_i, mask=g_mask)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
+    # The last split to arrive combines them all (no reduce launch) and leaves its counter zero for the
+    # next launch or graph replay; acq_rel orders the partials above before its ticket, and the
+    # winner's loads after it.
+    if num_splits == 1:
+        return
+    tl.debug_barrier()   # every thread's partial is stored before this program counts as arrived
+    ticket = tl.atomic_add(counters_ptr + pair, 1, sem="acq_rel", scope="gpu")
+    if ticket == num_splits - 1:
+        used = tl.cdiv(n_tiles, per_split)
+        _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, pair, row, kvh, used, num_splits, NUM_HEADS,
+                        HEAD_DIM, D_PAD, GROUP, GR_PAD, MAX_SPLITS, RED_SPLITS)
+        tl.atomic_xchg(counters_ptr + pair, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
