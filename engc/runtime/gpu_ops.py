@@ -36,6 +36,7 @@ class StepFacts:
     max_query_len: int = 1
     max_context_len: int | None = None  # None: the block table's capacity (fixed under CUDA graphs)
     has_decode_rows: bool = True
+    rows: int | None = None             # tokens in the step (a graph's: its bucket); None: not known
 
 
 def _capability(arch: str) -> int:

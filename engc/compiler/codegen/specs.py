@@ -278,6 +278,13 @@ def argmax_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
     return specs
 
 
+def l2_prefetch_specs(arch: str, overrides=None):
+    key, entry = tune.lookup(arch, "l2_prefetch", "*", "any", overrides)
+    return [_spec("l2_prefetch", "default", arch, "l2_prefetch_kernel",
+                  {"src_ptr": "*i32", "out_ptr": "*i32", "n_blocks": "i32", "blocks_per_program": "i32"}, {}, "any",
+                  launch_keys=("BLOCK", "programs", "attn_bytes", "norm_bytes", "max_rows"), overrides=overrides)]
+
+
 def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int, overrides=None,
                 quant: str = "none", kv_cache: str = "auto", int4_group_sizes=()) -> list:
     """Every kernel the model needs on one arch. overrides: op -> tune overrides (bench sweeps).
@@ -306,6 +313,7 @@ def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int
     specs += sampling_specs(cfg, t, arch, ov.get("sampling"))
     specs += argmax_specs(cfg, t, arch, ov.get("argmax"))
     specs += gemv_specs(cfg, t, arch, ov.get("gemv"))
+    specs += l2_prefetch_specs(arch, ov.get("l2_prefetch"))
     if quant == "fp8":
         specs += fp8_quant_specs(cfg, t, arch, ov.get("fp8_quant"))
         specs += fp8_linear_specs(cfg, t, arch, ov.get("fp8_linear"))
