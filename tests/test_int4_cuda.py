@@ -28,11 +28,13 @@ def _byte_perm(a: int, b: int, sel: int) -> int:
     return sum(src[(sel >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
 
 
-def _emulate_step(words, zeros, xs):
+def _emulate_step(words, zeros, xs, zero_after=False):
     """One 16-row tile and one 128-wide K step as the template computes it, for 8 rows of x.
     words [16, 16] int (4 chunks of 4 words per row), zeros [16], xs [8, 128] bf16 -> D [16, 8] = the
-    sum of the 8 mmas' products of (q - zero) with x, built from the m16n8k16 fragment definitions."""
+    sum of the 8 mmas' products of (q - zero) with x, built from the m16n8k16 fragment definitions.
+    zero_after: the mmas take 128 + q, and (128 + zero) x the all-ones mmas' sum of x is taken off after."""
     d = torch.zeros(16, 8, dtype=torch.float64)
+    x_sum = torch.zeros(16, 8, dtype=torch.float64)
     for i in range(4):               # word i of every lane's chunk
         for mma in range(2):         # shifts (0, 1), then (2, 3)
             a, b = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
@@ -45,7 +47,8 @@ def _emulate_step(words, zeros, xs):
                     for s in (2 * mma, 2 * mma + 1):
                         v = ((w >> (4 * s)) & 0x000F000F) | 0x43004300       # the magic-number trick
                         lo, hi = _bf16_pair(v)
-                        pairs[h, s] = (lo - (128 + zeros[g + 8 * h]), hi - (128 + zeros[g + 8 * h]))
+                        zz = 0 if zero_after else 128 + zeros[g + 8 * h]
+                        pairs[h, s] = (lo - zz, hi - zz)
                 xp = {}
                 for s in (2 * mma, 2 * mma + 1):
                     e = 4 * s + i
@@ -59,10 +62,14 @@ def _emulate_step(words, zeros, xs):
                 b[2 * c:2 * c + 2, g] = torch.tensor(xp[s0], dtype=torch.float64)
                 b[2 * c + 8:2 * c + 10, g] = torch.tensor(xp[s1], dtype=torch.float64)
             d += a @ b
+            x_sum += torch.ones(16, 16, dtype=torch.float64) @ b
+    if zero_after:
+        d -= (128 + torch.tensor(zeros, dtype=torch.float64))[:, None] * x_sum
     return d
 
 
-def test_lane_math_matches_the_layout():
+@pytest.mark.parametrize("zero_after", [False, True])
+def test_lane_math_matches_the_layout(zero_after):
     """The nibble extraction, the x regrouping and the fragment placement together compute
     sum_k (q[n, k] - zero[n]) * x[m, k] over the step: any slip in the K renaming would mix inputs."""
     torch.manual_seed(0)
@@ -70,7 +77,7 @@ def test_lane_math_matches_the_layout():
     zeros = [int(z) for z in torch.randint(0, 16, (16,))]
     xs = torch.randn(8, 128).to(torch.bfloat16)
     words = op.pack_int4(q).tolist()
-    got = _emulate_step(words, zeros, xs)
+    got = _emulate_step(words, zeros, xs, zero_after)
     want = (q.double() - torch.tensor(zeros, dtype=torch.float64)[:, None]) @ xs.double().t()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-9)
 
@@ -128,6 +135,9 @@ def test_render_specializes_group_and_tiles():
     src = cuda.render(spec.template, **spec.render)
     assert "constexpr int GROUP = 64;" in src and "0x43004300u" in src and spec.entry in src
     assert "constexpr int TILES = 4;" in src and "constexpr int STAGES = 3;" in src and "{{" not in src
+    assert "SCALE_AFTER && false;" in src
+    zero_after = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"ZERO_AFTER": True})[0]
+    assert "SCALE_AFTER && true;" in cuda.render(zero_after.template, **zero_after.render)
     assert cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"STAGES": 1})[0] is None
     too_big = {"num_warps": 8, "TILES": 4, "UNROLL": 2, "STAGES": 8}   # 1 MiB of stages
     assert "shared memory" in cuda_int4.int4_gemv_spec(128, "bf16", "sm90", too_big)[1]
@@ -168,7 +178,8 @@ def test_compiles_for_sm80_and_sm90(records):
 # the sweep's other corners: per-weight scaling (g32/g64), fp16, 2 and 6 stages, UNROLL 2, 8 and 2 warps
 KNOBS = [(64, "bf16", "sm90", dict(num_warps=8, TILES=1, UNROLL=2, STAGES=3, min_blocks=2)),
          (128, "fp16", "sm90", dict(num_warps=4, TILES=4, UNROLL=1, STAGES=6, min_blocks=2)),
-         (32, "bf16", "sm80", dict(num_warps=2, TILES=2, UNROLL=2, STAGES=2, min_blocks=6))]
+         (32, "bf16", "sm80", dict(num_warps=2, TILES=2, UNROLL=2, STAGES=2, min_blocks=6)),
+         (128, "bf16", "sm90", dict(num_warps=4, TILES=2, UNROLL=1, STAGES=4, min_blocks=3, ZERO_AFTER=True))]
 
 
 @pytest.mark.parametrize("group,t,arch,knobs", KNOBS)

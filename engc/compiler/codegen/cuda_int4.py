@@ -68,10 +68,12 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
     static = warps * 8 * (block_n + 1) * 4 + 4            # warp_sums + is_last
     if shared + static > DYNAMIC_SHARED_LIMIT[arch]:
         return None, f"{stages} stages of {shared // stages} bytes need more shared memory than {arch} gives a CTA"
-    name = f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}s{stages}b{entry['min_blocks']}"
+    zero_after = bool(entry.get("ZERO_AFTER", False))
+    name = f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}s{stages}b{entry['min_blocks']}{'z' if zero_after else ''}"
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
               "tiles": tiles, "unroll": unroll, "stages": stages, "min_blocks": entry["min_blocks"],
-              "block_n": block_n, "block_k": block_k, "shared_bytes": shared, "entry": name}
+              "zero_after": zero_after, "block_n": block_n, "block_k": block_k, "shared_bytes": shared,
+              "entry": name}
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"
