@@ -18,8 +18,7 @@ EXPECTED = {("rms_norm", "rms_norm"), ("rms_norm", "add_rms_norm"), ("silu_mul",
             ("paged_attention", "decode"), ("paged_attention", "prefill"),
             ("sampling", "logits_bf16"), ("sampling", "logits_fp32"),
             ("gemv", "silu_k128_m1"),
-            ("argmax", "partial_bf16"), ("argmax", "partial_fp32"), ("argmax", "final"),
-            ("l2_prefetch", "default")}
+            ("argmax", "partial_bf16"), ("argmax", "partial_fp32"), ("argmax", "final")}
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +105,6 @@ def _example_launches(consts):
     for dt in (bf, torch.float32):
         yield "argmax", argmax.launch(torch.randn(2, TINY.vocab_size, dtype=dt), torch.empty(2, dtype=torch.int64),
                                       consts["argmax"])
-    from engc.kernels import l2_prefetch
-    yield "l2_prefetch", l2_prefetch.launch(torch.randn(64, 1024, dtype=bf), 1 << 20,
-                                            torch.empty(1024, dtype=torch.int32), consts["l2_prefetch"])
     for dt in (bf, torch.float32):
         yield "sampling", sampling.launch(torch.randn(2, TINY.vocab_size, dtype=dt), torch.ones(2),
                                           torch.zeros(2, dtype=torch.int32), torch.ones(2), torch.rand(2),

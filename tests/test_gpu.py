@@ -89,18 +89,3 @@ def test_kernel_selection_by_arch():
         select_kernels(records, "sm75")
     with pytest.raises(BundleError, match="none"):
         select_kernels([], "sm90")
-
-
-@pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA device and engc._native")
-def test_l2_prefetch_reads_what_it_promises_and_changes_no_output(gpu_bundle):
-    from engc.kernels import l2_prefetch
-    model = load(gpu_bundle, device="cuda")
-    p = model.l2_prefetch
-    assert p is not None and any(w.attention for w in p.forks.values())
-    w = max(model.executor.weights.values(), key=lambda t: t.numel())
-    c = p.consts["default"]
-    p.kernels.run("l2_prefetch", l2_prefetch.launch(w, w.numel() * w.element_size(), p.out, p.consts))
-    want = l2_prefetch.checksums(w, w.numel() * w.element_size(), c["BLOCK"], c["programs"])
-    assert torch.equal(p.out[:len(want)].cpu(), want)
-    on = greedy(gpu_bundle, "cuda")            # decode batches of 5 rows: prefetching (max_rows >= 5)
-    assert c["max_rows"] >= 5 and on == greedy(gpu_bundle, "cpu")

@@ -138,7 +138,6 @@ class GraphedExecutor:
             self.facts.max_query_len = int(query_lens.max())
             self.facts.has_decode_rows = bool((query_lens == 1).any())
             self.facts.max_context_len = int(inputs["context_lens"].max())
-            self.facts.rows = n
             on_device = {k: _to_device(v, self.device) for k, v in inputs.items()}
             if fill is not None:
                 fill.apply(on_device["input_ids"], _to_device(fill.rows, self.device),
@@ -162,7 +161,6 @@ class GraphedExecutor:
         # Decode kernels size their split-KV grid from the longest context the graph may see: the
         # context bucket, or the block table's capacity.
         self.facts.max_query_len, self.facts.max_context_len, self.facts.has_decode_rows = 1, max_context, True
-        self.facts.rows = b
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -31,8 +31,7 @@ class TokenFill:
 
 class Executor:
     def __init__(self, program: Program, weights: dict[str, torch.Tensor],
-                 ops: dict[tuple[str, str], Callable], wrap: Callable | None = None):
-        """wrap(i, impl) -> impl: a per-node hook around the bound op (the GPU's L2 prefetch plan)."""
+                 ops: dict[tuple[str, str], Callable]):
         self.program = program
         self.weights = weights
         self.steps = []
@@ -51,8 +50,6 @@ class Executor:
                 raise BundleError(f"program node {node.op} reads unknown value '{missing[0]}'")
             drop = tuple(n for n in node.inputs if last_use.get(n) == i and n not in weights
                          and n not in program.inputs)
-            if wrap is not None:
-                impl = wrap(i, impl)
             self.steps.append((impl, node.inputs, node.outputs, dict(node.attrs), drop))
 
     def forward(self, inputs: dict[str, torch.Tensor], kv_caches: list[torch.Tensor],

@@ -7,6 +7,7 @@ when it has one for the shape; wider ones, gathers and casts stay with torch (cu
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -36,7 +37,6 @@ class StepFacts:
     max_query_len: int = 1
     max_context_len: int | None = None  # None: the block table's capacity (fixed under CUDA graphs)
     has_decode_rows: bool = True
-    rows: int | None = None             # tokens in the step (a graph's: its bucket); None: not known
 
 
 def _capability(arch: str) -> int:
@@ -76,6 +76,9 @@ class BundleKernels:
             print(f"engc: warning: this GPU ({arch}) is newer than the bundle's archs; the driver compiles "
                   f"{records[0]['arch']} PTX at load (slower start, older code): rebuild with --arch {arch}",
                   file=sys.stderr)
+        # Kernels compiled for programmatic dependent launch get it unless ENGC_PDL=0 (an escape hatch,
+        # and the A/B switch of bench/gpu_bench.py): their waits are no-ops when launched plainly.
+        pdl = os.environ.get("ENGC_PDL", "1") != "0"
         self.kernels: dict[tuple[str, str], Kernel] = {}
         self.consts: dict[str, dict] = {}
         for r in records:  # one image file per (op, variant): each loads as its own module
@@ -83,7 +86,8 @@ class BundleKernels:
             sig = signature_from_triton([a["type"] for a in r["args"][:len(r["args"]) - scratch]])
             self.kernels[(r["op"], r["variant"])] = load_kernel(
                 bundle.read(r[image]), r["entry"], sig, block_x=32 * r["num_warps"],
-                shared_mem=r["shared_mem"], scratch_params=scratch)
+                shared_mem=r["shared_mem"], scratch_params=scratch,
+                pdl=pdl and bool(r.get("launch", {}).get("PDL")))
             self.consts.setdefault(r["op"], {})[r["variant"]] = r.get("launch", {})
 
     def run(self, op: str, launches) -> None:

@@ -33,7 +33,6 @@ class LoadedModel:
     step_facts: object = None   # gpu_ops.StepFacts on a GPU: host-side batch facts kernels read
     sampler: object = None      # gpu_sampler.GpuSampler on a GPU whose bundle has the sampling kernel
     kv_dtype: torch.dtype | None = None   # the KV cache's: dtype, or int8/float8_e4m3fn (--kv-cache)
-    l2_prefetch: object = None  # l2_prefetch.L2Prefetch on a GPU whose bundle has the kernel
 
 
 def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> LoadedModel:
@@ -70,15 +69,12 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
     missing = [n for n in program.initializers if n not in weights]
     if missing:
         raise BundleError(f"{bundle.path}: program needs weight '{missing[0]}' missing from the weights")
-    facts = sampler = prefetch = None
+    facts = sampler = None
     if dev.type == "cuda":
         from engc.runtime.gpu_ops import BundleKernels, StepFacts, device_arch, gpu_ops
         facts = StepFacts()
         kernels = BundleKernels(bundle, device_arch(dev))
-        if "l2_prefetch" in kernels.consts:   # bundles from before it have no such kernel
-            from engc.runtime.l2_prefetch import L2Prefetch
-            prefetch = L2Prefetch(program.nodes, weights, kernels, facts, kernels.consts["l2_prefetch"])
-        executor = Executor(program, weights, gpu_ops(kernels, facts), prefetch and prefetch.wrap)
+        executor = Executor(program, weights, gpu_ops(kernels, facts))
         if "sampling" in kernels.consts:
             from engc.runtime.gpu_sampler import GpuSampler
             sampler = GpuSampler(kernels, dev)
@@ -86,7 +82,7 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
         executor = Executor(program, weights, REFERENCE_OPS)
     tokenizer = Tokenizer(bundle.file("tokenizer"), cfg.eos_token_ids)
     return LoadedModel(bundle, cfg, TORCH_DTYPES[bundle.dtype], dev, executor, tokenizer,
-                       bundle.manifest["kv_block_size"], facts, sampler, kv_dtype, prefetch)
+                       bundle.manifest["kv_block_size"], facts, sampler, kv_dtype)
 
 
 def pick_device(device: str, bundle: Bundle) -> torch.device:

@@ -63,7 +63,12 @@ def _spec(op, variant, arch, fn_name, arg_types, constexprs, bucket, launch_keys
     consts = dict(constexprs)
     consts.update({k: v for k, v in entry.items() if k.isupper()})
     launch = {k: consts.get(k, entry.get(k)) for k in launch_keys}
-    return KernelSpec(op=op, variant=variant, arch=arch, module=f"engc.kernels.{op}.triton", fn_name=fn_name,
+    module = f"engc.kernels.{op}.triton"
+    if "PDL" in getattr(importlib.import_module(module), fn_name).arg_names:
+        # kernels written for programmatic dependent launch (kernels/pdl.py): on where the arch has it;
+        # the record's launch constant tells the runtime to launch them that way
+        consts["PDL"] = launch["PDL"] = int(entry.get("PDL", tune.PDL[arch]))
+    return KernelSpec(op=op, variant=variant, arch=arch, module=module, fn_name=fn_name,
                       arg_types=arg_types, constexprs=consts, num_warps=entry["num_warps"],
                       num_stages=entry["num_stages"], tune_key=key, tune=entry, launch=launch)
 
@@ -278,13 +283,6 @@ def argmax_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
     return specs
 
 
-def l2_prefetch_specs(arch: str, overrides=None):
-    key, entry = tune.lookup(arch, "l2_prefetch", "*", "any", overrides)
-    return [_spec("l2_prefetch", "default", arch, "l2_prefetch_kernel",
-                  {"src_ptr": "*i32", "out_ptr": "*i32", "n_blocks": "i32", "blocks_per_program": "i32"}, {}, "any",
-                  launch_keys=("BLOCK", "programs", "attn_bytes", "norm_bytes", "max_rows"), overrides=overrides)]
-
-
 def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int, overrides=None,
                 quant: str = "none", kv_cache: str = "auto", int4_group_sizes=()) -> list:
     """Every kernel the model needs on one arch. overrides: op -> tune overrides (bench sweeps).
@@ -313,7 +311,6 @@ def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int
     specs += sampling_specs(cfg, t, arch, ov.get("sampling"))
     specs += argmax_specs(cfg, t, arch, ov.get("argmax"))
     specs += gemv_specs(cfg, t, arch, ov.get("gemv"))
-    specs += l2_prefetch_specs(arch, ov.get("l2_prefetch"))
     if quant == "fp8":
         specs += fp8_quant_specs(cfg, t, arch, ov.get("fp8_quant"))
         specs += fp8_linear_specs(cfg, t, arch, ov.get("fp8_linear"))

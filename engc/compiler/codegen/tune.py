@@ -10,6 +10,8 @@ noise on most of B 1/32/64 x ctx 512/4096; prefill m64n64w4s3 (d=64) and m128n64
 from __future__ import annotations
 
 ARCHS = ("sm80", "sm90")
+# Programmatic dependent launch of the kernels that support it (kernels/pdl.py): griddepcontrol is sm90+.
+PDL = {"sm80": 0, "sm90": 1}
 # Programs the split-KV decode aims to keep in flight: about 2 per multiprocessor.
 _SM_COUNT = {"sm80": 108, "sm90": 132}
 
@@ -28,13 +30,6 @@ for _arch in ("sm80", "sm90"):
     _put(_arch, "silu_mul", "*", "any", BLOCK=1024, num_warps=4, num_stages=1)
     _put(_arch, "sampling", "*", "any", BLOCK_V=4096, num_warps=8, num_stages=1)
     _put(_arch, "argmax", "*", "any", block=1024, max_splits=64, num_warps=4, num_stages=1)
-    # L2 prefetch of the next projection's weight during a decode step's latency-bound windows
-    # (runtime/l2_prefetch.py): up to attn_bytes while rotary + attention run, norm_bytes while a norm
-    # runs, in decode steps of at most max_rows rows; 0 bytes turns a window kind off. L2: 40 MB on an
-    # A100, 50 MB on an H100/H200.
-    _put(_arch, "l2_prefetch", "*", "any", BLOCK=2048, MODE=0, programs=2 * _SM_COUNT[_arch],
-         attn_bytes=(24 if _arch == "sm80" else 32) << 20, norm_bytes=8 << 20, max_rows=16, num_warps=4,
-         num_stages=1)
     _split = dict(target_programs=2 * _SM_COUNT[_arch], max_splits=64, min_split_tokens=128,
                   min_split_tokens_busy=1024)
     # impl: which decode kernel the runtime launches, "triton" or "cuda" (the template below); Triton

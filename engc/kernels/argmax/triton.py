@@ -7,10 +7,14 @@ equals the maximum. Both stages use that rule, which makes the result torch's fi
 import triton
 import triton.language as tl
 
+from engc.kernels import pdl
+
 
 @triton.jit
 def argmax_partial_kernel(logits_ptr, part_val_ptr, part_idx_ptr, VOCAB: tl.constexpr, SPLITS: tl.constexpr,
-                          CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     start = split * CHUNK
     best = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -29,7 +33,9 @@ def argmax_partial_kernel(logits_ptr, part_val_ptr, part_idx_ptr, VOCAB: tl.cons
 
 
 @triton.jit
-def argmax_final_kernel(part_val_ptr, part_idx_ptr, out_ptr, SPLITS: tl.constexpr):
+def argmax_final_kernel(part_val_ptr, part_idx_ptr, out_ptr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, SPLITS)
     v = tl.load(part_val_ptr + row * SPLITS + offs)

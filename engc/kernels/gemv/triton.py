@@ -18,6 +18,8 @@ to the storage dtype at the same two points as kernels/silu_mul does, so results
 import triton
 import triton.language as tl
 
+from engc.kernels import pdl
+
 # K elements per thread and load: 16 bytes of bf16/fp16
 VEC: tl.constexpr = tl.constexpr(8)
 
@@ -53,7 +55,11 @@ def _row_partial(w, x_ptr, m: tl.constexpr, offs_k, k_mask, K: tl.constexpr, SIL
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_tiles_per_split, splits,
                 K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SILU: tl.constexpr, DOT: tl.constexpr):
+                SILU: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+    # PDL: x, the partials and the counters belong to the step; W is constant but its loads sit in the
+    # K loop, so the wait comes first
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -8,13 +8,18 @@ the normalized value is rounded before the weight multiply.
 import triton
 import triton.language as tl
 
+from engc.kernels import pdl
+
 
 @triton.jit
 def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
-                    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)   # a constant: before the wait
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     x = tl.load(x_ptr + row * HIDDEN + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * HIDDEN + offs, mask=mask, other=0.0)
@@ -24,5 +29,4 @@ def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
     var = tl.sum(xf * xf, axis=0) / HIDDEN
     rstd = 1.0 / tl.sqrt(var + eps)
     y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * HIDDEN + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)

@@ -5,9 +5,13 @@ Rounds silu(gate) to the storage dtype before the multiply, as torch does for bf
 import triton
 import triton.language as tl
 
+from engc.kernels import pdl
+
 
 @triton.jit
-def silu_mul_kernel(gate_up_ptr, out_ptr, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def silu_mul_kernel(gate_up_ptr, out_ptr, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER

@@ -50,6 +50,7 @@ void load_driver() {
         return;
     }
     if (!resolve_all(lib)) return;
+    g_driver.cuLaunchKernelEx = reinterpret_cast<decltype(g_driver.cuLaunchKernelEx)>(dlsym(lib, "cuLaunchKernelEx"));
     CUresult rc = g_driver.cuInit(0);
     if (rc != CUDA_SUCCESS) {
         g_error = "cuInit failed: " + result_text(rc);

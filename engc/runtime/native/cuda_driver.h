@@ -40,6 +40,31 @@ constexpr int CU_FUNC_ATTRIBUTE_PTX_VERSION = 5;
 constexpr int CU_FUNC_ATTRIBUTE_BINARY_VERSION = 6;
 constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
 
+// Programmatic dependent launch (sm90+, CUDA 12): cuLaunchKernelEx with this attribute lets a kernel
+// start while the previous one in the stream finishes; the kernel waits for it with griddepcontrol.wait.
+constexpr int CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6;
+
+struct CUlaunchAttribute {
+    int id;
+    char pad[4];
+    union {
+        char bytes[64];
+        int programmatic_stream_serialization_allowed;
+    } value;
+};
+
+struct CUlaunchConfig {
+    unsigned int grid_x, grid_y, grid_z;
+    unsigned int block_x, block_y, block_z;
+    unsigned int shared_mem;
+    CUstream stream;
+    CUlaunchAttribute* attrs;
+    unsigned int num_attrs;
+};
+
+static_assert(sizeof(CUlaunchAttribute) == 72, "CUlaunchAttribute must match cuda.h");
+static_assert(sizeof(CUlaunchConfig) == 56, "CUlaunchConfig must match cuda.h");
+
 struct Driver {
     CUresult (*cuInit)(unsigned int);
     CUresult (*cuDriverGetVersion)(int*);
@@ -59,6 +84,8 @@ struct Driver {
     CUresult (*cuFuncSetAttribute)(CUfunction, int, int);
     CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int,
                                unsigned int, unsigned int, unsigned int, CUstream, void**, void**);
+    // Optional (drivers before CUDA 12 lack it): null when absent, and PDL launches fall back to cuLaunchKernel.
+    CUresult (*cuLaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);
 };
 
 // Raised to Python as engc._native.CudaError (a RuntimeError).

@@ -65,17 +65,33 @@ unsigned int check_shared(long long shared_mem) {
     return static_cast<unsigned int>(shared_mem);
 }
 
+namespace {
+
+CUresult fire_once(const Driver& d, CUfunction func, const Grid& grid, unsigned int block_x, unsigned int shared_mem,
+                   CUstream stream, void** params, bool pdl) {
+    if (!pdl || d.cuLaunchKernelEx == nullptr) {
+        return d.cuLaunchKernel(func, grid[0], grid[1], grid[2], block_x, 1, 1, shared_mem, stream, params, nullptr);
+    }
+    CUlaunchAttribute attr{};
+    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmatic_stream_serialization_allowed = 1;
+    CUlaunchConfig config{grid[0], grid[1], grid[2], block_x, 1, 1, shared_mem, stream, &attr, 1};
+    return d.cuLaunchKernelEx(&config, func, params, nullptr);
+}
+
+}  // namespace
+
 CUresult launch_kernel(CUfunction func, CUcontext context, const Grid& grid, unsigned int block_x,
-                       unsigned int shared_mem, CUstream stream, void** params) {
+                       unsigned int shared_mem, CUstream stream, void** params, bool pdl) {
     if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0) return CUDA_SUCCESS;
     const Driver& d = driver();
-    CUresult rc = d.cuLaunchKernel(func, grid[0], grid[1], grid[2], block_x, 1, 1, shared_mem, stream, params, nullptr);
+    CUresult rc = fire_once(d, func, grid, block_x, shared_mem, stream, params, pdl);
     if (rc == CUDA_ERROR_INVALID_CONTEXT) {
         // A thread that never touched CUDA (say, a server worker) has no current context yet.
         CUcontext current = nullptr;
         if (d.cuCtxGetCurrent(&current) == CUDA_SUCCESS && current == nullptr &&
             d.cuCtxSetCurrent(context) == CUDA_SUCCESS) {
-            rc = d.cuLaunchKernel(func, grid[0], grid[1], grid[2], block_x, 1, 1, shared_mem, stream, params, nullptr);
+            rc = fire_once(d, func, grid, block_x, shared_mem, stream, params, pdl);
         }
     }
     return rc;
@@ -93,9 +109,11 @@ Launch::Launch(std::uintptr_t func, py::handle grid, long long block_x, long lon
       block_x_(check_block(block_x)),
       shared_mem_(check_shared(shared_mem)),
       args_(ArgLayout::parse(signature)),
-      generation_(registry().generation) {
+      generation_(registry().generation),
+      pdl_(false) {
     FunctionInfo& info = registry().function(func);
     context_ = info.context;
+    pdl_ = info.pdl;
     name_ = info.name;
     args_.pack_all(args.ptr());
     reserve_dynamic_shared(func, info, static_cast<int>(shared_mem_));

@@ -23,10 +23,11 @@ Grid parse_grid(pybind11::handle grid);
 unsigned int check_block(long long block_x);
 unsigned int check_shared(long long shared_mem);
 
-// cuLaunchKernel; makes `context` current and retries once when the calling thread has no context.
+// cuLaunchKernel (cuLaunchKernelEx with programmatic stream serialization when `pdl` and the driver
+// has it); makes `context` current and retries once when the calling thread has no context.
 // Launches with an empty grid are skipped, as Triton's launcher does. Needs no GIL.
 CUresult launch_kernel(CUfunction func, CUcontext context, const Grid& grid, unsigned int block_x,
-                       unsigned int shared_mem, CUstream stream, void** params);
+                       unsigned int shared_mem, CUstream stream, void** params, bool pdl = false);
 
 // CudaError naming the kernel and the CUresult.
 [[noreturn]] void raise_launch_error(CUresult rc, const std::string& kernel);
@@ -39,7 +40,9 @@ public:
     // Raises ValueError when the function's module was unloaded since this launch was last checked.
     void validate();
     // Launches on `stream` (validate() first); holds no Python state, so it may run without the GIL.
-    CUresult fire(CUstream stream) { return launch_kernel(func_, context_, grid_, block_x_, shared_mem_, stream, args_.params()); }
+    CUresult fire(CUstream stream) {
+        return launch_kernel(func_, context_, grid_, block_x_, shared_mem_, stream, args_.params(), pdl_);
+    }
     // validate() + fire() + raise on failure.
     void operator()(std::uintptr_t stream);
 
@@ -62,6 +65,7 @@ private:
     unsigned int shared_mem_;
     PackedArgs args_;
     std::uint64_t generation_;
+    bool pdl_;
 };
 
 // Fires launches in order on one stream with the GIL released; the whole batch is validated first.

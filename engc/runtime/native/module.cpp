@@ -112,7 +112,7 @@ void launch(std::uintptr_t func, py::handle grid, long long block_x, long long s
     FunctionInfo& info = registry().function(func);
     reserve_dynamic_shared(func, info, static_cast<int>(shared));
     CUresult rc = launch_kernel(reinterpret_cast<CUfunction>(func), info.context, dims, block, shared,
-                                reinterpret_cast<CUstream>(stream), packed.params());
+                                reinterpret_cast<CUstream>(stream), packed.params(), info.pdl);
     if (rc != CUDA_SUCCESS) raise_launch_error(rc, info.name);
 }
 
@@ -174,6 +174,13 @@ PYBIND11_MODULE(_native, m) {
     m.def("set_max_dynamic_shared", &set_max_dynamic_shared, py::arg("func"), py::arg("bytes"),
           "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES). Launches raise it themselves when they need\n"
           "more than the current limit (48 KiB by default).");
+    m.def("pdl_supported", []() { return driver().cuLaunchKernelEx != nullptr; },
+          "True when the driver has cuLaunchKernelEx (programmatic dependent launch needs sm90 as well).");
+    m.def("set_pdl", [](std::uintptr_t func, bool on) { registry().function(func).pdl = on; }, py::arg("func"),
+          py::arg("on"),
+          "Launch this function with programmatic stream serialization from now on (Launch objects made\n"
+          "before keep their mode): it may start while the previous kernel in the stream still runs, so it\n"
+          "must execute griddepcontrol.wait before touching anything that kernel writes or reads.");
     m.def("function_attributes", &function_attributes, py::arg("func"),
           "cuFuncGetAttribute: num_regs, static_shared_bytes, local_bytes, max_threads_per_block, ...");
     m.def("launch", &launch, py::arg("func"), py::arg("grid"), py::arg("block_x"), py::arg("shared_mem"),

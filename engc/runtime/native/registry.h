@@ -16,6 +16,7 @@ struct FunctionInfo {
     CUcontext context;
     std::string name;
     int max_dynamic_shared;  // the value last set through cuFuncSetAttribute; 48 KiB is the driver default
+    bool pdl = false;        // launched with programmatic stream serialization (set_pdl)
 };
 
 struct ModuleInfo {

@@ -1,0 +1,40 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step (sm90 and newer).
+
+A decode step is a few hundred short kernels; each waits for the one before to end, then pays its own
+launch and ramp-up. Launched with PDL (runtime: the record's launch constant PDL=1, engc._native.set_pdl),
+a kernel may start while the previous one in the stream is still running: `wait()` then blocks until
+that kernel has finished and its writes are visible, and `launch_dependents()` lets the next PDL kernel
+start. A kernel built with PDL=1 must call wait() before it reads or writes any memory another kernel
+touches (only constant weights may be read before); launched without PDL, both calls are no-ops.
+
+Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) has no such instructions: there both are empty.
+Only the compiler imports this module (through the kernels' triton.py files).
+"""
+import os
+
+import triton
+import triton.language as tl
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    @triton.jit
+    def wait(PDL: tl.constexpr):
+        pass
+
+    @triton.jit
+    def launch_dependents(PDL: tl.constexpr):
+        pass
+else:
+    from triton.language.extra import cuda as _cuda
+
+    @triton.jit
+    def wait(PDL: tl.constexpr):
+        if PDL:
+            _cuda.gdc_wait()
+
+    @triton.jit
+    def launch_dependents(PDL: tl.constexpr):
+        if PDL:
+            _cuda.gdc_launch_dependents()
+
+# ops whose kernels take PDL and call wait() first: compiled with PDL=1 for archs that have griddepcontrol
+PDL_MIN_CAPABILITY = 90
