@@ -204,10 +204,12 @@ def bench_shape(shape: str, args) -> dict:
     if not (ckpt / "config.json").exists():
         _, res["make_checkpoint_s"] = timed(lambda: make_checkpoint(base, ckpt, int4=is_int4(shape)))
     t = time.perf_counter()
-    build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="float32" if base == "tiny" else "bfloat16",
-                                          kernel_cache=args.cache, kv_cache=kv_cache_of(shape),
-                                          quant=quant_of(shape)))
-    res["build_s"] = round(time.perf_counter() - t, 1)
+    if not (args.quick and (bundle / "manifest.json").exists()):   # --quick reuses this lease's bundle
+        build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="float32" if base == "tiny" else "bfloat16",
+                                              kernel_cache=args.cache, kv_cache=kv_cache_of(shape),
+                                              quant=quant_of(shape)))
+        res["build_s"] = round(time.perf_counter() - t, 1)
+    res["env"] = {k: v for k, v in os.environ.items() if k.startswith("ENGC_")}
     manifest = json.loads((bundle / "manifest.json").read_text())
     # which Triton compiled the cubins: this machine's 3.6 would mean the kernel cache missed
     res["kernels_compiled_by_triton"] = sorted({k["triton_version"] for k in manifest["kernels"]
@@ -215,16 +217,16 @@ def bench_shape(shape: str, args) -> dict:
     res["kernels_compiled_by_nvcc"] = sorted({k["nvcc_version"] for k in manifest["kernels"] if "nvcc_version" in k})
 
     # start-up: a fresh process from `engc generate` to its one token, as a user would see it
-    if not args.profile_only:
+    if not args.profile_only and not args.quick:
         t = time.perf_counter()
         r = subprocess.run([sys.executable, "-m", "engc.cli", "generate", str(bundle), "--raw", "--prompt",
                             "t5 t6 t7", "--max-tokens", "1"], capture_output=True, text=True, timeout=300)
         res["process_to_first_token_s"] = round(time.perf_counter() - t, 2)
         if r.returncode:
             res["generate_error"] = r.stderr[-2000:]
-    if args.serve and not args.profile_only:
+    if args.serve and not args.profile_only and not args.quick:
         res.update(serve_first_token(bundle))
-    if base != "tiny" and shape == base and not args.profile_only and not args.no_hf:  # once per checkpoint
+    if base != "tiny" and shape == base and not args.profile_only and not args.no_hf and not args.quick:  # once per checkpoint
         try:
             res.update(hf_floor(ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"]))
         except Exception as e:  # the floor is context, not a gate
@@ -242,6 +244,8 @@ def bench_shape(shape: str, args) -> dict:
 
     # correctness: GPU kernels vs the reference ops on the same weights (prefill + 16 greedy tokens)
     try:
+        if args.quick:
+            raise RuntimeError("skipped (--quick)")
         res["check"] = check_against_reference(model, engine, cfg)
     except Exception as e:  # report and go on to the timings
         res["check"] = {"error": repr(e)[:500]}
@@ -259,11 +263,13 @@ def bench_shape(shape: str, args) -> dict:
     res["b1_vs_lmdeploy"] = round(decode_tps / LMDEPLOY.get(base, {}).get("b1", float("nan")), 3)
     res.update(decode_breakdown(engine, ids, Path(args.out) / f"profile_{shape}.txt"))
     # throughput, 128 in / 128 out, end to end
-    for n in args.batches.get(base, []):
+    for n in args.batches.get(base, [])[:2 if args.quick else None]:
         seqs, total, first = run_batch(engine, prompts(n, 128, cfg.vocab_size, n), 128)
         res[f"b{n}_128_128_out_tok_s"] = round(n * 128 / total, 1)
         if LMDEPLOY.get(base, {}).get("N") == n:
             res[f"b{n}_vs_lmdeploy"] = round(n * 128 / total / LMDEPLOY[base]["bN"], 3)
+    if args.quick:
+        return res
     # sampled decoding (temperature, top-k, top-p on the GPU), same shape of work as the greedy run
     n = LMDEPLOY.get(base, {}).get("N", 4)
     seqs, total, first = run_batch(engine, prompts(n, 128, cfg.vocab_size, n + 1), 128,
@@ -483,7 +489,7 @@ def run(args):
         cmd = [sys.executable, __file__, "run", "--child", "--shapes", shape, "--cache", args.cache,
                "--out", str(out), "--work", args.work, "--commit", args.commit] + (["--long"] if args.long else []) \
             + (["--serve"] if args.serve else []) + (["--profile-only"] if args.profile_only else []) \
-            + (["--no-hf"] if args.no_hf else [])
+            + (["--no-hf"] if args.no_hf else []) + (["--quick"] if args.quick else [])
         subprocess.run(cmd, timeout=args.timeout)
         f = out / f"engc_{shape}.json"
         results.append(json.loads(f.read_text()) if f.exists() else {"shape": shape, "error": "no result"})
@@ -526,6 +532,9 @@ def main():
     ap.add_argument("--serve", action="store_true", help="also time `engc run` to its first token")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers floor")
     ap.add_argument("--profile-only", action="store_true", help="per-kernel decode profile, no timings")
+    ap.add_argument("--quick", action="store_true",
+                    help="batch-1 decode and the two first batch sizes only, reusing a built bundle (A/B runs: "
+                         "e.g. ENGC_PDL=0 ... --quick after a full run)")
     ap.add_argument("--timeout", type=int, default=400)
     args = ap.parse_args()
     prepare(args) if args.verb == "prepare" else run(args)
