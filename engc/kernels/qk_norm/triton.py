@@ -6,6 +6,8 @@ separate [T, q + 2kv] buffer (copy_v = 1 copies the v heads across).
 import triton
 import triton.language as tl
 
+from engc.kernels import pdl
+
 
 @triton.jit
 def _norm_heads(src, dst, w_ptr, eps, N_HEADS: tl.constexpr, H_PAD: tl.constexpr,
@@ -25,7 +27,9 @@ def _norm_heads(src, dst, w_ptr, eps, N_HEADS: tl.constexpr, H_PAD: tl.constexpr
 @triton.jit
 def qk_norm_kernel(qkv_ptr, q_weight_ptr, k_weight_ptr, out_ptr, eps, copy_v,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   H_PAD: tl.constexpr, KV_PAD: tl.constexpr, D_PAD: tl.constexpr):
+                   H_PAD: tl.constexpr, KV_PAD: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     ROW: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     Q_SIZE: tl.constexpr = NUM_HEADS * HEAD_DIM
     KV_SIZE: tl.constexpr = NUM_KV_HEADS * HEAD_DIM

@@ -11,6 +11,8 @@ and arguments are as before.
 import triton
 import triton.language as tl
 
+from engc.kernels import pdl
+
 
 @triton.jit
 def _rotate_heads(src, dst, cos, sin, N_HEADS: tl.constexpr, H_PAD: tl.constexpr,
@@ -75,15 +77,17 @@ def rotary_kv_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, k_cache_ptr, v_cache_
                      q_out_ptr, k_scale_ptr, v_scale_ptr,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      H_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-                     D_PAD: tl.constexpr, KV_QUANT: tl.constexpr):
+                     D_PAD: tl.constexpr, KV_QUANT: tl.constexpr, PDL: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     Q_SIZE: tl.constexpr = NUM_HEADS * HEAD_DIM
     KV_SIZE: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
     ROW: tl.constexpr = Q_SIZE + 2 * KV_SIZE
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + t).to(tl.float32)
     f = tl.arange(0, HALF_PAD)
-    inv_freq = tl.load(inv_freq_ptr + f, mask=f < HALF, other=0.0).to(tl.float32)
+    inv_freq = tl.load(inv_freq_ptr + f, mask=f < HALF, other=0.0).to(tl.float32)   # a constant
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    pos = tl.load(positions_ptr + t).to(tl.float32)
     freqs = (pos * inv_freq)[None, :]
     cos = tl.cos(freqs)
     sin = tl.sin(freqs)
