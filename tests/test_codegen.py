@@ -15,7 +15,7 @@ TINY = ModelConfig(family="qwen3", vocab_size=512, hidden_size=64, intermediate_
                    max_position_embeddings=256, tie_word_embeddings=True, qk_norm=True)
 EXPECTED = {("rms_norm", "rms_norm"), ("rms_norm", "add_rms_norm"), ("silu_mul", "default"),
             ("qk_norm", "default"), ("rotary", "pos_i64"), ("rotary", "pos_i32"),
-            ("paged_attention", "decode"), ("paged_attention", "prefill"),
+            ("paged_attention", "decode"), ("paged_attention", "decode_rotary"), ("paged_attention", "prefill"),
             ("sampling", "logits_bf16"), ("sampling", "logits_fp32"),
             ("gemv", "silu_k128_m1"),
             ("argmax", "partial_bf16"), ("argmax", "partial_fp32"), ("argmax", "final")}
@@ -91,6 +91,12 @@ def _example_launches(consts):
             q, cache, bt, torch.tensor([5, 9], dtype=torch.int32), qsl, torch.empty_like(q), num_heads=H,
             num_kv_heads=KV, head_dim=D, scale=0.25, max_query_len=max_q, max_context_len=4096,
             consts=consts["paged_attention"])
+    for ctx_len in (1, 4096):   # one split (null partials and counters), then many
+        yield "paged_attention", paged_attention.launch_rotary_decode(
+            qkv[:2], torch.arange(2), torch.ones(D // 2), cache, torch.arange(2), bt,
+            torch.tensor([5, 9], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
+            torch.empty(2, H * D, dtype=bf), num_heads=H, num_kv_heads=KV, head_dim=D, scale=0.25,
+            max_context_len=ctx_len, consts=consts["paged_attention"])
     from engc.kernels import gemv
     counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32)
     table = gemv.variant_table(consts["gemv"])

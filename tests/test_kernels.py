@@ -32,7 +32,9 @@ CASES = ["rms_norm_fp32", "rms_norm_bf16", "silu_mul_fp32", "silu_mul_bf16", "qk
          "attention_gqa3_d64_fp32", "attention_prefill_only_fp32", "attention_decode_split_fp32",
          "attention_decode_bf16", "attention_window_fp32", "attention_window_long_fp32",
          "decode_reduce_b1_d128_fp32", "decode_reduce_b3_d64_gqa8_fp32", "decode_reduce_graph_sized_fp32",
-         "decode_reduce_b2_d128_bf16", "decode_reduce_window_fp32", "sampling_fp32",
+         "decode_reduce_b2_d128_bf16", "decode_reduce_window_fp32", "rotary_decode_b1_d128_fp32",
+         "rotary_decode_gqa_d64_fp32", "rotary_decode_one_split_bf16", "rotary_decode_window_fp32",
+         "rotary_decode_int8_bf16", "rotary_decode_fp8_fp32", "sampling_fp32",
          "sampling_bf16", "argmax_fp32", "argmax_bf16", "argmax_small_vocab_fp32"]
 
 
@@ -63,10 +65,12 @@ def _rel(out, ref):
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def _specs(cfg, dtype, page=16, overrides=None):
+def _specs(cfg, dtype, page=16, overrides=None, kv=None):
+    import torch
     from engc.compiler.codegen.specs import model_specs
     by_op = {}
-    for s in model_specs(cfg, dtype, "sm90", page, overrides):
+    kw = {} if kv is None else {"kv_cache": {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}[kv]}
+    for s in model_specs(cfg, dtype, "sm90", page, overrides, **kw):
         by_op.setdefault(s.op, {})[s.variant] = s
     return by_op
 
@@ -220,6 +224,71 @@ def check_decode_reduce(dtype, contexts, H, KV, D, page=16, block_n=16, max_cont
     return err, [(v, list(g)) for v, g, _ in launches]
 
 
+def rotary_decode_batch(contexts, H, KV, D, page, dtype, gen, kv_dtype=None):
+    """A decode step's inputs for RotaryPagedAttention: one token per sequence at position ctx - 1, its
+    slot from the block table; a last padded row (context 1, slot -1) that must write nothing."""
+    import torch
+    q, kv_cache, bt, ctx, qsl = _attention_batch([(c, 1) for c in contexts] + [(1, 1)], H, KV, D, page, dtype, gen)
+    pos = (ctx - 1).long()
+    slots = (bt[torch.arange(len(ctx)), pos // page].long() * page + pos % page)
+    slots[-1] = -1
+    qkv = torch.randn(len(ctx), (H + 2 * KV) * D, generator=gen).to(dtype)
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, D, 2).float() / D))
+    kv_scale = None
+    if kv_dtype is not None:
+        from engc.kernels import kv_quant
+        codes, scales = kv_quant.quantize(kv_cache.float(), kv_dtype)
+        kv_cache, kv_scale = codes, scales
+    return qkv, pos, inv_freq, kv_cache, slots, bt, ctx, qsl, kv_scale
+
+
+def check_rotary_decode(dtype, contexts, H, KV, D, page=16, block_n=16, max_context_len=None, window=0,
+                        kv_dtype=None, target_programs=128):
+    """decode_rotary (RotaryPagedAttention on a decode step) against the rotary then attention references:
+    the outputs of the real rows, and the whole cache (the new k/v written once, the padded row's none)."""
+    import torch
+    from engc.kernels import paged_attention as op
+    gen = torch.Generator().manual_seed(sum(contexts) * 7 + H + D)
+    cfg = _cfg(num_heads=H, num_kv_heads=KV, head_dim=D)
+    overrides = {"decode": {"BLOCK_N": block_n, "target_programs": target_programs, "min_split_tokens": block_n}}
+    specs = _specs(cfg, dtype, page, {"paged_attention": overrides}, kv=kv_dtype)["paged_attention"]
+    qkv, pos, inv_freq, kv_cache, slots, bt, ctx, qsl, kv_scale = rotary_decode_batch(contexts, H, KV, D, page,
+                                                                                     dtype, gen, kv_dtype)
+    scale = D ** -0.5
+    ref_cache = kv_cache.clone()
+    ref_scale = None if kv_scale is None else kv_scale.clone()
+    ref = op.rotary_paged_attention(qkv, pos, inv_freq, ref_cache, slots, bt, ctx, qsl, H, KV, D, scale, window,
+                                    kv_scale=ref_scale)
+    out = torch.full((qkv.shape[0], H * D), float("nan"), dtype=dtype)
+    counters = torch.zeros(64, dtype=torch.int32)
+    launches = op.launch_rotary_decode(qkv, pos, inv_freq, kv_cache, slots, bt, ctx, qsl, out, num_heads=H,
+                                       num_kv_heads=KV, head_dim=D, scale=scale, sliding_window=window,
+                                       max_context_len=max_context_len, consts=_consts(specs), kv_scale=kv_scale,
+                                       counters=counters)
+    _run(specs, launches)
+    n = len(contexts)
+    if kv_scale is not None:
+        # A new k code may flip a step against the reference where cos/sin round differently (an fp8 step
+        # moves the output ~2%); so the oracle here is the unfused kernels, rotary then decode, which
+        # tests/test_kv_cache_quant.py holds to the references.
+        from engc.kernels import rotary
+        all_specs = _specs(cfg, dtype, page, {"paged_attention": overrides}, kv=kv_dtype)
+        _, _, _, ref_cache, _, _, _, _, ref_scale = rotary_decode_batch(
+            contexts, H, KV, D, page, dtype, torch.Generator().manual_seed(sum(contexts) * 7 + H + D), kv_dtype)
+        q = torch.empty(qkv.shape[0], H * D, dtype=dtype)
+        _run(all_specs["rotary"], rotary.launch(qkv, pos, inv_freq, ref_cache, slots, q, kv_scale=ref_scale))
+        ref = torch.full_like(out, float("nan"))
+        _run(specs, op.launch(q, ref_cache, bt, ctx, qsl, ref, num_heads=H, num_kv_heads=KV, head_dim=D, scale=scale,
+                              sliding_window=window, max_query_len=1, max_context_len=max_context_len,
+                              consts=_consts(specs), kv_scale=ref_scale))
+        err = max(_rel(ref_scale, kv_scale), _rel(ref_cache.float(), kv_cache.float()))
+        return max(err, _rel(out[:n], ref[:n])), [(v, list(g)) for v, g, _ in launches]
+    err = max(_rel(out[:n], ref[:n]), _rel(kv_cache.float(), ref_cache.float()))
+    if int(counters.abs().sum()) != 0:
+        return float("inf"), "counters not left zero"
+    return err, [(v, list(g)) for v, g, _ in launches]
+
+
 def check_sampling(dtype, block_v=None):
     import torch
     from engc.kernels import sampling as op
@@ -325,6 +394,18 @@ def main():
                                                                    block_n=32), attn_tol[bf16]),
         "decode_reduce_window_fp32": (lambda: check_decode_reduce(f32, [150, 61], H=6, KV=2, D=64, window=37,
                                                                   max_context_len=160), attn_tol[f32]),
+        # RotaryPagedAttention's decode kernel: the new token in the last tile of the last used split
+        "rotary_decode_b1_d128_fp32": (lambda: check_rotary_decode(f32, [203], H=8, KV=2, D=128), attn_tol[f32]),
+        "rotary_decode_gqa_d64_fp32": (lambda: check_rotary_decode(f32, [1, 77, 130, 16], H=8, KV=2, D=64, page=8,
+                                                                   max_context_len=400), attn_tol[f32]),
+        "rotary_decode_one_split_bf16": (lambda: check_rotary_decode(bf16, [100, 33], H=8, KV=2, D=128, page=32,
+                                                                     block_n=32, target_programs=1), attn_tol[bf16]),
+        "rotary_decode_window_fp32": (lambda: check_rotary_decode(f32, [150, 61], H=6, KV=2, D=64, window=37),
+                                      attn_tol[f32]),
+        "rotary_decode_int8_bf16": (lambda: check_rotary_decode(bf16, [150, 61], H=8, KV=2, D=64,
+                                                                kv_dtype=torch.int8), attn_tol[bf16]),
+        "rotary_decode_fp8_fp32": (lambda: check_rotary_decode(f32, [150, 9], H=8, KV=2, D=64,
+                                                               kv_dtype=torch.float8_e4m3fn), attn_tol[f32]),
         "sampling_fp32": (lambda: check_sampling(f32, block_v=512), 0),
         "sampling_bf16": (lambda: check_sampling(bf16), 0),
         "argmax_fp32": (lambda: check_argmax(f32, block=128), 0),

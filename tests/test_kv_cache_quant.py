@@ -178,8 +178,9 @@ def test_codegen_compiles_the_quantized_variants():
     specs = []
     for arch, kv in (("sm80", "int8"), ("sm90", "int8"), ("sm90", "fp8")):
         got = [s for s in model_specs(TINY, torch.bfloat16, arch, 16, kv_cache=kv)
-               if s.op in ("rotary", "paged_attention") and s.variant in ("pos_i32", "decode", "prefill")]
-        assert len(got) == 3
+               if s.op in ("rotary", "paged_attention")
+               and s.variant in ("pos_i32", "decode", "decode_rotary", "prefill")]
+        assert len(got) == 4
         specs += got
     result = compile_specs(specs, jobs=1)
     code = {"int8": "*i8", "fp8": "*fp8e4nv"}

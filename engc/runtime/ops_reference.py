@@ -12,7 +12,7 @@ from engc.bundle.program import ENGC_DOMAIN
 from engc.kernels.fp8_quant import fp8_linear
 from engc.kernels.gemv import silu_mul_linear
 from engc.kernels.int4_linear import int4_linear
-from engc.kernels.paged_attention import paged_attention
+from engc.kernels.paged_attention import paged_attention, rotary_paged_attention
 from engc.kernels.qk_norm import qk_norm
 from engc.kernels.rms_norm import add_rms_norm, rms_norm
 from engc.kernels.rotary import rotary_kv_write
@@ -44,6 +44,8 @@ REFERENCE_OPS = {
         rotary_kv_write(qkv, pos, inv_freq, kv, slots, kv_scale=kv_scale, **a),),
     (ENGC_DOMAIN, "PagedAttention"): lambda q, kv, tables, ctx, starts, kv_scale=None, **a: (
         paged_attention(q, kv, tables, ctx, starts, kv_scale=kv_scale, **a),),
+    (ENGC_DOMAIN, "RotaryPagedAttention"): lambda *xs, **a: (rotary_paged_attention(*xs[:8], kv_scale=(
+        xs[8] if len(xs) > 8 else None), **a),),
     (ENGC_DOMAIN, "SiluMul"): lambda x: (silu_mul(x),),
     (ENGC_DOMAIN, "SiluMulLinear"): lambda x, w: (silu_mul_linear(x, w),),
     (ENGC_DOMAIN, "QLinear"): lambda *xs, **a: (int4_linear(*xs, **a),),

@@ -160,7 +160,13 @@ def paged_attention_specs(cfg: ModelConfig, t: str, arch: str, block_size: int, 
                     launch_keys=("BLOCK_M", "GROUP"), overrides=(overrides or {}).get("prefill"))
     if prefill.constexprs["BLOCK_M"] < group:
         raise ValueError(f"prefill BLOCK_M {prefill.constexprs['BLOCK_M']} is smaller than the GQA group {group}")
-    return [decode, prefill] if reduce is None else [decode, reduce, prefill]
+    # RotaryPagedAttention on decode-only steps: the decode kernel that rotates q/k and writes the new
+    # k/v itself (same tune entry and constexprs; positions and slots int64, as the runtime stages them)
+    rotary_types = {k: v for k, v in decode_types.items() if k != "q_ptr"}
+    rotary_types.update(qkv_ptr=f"*{t}", positions_ptr="*i64", inv_freq_ptr="*fp32", slot_mapping_ptr="*i64")
+    decode_rotary = dataclasses.replace(decode, variant="decode_rotary", fn_name="paged_decode_rotary_kernel",
+                                        arg_types=rotary_types)
+    return [decode, decode_rotary, prefill] if reduce is None else [decode, decode_rotary, reduce, prefill]
 
 
 def sampling_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):

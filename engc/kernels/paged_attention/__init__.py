@@ -8,10 +8,15 @@ absolute position p sees keys at positions (p - sliding_window, p]. GQA: query h
 h // (num_heads // num_kv_heads).
 A quantized cache (int8 or float8_e4m3fn codes, engc build --kv-cache) has a 6th input, kv_scale
 [2, num_blocks, block_size, num_kv_heads] float32; keys and values are codes * scale (kernels/kv_quant.py).
+
+ONNX: ai.engc::RotaryPagedAttention(qkv, positions, inv_freq, kv_cache, slot_mapping, block_tables,
+context_lens, query_start_loc[, kv_scale]) -> out, PagedAttention's attributes: RotaryKVWrite then
+PagedAttention as one node (compiler/passes/fuse_rotary_attention.py), so a decode-only step runs both in
+one launch (launch_rotary_decode); other steps launch the two kernels as before.
 """
 import torch
 
-from engc.kernels import kv_quant
+from engc.kernels import kv_quant, rotary
 
 
 def gather_kv(kv_cache, block_table, context_len: int, kv_scale=None):
@@ -111,8 +116,8 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
     max_query_len (the longest query slice), max_context_len (bounds the split count; defaults to the
     block table's capacity; keep it fixed when capturing a CUDA graph), decode_rows (False when no sequence
     has exactly one query token: skips the decode launch beside a prefill). consts: variant -> the
-    record's 'launch' dict, for 'decode', 'prefill' (and 'decode_cuda', 'decode_reduce'). workspace: decode_workspace(...)
-    with at least this launch's split count, else allocated here.
+    record's 'launch' dict, for 'decode', 'prefill' (and 'decode_cuda', 'decode_reduce'). workspace:
+    decode_workspace(...) with at least this launch's split count, else allocated here.
 
     kv_scale: the float32 [2, blocks, block_size, KV] scales of a quantized (int8/fp8) kv_cache; its
     halves k_scale, v_scale are appended to the 'decode' and 'prefill' args below, before the scratch
@@ -160,19 +165,10 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
         max_context_len = block_tables.shape[1] * kv_cache.shape[2]
     variant = decode_variant(consts, kv_scale is not None)
     in_kernel = reduces_in_kernel(consts, variant)
-    splits = decode_splits(num_seqs, num_kv_heads, max_context_len, consts[variant])
-    if in_kernel and counters is not None and counters.numel() < num_seqs * num_kv_heads:
-        splits = 1                        # more (sequence, KV head) pairs than counters: fill the GPU anyway
-    if splits > 1:
-        if workspace is None:
-            workspace = decode_workspace(num_seqs, num_heads, head_dim, splits, q.device)
-        part_acc, part_ml = workspace
-        assert part_ml.numel() >= num_seqs * num_heads * splits * 2
-        if in_kernel and counters is None:
-            counters = decode_counters(num_seqs, num_kv_heads, q.device)
-    else:
-        part_acc, part_ml = 0, 0          # unused with one split: null pointers
-    ticket = [(counters if splits > 1 else 0)] if in_kernel else []
+    splits, part_acc, part_ml, counters = _split_buffers(num_seqs, num_heads, num_kv_heads, head_dim,
+                                                         max_context_len, consts[variant], in_kernel, workspace,
+                                                         counters, q.device)
+    ticket = [counters] if in_kernel else []
     scratch = [] if variant == "decode_cuda" else [0, 0]    # only Triton kernels take scratch pointers
     launches.append((variant, (num_seqs, num_kv_heads, splits),
                      common + [part_acc, part_ml, *ticket, float(scale), int(sliding_window), bt_stride, splits,
@@ -181,3 +177,73 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
         launches.append(("decode_reduce", (num_seqs, num_heads, 1),
                          [query_start_loc, part_acc, part_ml, out, splits, 0, 0]))
     return launches
+
+
+def _split_buffers(num_seqs, num_heads, num_kv_heads, head_dim, max_context_len, decode_consts, in_kernel,
+                   workspace, counters, device):
+    """(splits, part_acc, part_ml, counters) of a decode launch; the buffers are 0 (null) with one split."""
+    splits = decode_splits(num_seqs, num_kv_heads, max_context_len, decode_consts)
+    if in_kernel and counters is not None and counters.numel() < num_seqs * num_kv_heads:
+        splits = 1                        # more (sequence, KV head) pairs than counters: fill the GPU anyway
+    if splits == 1:
+        return 1, 0, 0, 0
+    if workspace is None:
+        workspace = decode_workspace(num_seqs, num_heads, head_dim, splits, device)
+    part_acc, part_ml = workspace
+    assert part_ml.numel() >= num_seqs * num_heads * splits * 2
+    if in_kernel and counters is None:
+        counters = decode_counters(num_seqs, num_kv_heads, device)
+    return splits, part_acc, part_ml, counters
+
+
+# ---- ai.engc::RotaryPagedAttention: RotaryKVWrite -> PagedAttention as one op (passes/fuse_rotary_attention)
+
+def rotary_paged_attention(qkv, positions, inv_freq, kv_cache, slot_mapping, block_tables, context_lens,
+                           query_start_loc, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                           sliding_window: int = 0, kv_scale=None) -> torch.Tensor:
+    """ONNX: ai.engc::RotaryPagedAttention(qkv, positions, inv_freq, kv_cache, slot_mapping, block_tables,
+    context_lens, query_start_loc[, kv_scale]) -> out, with PagedAttention's attributes: exactly
+    RotaryKVWrite (rotary on q and k, k and v written to the cache) then PagedAttention on its q."""
+    q = rotary.rotary_kv_write(qkv, positions, inv_freq, kv_cache, slot_mapping, num_heads, num_kv_heads,
+                               head_dim, kv_scale=kv_scale)
+    return paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc, num_heads, num_kv_heads,
+                           head_dim, scale, sliding_window, kv_scale=kv_scale)
+
+
+def fuses_rotary(consts: dict, positions, slot_mapping) -> bool:
+    """Whether a decode-only step can run RotaryPagedAttention as one launch: the bundle has the fused
+    kernel (bundles from before it do not) and the int64 positions and slots it was compiled for."""
+    return "decode_rotary" in consts and positions.dtype == slot_mapping.dtype == torch.int64
+
+
+def launch_rotary_decode(qkv, positions, inv_freq, kv_cache, slot_mapping, block_tables, context_lens,
+                         query_start_loc, out, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                         sliding_window: int = 0, max_context_len: int | None = None, workspace=None, consts,
+                         kv_scale=None, counters=None):
+    """Launch rule of 'decode_rotary' (paged_decode_rotary_kernel): RotaryPagedAttention on a step where
+    every sequence has one query token (else: rotary.launch, then launch). Inputs as RotaryKVWrite's
+    (qkv contiguous [T, (H + 2 KV) * D], int64 positions and slot_mapping [T]) and PagedAttention's; out
+    contiguous [T, H * D]. Splits, workspace and counters as for 'decode'.
+
+    args (grid (B, KV, splits)): qkv, positions, inv_freq, slot_mapping, k_cache, v_cache, block_tables,
+        context_lens, query_start_loc, out, part_acc, part_ml, counters, scale (fp32), sliding_window (i32),
+        block_table_stride (i32), num_splits (i32), [k_scale, v_scale], 0, 0
+    """
+    assert qkv.is_contiguous() and out.is_contiguous() and kv_cache.is_contiguous()
+    assert positions.dtype == slot_mapping.dtype == torch.int64 and inv_freq.dtype == torch.float32
+    assert block_tables.dtype == context_lens.dtype == query_start_loc.dtype == torch.int32
+    assert block_tables.stride(1) == 1
+    assert (kv_scale is not None) == kv_quant.is_quantized(kv_cache.dtype)
+    num_seqs = block_tables.shape[0]
+    if num_seqs == 0 or qkv.shape[0] == 0:
+        return []
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * kv_cache.shape[2]
+    splits, part_acc, part_ml, counters = _split_buffers(num_seqs, num_heads, num_kv_heads, head_dim,
+                                                         max_context_len, consts["decode_rotary"], True,
+                                                         workspace, counters, qkv.device)
+    scales = [] if kv_scale is None else [kv_scale[0], kv_scale[1]]
+    return [("decode_rotary", (num_seqs, num_kv_heads, splits),
+             [qkv, positions, inv_freq, slot_mapping, kv_cache[0], kv_cache[1], block_tables, context_lens,
+              query_start_loc, out, part_acc, part_ml, counters, float(scale), int(sliding_window),
+              block_tables.stride(0), splits, *scales, 0, 0])]
