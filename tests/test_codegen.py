@@ -17,7 +17,7 @@ EXPECTED = {("rms_norm", "rms_norm"), ("rms_norm", "add_rms_norm"), ("silu_mul",
             ("qk_norm", "default"), ("rotary", "pos_i64"), ("rotary", "pos_i32"),
             ("paged_attention", "decode"), ("paged_attention", "decode_rotary"), ("paged_attention", "prefill"),
             ("sampling", "logits_bf16"), ("sampling", "logits_fp32"),
-            ("gemv", "silu_k128_m1"),
+            ("gemv", "silu_k128_m1"), ("gemv", "k64_m1_n4k1024w4"),
             ("argmax", "partial_bf16"), ("argmax", "partial_fp32"), ("argmax", "final")}
 
 
@@ -100,10 +100,11 @@ def _example_launches(consts):
     from engc.kernels import gemv
     counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32)
     table = gemv.variant_table(consts["gemv"])
-    assert gemv.pick(table, TINY.hidden_size, False, 1) is None      # plain projections stay on cuBLAS
-    for silu, k, n in ((True, TINY.intermediate_size, 64),):
+    assert gemv.pick(table, TINY.hidden_size, False, 2, 64) is None   # plain projections: M=1 only
+    # SiLU-fused down; o (K = q_size, N = hidden: the per-N plain kernel of K <= 2048, N <= 2048)
+    for silu, k, n in ((True, TINY.intermediate_size, 64), (False, TINY.q_size, TINY.hidden_size)):
         for m in (1,):
-            variant = gemv.pick(table, k, silu, m)
+            variant = gemv.pick(table, k, silu, m, n)
             x = torch.randn(m, 2 * k if silu else k, dtype=bf)
             yield "gemv", gemv.launch(x, torch.randn(n, k, dtype=bf), torch.empty(m, n, dtype=bf), variant,
                                       consts["gemv"][variant], counters)

@@ -1,6 +1,8 @@
 """The decode GEMV (kernels/gemv) under TRITON_INTERPRET=1 against its torch reference, through its launch
 rule and the specs codegen makes: ragged N and K, every M of both M classes, split-K on and off, the
-SiLU-fused variant; and the split-K counters are left zeroed for the next launch.
+SiLU-fused variant, the per-N plain kernels of M=1 with their tune-table tiles; and the split-K counters are
+left zeroed for the next launch. On the CPU too: which GEMV kernels a 1B/8B-shaped model gets and which
+projection N each M=1 pick serves.
 
 Like tests/test_kernels.py, the checks run in a child process that switches the interpreter on before
 triton is imported, and the tests assert on its report."""
@@ -29,6 +31,11 @@ def report():
 
 CASES = ["gemv_bf16_n50_k96", "gemv_fp16_n50_k96", "gemv_bf16_n33_k200_ragged_k", "gemv_bf16_n70_k64_no_split",
          "silu_bf16_n40_k72", "silu_fp16_n17_k160"]
+# the per-N plain classes at M=1 with their own tune entries (tiles as on the GPU), one case per config;
+# (K, N) chosen inside each class's regions, so the pick lands on it
+PLAIN_CASES = {"plain_n4k1024w4_bf16_n50_k96": "k96_m1_n4k1024w4",
+               "plain_n4k1024w4_fp16_n33_k1024": "k1024_m1_n4k1024w4",
+               "plain_n8k512w2_bf16_n40_k2176": "k2176_m1_n8k512w2"}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -37,9 +44,17 @@ def test_gemv_matches_reference(report, case):
     assert report[case]["ok"], report[case]
 
 
+@pytest.mark.parametrize("case", PLAIN_CASES)
+def test_plain_per_n_variant_matches_reference(report, case):
+    assert case in report, f"{case} did not run"
+    assert report[case]["ok"], report[case]
+    assert report[case]["variant"] == PLAIN_CASES[case]
+
+
 def test_split_k_was_exercised(report):
     assert any(s > 1 for s in report["gemv_bf16_n50_k96"]["splits"])
     assert report["gemv_bf16_n70_k64_no_split"]["splits"] == [1]
+    assert report["plain_n8k512w2_bf16_n40_k2176"]["splits"] == [2]     # 5 N tiles, 5 K tiles of 512
 
 
 def test_pick_and_split_rule():
@@ -55,6 +70,72 @@ def test_pick_and_split_rule():
     assert gemv.split_count(8016, 4, rule) == (1, 4)       # lm_head: N alone fills the GPU
     assert gemv.split_count(128, 4, rule) == (2, 2)        # 1B o: at most K tiles / min_split_k_tiles
     assert gemv.split_count(4, 7, dict(rule, min_split_k_tiles=1)) == (4, 2)  # never an empty split
+
+
+def _llama(hidden, intermediate, heads, kv_heads, head_dim, **kw):
+    from engc.bundle.model_config import ModelConfig
+    return ModelConfig(family="llama", vocab_size=128256, hidden_size=hidden, intermediate_size=intermediate,
+                       num_layers=2, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
+                       rope_theta=5e5, max_position_embeddings=8192, tie_word_embeddings=True, **kw)
+
+
+LLAMA_1B = dict(hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=64)
+LLAMA_8B = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128)
+
+
+def _gemv_launches(cfg, **kw):
+    import torch
+    from engc.compiler.codegen.specs import model_specs
+    return {s.variant: s.launch for s in model_specs(cfg, torch.bfloat16, "sm90", 16, **kw) if s.op == "gemv"}
+
+
+def test_1b_gets_exactly_its_gemv_variants():
+    from engc.kernels import gemv
+    consts = _gemv_launches(_llama(**LLAMA_1B))
+    # down (SiLU-fused) as before; o (N 2048) and lm_head (N 128256) each with its own config; qkv (N 3072)
+    # and gate_up (N 16384) have none: no kernel is built for them
+    assert set(consts) == {"silu_k8192_m1", "k2048_m1_n4k1024w4", "k2048_m1_n8k512w2"}
+    assert consts["k2048_m1_n4k1024w4"]["n_ranges"] == [[1, 2048]]
+    assert consts["k2048_m1_n8k512w2"]["n_ranges"] == [[65536, 0]]
+    assert (consts["k2048_m1_n4k1024w4"]["BLOCK_N"], consts["k2048_m1_n4k1024w4"]["BLOCK_K"]) == (4, 1024)
+    table = gemv.variant_table(consts)
+    picks = {n: gemv.pick(table, 2048, False, 1, n) for n in (2048, 3072, 16384, 128256)}
+    assert picks == {2048: "k2048_m1_n4k1024w4", 3072: None, 16384: None, 128256: "k2048_m1_n8k512w2"}
+    assert gemv.pick(table, 2048, False, 2, 2048) is None                   # M=1 only
+    assert gemv.pick(table, 8192, True, 1, 2048) == "silu_k8192_m1"
+    # --quant fp8: the layer projections are FP8Linear, so only the lm_head's kernel is left
+    assert set(_gemv_launches(_llama(**LLAMA_1B), quant="fp8")) == {"silu_k8192_m1", "k2048_m1_n8k512w2"}
+
+
+def test_8b_shares_one_plain_kernel_and_keeps_gate_up_on_cublas():
+    from engc.kernels import gemv
+    consts = _gemv_launches(_llama(**LLAMA_8B))
+    assert set(consts) == {"silu_k14336_m1", "k4096_m1_n8k512w2"}           # qkv, o and lm_head: K 4096
+    assert consts["k4096_m1_n8k512w2"]["n_ranges"] == [[1, 8192], [65536, 0]]
+    table = gemv.variant_table(consts)
+    picks = {n: gemv.pick(table, 4096, False, 1, n) for n in (4096, 6144, 28672, 128256)}
+    assert picks == {4096: "k4096_m1_n8k512w2", 6144: "k4096_m1_n8k512w2", 28672: None,
+                     128256: "k4096_m1_n8k512w2"}
+    # a biased qkv stays a cuBLAS Gemm (the GEMV has no bias); o and lm_head still need the kernel
+    assert set(_gemv_launches(_llama(**LLAMA_8B, qkv_bias=True))) == set(consts)
+
+
+def test_per_n_pick_keeps_old_records_and_refuses_overlapping_classes():
+    from engc.compiler.codegen.specs import gemv_specs
+    from engc.kernels import gemv
+    # records of older bundles carry no n_ranges: any N, N known or not, as before
+    old = {"k64_m1": {"K": 64, "SILU": False, "max_m": 1}, "k64_m4": {"K": 64, "SILU": False, "max_m": 4}}
+    table = gemv.variant_table(old)
+    assert [gemv.pick(table, 64, False, 1, n) for n in (0, 64, 1 << 20)] == ["k64_m1"] * 3
+    # a per-N kernel needs its N: an unknown N (0) or one outside its ranges falls to the next class
+    new = dict(old, k64_m1_cfg={"K": 64, "SILU": False, "max_m": 1, "n_ranges": [[1, 128], [1000, 0]]})
+    del new["k64_m1"]
+    table = gemv.variant_table(new)
+    assert [gemv.pick(table, 64, False, 1, n) for n in (0, 128, 129, 1000)] == ["k64_m4", "k64_m1_cfg", "k64_m4",
+                                                                               "k64_m1_cfg"]
+    cfg = _llama(**LLAMA_8B)
+    with pytest.raises(ValueError, match="both serve K=4096"):
+        gemv_specs(cfg, "bf16", "sm90", {"m<=1/n4k1024w4": {"serves": (((1, 0), (4096, 4096)),)}})
 
 
 # ---------------------------------------------------------------- the child process (TRITON_INTERPRET=1)
@@ -90,6 +171,33 @@ def _check(dtype, n, k, silu, overrides):
     return worst, sorted(splits)
 
 
+def _check_plain(dtype, n, k):
+    """The per-N plain kernel the model's specs build for a (K, N) projection, at M=1 (its only M)."""
+    import torch
+    from engc.bundle.model_config import ModelConfig
+    from engc.compiler.codegen.specs import TRITON_DTYPE, gemv_specs
+    from engc.kernels import gemv
+
+    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=k, intermediate_size=k, num_layers=1,
+                      num_heads=1, num_kv_heads=1, head_dim=k, rms_norm_eps=1e-6, rope_theta=1e4,
+                      max_position_embeddings=64, tie_word_embeddings=True)
+    specs = {s.variant: s for s in gemv_specs(cfg, TRITON_DTYPE[dtype], "sm90", projections={(k, n)})}
+    variant = gemv.pick(gemv.variant_table({v: s.launch for v, s in specs.items()}), k, False, 1, n)
+    counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32)
+    w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+    worst, splits = 0.0, set()
+    for _ in range(2):   # the second launch relies on the counters the first left zeroed
+        x = torch.randn(1, k, dtype=dtype)
+        out = torch.full((1, n), float("nan"), dtype=dtype)
+        for v, grid, args in gemv.launch(x, w, out, variant, specs[variant].launch, counters):
+            splits.add(grid[1])
+            specs[v].fn()[grid](*args[:-2], **specs[v].constexprs)
+        ref = gemv.gemv(x, w).double()
+        worst = max(worst, float((out.double() - ref).norm() / ref.norm()))
+        assert int(counters.abs().sum()) == 0, "split-K counters not reset"
+    return worst, sorted(splits), variant
+
+
 def main():
     import torch
     sys.path.insert(0, str(ROOT / "tests"))
@@ -115,6 +223,16 @@ def main():
             err, splits = _check(dtype, n, k, silu, ov)
             report[name] = {"ok": err <= tol[dtype], "err": err, "limit": tol[dtype], "splits": splits}
         except Exception as exc:  # reported per case, so one failure does not hide the others
+            import traceback
+            report[name] = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
+    plain = {"plain_n4k1024w4_bf16_n50_k96": (bf16, 50, 96), "plain_n4k1024w4_fp16_n33_k1024": (fp16, 33, 1024),
+             "plain_n8k512w2_bf16_n40_k2176": (bf16, 40, 2176)}
+    for name, (dtype, n, k) in plain.items():
+        try:
+            err, splits, variant = _check_plain(dtype, n, k)
+            report[name] = {"ok": err <= tol[dtype], "err": err, "limit": tol[dtype], "splits": splits,
+                            "variant": variant}
+        except Exception as exc:
             import traceback
             report[name] = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
     print(json.dumps(report))

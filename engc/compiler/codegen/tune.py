@@ -60,7 +60,8 @@ for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 1
 # 2026-11-30): against cuBLAS it wins only at M=1, and only clearly for the SiLU-fused down projection
 # (1B 11.9 vs 14.4 us, 8B 32.0 vs 32.7 us, plus the silu_mul launch it removes); at M=1 for K=hidden it
 # wins on o and lm_head but loses more on gate_up (-2 us a layer), and from M=2 up cuBLAS wins everywhere.
-# So: one class, M=1, SiLU-fused down only (plain=False keeps K=hidden projections on cuBLAS).
+# So: one class, M=1, SiLU-fused down only (plain=False keeps K=hidden projections on cuBLAS here; plain
+# projections get the per-(K, N) entries of GEMV_PLAIN_CLASSES below).
 GEMV_M_CLASSES = ("m<=1",)
 for _arch in ("sm80", "sm90"):
     _put(_arch, "gemv", "*", "m<=1", max_m=1, plain=False, BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, DOT=False,
@@ -70,6 +71,29 @@ for _arch in ("sm80", "sm90"):
          num_stages=2, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
     _put(_arch, "gemv", "*", "m<=16", max_m=16, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT=True, num_warps=4,
          num_stages=4, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
+
+# Plain projections (Gemm x @ W^T, no bias) at M=1, one entry per tile config: `serves` lists the (K range,
+# N range) regions, (lo, hi) inclusive, hi 0 = no bound, where that config ran ahead of or even with cuBLAS
+# in the H200 sweep (bench/results/h200_gemv_sweep.txt, cold L2, us per launch; the m<=4 sweep kernels,
+# BLOCK_M 4 like these, none split K). A projection outside every region stays with cuBLAS. The first entry
+# of GEMV_PLAIN_CLASSES whose regions hold (K, N) serves it; the build compiles an entry for a K only when
+# a projection of the model falls in it (specs.gemv_specs), and the runtime picks by (K, N, M) from the
+# N ranges recorded in the variant's launch constants (kernels/gemv.pick).
+#   n8k512w2, K > 2048: 8B o (K 4096, N 4096) 12.10 vs 13.70 us (cuBLAS also adds a 1.6 us splitKreduce
+#     launch), 8B qkv (N 6144) 15.80 vs 15.94; N <= 8192 covers both, not gate_up (8B N 28672: 59.98 vs
+#     57.57 at the best config, n4k1024w4);
+#   n8k512w2, any K, N >= 65536 (lm_head): 8B (K 4096) 245.6 vs 263.4 us, 1B (K 2048) 125.4 vs 131.9;
+#   n4k1024w4, K <= 2048, N <= 2048: 1B o (N 2048) 5.31 vs 6.08 us; not 1B qkv (N 3072: 6.76 vs 6.52 at
+#     its best) nor gate_up (N 16384: 20.78 vs 18.92).
+# Other K and N inside these regions (3B, 70B, small models) are extrapolated, not measured.
+GEMV_PLAIN_CLASSES = ("m<=1/n4k1024w4", "m<=1/n8k512w2")
+for _arch in ("sm80", "sm90"):
+    _plain_m1 = dict(max_m=1, BLOCK_M=4, DOT=False, num_stages=2, target_programs=2 * _SM_COUNT[_arch],
+                     max_splits=16, min_split_k_tiles=2)
+    _put(_arch, "gemv", "*", "m<=1/n4k1024w4", BLOCK_N=4, BLOCK_K=1024, num_warps=4,
+         serves=(((1, 2048), (1, 2048)),), **_plain_m1)
+    _put(_arch, "gemv", "*", "m<=1/n8k512w2", BLOCK_N=8, BLOCK_K=512, num_warps=2,
+         serves=(((2049, 0), (1, 8192)), ((1, 0), (65536, 0))), **_plain_m1)
 
 # The CUDA C++ decode GEMV (templates/gemv.cu.j2: tensor-core mma, any M <= max_m <= 8 for the cost of
 # one), per M class. Built, and preferred by the runtime to the Triton GEMV and cuBLAS, for the kinds the

@@ -7,10 +7,13 @@ rows in one launch (kernels/gemv/triton.py says how).
 
 A bundle holds one kernel per (K, SILU, M class): variant `[silu_]k{K}_m{max_m}`, each with launch
 constants (its record's `launch`): K, SILU, max_m, BLOCK_N, BLOCK_K and the split rule's target_programs,
-max_splits, min_split_k_tiles. It may also hold the CUDA C++ twin (templates/gemv.cu.j2, same parameters
-and launch rule, no Triton scratch pointers): variant `cuda_[silu_]k{K}_m{max_m}`, launch constants plus
-impl "cuda" and max_n (used for N <= max_n only; 0: any N). The runtime picks a CUDA kernel first, else
-a Triton one, of the smallest M class that holds M (`pick`), and falls back to cuBLAS when none does.
+max_splits, min_split_k_tiles. Plain projections at M=1 get one kernel per (K, M class, tile config) of the
+tune table's per-N entries: variant `k{K}_m{max_m}_{config}` (e.g. k4096_m1_n8k512w2), whose launch adds
+n_ranges, the [lo, hi] N ranges (hi 0: no bound) it serves; other N of that K stay with cuBLAS. It may
+also hold the CUDA C++ twin (templates/gemv.cu.j2, same parameters and launch rule, no Triton scratch
+pointers): variant `cuda_[silu_]k{K}_m{max_m}`, launch constants plus impl "cuda" and max_n (used for
+N <= max_n only; 0: any N). The runtime picks a CUDA kernel first, else a Triton one, of the smallest M
+class that holds M and whose N ranges hold N (`pick`), and falls back to cuBLAS when none does.
 """
 from __future__ import annotations
 
@@ -31,8 +34,23 @@ def silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(silu_mul(gate_up), w)
 
 
-def variant_name(k: int, silu: bool, max_m: int) -> str:
-    return f"{'silu_' if silu else ''}k{k}_m{max_m}"
+def variant_name(k: int, silu: bool, max_m: int, config: str = "") -> str:
+    return f"{'silu_' if silu else ''}k{k}_m{max_m}" + (f"_{config}" if config else "")
+
+
+def in_range(v: int, bounds) -> bool:
+    """lo <= v <= hi for bounds (lo, hi); hi 0: no upper bound."""
+    lo, hi = bounds
+    return lo <= v and (not hi or v <= hi)
+
+
+def n_ranges(c: dict) -> tuple:
+    """The N ranges a variant serves: its launch's n_ranges (a per-N tune entry's kernel), else N <= max_n
+    (the CUDA variant; 0: any N), else any N (records of older bundles). Ranges of the first two kinds start
+    at 0 so a caller that does not know N (n=0) still gets them, as before; n_ranges start at 1."""
+    if "n_ranges" in c:
+        return tuple(tuple(r) for r in c["n_ranges"])
+    return ((0, c.get("max_n", 0)),)
 
 
 def is_cuda(c: dict) -> bool:
@@ -41,19 +59,19 @@ def is_cuda(c: dict) -> bool:
 
 
 def variant_table(consts: dict) -> dict:
-    """(K, silu) -> [(rank, max_m, max_n, variant)] in pick order: CUDA variants (rank 0) before Triton ones
-    (the tune table builds a CUDA kernel only where it beat both), each by ascending M class."""
+    """(K, silu) -> [(rank, max_m, n_ranges, variant)] in pick order: CUDA variants (rank 0) before Triton
+    ones (the tune table builds a CUDA kernel only where it beat both), each by ascending M class."""
     table: dict = {}
     for variant, c in consts.items():
         table.setdefault((c["K"], bool(c["SILU"])), []).append(
-            (0 if is_cuda(c) else 1, c["max_m"], c.get("max_n", 0), variant))
+            (0 if is_cuda(c) else 1, c["max_m"], n_ranges(c), variant))
     return {key: sorted(v) for key, v in table.items()}
 
 
 def pick(table: dict, k: int, silu: bool, m: int, n: int = 0) -> str | None:
-    """The variant for M rows of a K-wide input and N outputs, or None (then cuBLAS runs)."""
-    return next((v for _, max_m, max_n, v in table.get((k, silu), ())
-                 if 1 <= m <= max_m and (not max_n or n <= max_n)), None)
+    """The variant for M rows of a K-wide input and N outputs (0: not known), or None (then cuBLAS runs)."""
+    return next((v for _, max_m, ranges, v in table.get((k, silu), ())
+                 if 1 <= m <= max_m and any(in_range(n, r) for r in ranges)), None)
 
 
 def split_count(n_tiles: int, k_tiles: int, c: dict) -> tuple[int, int]:
