@@ -4,8 +4,12 @@ Two steps, two machines (like bench/kernels_device.py):
   python bench/gemv_device.py prepare .aot_gemv   # here, CPU only: compile sm90 cubins for a config sweep
   python bench/gemv_device.py run .aot_gemv       # on the GPU box: load them through engc._native (the
                                                   # runtime's launcher), check vs torch, time, print table
+  python bench/gemv_device.py prepare-pick .aot_gemv_pick  # here: the GEMV kernels an 8B and a 1B bundle get
+  python bench/gemv_device.py run-pick .aot_gemv_pick      # there (~15 s): at M=1, the runtime's pick
+                                                  # (kernels/gemv.pick by K, N, M; None = cuBLAS) vs cuBLAS
+                                                  # per projection, and per decode step (layers x 4 + lm_head)
 Shapes: the Llama-3-8B and Llama-3.2-1B projections (qkv, o, gate_up, SiLU-fused down, lm_head) at
-M = 1, 2, 4, 8, 16. Each config is timed inside one CUDA graph that cycles through enough weight copies
+M = 1, 2, 4, 8, 16 (the pick run: M = 1). Each config is timed inside one CUDA graph that cycles through enough weight copies
 to miss L2 (like a real step), so a figure is per launch, launch gaps included; TB/s counts the weight
 bytes. For the SiLU-fused down, the cuBLAS figure is F.linear on the ready activation (the fallback
 also runs the silu_mul kernel, 1-1.4 us). The table at the end says, per shape and M, cuBLAS, the default config and the best config, and
@@ -46,6 +50,21 @@ SWEEP = {
 TARGETS = (2, 4, 8)  # target_programs = this x SMs (a launch constant: no recompile)
 
 
+# the models whose projections SHAPES lists, as the build sees them (run-pick's per-step sums use num_layers)
+MODELS = {
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+               num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+               num_kv_heads=8, head_dim=64, tie_word_embeddings=True),
+}
+
+
+def _model_cfg(name: str):
+    from engc.bundle.model_config import ModelConfig
+    return ModelConfig(family="llama", rms_norm_eps=1e-5, rope_theta=5e5, max_position_embeddings=131072,
+                       **MODELS[name])
+
+
 def _cfg(k: int):
     from engc.bundle.model_config import ModelConfig
     return ModelConfig(family="llama", vocab_size=128256, hidden_size=k, intermediate_size=k, num_layers=1,
@@ -79,6 +98,24 @@ def prepare(out_dir: Path):
     (out_dir / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
 
 
+def prepare_pick(out_dir: Path):
+    """The GEMV kernels a bf16 sm90 bundle of each model holds (specs.gemv_specs with the tune table as it
+    is), compiled as the build does."""
+    from engc.compiler.codegen.record import compile_specs
+    from engc.compiler.codegen.specs import gemv_specs
+    index = {}
+    for model in MODELS:
+        specs = gemv_specs(_model_cfg(model), "bf16", "sm90")
+        res = compile_specs(specs, progress=None)
+        for path, data in res.files.items():
+            dst = out_dir / model / path
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(data)
+        index[model] = res.records
+        print(f"{model}: {', '.join(s.variant for s in specs)}", flush=True)
+    (out_dir / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
+
+
 # ------------------------------------------------------------------------------------------ run (GPU)
 
 class Kernels:
@@ -94,11 +131,17 @@ class Kernels:
                                                      scratch_params=2)
             self.consts[r["variant"]] = r["launch"]
 
-    def launches(self, x, w, out, silu, counters, target):
+    def pick(self, x, w, silu):
+        """The variant the runtime would launch (gpu_ops.run_gemv), or None: cuBLAS."""
+        from engc.kernels import gemv
+        return gemv.pick(gemv.variant_table(self.consts), w.shape[1], silu, x.shape[0], w.shape[0])
+
+    def launches(self, x, w, out, silu, counters, target=None):
+        """target: target_programs in place of the record's (the sweep)."""
         import torch
         from engc.kernels import gemv
-        variant = gemv.pick(gemv.variant_table(self.consts), w.shape[1], silu, x.shape[0])
-        consts = dict(self.consts[variant], target_programs=target)
+        variant = self.pick(x, w, silu)
+        consts = dict(self.consts[variant], **({"target_programs": target} if target else {}))
         return [(self.kernels[v], grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args[:-2]],
                  args) for v, grid, args in gemv.launch(x, w, out, variant, consts, counters)]
 
@@ -198,6 +241,75 @@ def run(aot: Path, out: Path):
     (out / "log.txt").write_text("\n".join(log) + "\n")
 
 
+def run_pick(aot: Path, out: Path):
+    """M=1, per projection: what the runtime launches (the bundle's kernel kernels/gemv.pick chooses, else
+    cuBLAS) against cuBLAS alone, checked against torch first; then per decode step of each model."""
+    import torch
+    import torch.nn.functional as F
+    from engc.kernels import gemv
+    from engc.kernels.silu_mul import silu_mul
+    from engc.runtime.cubin import current_stream
+    started = time.time()
+    index = json.loads((aot / "index.json").read_text())
+    sets = {model: Kernels(aot / model, recs) for model, recs in index.items()}
+    counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    bf = torch.bfloat16
+    for shape, (n, k, silu) in SHAPES.items():
+        ks = sets[shape.split(".")[0]]
+        w_bytes = n * k * 2
+        copies = max(1, min(48, math.ceil(400e6 / w_bytes)))
+        ws = [torch.randn(n, k, dtype=bf, device="cuda") / k ** 0.5 for _ in range(copies)]
+        x = torch.randn(1, 2 * k if silu else k, dtype=bf, device="cuda")
+        outs = [torch.empty(1, n, dtype=bf, device="cuda") for _ in range(copies)]
+        act = silu_mul(x) if silu else x
+        us_cublas = time_graph(lambda i: F.linear(act, ws[i]), copies)
+        variant = ks.pick(x, ws[0], silu)
+        row = dict(shape=shape, N=n, K=k, variant=variant or "cuBLAS", cublas_us=us_cublas, engc_us=us_cublas,
+                   ok=True, err=0.0)
+        if variant is not None:
+            ref = (gemv.silu_mul_linear(x, ws[0]) if silu else F.linear(x, ws[0])).float()
+            plans = [ks.launches(x, ws[i], outs[i], silu, counters) for i in range(copies)]
+            for kern, grid, ptrs, _ in plans[0]:
+                kern.launch(grid, ptrs, current_stream())
+            err = float((outs[0].float() - ref).norm() / ref.norm())
+            row.update(err=err, ok=err < 1e-2 and int(counters.abs().sum().item()) == 0,
+                       splits=plans[0][0][1][1])
+
+            def launch_all(i):
+                for kern, grid, ptrs, _ in plans[i]:
+                    kern.launch(grid, ptrs, current_stream())
+            row["engc_us"] = time_graph(launch_all, copies) if row["ok"] else float("nan")
+        results["rows"].append(row)
+        print(f"{shape:<12} {row['variant']:<20} cuBLAS {us_cublas:7.2f} us  engc {row['engc_us']:7.2f} us"
+              f"{'' if row['ok'] else '  CHECK FAILED rel err %.2e' % row['err']}", flush=True)
+        del ws, outs
+        torch.cuda.empty_cache()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pick_results.json").write_text(json.dumps(results, indent=1))
+    rows = {r["shape"]: r for r in results["rows"]}
+    bad = [r["shape"] for r in results["rows"] if not r["ok"]]
+    print(f"\n== checks: {len(rows) - len(bad)}/{len(rows)} ok (rel err < 1e-2 vs torch, counters zero) "
+          f"{'FAILED: ' + ', '.join(bad) if bad else ''}==")
+    print("== M=1, us per launch, cold L2 (before = cuBLAS, except down: the SiLU-fused GEMV it already had) ==")
+    print(f"  {'shape':<12} {'runtime picks':<20} {'cuBLAS':>8} {'engc':>8} {'gain':>6}")
+    for r in results["rows"]:
+        print(f"  {r['shape']:<12} {r['variant']:<20} {r['cublas_us']:8.2f} {r['engc_us']:8.2f} "
+              f"{r['cublas_us'] / r['engc_us']:5.2f}x")
+    for model in MODELS:
+        layers = MODELS[model]["num_layers"]
+        per = {p: rows[f"{model}.{p}"] for p in ("qkv", "o", "gate_up", "down", "lm_head")}
+
+        def step(pick_plain):
+            layer = sum(r["engc_us"] if pick_plain or r["shape"].endswith(".down") else r["cublas_us"]
+                        for p, r in per.items() if p != "lm_head")
+            head = per["lm_head"]["engc_us"] if pick_plain else per["lm_head"]["cublas_us"]
+            return layers * layer + head
+        print(f"  {model} per decode step ({layers} layers x qkv+o+gate_up+down, + lm_head): before "
+              f"{step(False):.1f} us, now {step(True):.1f} us ({step(False) - step(True):+.1f} us saved)")
+    print(f"total {time.time() - started:.0f}s")
+
+
 def table(results, say):
     bad = [c for c in results["checks"] if not c["ok"]]
     say("")
@@ -232,14 +344,12 @@ def table(results, say):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["prepare", "run"])
+    ap.add_argument("step", choices=["prepare", "run", "prepare-pick", "run-pick"])
     ap.add_argument("aot", type=Path)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
     args = ap.parse_args()
-    if args.step == "prepare":
-        prepare(args.aot)
-    else:
-        run(args.aot, args.out)
+    {"prepare": lambda: prepare(args.aot), "run": lambda: run(args.aot, args.out),
+     "prepare-pick": lambda: prepare_pick(args.aot), "run-pick": lambda: run_pick(args.aot, args.out)}[args.step]()
 
 
 if __name__ == "__main__":
