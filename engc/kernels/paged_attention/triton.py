@@ -26,6 +26,8 @@ prefill: grid (cdiv(max_query_len, BLOCK_M // GROUP), num_seqs, NUM_KV_HEADS). R
 import triton
 import triton.language as tl
 
+from engc.kernels import pdl
+
 
 @triton.jit
 def _load_kv_tile(cache_ptr, block_table_row, pos, valid, kvh, d,
@@ -184,7 +186,9 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
                         D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                         GR_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, RED_SPLITS: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        KV_QUANT: tl.constexpr):
+                        KV_QUANT: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -241,11 +245,13 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
                                D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                                GR_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, RED_SPLITS: tl.constexpr,
                                PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                               KV_QUANT: tl.constexpr):
+                               KV_QUANT: tl.constexpr, PDL: tl.constexpr):
     """decode fused with the rotary op before it (RotaryPagedAttention on a decode-only step): each program
     rotates its group's q heads from qkv itself; the split holding the new token (the last tile) also
     rotates its KV head's k, writes k and v (quantized for a quantized cache) to the cache slot for later
     steps, and uses them in registers for that token, so no program reads the slot in this launch."""
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     Q_SIZE: tl.constexpr = NUM_HEADS * HEAD_DIM
     KV_SIZE: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
@@ -315,7 +321,9 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
 @triton.jit
 def paged_decode_reduce_kernel(query_start_loc_ptr, part_acc_ptr, part_ml_ptr, out_ptr, num_splits,
                                NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                               MAX_SPLITS: tl.constexpr):
+                               MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(query_start_loc_ptr + b)
@@ -379,7 +387,9 @@ def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         KV_QUANT: tl.constexpr):
+                         KV_QUANT: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     TOKENS: tl.constexpr = BLOCK_M // GROUP
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
