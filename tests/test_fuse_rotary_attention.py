@@ -68,3 +68,14 @@ def test_pass_leaves_a_shared_q_alone():
     g.add("RMSNorm", ["q", "w"], "other", eps=1e-6)
     fuse_rotary_attention(g)
     assert [n.op for n in g.nodes] == ["RotaryKVWrite", "PagedAttention", "RMSNorm"]
+
+
+def test_fused_kernel_only_up_to_its_row_limit():
+    import torch
+    from engc.kernels.paged_attention import fuses_rotary
+    consts = {"decode_rotary": {"rotary_max_rows": 32}}
+    p32, p33 = torch.zeros(32, dtype=torch.int64), torch.zeros(33, dtype=torch.int64)
+    assert fuses_rotary(consts, p32, p32) and not fuses_rotary(consts, p33, p33)
+    assert fuses_rotary({"decode_rotary": {}}, p33, p33)        # records from before the limit: any batch
+    assert not fuses_rotary({}, p32, p32)                       # bundles without the fused kernel
+    assert not fuses_rotary(consts, p32.int(), p32.int())       # compiled for int64 positions and slots

@@ -103,6 +103,7 @@ def test_1b_gets_exactly_its_gemv_variants():
     assert picks == {2048: "k2048_m1_n4k1024w4", 3072: None, 16384: None, 128256: "k2048_m1_n8k512w2"}
     assert gemv.pick(table, 2048, False, 2, 2048) is None                   # M=1 only
     assert gemv.pick(table, 8192, True, 1, 2048) == "silu_k8192_m1"
+    assert consts["silu_k8192_m1"]["BLOCK_N"] == 4          # the fused down's N of 2048: tune silu_by_n
     # --quant fp8: the layer projections are FP8Linear, so only the lm_head's kernel is left
     assert set(_gemv_launches(_llama(**LLAMA_1B), quant="fp8")) == {"silu_k8192_m1", "k2048_m1_n8k512w2"}
 
@@ -111,6 +112,7 @@ def test_8b_shares_one_plain_kernel_and_keeps_gate_up_on_cublas():
     from engc.kernels import gemv
     consts = _gemv_launches(_llama(**LLAMA_8B))
     assert set(consts) == {"silu_k14336_m1", "k4096_m1_n8k512w2"}           # qkv, o and lm_head: K 4096
+    assert consts["silu_k14336_m1"]["BLOCK_N"] == 8
     assert consts["k4096_m1_n8k512w2"]["n_ranges"] == [[1, 8192], [65536, 0]]
     table = gemv.variant_table(consts)
     picks = {n: gemv.pick(table, 4096, False, 1, n) for n in (4096, 6144, 28672, 128256)}

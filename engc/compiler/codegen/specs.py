@@ -146,7 +146,7 @@ def paged_attention_specs(cfg: ModelConfig, t: str, arch: str, block_size: int, 
     decode = _spec("paged_attention", "decode", arch, "paged_decode_kernel", decode_types,
                    dict(common, G_PAD=max(16, _pow2(group)), **reduce_consts), bucket,
                    launch_keys=("BLOCK_N", "target_programs", "max_splits", "min_split_tokens",
-                                "min_split_tokens_busy", "impl", "in_kernel_reduce"),
+                                "min_split_tokens_busy", "impl", "in_kernel_reduce", "rotary_max_rows"),
                    overrides=(overrides or {}).get("decode"))
     reduce_types = {"query_start_loc_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
                     "out_ptr": f"*{t}", "num_splits": "i32"}
@@ -262,8 +262,13 @@ def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, classes=None
             _, entry = tune.lookup(arch, "gemv", "*", bucket, ov.get(bucket))
             if not silu and not entry.get("plain", True):
                 continue
+            bucket_ov = dict(ov.get(bucket) or {})
+            if silu:   # the fused down's N is the hidden size: per-N tile overrides of the entry
+                n = cfg.hidden_size
+                bucket_ov.update(next((o for lo, hi, o in entry.get("silu_by_n", ()) if lo <= n <= (hi or n)), {}))
             specs.append(_spec("gemv", variant_name(k, silu, entry["max_m"]), arch, "gemv_kernel", types,
-                               {"K": k, "SILU": silu}, bucket, overrides=ov.get(bucket), launch_keys=launch_keys))
+                               {"K": k, "SILU": silu}, bucket, overrides=bucket_ov or None,
+                               launch_keys=launch_keys))
     plain = {b: tune.lookup(arch, "gemv", "*", b, ov.get(b))[1] for b in classes if b in tune.GEMV_PLAIN_CLASSES}
     for k in sorted({k for k, _ in projections}):
         # per class, the N ranges it serves at this K; a pick order between classes would be a second rule

@@ -38,11 +38,15 @@ for _arch in ("sm80", "sm90"):
     # reduces), so a split costs a partial write, not a launch: while (sequence, KV head) pairs leave the
     # GPU short of target_programs, split down to one BLOCK_N tile a program (min_split_tokens = BLOCK_N;
     # it was 128 tokens with the reduce launch). Busy batches keep min_split_tokens_busy (measured).
-    # Not yet measured on a device: bench/decode_device.py times it against the two-launch form.
+    # H200 (bench/results/h200_decode_fused.txt): the in-kernel reduce is even with the two-launch form or
+    # ahead (8B b1 ctx 256: 10.8 vs 12.9 us with rotary).
+    # rotary_max_rows: RotaryPagedAttention runs as one kernel (decode_rotary) on decode steps of at most
+    # this many rows; above, rotary + decode. On the H200 the fused kernel was 0.58-0.81x the pair's time
+    # at batch 1-4, 0.78-0.91x at batch 32 up to 1k context (1.08-1.17x at 4k), and 1.03-1.24x at 64.
     for _bucket, _block_n, _stages in (("d<=64", 128, 2), ("d<=128", 64, 3 if _arch == "sm90" else 2),
                                        ("d>128", 32, 2)):
         _put(_arch, "paged_attention", "decode", _bucket, BLOCK_N=_block_n, num_warps=4, num_stages=_stages,
-             impl="triton", **dict(_split, min_split_tokens=_block_n), in_kernel_reduce=True)
+             impl="triton", **dict(_split, min_split_tokens=_block_n), in_kernel_reduce=True, rotary_max_rows=32)
     # decode_reduce: the second launch of the CUDA decode template (the Triton decode reduces in-kernel)
     _put(_arch, "paged_attention", "decode_reduce", "any", num_warps=4, num_stages=1)
     # The CUDA C++ twin of the decode kernel (templates/paged_decode.cu.j2): built and launched instead of
@@ -64,13 +68,18 @@ for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 1
 # projections get the per-(K, N) entries of GEMV_PLAIN_CLASSES below).
 GEMV_M_CLASSES = ("m<=1",)
 for _arch in ("sm80", "sm90"):
+    # PREFETCH: with PDL (sm90), a program streams its W slice into L2 before it waits for the kernel before
     _put(_arch, "gemv", "*", "m<=1", max_m=1, plain=False, BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, DOT=False,
-         num_warps=4, num_stages=2, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
+         num_warps=4, num_stages=2, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2,
+         PREFETCH=PDL[_arch], silu_by_n=((1, 2048, {"BLOCK_N": 4}),))
+    # silu_by_n: (N lo, N hi (0: no bound), overrides) for the SiLU-fused down by its N (the hidden size):
+    # BLOCK_N 8 leaves an N of 2048 only 256 programs; the sweep's best for the 1B down (K 8192, N 2048)
+    # was BLOCK_N 4 (11.9 us) where this entry's BLOCK_N 8 ran 14.0 us (bench/results, run-pick)
     # classes kept for sweeps and tests (bench/gemv_device.py, tests/test_gemv.py); cuBLAS was faster
     _put(_arch, "gemv", "*", "m<=4", max_m=4, BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, DOT=False, num_warps=4,
-         num_stages=2, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
+         num_stages=2, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2, PREFETCH=0)
     _put(_arch, "gemv", "*", "m<=16", max_m=16, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT=True, num_warps=4,
-         num_stages=4, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
+         num_stages=4, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2, PREFETCH=0)
 
 # Plain projections (Gemm x @ W^T, no bias) at M=1, one entry per tile config: `serves` lists the (K range,
 # N range) regions, (lo, hi) inclusive, hi 0 = no bound, where that config ran ahead of or even with cuBLAS
@@ -89,7 +98,7 @@ for _arch in ("sm80", "sm90"):
 GEMV_PLAIN_CLASSES = ("m<=1/n4k1024w4", "m<=1/n8k512w2")
 for _arch in ("sm80", "sm90"):
     _plain_m1 = dict(max_m=1, BLOCK_M=4, DOT=False, num_stages=2, target_programs=2 * _SM_COUNT[_arch],
-                     max_splits=16, min_split_k_tiles=2)
+                     max_splits=16, min_split_k_tiles=2, PREFETCH=PDL[_arch])
     _put(_arch, "gemv", "*", "m<=1/n4k1024w4", BLOCK_N=4, BLOCK_K=1024, num_warps=4,
          serves=(((1, 2048), (1, 2048)),), **_plain_m1)
     _put(_arch, "gemv", "*", "m<=1/n8k512w2", BLOCK_N=8, BLOCK_K=512, num_warps=2,

@@ -212,8 +212,12 @@ def rotary_paged_attention(qkv, positions, inv_freq, kv_cache, slot_mapping, blo
 
 def fuses_rotary(consts: dict, positions, slot_mapping) -> bool:
     """Whether a decode-only step can run RotaryPagedAttention as one launch: the bundle has the fused
-    kernel (bundles from before it do not) and the int64 positions and slots it was compiled for."""
-    return "decode_rotary" in consts and positions.dtype == slot_mapping.dtype == torch.int64
+    kernel (bundles from before it do not), the int64 positions and slots it was compiled for, and no more
+    rows than its tune entry's rotary_max_rows (0 or absent: any; larger batches run faster as the pair)."""
+    if "decode_rotary" not in consts or not positions.dtype == slot_mapping.dtype == torch.int64:
+        return False
+    limit = consts["decode_rotary"].get("rotary_max_rows") or 0
+    return limit == 0 or positions.shape[0] <= limit
 
 
 def launch_rotary_decode(qkv, positions, inv_freq, kv_cache, slot_mapping, block_tables, context_lens,
