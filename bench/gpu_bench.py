@@ -85,8 +85,19 @@ def dtype_of(shape: str):
     return torch.float32 if base_shape(shape) == "tiny" else torch.bfloat16
 
 
+def apply_tune(args) -> bool:
+    """--tune: merge the given entries over the tune table (the build and prepare then use them)."""
+    if not args.tune:
+        return False
+    from engc.compiler.codegen import tune
+    for key, fields in json.loads(args.tune).items():
+        tune.TUNE[key] = {**tune.TUNE.get(key, {}), **fields}
+    return True
+
+
 def prepare(args):
     from engc.compiler.kernel_cache import compile_cached
+    apply_tune(args)
     for shape in args.shapes.split(","):
         t = time.time()
         r = compile_cached(model_config(shape), dtype_of(shape), ["sm90"], 16, Path(args.cache),
@@ -199,7 +210,9 @@ def bench_shape(shape: str, args) -> dict:
     work = Path(args.work)
     base = base_shape(shape)
     ckpt, bundle = work / f"ckpt-{base}{'-int4' if is_int4(shape) else ''}", work / f"bundle-{shape}"
-    res = {"shape": shape, "gpu": torch.cuda.get_device_name(), "commit": args.commit,
+    if apply_tune(args):   # a tune-table variant: its own bundle
+        bundle = bundle.with_name(bundle.name + "-tuned")
+    res = {"shape": shape, "gpu": torch.cuda.get_device_name(), "commit": args.commit, "tune": args.tune,
            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d")}
     if not (ckpt / "config.json").exists():
         _, res["make_checkpoint_s"] = timed(lambda: make_checkpoint(base, ckpt, int4=is_int4(shape)))
@@ -489,7 +502,8 @@ def run(args):
         cmd = [sys.executable, __file__, "run", "--child", "--shapes", shape, "--cache", args.cache,
                "--out", str(out), "--work", args.work, "--commit", args.commit] + (["--long"] if args.long else []) \
             + (["--serve"] if args.serve else []) + (["--profile-only"] if args.profile_only else []) \
-            + (["--no-hf"] if args.no_hf else []) + (["--quick"] if args.quick else [])
+            + (["--no-hf"] if args.no_hf else []) + (["--quick"] if args.quick else []) \
+            + (["--tune", args.tune] if args.tune else [])
         subprocess.run(cmd, timeout=args.timeout)
         f = out / f"engc_{shape}.json"
         results.append(json.loads(f.read_text()) if f.exists() else {"shape": shape, "error": "no result"})
@@ -535,6 +549,8 @@ def main():
     ap.add_argument("--quick", action="store_true",
                     help="batch-1 decode and the two first batch sizes only, reusing a built bundle (A/B runs: "
                          "e.g. ENGC_PDL=0 ... --quick after a full run)")
+    ap.add_argument("--tune", default="", help='tune-table entries (JSON {"sm90/op/variant/bucket": {field: '
+                    'value}}) merged over the table before building; the bundle gets a -tuned suffix')
     ap.add_argument("--timeout", type=int, default=400)
     args = ap.parse_args()
     prepare(args) if args.verb == "prepare" else run(args)
