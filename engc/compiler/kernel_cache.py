@@ -28,13 +28,16 @@ def sources_digest() -> str:
 def compile_cached(cfg: ModelConfig, dtype: torch.dtype, archs: list[str], block_size: int,
                    cache_dir: Path | None, quant: str = "none", kv_cache: str = "auto", int4_group_sizes=()):
     """compile_kernels, answered from cache_dir when it already holds this exact compilation."""
-    from engc.compiler.codegen import CodegenResult, compile_kernels
+    from engc.compiler.codegen import CodegenResult, compile_kernels, tune
     if cache_dir is None:
         return compile_kernels(cfg, dtype, archs, block_size, quant=quant, kv_cache=kv_cache,
                                int4_group_sizes=int4_group_sizes)
     key = hashlib.sha256(json.dumps({"model": cfg.to_dict(), "dtype": str(dtype), "archs": sorted(archs),
                                      "block_size": block_size, "sources": sources_digest(), "quant": quant,
                                      "kv_cache": kv_cache,
+                                     # the table as loaded: a sweep or bench may have changed entries in memory
+                                     "tune": hashlib.sha256(json.dumps(tune.TUNE, sort_keys=True, default=str)
+                                                            .encode()).hexdigest(),
                                      **({"int4_group_sizes": sorted(set(int4_group_sizes))} if int4_group_sizes else {})},
                                     sort_keys=True).encode()).hexdigest()[:32]
     entry = Path(cache_dir) / key
