@@ -97,8 +97,10 @@ class CubinKernel:
         self.fn = _check(driver.cuModuleGetFunction(self.module, record["entry"].encode()))
         self.shared = record["shared_mem"]
         self.threads = 32 * record["num_warps"]
-        if self.shared > 49152:
-            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        # The default limit is 48 KiB minus the kernel's static shared memory (CUDA C++ kernels have both
+        # kinds): raise it whenever the dynamic bytes exceed it, not only above 48 KiB.
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        if self.shared > _check(driver.cuFuncGetAttribute(attr, self.fn)):
             _check(driver.cuFuncSetAttribute(self.fn, attr, self.shared))
 
     def __call__(self, grid, args):

@@ -253,3 +253,55 @@ def test_bad_images_name_the_cuda_error():
     with pytest.raises(_native.CudaError, match="CUDA_ERROR_NOT_FOUND"):
         _native.get_function(module, "no_such_kernel")
     _native.unload_module(module)
+
+
+# 16 KiB of static shared memory plus a dynamic buffer (the CUDA int4 GEMV's shape): the driver's default
+# dynamic limit is 48 KiB minus the static 16, so a 36 KiB dynamic launch (52 KiB in all) needs it raised
+# although it is below 48 KiB; both loaders must see that (the first H200 run of that GEMV failed here).
+STATIC_AND_DYNAMIC_PTX = """
+.version 7.0
+.target sm_70
+.address_size 64
+.extern .shared .align 16 .b8 dyn_smem[];
+.visible .entry static_and_dynamic(.param .u64 out_ptr, .param .u32 dyn_last)
+{
+    .shared .align 16 .b8 fixed_smem[16384];
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<2>;
+    ld.param.u64 %rd1, [out_ptr];
+    ld.param.u32 %r1, [dyn_last];
+    mov.u32 %r2, dyn_smem;
+    add.u32 %r2, %r2, %r1;
+    st.shared.u32 [fixed_smem+16380], 7;
+    st.shared.u32 [%r2], 35;
+    bar.sync 0;
+    ld.volatile.shared.u32 %r3, [fixed_smem+16380];
+    ld.volatile.shared.u32 %r4, [%r2];
+    add.u32 %r5, %r3, %r4;
+    st.global.u32 [%rd1], %r5;
+    ret;
+}
+"""
+
+
+@gpu
+def test_static_plus_dynamic_shared_past_48k_launches(torch_cuda):
+    torch = torch_cuda
+    dynamic = 36 * 1024
+    out = torch.zeros(1, dtype=torch.int32, device="cuda")
+    stream = cubin.current_stream()
+    kernel = cubin.load_kernel(STATIC_AND_DYNAMIC_PTX.encode(), "static_and_dynamic", "pI", block_x=32,
+                               shared_mem=dynamic)
+    attrs = kernel.attributes()
+    assert attrs["static_shared_bytes"] >= 16384 and attrs["max_dynamic_shared_bytes"] >= dynamic
+    kernel.launch(1, [out, dynamic - 4], stream)
+    torch.cuda.synchronize()
+    assert out.item() == 42
+    # the native launcher alone: get_function starts from the driver's limit, the launch raises it
+    module = _native.load_module(STATIC_AND_DYNAMIC_PTX.encode())
+    func = _native.get_function(module, "static_and_dynamic")
+    out.zero_()
+    _native.launch(func, 1, 32, dynamic, stream, "pI", [out.data_ptr(), dynamic - 4])
+    torch.cuda.synchronize()
+    assert out.item() == 42
+    _native.unload_module(module)

@@ -141,7 +141,10 @@ def load_kernel(image: bytes, name: str, signature: str, *, block_x: int, shared
     module = lib.load_module(image, device)
     try:
         func = lib.get_function(module, name)
-        if shared_mem > 48 * 1024:
+        # The driver lets a launch have at most 48 KiB minus the kernel's static shared memory of dynamic
+        # shared memory until the limit is raised: a CUDA C++ kernel with both kinds needs it raised below
+        # 48 KiB of dynamic (a Triton kernel has no static shared memory, so there it is 48 KiB).
+        if shared_mem > 0 and shared_mem > lib.function_attributes(func)["max_dynamic_shared_bytes"]:
             lib.set_max_dynamic_shared(func, shared_mem)
         if pdl and lib.pdl_supported():
             lib.set_pdl(func, True)

@@ -67,7 +67,12 @@ std::uintptr_t get_function(std::uintptr_t module, const std::string& name) {
     auto handle = reinterpret_cast<std::uintptr_t>(func);
     auto& functions = registry().functions;
     if (functions.find(handle) == functions.end()) {
-        functions[handle] = FunctionInfo{reinterpret_cast<CUmodule>(module), info.context, name, 48 * 1024};
+        // The driver's own limit, not 48 KiB: by default it is 48 KiB minus the kernel's static shared
+        // memory, so a kernel with both kinds must be raised before asking for 48 KiB - static or more.
+        int max_dynamic = 0;
+        check(driver().cuFuncGetAttribute(&max_dynamic, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, func),
+              "cuFuncGetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)");
+        functions[handle] = FunctionInfo{reinterpret_cast<CUmodule>(module), info.context, name, max_dynamic};
         info.functions.push_back(handle);
     }
     return handle;
@@ -173,7 +178,7 @@ PYBIND11_MODULE(_native, m) {
           "cuModuleGetFunction: the handle of the kernel `name` (the mangled entry name) in `module`.");
     m.def("set_max_dynamic_shared", &set_max_dynamic_shared, py::arg("func"), py::arg("bytes"),
           "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES). Launches raise it themselves when they need\n"
-          "more than the current limit (48 KiB by default).");
+          "more than the current limit (by default 48 KiB minus the kernel's static shared memory).");
     m.def("pdl_supported", []() { return driver().cuLaunchKernelEx != nullptr; },
           "True when the driver has cuLaunchKernelEx (programmatic dependent launch needs sm90 as well).");
     m.def("set_pdl", [](std::uintptr_t func, bool on) { registry().function(func).pdl = on; }, py::arg("func"),

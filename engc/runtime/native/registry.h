@@ -15,7 +15,7 @@ struct FunctionInfo {
     CUmodule module;
     CUcontext context;
     std::string name;
-    int max_dynamic_shared;  // the value last set through cuFuncSetAttribute; 48 KiB is the driver default
+    int max_dynamic_shared;  // the driver's limit: queried at get_function (48 KiB - static), then as last set
     bool pdl = false;        // launched with programmatic stream serialization (set_pdl)
 };
 
@@ -41,7 +41,8 @@ Registry& registry();
 // torch uses, so tensors and kernels share it.
 CUcontext ensure_context(int device);
 
-// Raises the function's dynamic shared-memory limit (needed above 48 KiB) if `bytes` exceeds it.
+// Raises the function's dynamic shared-memory limit if `bytes` exceeds it (by default 48 KiB minus the
+// kernel's static shared memory).
 void reserve_dynamic_shared(std::uintptr_t func, FunctionInfo& info, int bytes);
 
 }  // namespace engc
