@@ -230,8 +230,8 @@ def run(aot: Path, out: Path):
 def targets(name: str, ks) -> list[int]:
     """The CTAs-a-SM multiples of TARGETS that this config's shared memory lets share an SM."""
     rec = next(r for (o, v), r in ks.records.items() if o == "int4_linear")
-    static = rec["tune"]["num_warps"] * 8 * (rec["launch"]["BLOCK_N"] + 1) * 4 + 4
-    fit = SM_SHARED // (rec["shared_mem"] + static + 1024)
+    # static_shared: the cubin's own (on sm90 it holds the 1 KB each CTA reserves)
+    fit = SM_SHARED // (rec["shared_mem"] + rec["static_shared"])
     return [t for t in TARGETS if t <= fit]
 
 

@@ -3,6 +3,8 @@ engc int4 layout (magic-number dequant, x regrouping, mma fragments), render, nv
 (skipped without nvcc), records vs the launch rule, and the build's selection by the tune table."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -190,6 +192,61 @@ def test_knobs_compile(group, t, arch, knobs):
     assert why == ""
     rec, = cuda.compile_cuda([spec]).records
     assert rec["shared_mem"] == spec.shared_mem and rec["launch"]["BLOCK_K"] == 128 * knobs["num_warps"] * knobs["UNROLL"]
+
+
+# The sweep's configs whose W pipeline is exactly 48 KiB of dynamic shared memory: with the static warp_sums the
+# CTA passes 48 KiB, so the launch needs the function's dynamic limit raised. The first H200 run failed there
+# (CUDA_ERROR_INVALID_VALUE): the loaders raised it only above 48 KiB of dynamic shared memory.
+AT_48K = [dict(num_warps=4, TILES=2, UNROLL=1, STAGES=6, min_blocks=2),
+          dict(num_warps=8, TILES=2, UNROLL=1, STAGES=3, min_blocks=2, ZERO_AFTER=True)]
+
+
+class _Driver:
+    """engc._native as runtime/cubin.load_kernel sees it, under the driver's rule: a launch may take at most
+    the function's MAX_DYNAMIC_SHARED_SIZE_BYTES of dynamic shared memory, 48 KiB - static until raised."""
+
+    def __init__(self, static):
+        self.limit, self.raised = 48 * 1024 - static, []
+
+    def load_module(self, image, device):
+        return 1
+
+    def get_function(self, module, name):
+        return 2
+
+    def function_attributes(self, func):
+        return {"max_dynamic_shared_bytes": self.limit}
+
+    def set_max_dynamic_shared(self, func, nbytes):
+        self.limit = nbytes
+        self.raised.append(nbytes)
+
+    def pdl_supported(self):
+        return False
+
+    def unload_module(self, module):
+        pass
+
+
+def test_shared_memory_fits_and_the_loader_raises_the_limit(records, monkeypatch):
+    from engc.runtime import cubin
+    specs = [dataclasses.replace(cuda_int4.int4_gemv_spec(128, "bf16", "sm90", dict(ov, enabled=True))[0],
+                                 variant=f"cuda_g128.{i}") for i, ov in enumerate(AT_48K)]   # one build, apart
+    gemvs = [r for r in records if r["shared_mem"]] + cuda.compile_cuda(specs).records
+    assert len(gemvs) == 4
+    for r in gemvs:
+        static, dynamic = r["static_shared"], r["shared_mem"]
+        assert static == cuda_int4.gemv_static_bytes(r["num_warps"], r["launch"]["BLOCK_N"], r["arch"])
+        assert static + dynamic <= cuda.DYNAMIC_SHARED_LIMIT[r["arch"]]
+        driver = _Driver(static)
+        monkeypatch.setattr(cubin, "require_cuda", lambda: driver)
+        kernel = cubin.load_kernel(b"", r["entry"], "p", block_x=32 * r["num_warps"], shared_mem=dynamic)
+        assert kernel.shared_mem <= driver.limit, r["entry"]     # what cuLaunchKernel checks
+        assert bool(driver.raised) == (static + dynamic > 48 * 1024)
+    assert any(r["shared_mem"] <= 48 * 1024 < r["shared_mem"] + r["static_shared"] for r in gemvs)
+    too_big = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", dict(AT_48K[0], enabled=True))[0]
+    with pytest.raises(ValueError, match="exceed"):
+        cuda.check_shared_fits(too_big, cuda.DYNAMIC_SHARED_LIMIT["sm90"] - too_big.shared_mem + 1)
 
 
 def test_dequant_launch_rule_matches_records(records):

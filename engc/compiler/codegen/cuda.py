@@ -47,7 +47,8 @@ class CudaKernelSpec:
     tune_key: str
     tune: dict
     launch: dict = field(default_factory=dict)
-    shared_mem: int = 0         # dynamic shared memory bytes per CTA (the launcher raises the 48 KB cap)
+    shared_mem: int = 0         # dynamic shared memory bytes per CTA (the loader raises the function's
+                                # limit, 48 KiB minus the static shared memory by default, when it exceeds it)
 
     @property
     def stem(self) -> str:
@@ -139,14 +140,41 @@ def pin_ptx_version(ptx: str) -> str:
     return _PTX_VERSION_LINE.sub(f".version {major}.{minor}", ptx, count=1)
 
 
+def static_shared_bytes(cubin: bytes, entry: str) -> int:
+    """The static shared memory of kernel `entry` in a cubin: the size of its .nv.shared.<entry> section
+    (NOBITS; on sm90 it includes the 1 KB the system reserves a CTA), 0 when it has none."""
+    import struct
+    if cubin[:5] != b"\x7fELF\x02":
+        raise ValueError("not a 64-bit ELF cubin")
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3a)
+    sections = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = sections[shstrndx][4]                      # sh_offset of the section-name table
+    wanted = f".nv.shared.{entry}".encode()
+    for name, _type, _flags, _addr, _offset, size in sections:
+        start = names_at + name
+        if cubin[start:cubin.index(b"\0", start)] == wanted:
+            return size
+    return 0
+
+
+def check_shared_fits(spec: CudaKernelSpec, static: int) -> None:
+    """Static + dynamic shared memory must fit one CTA of the arch; launches that pass 48 KiB in total
+    need the loader to raise the function's dynamic limit (runtime/cubin.load_kernel does)."""
+    if static + spec.shared_mem > DYNAMIC_SHARED_LIMIT[spec.arch]:
+        raise ValueError(f"{spec.entry}: {static} bytes of static + {spec.shared_mem} of dynamic shared memory "
+                         f"exceed the {DYNAMIC_SHARED_LIMIT[spec.arch]} a {spec.arch} CTA may take")
+
+
 def kernel_record(spec: CudaKernelSpec, ptx: str, cubin_path: str, ptx_path: str, source_path: str,
-                  version: str) -> dict:
-    """The Triton record schema (record.py), with no scratch params and nvcc_version for triton_version."""
+                  version: str, static_shared: int = 0) -> dict:
+    """The Triton record schema (record.py), with no scratch params and nvcc_version for triton_version;
+    static_shared: the cubin's static shared memory (the launch passes shared_mem more, dynamic)."""
     return {
         "op": spec.op, "variant": spec.variant, "arch": spec.arch, "entry": spec.entry,
         "cubin": cubin_path, "ptx": ptx_path, "source": source_path,
         "ptx_version": PTX_VERSION, "ptx_target": _PTX_TARGET.search(ptx).group(1),
-        "num_warps": spec.num_warps, "num_ctas": 1, "shared_mem": spec.shared_mem,
+        "num_warps": spec.num_warps, "num_ctas": 1, "shared_mem": spec.shared_mem, "static_shared": static_shared,
         "args": [{"name": name, "type": ty} for name, ty in spec.arg_types.items()], "scratch_params": 0,
         "align": 16, "constexprs": dict(sorted(spec.render.items())), "launch": dict(sorted(spec.launch.items())),
         "tune_key": spec.tune_key, "tune": dict(sorted(spec.tune.items())), "nvcc_version": version,
@@ -186,10 +214,14 @@ def compile_cuda(specs: list[CudaKernelSpec], build_dir: str | Path | None = Non
             stem = f"kernels/{s.arch}/{s.stem}"
             source_path = f"kernels/src/{s.stem}.cu"
             ptx = pin_ptx_version((root / s.arch / f"{s.stem}.ptx").read_text())
-            result.files[f"{stem}.cubin"] = (root / s.arch / f"{s.stem}.cubin").read_bytes()
+            cubin = (root / s.arch / f"{s.stem}.cubin").read_bytes()
+            static = static_shared_bytes(cubin, s.entry)
+            check_shared_fits(s, static)
+            result.files[f"{stem}.cubin"] = cubin
             result.files[f"{stem}.ptx"] = ptx.encode()
             result.files[source_path] = sources[s.stem].encode()
-            result.records.append(kernel_record(s, ptx, f"{stem}.cubin", f"{stem}.ptx", source_path, version))
+            result.records.append(kernel_record(s, ptx, f"{stem}.cubin", f"{stem}.ptx", source_path, version,
+                                                static))
     return result
 
 

@@ -6,8 +6,10 @@ Record schema (all JSON types; one per (op, variant, arch)):
   cubin, ptx, source           bundle-relative paths of the cubin, its PTX and the Triton source file
   ptx_version, ptx_target      PTX ISA pinned for the driver's JIT (87 = ISA 8.7), .target of the PTX
   num_warps, num_ctas          block = (32 * num_warps, 1, 1); num_ctas is always 1
-  shared_mem                   dynamic shared memory bytes to pass to cuLaunchKernel; above 49152 the
-                               launcher must first raise CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+  shared_mem                   dynamic shared memory bytes to pass to cuLaunchKernel; above the function's
+                               CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (by default 49152 minus its
+                               static shared memory) the loader must first raise that attribute
+  static_shared                CUDA C++ kernels only: the cubin's static shared memory (bytes)
   args                         [{"name", "type"}] in launch order: the kernel's runtime params (types
                                "*bf16" pointer, "i32", "fp32", ...) then two "*i8" scratch params
                                (global_scratch, profile_scratch) that take null
