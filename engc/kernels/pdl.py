@@ -23,10 +23,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     @triton.jit
     def launch_dependents(PDL: tl.constexpr):
         pass
-
-    @triton.jit
-    def prefetch_l2(ptrs):
-        pass
 else:
     from triton.language.extra import cuda as _cuda
 
@@ -39,13 +35,6 @@ else:
     def launch_dependents(PDL: tl.constexpr):
         if PDL:
             _cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def prefetch_l2(ptrs):
-        """Ask L2 for the 128-byte lines at ptrs (no registers, no wait): what a PDL kernel can do with
-        constant data (weights) while the kernel before it still runs."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
 # ops whose kernels take PDL and call wait() first: compiled with PDL=1 for archs that have griddepcontrol
 PDL_MIN_CAPABILITY = 90

@@ -55,7 +55,7 @@ def _row_partial(w, x_ptr, m: tl.constexpr, offs_k, k_mask, K: tl.constexpr, SIL
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_tiles_per_split, splits,
                 K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SILU: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                SILU: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -65,13 +65,6 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_tiles_p
     k_tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     t_begin = pid_k * k_tiles_per_split
     t_end = tl.minimum(t_begin + k_tiles_per_split, k_tiles)
-    if PREFETCH:
-        # W is constant: launched early (PDL), stream this program's slice of it into L2 while the
-        # kernel before runs (attention before o_proj, a norm before qkv); the loop below then hits L2
-        LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth   # elements per 128 bytes
-        for t in range(t_begin, t_end):
-            lines = t * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE
-            pdl.prefetch_l2(w_rows + tl.minimum(lines, K - 1)[None, :])
     # x, the partials and the counters belong to the step: wait for the kernel before
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
