@@ -7,18 +7,14 @@ Triton int4 GEMV (kernels/int4_linear/triton.py).
   python bench/int4_cuda_device.py run .aot_int4_cuda       # on the GPU box: cubins through the driver API
 
 First correctness: every config on odd shapes (N not a multiple of the tile, K not of 128 nor of the group,
-bias, M = 3, group 64: the per-weight scaling path), each at several CTA counts (1: one CTA walks every tile;
-7; every unit its own CTA: every tile shared; the config's own), and on each 8B shape at every M, against the
-torch reference (dequantize, matmul in float64; rel err < 1e-2, split counters back to zero), again after the
+bias, M = 3, group 64: the per-weight scaling path) and on each 8B shape at every M, against the torch
+reference (dequantize, matmul in float64; rel err < 1e-2, split counters back to zero), again after the
 graph replays. Then timings: Llama-3-8B projections (qkv, o, gate_up, down; group 128) at M = 1, 2, 4, 8,
 each a CUDA graph cycling through enough weight copies to miss L2; TB/s counts packed weights + scales +
-zeros. Each CUDA config (warps, 16-row tiles, K steps a unit, pipeline stages, CTAs a SM) runs with
-target_programs (a launch constant) at each multiple of the SM count its shared memory allows. The prefill
-dequant (templates/int4_dequant.cu.j2 as tuned, and the Triton one) must equal the reference bit for bit
+zeros. Each CUDA config runs at 2x, 4x and 8x SMs of target_programs (a launch constant). The prefill
+dequant (templates/int4_dequant.cu.j2, a few configs, and the Triton one) must equal the reference bit for bit
 and is timed per shape (TB/s of bf16 written). The table (last) gives bf16, Triton int4 and the chosen CUDA
-config per case against the previous CUDA GEMV (split-K, no pipeline; bench/results/h200_int4_cuda.txt),
-the best config per shape and M, the 8B's GEMV time per decode step (32 layers) at each M, and the tune.py
-line. results.json and log.txt go under $OUT.
+config per case, the 8B's GEMV time per decode step (32 layers) at each M, the dequant, and the tune.py entry. results.json and log.txt go under $OUT.
 """
 from __future__ import annotations
 
@@ -38,50 +34,36 @@ GROUP = 128
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 MS = (1, 2, 4, 8)
 SMS = 132
-TARGETS = (1, 2, 3, 4, 6)   # target_programs = this x SMs, where shared memory lets that many CTAs share an SM
-SM_SHARED = 228 * 1024       # shared memory per H200 SM (each CTA also takes 1 KB of it)
+TARGETS = (2, 4, 8)       # target_programs = this x SMs
 LAYERS = 32
-# config name -> template constants (w warps, t 16-row tiles, u 128-wide K steps per unit, s pipeline stages,
-# b CTAs per SM the registers must allow, z: ZERO_AFTER); a unit of W is 16t rows x 128wu inputs = 1 KB x w*t*u
-SWEEP = {f"w{w}t{t}u{u}s{st}b{b}{'z' if z else ''}": dict(num_warps=w, TILES=t, UNROLL=u, STAGES=st, min_blocks=b,
-                                                          ZERO_AFTER=z)
-         for z in (False, True)
-         for w, t, u, st, b in ((4, 2, 1, 4, 3), (4, 2, 1, 6, 2), (4, 2, 1, 3, 4), (4, 1, 2, 4, 4), (4, 1, 1, 8, 4),
-                                (4, 4, 1, 3, 2), (8, 2, 1, 3, 2), (8, 1, 1, 4, 2), (2, 2, 2, 4, 6), (4, 2, 2, 3, 3),
-                                (4, 1, 1, 4, 6), (8, 2, 1, 4, 2))
-         if not z or (w, t, u, st, b) in ((4, 2, 1, 4, 3), (4, 1, 1, 8, 4), (8, 2, 1, 3, 2), (2, 2, 2, 4, 6),
-                                          (4, 4, 1, 3, 2), (4, 1, 2, 4, 4))}
-# the previous CUDA GEMV (split-K, no pipeline), us per launch: bench/results/h200_int4_cuda.txt
-PREVIOUS = {"qkv": (10.28, 10.05, 10.04, 10.80), "o": (7.70, 7.76, 8.03, 8.65),
-            "gate_up": (27.47, 27.63, 27.69, 28.33), "down": (17.52, 17.06, 17.38, 18.80)}
-# the prefill dequant (templates/int4_dequant.cu.j2) as tuned: w warps, c 16-byte chunks per thread
-DEQUANT_SWEEP = {"w8c2": dict(num_warps=8, CHUNKS=2)}
+# config name -> template constants (w warps, t 16-row tiles, u 128-wide K steps per iteration, b CTAs per SM)
+SWEEP = {"w4t2u2b3": dict(num_warps=4, TILES=2, UNROLL=2, min_blocks=3),
+         "w4t1u4b3": dict(num_warps=4, TILES=1, UNROLL=4, min_blocks=3),
+         "w4t4u1b3": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=3),
+         "w4t2u1b4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4),
+         "w8t2u1b2": dict(num_warps=8, TILES=2, UNROLL=1, min_blocks=2),
+         "w2t2u2b6": dict(num_warps=2, TILES=2, UNROLL=2, min_blocks=6)}
+# the prefill dequant (templates/int4_dequant.cu.j2): w warps, c 16-byte chunks per thread
+DEQUANT_SWEEP = {"w8c4": dict(num_warps=8, CHUNKS=4), "w8c2": dict(num_warps=8, CHUNKS=2),
+                 "w4c8": dict(num_warps=4, CHUNKS=8), "w8c8": dict(num_warps=8, CHUNKS=8)}
 EDGE = [(3, 1000, 1056, True), (8, 48, 4096 + 32, False), (1, 257, 2080, True)]   # (M, N, K, bias)
 
 
 # ------------------------------------------------------------------------------------------ prepare (CPU)
 
 def prepare(out_dir: Path):
-    import dataclasses
     from engc.compiler.codegen import cuda, cuda_int4
-    from engc.compiler.codegen.record import CodegenResult, compile_specs
+    from engc.compiler.codegen.record import compile_specs
     from engc.compiler.codegen.specs import int4_linear_specs
     if cuda.nvcc_path() is None:
         raise SystemExit("nvcc not found: the CUDA int4 GEMV cannot be built here")
     t0, index, sets = time.time(), {}, {}
-    # one nvcc build for the whole sweep (ninja runs it in parallel): variants named apart, named back after
-    specs = [dataclasses.replace(spec, variant=f"{spec.variant}.{name}")
-             for name, ov in SWEEP.items() for g in (GROUP, 64)
-             for spec in [cuda_int4.int4_gemv_spec(g, "bf16", "sm90", dict(ov, enabled=True))[0]]]
-    built = cuda.compile_cuda(specs)
-    for name in SWEEP:
-        res = sets[f"cuda/{name}"] = CodegenResult()
-        for r in built.records:
-            variant, _, config = r["variant"].partition(".")
-            if config == name:
-                res.records.append(dict(r, variant=variant))
-                res.files.update({k: v for k, v in built.files.items() if k in (r["cubin"], r["ptx"], r["source"])})
-    print(f"cuda: {len(specs)} GEMV kernels ({time.time() - t0:.0f}s)", flush=True)
+    for name, ov in SWEEP.items():
+        specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov)[0]]
+        if name == next(iter(SWEEP)):
+            specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov)[0])
+        sets[f"cuda/{name}"] = cuda.compile_cuda(specs)
+        print(f"cuda/{name}: {len(specs)} kernels ({time.time() - t0:.0f}s)", flush=True)
     for name, ov in DEQUANT_SWEEP.items():
         specs = [cuda_int4.int4_dequant_spec(g, "bf16", "sm90", ov)[0] for g in (GROUP, 64)]
         sets[f"cuda_dq/{name}"] = cuda.compile_cuda(specs)
@@ -174,7 +156,7 @@ def run(aot: Path, out: Path):
             ref = x.double() @ op.dequantize(*w, group).double().t() + (b.double() if with_bias else 0)
             for name in cuda_sets:
                 if op.cuda_variant(group) in sets[name].consts("int4_linear"):
-                    for target in (None, 1, 7, 10**6):    # own, one CTA, a few, one unit each (all shared)
+                    for target in (None, 8 * SMS):
                         check(dict(case="edge", group=group, M=m, N=n, K=k, bias=with_bias, set=name, target=target),
                               cuda_linear(name, target, x, w, group, b), ref)
             check(dict(case="edge", group=group, M=m, N=n, K=k, bias=with_bias, set="triton"),
@@ -209,7 +191,7 @@ def run(aot: Path, out: Path):
                 us = time_graph(lambda i: triton_linear(x, ws[i], GROUP), copies)
                 results["timings"].append(dict(row, set="triton", us=us, tbs=wbytes / us / 1e6))
             for name in cuda_sets:
-                for mult in targets(name, sets[name]):
+                for mult in TARGETS:
                     target = mult * SMS
                     tag = dict(row, set=name, target=target)
                     if not check(tag, cuda_linear(name, target, x, ws[0], GROUP), ref):
@@ -225,14 +207,6 @@ def run(aot: Path, out: Path):
     table(results, say)
     say(f"total {time.time() - started:.0f}s")
     (out / "log.txt").write_text("\n".join(log) + "\n")
-
-
-def targets(name: str, ks) -> list[int]:
-    """The CTAs-a-SM multiples of TARGETS that this config's shared memory lets share an SM."""
-    rec = next(r for (o, v), r in ks.records.items() if o == "int4_linear")
-    # static_shared: the cubin's own (on sm90 it holds the 1 KB each CTA reserves)
-    fit = SM_SHARED // (rec["shared_mem"] + rec["static_shared"])
-    return [t for t in TARGETS if t <= fit]
 
 
 def table(results, say):
@@ -256,29 +230,25 @@ def table(results, say):
     (chosen, target), _ = min(totals.items(), key=lambda kv: kv[1])
     say(f"== us per launch (TB/s of packed weights + scales + zeros; bf16: of its weights); CUDA = {chosen} at "
         f"target_programs {target} ==")
-    say(f"  {'shape':<8} {'M':>1} {'bf16':>14} {'triton int4':>14} {'CUDA int4':>14} {'x bf16':>6} {'x prev':>6}"
+    say(f"  {'shape':<8} {'M':>1} {'bf16':>14} {'triton int4':>14} {'CUDA int4':>14} {'x bf16':>6} {'x triton':>8}"
         f"  best CUDA (any config)")
-    step = {m: {"bf16": 0.0, "triton": 0.0, "cuda": 0.0, "best": 0.0, "prev": 0.0} for m in MS}
+    step = {m: {"bf16": 0.0, "triton": 0.0, "cuda": 0.0} for m in MS}
     for shape in SHAPES:
-        for mi, m in enumerate(MS):
+        for m in MS:
             mine = [t for t in ts if t["shape"] == shape and t["M"] == m]
             get = lambda s, tg=None: next((t for t in mine if t["set"] == s and t.get("target") == tg), None)  # noqa
             bf, tri, c = get("bf16"), get("triton"), get(chosen, target)
             best = min((t for t in mine if t["set"].startswith("cuda/")), key=lambda t: t["us"])
             fmt = lambda t: f"{t['us']:7.2f} ({t['tbs']:4.2f})" if t else f"{'-':>14}"  # noqa
-            prev = PREVIOUS[shape][mi]
-            say(f"  {shape:<8} {m:>1} {fmt(bf)} {fmt(tri)} {fmt(c)} {bf['us'] / c['us']:6.2f} {prev / c['us']:6.2f}"
-                f"  {best['set'][5:]} t{best['target'] // SMS}x {best['us']:.2f} ({best['tbs']:.2f})")
+            say(f"  {shape:<8} {m:>1} {fmt(bf)} {fmt(tri)} {fmt(c)} {bf['us'] / c['us']:6.2f} "
+                f"{(tri['us'] / c['us']) if tri else float('nan'):8.2f}  {best['set'][5:]} t{best['target']} "
+                f"{best['us']:.2f}")
             step[m]["bf16"] += LAYERS * bf["us"] / 1e3
             step[m]["triton"] += LAYERS * (tri["us"] if tri else math.nan) / 1e3
             step[m]["cuda"] += LAYERS * c["us"] / 1e3
-            step[m]["best"] += LAYERS * best["us"] / 1e3
-            step[m]["prev"] += LAYERS * prev / 1e3
-    say(f"== the 8B's projection GEMVs per decode step ({LAYERS} layers, no lm_head), ms; 2.5x the bf16 bundle "
-        "needs ~1.0-1.1 ==")
+    say(f"== the 8B's projection GEMVs per decode step ({LAYERS} layers, no lm_head), ms ==")
     for m in MS:
-        say(f"  M={m}: bf16 {step[m]['bf16']:.3f}  triton int4 {step[m]['triton']:.3f}  previous CUDA "
-            f"{step[m]['prev']:.3f}  CUDA int4 {step[m]['cuda']:.3f} (best per shape {step[m]['best']:.3f})")
+        say(f"  M={m}: bf16 {step[m]['bf16']:.3f}  triton int4 {step[m]['triton']:.3f}  CUDA int4 {step[m]['cuda']:.3f}")
     dq = [t for t in all_ts if t["M"] == "dequant"]
     if dq:
         say("== prefill dequant, us (TB/s written) ==")
@@ -295,9 +265,8 @@ def table(results, say):
             say(f"  for tune.py (sm90/int4_linear/cuda/dequant): enabled=True, "
                 f"{', '.join(f'{k}={v}' for k, v in DEQUANT_SWEEP[best.split('/')[-1]].items())}")
     cfg = SWEEP[chosen.split("/")[-1]]
-    say("== for tune.py (sm90/int4_linear/cuda/gemv) ==")
-    say(f'    _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, '
-        f"{', '.join(f'{k}={v}' for k, v in cfg.items())}, target_programs={target // SMS} * _SM_COUNT[_arch])")
+    say(f"== for tune.py (sm90/int4_linear/cuda/gemv): enabled=True, max_m=8, "
+        f"{', '.join(f'{k}={v}' for k, v in cfg.items())}, target_programs={target // SMS} * _SM_COUNT[_arch] ==")
 
 
 def main():

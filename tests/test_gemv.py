@@ -108,15 +108,16 @@ def test_1b_gets_exactly_its_gemv_variants():
     assert set(_gemv_launches(_llama(**LLAMA_1B), quant="fp8")) == {"silu_k8192_m1", "k2048_m1_n8k512w2"}
 
 
-def test_8b_shares_one_plain_kernel_and_keeps_gate_up_on_cublas():
+def test_8b_shares_one_plain_kernel_and_gives_gate_up_its_own():
     from engc.kernels import gemv
     consts = _gemv_launches(_llama(**LLAMA_8B))
-    assert set(consts) == {"silu_k14336_m1", "k4096_m1_n8k512w2"}           # qkv, o and lm_head: K 4096
+    # qkv, o and lm_head: one K 4096 kernel; gate_up (N 28672) its own config
+    assert set(consts) == {"silu_k14336_m1", "k4096_m1_n8k512w2", "k4096_m1_n4k1024w4"}
     assert consts["silu_k14336_m1"]["BLOCK_N"] == 8
     assert consts["k4096_m1_n8k512w2"]["n_ranges"] == [[1, 8192], [65536, 0]]
     table = gemv.variant_table(consts)
     picks = {n: gemv.pick(table, 4096, False, 1, n) for n in (4096, 6144, 28672, 128256)}
-    assert picks == {4096: "k4096_m1_n8k512w2", 6144: "k4096_m1_n8k512w2", 28672: None,
+    assert picks == {4096: "k4096_m1_n8k512w2", 6144: "k4096_m1_n8k512w2", 28672: "k4096_m1_n4k1024w4",
                      128256: "k4096_m1_n8k512w2"}
     # a biased qkv stays a cuBLAS Gemm (the GEMV has no bias); o and lm_head still need the kernel
     assert set(_gemv_launches(_llama(**LLAMA_8B, qkv_bias=True))) == set(consts)

@@ -5,21 +5,20 @@ One kernel per int4 group size of the program (K and N are run-time arguments), 
 'int4_linear/cuda/gemv' entry is on and nvcc is there; the bundle keeps the Triton int4 kernels anyway (the
 GEMV for M the CUDA one does not take, dequant + cuBLAS for prefill, the fallback without nvcc). Records are
 op "int4_linear", variant `cuda_g{G}`; their launch constants (impl "cuda", GROUP, max_m, BLOCK_N, BLOCK_K
-and target_programs, the stream-K grid) drive kernels/int4_linear's cuda_launch; shared_mem is the W
-pipeline's dynamic shared memory (STAGES units of BLOCK_N x BLOCK_K int4 weights). The dequant kernel, where its
+and the split rule of kernels/gemv) drive kernels/int4_linear's cuda_launch. The dequant kernel, where its
 own entry ('int4_linear/cuda/dequant') is on: variant `cuda_dequant_g{G}` (launch: impl, GROUP, BLOCK chunks
 per CTA), run by kernels/int4_linear's dequant_launch in place of the Triton one.
 """
 from __future__ import annotations
 
 from engc.compiler.codegen import tune
-from engc.compiler.codegen.cuda import C_TYPE, DYNAMIC_SHARED_LIMIT, CudaKernelSpec
+from engc.compiler.codegen.cuda import C_TYPE, CudaKernelSpec
 
 MMA_TYPE = {"bf16": "bf16", "fp16": "f16"}
-LAUNCH_KEYS = ("GROUP", "max_m", "BLOCK_N", "BLOCK_K", "target_programs")
+LAUNCH_KEYS = ("GROUP", "max_m", "BLOCK_N", "BLOCK_K", "target_programs", "max_splits", "min_split_k_tiles")
 ARG_TYPES = {"x_ptr": "*{t}", "qw_ptr": "*i32", "s_ptr": "*{t}", "z_ptr": "*u8", "bias_ptr": "*{t}",
              "y_ptr": "*{t}", "partial_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-             "has_bias": "i32"}
+             "k_tiles_per_split": "i32", "splits": "i32", "has_bias": "i32"}
 
 
 DEQUANT_ARG_TYPES = {"qw_ptr": "*i32", "s_ptr": "*{t}", "z_ptr": "*u8", "w_ptr": "*{t}", "N": "i32", "K": "i32"}
@@ -60,39 +59,19 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
     key, entry = tune.lookup(arch, "int4_linear", "cuda", "gemv", overrides)
     if not 1 <= entry["max_m"] <= 8:
         return None, f"max_m {entry['max_m']} is outside 1..8 (one n8 mma tile)"
-    warps, tiles, unroll, stages = entry["num_warps"], entry["TILES"], entry["UNROLL"], entry["STAGES"]
-    if stages < 2:
-        return None, f"STAGES {stages}: the W pipeline needs at least 2"
+    warps, tiles, unroll = entry["num_warps"], entry["TILES"], entry["UNROLL"]
     block_n, block_k = 16 * tiles, 128 * warps * unroll
-    shared = gemv_shared_bytes(warps, tiles, unroll, stages)
-    static = gemv_static_bytes(warps, block_n, arch)
-    if shared + static > DYNAMIC_SHARED_LIMIT[arch]:
-        return None, f"{stages} stages of {shared // stages} bytes need more shared memory than {arch} gives a CTA"
-    zero_after = bool(entry.get("ZERO_AFTER", False))
-    name = f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}s{stages}b{entry['min_blocks']}{'z' if zero_after else ''}"
+    name = f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}"
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
-              "tiles": tiles, "unroll": unroll, "stages": stages, "min_blocks": entry["min_blocks"],
-              "zero_after": zero_after, "block_n": block_n, "block_k": block_k, "shared_bytes": shared,
-              "entry": name}
+              "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
+              "block_k": block_k, "entry": name}
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"
     types = {name_: ty.format(t=t) for name_, ty in ARG_TYPES.items()}
     return CudaKernelSpec(op="int4_linear", variant=variant_name(group), arch=arch, template="int4_gemv.cu.j2",
                           entry=name, render=values, arg_types=types, num_warps=warps, tune_key=key, tune=entry,
-                          launch=launch, shared_mem=shared), ""
-
-
-def gemv_shared_bytes(warps: int, tiles: int, unroll: int, stages: int) -> int:
-    """The GEMV's W pipeline: per stage, every thread's 16-byte pieces of one unit (rows g, g+8 of each tile)."""
-    return stages * 32 * warps * unroll * tiles * 2 * 16
-
-
-def gemv_static_bytes(warps: int, block_n: int, arch: str) -> int:
-    """The GEMV's static shared memory as nvcc lays it out: warp_sums + is_last, in 16 bytes, after the 1 KB
-    an sm90 CTA reserves (compile_cuda records the cubin's own figure as static_shared). With the pipeline's
-    dynamic bytes it may pass 48 KiB while those stay below: the loader must raise the limit then."""
-    return (1024 if arch == "sm90" else 0) + -(-(warps * 8 * (block_n + 1) * 4 + 4) // 16) * 16
+                          launch=launch), ""
 
 
 def selected_int4_specs(triton_specs: list, overrides=None) -> tuple[list[CudaKernelSpec], list[str]]:

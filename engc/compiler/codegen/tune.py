@@ -92,14 +92,17 @@ for _arch in ("sm80", "sm90"):
 #     57.57 at the best config, n4k1024w4);
 #   n8k512w2, any K, N >= 65536 (lm_head): 8B (K 4096) 245.6 vs 263.4 us, 1B (K 2048) 125.4 vs 131.9;
 #   n4k1024w4, K <= 2048, N <= 2048: 1B o (N 2048) 5.31 vs 6.08 us; not 1B qkv (N 3072: 6.76 vs 6.52 at
-#     its best) nor gate_up (N 16384: 20.78 vs 18.92).
+#     its best) nor gate_up (N 16384: 20.78 vs 18.92);
+#   n4k1024w4, K > 2048, 8192 < N < 65536: 8B gate_up (N 28672): alone 0.96x cuBLAS (59.98 vs 57.57 us),
+#     but with PDL the whole 8B batch-1 step ran 4.300 ms against 4.334 with cuBLAS (231.9 vs 230.0 tok/s,
+#     bench/results/h200_18fe01d_*): the down GEMV after it can then start early too.
 # Other K and N inside these regions (3B, 70B, small models) are extrapolated, not measured.
 GEMV_PLAIN_CLASSES = ("m<=1/n4k1024w4", "m<=1/n8k512w2")
 for _arch in ("sm80", "sm90"):
     _plain_m1 = dict(max_m=1, BLOCK_M=4, DOT=False, num_stages=2, target_programs=2 * _SM_COUNT[_arch],
                      max_splits=16, min_split_k_tiles=2)
     _put(_arch, "gemv", "*", "m<=1/n4k1024w4", BLOCK_N=4, BLOCK_K=1024, num_warps=4,
-         serves=(((1, 2048), (1, 2048)),), **_plain_m1)
+         serves=(((1, 2048), (1, 2048)), ((2049, 0), (8193, 65535))), **_plain_m1)
     _put(_arch, "gemv", "*", "m<=1/n8k512w2", BLOCK_N=8, BLOCK_K=512, num_warps=2,
          serves=(((2049, 0), (1, 8192)), ((1, 0), (65536, 0))), **_plain_m1)
 
@@ -177,16 +180,15 @@ for _arch in ("sm80", "sm90"):
     _put(_arch, "int4_linear", "*", "dequant", BLOCK_N=4, BLOCK_C=128, num_warps=4, num_stages=1)
     # The CUDA C++ int4 GEMV (templates/int4_gemv.cu.j2: magic-number dequant in registers, tensor-core mma,
     # any M <= max_m <= 8 for the cost of one), run in place of the Triton GEMV for M <= max_m where
-    # enabled and nvcc was there at build time. A unit is 16 * TILES rows x BLOCK_K = 128 * warps * UNROLL
-    # inputs; target_programs CTAs (min_blocks a SM: one wave) split the units evenly (stream-K), each
-    # streaming W through a STAGES-deep cp.async pipeline (STAGES - 1 units in flight per CTA).
-    # The first version (split-K, no pipeline) measured 2.0 ms of projection GEMVs per 8B decode step at
-    # M=1..8 (bench/results/h200_int4_cuda.txt, bf16 3.8 ms); this pipelined one is not measured yet
-    # (bench/int4_cuda_device.py sweeps STAGES, tiles, warps and CTAs a SM). sm80: by analogy.
-    # ZERO_AFTER: take the zero point out of the inner loop (a quarter fewer instructions a weight; groups of
-    # 128n only).
-    _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1, STAGES=4,
-         min_blocks=3, ZERO_AFTER=False, target_programs=3 * _SM_COUNT[_arch])
+    # enabled and nvcc was there at build time. Tiles as for the bf16 CUDA GEMV, but a K step is 128 wide
+    # (BLOCK_K = 128 * warps * UNROLL); split K (in-kernel, last-arriver) until target_programs CTAs.
+    # H200 (bench/int4_cuda_device.py, 2026-11-30, bench/results/h200_int4_cuda.txt): the 8B projections'
+    # GEMVs of a decode step take 2.0 ms at M=1..8 against Triton int4 2.6 ms (M=1) to 31.5 ms (M=8) and
+    # bf16 3.8 ms; this config was the best over the sweep. sm80: by analogy, not measured.
+    # A stream-K rewrite with a cp.async W pipeline (ce78d4e) measured 2.63-2.69 ms at its best configs
+    # (bench/results/h200_int4_cuda_streamk.txt) and was reverted.
+    _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
+         min_blocks=4, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
     # ... and its prefill dequant (templates/int4_dequant.cu.j2): CHUNKS 16-byte chunks per thread, all
     # loaded before the first is written. H200: 1.3-1.45 TB/s written, about twice the Triton dequant.
     _put(_arch, "int4_linear", "cuda", "dequant", enabled=True, num_warps=8, CHUNKS=2)

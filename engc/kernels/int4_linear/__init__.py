@@ -24,8 +24,8 @@ Larger M (prefill) dequantize the weight into a bf16/fp16 scratch [N, K] (dequan
 and call cuBLAS: cheaper than any int4 tensor-core GEMM engc has, by far (bench/int4_device.py).
 Where the build had nvcc and the tune table turns it on, the bundle also holds the CUDA C++ GEMV
 (templates/int4_gemv.cu.j2, variant cuda_g{G}: dequant in registers, tensor-core mma, M = 1..8 for the
-cost of one); it runs first for M <= its max_m (cuda_launch): its CTAs split the weight's units evenly
-(stream-K), tiles shared by two CTAs reduced in-kernel on the runtime's zeroed counters, no reduce launch.
+cost of one); it runs first for M <= its max_m (cuda_launch), splitting K in-kernel on the runtime's
+zeroed counters, with no reduce launch.
 """
 import torch
 
@@ -198,30 +198,14 @@ def uses_cuda_gemv(m: int, group_size: int, consts: dict) -> bool:
     return c is not None and 1 <= m <= c["max_m"]
 
 
-def stream_k_first_unit(b: int, programs: int, total: int) -> int:
-    """The first unit of CTA b when `programs` CTAs share `total` units (the CUDA GEMV's stream-K split,
-    units numbered along K first: unit = tile * k_tiles + kt); CTA b runs [first(b), first(b + 1))."""
-    return total * b // programs
-
-
-def cuda_programs(n: int, k: int, c: dict, counters) -> int:
-    """CTAs of the CUDA GEMV: target_programs (what fits the GPU at once), never more than there are
-    units; n_tiles (whole tiles, nothing shared) when the counters cannot cover every N tile."""
-    n_tiles, k_tiles = _cdiv(n, c["BLOCK_N"]), _cdiv(k, c["BLOCK_K"])
-    if n_tiles > counters.numel():
-        return n_tiles
-    return max(1, min(c["target_programs"], n_tiles * k_tiles))
-
-
 def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: dict, counters):
     """Launch rule of the CUDA GEMV (uses_cuda_gemv(M) true): [(variant, grid, args)].
 
-    grid (programs, 1, 1): the N tiles x K tiles units split evenly over the CTAs (stream_k_first_unit);
-    a tile that two or more CTAs share is summed by the last of them to finish, through fp32 partials
-    [programs, 2, M, BLOCK_N] (a CTA shares at most its first and last tile) and counters (int32, zero, one
-    per N tile; left zero again). When every CTA owns whole tiles (programs divides the N tiles) there are
-    no partials: both pointers are 0. args: x, qweight, scales, zeros, bias, y, partial, counter, M, N, K,
-    has_bias."""
+    grid (cdiv(N, BLOCK_N), splits); K splits as kernels/gemv's split_count says (toward target_programs
+    CTAs), whole BLOCK_K tiles each; the last split to arrive reduces. counters: int32, zero, at least one
+    per N tile for a split launch (left zero again). args: x, qweight, scales, zeros, bias, y, partial
+    (fp32 [splits, M, N] or 0), counter (or 0), M, N, K, k_tiles_per_split, splits, has_bias."""
+    from engc.kernels.gemv import split_count
     m, k = x.shape
     n = qweight.shape[0]
     assert x.is_contiguous() and y.is_contiguous() and qweight.shape[1] * PACK == k and k % CHUNK == 0
@@ -230,12 +214,14 @@ def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: 
     variant = cuda_variant(group_size)
     c = consts[variant]
     assert m <= c["max_m"] and c["GROUP"] == group_size
-    programs = cuda_programs(n, k, c, counters)
-    shared = _cdiv(n, c["BLOCK_N"]) % programs != 0
+    n_tiles, k_tiles = _cdiv(n, c["BLOCK_N"]), _cdiv(k, c["BLOCK_K"])
+    splits, per = split_count(n_tiles, k_tiles, c)
+    if splits > 1 and n_tiles > counters.numel():
+        splits, per = 1, k_tiles
     has_bias, b = (1, bias) if bias is not None else (0, 0)
-    partial = torch.empty(programs * 2 * m * c["BLOCK_N"], dtype=torch.float32, device=x.device) if shared else 0
-    return [(variant, (programs, 1, 1), [x, qweight, scales, zeros, b, y, partial, counters if shared else 0,
-                                         m, n, k, has_bias])]
+    partial = torch.empty(splits * m * n, dtype=torch.float32, device=x.device) if splits > 1 else 0
+    return [(variant, (n_tiles, splits, 1), [x, qweight, scales, zeros, b, y, partial,
+                                              counters if splits > 1 else 0, m, n, k, per, splits, has_bias])]
 
 
 def run_quantized_linear(x, qweight, scales, zeros, bias, *, group_size: int, consts: dict, run, counters=None):
