@@ -68,6 +68,7 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"
+    launch["PDL"] = int(entry.get("PDL", tune.PDL[arch]))   # the template waits first on sm90 (kernels/pdl.py)
     types = {name_: ty.format(t=t) for name_, ty in ARG_TYPES.items()}
     return CudaKernelSpec(op="int4_linear", variant=variant_name(group), arch=arch, template="int4_gemv.cu.j2",
                           entry=name, render=values, arg_types=types, num_warps=warps, tune_key=key, tune=entry,
