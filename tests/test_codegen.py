@@ -158,3 +158,17 @@ def test_tune_entry_recorded_and_unknown_arch_refused():
     assert decode.launch["target_programs"] == decode.tune["target_programs"]
     with pytest.raises(UserError, match="unsupported arch 'sm70'"):
         model_specs(TINY, torch.float16, "sm70", 16)
+
+
+def test_pdl_kernels_wait_on_sm90_only(runs):
+    """Kernels written for programmatic dependent launch are compiled with it on sm90 (the record tells the
+    runtime to launch them so, and the PTX waits before touching step data) and without it on sm80."""
+    result, _ = runs
+    pdl_ops = {"rms_norm", "silu_mul", "qk_norm", "rotary", "paged_attention", "gemv", "argmax"}
+    for r in result.records:
+        if r["op"] not in pdl_ops:
+            continue
+        ptx = result.files[r["ptx"]].decode()
+        on = r["arch"] == "sm90"
+        assert r["launch"].get("PDL") == int(on), (r["op"], r["variant"], r["arch"])
+        assert ("griddepcontrol.wait" in ptx) == on, (r["op"], r["variant"], r["arch"])

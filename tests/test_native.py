@@ -26,6 +26,8 @@ def test_without_cuda_calls_raise_one_clear_line():
         _native.load_module(b"\x7fELF....")
     with pytest.raises(_native.CudaError):
         _native.device_count()
+    with pytest.raises(_native.CudaError):
+        _native.pdl_supported()
     assert issubclass(_native.CudaError, RuntimeError)
     with pytest.raises(cubin.CudaUnavailableError, match="CUDA is unavailable"):
         cubin.require_cuda()
@@ -98,6 +100,8 @@ def test_unknown_handles_are_rejected():
         _native.Launch(0x1234, (1, 70000, 1), 128, 0, "i", [1])
     with pytest.raises(ValueError, match="block_x"):
         _native.Launch(0x1234, (1, 1, 1), 2048, 0, "i", [1])
+    with pytest.raises(ValueError, match="unknown function handle"):
+        _native.set_pdl(0x1234, True)
     with pytest.raises(TypeError, match="Launch"):
         _native.launch_many([1, 2], 0)
     _native.launch_many([], 0)

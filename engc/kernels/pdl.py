@@ -35,6 +35,3 @@ else:
     def launch_dependents(PDL: tl.constexpr):
         if PDL:
             _cuda.gdc_launch_dependents()
-
-# ops whose kernels take PDL and call wait() first: compiled with PDL=1 for archs that have griddepcontrol
-PDL_MIN_CAPABILITY = 90
