@@ -85,19 +85,20 @@ def dtype_of(shape: str):
     return torch.float32 if base_shape(shape) == "tiny" else torch.bfloat16
 
 
-def apply_tune(args) -> bool:
-    """--tune: merge the given entries over the tune table (the build and prepare then use them)."""
-    if not args.tune:
-        return False
-    from engc.compiler.codegen import tune
-    for key, fields in json.loads(args.tune).items():
-        tune.TUNE[key] = {**tune.TUNE.get(key, {}), **fields}
-    return True
+def tune_overrides(args) -> dict | None:
+    """--tune: the tune entries to build with (engc build --tune's form and checks)."""
+    from engc.compiler.codegen.tune import check_overrides
+    return check_overrides(json.loads(args.tune)) if args.tune else None
 
 
 def prepare(args):
+    from engc.compiler.codegen import tune
+    with tune.overridden(tune_overrides(args)):
+        _prepare(args)
+
+
+def _prepare(args):
     from engc.compiler.kernel_cache import compile_cached
-    apply_tune(args)
     for shape in args.shapes.split(","):
         t = time.time()
         r = compile_cached(model_config(shape), dtype_of(shape), ["sm90"], 16, Path(args.cache),
@@ -210,7 +211,7 @@ def bench_shape(shape: str, args) -> dict:
     work = Path(args.work)
     base = base_shape(shape)
     ckpt, bundle = work / f"ckpt-{base}{'-int4' if is_int4(shape) else ''}", work / f"bundle-{shape}"
-    if apply_tune(args):   # a tune-table variant: its own bundle
+    if args.tune:   # a tune-table variant: its own bundle
         bundle = bundle.with_name(bundle.name + "-tuned")
     res = {"shape": shape, "gpu": torch.cuda.get_device_name(), "commit": args.commit, "tune": args.tune,
            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d")}
@@ -220,7 +221,7 @@ def bench_shape(shape: str, args) -> dict:
     if not (args.quick and (bundle / "manifest.json").exists()):   # --quick reuses this lease's bundle
         build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="float32" if base == "tiny" else "bfloat16",
                                               kernel_cache=args.cache, kv_cache=kv_cache_of(shape),
-                                              quant=quant_of(shape)))
+                                              quant=quant_of(shape), tune=tune_overrides(args)))
         res["build_s"] = round(time.perf_counter() - t, 1)
     res["env"] = {k: v for k, v in os.environ.items() if k.startswith("ENGC_")}
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -550,7 +551,7 @@ def main():
                     help="batch-1 decode and the two first batch sizes only, reusing a built bundle (A/B runs: "
                          "e.g. ENGC_PDL=0 ... --quick after a full run)")
     ap.add_argument("--tune", default="", help='tune-table entries (JSON {"sm90/op/variant/bucket": {field: '
-                    'value}}) merged over the table before building; the bundle gets a -tuned suffix')
+                    'value}}, as engc build --tune takes) to prepare and build with; the bundle gets a -tuned suffix')
     ap.add_argument("--timeout", type=int, default=400)
     args = ap.parse_args()
     prepare(args) if args.verb == "prepare" else run(args)

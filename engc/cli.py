@@ -51,15 +51,18 @@ def main():
 @click.option("--kv-cache", default="auto", show_default=True,
               help="auto = the model dtype; int8 or fp8 (e4m3, sm89+) = KV cache stored in 1 byte a value plus "
                    "a float32 scale per token and KV head: about half the memory, twice the cached tokens.")
+@click.option("--tune", "tune_file", default=None, type=click.Path(path_type=Path),
+              help='JSON tune-table entries to build with, {"sm90/op/variant/bucket": {"FIELD": value}} '
+                   "(e.g. configs measured on your GPU); recorded in the manifest.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
-def build(src, out, arch, dtype, kernel_cache, quant, kv_cache, as_json):
+def build(src, out, arch, dtype, kernel_cache, quant, kv_cache, tune_file, as_json):
     """Build a bundle from SRC: a Hugging Face folder, a .gguf file, or 'default'."""
     from engc.bundle.manifest import parse_archs
     from engc.compiler.build import BuildOptions
     from engc.compiler.build import build as build_bundle
     from engc.progress import Progress
     opts = BuildOptions(archs=tuple(parse_archs(arch)), dtype=dtype, kernel_cache=kernel_cache, quant=quant,
-                        kv_cache=kv_cache)
+                        kv_cache=kv_cache, tune=read_tune(tune_file) if tune_file else None)
     summary = build_bundle(src, out, opts, Progress(enabled=not as_json))
     if as_json:
         click.echo(json.dumps(summary, sort_keys=True))
@@ -67,6 +70,19 @@ def build(src, out, arch, dtype, kernel_cache, quant, kv_cache, as_json):
         click.echo(f"built {summary['bundle']}: {summary['model']} ({summary['family']}, {summary['dtype']}, "
                    f"archs {','.join(summary['archs'])}, {summary['kernels']} kernels, "
                    f"{summary['bytes'] / 1e6:.1f} MB) in {summary['seconds']}s")
+
+
+def read_tune(path: Path) -> dict:
+    """--tune FILE: the JSON tune overrides, checked (one clear line for a missing file, bad JSON or a key
+    or field the table does not have)."""
+    from engc.compiler.codegen.tune import check_overrides
+    try:
+        entries = json.loads(path.read_text())
+    except OSError as e:
+        raise UserError(f"--tune {path}: cannot read it ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"--tune {path}: not JSON ({e.msg} at line {e.lineno})") from None
+    return check_overrides(entries, f"--tune {path}")
 
 
 @main.command()

@@ -88,3 +88,36 @@ def test_runtime_imports_no_compiler():
             " or m.startswith('engc.compiler')]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_tune_file_is_checked_in_one_line(tiny_dir, tmp_path):
+    src, out = tiny_dir("llama"), tmp_path / "b"
+    assert_one_line_error(engc("build", src, "-o", out, "--tune", tmp_path / "none.json"), "none.json",
+                          "cannot read")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert_one_line_error(engc("build", src, "-o", out, "--tune", bad), "not JSON")
+    bad.write_text(json.dumps({"sm90/silu_mul/*/anything": {"BLOCK": 512}}))
+    assert_one_line_error(engc("build", src, "-o", out, "--tune", bad), "no tune entry", "sm90/silu_mul/*/any")
+    bad.write_text(json.dumps({"sm90/silu_mul/*/any": {"BLOK": 512}}))
+    assert_one_line_error(engc("build", src, "-o", out, "--tune", bad), "no field 'BLOK'", "BLOCK")
+    assert not out.exists()
+
+
+def test_tune_overrides_reach_the_kernels_and_the_manifest(tiny_dir, tmp_path):
+    import torch
+    from engc.bundle.reader import open_bundle
+    from engc.compiler.build import BuildOptions, build
+    from engc.compiler.codegen import tune
+    from engc.compiler.codegen.specs import model_specs
+    from engc.compiler.frontend.decoder import lower
+    from engc.compiler.build import read_source
+    entries = tune.check_overrides({"sm90/silu_mul/*/any": {"BLOCK": 512}})
+    cfg, _ = lower(read_source(str(tiny_dir("llama"))), torch.bfloat16)
+    block = lambda: next(s for s in model_specs(cfg, torch.bfloat16, "sm90", 16) if s.op == "silu_mul").launch  # noqa: E731
+    stock = block()["BLOCK"]
+    with tune.overridden(entries):
+        assert block()["BLOCK"] == 512
+    assert block()["BLOCK"] == stock != 512                        # the table is restored after the build
+    build(str(tiny_dir("llama")), tmp_path / "b", BuildOptions(tune=entries))
+    assert open_bundle(tmp_path / "b").manifest["tune_overrides"] == entries

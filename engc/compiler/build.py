@@ -32,6 +32,7 @@ class BuildOptions:
     kernel_cache: str | None = None   # folder of compiled kernels to reuse (see kernel_cache.py)
     kv_cache: str = "auto"       # auto: the model dtype; int8 / fp8 (e4m3): codes + per-token scales
     quant: str = "auto"          # auto: as the checkpoint is (float, or AWQ/GPTQ int4 repacked); fp8: W8A8
+    tune: dict | None = None     # tune-table entries merged over the table for this build (--tune FILE)
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
@@ -96,11 +97,13 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
     gpu_archs = [a for a in opts.archs if a != "cpu"]
     if gpu_archs:
         with progress.step(f"compile kernels for {','.join(gpu_archs)}"):
+            from engc.compiler.codegen import tune
             from engc.compiler.kernel_cache import compile_cached
-            result = compile_cached(cfg, DTYPES[dtype_name], gpu_archs, opts.kv_block_size,
-                                    Path(opts.kernel_cache) if opts.kernel_cache else None,
-                                    quant="fp8" if fp8 else "none", kv_cache=opts.kv_cache,
-                                    int4_group_sizes=int4_group_sizes(graph))
+            with tune.overridden(opts.tune):
+                result = compile_cached(cfg, DTYPES[dtype_name], gpu_archs, opts.kv_block_size,
+                                        Path(opts.kernel_cache) if opts.kernel_cache else None,
+                                        quant="fp8" if fp8 else "none", kv_cache=opts.kv_cache,
+                                        int4_group_sizes=int4_group_sizes(graph))
             files.update(result.files)
             kernels = result.records
 
@@ -118,6 +121,7 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
         "archs": list(opts.archs), "kv_block_size": opts.kv_block_size, "kv_cache": opts.kv_cache,
         "program": mf.PROGRAM, "weights": [mf.WEIGHTS], "kernels": kernels,
         "passes": [p.__name__ for p in passes],
+        **({"tune_overrides": opts.tune} if opts.tune else {}),   # each kernel record has its entry too
     }
     with progress.step("write bundle"):
         manifest = write_bundle(out, manifest, files, write_large)

@@ -9,6 +9,8 @@ noise on most of B 1/32/64 x ctx 512/4096; prefill m64n64w4s3 (d=64) and m128n64
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 ARCHS = ("sm80", "sm90")
 # Programmatic dependent launch of the kernels that support it (kernels/pdl.py): griddepcontrol is sm90+.
 PDL = {"sm80": 0, "sm90": 1}
@@ -219,3 +221,41 @@ def lookup(arch: str, op: str, variant: str, bucket: str, overrides: dict | None
                 key += "+override"
             return key, entry
     raise KeyError(f"no tune-table entry for {arch}/{op}/{variant}/{bucket}")
+
+
+# Fields an override may add to an entry that does not spell them out (read with a per-arch default).
+OPTIONAL_FIELDS = ("PDL",)
+
+
+def check_overrides(entries, where: str = "--tune") -> dict:
+    """A tune-table override ({"arch/op/variant/bucket": {field: value}}, e.g. from `engc build --tune
+    FILE`), checked: every key an entry of the table, every field one that entry has (or PDL), every value
+    a number, string, bool or list of them. Typos would otherwise be ignored silently."""
+    from engc.errors import UserError
+    if not isinstance(entries, dict):
+        raise UserError(f"{where}: expected a JSON object of tune entries, got {type(entries).__name__}")
+    for key, fields in entries.items():
+        if key not in TUNE:
+            near = sorted(k for k in TUNE if k.split("/")[1:2] == key.split("/")[1:2])[:6]
+            raise UserError(f"{where}: no tune entry '{key}'" + (f"; that op has {', '.join(near)}" if near else ""))
+        if not isinstance(fields, dict) or not fields:
+            raise UserError(f"{where}: '{key}' must map to an object of fields")
+        for name, value in fields.items():
+            if name not in TUNE[key] and name not in OPTIONAL_FIELDS:
+                raise UserError(f"{where}: '{key}' has no field '{name}'; it has {', '.join(sorted(TUNE[key]))}")
+            if not isinstance(value, (int, float, str, bool, list)) or isinstance(value, dict):
+                raise UserError(f"{where}: '{key}'.{name} must be a number, string, bool or list")
+    return entries
+
+
+@contextmanager
+def overridden(entries: dict | None):
+    """The table with `entries` (check_overrides' form) merged over it, for the duration of one build."""
+    saved = {key: TUNE.get(key) for key in entries or {}}
+    try:
+        for key, fields in (entries or {}).items():
+            TUNE[key] = {**TUNE[key], **fields}
+        yield
+    finally:
+        for key, entry in saved.items():
+            TUNE[key] = entry
