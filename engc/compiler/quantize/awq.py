@@ -61,6 +61,7 @@ def _scale(layer: DecoderLayer, prev: str, names: list[str], inp: torch.Tensor, 
     g = pad_groups(weight.abs(), group_size).reshape(weight.shape[0], -1, group_size)
     w_mean = (g / g.amax(dim=-1, keepdim=True).clamp(min=1e-8)).reshape(weight.shape[0], -1)
     w_mean = w_mean[:, :weight.shape[1]].mean(0)
+    del weight, g  # two copies of the group's weights: kept through the search, they were its peak
     with torch.no_grad():
         reference = block(inp)
         best, best_loss = torch.ones_like(x_mean), float("inf")
@@ -69,7 +70,8 @@ def _scale(layer: DecoderLayer, prev: str, names: list[str], inp: torch.Tensor, 
             s = (x_mean.pow(ratio) / w_mean.pow(1 - ratio).clamp(min=1e-4)).clamp(min=1e-4)
             s = s / (s.max() * s.min()).sqrt()
             for n, orig in originals.items():
-                w[n + ".weight"] = fake_quantize(orig * s, group_size) / s
+                w[n + ".weight"] = orig  # frees the previous candidate before this one is made
+                w[n + ".weight"] = fake_quantize(orig * s, group_size).div_(s)  # fresh: divided in place
             loss = (block(inp) - reference).float().pow(2).mean().item()
             if loss < best_loss:
                 best, best_loss = s, loss
@@ -96,9 +98,9 @@ def clip_weight(weight: torch.Tensor, inp: torch.Tensor, group_size: int, grid: 
     out_ch, k = padded.shape
     n_groups, tokens = k // group_size, x.shape[0]
     xg = x.reshape(tokens, n_groups, group_size).transpose(0, 1)      # [G, T, g]
-    clipped = []
+    clipped = torch.empty_like(padded)  # written chunk by chunk: no list of chunks to concatenate
     chunk = max(1, CLIP_ELEMENTS // (tokens * n_groups))
-    for w in padded.split(chunk):
+    for rows, w in zip(range(0, out_ch, chunk), padded.split(chunk)):
         wg = w.reshape(w.shape[0], n_groups, group_size)              # [oc, G, g]
         org_max = wg.abs().amax(dim=-1, keepdim=True)                 # [oc, G, 1]
         best_err = torch.full((w.shape[0], n_groups), float("inf"))
@@ -110,5 +112,5 @@ def clip_weight(weight: torch.Tensor, inp: torch.Tensor, group_size: int, grid: 
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_max = torch.where(better[..., None], max_val, best_max)
-        clipped.append(torch.clamp(wg, -best_max, best_max).reshape(w.shape))
-    return torch.cat(clipped)[:, :k_orig].to(weight.dtype)
+        clipped[rows:rows + w.shape[0]] = torch.clamp(wg, -best_max, best_max).reshape(w.shape)
+    return clipped[:, :k_orig].to(weight.dtype)

@@ -24,7 +24,8 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         idx = self.g_idx.long()
-        return (self.q.float() - self.zeros[:, idx].float()) * self.scales[:, idx]
+        # in place on the one float copy of q: each temporary here is a whole [out, in] float matrix
+        return self.q.float().sub_(self.zeros[:, idx]).mul_(self.scales[:, idx])
 
 
 def pad_groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -44,7 +45,7 @@ def params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_with(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(torch.round(w / scale) + zero, 0, MAXQ)
+    return torch.div(w, scale).round_().add_(zero).clamp_(0, MAXQ)  # one temporary the size of w
 
 
 def fake_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:

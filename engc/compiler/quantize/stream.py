@@ -59,7 +59,7 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
     out = Path(out).resolve()
     rest_names = [n for n in ckpt.names() if not n.startswith("model.layers.")]
     shards = cfg.num_layers + len(rest_names)
-    index, layer_bytes = {}, 0
+    index, layer_bytes, layer_rss = {}, 0, []
     with atomic_folder(out) as tmp:
         bar = progress.bar(f"quantize {opts.method} g{opts.group_size}", total=cfg.num_layers)
         for i in range(cfg.num_layers):
@@ -70,6 +70,7 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
             index.update({name: shard for name in tensors})
             del tensors
             release_freed_memory()
+            layer_rss.append(round(current_rss_mb(), 1))  # flat across layers unless something leaks
             bar.advance()
         bar.close()
         del x
@@ -83,7 +84,8 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
     return {"out": str(out), "model": ckpt.name, "method": opts.method, "bits": opts.bits,
             "group_size": opts.group_size, "format": opts.format, "layers": cfg.num_layers,
             "layer_weights_mb": round(layer_bytes / 2**20, 1), "start_rss_mb": round(start_rss, 1),
-            "peak_rss_mb": round(peak_rss_mb(), 1), "seconds": round(time.monotonic() - started, 1)}
+            "peak_rss_mb": round(peak_rss_mb(), 1), "layer_end_rss_mb": layer_rss,
+            "seconds": round(time.monotonic() - started, 1)}
 
 
 def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions):
@@ -109,11 +111,10 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions):
                 awq_layer(layer, x, opts.group_size, opts.awq_grid)
             packed = {}
             for n in LINEARS:  # packed as it goes: never all seven uint8 copies at once
-                qw = quantize_rtn(layer.w[n + ".weight"], opts.group_size)
+                # popped: the float weight is freed once quantized, before its dequantized copy exists
+                qw = quantize_rtn(layer.w.pop(n + ".weight"), opts.group_size)
                 packed[n] = pack(qw)
-                if x is None:  # no calibration (RTN): the float weight is done with
-                    del layer.w[n + ".weight"]
-                else:
+                if x is not None:  # calibrated: the next layer's input comes through the quantized layer
                     layer.w[n + ".weight"] = qw.dequantize()
                 del qw
         if x is not None:
