@@ -89,3 +89,17 @@ def test_kernel_selection_by_arch():
         select_kernels(records, "sm75")
     with pytest.raises(BundleError, match="none"):
         select_kernels([], "sm90")
+
+
+@pytest.mark.skipif(not gpu_ready() or sm_arch() != "sm90", reason="needs an sm90 GPU (PDL) and engc._native")
+def test_pdl_changes_no_token(tiny_dir, tmp_path, monkeypatch):
+    """Programmatic dependent launch only moves kernel starts earlier: a missing wait would be a race, seen
+    as other tokens. bf16 on sm90, so the decode GEMVs and the fused rotary attention run too."""
+    out = tmp_path / "bf16"
+    build(str(tiny_dir("llama")), out, BuildOptions(archs=("sm90",), dtype="bfloat16",
+                                                    kernel_cache=os.environ.get("ENGC_KERNEL_CACHE")))
+    runs = {}
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("ENGC_PDL", pdl)      # read when the bundle's kernels load
+        runs[pdl] = greedy(out, "cuda", n=32)
+    assert runs["1"] == runs["0"]
