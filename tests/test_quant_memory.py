@@ -58,8 +58,9 @@ def test_peak_memory_is_about_one_layer(method, deep_model, tmp_path):
     print(f"{method}: model {model_mb:.0f} MB fp32, layer {layer_mb:.0f} MB, peak growth {growth:.0f} MB")
     assert growth < bound, s
     # nothing accumulates from layer to layer: the same live tensors, and RSS back to the same level
-    # (measured within 5 MB over 16 layers; a leak of the layer's weights would add 49 MB a layer)
+    # (measured within 5 MB over 16 layers; a leak of the layer's weights would add 49 MB a layer, and even
+    # 2 MB a layer, 30 MB over 15 layers, fails this; half a layer leaves room for a busy shared CI machine)
     assert len(set(s["tensors_after_layer"][1:])) == 1, s["tensors_after_layer"]
     rss = s["layer_end_rss_mb"]
-    assert max(rss[1:]) - min(rss[1:]) < 0.25 * layer_mb, rss
+    assert max(rss[1:]) - min(rss[1:]) < 0.5 * layer_mb, rss
     assert len(list((tmp_path / "q").glob("model-*.safetensors"))) == SHAPE["layers"] + 2
