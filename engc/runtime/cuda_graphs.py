@@ -3,7 +3,8 @@
 Small batches also get a graph per context bucket: the split-KV decode sizes its grid from the longest
 context a graph may see, and a graph captured for the block table's full capacity (8k tokens) runs
 30+ splits even for a 130-token chat (6.1 us a layer on an H200 against 3.2 us with one split, measured
-when a reduce launch followed; the decode now reduces in-kernel and empty splits only count themselves). Large batches fill the GPU with (sequence, head) pairs anyway, so they keep one graph.
+when a reduce launch followed; the decode now reduces in-kernel and empty splits only count themselves).
+Large batches fill the GPU with (sequence, head) pairs anyway, so they keep one graph.
 
 A decode step of a small model is a few hundred short launches; replaying them as one graph removes
 the host from the critical path. Graphs read fixed buffers, so a step writes its inputs into one

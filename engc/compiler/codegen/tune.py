@@ -243,7 +243,7 @@ def check_overrides(entries, where: str = "--tune") -> dict:
         for name, value in fields.items():
             if name not in TUNE[key] and name not in OPTIONAL_FIELDS:
                 raise UserError(f"{where}: '{key}' has no field '{name}'; it has {', '.join(sorted(TUNE[key]))}")
-            if not isinstance(value, (int, float, str, bool, list)) or isinstance(value, dict):
+            if not isinstance(value, (int, float, str, bool, list)):
                 raise UserError(f"{where}: '{key}'.{name} must be a number, string, bool or list")
     return entries
 
