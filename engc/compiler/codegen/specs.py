@@ -265,7 +265,7 @@ def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, classes=None
             bucket_ov = dict(ov.get(bucket) or {})
             if silu:   # the fused down's N is the hidden size: per-N tile overrides of the entry
                 n = cfg.hidden_size
-                bucket_ov.update(next((o for lo, hi, o in entry.get("silu_by_n", ()) if lo <= n <= (hi or n)), {}))
+                bucket_ov.update(next((o for lo, hi, o in entry.get("silu_by_n", ()) if in_range(n, (lo, hi))), {}))
             specs.append(_spec("gemv", variant_name(k, silu, entry["max_m"]), arch, "gemv_kernel", types,
                                {"K": k, "SILU": silu}, bucket, overrides=bucket_ov or None,
                                launch_keys=launch_keys))
