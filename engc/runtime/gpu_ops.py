@@ -19,7 +19,7 @@ from engc.bundle.reader import Bundle
 from engc.errors import BundleError
 from engc.kernels import fp8_quant, gemv, paged_attention, qk_norm, rms_norm, rotary, silu_mul
 from engc.kernels import fp8_linear as fp8_gemm
-from engc.kernels import int4_linear
+from engc.kernels import int4_linear, skinny_gemm
 from engc.runtime.cubin import Kernel, current_stream, load_kernel, require_cuda, signature_from_triton
 from engc.runtime.ops_reference import REFERENCE_OPS
 
@@ -177,15 +177,32 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         k.run("gemv", gemv.launch(x, w, out, variant, gemv_consts[variant], counters))
         return out
 
+    # The skinny GEMM (kernels/skinny_gemm) for the decode batches its M classes hold (about 9-64 rows),
+    # where the bundle has one for this K and N: tried after the GEMV, before cuBLAS.
+    skinny_consts = k.consts.get("skinny_gemm", {})
+    skinny_table = skinny_gemm.variant_table(skinny_consts)
+
+    def run_skinny(x, w, silu):
+        variant = skinny_gemm.pick(skinny_table, w.shape[1], silu, x.shape[0], w.shape[0])
+        if variant is None or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()):
+            return None
+        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+        k.run("skinny_gemm", skinny_gemm.launch(x, w, out, variant, skinny_consts[variant], counters))
+        return out
+
     def gemm(a, b, c=None, transB=0, **attrs):
         if transB and c is None and not attrs and a.dim() == 2:
             out = run_gemv(a, b, silu=False)
+            if out is None:
+                out = run_skinny(a, b, silu=False)
             if out is not None:
                 return (out,)
         return REFERENCE_OPS[("", "Gemm")](a, b, c, transB=transB, **attrs)
 
     def silu_linear(gate_up, w):
         out = run_gemv(gate_up, w, silu=True)
+        if out is None:
+            out = run_skinny(gate_up, w, silu=True)
         return (out,) if out is not None else (F.linear(act(gate_up)[0], w),)
 
     def gather(data, indices, axis=0):

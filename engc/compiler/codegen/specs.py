@@ -290,6 +290,35 @@ def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, classes=None
     return specs
 
 
+def skinny_gemm_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, classes=None, layers: bool = True,
+                      enabled_only: bool = True):
+    """The skinny GEMM of decode batches per input width K of the model's plain dense projections (hidden:
+    qkv, gate_up, lm_head; q_size: o) and, with layers, the SiLU-fused down (K = intermediate), per M class
+    of tune.SKINNY_GEMM_M_CLASSES whose entry is enabled (enabled_only=False: every class, for sweeps).
+    layers=False: the lm_head only (--quant fp8 and int4 programs). overrides: M class -> tune overrides."""
+    from engc.kernels.skinny_gemm import variant_name
+    if t == "fp32":
+        return []   # float32 bundles keep cuBLAS: the tensor-core path would round through tf32
+    types = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "out_ptr": f"*{t}", "partial_ptr": "*fp32",
+             "counter_ptr": "*i32", "M": "i32", "N": "i32", "k_tiles_per_split": "i32", "splits": "i32"}
+    launch_keys = ("K", "SILU", "min_m", "max_m", "max_n", "BLOCK_N", "BLOCK_K", "target_programs",
+                   "max_splits", "min_split_k_tiles")
+    kinds = {(k, False) for k, _ in dense_projections(cfg, layers)}
+    if layers:
+        kinds.add((cfg.intermediate_size, True))
+    specs = []
+    for bucket in classes or tune.SKINNY_GEMM_M_CLASSES:
+        ov = (overrides or {}).get(bucket)
+        for k, silu in sorted(kinds):
+            # a per-K entry (variant name) may enable or retune one width, as fp8_linear's do
+            variant = variant_name(k, silu, tune.lookup(arch, "skinny_gemm", "*", bucket, ov)[1]["max_m"])
+            if enabled_only and not tune.lookup(arch, "skinny_gemm", variant, bucket, ov)[1]["enabled"]:
+                continue
+            specs.append(_spec("skinny_gemm", variant, arch, "skinny_gemm_kernel", types, {"K": k, "SILU": silu},
+                               bucket, overrides=ov, launch_keys=launch_keys))
+    return specs
+
+
 def int4_linear_specs(t: str, arch: str, group_sizes, overrides=None):
     """W4A16 kernels for each group size the program's QLinears use: a GEMV per row bucket, the dequant
     kernel (prefill-sized M: dequantize, then cuBLAS), and the GEMV's split-K reduce (group-free).
@@ -372,4 +401,5 @@ def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int
         specs += fp8_quant_specs(cfg, t, arch, ov.get("fp8_quant"))
         specs += fp8_linear_specs(cfg, t, arch, ov.get("fp8_linear"))
     specs += int4_linear_specs(t, arch, int4_group_sizes, ov.get("int4_linear"))
+    specs += skinny_gemm_specs(cfg, t, arch, ov.get("skinny_gemm"), layers=quant != "fp8" and not int4_group_sizes)
     return specs

@@ -165,6 +165,23 @@ _put("sm90", "fp8_linear", "k14336_m32", "m<=32", max_m=32, BLOCK_M=32, BLOCK_N=
 _put("sm90", "fp8_linear", "k4096_m64", "m<=64", max_m=64, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=6, target_programs=1 * _SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
 _put("sm90", "fp8_linear", "k14336_m64", "m<=64", max_m=64, BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=6, target_programs=1 * _SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
 
+# Skinny bf16/fp16 GEMM (kernels/skinny_gemm) for dense projections of decode batches, one entry per M class
+# [min_m, max_m] (M=1 has the GEMV; 2-8 unmeasured, left to cuBLAS): built per K of the model's projections
+# (plain, and the SiLU-fused down) only where `enabled`, then run before cuBLAS for N <= max_n (0: any).
+# Starting points by the fp8_linear sweep's arithmetic (its winners at M=32/64 streamed 16 KB W tiles,
+# BLOCK_N 64, over 4-6 stages, one program per SM, split-K filling one wave: target_programs 1 x SMs), the
+# token side padded to the class; PREFETCH_K: W columns each program asks L2 for before its PDL wait.
+# Not measured yet: enabled stays False until bench/skinny_gemm_device.py shows it ahead of cuBLAS on the
+# H200 (then the sweep's winners go here, per K where they differ, as for fp8_linear). sm80 by analogy
+# (fewer stages: 163 KB of shared memory).
+SKINNY_GEMM_M_CLASSES = ("m<=16", "m<=32", "m<=64")
+for _arch, _stages in (("sm80", 4), ("sm90", 6)):
+    _skinny = dict(enabled=False, max_n=0, BLOCK_N=64, BLOCK_K=128, num_warps=4, PREFETCH_K=256,
+                   target_programs=_SM_COUNT[_arch], max_splits=16, min_split_k_tiles=4)
+    _put(_arch, "skinny_gemm", "*", "m<=16", min_m=9, max_m=16, BLOCK_M=16, num_stages=_stages, **_skinny)
+    _put(_arch, "skinny_gemm", "*", "m<=32", min_m=17, max_m=32, BLOCK_M=32, num_stages=_stages, **_skinny)
+    _put(_arch, "skinny_gemm", "*", "m<=64", min_m=33, max_m=64, BLOCK_M=64, num_stages=_stages - 1, **_skinny)
+
 # int4_linear (W4A16), not yet measured on a device (bench/int4_device.py sweeps these). GEMV: a tile is
 # BLOCK_N rows x BLOCK_C 16-byte chunks (32 weights each); threads and warps all run along K (BLOCK_C =
 # 32 * num_warps: one chunk per thread and row), rows stay in registers, so x's loads share the words'

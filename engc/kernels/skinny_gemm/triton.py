@@ -1,0 +1,104 @@
+"""Skinny bf16/fp16 GEMM for decode batches: y[M, N] = act(x)[M, K] @ W[N, K]^T for M up to 64.
+
+At 9-64 rows a dense projection is still bound by reading W once from DRAM; the kernel is shaped for
+that, as kernels/fp8_linear is for float8:
+- swap AB: the W tile [BLOCK_N, BLOCK_K] is the MMA's A operand, so W rows fill the 64-row wgmma
+  instruction and the few tokens are its narrow N side (BLOCK_M 16/32/64); acc is [BLOCK_N, BLOCK_M].
+  Triton pipelines W and x tiles through shared memory over num_stages (cp.async) into wgmma on sm90
+  (mma.sync on sm80).
+- split-K when N / BLOCK_N alone leaves SMs idle; the splits are reduced in the same launch by the last
+  program to arrive (fp32 partials, a per-N-tile counter left at zero, the sum taken in split order, so
+  results do not depend on timing), as kernels/gemv and kernels/fp8_linear do.
+- PDL (kernels/pdl.py): W is a constant weight, so before waiting on the previous kernel each program
+  asks L2 for the first PREFETCH_K columns of its W slice (prefetch.global.L2, one per 128-byte line):
+  the DRAM reads of its first tiles overlap the previous kernel's tail instead of following it.
+
+SILU: x is the fused gate_up [M, 2K] (gate first) and the kernel multiplies by silu(gate) * up, rounded
+to the storage dtype at the same two points as kernels/silu_mul does, so results match silu_mul + linear.
+"""
+import os
+
+import triton
+import triton.language as tl
+
+from engc.kernels import pdl
+
+# bf16/fp16 elements in a 128-byte cache line: one L2 prefetch each
+LINE: tl.constexpr = tl.constexpr(64)
+
+if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter runs no PTX; a prefetch changes no result
+    @triton.jit
+    def _prefetch_l2(ptrs):
+        pass
+else:
+    @triton.jit
+    def _prefetch_l2(ptrs):
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _act_tile(x_ptr, rows, offs_k, row_mask, k_mask, K: tl.constexpr, SILU: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] of the GEMM's input in its storage dtype; silu(gate) * up when SILU."""
+    stride: tl.constexpr = 2 * K if SILU else K
+    ptrs = x_ptr + rows[:, None] * stride + offs_k[None, :]
+    mask = row_mask[:, None] & k_mask[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if SILU:
+        g = x.to(tl.float32)
+        u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
+        x = (s * u).to(x.dtype)
+    return x
+
+
+@triton.jit
+def skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_tiles_per_split, splits,
+                       K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SILU: tl.constexpr, PREFETCH_K: tl.constexpr, PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past N read row N-1 again (stores are masked): W loads need no mask along N and stay wide.
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
+    k_tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    t_begin = pid_k * k_tiles_per_split
+    t_end = tl.minimum(t_begin + k_tiles_per_split, k_tiles)
+    if PREFETCH_K > 0:   # the split's first columns, clamped to its own range
+        k_first = t_begin * BLOCK_K
+        k_last = tl.minimum(t_end * BLOCK_K, K) - 1
+        lines = tl.minimum(k_first + tl.arange(0, PREFETCH_K // LINE) * LINE, k_last)
+        _prefetch_l2(w_rows + lines[None, :])
+    # x, the partials and the counters belong to the step: wait for the kernel before
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for t in range(t_begin, t_end):
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        if K % BLOCK_K == 0:
+            w = tl.load(w_rows + offs_k[None, :])
+        else:
+            w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        x = _act_tile(x_ptr, rows, offs_k, row_mask, k_mask, K, SILU)
+        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+
+    # acc is transposed (swap AB): element [n, m] goes to out[m, n]
+    out_offs = rows[None, :] * N + offs_n[:, None]
+    out_mask = row_mask[None, :] & (offs_n < N)[:, None]
+    if splits == 1:
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(partial_ptr + pid_k * M * N + out_offs, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before this program counts as arrived
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(0, splits):
+                total += tl.load(partial_ptr + s * M * N + out_offs, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
