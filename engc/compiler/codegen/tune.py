@@ -70,9 +70,7 @@ for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 1
 # projections get the per-(K, N) entries of GEMV_PLAIN_CLASSES below).
 GEMV_M_CLASSES = ("m<=1",)
 for _arch in ("sm80", "sm90"):
-    # BLOCK_M 1 (was 4, as the sweeps ran): with one row the kernel drops the other rows' accumulators,
-    # 127 -> 56 registers for the 8B down (ptxas), so more programs fit an SM; the H200 A/B decides
-    _put(_arch, "gemv", "*", "m<=1", max_m=1, plain=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, DOT=False,
+    _put(_arch, "gemv", "*", "m<=1", max_m=1, plain=False, BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, DOT=False,
          num_warps=4, num_stages=2, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2,
          silu_by_n=((1, 2048, {"BLOCK_N": 4}),))
     # silu_by_n: (N lo, N hi (0: no bound), overrides) for the SiLU-fused down by its N (the hidden size):
@@ -108,9 +106,7 @@ for _arch in ("sm80", "sm90"):
 # By that arithmetic; the H200 A/B of whole decode steps decides (bench/gpu_bench.py --tune).
 GEMV_PLAIN_CLASSES = ("m<=1/n4k1024w4", "m<=1/n8k512w2")
 for _arch in ("sm80", "sm90"):
-    # BLOCK_M 1 (the sweep's kernels had 4): 71 -> 32 and 128 -> 56 registers, the NORM twins 137 -> 54
-    # and 204 -> 72, which would otherwise halve their programs per SM
-    _plain_m1 = dict(max_m=1, BLOCK_M=1, DOT=False, num_stages=2, target_programs=2 * _SM_COUNT[_arch],
+    _plain_m1 = dict(max_m=1, BLOCK_M=4, DOT=False, num_stages=2, target_programs=2 * _SM_COUNT[_arch],
                      max_splits=16, min_split_k_tiles=2)
     _put(_arch, "gemv", "*", "m<=1/n4k1024w4", BLOCK_N=4, BLOCK_K=1024, num_warps=4,
          serves=(((1, 2048), (1, 2048)), ((2049, 0), (8193, 65535))),
