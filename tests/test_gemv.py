@@ -1,8 +1,7 @@
 """The decode GEMV (kernels/gemv) under TRITON_INTERPRET=1 against its torch reference, through its launch
 rule and the specs codegen makes: ragged N and K, every M of both M classes, split-K on and off, the
-SiLU-fused variant, the per-N plain kernels of M=1 with their tune-table tiles, the NORM kernels of
-AddRMSNormLinear (residual add + RMSNorm + GEMV, split and unsplit, CUDA-core and tensor-core tiles); and the
-split-K counters are left zeroed for the next launch. On the CPU too: which GEMV kernels a 1B/8B-shaped model gets and which
+SiLU-fused variant, the per-N plain kernels of M=1 with their tune-table tiles; and the split-K counters are
+left zeroed for the next launch. On the CPU too: which GEMV kernels a 1B/8B-shaped model gets and which
 projection N each M=1 pick serves.
 
 Like tests/test_kernels.py, the checks run in a child process that switches the interpreter on before
@@ -52,25 +51,6 @@ def test_plain_per_n_variant_matches_reference(report, case):
     assert report[case]["variant"] == PLAIN_CASES[case]
 
 
-# AddRMSNormLinear's NORM kernel: (dtype, N, K, tune overrides of its plain class, Ms)
-NORM_CASES = ["norm_bf16_n40_k2048_stock", "norm_bf16_n50_k96_split", "norm_fp16_n33_k200_ragged_split",
-              "norm_bf16_n20_k64_rows4", "norm_bf16_n24_k64_dot"]
-
-
-@pytest.mark.parametrize("case", NORM_CASES)
-def test_norm_variant_matches_add_rms_norm_then_linear(report, case):
-    assert case in report, f"{case} did not run"
-    assert report[case]["ok"], report[case]
-    assert report[case]["residual_ok"], report[case]
-    assert report[case]["variant"].startswith("norm_k")
-
-
-def test_norm_split_k_was_exercised(report):
-    assert report["norm_bf16_n40_k2048_stock"]["splits"] == [1]      # 2 K tiles of 1024: too few to split
-    assert max(report["norm_bf16_n50_k96_split"]["splits"]) > 1
-    assert max(report["norm_fp16_n33_k200_ragged_split"]["splits"]) > 1
-
-
 def test_split_k_was_exercised(report):
     assert any(s > 1 for s in report["gemv_bf16_n50_k96"]["splits"])
     assert report["gemv_bf16_n70_k64_no_split"]["splits"] == [1]
@@ -114,8 +94,7 @@ def test_1b_gets_exactly_its_gemv_variants():
     consts = _gemv_launches(_llama(**LLAMA_1B))
     # down (SiLU-fused) as before; o (N 2048) and lm_head (N 128256) each with its own config; qkv (N 3072)
     # and gate_up (N 16384) have none: no kernel is built for them
-    # AddRMSNormLinear: qkv and gate_up (K 2048) share one NORM kernel (serves_norm)
-    assert set(consts) == {"silu_k8192_m1", "k2048_m1_n4k1024w4", "k2048_m1_n8k512w2", "norm_k2048_m1_n4k1024w4"}
+    assert set(consts) == {"silu_k8192_m1", "k2048_m1_n4k1024w4", "k2048_m1_n8k512w2"}
     assert consts["k2048_m1_n4k1024w4"]["n_ranges"] == [[1, 2048]]
     assert consts["k2048_m1_n8k512w2"]["n_ranges"] == [[65536, 0]]
     assert (consts["k2048_m1_n4k1024w4"]["BLOCK_N"], consts["k2048_m1_n4k1024w4"]["BLOCK_K"]) == (4, 1024)
@@ -124,31 +103,24 @@ def test_1b_gets_exactly_its_gemv_variants():
     assert picks == {2048: "k2048_m1_n4k1024w4", 3072: None, 16384: None, 128256: "k2048_m1_n8k512w2"}
     assert gemv.pick(table, 2048, False, 2, 2048) is None                   # M=1 only
     assert gemv.pick(table, 8192, True, 1, 2048) == "silu_k8192_m1"
-    assert {n: gemv.pick(table, 2048, False, 1, n, norm=True) for n in (3072, 16384, 128256)} == {
-        3072: "norm_k2048_m1_n4k1024w4", 16384: "norm_k2048_m1_n4k1024w4", 128256: None}
-    assert consts["norm_k2048_m1_n4k1024w4"]["NORM"] and not consts["k2048_m1_n4k1024w4"]["NORM"]
     assert consts["silu_k8192_m1"]["BLOCK_N"] == 4          # the fused down's N of 2048: tune silu_by_n
-    # --quant fp8: the layer projections are FP8Linear, so only the lm_head's kernel is left (no NORM one)
+    # --quant fp8: the layer projections are FP8Linear, so only the lm_head's kernel is left
     assert set(_gemv_launches(_llama(**LLAMA_1B), quant="fp8")) == {"silu_k8192_m1", "k2048_m1_n8k512w2"}
 
 
 def test_8b_shares_one_plain_kernel_and_gives_gate_up_its_own():
     from engc.kernels import gemv
     consts = _gemv_launches(_llama(**LLAMA_8B))
-    # qkv, o and lm_head: one K 4096 kernel; gate_up (N 28672) its own config; the NORM twins of qkv and gate_up
-    assert set(consts) == {"silu_k14336_m1", "k4096_m1_n8k512w2", "k4096_m1_n4k1024w4", "norm_k4096_m1_n8k512w2",
-                           "norm_k4096_m1_n4k1024w4"}
+    # qkv, o and lm_head: one K 4096 kernel; gate_up (N 28672) its own config
+    assert set(consts) == {"silu_k14336_m1", "k4096_m1_n8k512w2", "k4096_m1_n4k1024w4"}
     assert consts["silu_k14336_m1"]["BLOCK_N"] == 8
     assert consts["k4096_m1_n8k512w2"]["n_ranges"] == [[1, 8192], [65536, 0]]
     table = gemv.variant_table(consts)
     picks = {n: gemv.pick(table, 4096, False, 1, n) for n in (4096, 6144, 28672, 128256)}
     assert picks == {4096: "k4096_m1_n8k512w2", 6144: "k4096_m1_n8k512w2", 28672: "k4096_m1_n4k1024w4",
                      128256: "k4096_m1_n8k512w2"}
-    assert {n: gemv.pick(table, 4096, False, 1, n, norm=True) for n in (6144, 28672)} == {
-        6144: "norm_k4096_m1_n8k512w2", 28672: "norm_k4096_m1_n4k1024w4"}
-    # a biased qkv stays a cuBLAS Gemm (the GEMV has no bias) after its AddRMSNorm; o and lm_head still need
-    # the plain kernel
-    assert set(_gemv_launches(_llama(**LLAMA_8B, qkv_bias=True))) == set(consts) - {"norm_k4096_m1_n8k512w2"}
+    # a biased qkv stays a cuBLAS Gemm (the GEMV has no bias); o and lm_head still need the kernel
+    assert set(_gemv_launches(_llama(**LLAMA_8B, qkv_bias=True))) == set(consts)
 
 
 def test_per_n_pick_keeps_old_records_and_refuses_overlapping_classes():
@@ -229,42 +201,6 @@ def _check_plain(dtype, n, k):
     return worst, sorted(splits), variant
 
 
-def _check_norm(dtype, n, k, overrides, ms):
-    """AddRMSNormLinear's NORM kernel for a (K, N) projection against add_rms_norm + linear: y within the
-    dtype's tolerance, x + residual written as add_rms_norm rounds it (exactly for fp16; for bf16 within one
-    bf16 step, as the interpreter truncates float32 -> bfloat16 where the GPU rounds), for each M in ms (each launch after the first relies
-    on the counters the one before left zeroed)."""
-    import torch
-    from engc.bundle.model_config import ModelConfig
-    from engc.compiler.codegen.specs import TRITON_DTYPE, gemv_specs
-    from engc.kernels import gemv
-
-    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=k, intermediate_size=k, num_layers=1,
-                      num_heads=1, num_kv_heads=1, head_dim=k, rms_norm_eps=1e-6, rope_theta=1e4,
-                      max_position_embeddings=64, tie_word_embeddings=True)
-    specs = {s.variant: s for s in gemv_specs(cfg, TRITON_DTYPE[dtype], "sm90", overrides,
-                                                 projections=set(), normed={(k, n)})}
-    table = gemv.variant_table({v: s.launch for v, s in specs.items()})
-    counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32)
-    w = torch.randn(n, k, dtype=dtype) / k ** 0.5
-    norm_w = (1 + 0.5 * torch.randn(k)).to(dtype)
-    worst, res_err, splits, variant = 0.0, 0.0, set(), None
-    for m in ms:
-        x, r = torch.randn(m, k, dtype=dtype), 4 * torch.randn(m, k, dtype=dtype)
-        variant = gemv.pick(table, k, False, m, n, norm=True)
-        out = torch.full((m, n), float("nan"), dtype=dtype)
-        r_out = torch.full((m, k), float("nan"), dtype=dtype)
-        for v, grid, args in gemv.launch(x, w, out, variant, specs[variant].launch, counters,
-                                         norm=(r, norm_w, r_out, 1e-6)):
-            splits.add(grid[1])
-            specs[v].fn()[grid](*args[:-2], **specs[v].constexprs)
-        ref, ref_r = gemv.add_rms_norm_linear(x, r, norm_w, w, 1e-6)
-        worst = max(worst, float((out.double() - ref.double()).norm() / ref.double().norm()))
-        res_err = max(res_err, float(((r_out.double() - ref_r.double()).abs() / ref_r.double().abs()).max()))
-        assert int(counters.abs().sum()) == 0, "split-K counters not reset"
-    return worst, res_err, sorted(splits), variant
-
-
 def main():
     import torch
     sys.path.insert(0, str(ROOT / "tests"))
@@ -299,23 +235,6 @@ def main():
             err, splits, variant = _check_plain(dtype, n, k)
             report[name] = {"ok": err <= tol[dtype], "err": err, "limit": tol[dtype], "splits": splits,
                             "variant": variant}
-        except Exception as exc:
-            import traceback
-            report[name] = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
-    tiny = {"BLOCK_K": 32, "target_programs": 64, "min_split_k_tiles": 1}
-    norm = {"norm_bf16_n40_k2048_stock": (bf16, 40, 2048, None, (1,)),
-            "norm_bf16_n50_k96_split": (bf16, 50, 96, {"m<=1/n4k1024w4": tiny}, (1, 1)),
-            "norm_fp16_n33_k200_ragged_split": (fp16, 33, 200, {"m<=1/n4k1024w4": tiny}, (1,)),
-            "norm_bf16_n20_k64_rows4": (bf16, 20, 64, {"m<=1/n4k1024w4": dict(tiny, max_m=4)}, (1, 2, 3, 4)),
-            "norm_bf16_n24_k64_dot": (bf16, 24, 64, {"m<=1/n4k1024w4": dict(
-                tiny, max_m=16, BLOCK_M=16, BLOCK_N=16, DOT=True)}, (1, 3, 16))}
-    for name, (dtype, n, k, ov, ms) in norm.items():
-        try:
-            err, res_err, splits, variant = _check_norm(dtype, n, k, ov, ms)
-            res_limit = 2 ** -7 if dtype == bf16 else 0.0
-            report[name] = {"ok": err <= tol[dtype], "err": err, "limit": tol[dtype], "residual_err": res_err,
-                            "residual_ok": res_err <= res_limit,
-                            "splits": splits, "variant": variant}
         except Exception as exc:
             import traceback
             report[name] = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}

@@ -205,19 +205,6 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
             out = run_skinny(gate_up, w, silu=True)
         return (out,) if out is not None else (F.linear(act(gate_up)[0], w),)
 
-    # AddRMSNormLinear (passes/fuse_norm_linear): one NORM GEMV where the bundle has one for these rows;
-    # otherwise add_rms_norm, then the Gemm (GEMV or cuBLAS), as for the unfused pair.
-    def norm_linear(x, r, norm_w, w, eps):
-        variant = gemv.pick(gemv_table, w.shape[1], False, x.shape[0], w.shape[0], norm=True)
-        if variant and x.dtype == w.dtype == r.dtype == norm_w.dtype and all(t.is_contiguous() for t in (x, r, norm_w, w)):
-            out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-            r_out = torch.empty_like(r)
-            k.run("gemv", gemv.launch(x, w, out, variant, gemv_consts[variant], counters,
-                                      norm=(r, norm_w, r_out, eps)))
-            return out, r_out
-        h, r_out = add_norm(x, r, norm_w, eps)
-        return gemm(h, w, transB=1)[0], r_out
-
     def gather(data, indices, axis=0):
         return (F.embedding(indices, data) if axis == 0 else torch.index_select(data, axis, indices),)
 
@@ -274,7 +261,6 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         (ENGC_DOMAIN, "RotaryPagedAttention"): rope_attention,
         (ENGC_DOMAIN, "SiluMul"): act,
         (ENGC_DOMAIN, "SiluMulLinear"): silu_linear,
-        (ENGC_DOMAIN, "AddRMSNormLinear"): norm_linear,
         ("", "Gemm"): gemm,
     })
     if "int4_linear" in k.consts:  # a bundle built from an AWQ/GPTQ checkpoint

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from engc.bundle.program import ENGC_DOMAIN
 from engc.kernels.fp8_quant import fp8_linear
-from engc.kernels.gemv import add_rms_norm_linear, silu_mul_linear
+from engc.kernels.gemv import silu_mul_linear
 from engc.kernels.int4_linear import int4_linear
 from engc.kernels.paged_attention import paged_attention, rotary_paged_attention
 from engc.kernels.qk_norm import qk_norm
@@ -48,7 +48,6 @@ REFERENCE_OPS = {
         xs[8] if len(xs) > 8 else None), **a),),
     (ENGC_DOMAIN, "SiluMul"): lambda x: (silu_mul(x),),
     (ENGC_DOMAIN, "SiluMulLinear"): lambda x, w: (silu_mul_linear(x, w),),
-    (ENGC_DOMAIN, "AddRMSNormLinear"): add_rms_norm_linear,
     (ENGC_DOMAIN, "QLinear"): lambda *xs, **a: (int4_linear(*xs, **a),),
     (ENGC_DOMAIN, "FP8Linear"): lambda *xs, **a: (fp8_linear(*xs, **a),),
 }

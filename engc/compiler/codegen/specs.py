@@ -230,48 +230,30 @@ def dense_projections(cfg: ModelConfig, layers: bool = True) -> set[tuple[int, i
     return shapes
 
 
-def norm_projections(cfg: ModelConfig, layers: bool = True) -> set[tuple[int, int]]:
-    """(K, N) of the Gemms fuse_norm_linear fuses with the AddRMSNorm before them: the plain fused qkv and
-    gate_up (none when the layers' projections are FP8Linear / QLinear)."""
-    if not layers:
-        return set()
-    shapes = {(cfg.hidden_size, 2 * cfg.intermediate_size)}
-    if not cfg.qkv_bias:
-        shapes.add((cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size))
-    return shapes
-
-
 def _overlap(a, b) -> bool:
     """Two inclusive (lo, hi) ranges share a value (hi 0: no bound)."""
     return (not b[1] or a[0] <= b[1]) and (not a[1] or b[0] <= a[1])
 
 
-def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, classes=None, projections=None,
-               normed=None):
+def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, classes=None, projections=None):
     """Decode GEMV per input width K (hidden: qkv, gate_up, lm_head; q_size: o; SiLU-fused intermediate:
     down) and per M class of the tune table. N is a run-time argument, so one kernel of an M class serves
     every projection of that width (a class with plain=False builds only the SiLU-fused one).
     The per-N plain classes (tune.GEMV_PLAIN_CLASSES, one tile config each) instead build a kernel for a K
     only where one of `projections` ((K, N) pairs; default: the model's dense_projections) falls in the
     class's `serves` regions, and record the N ranges it serves for that K (launch n_ranges), so the runtime
-    keeps the other N of that K on cuBLAS. The same classes build AddRMSNormLinear's NORM kernels for the
-    `normed` projections (default: norm_projections) in their `serves_norm` regions.
-    overrides: tune bucket -> tune overrides; classes: the buckets to build (default: GEMV_M_CLASSES and
-    GEMV_PLAIN_CLASSES)."""
+    keeps the other N of that K on cuBLAS. overrides: tune bucket -> tune overrides; classes: the buckets to
+    build (default: GEMV_M_CLASSES and GEMV_PLAIN_CLASSES)."""
     from engc.kernels.gemv import in_range, variant_name
     if t == "fp32":
         return []   # float32 bundles keep cuBLAS: the tensor-core path would round through tf32
     types = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "out_ptr": f"*{t}", "partial_ptr": "*fp32",
              "counter_ptr": "*i32", "M": "i32", "N": "i32", "k_tiles_per_split": "i32", "splits": "i32"}
-    # AddRMSNormLinear's parameters: compiled out (constexpr None) of every other variant
-    no_norm = {"res_ptr": None, "norm_w_ptr": None, "res_out_ptr": None, "eps": None, "NORM": False}
-    norm_types = dict(types, res_ptr=f"*{t}", norm_w_ptr=f"*{t}", res_out_ptr=f"*{t}", eps="fp32")
-    launch_keys = ("K", "SILU", "NORM", "max_m", "BLOCK_N", "BLOCK_K", "target_programs", "max_splits",
+    launch_keys = ("K", "SILU", "max_m", "BLOCK_N", "BLOCK_K", "target_programs", "max_splits",
                    "min_split_k_tiles")
     ov = overrides or {}
     classes = classes or tune.GEMV_M_CLASSES + tune.GEMV_PLAIN_CLASSES
     projections = dense_projections(cfg) if projections is None else projections
-    normed = norm_projections(cfg) if normed is None else normed
     specs = []
     for k, silu in sorted({(cfg.hidden_size, False), (cfg.q_size, False), (cfg.intermediate_size, True)}):
         for bucket in classes:
@@ -285,29 +267,26 @@ def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, classes=None
                 n = cfg.hidden_size
                 bucket_ov.update(next((o for lo, hi, o in entry.get("silu_by_n", ()) if in_range(n, (lo, hi))), {}))
             specs.append(_spec("gemv", variant_name(k, silu, entry["max_m"]), arch, "gemv_kernel", types,
-                               {"K": k, "SILU": silu, **no_norm}, bucket, overrides=bucket_ov or None,
+                               {"K": k, "SILU": silu}, bucket, overrides=bucket_ov or None,
                                launch_keys=launch_keys))
     plain = {b: tune.lookup(arch, "gemv", "*", b, ov.get(b))[1] for b in classes if b in tune.GEMV_PLAIN_CLASSES}
-    for norm, regions, shapes in ((False, "serves", projections), (True, "serves_norm", normed)):
-        for k in sorted({k for k, _ in shapes}):
-            # per class, the N ranges it serves at this K; a pick order between classes would be a second
-            # rule the runtime would have to share, so overlapping classes of one M class are refused instead
-            ranges = {b: [nr for kr, nr in e.get(regions, ()) if in_range(k, kr)] for b, e in plain.items()}
-            for a, b in ((a, b) for i, a in enumerate(plain) for b in list(plain)[i + 1:]):
-                if plain[a]["max_m"] == plain[b]["max_m"] and any(
-                        _overlap(x, y) for x in ranges[a] for y in ranges[b]):
-                    raise ValueError(f"gemv tune classes {a} and {b} both serve K={k} for some N"
-                                     + (" (serves_norm)" if norm else ""))
-            ns = [n for kk, n in shapes if kk == k]
-            for bucket, entry in plain.items():
-                if not any(in_range(n, r) for n in ns for r in ranges[bucket]):
-                    continue   # no projection of the model needs this kernel
-                spec = _spec("gemv", variant_name(k, False, entry["max_m"], bucket.split("/")[-1], norm), arch,
-                             "gemv_kernel", norm_types if norm else types,
-                             {"K": k, "SILU": False, **(dict(NORM=True) if norm else no_norm)}, bucket,
-                             overrides=ov.get(bucket), launch_keys=launch_keys)
-                specs.append(dataclasses.replace(
-                    spec, launch=dict(spec.launch, n_ranges=[list(r) for r in ranges[bucket]])))
+    for k in sorted({k for k, _ in projections}):
+        # per class, the N ranges it serves at this K; a pick order between classes would be a second rule
+        # the runtime would have to share, so overlapping classes of one M class are refused instead
+        ranges = {b: [nr for kr, nr in e["serves"] if in_range(k, kr)] for b, e in plain.items()}
+        for a, b in ((a, b) for i, a in enumerate(plain) for b in list(plain)[i + 1:]):
+            if plain[a]["max_m"] == plain[b]["max_m"] and any(
+                    _overlap(x, y) for x in ranges[a] for y in ranges[b]):
+                raise ValueError(f"gemv tune classes {a} and {b} both serve K={k} for some N")
+        ns = [n for kk, n in projections if kk == k]
+        for bucket, entry in plain.items():
+            if not any(in_range(n, r) for n in ns for r in ranges[bucket]):
+                continue   # no projection of the model needs this kernel
+            spec = _spec("gemv", variant_name(k, False, entry["max_m"], bucket.split("/")[-1]), arch,
+                         "gemv_kernel", types, {"K": k, "SILU": False}, bucket, overrides=ov.get(bucket),
+                         launch_keys=launch_keys)
+            specs.append(dataclasses.replace(
+                spec, launch=dict(spec.launch, n_ranges=[list(r) for r in ranges[bucket]])))
     return specs
 
 
@@ -416,9 +395,8 @@ def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int
     specs += sampling_specs(cfg, t, arch, ov.get("sampling"))
     specs += argmax_specs(cfg, t, arch, ov.get("argmax"))
     # --quant fp8 and int4 programs keep only the lm_head a dense Gemm
-    dense_layers = quant != "fp8" and not int4_group_sizes
-    specs += gemv_specs(cfg, t, arch, ov.get("gemv"), projections=dense_projections(cfg, layers=dense_layers),
-                        normed=norm_projections(cfg, layers=dense_layers))
+    specs += gemv_specs(cfg, t, arch, ov.get("gemv"),
+                        projections=dense_projections(cfg, layers=quant != "fp8" and not int4_group_sizes))
     if quant == "fp8":
         specs += fp8_quant_specs(cfg, t, arch, ov.get("fp8_quant"))
         specs += fp8_linear_specs(cfg, t, arch, ov.get("fp8_linear"))

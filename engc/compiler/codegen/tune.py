@@ -99,21 +99,14 @@ for _arch in ("sm80", "sm90"):
 #     but with PDL the whole 8B batch-1 step ran 4.300 ms against 4.334 with cuBLAS (231.9 vs 230.0 tok/s,
 #     bench/results/h200_18fe01d_*): the down GEMV after it can then start early too.
 # Other K and N inside these regions (3B, 70B, small models) are extrapolated, not measured.
-# serves_norm: the same for AddRMSNormLinear's NORM kernels (qkv and gate_up, K = hidden; passes/
-# fuse_norm_linear). A NORM kernel replaces the add_rms_norm kernel (~2 us with its ramp) and cuBLAS, so it
-# serves where the plain kernel was even with cuBLAS or less than ~2 us behind: 1B qkv (N 3072: 6.76 vs
-# 6.52 us) and gate_up (N 16384: 20.78 vs 18.92) on n4k1024w4; 8B qkv on n8k512w2, gate_up on n4k1024w4.
-# By that arithmetic; the H200 A/B of whole decode steps decides (bench/gpu_bench.py --tune).
 GEMV_PLAIN_CLASSES = ("m<=1/n4k1024w4", "m<=1/n8k512w2")
 for _arch in ("sm80", "sm90"):
     _plain_m1 = dict(max_m=1, BLOCK_M=4, DOT=False, num_stages=2, target_programs=2 * _SM_COUNT[_arch],
                      max_splits=16, min_split_k_tiles=2)
     _put(_arch, "gemv", "*", "m<=1/n4k1024w4", BLOCK_N=4, BLOCK_K=1024, num_warps=4,
-         serves=(((1, 2048), (1, 2048)), ((2049, 0), (8193, 65535))),
-         serves_norm=(((1, 2048), (1, 65535)), ((2049, 0), (8193, 65535))), **_plain_m1)
+         serves=(((1, 2048), (1, 2048)), ((2049, 0), (8193, 65535))), **_plain_m1)
     _put(_arch, "gemv", "*", "m<=1/n8k512w2", BLOCK_N=8, BLOCK_K=512, num_warps=2,
-         serves=(((2049, 0), (1, 8192)), ((1, 0), (65536, 0))), serves_norm=(((2049, 0), (1, 8192)),),
-         **_plain_m1)
+         serves=(((2049, 0), (1, 8192)), ((1, 0), (65536, 0))), **_plain_m1)
 
 # The CUDA C++ decode GEMV (templates/gemv.cu.j2: tensor-core mma, any M <= max_m <= 8 for the cost of
 # one), per M class. Built, and preferred by the runtime to the Triton GEMV and cuBLAS, for the kinds the

@@ -159,11 +159,10 @@ def gemv_spec(cfg, dtype, arch: str, shape: Shape, cand: Candidate):
         specs = gemv_specs(cfg, t, arch, ov, classes=(SILU_BUCKET,), projections=set())
     else:
         # serve every N at this K (N is a run-time argument: one kernel per K serves all shapes of it)
-        ov = {cand.bucket: dict(cand.fields, serves=[[[shape.k, shape.k], [1, 0]]], serves_norm=[])}
+        ov = {cand.bucket: dict(cand.fields, serves=[[[shape.k, shape.k], [1, 0]]])}
         specs = gemv_specs(cfg, t, arch, ov, classes=(cand.bucket,), projections={(shape.k, shape.n)})
     silu = shape.op == "silu_gemv"
-    found = [s for s in specs if s.constexprs["K"] == shape.k and bool(s.constexprs["SILU"]) == silu
-             and not s.constexprs.get("NORM")]
+    found = [s for s in specs if s.constexprs["K"] == shape.k and bool(s.constexprs["SILU"]) == silu]
     if len(found) != 1:
         raise RuntimeError(f"gemv_specs gave {len(found)} kernels for {shape.label} under {cand.label}")
     return found[0]
@@ -174,7 +173,7 @@ def current_choice(cfg, dtype, arch: str, shape: Shape) -> Candidate:
     bundle's GEMV kernels, as a candidate with its fields spelled out; cuBLAS where none serves it."""
     from engc.compiler.codegen.specs import TRITON_DTYPE, gemv_specs
     from engc.kernels import gemv
-    specs = [s for s in gemv_specs(cfg, TRITON_DTYPE[dtype], arch) if not s.constexprs.get("NORM")]
+    specs = gemv_specs(cfg, TRITON_DTYPE[dtype], arch)
     by_variant = {s.variant: s for s in specs}
     silu = shape.op == "silu_gemv"
     variant = gemv.pick(gemv.variant_table({v: s.launch for v, s in by_variant.items()}), shape.k, silu, 1,

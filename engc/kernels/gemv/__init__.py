@@ -1,11 +1,9 @@
 """Decode GEMV for dense projections: y[M, N] = x[M, K] @ W[N, K]^T for a few rows (decode batches).
 
-ONNX: the standard Gemm (transB=1, no bias), ai.engc::SiluMulLinear(gate_up, W) = silu_mul(gate_up) @ W^T,
-which the fuse_silu_mul_linear pass makes of SiluMul -> Gemm, and ai.engc::AddRMSNormLinear(x, residual,
-norm_weight, W) -> (rms_norm(x + residual) @ W^T, x + residual), attribute eps, which fuse_norm_linear makes
-of AddRMSNorm -> Gemm (the qkv and gate_up projections). cuBLAS is fine for wide batches but at M of
+ONNX: the standard Gemm (transB=1, no bias) and ai.engc::SiluMulLinear(gate_up, W) = silu_mul(gate_up) @ W^T,
+which the fuse_silu_mul_linear pass makes of SiluMul -> Gemm. cuBLAS is fine for wide batches but at M of
 1-8 it leaves bandwidth on the table and adds a splitK-reduce launch; this kernel reads W once for all
-rows in one launch (kernels/gemv/triton.py says how); the NORM kernel also saves the add_rms_norm launch.
+rows in one launch (kernels/gemv/triton.py says how).
 
 A bundle holds one kernel per (K, SILU, M class): variant `[silu_]k{K}_m{max_m}`, each with launch
 constants (its record's `launch`): K, SILU, max_m, BLOCK_N, BLOCK_K and the split rule's target_programs,
@@ -14,8 +12,7 @@ tune table's per-N entries: variant `k{K}_m{max_m}_{config}` (e.g. k4096_m1_n8k5
 n_ranges, the [lo, hi] N ranges (hi 0: no bound) it serves; other N of that K stay with cuBLAS. It may
 also hold the CUDA C++ twin (templates/gemv.cu.j2, same parameters and launch rule, no Triton scratch
 pointers): variant `cuda_[silu_]k{K}_m{max_m}`, launch constants plus impl "cuda" and max_n (used for
-N <= max_n only; 0: any N). AddRMSNormLinear's kernels are variants `norm_k{K}_m1_{config}` (launch
-constant NORM) for the N ranges of the tune entry's `serves_norm`. The runtime picks a CUDA kernel first, else a Triton one, of the smallest M
+N <= max_n only; 0: any N). The runtime picks a CUDA kernel first, else a Triton one, of the smallest M
 class that holds M and whose N ranges hold N (`pick`), and falls back to cuBLAS when none does.
 """
 from __future__ import annotations
@@ -23,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engc.kernels.rms_norm import add_rms_norm
 from engc.kernels.silu_mul import silu_mul
 
 # Split-K arrival counters the runtime keeps zeroed: one per N tile of a launch.
@@ -38,14 +34,8 @@ def silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(silu_mul(gate_up), w)
 
 
-def add_rms_norm_linear(x, residual, norm_weight, w, eps: float):
-    """(rms_norm(x + residual) @ W^T, x + residual): AddRMSNorm then the Gemm, as the unfused program."""
-    h, s = add_rms_norm(x, residual, norm_weight, eps)
-    return F.linear(h, w), s
-
-
-def variant_name(k: int, silu: bool, max_m: int, config: str = "", norm: bool = False) -> str:
-    return f"{'silu_' if silu else 'norm_' if norm else ''}k{k}_m{max_m}" + (f"_{config}" if config else "")
+def variant_name(k: int, silu: bool, max_m: int, config: str = "") -> str:
+    return f"{'silu_' if silu else ''}k{k}_m{max_m}" + (f"_{config}" if config else "")
 
 
 def in_range(v: int, bounds) -> bool:
@@ -69,19 +59,18 @@ def is_cuda(c: dict) -> bool:
 
 
 def variant_table(consts: dict) -> dict:
-    """(K, silu, norm) -> [(rank, max_m, n_ranges, variant)] in pick order: CUDA variants (rank 0) before
-    Triton ones (the tune table builds a CUDA kernel only where it beat both), each by ascending M class."""
+    """(K, silu) -> [(rank, max_m, n_ranges, variant)] in pick order: CUDA variants (rank 0) before Triton
+    ones (the tune table builds a CUDA kernel only where it beat both), each by ascending M class."""
     table: dict = {}
     for variant, c in consts.items():
-        table.setdefault((c["K"], bool(c["SILU"]), bool(c.get("NORM"))), []).append(
+        table.setdefault((c["K"], bool(c["SILU"])), []).append(
             (0 if is_cuda(c) else 1, c["max_m"], n_ranges(c), variant))
     return {key: sorted(v) for key, v in table.items()}
 
 
-def pick(table: dict, k: int, silu: bool, m: int, n: int = 0, norm: bool = False) -> str | None:
-    """The variant for M rows of a K-wide input and N outputs (0: not known), or None (then cuBLAS runs;
-    for norm, AddRMSNorm then the Gemm)."""
-    return next((v for _, max_m, ranges, v in table.get((k, silu, norm), ())
+def pick(table: dict, k: int, silu: bool, m: int, n: int = 0) -> str | None:
+    """The variant for M rows of a K-wide input and N outputs (0: not known), or None (then cuBLAS runs)."""
+    return next((v for _, max_m, ranges, v in table.get((k, silu), ())
                  if 1 <= m <= max_m and any(in_range(n, r) for r in ranges)), None)
 
 
@@ -96,35 +85,25 @@ def split_count(n_tiles: int, k_tiles: int, c: dict) -> tuple[int, int]:
     return -(-k_tiles // per), per
 
 
-def launch(x, w, out, variant: str, consts: dict, counters, norm=None):
+def launch(x, w, out, variant: str, consts: dict, counters):
     """Launch rule of gemv_kernel: [(variant, grid, args)].
 
     x contiguous [M, K] ([M, 2K] gate_up for a SILU variant), w contiguous [N, K], out contiguous [M, N];
     consts: the variant's record launch; counters: NUM_COUNTERS int32, zero, owned by the caller (split
-    launches leave them zero). norm, for a NORM variant: (residual [M, K], norm weight [K], residual_out
-    [M, K], eps). The fp32 split partials (and a NORM variant's per-split sums of squares after them) come
-    from torch's allocator (inside a CUDA graph, its pool). args: x, w, out, partial, counter, M, N,
-    k_tiles_per_split, splits, (NORM: residual, norm weight, residual_out, eps,) then the Triton kernel's
-    global/profile scratch zeros (a CUDA variant takes none).
+    launches leave them zero). The fp32 split partials come from torch's allocator (inside a CUDA graph,
+    its pool). args: x, w, out, partial, counter, M, N, k_tiles_per_split, splits, then the Triton
+    kernel's global/profile scratch zeros (a CUDA variant takes none).
     """
     m, (n, k) = x.shape[0], w.shape
     assert k == consts["K"] and x.shape[1] == (2 * k if consts["SILU"] else k) and m <= consts["max_m"]
     assert x.is_contiguous() and w.is_contiguous() and out.is_contiguous() and out.shape == (m, n)
-    assert bool(consts.get("NORM")) == (norm is not None)
     if m == 0:
         return []
     n_tiles = -(-n // consts["BLOCK_N"])
     splits, per = split_count(n_tiles, -(-k // consts["BLOCK_K"]), consts)
     if splits > 1 and n_tiles > counters.numel():
         splits, per = 1, -(-k // consts["BLOCK_K"])
-    norm_args = []
-    if norm is not None:
-        residual, norm_w, residual_out, eps = norm
-        assert residual.shape == residual_out.shape == x.shape and norm_w.shape == (k,)
-        assert residual.is_contiguous() and residual_out.is_contiguous()
-        norm_args = [residual, norm_w, residual_out, float(eps)]
-    partial = (torch.empty(splits * m * n + (splits * m if norm else 0), dtype=torch.float32, device=x.device)
-               if splits > 1 else 0)
+    partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else 0
     scratch = [] if is_cuda(consts) else [0, 0]
     return [(variant, (n_tiles, splits, 1),
-             [x, w, out, partial, counters if splits > 1 else 0, m, n, per, splits] + norm_args + scratch)]
+             [x, w, out, partial, counters if splits > 1 else 0, m, n, per, splits] + scratch)]
