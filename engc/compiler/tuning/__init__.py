@@ -1,11 +1,17 @@
-"""engc tune: measure kernel configs for one model on this machine's GPU; write the ones that beat the tune
-table (engc/compiler/codegen/tune.py) as a file `engc build --tune` takes.
+"""engc tune: measure kernel configs for one model on the GPU it will serve on; write the ones that beat the
+tune table (engc/compiler/codegen/tune.py) as a file `engc build --tune` takes.
 
-    engc tune SRC -o tune.json          # on the GPU machine (only config.json of an HF folder is read)
-    engc build SRC --arch sm90 --tune tune.json -o bundle/      # anywhere
+A config's speed depends on the compiler that made it (the same GEMV tile took 15.2 us compiled by the
+H200's Triton 3.6 and 11.9 us compiled by the build's 3.9), so the candidates are compiled where bundles are
+built, by the build's own path, and the GPU machine only loads and times those cubins:
 
-plan.py says what is measured and how winners map onto the table; gpu.py measures. The file holds only
-entries that differ from the table, plus `_meta` (GPU, arch, versions, date, every measurement), which
+    engc tune SRC --prepare DIR --arch sm90       # where engc build runs, no GPU (prepared.py)
+    engc tune --from DIR -o tune.json             # on the GPU (gpu.py: load, check vs torch, time)
+    engc build SRC --arch sm90 --tune tune.json -o bundle/
+    engc tune SRC -o tune.json                    # both in one process, on a GPU machine that also builds
+
+plan.py says what is measured and how winners map onto the table. The file holds only entries that differ
+from the table, plus `_meta` (GPU, arch, the compiling Triton, date, every measurement), which
 tune.check_overrides skips: it changes neither the kernels nor the bundle.
 """
 from __future__ import annotations
@@ -13,25 +19,31 @@ from __future__ import annotations
 import json
 import math
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from engc.compiler.codegen import tune as table
 from engc.compiler.tuning import plan as tp
+from engc.compiler.tuning import prepared
 from engc.errors import UserError
 
 CHECK_TOL = 1e-2   # relative error (Frobenius) of a candidate's output against the op's torch reference
 DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NOTE = ("per-kernel times, each kernel alone over cold L2 in CUDA graphs: they leave out what a decode step "
+        "adds (programmatic dependent launch overlapping neighbours, warm caches); time the bundle built "
+        "with this file end to end against a stock one before keeping it")
 
 
 @dataclass(frozen=True)
 class TuneOptions:
     ops: tuple[str, ...] = tp.OPS
     dtype: str = "auto"         # auto: bfloat16, as `engc build --arch smXX` makes it
-    budget_s: float = 150.0     # timing stops taking new candidates after this (compiling counts too)
+    budget_s: float = 150.0     # timing stops taking new candidates after this
     margin: float = 0.03        # a config replaces the table's only if faster by more than this fraction
 
     def validate(self) -> "TuneOptions":
@@ -44,39 +56,78 @@ class TuneOptions:
         return self
 
 
-def tune(src: str, out: Path, opts: TuneOptions, say=None, bench=None, gpu=None, clock=time.monotonic) -> dict:
-    """Measure, choose, write `out`; returns {"entries", "choices", "meta"}.
-    bench(plan, say) / gpu() replace the GPU (tests): gpu() -> (arch, name, multiprocessors)."""
-    say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+def _say(say):
+    return say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+
+def prepare(src: str, folder: Path, opts: TuneOptions, arch: str = "sm90", sms: int | None = None, say=None,
+            compiler=prepared.compile_candidates) -> dict:
+    """Derive SRC's shapes and candidates for arch (a GPU of `sms` multiprocessors: the split-K targets are
+    multiples of it; default the arch's H100/H200 or A100 count) and compile them into folder. No GPU."""
+    say = _say(say)
     opts.validate()
-    started = clock()
+    if arch not in table.ARCHS:
+        raise UserError(f"--arch {arch}: engc tune prepares kernels for {', '.join(table.ARCHS)}")
+    sms = sms or table._SM_COUNT[arch]
     name, hf = tp.source_config(src)
     cfg = tp.model_config(hf)
     from engc.compiler.frontend.quantized import is_quantized
-    if gpu is None:
-        from engc.compiler.tuning.gpu import local_gpu as gpu
-    arch, gpu_name, sms = gpu()
-    dtype = DTYPES[opts.dtype]
     shapes = tp.model_shapes(cfg, opts.ops, int4=is_quantized(hf))
     if not shapes:
         raise UserError(f"{name}: no {'/'.join(opts.ops)} kernel to tune for this model")
+    dtype = DTYPES[opts.dtype]
     plan = tp.TunePlan(arch, dtype, cfg, shapes, {s: tp.current_choice(cfg, dtype, arch, s) for s in shapes})
     plan.candidates = {s: tp.candidates(s, plan.current[s], arch, sms) for s in shapes}
+    return prepared.write(Path(folder), plan, {"model": name, "sms": sms, "ops": list(opts.ops)}, say, compiler)
+
+
+def tune_from(folder: Path, out: Path, opts: TuneOptions, say=None, bench=None, gpu=None,
+              clock=time.monotonic) -> dict:
+    """Load a tune-prepare folder's cubins on this machine's GPU, check and time them, choose, write `out`;
+    returns {"entries", "choices", "meta"}. bench(prepared, say) / gpu() replace the GPU (tests):
+    gpu() -> (arch, name, multiprocessors)."""
+    say = _say(say)
+    opts.validate()
+    started = clock()
+    prep = prepared.load(folder)
+    if gpu is None:
+        from engc.compiler.tuning.gpu import local_gpu as gpu
+    arch, gpu_name, sms = gpu()
+    plan = prep.plan
+    if arch != plan.arch:
+        raise UserError(f"--from {folder}: prepared for {plan.arch}, but this GPU ({gpu_name}) is {arch}: "
+                        f"prepare it with --arch {arch}")
+    if sms != prep.info["sms"]:
+        raise UserError(f"--from {folder}: prepared for a GPU of {prep.info['sms']} multiprocessors; this one "
+                        f"({gpu_name}) has {sms}: prepare it with --sms {sms}")
     if bench is None:
         from engc.compiler.tuning.gpu import GpuBench as bench
-    b = bench(plan, say)
-    pairs = [(s, c) for s in shapes for c in plan.candidates[s]]
-    say(f"engc tune: {name} on {gpu_name} ({arch}): compiling {len(pairs)} candidates of {len(shapes)} shapes")
-    b.prepare(pairs)
+    n = sum(len(c) for c in plan.candidates.values())
+    say(f"engc tune: {prep.info['model']} on {gpu_name} ({arch}): {n} candidates of {len(plan.shapes)} shapes, "
+        f"compiled by Triton {prep.info['triton']}")
+    b = bench(prep, say)
     measured = measure(plan, b, started + opts.budget_s, clock, say)
     choices = tp.choose(plan, measured, opts.margin)
     entries = tp.overrides(plan, choices)
     tp.verify(plan, choices, entries)
-    meta = _meta(name, gpu_name, arch, sms, dtype, opts, measured, clock() - started)
+    meta = _meta(prep, gpu_name, sms, opts, measured, clock() - started)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**entries, "_meta": meta}, indent=1, sort_keys=True) + "\n")
     return {"entries": entries, "choices": choices, "meta": meta}
+
+
+def tune(src: str, out: Path, opts: TuneOptions, say=None, bench=None, gpu=None, clock=time.monotonic,
+         compiler=prepared.compile_candidates) -> dict:
+    """prepare + tune_from in one process, for a GPU machine that also builds: the candidates are compiled by
+    this machine's Triton, so the file fits bundles built here (its _meta names that Triton)."""
+    if gpu is None:
+        from engc.compiler.tuning.gpu import local_gpu as gpu
+    arch, gpu_name, sms = gpu()   # refuse before compiling where there is no GPU
+    with tempfile.TemporaryDirectory(prefix="engc-tune-") as tmp:
+        folder = Path(tmp) / "prepared"
+        prepare(src, folder, opts, arch, sms, say, compiler)
+        return tune_from(folder, out, opts, say, bench, gpu=lambda: (arch, gpu_name, sms), clock=clock)
 
 
 def measure(plan: tp.TunePlan, bench, deadline: float, clock, say) -> list[tp.Measured]:
@@ -91,7 +142,7 @@ def measure(plan: tp.TunePlan, bench, deadline: float, clock, say) -> list[tp.Me
             must = cand == plan.current[shape] or cand.bucket is None
             if not must and clock() > share:
                 continue
-            if not bench.compiled(shape, cand):
+            if not bench.ready(shape, cand):
                 m.status = "failed"
                 continue
             m.err = bench.check(shape, cand)
@@ -107,17 +158,21 @@ def measure(plan: tp.TunePlan, bench, deadline: float, clock, say) -> list[tp.Me
     return out
 
 
-def _meta(name, gpu_name, arch, sms, dtype, opts, measured, seconds) -> dict:
-    import triton
+def _meta(prep: prepared.Prepared, gpu_name, sms, opts, measured, seconds) -> dict:
     from importlib.metadata import PackageNotFoundError, version
     try:
-        engc_version = version("engc")
+        local_triton = version("triton")
     except PackageNotFoundError:
-        engc_version = "unknown"
-    return {"gpu": gpu_name, "arch": arch, "multiprocessors": sms, "model": name, "dtype": str(dtype)[6:],
-            "torch": torch.__version__, "triton": triton.__version__, "engc": engc_version,
+        local_triton = None
+    plan = prep.plan
+    return {"gpu": gpu_name, "arch": plan.arch, "multiprocessors": sms, "model": prep.info["model"],
+            "dtype": prepared.DTYPE_NAMES[plan.dtype],
+            # triton: the compiler of the timed cubins (engc build --tune warns when its own differs)
+            "triton": prep.info["triton"], "engc": prep.info["engc"],
+            "gpu_machine": {"torch": torch.__version__, "triton": local_triton, "engc": prepared.engc_version()},
+            "torch": torch.__version__, "note": NOTE,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(seconds, 1),
-            "options": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(opts).items()},
+            "options": {"ops": prep.info["ops"], "budget_s": opts.budget_s, "margin": opts.margin},
             "measured": [{"shape": m.shape.label, "op": m.shape.op, "candidate": m.cand.label, "status": m.status,
                           **({"us": round(m.us, 3)} if math.isfinite(m.us) else {}),
                           **({"rel_err": m.err} if m.status in ("ok", "wrong") else {})} for m in measured]}
@@ -139,6 +194,8 @@ def summary(result: dict, out: Path) -> list[str]:
                 + (f"; about {saved:.1f} us less GEMV time per decode step" if n else
                    f" (nothing beat the table by more than {result['meta']['options']['margin']:.0%})")
                 + f"; build with: engc build SRC --arch {result['meta']['arch']} --tune {out} -o BUNDLE")
+    rows.append("per-kernel times (cold L2, each kernel alone): time the bundle built with it end to end before "
+                "keeping it")
     return rows
 
 

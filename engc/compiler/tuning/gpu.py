@@ -1,5 +1,6 @@
-"""`engc tune` on this machine's GPU: compile candidates with the build's AOT path, load them through the
-runtime's launcher (engc.runtime.cubin), check each against the torch reference, time it over cold L2.
+"""`engc tune --from DIR` on this machine's GPU: load the candidates' cubins (compiled by `engc tune --prepare`
+where bundles are built) through the runtime's launcher (engc.runtime.cubin; no Triton compile here),
+check each against the torch reference, time it over cold L2.
 
 Timing: each shape cycles through enough copies of its weight to overflow L2 (3x its size), as a decode
 step's weights do; the launches are captured in one CUDA graph (decode steps replay graphs too, so launch
@@ -39,58 +40,51 @@ def local_gpu() -> tuple[str, str, int]:
     return arch, props.name, props.multi_processor_count
 
 
-def _compile_key(spec):
-    return (spec.module, spec.fn_name, tuple(sorted((k, repr(v)) for k, v in spec.constexprs.items())),
-            tuple(spec.arg_types.items()), spec.num_warps, spec.num_stages)
+def load_record(image: bytes, r: dict, say):
+    """One kernel record's cubin, loaded as runtime/gpu_ops.BundleKernels loads a bundle's (PDL where the record
+    asks for it, unless ENGC_PDL=0); None, said, where the driver refuses it."""
+    from engc.runtime import cubin
+    scratch = r["scratch_params"]
+    sig = cubin.signature_from_triton([a["type"] for a in r["args"][:len(r["args"]) - scratch]])
+    try:
+        return cubin.load_kernel(image, r["entry"], sig, block_x=32 * r["num_warps"], shared_mem=r["shared_mem"],
+                                 scratch_params=scratch,
+                                 pdl=os.environ.get("ENGC_PDL", "1") != "0" and bool(r["launch"].get("PDL")))
+    except Exception as e:  # noqa: BLE001 -- the driver's refusal of one image fails that candidate only
+        say(f"LOAD FAILED {r['variant']} {r['tune']}: {str(e).splitlines()[0][:200]}")
+        return None
+
+
+def load_candidates(prep, say, load=load_record) -> dict:
+    """(shape, cand) -> (Kernel, record) for every candidate with a kernel; each cubin file loaded once
+    (candidates that differ in a launch constant only share it), its sha256 checked first."""
+    loaded, out = {}, {}
+    for key, record in prep.records.items():
+        if record is None:
+            continue   # cuBLAS, or a config that did not compile at --prepare
+        if record["cubin"] not in loaded:
+            loaded[record["cubin"]] = load(prep.cubin(record), record, say)
+        if loaded[record["cubin"]] is not None:
+            out[key] = (loaded[record["cubin"]], record)
+    return out
 
 
 class GpuBench:
-    """check(shape, cand) -> relative error, time_us(shape, cand) -> us per launch; prepare() compiles."""
+    """ready(shape, cand), check(shape, cand) -> relative error, time_us(shape, cand) -> us per launch, over
+    the cubins of a tune-prepare folder (prepared.py)."""
 
-    def __init__(self, plan: tp.TunePlan, say, jobs: int | None = None):
-        self.plan, self.say, self.jobs = plan, say, jobs
-        self.kernels: dict = {}   # compile key -> Kernel (None: did not compile)
-        self.specs: dict = {}     # (shape, cand) -> KernelSpec
+    def __init__(self, prep, say):
+        self.plan, self.say = prep.plan, say
+        # first, so torch's CUDA context exists: the cubins load into it
         from engc.kernels.gemv import NUM_COUNTERS
         self.counters = torch.zeros(NUM_COUNTERS, dtype=torch.int32, device="cuda")
+        self.kernels = load_candidates(prep, say)
         self._shape, self._bufs = None, None
         l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 50 << 20
         self.ring_bytes = 3 * l2
 
-    def prepare(self, pairs) -> None:
-        """Compile every candidate kernel once (identical specs share a kernel), in child processes."""
-        from engc.compiler.codegen.aot import compile_in_children, compile_spec
-        from engc.compiler.codegen.record import default_jobs
-        for shape, cand in pairs:
-            spec = tp.gemv_spec(self.plan.cfg, self.plan.dtype, self.plan.arch, shape, cand)
-            if spec is not None:
-                self.specs[(shape, cand)] = spec
-        unique = {}
-        for spec in self.specs.values():
-            unique.setdefault(_compile_key(spec), spec)
-        keys, specs = list(unique), list(unique.values())
-        try:
-            compiled = compile_in_children(specs, default_jobs() if self.jobs is None else self.jobs)
-        except RuntimeError:   # one bad config fails its whole child: compile one by one to name it
-            compiled = []
-            for spec in specs:
-                try:
-                    compiled.append(compile_spec(spec))
-                except Exception as e:  # noqa: BLE001 -- Triton raises many types for a config it cannot lower
-                    self.say(f"COMPILE FAILED {spec.variant} {spec.tune}: {str(e).splitlines()[0][:200]}")
-                    compiled.append(None)
-        for key, spec, res in zip(keys, specs, compiled):
-            self.kernels[key] = None if res is None else self._load(spec, *res)
-
-    def _load(self, spec, cubin, ptx, meta):
-        from engc.runtime.cubin import TRITON_SCRATCH_PARAMS, load_kernel, signature_from_triton
-        sig = signature_from_triton(list(spec.signature().values()))
-        return load_kernel(cubin, meta["name"], sig, block_x=32 * meta["num_warps"], shared_mem=meta["shared"],
-                           scratch_params=TRITON_SCRATCH_PARAMS,
-                           pdl=os.environ.get("ENGC_PDL", "1") != "0" and bool(spec.launch.get("PDL")))
-
-    def compiled(self, shape, cand) -> bool:
-        return cand.bucket is None or self.kernels.get(_compile_key(self.specs[(shape, cand)])) is not None
+    def ready(self, shape, cand) -> bool:
+        return cand.bucket is None or (shape, cand) in self.kernels
 
     # -------------------------------------------------------------------------------------- per shape
     def _buffers(self, shape: tp.Shape):
@@ -117,10 +111,9 @@ class GpuBench:
         b = self._buffers(shape)
         if cand.bucket is None:
             return lambda: F.linear(b["act"], b["ws"][i])
-        spec = self.specs[(shape, cand)]
-        kernel = self.kernels[_compile_key(spec)]
+        kernel, r = self.kernels[(shape, cand)]
         plan = [(grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args[:len(kernel.signature)]],
-                 args) for _, grid, args in gemv.launch(b["x"], b["ws"][i], b["out"], spec.variant, spec.launch,
+                 args) for _, grid, args in gemv.launch(b["x"], b["ws"][i], b["out"], r["variant"], r["launch"],
                                                         self.counters)]
 
         def run():

@@ -1,0 +1,173 @@
+"""A tune-prepare folder: every candidate of `engc tune` compiled ahead of time where `engc build` runs, so
+the GPU machine times the cubins the build itself would ship, not what its own Triton makes of them.
+
+    engc tune SRC --prepare DIR --arch sm90     # build machine, no GPU: shapes, candidates, cubins
+    engc tune --from DIR -o tune.json           # GPU machine: load, check, time (no compiling there)
+
+DIR/tune_plan.json holds the plan (model config, shapes, the table's current choice, the candidate grid),
+one kernel record per compiled candidate (codegen/record.kernel_record: the build's own record, with the
+candidate's launch constants), the sha256 of every cubin, the compiling Triton version and a digest of the
+arch's gemv tune entries (a checkout whose table differs would mislabel the current choice).
+DIR/kernels/<arch>/<sha256[:16]>.cubin: one file per distinct kernel (candidates differing only in a launch
+constant such as target_programs share it). No PTX: the folder is checked to match the GPU's arch.
+Deterministic: no dates, sorted keys, content-named files.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engc.compiler.codegen import tune
+from engc.compiler.tuning import plan as tp
+from engc.errors import UserError
+
+FORMAT = "engc-tune-prepare"
+VERSION = 1
+PLAN_FILE = "tune_plan.json"
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass
+class Prepared:
+    """A loaded tune-prepare folder: the plan, each candidate's kernel record (None: cuBLAS or a config
+    that did not compile) and the folder's provenance (model, arch, sms, triton, engc)."""
+    folder: Path
+    plan: tp.TunePlan
+    records: dict   # (Shape, Candidate) -> record | None
+    info: dict
+
+    def cubin(self, record: dict) -> bytes:
+        """A record's cubin, checked against the sha256 the folder was written with."""
+        path = self.folder / record["cubin"]
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise UserError(f"{self.folder}: cannot read {record['cubin']} ({e.strerror or e}); "
+                            "prepare it again") from None
+        if hashlib.sha256(data).hexdigest() != self.info["files"].get(record["cubin"]):
+            raise UserError(f"{self.folder}: {record['cubin']} differs from what --prepare wrote; prepare it again")
+        return data
+
+
+def table_digest(arch: str) -> str:
+    """sha256 of the arch's gemv tune entries: what the current choice and the overrides are derived from."""
+    gemv = {k: v for k, v in tune.TUNE.items() if k.startswith(f"{arch}/gemv/")}
+    blob = json.dumps([gemv, list(tune.GEMV_PLAIN_CLASSES)], sort_keys=True, default=list)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _compile_key(spec):
+    return (spec.module, spec.fn_name, tuple(sorted((k, repr(v)) for k, v in spec.constexprs.items())),
+            tuple(spec.arg_types.items()), spec.num_warps, spec.num_stages)
+
+
+def compile_candidates(specs: list, say, jobs: int | None = None) -> list:
+    """The build's AOT compile (codegen/aot.py) over specs: (cubin, ptx, meta) each, or None for a config
+    Triton cannot lower (named on say; the others still compile)."""
+    from engc.compiler.codegen.aot import compile_in_children, compile_spec
+    from engc.compiler.codegen.record import default_jobs
+    if not specs:
+        return []
+    try:
+        return compile_in_children(specs, default_jobs() if jobs is None else jobs)
+    except RuntimeError:   # one bad config fails its whole child: compile one by one to name it
+        out = []
+        for spec in specs:
+            try:
+                out.append(compile_spec(spec))
+            except Exception as e:  # noqa: BLE001 -- Triton raises many types for a config it cannot lower
+                say(f"COMPILE FAILED {spec.variant} {spec.tune}: {str(e).splitlines()[0][:200]}")
+                out.append(None)
+        return out
+
+
+def write(folder: Path, plan: tp.TunePlan, info: dict, say, compiler=compile_candidates) -> dict:
+    """Compile every candidate of plan (identical kernels once) and write the folder (atomically).
+    info: model, sms, ops (provenance written as is). compiler(specs, say) -> [(cubin, ptx, meta) | None]
+    replaces the compile (tests). Returns the plan file's content."""
+    from engc.atomic import atomic_folder
+    from engc.compiler.codegen.record import kernel_record
+    import triton
+    pairs = [(s, c) for s in plan.shapes for c in plan.candidates[s]]
+    specs = {(s, c): tp.gemv_spec(plan.cfg, plan.dtype, plan.arch, s, c) for s, c in pairs}
+    unique = {}
+    for spec in specs.values():
+        if spec is not None:
+            unique.setdefault(_compile_key(spec), spec)
+    say(f"engc tune: compiling {len(unique)} kernels for {len(pairs)} candidates of {len(plan.shapes)} shapes "
+        f"({plan.arch}, Triton {triton.__version__})")
+    compiled = dict(zip(unique, compiler(list(unique.values()), say)))
+    files, shapes = {}, []
+    for s in plan.shapes:
+        cands = []
+        for c in plan.candidates[s]:
+            spec, record = specs[(s, c)], None
+            res = compiled.get(_compile_key(spec)) if spec is not None else None
+            if res is not None:
+                cubin, _, meta = res
+                path = f"kernels/{plan.arch}/{hashlib.sha256(cubin).hexdigest()[:16]}.cubin"
+                files[path] = cubin
+                # the build's record, less the PTX and source paths the folder does not carry
+                record = {k: v for k, v in kernel_record(spec, meta, path, "", "").items()
+                          if k not in ("ptx", "source")}
+            cands.append({"bucket": c.bucket, "fields": [list(f) for f in c.fields], "record": record,
+                          **({"failed": True} if spec is not None and record is None else {})})
+        cur = plan.candidates[s].index(plan.current[s])
+        shapes.append({"op": s.op, "name": s.name, "k": s.k, "n": s.n, "per_step": s.per_step, "current": cur,
+                       "candidates": cands})
+    doc = {"format": FORMAT, "version": VERSION, **info, "arch": plan.arch, "dtype": DTYPE_NAMES[plan.dtype],
+           "cfg": plan.cfg.to_dict(), "triton": triton.__version__, "engc": engc_version(),
+           "tune_table": table_digest(plan.arch), "shapes": shapes,
+           "files": {p: hashlib.sha256(b).hexdigest() for p, b in sorted(files.items())}}
+    with atomic_folder(folder) as tmp:
+        for path, data in files.items():
+            (tmp / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / path).write_bytes(data)
+        (tmp / PLAN_FILE).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return doc
+
+
+def load(folder) -> Prepared:
+    """Read a tune-prepare folder; one clear line if it is not one, is of a newer format, or was prepared
+    with a tune table other than this checkout's."""
+    from engc.bundle.model_config import ModelConfig
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"--from {folder}: no such folder (write it with engc tune SRC --prepare {folder})")
+    try:
+        doc = json.loads((folder / PLAN_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        doc = None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise UserError(f"--from {folder}: not a folder written by engc tune --prepare (no valid {PLAN_FILE})")
+    if doc.get("version") != VERSION:
+        raise UserError(f"--from {folder}: tune-prepare format {doc.get('version')}; this engc reads {VERSION}: "
+                        "prepare it with this checkout")
+    arch = doc["arch"]
+    if arch not in tune.ARCHS or doc["tune_table"] != table_digest(arch):
+        raise UserError(f"--from {folder}: prepared with another {arch} gemv tune table than this checkout's; "
+                        "prepare it again with the engc you run here")
+    cfg = ModelConfig.from_dict(doc["cfg"])
+    dtype = {v: k for k, v in DTYPE_NAMES.items()}[doc["dtype"]]
+    shapes, current, candidates, records = [], {}, {}, {}
+    for d in doc["shapes"]:
+        s = tp.Shape(d["op"], d["name"], d["k"], d["n"], d["per_step"])
+        cands = [tp.Candidate(c["bucket"], tuple(tuple(f) for f in c["fields"])) for c in d["candidates"]]
+        shapes.append(s)
+        candidates[s], current[s] = cands, cands[d["current"]]
+        records.update({(s, c): r["record"] for c, r in zip(cands, d["candidates"])})
+    plan = tp.TunePlan(arch, dtype, cfg, shapes, current, candidates)
+    info = {k: v for k, v in doc.items() if k not in ("shapes", "cfg")}
+    return Prepared(folder, plan, records, info)
+
+
+def engc_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("engc")
+    except PackageNotFoundError:
+        return "unknown"
