@@ -172,3 +172,26 @@ def test_pdl_kernels_wait_on_sm90_only(runs):
         on = r["arch"] == "sm90"
         assert r["launch"].get("PDL") == int(on), (r["op"], r["variant"], r["arch"])
         assert ("griddepcontrol.wait" in ptx) == on, (r["op"], r["variant"], r["arch"])
+
+
+def test_sources_recorded_with_the_helpers_they_import(runs):
+    """A cubin is compiled from its triton.py and from the modules whose @triton.jit helpers it calls
+    (kernels/pdl.py; paged_attention/tiles.py): the bundle records each of them beside the kernel's
+    source, as the file reads, and the kernel cache's key covers every one."""
+    from pathlib import Path
+
+    import engc
+    from engc.compiler.kernel_cache import source_files
+    result, _ = runs
+    root = Path(engc.__file__).parent
+    digested = {f.relative_to(root).as_posix() for f in source_files()}
+    attention = next(r for r in result.records if r["op"] == "paged_attention")
+    assert attention["imports"] == ["kernels/src/paged_attention/tiles.py", "kernels/src/pdl.py"]
+    for r in result.records:
+        assert f"kernels/{r['op']}/triton.py" in digested
+        assert result.files[r["source"]] == (root / "kernels" / r["op"] / "triton.py").read_bytes()
+        for path in r["imports"]:
+            rel = "kernels/" + path.removeprefix("kernels/src/")
+            assert result.files[path] == (root / rel).read_bytes() and rel in digested, path
+        if "PDL" in r["constexprs"]:
+            assert "kernels/src/pdl.py" in r["imports"], (r["op"], r["variant"])

@@ -16,11 +16,17 @@ import engc
 from engc.bundle.model_config import ModelConfig
 
 
+def source_files() -> list[Path]:
+    """Every file a compiled kernel's bytes can depend on: the kernels (with kernels/pdl.py and any helper
+    module a triton.py imports, at any depth), codegen and the CUDA templates."""
+    root = Path(engc.__file__).parent
+    return sorted([*root.glob("kernels/**/*.py"), *root.glob("compiler/codegen/*.py"), *root.glob("templates/*.j2")])
+
+
 def sources_digest() -> str:
     root = Path(engc.__file__).parent
-    files = sorted([*root.glob("kernels/*/*.py"), *root.glob("compiler/codegen/*.py"), *root.glob("templates/*.j2")])
     h = hashlib.sha256()
-    for f in files:
+    for f in source_files():
         h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 

@@ -2,7 +2,8 @@
 
     result = compile_kernels(cfg, torch.bfloat16, ["sm80", "sm90"], block_size=16)
     result.files    {bundle-relative path: bytes}: kernels/<arch>/<op>.<variant>.cubin and .ptx, and
-                    kernels/src/<op>.py (the Triton source, once per op, for the record)
+                    kernels/src/<op>.py (the Triton source, once per op, for the record) and the helper
+                    modules it imports (kernels/src/pdl.py, kernels/src/paged_attention/tiles.py)
     result.records  one JSON-ready dict per kernel for the manifest's kernel table (schema in record.py)
 
 Deterministic: the same inputs give the same bytes (records sorted by arch, op, variant).

@@ -4,6 +4,8 @@ Record schema (all JSON types; one per (op, variant, arch)):
   op, variant, arch            e.g. "paged_attention", "decode", "sm90"
   entry                        kernel symbol in the cubin (cuModuleGetFunction name)
   cubin, ptx, source           bundle-relative paths of the cubin, its PTX and the Triton source file
+  imports                      Triton only: bundle-relative paths of the engc modules whose @triton.jit
+                               helpers the source calls (kernels/pdl.py, a sibling like paged_attention/tiles.py)
   ptx_version, ptx_target      PTX ISA pinned for the driver's JIT (87 = ISA 8.7), .target of the PTX
   num_warps, num_ctas          block = (32 * num_warps, 1, 1); num_ctas is always 1
   shared_mem                   dynamic shared memory bytes to pass to cuLaunchKernel; above the function's
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
+import types
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -43,11 +47,14 @@ class CodegenResult:
     records: list[dict] = field(default_factory=list)
 
 
-def kernel_record(spec: KernelSpec, meta: dict, cubin_path: str, ptx_path: str, source_path: str) -> dict:
+def kernel_record(spec: KernelSpec, meta: dict, cubin_path: str, ptx_path: str, source_path: str,
+                  imports: list[str] | None = None) -> dict:
+    """imports: None leaves the field out (a record for a folder that carries no sources)."""
     args = [{"name": name, "type": ty} for name, ty in spec.signature().items() if ty != "constexpr"]
     return {
         "op": spec.op, "variant": spec.variant, "arch": spec.arch, "entry": meta["name"],
         "cubin": cubin_path, "ptx": ptx_path, "source": source_path,
+        **({"imports": imports} if imports is not None else {}),
         "ptx_version": PTX_VERSION, "ptx_target": meta["ptx_target"],
         "num_warps": meta["num_warps"], "num_ctas": meta["num_ctas"], "shared_mem": meta["shared"],
         "args": args + SCRATCH_ARGS, "scratch_params": len(SCRATCH_ARGS), "align": 16,
@@ -56,6 +63,34 @@ def kernel_record(spec: KernelSpec, meta: dict, cubin_path: str, ptx_path: str, 
         "tune_key": spec.tune_key, "tune": dict(sorted(spec.tune.items())),
         "triton_version": meta["triton_version"],
     }
+
+
+def jit_imports(module: types.ModuleType) -> list[types.ModuleType]:
+    """The engc.kernels modules other than `module` whose @triton.jit functions its kernels can call, found
+    through its globals (a module, or a function imported from one), transitively; sorted by name. A
+    kernel's cubin is compiled from these as much as from its own file."""
+    from triton.runtime.jit import JITFunction
+
+    def reached(m):
+        for v in vars(m).values():
+            if isinstance(v, JITFunction):
+                v = sys.modules[v.fn.__module__]
+            if isinstance(v, types.ModuleType) and v.__name__.startswith("engc.kernels.") and \
+                    any(isinstance(f, JITFunction) for f in vars(v).values()):
+                yield v
+
+    found, todo = {}, [module]
+    while todo:
+        for dep in reached(todo.pop()):
+            if dep is not module and dep.__name__ not in found:
+                found[dep.__name__] = dep
+                todo.append(dep)
+    return [found[name] for name in sorted(found)]
+
+
+def import_path(module: types.ModuleType) -> str:
+    """Bundle path of a helper module's source: kernels/src/ + its path under engc/kernels."""
+    return "kernels/src/" + module.__name__.removeprefix("engc.kernels.").replace(".", "/") + ".py"
 
 
 def default_jobs() -> int:
@@ -87,9 +122,13 @@ def compile_specs(specs: list[KernelSpec], progress: Callable[[str], None] | Non
         source_path = f"kernels/src/{spec.op}.py"
         result.files[f"{stem}.cubin"] = cubin
         result.files[f"{stem}.ptx"] = ptx.encode()
-        if source_path not in result.files:
-            result.files[source_path] = inspect.getsource(inspect.getmodule(spec.fn().fn)).encode()
-        result.records.append(kernel_record(spec, meta, f"{stem}.cubin", f"{stem}.ptx", source_path))
+        module = inspect.getmodule(spec.fn().fn)
+        imports = jit_imports(module)
+        for path, mod in ((source_path, module), *((import_path(m), m) for m in imports)):
+            if path not in result.files:
+                result.files[path] = inspect.getsource(mod).encode()
+        result.records.append(kernel_record(spec, meta, f"{stem}.cubin", f"{stem}.ptx", source_path,
+                                            [import_path(m) for m in imports]))
     return result
 
 
