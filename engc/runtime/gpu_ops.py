@@ -81,6 +81,8 @@ class BundleKernels:
         pdl = os.environ.get("ENGC_PDL", "1") != "0"
         self.kernels: dict[tuple[str, str], Kernel] = {}
         self.consts: dict[str, dict] = {}
+        self.records: dict[tuple[str, str], dict] = {}
+        self.align_mask: dict[tuple[str, str], int] = {}
         for r in records:  # one image file per (op, variant): each loads as its own module
             scratch = r.get("scratch_params", SCRATCH)   # CUDA C++ kernels take none
             sig = signature_from_triton([a["type"] for a in r["args"][:len(r["args"]) - scratch]])
@@ -89,15 +91,37 @@ class BundleKernels:
                 shared_mem=r["shared_mem"], scratch_params=scratch,
                 pdl=pdl and bool(r.get("launch", {}).get("PDL")))
             self.consts.setdefault(r["op"], {})[r["variant"]] = r.get("launch", {})
+            self.records[(r["op"], r["variant"])] = r
+            # the pointer alignment the kernel was compiled to assume (Triton's divisibility hint; vector
+            # loads in the CUDA C++ kernels)
+            self.align_mask[(r["op"], r["variant"])] = r.get("align", 16) - 1
 
     def run(self, op: str, launches) -> None:
         stream = current_stream()
         for variant, grid, args in launches:
             kernel = self.kernels[(op, variant)]
             # A launch rule lists every parameter of the record, scratch zeros included; the kernel
-            # appends its own null scratch pointers, so pass only its own parameters.
-            kernel.launch(grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a
-                                 for a in args[:len(kernel.signature)]], stream)
+            # appends its own null scratch pointers, so pass only its own parameters. Tensors pass as their
+            # addresses, which the kernel assumes aligned: a view at an odd offset would be misread
+            # silently, not fault, so it is refused (one OR a tensor, a few hundred ns a launch; a
+            # captured CUDA graph replays without it).
+            values, addresses = [], 0
+            for a in args[:len(kernel.signature)]:
+                if isinstance(a, torch.Tensor):
+                    a = a.data_ptr()
+                    addresses |= a
+                values.append(a)
+            if addresses & self.align_mask[(op, variant)]:
+                self._misaligned(op, variant, args)
+            kernel.launch(grid, values, stream)
+
+    def _misaligned(self, op: str, variant: str, args):
+        r, mask = self.records[(op, variant)], self.align_mask[(op, variant)]
+        i, address = next((i, a.data_ptr()) for i, a in enumerate(args)
+                          if isinstance(a, torch.Tensor) and a.data_ptr() & mask)
+        raise ValueError(f"{op}.{variant}: argument {r['args'][i]['name']} is at {address:#x}, not "
+                         f"{mask + 1}-byte aligned as the kernel assumes (a view at an offset? pass a fresh "
+                         f"tensor, e.g. .clone())")
 
 
 def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:

@@ -61,7 +61,6 @@ def launch(x, out, scale, consts=None):
     """
     rows, k = x.shape
     assert x.is_contiguous() and out.is_contiguous() and out.shape == x.shape and scale.shape == (rows,)
-    assert x.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
     if rows == 0:
         return []
     return [(f"k{k}", (rows, 1, 1), [x, out, scale, 0, 0])]

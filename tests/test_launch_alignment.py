@@ -1,0 +1,61 @@
+"""runtime/gpu_ops.BundleKernels.run refuses a pointer argument the kernel would misread: every kernel is
+compiled assuming 16-byte-aligned pointers (the record's 'align'), so a view at an odd offset must stop
+with one line naming the op, variant and argument, before anything is launched. On the CPU: the cubin
+loader and the stream are faked, the rest is the runtime's own code."""
+import pytest
+import torch
+
+from engc.runtime import gpu_ops
+
+ARGS = [("q_ptr", "*bf16"), ("k_cache_ptr", "*bf16"), ("context_lens_ptr", "*i32"), ("scale", "fp32"),
+        ("num_splits", "i32"), ("global_scratch", "*i8"), ("profile_scratch", "*i8")]
+RECORD = {"op": "paged_attention", "variant": "decode", "arch": "sm90", "entry": "paged_decode_kernel",
+          "cubin": "kernels/sm90/paged_attention.decode.cubin", "ptx": "kernels/sm90/paged_attention.decode.ptx",
+          "num_warps": 4, "shared_mem": 0, "args": [{"name": n, "type": t} for n, t in ARGS],
+          "scratch_params": 2, "align": 16, "launch": {}}
+
+
+class FakeKernel:
+    def __init__(self, signature):
+        self.signature = signature
+        self.launched = []
+
+    def launch(self, grid, values, stream):
+        self.launched.append(values)
+
+
+class FakeBundle:
+    manifest = {"kernels": [RECORD]}
+
+    def read(self, path):
+        return b""
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    monkeypatch.setattr(gpu_ops, "require_cuda", lambda: None)
+    monkeypatch.setattr(gpu_ops, "load_kernel", lambda image, entry, sig, **kw: FakeKernel(sig))
+    monkeypatch.setattr(gpu_ops, "current_stream", lambda: 0)
+    return gpu_ops.BundleKernels(FakeBundle(), "sm90")
+
+
+def test_aligned_tensors_launch_as_their_addresses(kernels):
+    q, cache = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.bfloat16)
+    ctx = torch.ones(4, dtype=torch.int32)
+    # odd scalars are values, not addresses; a null pointer (None or 0) is aligned
+    kernels.run("paged_attention", [("decode", (1, 1, 1), [q, cache, ctx, 0.125, 3, 0, 0]),
+                                    ("decode", (1, 1, 1), [q, None, ctx, 0.125, 1, 0, 0])])
+    kernel = kernels.kernels[("paged_attention", "decode")]
+    assert kernel.signature == "pppfi"
+    assert kernel.launched == [[q.data_ptr(), cache.data_ptr(), ctx.data_ptr(), 0.125, 3],
+                               [q.data_ptr(), None, ctx.data_ptr(), 0.125, 1]]
+
+
+def test_a_misaligned_view_is_refused_by_name_before_launch(kernels):
+    q, ctx = torch.zeros(64, dtype=torch.bfloat16), torch.ones(4, dtype=torch.int32)
+    cache = torch.zeros(65, dtype=torch.bfloat16)[1:]   # contiguous, 2 bytes past an aligned start
+    assert cache.is_contiguous() and cache.data_ptr() % 16 == 2
+    with pytest.raises(ValueError, match=r"^paged_attention\.decode: argument k_cache_ptr is at 0x[0-9a-f]+, "
+                                         r"not 16-byte aligned"):
+        kernels.run("paged_attention", [("decode", (1, 1, 1), [q, cache, ctx, 0.125, 3, 0, 0])])
+    assert kernels.kernels[("paged_attention", "decode")].launched == []
