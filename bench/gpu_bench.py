@@ -211,8 +211,9 @@ def bench_shape(shape: str, args) -> dict:
     work = Path(args.work)
     base = base_shape(shape)
     ckpt, bundle = work / f"ckpt-{base}{'-int4' if is_int4(shape) else ''}", work / f"bundle-{shape}"
-    if args.tune:   # a tune-table variant: its own bundle
-        bundle = bundle.with_name(bundle.name + "-tuned")
+    if args.tune:   # a tune-table variant: its own bundle, one per table (--quick reuses a bundle by name)
+        import hashlib
+        bundle = bundle.with_name(bundle.name + "-tuned-" + hashlib.sha256(args.tune.encode()).hexdigest()[:8])
     res = {"shape": shape, "gpu": torch.cuda.get_device_name(), "commit": args.commit, "tune": args.tune,
            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d")}
     if not (ckpt / "config.json").exists():
@@ -551,7 +552,7 @@ def main():
                     help="batch-1 decode and the two first batch sizes only, reusing a built bundle (A/B runs: "
                          "e.g. ENGC_PDL=0 ... --quick after a full run)")
     ap.add_argument("--tune", default="", help='tune-table entries (JSON {"sm90/op/variant/bucket": {field: '
-                    'value}}, as engc build --tune takes) to prepare and build with; the bundle gets a -tuned suffix')
+                    'value}}, as engc build --tune takes) to prepare and build with; the bundle gets a -tuned-<hash of the JSON> suffix; an 8B one is 16 GB, so remove it after its run on a small disk')
     ap.add_argument("--timeout", type=int, default=400)
     args = ap.parse_args()
     prepare(args) if args.verb == "prepare" else run(args)
