@@ -552,7 +552,8 @@ def main():
                     help="batch-1 decode and the two first batch sizes only, reusing a built bundle (A/B runs: "
                          "e.g. ENGC_PDL=0 ... --quick after a full run)")
     ap.add_argument("--tune", default="", help='tune-table entries (JSON {"sm90/op/variant/bucket": {field: '
-                    'value}}, as engc build --tune takes) to prepare and build with; the bundle gets a -tuned-<hash of the JSON> suffix; an 8B one is 16 GB, so remove it after its run on a small disk')
+                    'value}}, as engc build --tune takes) to prepare and build with; the bundle gets a '
+                    '-tuned-<hash of the JSON> suffix (an 8B one is 16 GB: remove it after its run on a small disk)')
     ap.add_argument("--timeout", type=int, default=400)
     args = ap.parse_args()
     prepare(args) if args.verb == "prepare" else run(args)
