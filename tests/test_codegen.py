@@ -176,7 +176,7 @@ def test_pdl_kernels_wait_on_sm90_only(runs):
 
 def test_sources_recorded_with_the_helpers_they_import(runs):
     """A cubin is compiled from its triton.py and from the modules whose @triton.jit helpers it calls
-    (kernels/pdl.py; paged_attention/tiles.py): the bundle records each of them beside the kernel's
+    (kernels/pdl.py; paged_attention/tiles.py; gemm_tiles.py): the bundle records each of them beside the kernel's
     source, as the file reads, and the kernel cache's key covers every one."""
     from pathlib import Path
 
@@ -187,6 +187,8 @@ def test_sources_recorded_with_the_helpers_they_import(runs):
     digested = {f.relative_to(root).as_posix() for f in source_files()}
     attention = next(r for r in result.records if r["op"] == "paged_attention")
     assert attention["imports"] == ["kernels/src/paged_attention/tiles.py", "kernels/src/pdl.py"]
+    gemv = next(r for r in result.records if r["op"] == "gemv")
+    assert gemv["imports"] == ["kernels/src/gemm_tiles.py", "kernels/src/pdl.py"]
     for r in result.records:
         assert f"kernels/{r['op']}/triton.py" in digested
         assert result.files[r["source"]] == (root / "kernels" / r["op"] / "triton.py").read_bytes()

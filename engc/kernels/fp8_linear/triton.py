@@ -7,8 +7,9 @@ that (cuBLASLt's _scaled_mm reached ~1.5 TB/s there on the H200):
   operands becomes wgmma ...e4m3.e4m3 with an fp32 accumulator. Both operands are K-contiguous in memory,
   which is the only fp8 wgmma layout.
 - split-K when N / BLOCK_N alone gives too few programs for the SMs; the splits are reduced in the same
-  launch by the last program to arrive (as kernels/gemv does): fp32 partials, a per-N-tile counter left
-  at zero for the next launch, the sum taken in split order, so results do not depend on timing.
+  launch by the last program to arrive (kernels/gemm_tiles.py, as kernels/gemv does): fp32 partials, a
+  per-N-tile counter left at zero for the next launch, the sum taken in split order, so results do not
+  depend on timing.
 - W tiles are plain 16-byte-vector loads of K-contiguous rows; Triton pipelines them through shared
   memory over num_stages (cp.async).
 
@@ -21,6 +22,8 @@ rule uses it up to `fuse_quant_max_m` rows only. Otherwise x is already float8 w
 """
 import triton
 import triton.language as tl
+
+from engc.kernels import gemm_tiles
 
 
 @triton.jit
@@ -89,13 +92,8 @@ def fp8_linear_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
     else:
         part_offs = rows[None, :] * N + offs_n[:, None]
         part_mask = row_mask[None, :] & (offs_n < N)[:, None]
-        tl.store(partial_ptr + pid_k * M * N + part_offs, acc, mask=part_mask)
-        tl.debug_barrier()  # every thread's partial is stored before this program counts as arrived
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in range(0, splits):
-                total += tl.load(partial_ptr + s * M * N + part_offs, mask=part_mask, other=0.0,
-                                 cache_modifier=".cg")
+        if gemm_tiles.store_partial_and_arrive(acc, partial_ptr, counter_ptr, pid_n, pid_k, M, N, part_offs,
+                                               part_mask, splits):
+            total = gemm_tiles.sum_partials(partial_ptr, M, N, part_offs, part_mask, splits)
             _store_tile(total, w_scale_ptr, x_scale, bias_ptr, out_ptr, offs_n, rows, row_mask, N, has_bias)
-            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            gemm_tiles.reset_counter(counter_ptr, pid_n)

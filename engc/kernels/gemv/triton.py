@@ -6,11 +6,9 @@ CUDA cores (DOT=False: a row of x times the W tile, reduced along K; rows past M
 time); larger M pads to BLOCK_M >= 16 and uses tl.dot (tensor cores), whose W tiles Triton pipelines
 through shared memory over num_stages.
 
-Split-K for parallelism when N alone gives too few programs: every split stores its fp32 partial
-[M, BLOCK_N] to partial_ptr[split], then counts itself in counter_ptr[pid_n]; the last one to arrive
-sums the partials in split order (deterministic), writes y and zeroes the counter for the next launch,
-so one launch does the job of cuBLAS's GEMV + splitK-reduce pair. Counters start zeroed (the runtime
-owns them) and are left zeroed.
+Split-K for parallelism when N alone gives too few programs, reduced in the same launch by the last
+split to arrive (kernels/gemm_tiles.py: fp32 partials, summed in split order, counters left zeroed), so
+one launch does the job of cuBLAS's GEMV + splitK-reduce pair.
 
 SILU: x is the fused gate_up [M, 2K] (gate first) and the kernel multiplies by silu(gate) * up, rounded
 to the storage dtype at the same two points as kernels/silu_mul does, so results match silu_mul + linear.
@@ -18,25 +16,10 @@ to the storage dtype at the same two points as kernels/silu_mul does, so results
 import triton
 import triton.language as tl
 
-from engc.kernels import pdl
+from engc.kernels import gemm_tiles, pdl
 
 # K elements per thread and load: 16 bytes of bf16/fp16
 VEC: tl.constexpr = tl.constexpr(8)
-
-
-@triton.jit
-def _act_tile(x_ptr, rows, offs_k, row_mask, k_mask, K: tl.constexpr, SILU: tl.constexpr):
-    """[len(rows), BLOCK_K] fp32 of the GEMV's input; silu(gate) * up when SILU."""
-    stride: tl.constexpr = 2 * K if SILU else K
-    ptrs = x_ptr + rows[:, None] * stride + offs_k[None, :]
-    mask = row_mask[:, None] & k_mask[None, :]
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    if SILU:
-        g = x.to(tl.float32)
-        u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
-        x = (s * u).to(x.dtype)
-    return x
 
 
 @triton.jit
@@ -46,8 +29,8 @@ def _row_partial(w, x_ptr, m: tl.constexpr, offs_k, k_mask, K: tl.constexpr, SIL
     BLOCK_K // VEC]. The [1, BLOCK_K] row load gets the W tile's own layout when BLOCK_K is a multiple of
     VEC * 32 * num_warps, so no layout conversion runs in the loop; the cross-thread sum waits until
     the end."""
-    x = _act_tile(x_ptr + m * (2 * K if SILU else K), tl.arange(0, 1), offs_k, tl.arange(0, 1) < 1,
-                  k_mask, K, SILU)
+    x = gemm_tiles.act_tile(x_ptr + m * (2 * K if SILU else K), tl.arange(0, 1), offs_k, tl.arange(0, 1) < 1,
+                            k_mask, K, SILU)
     prod = w.to(tl.float32) * x.to(tl.float32)
     return tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
 
@@ -83,7 +66,7 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_tiles_p
         else:
             w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
         if DOT:
-            x = _act_tile(x_ptr, rows, offs_k, rows < M, k_mask, K, SILU)
+            x = gemm_tiles.act_tile(x_ptr, rows, offs_k, rows < M, k_mask, K, SILU)
             acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)
         else:
             acc0 += _row_partial(w, x_ptr, 0, offs_k, k_mask, K, SILU, BLOCK_N, BLOCK_K, VEC)
@@ -105,16 +88,4 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_tiles_p
 
     out_offs = rows[:, None] * N + offs_n[None, :]
     out_mask = (rows[:, None] < M) & (offs_n[None, :] < N)
-    if splits == 1:
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(partial_ptr + pid_k * M * N + out_offs, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is stored before this program counts as arrived
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in range(0, splits):
-                total += tl.load(partial_ptr + s * M * N + out_offs, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    gemm_tiles.store_split_k(acc, out_ptr, partial_ptr, counter_ptr, pid_n, pid_k, M, N, out_offs, out_mask, splits)

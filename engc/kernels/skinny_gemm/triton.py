@@ -8,20 +8,20 @@ that, as kernels/fp8_linear is for float8:
   (mma.sync on sm80).
 - split-K when N / BLOCK_N alone leaves SMs idle; the splits are reduced in the same launch by the last
   program to arrive (fp32 partials, a per-N-tile counter left at zero, the sum taken in split order, so
-  results do not depend on timing), as kernels/gemv and kernels/fp8_linear do.
+  results do not depend on timing: kernels/gemm_tiles.py, as kernels/gemv and kernels/fp8_linear do).
 - PDL (kernels/pdl.py): W is a constant weight, so before waiting on the previous kernel each program
   asks L2 for the first PREFETCH_K columns of its W slice (prefetch.global.L2, one per 128-byte line):
   the DRAM reads of its first tiles overlap the previous kernel's tail instead of following it.
 
-SILU: x is the fused gate_up [M, 2K] (gate first) and the kernel multiplies by silu(gate) * up, rounded
-to the storage dtype at the same two points as kernels/silu_mul does, so results match silu_mul + linear.
+SILU: x is the fused gate_up [M, 2K] (gate first) and the kernel multiplies by silu(gate) * up
+(gemm_tiles.act_tile, the GEMV's), so results match silu_mul + linear.
 """
 import os
 
 import triton
 import triton.language as tl
 
-from engc.kernels import pdl
+from engc.kernels import gemm_tiles, pdl
 
 # bf16/fp16 elements in a 128-byte cache line: one L2 prefetch each
 LINE: tl.constexpr = tl.constexpr(64)
@@ -35,21 +35,6 @@ else:
     def _prefetch_l2(ptrs):
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                                   is_pure=False, pack=1)
-
-
-@triton.jit
-def _act_tile(x_ptr, rows, offs_k, row_mask, k_mask, K: tl.constexpr, SILU: tl.constexpr):
-    """[BLOCK_M, BLOCK_K] of the GEMM's input in its storage dtype; silu(gate) * up when SILU."""
-    stride: tl.constexpr = 2 * K if SILU else K
-    ptrs = x_ptr + rows[:, None] * stride + offs_k[None, :]
-    mask = row_mask[:, None] & k_mask[None, :]
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    if SILU:
-        g = x.to(tl.float32)
-        u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
-        x = (s * u).to(x.dtype)
-    return x
 
 
 @triton.jit
@@ -83,22 +68,10 @@ def skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_
             w = tl.load(w_rows + offs_k[None, :])
         else:
             w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-        x = _act_tile(x_ptr, rows, offs_k, row_mask, k_mask, K, SILU)
+        x = gemm_tiles.act_tile(x_ptr, rows, offs_k, row_mask, k_mask, K, SILU)
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
 
     # acc is transposed (swap AB): element [n, m] goes to out[m, n]
     out_offs = rows[None, :] * N + offs_n[:, None]
     out_mask = row_mask[None, :] & (offs_n < N)[:, None]
-    if splits == 1:
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(partial_ptr + pid_k * M * N + out_offs, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is stored before this program counts as arrived
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in range(0, splits):
-                total += tl.load(partial_ptr + s * M * N + out_offs, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    gemm_tiles.store_split_k(acc, out_ptr, partial_ptr, counter_ptr, pid_n, pid_k, M, N, out_offs, out_mask, splits)
