@@ -14,8 +14,6 @@ for the smallest M class holding M if there is one, else the fp8_quant kernel + 
 """
 from __future__ import annotations
 
-import torch
-
 from engc.kernels import gemv
 from engc.kernels.fp8_quant import fp8_linear  # noqa: F401  (the op's reference)
 
@@ -30,10 +28,7 @@ def variant_name(k: int, max_m: int, quant_x: bool) -> str:
 
 def variant_table(consts: dict) -> dict:
     """(K, quant_x) -> [(max_m, variant)] ascending, from the op's launch constants (variant -> record launch)."""
-    table: dict = {}
-    for variant, c in consts.items():
-        table.setdefault((c["K"], bool(c["QUANT_X"])), []).append((c["max_m"], variant))
-    return {key: sorted(v) for key, v in table.items()}
+    return gemv.table_by_k(consts, "QUANT_X", lambda v, c: (c["max_m"], v))
 
 
 def pick(table: dict, k: int, m: int, quant_x: bool) -> str | None:
@@ -62,9 +57,8 @@ def launch(x, x_scale, w, w_scale, bias, out, variant: str, consts: dict, counte
     x contiguous [M, K]: bf16/fp16 for a QUANT_X variant (x_scale None), else float8_e4m3fn with x_scale
     float32 [M]; w float8_e4m3fn [N, K] contiguous, w_scale float32 [N], bias [N] or None, out [M, N];
     consts: the variant's record launch; counters: NUM_COUNTERS int32, zero, owned by the caller (split
-    launches leave them zero). The fp32 split partials come from torch's allocator (inside a CUDA graph,
-    its pool). args: x, x_scale, w, w_scale, bias, out, partial, counter, M, N, k_tiles_per_split, splits,
-    has_bias, global/profile scratch.
+    launches leave them zero; gemv.split_k). args: x, x_scale, w, w_scale, bias, out, partial, counter, M,
+    N, k_tiles_per_split, splits, has_bias, global/profile scratch.
     """
     m, (n, k) = x.shape[0], w.shape
     assert k == consts["K"] and x.shape[1] == k and m <= consts["max_m"] and out.shape == (m, n)
@@ -72,12 +66,7 @@ def launch(x, x_scale, w, w_scale, bias, out, variant: str, consts: dict, counte
     assert x.is_contiguous() and w.is_contiguous() and out.is_contiguous()
     if m == 0:
         return []
-    n_tiles = -(-n // consts["BLOCK_N"])
-    k_tiles = -(-k // consts["BLOCK_K"])
-    splits, per = split_count(n_tiles, k_tiles, consts)
-    if splits > 1 and n_tiles > counters.numel():
-        splits, per = 1, k_tiles
-    partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else 0
+    n_tiles, splits, per, partial, counter = gemv.split_k(x, n, k, consts, counters, split_count)
     return [(variant, (n_tiles, splits, 1),
              [x, 0 if x_scale is None else x_scale, w, w_scale, 0 if bias is None else bias, out, partial,
-              counters if splits > 1 else 0, m, n, per, splits, int(bias is not None), 0, 0])]
+              counter, m, n, per, splits, int(bias is not None), 0, 0])]

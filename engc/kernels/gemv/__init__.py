@@ -58,14 +58,19 @@ def is_cuda(c: dict) -> bool:
     return c.get("impl") == "cuda"
 
 
+def table_by_k(consts: dict, flag: str, row) -> dict:
+    """(K, bool(c[flag])) -> sorted [row(variant, c)] over an op's variants (variant -> record launch c):
+    the table the pick of gemv, skinny_gemm and fp8_linear walks, its order set by what row puts first."""
+    table: dict = {}
+    for variant, c in consts.items():
+        table.setdefault((c["K"], bool(c[flag])), []).append(row(variant, c))
+    return {key: sorted(v) for key, v in table.items()}
+
+
 def variant_table(consts: dict) -> dict:
     """(K, silu) -> [(rank, max_m, n_ranges, variant)] in pick order: CUDA variants (rank 0) before Triton
     ones (the tune table builds a CUDA kernel only where it beat both), each by ascending M class."""
-    table: dict = {}
-    for variant, c in consts.items():
-        table.setdefault((c["K"], bool(c["SILU"])), []).append(
-            (0 if is_cuda(c) else 1, c["max_m"], n_ranges(c), variant))
-    return {key: sorted(v) for key, v in table.items()}
+    return table_by_k(consts, "SILU", lambda v, c: (0 if is_cuda(c) else 1, c["max_m"], n_ranges(c), v))
 
 
 def pick(table: dict, k: int, silu: bool, m: int, n: int = 0) -> str | None:
@@ -85,25 +90,35 @@ def split_count(n_tiles: int, k_tiles: int, c: dict) -> tuple[int, int]:
     return -(-k_tiles // per), per
 
 
+def split_k(x, n: int, k: int, consts: dict, counters, rule=split_count):
+    """The split-K half of the gemv, skinny_gemm and fp8_linear launch rules: (N tiles, splits, K tiles per
+    split, partial, counter argument), splits by the op's rule (its split_count), none where there are
+    fewer counters than N tiles. The fp32 partials [splits, M, N] come from torch's allocator (inside a
+    CUDA graph, its pool); unsplit, partial and counters are 0 (null pointers the kernel never reads)."""
+    n_tiles = -(-n // consts["BLOCK_N"])
+    k_tiles = -(-k // consts["BLOCK_K"])
+    splits, per = rule(n_tiles, k_tiles, consts)
+    if splits > 1 and n_tiles > counters.numel():
+        splits, per = 1, k_tiles
+    if splits == 1:
+        return n_tiles, splits, per, 0, 0
+    partial = torch.empty((splits, x.shape[0], n), dtype=torch.float32, device=x.device)
+    return n_tiles, splits, per, partial, counters
+
+
 def launch(x, w, out, variant: str, consts: dict, counters):
     """Launch rule of gemv_kernel: [(variant, grid, args)].
 
     x contiguous [M, K] ([M, 2K] gate_up for a SILU variant), w contiguous [N, K], out contiguous [M, N];
     consts: the variant's record launch; counters: NUM_COUNTERS int32, zero, owned by the caller (split
-    launches leave them zero). The fp32 split partials come from torch's allocator (inside a CUDA graph,
-    its pool). args: x, w, out, partial, counter, M, N, k_tiles_per_split, splits, then the Triton
-    kernel's global/profile scratch zeros (a CUDA variant takes none).
+    launches leave them zero; split_k). args: x, w, out, partial, counter, M, N, k_tiles_per_split, splits,
+    then the Triton kernel's global/profile scratch zeros (a CUDA variant takes none).
     """
     m, (n, k) = x.shape[0], w.shape
     assert k == consts["K"] and x.shape[1] == (2 * k if consts["SILU"] else k) and m <= consts["max_m"]
     assert x.is_contiguous() and w.is_contiguous() and out.is_contiguous() and out.shape == (m, n)
     if m == 0:
         return []
-    n_tiles = -(-n // consts["BLOCK_N"])
-    splits, per = split_count(n_tiles, -(-k // consts["BLOCK_K"]), consts)
-    if splits > 1 and n_tiles > counters.numel():
-        splits, per = 1, -(-k // consts["BLOCK_K"])
-    partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else 0
+    n_tiles, splits, per, partial, counter = split_k(x, n, k, consts, counters)
     scratch = [] if is_cuda(consts) else [0, 0]
-    return [(variant, (n_tiles, splits, 1),
-             [x, w, out, partial, counters if splits > 1 else 0, m, n, per, splits] + scratch)]
+    return [(variant, (n_tiles, splits, 1), [x, w, out, partial, counter, m, n, per, splits] + scratch)]

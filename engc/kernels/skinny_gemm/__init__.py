@@ -13,8 +13,6 @@ max_n admits N (`pick`).
 """
 from __future__ import annotations
 
-import torch
-
 from engc.kernels import gemv
 from engc.kernels.fp8_linear import split_count  # noqa: F401  (the same rule: fill target_programs, one wave)
 from engc.kernels.gemv import gemv as skinny_gemm, silu_mul_linear  # noqa: F401  (the op's references)
@@ -29,10 +27,7 @@ def variant_name(k: int, silu: bool, max_m: int) -> str:
 
 def variant_table(consts: dict) -> dict:
     """(K, silu) -> [(max_m, min_m, max_n, variant)] by ascending M class, from the op's launch constants."""
-    table: dict = {}
-    for variant, c in consts.items():
-        table.setdefault((c["K"], bool(c["SILU"])), []).append((c["max_m"], c["min_m"], c["max_n"], variant))
-    return {key: sorted(v) for key, v in table.items()}
+    return gemv.table_by_k(consts, "SILU", lambda v, c: (c["max_m"], c["min_m"], c["max_n"], v))
 
 
 def pick(table: dict, k: int, silu: bool, m: int, n: int) -> str | None:
@@ -46,19 +41,13 @@ def launch(x, w, out, variant: str, consts: dict, counters):
 
     x contiguous [M, K] ([M, 2K] gate_up for a SILU variant), w contiguous [N, K], out contiguous [M, N];
     consts: the variant's record launch; counters: NUM_COUNTERS int32, zero, owned by the caller (split
-    launches leave them zero). The fp32 split partials come from torch's allocator (inside a CUDA graph,
-    its pool). args: x, w, out, partial, counter, M, N, k_tiles_per_split, splits, global/profile scratch.
+    launches leave them zero; gemv.split_k). args: x, w, out, partial, counter, M, N, k_tiles_per_split,
+    splits, global/profile scratch.
     """
     m, (n, k) = x.shape[0], w.shape
     assert k == consts["K"] and x.shape[1] == (2 * k if consts["SILU"] else k) and m <= consts["max_m"]
     assert x.is_contiguous() and w.is_contiguous() and out.is_contiguous() and out.shape == (m, n)
     if m == 0:
         return []
-    n_tiles = -(-n // consts["BLOCK_N"])
-    k_tiles = -(-k // consts["BLOCK_K"])
-    splits, per = split_count(n_tiles, k_tiles, consts)
-    if splits > 1 and n_tiles > counters.numel():
-        splits, per = 1, k_tiles
-    partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else 0
-    return [(variant, (n_tiles, splits, 1),
-             [x, w, out, partial, counters if splits > 1 else 0, m, n, per, splits, 0, 0])]
+    n_tiles, splits, per, partial, counter = gemv.split_k(x, n, k, consts, counters, split_count)
+    return [(variant, (n_tiles, splits, 1), [x, w, out, partial, counter, m, n, per, splits, 0, 0])]
