@@ -1,4 +1,6 @@
-"""@triton.jit pieces the decode GEMM kernels share (kernels/gemv, skinny_gemm, fp8_linear triton.py).
+"""@triton.jit pieces the decode GEMM kernels share (kernels/gemv, skinny_gemm, fp8_linear triton.py): the
+program's W rows and their K-tile loads, its split's K range, the (SiLU-fused) input tile, and the split-K
+epilogue.
 
 Split-K reduced in the same launch: every split stores its fp32 partial tile to partial_ptr[split], then
 counts itself in counter_ptr[pid_n]; the last one to arrive sums the partials in split order (so the
@@ -12,6 +14,34 @@ every kernel (the cubins were compared byte for byte when they moved here).
 """
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def w_tile_rows(w_ptr, pid_n, N, K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """offs_n and the row pointers of program pid_n's BLOCK_N rows of W [N, K]. Rows past N read row N-1
+    again (stores are masked): W loads need no mask along N and stay wide."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
+    return offs_n, w_rows
+
+
+@triton.jit
+def split_tiles(pid_k, k_tiles_per_split, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(t_begin, t_end): the K tiles split pid_k sums over; the last split may be short."""
+    k_tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    t_begin = pid_k * k_tiles_per_split
+    t_end = tl.minimum(t_begin + k_tiles_per_split, k_tiles)
+    return t_begin, t_end
+
+
+@triton.jit
+def load_w_tile(w_rows, offs_k, k_mask, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W [BLOCK_N, BLOCK_K] at columns offs_k; unmasked, so wide, where K is a multiple of BLOCK_K."""
+    if K % BLOCK_K == 0:
+        w = tl.load(w_rows + offs_k[None, :])
+    else:
+        w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+    return w
 
 
 @triton.jit

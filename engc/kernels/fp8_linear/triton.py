@@ -59,9 +59,7 @@ def fp8_linear_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
                       QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows past N read row N-1 again (stores are masked): W loads need no mask along N and stay wide.
-    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
+    offs_n, w_rows = gemm_tiles.w_tile_rows(w_ptr, pid_n, N, K, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     x_rows = x_ptr + rows[:, None] * K
@@ -70,17 +68,12 @@ def fp8_linear_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
     else:
         x_scale = tl.load(x_scale_ptr + rows, mask=row_mask, other=0.0)
 
-    k_tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    t_begin = pid_k * k_tiles_per_split
-    t_end = tl.minimum(t_begin + k_tiles_per_split, k_tiles)
+    t_begin, t_end = gemm_tiles.split_tiles(pid_k, k_tiles_per_split, K, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for t in range(t_begin, t_end):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        if K % BLOCK_K == 0:
-            w = tl.load(w_rows + offs_k[None, :])
-        else:
-            w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        w = gemm_tiles.load_w_tile(w_rows, offs_k, k_mask, K, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if QUANT_X:
             x = tl.clamp(tl.math.div_rn(x.to(tl.float32), x_scale[:, None]), -FP8_MAX, FP8_MAX)

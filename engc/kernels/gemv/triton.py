@@ -41,13 +41,9 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_tiles_p
                 SILU: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows past N read row N-1 again (stores are masked): W loads need no mask along N and stay wide.
-    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
+    offs_n, w_rows = gemm_tiles.w_tile_rows(w_ptr, pid_n, N, K, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
-    k_tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    t_begin = pid_k * k_tiles_per_split
-    t_end = tl.minimum(t_begin + k_tiles_per_split, k_tiles)
+    t_begin, t_end = gemm_tiles.split_tiles(pid_k, k_tiles_per_split, K, BLOCK_K)
     # x, the partials and the counters belong to the step: wait for the kernel before
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
@@ -61,10 +57,7 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_tiles_p
     for t in range(t_begin, t_end):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        if K % BLOCK_K == 0:
-            w = tl.load(w_rows + offs_k[None, :])
-        else:
-            w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        w = gemm_tiles.load_w_tile(w_rows, offs_k, k_mask, K, BLOCK_K)
         if DOT:
             x = gemm_tiles.act_tile(x_ptr, rows, offs_k, rows < M, k_mask, K, SILU)
             acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)

@@ -43,12 +43,8 @@ def skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_
                        SILU: tl.constexpr, PREFETCH_K: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows past N read row N-1 again (stores are masked): W loads need no mask along N and stay wide.
-    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
-    k_tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    t_begin = pid_k * k_tiles_per_split
-    t_end = tl.minimum(t_begin + k_tiles_per_split, k_tiles)
+    offs_n, w_rows = gemm_tiles.w_tile_rows(w_ptr, pid_n, N, K, BLOCK_N)
+    t_begin, t_end = gemm_tiles.split_tiles(pid_k, k_tiles_per_split, K, BLOCK_K)
     if PREFETCH_K > 0:   # the split's first columns, clamped to its own range
         k_first = t_begin * BLOCK_K
         k_last = tl.minimum(t_end * BLOCK_K, K) - 1
@@ -64,10 +60,7 @@ def skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_
     for t in range(t_begin, t_end):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        if K % BLOCK_K == 0:
-            w = tl.load(w_rows + offs_k[None, :])
-        else:
-            w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        w = gemm_tiles.load_w_tile(w_rows, offs_k, k_mask, K, BLOCK_K)
         x = gemm_tiles.act_tile(x_ptr, rows, offs_k, row_mask, k_mask, K, SILU)
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
 
