@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from interpreted import interpreted_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_TILES = {"BLOCK_N": 16, "BLOCK_K": 32, "target_programs": 64, "min_split_k_tiles": 1}
@@ -22,11 +23,7 @@ SMALL_TILES = {"BLOCK_N": 16, "BLOCK_K": 32, "target_programs": 64, "min_split_k
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"gemv checks crashed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1])
+    return interpreted_report(__file__)
 
 
 CASES = ["gemv_bf16_n50_k96", "gemv_fp16_n50_k96", "gemv_bf16_n33_k200_ragged_k", "gemv_bf16_n70_k64_no_split",

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from interpreted import interpreted_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SPLIT = {"target_programs": 8, "min_split_k_tiles": 1}
@@ -35,11 +36,7 @@ def _consts(k, silu, block_m, block_n, block_k, **ov):
 @pytest.fixture(scope="module")
 def report():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1])
+    return interpreted_report(__file__)
 
 
 @pytest.mark.parametrize("case", list(CASES))
