@@ -188,45 +188,32 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         k.run("silu_mul", silu_mul.launch(x, out, k.consts["silu_mul"]))
         return (out,)
 
-    # Decode GEMV for dense projections when the bundle has a kernel for this K and M (the CUDA C++ one
-    # where built, else Triton's); else cuBLAS. Both take the same counters and torch-allocated partials.
-    gemv_consts = k.consts.get("gemv", {})
-    gemv_table = gemv.variant_table(gemv_consts)
+    # Dense projections of decode batches: the GEMV (kernels/gemv: M=1 classes; its CUDA C++ variant first
+    # where built), then the skinny GEMM (kernels/skinny_gemm: about 9-64 rows), whichever has a kernel for
+    # this K, M and N; else cuBLAS. Both take the same counters and torch-allocated partials.
+    linear_kernels = [(op, mod, k.consts.get(op, {}), mod.variant_table(k.consts.get(op, {})))
+                      for op, mod in (("gemv", gemv), ("skinny_gemm", skinny_gemm))]
 
-    def run_gemv(x, w, silu):
-        variant = gemv.pick(gemv_table, w.shape[1], silu, x.shape[0], w.shape[0])   # CUDA first, then Triton
-        if variant is None or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()):
+    def run_linear(x, w, silu):
+        if x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()):
             return None
-        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-        k.run("gemv", gemv.launch(x, w, out, variant, gemv_consts[variant], counters))
-        return out
-
-    # The skinny GEMM (kernels/skinny_gemm) for the decode batches its M classes hold (about 9-64 rows),
-    # where the bundle has one for this K and N: tried after the GEMV, before cuBLAS.
-    skinny_consts = k.consts.get("skinny_gemm", {})
-    skinny_table = skinny_gemm.variant_table(skinny_consts)
-
-    def run_skinny(x, w, silu):
-        variant = skinny_gemm.pick(skinny_table, w.shape[1], silu, x.shape[0], w.shape[0])
-        if variant is None or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()):
-            return None
-        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-        k.run("skinny_gemm", skinny_gemm.launch(x, w, out, variant, skinny_consts[variant], counters))
-        return out
+        for op, mod, consts, table in linear_kernels:
+            variant = mod.pick(table, w.shape[1], silu, x.shape[0], w.shape[0])
+            if variant is not None:
+                out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+                k.run(op, mod.launch(x, w, out, variant, consts[variant], counters))
+                return out
+        return None
 
     def gemm(a, b, c=None, transB=0, **attrs):
         if transB and c is None and not attrs and a.dim() == 2:
-            out = run_gemv(a, b, silu=False)
-            if out is None:
-                out = run_skinny(a, b, silu=False)
+            out = run_linear(a, b, silu=False)
             if out is not None:
                 return (out,)
         return REFERENCE_OPS[("", "Gemm")](a, b, c, transB=transB, **attrs)
 
     def silu_linear(gate_up, w):
-        out = run_gemv(gate_up, w, silu=True)
-        if out is None:
-            out = run_skinny(gate_up, w, silu=True)
+        out = run_linear(gate_up, w, silu=True)
         return (out,) if out is not None else (F.linear(act(gate_up)[0], w),)
 
     def gather(data, indices, axis=0):

@@ -235,6 +235,12 @@ def _overlap(a, b) -> bool:
     return (not b[1] or a[0] <= b[1]) and (not a[1] or b[0] <= a[1])
 
 
+def _split_k_gemm_types(t: str) -> dict:
+    """Runtime params of the split-K GEMMs of decode batches (gemv_kernel, skinny_gemm_kernel), in order."""
+    return {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "out_ptr": f"*{t}", "partial_ptr": "*fp32", "counter_ptr": "*i32",
+            "M": "i32", "N": "i32", "k_tiles_per_split": "i32", "splits": "i32"}
+
+
 def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, classes=None, projections=None):
     """Decode GEMV per input width K (hidden: qkv, gate_up, lm_head; q_size: o; SiLU-fused intermediate:
     down) and per M class of the tune table. N is a run-time argument, so one kernel of an M class serves
@@ -247,8 +253,7 @@ def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, classes=None
     from engc.kernels.gemv import in_range, variant_name
     if t == "fp32":
         return []   # float32 bundles keep cuBLAS: the tensor-core path would round through tf32
-    types = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "out_ptr": f"*{t}", "partial_ptr": "*fp32",
-             "counter_ptr": "*i32", "M": "i32", "N": "i32", "k_tiles_per_split": "i32", "splits": "i32"}
+    types = _split_k_gemm_types(t)
     launch_keys = ("K", "SILU", "max_m", "BLOCK_N", "BLOCK_K", "target_programs", "max_splits",
                    "min_split_k_tiles")
     ov = overrides or {}
@@ -299,8 +304,7 @@ def skinny_gemm_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, class
     from engc.kernels.skinny_gemm import variant_name
     if t == "fp32":
         return []   # float32 bundles keep cuBLAS: the tensor-core path would round through tf32
-    types = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "out_ptr": f"*{t}", "partial_ptr": "*fp32",
-             "counter_ptr": "*i32", "M": "i32", "N": "i32", "k_tiles_per_split": "i32", "splits": "i32"}
+    types = _split_k_gemm_types(t)
     launch_keys = ("K", "SILU", "min_m", "max_m", "max_n", "BLOCK_N", "BLOCK_K", "target_programs",
                    "max_splits", "min_split_k_tiles")
     kinds = {(k, False) for k, _ in dense_projections(cfg, layers)}

@@ -16,13 +16,10 @@ from __future__ import annotations
 from engc.kernels import gemv
 from engc.kernels.fp8_linear import split_count  # noqa: F401  (the same rule: fill target_programs, one wave)
 from engc.kernels.gemv import gemv as skinny_gemm, silu_mul_linear  # noqa: F401  (the op's references)
+from engc.kernels.gemv import variant_name  # noqa: F401  (the same names: [silu_]k{K}_m{max_m})
 
 # Split-K arrival counters the runtime keeps zeroed, one per N tile of a launch: the GEMV's array.
 NUM_COUNTERS = gemv.NUM_COUNTERS
-
-
-def variant_name(k: int, silu: bool, max_m: int) -> str:
-    return f"{'silu_' if silu else ''}k{k}_m{max_m}"
 
 
 def variant_table(consts: dict) -> dict:
