@@ -66,7 +66,8 @@ def _llama8b():
 def prepare(out: Path):
     import dataclasses
     from engc.compiler.codegen.record import compile_specs, default_jobs
-    from engc.compiler.codegen.specs import fp8_linear_specs, fp8_quant_specs
+    from engc.compiler.codegen.decode_gemm_specs import fp8_linear_specs
+    from engc.compiler.codegen.specs import fp8_quant_specs
     cfg = _llama8b()
     t = time.time()
     specs = fp8_quant_specs(cfg, "bf16", "sm90") + fp8_linear_specs(cfg, "bf16", "sm90")

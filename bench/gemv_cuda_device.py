@@ -59,7 +59,7 @@ def _cfg(k: int):
 def prepare(out_dir: Path):
     from engc.compiler.codegen import cuda, cuda_gemv
     from engc.compiler.codegen.record import compile_specs
-    from engc.compiler.codegen.specs import gemv_specs
+    from engc.compiler.codegen.decode_gemm_specs import gemv_specs
     if cuda.nvcc_path() is None:
         raise SystemExit("nvcc not found: the CUDA GEMV cannot be built here")
     t0, index = time.time(), {}

@@ -76,7 +76,7 @@ def _cfg(k: int):
 
 def prepare(out_dir: Path):
     from engc.compiler.codegen.record import compile_specs
-    from engc.compiler.codegen.specs import gemv_specs
+    from engc.compiler.codegen.decode_gemm_specs import gemv_specs
     pairs = sorted({(k, silu) for _, k, silu in SHAPES.values()})
     index = {}
     t0 = time.time()
@@ -99,10 +99,10 @@ def prepare(out_dir: Path):
 
 
 def prepare_pick(out_dir: Path):
-    """The GEMV kernels a bf16 sm90 bundle of each model holds (specs.gemv_specs with the tune table as it
+    """The GEMV kernels a bf16 sm90 bundle of each model holds (decode_gemm_specs.gemv_specs with the tune table as it
     is), compiled as the build does."""
     from engc.compiler.codegen.record import compile_specs
-    from engc.compiler.codegen.specs import gemv_specs
+    from engc.compiler.codegen.decode_gemm_specs import gemv_specs
     index = {}
     for model in MODELS:
         specs = gemv_specs(_model_cfg(model), "bf16", "sm90")

@@ -74,7 +74,8 @@ def _cfg(model: str):
 
 def prepare(out: Path):
     from engc.compiler.codegen.record import compile_specs, default_jobs
-    from engc.compiler.codegen.specs import silu_mul_specs, skinny_gemm_specs
+    from engc.compiler.codegen.decode_gemm_specs import skinny_gemm_specs
+    from engc.compiler.codegen.specs import silu_mul_specs
     t0 = time.time()
     specs = []
     for model in MODELS:

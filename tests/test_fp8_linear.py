@@ -88,7 +88,7 @@ def test_fp8_linear_specs_only_in_fp8_builds():
 def test_fp8_linear_compiles_to_fp8_wgmma():
     pytest.importorskip("triton")
     from engc.compiler.codegen.record import compile_specs
-    from engc.compiler.codegen.specs import fp8_linear_specs
+    from engc.compiler.codegen.decode_gemm_specs import fp8_linear_specs
     specs = fp8_linear_specs(_llama8b(), "bf16", "sm90", {"m<=16": {"fuse_quant": True}},
                              classes=("m<=16", "m<=64"))   # the fused variant too (off in the tune table)
     specs = [s for s in specs if s.constexprs["K"] == 14336]

@@ -87,7 +87,8 @@ def _enable(*classes, arch="sm90"):
 
 def test_specs_only_where_enabled():
     from engc.compiler.codegen import tune
-    from engc.compiler.codegen.specs import model_specs, skinny_gemm_specs
+    from engc.compiler.codegen.decode_gemm_specs import skinny_gemm_specs
+    from engc.compiler.codegen.specs import model_specs
 
     def skinny(**kw):
         return {s.variant: s for s in model_specs(_llama8b(), torch.bfloat16, "sm90", 16, **kw) if s.op == "skinny_gemm"}
@@ -112,7 +113,7 @@ def test_specs_only_where_enabled():
 def test_compiles_for_sm80_and_sm90(arch):
     pytest.importorskip("triton")
     from engc.compiler.codegen.record import compile_specs
-    from engc.compiler.codegen.specs import skinny_gemm_specs
+    from engc.compiler.codegen.decode_gemm_specs import skinny_gemm_specs
     specs = skinny_gemm_specs(_llama8b(), "bf16", arch, classes=("m<=32",), enabled_only=False)
     result = compile_specs(specs, jobs=1)
     assert {r["variant"] for r in result.records} == {"k4096_m32", "silu_k14336_m32"}

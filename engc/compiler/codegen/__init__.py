@@ -11,4 +11,5 @@ Deterministic: the same inputs give the same bytes (records sorted by arch, op, 
 from __future__ import annotations
 
 from engc.compiler.codegen.record import CodegenResult, compile_kernels  # noqa: F401
-from engc.compiler.codegen.specs import KernelSpec, model_specs  # noqa: F401
+from engc.compiler.codegen.kernel_spec import KernelSpec  # noqa: F401
+from engc.compiler.codegen.specs import model_specs  # noqa: F401

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 
-from engc.compiler.codegen.specs import KernelSpec
+from engc.compiler.codegen.kernel_spec import KernelSpec
 
 PTX_VERSION = 87
 ARCH_CAPABILITY = {"sm80": 80, "sm90": 90}

@@ -36,7 +36,8 @@ import torch
 from engc.bundle.model_config import ModelConfig
 from engc.compiler.codegen.aot import PTX_VERSION, compile_in_children, compile_spec
 from engc.compiler.codegen.cuda import add_selected as add_selected_cuda
-from engc.compiler.codegen.specs import KernelSpec, model_specs
+from engc.compiler.codegen.kernel_spec import KernelSpec
+from engc.compiler.codegen.specs import model_specs
 
 SCRATCH_ARGS = [{"name": "global_scratch", "type": "*i8"}, {"name": "profile_scratch", "type": "*i8"}]
 

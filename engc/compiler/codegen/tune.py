@@ -87,8 +87,8 @@ for _arch in ("sm80", "sm90"):
 # in the H200 sweep (bench/results/h200_gemv_sweep.txt, cold L2, us per launch; the m<=4 sweep kernels,
 # BLOCK_M 4 like these, none split K). A projection outside every region stays with cuBLAS. The first entry
 # of GEMV_PLAIN_CLASSES whose regions hold (K, N) serves it; the build compiles an entry for a K only when
-# a projection of the model falls in it (specs.gemv_specs), and the runtime picks by (K, N, M) from the
-# N ranges recorded in the variant's launch constants (kernels/gemv.pick).
+# a projection of the model falls in it (decode_gemm_specs.gemv_specs), and the runtime picks by (K, N, M)
+# from the N ranges recorded in the variant's launch constants (kernels/gemv.pick).
 #   n8k512w2, K > 2048: 8B o (K 4096, N 4096) 12.10 vs 13.70 us (cuBLAS also adds a 1.6 us splitKreduce
 #     launch), 8B qkv (N 6144) 15.80 vs 15.94; N <= 8192 covers both, not gate_up (8B N 28672: 59.98 vs
 #     57.57 at the best config, n4k1024w4);

@@ -1,9 +1,9 @@
 """What `engc tune` measures and how its measurements become `engc build --tune` entries. No GPU here.
 
-Shapes come from the model config through the build's own helpers (specs.dense_projections for the plain
-projections, the SiLU-fused down at K = intermediate, N = hidden); each candidate is a tune bucket plus
-the fields it sets, turned into a KernelSpec by specs.gemv_specs exactly as a build under that override
-would make it.
+Shapes come from the model config through the build's own helpers (decode_gemm_specs.dense_projections for
+the plain projections, the SiLU-fused down at K = intermediate, N = hidden); each candidate is a tune bucket
+plus the fields it sets, turned into a KernelSpec by decode_gemm_specs.gemv_specs exactly as a build under
+that override would make it.
 
 How a winner becomes an override (tune.py's structure decides):
 - silu_gemv, the SiLU-fused down at M=1: its entry ("m<=1") names no tile, so any tile may win; the
@@ -128,7 +128,7 @@ def model_config(hf: dict):
 
 def model_shapes(cfg, ops, int4: bool = False) -> list[Shape]:
     """The decode GEMV shapes a bundle of cfg runs at M=1 (an int4 checkpoint: the lm_head only)."""
-    from engc.compiler.codegen.specs import dense_projections
+    from engc.compiler.codegen.decode_gemm_specs import dense_projections
     names: dict[tuple[int, int], list[str]] = {}
     for kn, name in (((cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), "qkv"), ((cfg.q_size, cfg.hidden_size), "o"),
                      ((cfg.hidden_size, 2 * cfg.intermediate_size), "gate_up")):
@@ -149,7 +149,8 @@ def model_shapes(cfg, ops, int4: bool = False) -> list[Shape]:
 
 def gemv_spec(cfg, dtype, arch: str, shape: Shape, cand: Candidate):
     """The KernelSpec a build under this candidate's override would compile for shape (None: cuBLAS)."""
-    from engc.compiler.codegen.specs import TRITON_DTYPE, gemv_specs
+    from engc.compiler.codegen.decode_gemm_specs import gemv_specs
+    from engc.compiler.codegen.kernel_spec import TRITON_DTYPE
     if cand.bucket is None:
         return None
     t = TRITON_DTYPE[dtype]
@@ -171,7 +172,8 @@ def gemv_spec(cfg, dtype, arch: str, shape: Shape, cand: Candidate):
 def current_choice(cfg, dtype, arch: str, shape: Shape) -> Candidate:
     """What a build with the table as it is gives shape: the runtime's pick (kernels/gemv.pick) among the
     bundle's GEMV kernels, as a candidate with its fields spelled out; cuBLAS where none serves it."""
-    from engc.compiler.codegen.specs import TRITON_DTYPE, gemv_specs
+    from engc.compiler.codegen.decode_gemm_specs import gemv_specs
+    from engc.compiler.codegen.kernel_spec import TRITON_DTYPE
     from engc.kernels import gemv
     specs = gemv_specs(cfg, TRITON_DTYPE[dtype], arch)
     by_variant = {s.variant: s for s in specs}

@@ -1,0 +1,68 @@
+"""KernelSpec: one Triton kernel to compile, per (op, variant) and arch, and make_spec, the one way the spec
+builders (specs.py, decode_gemm_specs.py) fill it from the tune table.
+
+A spec names the Triton function by module and attribute (so records and tests can find it), gives the
+type of every runtime parameter in the kernel's own order, the constexpr values, and the tune entry.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+import torch
+
+from engc.compiler.codegen import tune
+
+TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    op: str
+    variant: str
+    arch: str
+    module: str                 # e.g. engc.kernels.rms_norm.triton
+    fn_name: str
+    arg_types: dict             # runtime params, kernel order -> triton type ("*bf16", "i32", "fp32")
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    tune_key: str
+    tune: dict
+    launch: dict = field(default_factory=dict)   # constants the op's launch rule reads
+
+    def fn(self):
+        return getattr(importlib.import_module(self.module), self.fn_name)
+
+    def signature(self) -> dict:
+        """Triton's ASTSource signature: every parameter in order, constexprs typed 'constexpr'."""
+        fn = self.fn()
+        sig = {}
+        for name in fn.arg_names:
+            if name in self.constexprs:
+                sig[name] = "constexpr"
+            else:
+                sig[name] = self.arg_types[name]
+        missing = set(self.arg_types) - set(sig)
+        if missing:
+            raise ValueError(f"{self.fn_name}: types given for unknown params {sorted(missing)}")
+        return sig
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def make_spec(op, variant, arch, fn_name, arg_types, constexprs, bucket, launch_keys=(), overrides=None):
+    key, entry = tune.lookup(arch, op, variant, bucket, overrides)
+    consts = dict(constexprs)
+    consts.update({k: v for k, v in entry.items() if k.isupper()})
+    launch = {k: consts.get(k, entry.get(k)) for k in launch_keys}
+    module = f"engc.kernels.{op}.triton"
+    if "PDL" in getattr(importlib.import_module(module), fn_name).arg_names:
+        # kernels written for programmatic dependent launch (kernels/pdl.py): on where the arch has it;
+        # the record's launch constant tells the runtime to launch them that way
+        consts["PDL"] = launch["PDL"] = int(entry.get("PDL", tune.PDL[arch]))
+    return KernelSpec(op=op, variant=variant, arch=arch, module=module, fn_name=fn_name,
+                      arg_types=arg_types, constexprs=consts, num_warps=entry["num_warps"],
+                      num_stages=entry["num_stages"], tune_key=key, tune=entry, launch=launch)
