@@ -32,7 +32,10 @@ CASES = ["rms_norm_fp32", "rms_norm_bf16", "silu_mul_fp32", "silu_mul_bf16", "qk
          "decode_reduce_b1_d128_fp32", "decode_reduce_b3_d64_gqa8_fp32", "decode_reduce_graph_sized_fp32",
          "decode_reduce_b2_d128_bf16", "decode_reduce_window_fp32", "rotary_decode_b1_d128_fp32",
          "rotary_decode_gqa_d64_fp32", "rotary_decode_one_split_bf16", "rotary_decode_window_fp32",
-         "rotary_decode_int8_bf16", "rotary_decode_fp8_fp32", "sampling_fp32",
+         "rotary_decode_int8_bf16", "rotary_decode_fp8_fp32", "rotary_decode_early_kv1_gqa_d64_fp32",
+         "rotary_decode_early_kv2_one_split_bf16", "rotary_decode_early_kv1_window_fp32",
+         "rotary_decode_early_kv2_int8_bf16", "decode_reduce_early_kv2_graph_sized_fp32",
+         "attention_mixed_early_kv1_fp32", "sampling_fp32",
          "sampling_bf16", "argmax_fp32", "argmax_bf16", "argmax_small_vocab_fp32"]
 
 
@@ -193,14 +196,15 @@ def check_attention(dtype, seqs, H=4, KV=2, D=32, page=16, window=0, overrides=N
 
 
 def check_decode_reduce(dtype, contexts, H, KV, D, page=16, block_n=16, max_context_len=None, window=0,
-                        expect_splits=None):
+                        expect_splits=None, early_kv=0):
     """The decode kernel's in-kernel reduce: many splits of one or two tiles, launched twice on one
     counters array, which each launch must leave zero (a CUDA graph replays on it)."""
     import torch
     from engc.kernels import paged_attention as op
     gen = torch.Generator().manual_seed(sum(contexts) + H + D)
     cfg = _cfg(num_heads=H, num_kv_heads=KV, head_dim=D)
-    overrides = {"decode": {"BLOCK_N": block_n, "target_programs": 128, "min_split_tokens": block_n}}
+    overrides = {"decode": {"BLOCK_N": block_n, "target_programs": 128, "min_split_tokens": block_n,
+                            "EARLY_KV": early_kv}}
     specs = _specs(cfg, dtype, page, {"paged_attention": overrides})["paged_attention"]
     q, kv_cache, bt, ctx, qsl = _attention_batch([(c, 1) for c in contexts], H, KV, D, page, dtype, gen)
     scale = D ** -0.5
@@ -241,14 +245,15 @@ def rotary_decode_batch(contexts, H, KV, D, page, dtype, gen, kv_dtype=None):
 
 
 def check_rotary_decode(dtype, contexts, H, KV, D, page=16, block_n=16, max_context_len=None, window=0,
-                        kv_dtype=None, target_programs=128):
+                        kv_dtype=None, target_programs=128, early_kv=0):
     """decode_rotary (RotaryPagedAttention on a decode step) against the rotary then attention references:
     the outputs of the real rows, and the whole cache (the new k/v written once, the padded row's none)."""
     import torch
     from engc.kernels import paged_attention as op
     gen = torch.Generator().manual_seed(sum(contexts) * 7 + H + D)
     cfg = _cfg(num_heads=H, num_kv_heads=KV, head_dim=D)
-    overrides = {"decode": {"BLOCK_N": block_n, "target_programs": target_programs, "min_split_tokens": block_n}}
+    overrides = {"decode": {"BLOCK_N": block_n, "target_programs": target_programs, "min_split_tokens": block_n,
+                            "EARLY_KV": early_kv}}
     specs = _specs(cfg, dtype, page, {"paged_attention": overrides}, kv=kv_dtype)["paged_attention"]
     qkv, pos, inv_freq, kv_cache, slots, bt, ctx, qsl, kv_scale = rotary_decode_batch(contexts, H, KV, D, page,
                                                                                      dtype, gen, kv_dtype)
@@ -404,6 +409,21 @@ def main():
                                                                 kv_dtype=torch.int8), attn_tol[bf16]),
         "rotary_decode_fp8_fp32": (lambda: check_rotary_decode(f32, [150, 9], H=8, KV=2, D=64,
                                                                kv_dtype=torch.float8_e4m3fn), attn_tol[f32]),
+        # EARLY_KV 1/2 (the first KV tile loaded before the rotary / before the PDL wait, a no-op here):
+        # empty splits and a padded row, several tiles a program, a window, a quantized cache, mixed batches
+        "rotary_decode_early_kv1_gqa_d64_fp32": (lambda: check_rotary_decode(
+            f32, [1, 77, 130, 16], H=8, KV=2, D=64, page=8, max_context_len=400, early_kv=1), attn_tol[f32]),
+        "rotary_decode_early_kv2_one_split_bf16": (lambda: check_rotary_decode(
+            bf16, [100, 33], H=8, KV=2, D=128, page=32, block_n=32, target_programs=1, early_kv=2), attn_tol[bf16]),
+        "rotary_decode_early_kv1_window_fp32": (lambda: check_rotary_decode(
+            f32, [150, 61], H=6, KV=2, D=64, window=37, target_programs=4, early_kv=1), attn_tol[f32]),
+        "rotary_decode_early_kv2_int8_bf16": (lambda: check_rotary_decode(
+            bf16, [150, 61], H=8, KV=2, D=64, kv_dtype=torch.int8, early_kv=2), attn_tol[bf16]),
+        "decode_reduce_early_kv2_graph_sized_fp32": (lambda: check_decode_reduce(
+            f32, [5, 40], H=4, KV=2, D=64, max_context_len=400, expect_splits=25, early_kv=2), attn_tol[f32]),
+        "attention_mixed_early_kv1_fp32": (lambda: check_attention(
+            f32, mixed, overrides={**small_tiles, "decode": {**small_tiles["decode"], "EARLY_KV": 1,
+                                                            "target_programs": 8}}), attn_tol[f32]),
         "sampling_fp32": (lambda: check_sampling(f32, block_v=512), 0),
         "sampling_bf16": (lambda: check_sampling(bf16), 0),
         "argmax_fp32": (lambda: check_argmax(f32, block=128), 0),

@@ -45,10 +45,13 @@ for _arch in ("sm80", "sm90"):
     # rotary_max_rows: RotaryPagedAttention runs as one kernel (decode_rotary) on decode steps of at most
     # this many rows; above, rotary + decode. On the H200 the fused kernel was 0.58-0.81x the pair's time
     # at batch 1-4, 0.78-0.91x at batch 32 up to 1k context (1.08-1.17x at 4k), and 1.03-1.24x at 64.
+    # EARLY_KV: decode_rotary's order of memory round trips (its docstring; 0 = load the KV tiles after the
+    # rotary; 1/2 = issue the first tile's loads first / also before the PDL wait); bench/attn_b1_device.py.
     for _bucket, _block_n, _stages in (("d<=64", 128, 2), ("d<=128", 64, 3 if _arch == "sm90" else 2),
                                        ("d>128", 32, 2)):
         _put(_arch, "paged_attention", "decode", _bucket, BLOCK_N=_block_n, num_warps=4, num_stages=_stages,
-             impl="triton", **dict(_split, min_split_tokens=_block_n), in_kernel_reduce=True, rotary_max_rows=32)
+             impl="triton", **dict(_split, min_split_tokens=_block_n), in_kernel_reduce=True, rotary_max_rows=32,
+             EARLY_KV=0)
     # decode_reduce: the second launch of the CUDA decode template (the Triton decode reduces in-kernel)
     _put(_arch, "paged_attention", "decode_reduce", "any", num_warps=4, num_stages=1)
     # The CUDA C++ twin of the decode kernel (templates/paged_decode.cu.j2): built and launched instead of

@@ -39,12 +39,11 @@ def _load_kv_scales(scale_ptr, block_table_row, pos, valid, kvh, PAGE: tl.conste
 
 
 @triton.jit
-def decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row,
-                kvh, d, qk_scale, new_k, new_v, new_k_scale, new_v_scale, PAGE: tl.constexpr,
-                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, WITH_NEW: tl.constexpr):
-    """One KV tile of the online softmax. WITH_NEW: the tile holds the step's own token (position ctx - 1),
-    whose k/v (codes and scales for a quantized cache) come in registers instead of from the cache."""
+def load_decode_tile(tile, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row, kvh, d,
+                     PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_N: tl.constexpr, KV_QUANT: tl.constexpr):
+    """The loads of one decode KV tile: (k, v, k_scale, v_scale); the scales are 0.0 for an unquantized
+    cache. Split from decode_tile_math so a kernel can issue them ahead of other work (EARLY_KV)."""
     pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = (pos < ctx) & (pos >= start)
     k = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM)
@@ -52,6 +51,21 @@ def decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr, k_
     if KV_QUANT != 0:
         k_scale = _load_kv_scales(k_scale_ptr, bt_row, pos, valid, kvh, PAGE, NUM_KV_HEADS)
         v_scale = _load_kv_scales(v_scale_ptr, bt_row, pos, valid, kvh, PAGE, NUM_KV_HEADS)
+    else:
+        k_scale = 0.0
+        v_scale = 0.0
+    return k, v, k_scale, v_scale
+
+
+@triton.jit
+def decode_tile_math(q, acc, m_i, l_i, k, v, k_scale, v_scale, tile, ctx, start, qk_scale, new_k, new_v,
+                     new_k_scale, new_v_scale, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     KV_QUANT: tl.constexpr, WITH_NEW: tl.constexpr):
+    """The online-softmax update of one decode KV tile loaded by load_decode_tile. WITH_NEW: the tile may
+    hold the step's own token (position ctx - 1), whose k/v (codes and scales for a quantized cache) come
+    in registers instead of from the cache. The tile must hold a visible position (else m is -inf: NaN)."""
+    pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = (pos < ctx) & (pos >= start)
     if WITH_NEW:
         is_new = pos == ctx - 1
         k = tl.where(is_new[:, None], new_k[None, :], k)
@@ -73,6 +87,18 @@ def decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr, k_
     else:
         pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc * alpha[:, None] + pv, m_new, l_i
+
+
+@triton.jit
+def decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row,
+                kvh, d, qk_scale, new_k, new_v, new_k_scale, new_v_scale, PAGE: tl.constexpr,
+                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, WITH_NEW: tl.constexpr):
+    """One KV tile of the online softmax: load_decode_tile, then decode_tile_math."""
+    k, v, k_scale, v_scale = load_decode_tile(tile, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                              bt_row, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, KV_QUANT)
+    return decode_tile_math(q, acc, m_i, l_i, k, v, k_scale, v_scale, tile, ctx, start, qk_scale, new_k, new_v,
+                            new_k_scale, new_v_scale, BLOCK_N, DOT_PRECISION, KV_QUANT, WITH_NEW)
 
 
 @triton.jit

@@ -38,25 +38,58 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
                         D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                         GR_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, RED_SPLITS: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        KV_QUANT: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
-    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row = tl.load(query_start_loc_ptr + b)
-    if tl.load(query_start_loc_ptr + b + 1) - row != 1:   # not one query token: the prefill kernel's sequence
-        return
-    ctx, start, lo, hi, used = tiles.decode_split(context_lens_ptr, b, split, sliding_window, num_splits, BLOCK_N)
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D_PAD)
+                        KV_QUANT: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr):
+    """EARLY_KV as paged_decode_rotary_kernel's: 1 loads the context length with the query offsets and the
+    first KV tile before q; 2 also issues those before the PDL wait (q, the rotary kernel's output, after)."""
+    if EARLY_KV == 0:
+        pdl.wait(PDL)
+        pdl.launch_dependents(PDL)
+        b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        row = tl.load(query_start_loc_ptr + b)
+        if tl.load(query_start_loc_ptr + b + 1) - row != 1:   # not one query token: the prefill kernel's
+            return
+        ctx, start, lo, hi, used = tiles.decode_split(context_lens_ptr, b, split, sliding_window, num_splits,
+                                                      BLOCK_N)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+    else:
+        if EARLY_KV == 1:
+            pdl.wait(PDL)
+            pdl.launch_dependents(PDL)
+        b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        row = tl.load(query_start_loc_ptr + b)
+        rows = tl.load(query_start_loc_ptr + b + 1) - row
+        ctx, start, lo, hi, used = tiles.decode_split(context_lens_ptr, b, split, sliding_window, num_splits,
+                                                      BLOCK_N)
+        d = tl.arange(0, D_PAD)
+        bt_row = block_tables_ptr + b.to(tl.int64) * block_table_stride
+        k0, v0, k0_scale, v0_scale = tiles.load_decode_tile(lo, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                                                            v_scale_ptr, bt_row, kvh, d, PAGE, NUM_KV_HEADS,
+                                                            HEAD_DIM, BLOCK_N, KV_QUANT)
+        if EARLY_KV == 2:
+            pdl.wait(PDL)
+            pdl.launch_dependents(PDL)
+        if rows != 1:   # not one query token: the prefill kernel's sequence
+            return
+        g = tl.arange(0, G_PAD)
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + row.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
                 mask=(g < GROUP)[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     qk_scale = scale * 1.4426950408889634
-    bt_row = block_tables_ptr + b.to(tl.int64) * block_table_stride
+    if EARLY_KV == 0:
+        bt_row = block_tables_ptr + b.to(tl.int64) * block_table_stride
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for tile in range(lo, hi):
+    if EARLY_KV == 0:
+        first_loaded = lo
+    else:
+        first_loaded = lo + 1
+        if lo < hi:
+            acc, m_i, l_i = tiles.decode_tile_math(q, acc, m_i, l_i, k0, v0, k0_scale, v0_scale, lo, ctx, start,
+                                                   qk_scale, 0.0, 0.0, 0.0, 0.0, BLOCK_N, DOT_PRECISION, KV_QUANT,
+                                                   False)
+    for tile in range(first_loaded, hi):
         acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr,
                                           v_scale_ptr, bt_row, kvh, d, qk_scale, 0.0, 0.0, 0.0, 0.0, PAGE, NUM_KV_HEADS,
                                           HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT, False)
@@ -93,28 +126,69 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
                                D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                                GR_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, RED_SPLITS: tl.constexpr,
                                PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                               KV_QUANT: tl.constexpr, PDL: tl.constexpr):
+                               KV_QUANT: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr):
     """decode fused with the rotary op before it (RotaryPagedAttention on a decode-only step): each program
     rotates its group's q heads from qkv itself; the split holding the new token (the last tile) also
     rotates its KV head's k, writes k and v (quantized for a quantized cache) to the cache slot for later
-    steps, and uses them in registers for that token, so no program reads the slot in this launch."""
-    pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
+    steps, and uses them in registers for that token, so no program reads the slot in this launch.
+
+    EARLY_KV (the order of the memory round trips; a small-batch program is a chain of them, not bandwidth):
+      0  wait; sequence facts; qkv, rope and the new token's cache store; then the split's KV tiles (their
+         loads cannot pass the store, which may alias them).
+      1  the split's first KV tile (block table, then K/V) is loaded before the rotary and the store, and
+         the context length with the query offsets instead of after them: the K/V round trip overlaps the
+         qkv one. The tile's stale copy of the new slot, if it holds it, is replaced from registers.
+      2  as 1, and with PDL those loads, the positions and slots and the rope angles come before wait():
+         they read what no kernel of this step writes before this one (the staged step metadata, and
+         cache rows of earlier steps: the new row is the one taken from registers), so they overlap the
+         kernel before (the QKV projection); only qkv is read, and anything written, after wait()."""
     HALF: tl.constexpr = HEAD_DIM // 2
     Q_SIZE: tl.constexpr = NUM_HEADS * HEAD_DIM
     KV_SIZE: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
-    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row = tl.load(query_start_loc_ptr + b)
-    if tl.load(query_start_loc_ptr + b + 1) - row != 1:   # not one query token: the prefill kernel's sequence
-        return
-    ctx, start, lo, hi, used = tiles.decode_split(context_lens_ptr, b, split, sliding_window, num_splits, BLOCK_N)
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D_PAD)
-    d_mask = d < HEAD_DIM
-    partner = (d + HALF) % HEAD_DIM
-    angle = tl.load(positions_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + d % HALF, mask=d_mask, other=0.0)
-    cos = tl.cos(angle)
-    sin = tl.sin(angle)
+    if EARLY_KV == 0:
+        pdl.wait(PDL)
+        pdl.launch_dependents(PDL)
+        b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        row = tl.load(query_start_loc_ptr + b)
+        if tl.load(query_start_loc_ptr + b + 1) - row != 1:   # not one query token: the prefill kernel's
+            return
+        ctx, start, lo, hi, used = tiles.decode_split(context_lens_ptr, b, split, sliding_window, num_splits,
+                                                      BLOCK_N)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        d_mask = d < HEAD_DIM
+        partner = (d + HALF) % HEAD_DIM
+        angle = tl.load(positions_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + d % HALF, mask=d_mask,
+                                                                      other=0.0)
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    else:
+        if EARLY_KV == 1:
+            pdl.wait(PDL)
+            pdl.launch_dependents(PDL)
+        b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        row = tl.load(query_start_loc_ptr + b)
+        rows = tl.load(query_start_loc_ptr + b + 1) - row
+        ctx, start, lo, hi, used = tiles.decode_split(context_lens_ptr, b, split, sliding_window, num_splits,
+                                                      BLOCK_N)
+        d = tl.arange(0, D_PAD)
+        bt_row = block_tables_ptr + b.to(tl.int64) * block_table_stride
+        k0, v0, k0_scale, v0_scale = tiles.load_decode_tile(lo, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                                                            v_scale_ptr, bt_row, kvh, d, PAGE, NUM_KV_HEADS,
+                                                            HEAD_DIM, BLOCK_N, KV_QUANT)
+        d_mask = d < HEAD_DIM
+        angle = tl.load(positions_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + d % HALF, mask=d_mask,
+                                                                      other=0.0)
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+        slot = tl.load(slot_mapping_ptr + row)
+        if EARLY_KV == 2:
+            pdl.wait(PDL)
+            pdl.launch_dependents(PDL)
+        if rows != 1:   # not one query token: the prefill kernel's sequence
+            return
+        g = tl.arange(0, G_PAD)
+        partner = (d + HALF) % HEAD_DIM
     src = qkv_ptr + row.to(tl.int64) * (Q_SIZE + 2 * KV_SIZE)
     q_rows = src + (kvh * GROUP + g)[:, None] * HEAD_DIM
     q_mask = (g < GROUP)[:, None] & d_mask[None, :]
@@ -125,7 +199,8 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
     new_k = _rope(tl.load(k_row + d, mask=d_mask, other=0.0), tl.load(k_row + partner, mask=d_mask, other=0.0),
                   cos, sin, d, HALF).to(qkv_ptr.dtype.element_ty)
     new_v = tl.load(src + Q_SIZE + KV_SIZE + kvh * HEAD_DIM + d, mask=d_mask, other=0.0)
-    slot = tl.load(slot_mapping_ptr + row)
+    if EARLY_KV == 0:
+        slot = tl.load(slot_mapping_ptr + row)
     owner = (lo < hi) & (hi == tl.cdiv(ctx, BLOCK_N))     # the split whose last tile holds the new token
     write = owner & (slot >= 0)                          # a negative slot (a padded row) writes nothing
     dst = slot * KV_SIZE + kvh * HEAD_DIM + d
@@ -145,18 +220,37 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
         tl.store(v_cache_ptr + dst, new_v.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
 
     qk_scale = scale * 1.4426950408889634
-    bt_row = block_tables_ptr + b.to(tl.int64) * block_table_stride
+    if EARLY_KV == 0:
+        bt_row = block_tables_ptr + b.to(tl.int64) * block_table_stride
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for tile in range(lo, hi - owner.to(tl.int32)):
-        acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                                          v_scale_ptr, bt_row, kvh, d, qk_scale, 0.0, 0.0, 0.0, 0.0, PAGE, NUM_KV_HEADS,
-                                          HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT, False)
-    if owner:
-        acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, hi - 1, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                                          v_scale_ptr, bt_row, kvh, d, qk_scale, new_k, new_v, new_k_scale, new_v_scale,
-                                          PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT, True)
+    if EARLY_KV == 0:
+        for tile in range(lo, hi - owner.to(tl.int32)):
+            acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr,
+                                              k_scale_ptr, v_scale_ptr, bt_row, kvh, d, qk_scale, 0.0, 0.0, 0.0, 0.0,
+                                              PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT, False)
+        if owner:
+            acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, hi - 1, ctx, start, k_cache_ptr, v_cache_ptr,
+                                              k_scale_ptr, v_scale_ptr, bt_row, kvh, d, qk_scale, new_k, new_v,
+                                              new_k_scale, new_v_scale, PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+                                              DOT_PRECISION, KV_QUANT, True)
+    else:
+        # the prefetched tile lo first, WITH_NEW whichever tile it is (only the one holding ctx - 1 changes);
+        # then the rest as above, the owner's last tile with the new token unless it was tile lo
+        if lo < hi:
+            acc, m_i, l_i = tiles.decode_tile_math(q, acc, m_i, l_i, k0, v0, k0_scale, v0_scale, lo, ctx, start,
+                                                   qk_scale, new_k, new_v, new_k_scale, new_v_scale, BLOCK_N,
+                                                   DOT_PRECISION, KV_QUANT, True)
+        for tile in range(lo + 1, hi - owner.to(tl.int32)):
+            acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr,
+                                              k_scale_ptr, v_scale_ptr, bt_row, kvh, d, qk_scale, 0.0, 0.0, 0.0, 0.0,
+                                              PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT, False)
+        if owner & (hi - 1 > lo):
+            acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, hi - 1, ctx, start, k_cache_ptr, v_cache_ptr,
+                                              k_scale_ptr, v_scale_ptr, bt_row, kvh, d, qk_scale, new_k, new_v,
+                                              new_k_scale, new_v_scale, PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+                                              DOT_PRECISION, KV_QUANT, True)
     tiles.finish_split(acc, m_i, l_i, lo < hi, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr, b, kvh, row, split,
                        num_splits, used, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, D_PAD, GROUP, G_PAD, GR_PAD, MAX_SPLITS,
                        RED_SPLITS)
