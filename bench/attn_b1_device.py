@@ -191,7 +191,6 @@ class AttnB1Bench(Bench):
             self.results["timing"].append(row)
             self.log(f"{cfg} B={B} ctx={ctx_len} max_ctx={max_ctx} (silu_mul alone {fill_us:.2f} us): " + ", ".join(
                 f"{k} {s['us']:.2f}/{s['pdl_us']:.2f} us ({s['splits']})" for k, s in row["sets"].items()))
-        del cache
 
     def table(self):
         bad = [r for r in self.results["correctness"] if not r["ok"]]
@@ -205,17 +204,17 @@ class AttnB1Bench(Bench):
         for r in rows:
             names += [n for n in r["sets"] if n not in names]
         head = "  {:<12}".format("variant") + "".join(
-            f" | {r['cfg']} b{r['B']} {r['ctx']}/{r['max_ctx']}".ljust(26) for r in rows)
+            f" | {r['cfg']} b{r['B']} {r['ctx']}/{r['max_ctx']}".ljust(31) for r in rows)
         lines.append(head)
         for n in names:
             cells = []
             for r in rows:
                 s, b = r["sets"].get(n), r["sets"].get("base")
                 if s is None or b is None:
-                    cells.append(" | " + "-".ljust(23))
+                    cells.append(" | " + "-".ljust(28))
                     continue
                 cells.append(f" | {s['us']:5.2f} {s['us'] / b['us']:4.2f}x {s['pdl_us']:5.2f} "
-                             f"{s['pdl_us'] / b['pdl_us']:4.2f}x({s['splits']})".ljust(26)[:26])
+                             f"{s['pdl_us'] / b['pdl_us']:4.2f}x ({s['splits']})".ljust(31))
             lines.append(f"  {n:<12}" + "".join(cells))
         print("\n".join(lines), flush=True)
         self.log_lines.extend(lines)
