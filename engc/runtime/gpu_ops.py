@@ -26,6 +26,23 @@ from engc.runtime.ops_reference import REFERENCE_OPS
 SCRATCH = 2  # Triton's trailing global/profile scratch pointers (records older than 'scratch_params' mean 2)
 
 
+def pdl_enabled() -> bool:
+    """Kernels compiled for programmatic dependent launch get it unless ENGC_PDL=0 (an escape hatch, and the
+    A/B switch of bench/gpu_bench.py): their waits are no-ops when launched plainly."""
+    return os.environ.get("ENGC_PDL", "1") != "0"
+
+
+def load_record(image: bytes, r: dict, pdl: bool) -> Kernel:
+    """One kernel record's image (cubin or PTX), loaded as its record says: its runtime params (less the
+    trailing scratch pointers, which the kernel appends itself), 32 * num_warps threads, its dynamic shared
+    memory, and programmatic dependent launch where its launch constant PDL asks for it and pdl allows.
+    Shared with engc tune's loader (compiler/tuning/gpu.py), so the candidates it times load as bundles do."""
+    scratch = r.get("scratch_params", SCRATCH)   # CUDA C++ kernels take none
+    sig = signature_from_triton([a["type"] for a in r["args"][:len(r["args"]) - scratch]])
+    return load_kernel(image, r["entry"], sig, block_x=32 * r["num_warps"], shared_mem=r["shared_mem"],
+                       scratch_params=scratch, pdl=pdl and bool(r.get("launch", {}).get("PDL")))
+
+
 def device_arch(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm{major}{minor}"
@@ -76,20 +93,13 @@ class BundleKernels:
             print(f"engc: warning: this GPU ({arch}) is newer than the bundle's archs; the driver compiles "
                   f"{records[0]['arch']} PTX at load (slower start, older code): rebuild with --arch {arch}",
                   file=sys.stderr)
-        # Kernels compiled for programmatic dependent launch get it unless ENGC_PDL=0 (an escape hatch,
-        # and the A/B switch of bench/gpu_bench.py): their waits are no-ops when launched plainly.
-        pdl = os.environ.get("ENGC_PDL", "1") != "0"
+        pdl = pdl_enabled()
         self.kernels: dict[tuple[str, str], Kernel] = {}
         self.consts: dict[str, dict] = {}
         self.records: dict[tuple[str, str], dict] = {}
         self.align_mask: dict[tuple[str, str], int] = {}
         for r in records:  # one image file per (op, variant): each loads as its own module
-            scratch = r.get("scratch_params", SCRATCH)   # CUDA C++ kernels take none
-            sig = signature_from_triton([a["type"] for a in r["args"][:len(r["args"]) - scratch]])
-            self.kernels[(r["op"], r["variant"])] = load_kernel(
-                bundle.read(r[image]), r["entry"], sig, block_x=32 * r["num_warps"],
-                shared_mem=r["shared_mem"], scratch_params=scratch,
-                pdl=pdl and bool(r.get("launch", {}).get("PDL")))
+            self.kernels[(r["op"], r["variant"])] = load_record(bundle.read(r[image]), r, pdl)
             self.consts.setdefault(r["op"], {})[r["variant"]] = r.get("launch", {})
             self.records[(r["op"], r["variant"])] = r
             # the pointer alignment the kernel was compiled to assume (Triton's divisibility hint; vector

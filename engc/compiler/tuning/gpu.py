@@ -9,7 +9,6 @@ gaps are as in serving) and the figure is the median over replays, in us per lau
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -41,15 +40,11 @@ def local_gpu() -> tuple[str, str, int]:
 
 
 def load_record(image: bytes, r: dict, say):
-    """One kernel record's cubin, loaded as runtime/gpu_ops.BundleKernels loads a bundle's (PDL where the record
-    asks for it, unless ENGC_PDL=0); None, said, where the driver refuses it."""
-    from engc.runtime import cubin
-    scratch = r["scratch_params"]
-    sig = cubin.signature_from_triton([a["type"] for a in r["args"][:len(r["args"]) - scratch]])
+    """One kernel record's cubin, loaded as runtime/gpu_ops.BundleKernels loads a bundle's (gpu_ops.load_record:
+    PDL where the record asks for it, unless ENGC_PDL=0); None, said, where the driver refuses it."""
+    from engc.runtime import gpu_ops
     try:
-        return cubin.load_kernel(image, r["entry"], sig, block_x=32 * r["num_warps"], shared_mem=r["shared_mem"],
-                                 scratch_params=scratch,
-                                 pdl=os.environ.get("ENGC_PDL", "1") != "0" and bool(r["launch"].get("PDL")))
+        return gpu_ops.load_record(image, r, gpu_ops.pdl_enabled())
     except Exception as e:  # noqa: BLE001 -- the driver's refusal of one image fails that candidate only
         say(f"LOAD FAILED {r['variant']} {r['tune']}: {str(e).splitlines()[0][:200]}")
         return None
