@@ -260,6 +260,11 @@ def test_from_loads_each_cubin_once_and_checks_it(prepared_1b, monkeypatch):
     down = next(s for s in prep.plan.shapes if s.op == "silu_gemv")
     for cand in prep.plan.candidates[down][1:]:
         assert kernels[(down, cand)][1]["launch"]["target_programs"] == dict(cand.fields)["target_programs"]
+    # the plan file holds each cubin's record once; its candidates keep their launch/tune differences only
+    doc = json.loads((prepared_1b / prepared.PLAN_FILE).read_text())
+    assert set(doc["kernels"]) == set(prep.info["files"])
+    assert {k for s in doc["shapes"] for c in s["candidates"] for k in c} <= {"bucket", "fields", "kernel", "launch",
+                                                                                "tune", "failed"}
     # a cubin altered after --prepare is refused before the driver sees it
     path = prepared_1b / next(iter(prep.info["files"]))
     path.write_bytes(path.read_bytes() + b"x")

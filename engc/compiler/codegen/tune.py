@@ -17,6 +17,12 @@ PDL = {"sm80": 0, "sm90": 1}
 # Programs the split-KV decode aims to keep in flight: about 2 per multiprocessor.
 _SM_COUNT = {"sm80": 108, "sm90": 132}
 
+
+def sm_count(arch: str) -> int:
+    """The multiprocessors of the GPU the table's split targets (target_programs) assume for arch: A100 108,
+    H100/H200 132 (engc tune --prepare plans for it unless --sms says otherwise)."""
+    return _SM_COUNT[arch]
+
 TUNE: dict[str, dict] = {}
 
 

@@ -68,7 +68,7 @@ def prepare(src: str, folder: Path, opts: TuneOptions, arch: str = "sm90", sms: 
     opts.validate()
     if arch not in table.ARCHS:
         raise UserError(f"--arch {arch}: engc tune prepares kernels for {', '.join(table.ARCHS)}")
-    sms = sms or table._SM_COUNT[arch]
+    sms = sms or table.sm_count(arch)
     name, hf = tp.source_config(src)
     cfg = tp.model_config(hf)
     from engc.compiler.frontend.quantized import is_quantized

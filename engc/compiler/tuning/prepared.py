@@ -5,9 +5,12 @@ the GPU machine times the cubins the build itself would ship, not what its own T
     engc tune --from DIR -o tune.json           # GPU machine: load, check, time (no compiling there)
 
 DIR/tune_plan.json holds the plan (model config, shapes, the table's current choice, the candidate grid),
-one kernel record per compiled candidate (codegen/record.kernel_record: the build's own record, with the
+a kernel record per compiled candidate (codegen/record.kernel_record: the build's own record, with the
 candidate's launch constants), the sha256 of every cubin, the compiling Triton version and a digest of the
-arch's gemv tune entries (a checkout whose table differs would mislabel the current choice).
+arch's gemv tune entries (a checkout whose table differs would mislabel the current choice). The records
+are stored once per cubin ("kernels": the first of its candidates' records); a candidate names its cubin
+("kernel") and keeps only the launch constants and tune fields in which its record differs from that one
+(the candidates of one cubin differ in those alone, e.g. target_programs), so the file stays small.
 DIR/kernels/<arch>/<sha256[:16]>.cubin: one file per distinct kernel (candidates differing only in a launch
 constant such as target_programs share it). No PTX: the folder is checked to match the GPU's arch.
 Deterministic: no dates, sorted keys, content-named files.
@@ -26,7 +29,7 @@ from engc.compiler.tuning import plan as tp
 from engc.errors import UserError
 
 FORMAT = "engc-tune-prepare"
-VERSION = 1
+VERSION = 2   # 2: records stored once per cubin, candidates keep their launch/tune differences
 PLAN_FILE = "tune_plan.json"
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -101,7 +104,7 @@ def write(folder: Path, plan: tp.TunePlan, info: dict, say, compiler=compile_can
     say(f"engc tune: compiling {len(unique)} kernels for {len(pairs)} candidates of {len(plan.shapes)} shapes "
         f"({plan.arch}, Triton {triton.__version__})")
     compiled = dict(zip(unique, compiler(list(unique.values()), say)))
-    files, shapes = {}, []
+    files, shapes, kernels = {}, [], {}
     for s in plan.shapes:
         cands = []
         for c in plan.candidates[s]:
@@ -114,14 +117,15 @@ def write(folder: Path, plan: tp.TunePlan, info: dict, say, compiler=compile_can
                 # the build's record, less the PTX and source paths the folder does not carry
                 record = {k: v for k, v in kernel_record(spec, meta, path, "", "").items()
                           if k not in ("ptx", "source")}
-            cands.append({"bucket": c.bucket, "fields": [list(f) for f in c.fields], "record": record,
+            cands.append({"bucket": c.bucket, "fields": [list(f) for f in c.fields],
+                          **(_stored(kernels, record) if record is not None else {}),
                           **({"failed": True} if spec is not None and record is None else {})})
         cur = plan.candidates[s].index(plan.current[s])
         shapes.append({"op": s.op, "name": s.name, "k": s.k, "n": s.n, "per_step": s.per_step, "current": cur,
                        "candidates": cands})
     doc = {"format": FORMAT, "version": VERSION, **info, "arch": plan.arch, "dtype": DTYPE_NAMES[plan.dtype],
            "cfg": plan.cfg.to_dict(), "triton": triton.__version__, "engc": engc_version(),
-           "tune_table": table_digest(plan.arch), "shapes": shapes,
+           "tune_table": table_digest(plan.arch), "shapes": shapes, "kernels": kernels,
            "files": {p: hashlib.sha256(b).hexdigest() for p, b in sorted(files.items())}}
     with atomic_folder(folder) as tmp:
         for path, data in files.items():
@@ -129,6 +133,29 @@ def write(folder: Path, plan: tp.TunePlan, info: dict, say, compiler=compile_can
             (tmp / path).write_bytes(data)
         (tmp / PLAN_FILE).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     return doc
+
+
+PER_CANDIDATE = ("launch", "tune")   # the record fields in which candidates of one cubin differ
+
+
+def _stored(kernels: dict, record: dict) -> dict:
+    """A candidate's record as the plan file keeps it: its cubin's record (added to kernels, path -> record,
+    by the first candidate of that cubin) named, plus the PER_CANDIDATE fields' entries that differ from it."""
+    base = kernels.setdefault(record["cubin"], record)
+    stored = {"kernel": record["cubin"],
+              **{k: {f: v for f, v in record[k].items() if f not in base[k] or base[k][f] != v}
+                 for k in PER_CANDIDATE}}
+    if _record(kernels, stored) != record:   # the candidates of one cubin differ in more than PER_CANDIDATE
+        raise RuntimeError(f"{record['variant']}: its record is not its cubin's record plus {PER_CANDIDATE}")
+    return stored
+
+
+def _record(kernels: dict, cand: dict) -> dict | None:
+    """A candidate's full kernel record from the plan file (None: cuBLAS, or a config that did not compile)."""
+    if "kernel" not in cand:
+        return None
+    base = kernels[cand["kernel"]]
+    return {**base, **{k: {**base[k], **cand[k]} for k in PER_CANDIDATE}}
 
 
 def load(folder) -> Prepared:
@@ -159,9 +186,9 @@ def load(folder) -> Prepared:
         cands = [tp.Candidate(c["bucket"], tuple(tuple(f) for f in c["fields"])) for c in d["candidates"]]
         shapes.append(s)
         candidates[s], current[s] = cands, cands[d["current"]]
-        records.update({(s, c): r["record"] for c, r in zip(cands, d["candidates"])})
+        records.update({(s, c): _record(doc["kernels"], r) for c, r in zip(cands, d["candidates"])})
     plan = tp.TunePlan(arch, dtype, cfg, shapes, current, candidates)
-    info = {k: v for k, v in doc.items() if k not in ("shapes", "cfg")}
+    info = {k: v for k, v in doc.items() if k not in ("shapes", "cfg", "kernels")}
     return Prepared(folder, plan, records, info)
 
 
