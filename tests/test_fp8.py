@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,19 +11,15 @@ import torch
 from engc.runtime.eval import _forward
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import load
+from interpreted import interpreted_report
 
-ROOT = Path(__file__).resolve().parents[1]
 CASES = ["fp32_k96", "bf16_k96", "bf16_k256_zero_row", "fp16_k1500_wide_range"]
 
 
 @pytest.fixture(scope="module")
 def report():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1])
+    return interpreted_report(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from interpreted import interpreted_report
+
 ROOT = Path(__file__).resolve().parents[1]
 KV = ("int8", "fp8")
 
@@ -23,11 +25,7 @@ KV = ("int8", "fp8")
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"kernel checks crashed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1])
+    return interpreted_report(__file__)
 
 
 CASES = [f"{case}_{kv}" for kv in KV for case in

@@ -1,18 +1,15 @@
 """The int4 Triton kernels under TRITON_INTERPRET=1 against the plain-torch reference (kernels/int4_linear).
 
-Run in a child process: the interpreter must be on before triton is first imported (see test_kernels.py).
+Run in a child process (tests/interpreted.py): the interpreter must be on before triton is first imported.
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from interpreted import interpreted_report
+
 # (name, M, K, N, group, bias, act_order, dtype, split K): every GEMV row bucket (M 1..8), the split-K
 # reduce, the dequant + matmul path (M 16, 64, a prefill-sized 300), group sizes 32/64/128 and one covering
 # all of K, ragged K (K % group != 0, K % (BLOCK_C chunks) != 0) and N % BLOCK_N != 0, act_order
@@ -37,11 +34,7 @@ CASES = [c[0] for c in SHAPES]
 @pytest.fixture(scope="module")
 def report():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1])
+    return interpreted_report(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("case", CASES)
