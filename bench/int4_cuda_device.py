@@ -36,13 +36,39 @@ MS = (1, 2, 4, 8)
 SMS = 132
 TARGETS = (2, 4, 8)       # target_programs = this x SMs
 LAYERS = 32
-# config name -> template constants (w warps, t 16-row tiles, u 128-wide K steps per iteration, b CTAs per SM)
-SWEEP = {"w4t2u2b3": dict(num_warps=4, TILES=2, UNROLL=2, min_blocks=3),
-         "w4t1u4b3": dict(num_warps=4, TILES=1, UNROLL=4, min_blocks=3),
-         "w4t4u1b3": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=3),
-         "w4t2u1b4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4),
-         "w8t2u1b2": dict(num_warps=8, TILES=2, UNROLL=1, min_blocks=2),
-         "w2t2u2b6": dict(num_warps=2, TILES=2, UNROLL=2, min_blocks=6)}
+# config name -> template constants (w warps, t 16-row tiles, u 128-wide K steps per iteration, b CTAs per SM;
+# z: ZERO_SUM, the zero taken off each step's sum; p: PREFETCH, iteration i + 1 loaded while i computes)
+_BASE = dict(ZERO_SUM=False, PREFETCH=False)
+_Z = dict(_BASE, ZERO_SUM=True)
+_ZTS = dict(_Z, TILED_W=True, PACKED_SZ=True)   # t: W in 16-row tiles; s: scale | zero << 16 words, [groups, N]
+SWEEP = {"w4t2u1b4": dict(_BASE, num_warps=4, TILES=2, UNROLL=1, min_blocks=4),
+         "w4t2u1b4z": dict(_Z, num_warps=4, TILES=2, UNROLL=1, min_blocks=4),
+         "w4t2u1b3zp": dict(_Z, num_warps=4, TILES=2, UNROLL=1, min_blocks=3, PREFETCH=True),
+         "w4t2u1b4zt": dict(_Z, num_warps=4, TILES=2, UNROLL=1, min_blocks=4, TILED_W=True),
+         "w4t2u1b4zs": dict(_Z, num_warps=4, TILES=2, UNROLL=1, min_blocks=4, PACKED_SZ=True),
+         "w4t2u1b4zts": dict(_ZTS, num_warps=4, TILES=2, UNROLL=1, min_blocks=4),
+         "w4t2u1b3zpts": dict(_ZTS, num_warps=4, TILES=2, UNROLL=1, min_blocks=3, PREFETCH=True),
+         "w4t1u4b3zts": dict(_ZTS, num_warps=4, TILES=1, UNROLL=4, min_blocks=3),
+         "w4t4u1b3zts": dict(_ZTS, num_warps=4, TILES=4, UNROLL=1, min_blocks=3),
+         "w4t1u2b4zts": dict(_ZTS, num_warps=4, TILES=1, UNROLL=2, min_blocks=4),
+         "w8t2u1b2zts": dict(_ZTS, num_warps=8, TILES=2, UNROLL=1, min_blocks=2),
+         "w4t1u4b3": dict(_BASE, num_warps=4, TILES=1, UNROLL=4, min_blocks=3),
+         # ABLATE (a measurement, not a kernel): the compute replaced by an XOR of the W words, so only the
+         # W loads remain (the compiler drops the scale, zero and x loads): the loop's memory ceiling
+         "w4t2u1b4zts_a": dict(_ZTS, num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ABLATE=True),
+         "w4t2u1b4_a": dict(_BASE, num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ABLATE=True),
+         "w4t1u4b3zts_a": dict(_ZTS, num_warps=4, TILES=1, UNROLL=4, min_blocks=3, ABLATE=True)}
+ABLATE_AT = "    auto compute = [&](const Frag& f) {\n"
+ABLATE_BODY = """        uint32_t v = 0;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+            for (int t = 0; t < TILES; ++t)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) v ^= f.w[u][t][h].x ^ f.w[u][t][h].y ^ f.w[u][t][h].z ^ f.w[u][t][h].w;
+        acc[0][0] += __uint_as_float(v & 0x007fffffu);
+        return;
+"""
 # the prefill dequant (templates/int4_dequant.cu.j2): w warps, c 16-byte chunks per thread
 DEQUANT_SWEEP = {"w8c4": dict(num_warps=8, CHUNKS=4), "w8c2": dict(num_warps=8, CHUNKS=2),
                  "w4c8": dict(num_warps=4, CHUNKS=8), "w8c8": dict(num_warps=8, CHUNKS=8)}
@@ -58,11 +84,23 @@ def prepare(out_dir: Path):
     if cuda.nvcc_path() is None:
         raise SystemExit("nvcc not found: the CUDA int4 GEMV cannot be built here")
     t0, index, sets = time.time(), {}, {}
+    render = cuda.render
     for name, ov in SWEEP.items():
+        ablate = ov.get("ABLATE", False)
+        ov = {k: v for k, v in ov.items() if k != "ABLATE"}
         specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov)[0]]
         if name == next(iter(SWEEP)):
             specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov)[0])
-        sets[f"cuda/{name}"] = cuda.compile_cuda(specs)
+        if ablate:
+            def patched(*a, **kw):
+                src = render(*a, **kw)
+                assert ABLATE_AT in src
+                return src.replace(ABLATE_AT, ABLATE_AT + ABLATE_BODY)
+            cuda.render = patched
+        try:
+            sets[f"cuda/{name}"] = cuda.compile_cuda(specs)
+        finally:
+            cuda.render = render
         print(f"cuda/{name}: {len(specs)} kernels ({time.time() - t0:.0f}s)", flush=True)
     for name, ov in DEQUANT_SWEEP.items():
         specs = [cuda_int4.int4_dequant_spec(g, "bf16", "sm90", ov)[0] for g in (GROUP, 64)]
@@ -111,11 +149,29 @@ def run(aot: Path, out: Path):
         print(msg, flush=True)
         log.append(msg)
 
+    relaid = {}   # (id of qweight, flags) -> the tensors in the config's layout, made once (never in a graph)
+
+    def relayout(w, cfg):
+        key = (id(w[0]), bool(cfg.get("TILED_W")), bool(cfg.get("PACKED_SZ")))
+        if key not in relaid:
+            qw, s, z = w
+            if cfg.get("TILED_W"):   # [N/16][K/32][16 rows][4 words], N padded to 16 rows
+                n, kw = qw.shape
+                n16 = -(-n // 16) * 16
+                qw = torch.cat([qw, qw.new_zeros(n16 - n, kw)]).view(n16 // 16, 16, kw // 4, 4)
+                qw = qw.permute(0, 2, 1, 3).contiguous()
+            if cfg.get("PACKED_SZ"):   # [groups, N] int32: scale bits | zero << 16
+                s = ((s.view(torch.int16).to(torch.int32) & 0xFFFF) | (z.to(torch.int32) << 16)).t().contiguous()
+            relaid[key] = (w[0], qw, s)
+        return relaid[key][1:]
+
     def cuda_linear(name, target, x, w, group, bias=None):
         ks = sets[name]
         consts = {v: dict(c, target_programs=target) if target else c for v, c in ks.consts("int4_linear").items()}
         y = torch.empty(x.shape[0], w[0].shape[0], dtype=x.dtype, device="cuda")
-        ks.run("int4_linear", op.cuda_launch(x, *w, bias, y, group_size=group, consts=consts, counters=counters))
+        launches = op.cuda_launch(x, *w, bias, y, group_size=group, consts=consts, counters=counters)
+        qw, s = relayout(w, SWEEP[name.split("/")[-1]])
+        ks.run("int4_linear", [(v, grid, [a[0], qw, s, *a[3:]]) for v, grid, a in launches])
         return y
 
     def triton_linear(x, w, group, bias=None):
@@ -155,6 +211,8 @@ def run(aot: Path, out: Path):
             b = torch.randn(n, dtype=torch.bfloat16, device="cuda", generator=gen) if with_bias else None
             ref = x.double() @ op.dequantize(*w, group).double().t() + (b.double() if with_bias else 0)
             for name in cuda_sets:
+                if SWEEP[name.split("/")[-1]].get("ABLATE"):
+                    continue
                 if op.cuda_variant(group) in sets[name].consts("int4_linear"):
                     for target in (None, 8 * SMS):
                         check(dict(case="edge", group=group, M=m, N=n, K=k, bias=with_bias, set=name, target=target),
@@ -194,10 +252,11 @@ def run(aot: Path, out: Path):
                 for mult in TARGETS:
                     target = mult * SMS
                     tag = dict(row, set=name, target=target)
-                    if not check(tag, cuda_linear(name, target, x, ws[0], GROUP), ref):
+                    ablate = SWEEP[name.split("/")[-1]].get("ABLATE", False)
+                    if not ablate and not check(tag, cuda_linear(name, target, x, ws[0], GROUP), ref):
                         continue
                     us = time_graph(lambda i: cuda_linear(name, target, x, ws[i], GROUP), copies)
-                    if check(dict(tag, after="graph"), cuda_linear(name, target, x, ws[0], GROUP), ref):
+                    if ablate or check(dict(tag, after="graph"), cuda_linear(name, target, x, ws[0], GROUP), ref):
                         results["timings"].append(dict(tag, us=us, tbs=wbytes / us / 1e6))
         say(f"{shape}: done ({time.time() - started:.0f}s)")
         ws = dense = None
@@ -212,7 +271,8 @@ def run(aot: Path, out: Path):
 def table(results, say):
     bad = [c for c in results["checks"] if not c["ok"]]
     all_ts = results["timings"]
-    ts = [t for t in all_ts if t["M"] != "dequant"]
+    ablated = [t for t in all_ts if t["set"].startswith("cuda/") and SWEEP[t["set"][5:]].get("ABLATE")]
+    ts = [t for t in all_ts if t["M"] != "dequant" and t not in ablated]
     say("")
     say(f"== checks: {len(results['checks']) - len(bad)}/{len(results['checks'])} ok (rel err < 1e-2 vs the float64 "
         "reference, before and after graph replay, counters back to zero) ==")
@@ -264,6 +324,12 @@ def table(results, say):
             best = min(full, key=full.get)
             say(f"  for tune.py (sm90/int4_linear/cuda/dequant): enabled=True, "
                 f"{', '.join(f'{k}={v}' for k, v in DEQUANT_SWEEP[best.split('/')[-1]].items())}")
+    if ablated:
+        say("== W loads alone (ABLATE: the loop's memory ceiling), M=1, us (TB/s) ==")
+        for name in sorted({t["set"] for t in ablated}):
+            cells = [min((t for t in ablated if t["set"] == name and t["shape"] == sh and t["M"] == 1),
+                         key=lambda t: t["us"]) for sh in SHAPES]
+            say(f"  {name[5:]:<16} " + " ".join(f"{sh} {c['us']:6.2f} ({c['tbs']:4.2f})" for sh, c in zip(SHAPES, cells)))
     cfg = SWEEP[chosen.split("/")[-1]]
     say(f"== for tune.py (sm90/int4_linear/cuda/gemv): enabled=True, max_m=8, "
         f"{', '.join(f'{k}={v}' for k, v in cfg.items())}, target_programs={target // SMS} * _SM_COUNT[_arch] ==")

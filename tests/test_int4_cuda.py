@@ -28,11 +28,13 @@ def _byte_perm(a: int, b: int, sel: int) -> int:
     return sum(src[(sel >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
 
 
-def _emulate_step(words, zeros, xs):
+def _emulate_step(words, zeros, xs, zero_sum=False):
     """One 16-row tile and one 128-wide K step as the template computes it, for 8 rows of x.
     words [16, 16] int (4 chunks of 4 words per row), zeros [16], xs [8, 128] bf16 -> D [16, 8] = the
-    sum of the 8 mmas' products of (q - zero) with x, built from the m16n8k16 fragment definitions."""
+    sum of the 8 mmas' products of (q - zero) with x, built from the m16n8k16 fragment definitions.
+    zero_sum: the pairs stay 128 + q, the same mmas with A = 1 sum x, and (128 + zero) * sum comes off."""
     d = torch.zeros(16, 8, dtype=torch.float64)
+    xsum = torch.zeros(16, 8, dtype=torch.float64)
     for i in range(4):               # word i of every lane's chunk
         for mma in range(2):         # shifts (0, 1), then (2, 3)
             a, b = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
@@ -45,7 +47,8 @@ def _emulate_step(words, zeros, xs):
                     for s in (2 * mma, 2 * mma + 1):
                         v = ((w >> (4 * s)) & 0x000F000F) | 0x43004300       # the magic-number trick
                         lo, hi = _bf16_pair(v)
-                        pairs[h, s] = (lo - (128 + zeros[g + 8 * h]), hi - (128 + zeros[g + 8 * h]))
+                        off = 0 if zero_sum else 128 + zeros[g + 8 * h]
+                        pairs[h, s] = (lo - off, hi - off)
                 xp = {}
                 for s in (2 * mma, 2 * mma + 1):
                     e = 4 * s + i
@@ -59,18 +62,23 @@ def _emulate_step(words, zeros, xs):
                 b[2 * c:2 * c + 2, g] = torch.tensor(xp[s0], dtype=torch.float64)
                 b[2 * c + 8:2 * c + 10, g] = torch.tensor(xp[s1], dtype=torch.float64)
             d += a @ b
+            xsum += torch.ones(16, 16, dtype=torch.float64) @ b
+    if zero_sum:
+        d -= (128 + torch.tensor(zeros, dtype=torch.float64))[:, None] * xsum
     return d
 
 
-def test_lane_math_matches_the_layout():
+@pytest.mark.parametrize("zero_sum", [False, True])
+def test_lane_math_matches_the_layout(zero_sum):
     """The nibble extraction, the x regrouping and the fragment placement together compute
-    sum_k (q[n, k] - zero[n]) * x[m, k] over the step: any slip in the K renaming would mix inputs."""
+    sum_k (q[n, k] - zero[n]) * x[m, k] over the step: any slip in the K renaming would mix inputs. With
+    zero_sum the zero comes off the step's sum instead of every pair."""
     torch.manual_seed(0)
     q = torch.randint(0, 16, (16, 128), dtype=torch.uint8)
     zeros = [int(z) for z in torch.randint(0, 16, (16,))]
     xs = torch.randn(8, 128).to(torch.bfloat16)
     words = op.pack_int4(q).tolist()
-    got = _emulate_step(words, zeros, xs)
+    got = _emulate_step(words, zeros, xs, zero_sum)
     want = (q.double() - torch.tensor(zeros, dtype=torch.float64)[:, None]) @ xs.double().t()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-9)
 

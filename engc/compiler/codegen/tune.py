@@ -216,7 +216,7 @@ for _arch in ("sm80", "sm90"):
     # A stream-K rewrite with a cp.async W pipeline (ce78d4e) measured 2.63-2.69 ms at its best configs
     # (bench/results/h200_int4_cuda_streamk.txt) and was reverted.
     _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
-         min_blocks=4, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
+         min_blocks=4, ZERO_SUM=False, PREFETCH=False, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
     # ... and its prefill dequant (templates/int4_dequant.cu.j2): CHUNKS 16-byte chunks per thread, all
     # loaded before the first is written. H200: 1.3-1.45 TB/s written, about twice the Triton dequant.
     _put(_arch, "int4_linear", "cuda", "dequant", enabled=True, num_warps=8, CHUNKS=2)
