@@ -37,37 +37,24 @@ SMS = 132
 TARGETS = (2, 4, 8)       # target_programs = this x SMs
 LAYERS = 32
 # config name -> template constants (w warps, t 16-row tiles, u 128-wide K steps per iteration, b CTAs per SM;
-# z: ZERO_SUM, the zero taken off each step's sum; p: PREFETCH, iteration i + 1 loaded while i computes)
-_BASE = dict(ZERO_SUM=False, PREFETCH=False)
-_Z = dict(_BASE, ZERO_SUM=True)
-_ZTS = dict(_Z, TILED_W=True, PACKED_SZ=True)   # t: W in 16-row tiles; s: scale | zero << 16 words, [groups, N]
-SWEEP = {"w4t2u1b4": dict(_BASE, num_warps=4, TILES=2, UNROLL=1, min_blocks=4),
-         "w4t2u1b4z": dict(_Z, num_warps=4, TILES=2, UNROLL=1, min_blocks=4),
-         "w4t2u1b3zp": dict(_Z, num_warps=4, TILES=2, UNROLL=1, min_blocks=3, PREFETCH=True),
-         "w4t2u1b4zt": dict(_Z, num_warps=4, TILES=2, UNROLL=1, min_blocks=4, TILED_W=True),
-         "w4t2u1b4zs": dict(_Z, num_warps=4, TILES=2, UNROLL=1, min_blocks=4, PACKED_SZ=True),
-         "w4t2u1b4zts": dict(_ZTS, num_warps=4, TILES=2, UNROLL=1, min_blocks=4),
-         "w4t2u1b3zpts": dict(_ZTS, num_warps=4, TILES=2, UNROLL=1, min_blocks=3, PREFETCH=True),
-         "w4t1u4b3zts": dict(_ZTS, num_warps=4, TILES=1, UNROLL=4, min_blocks=3),
-         "w4t4u1b3zts": dict(_ZTS, num_warps=4, TILES=4, UNROLL=1, min_blocks=3),
-         "w4t1u2b4zts": dict(_ZTS, num_warps=4, TILES=1, UNROLL=2, min_blocks=4),
-         "w8t2u1b2zts": dict(_ZTS, num_warps=8, TILES=2, UNROLL=1, min_blocks=2),
-         "w4t1u4b3": dict(_BASE, num_warps=4, TILES=1, UNROLL=4, min_blocks=3),
+# z: ZERO_SUM, the zero taken off each step's sum). 59ba135's sweep also had PREFETCH and a tiled W layout
+# with packed scale|zero words (bench/results/h200_59ba135_int4_variants.txt).
+SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True),
+         "w4t2u1b4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=False),
+         "w4t1u2b4z": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True),
+         "w4t1u4b3z": dict(num_warps=4, TILES=1, UNROLL=4, min_blocks=3, ZERO_SUM=True),
+         "w4t4u1b3z": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=3, ZERO_SUM=True),
          # ABLATE (a measurement, not a kernel): the compute replaced by an XOR of the W words, so only the
          # W loads remain (the compiler drops the scale, zero and x loads): the loop's memory ceiling
-         "w4t2u1b4zts_a": dict(_ZTS, num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ABLATE=True),
-         "w4t2u1b4_a": dict(_BASE, num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ABLATE=True),
-         "w4t1u4b3zts_a": dict(_ZTS, num_warps=4, TILES=1, UNROLL=4, min_blocks=3, ABLATE=True)}
-ABLATE_AT = "    auto compute = [&](const Frag& f) {\n"
-ABLATE_BODY = """        uint32_t v = 0;
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
+         "w4t2u1b4z_a": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True)}
+ABLATE_AT = "        for (int u = 0; u < UNROLL; ++u) {        // ... then dequantize and multiply\n"
+ABLATE_BODY = """            uint32_t v = 0;   // inside the loop over u: this step's W words only
 #pragma unroll
             for (int t = 0; t < TILES; ++t)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) v ^= f.w[u][t][h].x ^ f.w[u][t][h].y ^ f.w[u][t][h].z ^ f.w[u][t][h].w;
-        acc[0][0] += __uint_as_float(v & 0x007fffffu);
-        return;
+                for (int h = 0; h < 2; ++h) v ^= wv[u][t][h].x ^ wv[u][t][h].y ^ wv[u][t][h].z ^ wv[u][t][h].w;
+            acc[0][0] += __uint_as_float(v & 0x007fffffu);
+            continue;
 """
 # the prefill dequant (templates/int4_dequant.cu.j2): w warps, c 16-byte chunks per thread
 DEQUANT_SWEEP = {"w8c4": dict(num_warps=8, CHUNKS=4), "w8c2": dict(num_warps=8, CHUNKS=2),
@@ -149,29 +136,11 @@ def run(aot: Path, out: Path):
         print(msg, flush=True)
         log.append(msg)
 
-    relaid = {}   # (id of qweight, flags) -> the tensors in the config's layout, made once (never in a graph)
-
-    def relayout(w, cfg):
-        key = (id(w[0]), bool(cfg.get("TILED_W")), bool(cfg.get("PACKED_SZ")))
-        if key not in relaid:
-            qw, s, z = w
-            if cfg.get("TILED_W"):   # [N/16][K/32][16 rows][4 words], N padded to 16 rows
-                n, kw = qw.shape
-                n16 = -(-n // 16) * 16
-                qw = torch.cat([qw, qw.new_zeros(n16 - n, kw)]).view(n16 // 16, 16, kw // 4, 4)
-                qw = qw.permute(0, 2, 1, 3).contiguous()
-            if cfg.get("PACKED_SZ"):   # [groups, N] int32: scale bits | zero << 16
-                s = ((s.view(torch.int16).to(torch.int32) & 0xFFFF) | (z.to(torch.int32) << 16)).t().contiguous()
-            relaid[key] = (w[0], qw, s)
-        return relaid[key][1:]
-
     def cuda_linear(name, target, x, w, group, bias=None):
         ks = sets[name]
         consts = {v: dict(c, target_programs=target) if target else c for v, c in ks.consts("int4_linear").items()}
         y = torch.empty(x.shape[0], w[0].shape[0], dtype=x.dtype, device="cuda")
-        launches = op.cuda_launch(x, *w, bias, y, group_size=group, consts=consts, counters=counters)
-        qw, s = relayout(w, SWEEP[name.split("/")[-1]])
-        ks.run("int4_linear", [(v, grid, [a[0], qw, s, *a[3:]]) for v, grid, a in launches])
+        ks.run("int4_linear", op.cuda_launch(x, *w, bias, y, group_size=group, consts=consts, counters=counters))
         return y
 
     def triton_linear(x, w, group, bias=None):

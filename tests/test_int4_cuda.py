@@ -137,6 +137,12 @@ def test_render_specializes_group_and_tiles():
     assert "constexpr int TILES = 4;" in src and "{{" not in src
     fp16 = cuda.render(spec.template, **cuda_int4.int4_gemv_spec(128, "fp16", "sm90")[0].render)
     assert "0x64006400u" in fp16 and "f16x2" in fp16
+    # ZERO_SUM is a render switch, and the kernel keeps it off for fp16 itself (MAGIC 1024 would cancel bits)
+    on, off = (cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"ZERO_SUM": z})[0] for z in (True, False))
+    assert on.entry.endswith("z") and not off.entry.endswith("z")
+    assert "constexpr bool ZERO_SUM = true &&" in cuda.render(on.template, **on.render)
+    assert "constexpr bool ZERO_SUM = false &&" in cuda.render(off.template, **off.render)
+    assert "&& false;" in fp16.split("constexpr bool ZERO_SUM")[1].split("\n")[0]
     assert cuda_int4.int4_gemv_spec(128, "fp32", "sm90")[0] is None
 
 

@@ -61,13 +61,10 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
         return None, f"max_m {entry['max_m']} is outside 1..8 (one n8 mma tile)"
     warps, tiles, unroll = entry["num_warps"], entry["TILES"], entry["UNROLL"]
     block_n, block_k = 16 * tiles, 128 * warps * unroll
-    flags = "".join(f for f, key in (("z", "ZERO_SUM"), ("p", "PREFETCH"), ("t", "TILED_W"), ("s", "PACKED_SZ"))
-                    if entry.get(key))
-    name = f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}{flags}"
+    name = f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}{'z' if entry['ZERO_SUM'] else ''}"
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
               "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
-              "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "prefetch": entry["PREFETCH"],
-              "tiled_w": entry.get("TILED_W", False), "packed_sz": entry.get("PACKED_SZ", False), "entry": name}
+              "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "entry": name}
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"

@@ -215,8 +215,12 @@ for _arch in ("sm80", "sm90"):
     # bf16 3.8 ms; this config was the best over the sweep. sm80: by analogy, not measured.
     # A stream-K rewrite with a cp.async W pipeline (ce78d4e) measured 2.63-2.69 ms at its best configs
     # (bench/results/h200_int4_cuda_streamk.txt) and was reverted.
+    # ZERO_SUM (the zero off each step's sum, one packed op fewer per pair): 0.4-1.7% faster in three H200
+    # sweeps (bench/results/h200_59ba135_int4_variants.txt). Not kept from that sweep: PREFETCH (loads of
+    # the next iteration in flight during this one: 5-7% slower at 3 CTAs an SM), and W in 16-row tiles with
+    # packed [groups, N] scale|zero words (2-4% faster, but every int4 reader would need the layout).
     _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
-         min_blocks=4, ZERO_SUM=False, PREFETCH=False, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
+         min_blocks=4, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
     # ... and its prefill dequant (templates/int4_dequant.cu.j2): CHUNKS 16-byte chunks per thread, all
     # loaded before the first is written. H200: 1.3-1.45 TB/s written, about twice the Triton dequant.
     _put(_arch, "int4_linear", "cuda", "dequant", enabled=True, num_warps=8, CHUNKS=2)
