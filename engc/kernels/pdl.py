@@ -6,6 +6,11 @@ a kernel may start while the previous one in the stream is still running: `wait(
 that kernel has finished and its writes are visible, and `launch_dependents()` lets the next PDL kernel
 start. A kernel built with PDL=1 must call wait() before it reads or writes any memory another kernel
 touches (only constant weights may be read before); launched without PDL, both calls are no-ops.
+One documented exception: decode attention at EARLY_KV=2 (paged_attention/triton.py) reads the step's
+metadata and the cached K/V of earlier tokens before wait(). Every PDL kernel here calls
+launch_dependents() only after its own wait(), so when a kernel starts, the kernel two launches back has
+finished; what it reads early was written before that (staged metadata, earlier steps' cache rows), and
+the one kernel that may still run (the QKV projection) writes only qkv, which it reads after wait().
 
 Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) has no such instructions: there both are empty.
 Only the compiler imports this module (through the kernels' triton.py files).

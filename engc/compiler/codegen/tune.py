@@ -53,11 +53,17 @@ for _arch in ("sm80", "sm90"):
     # at batch 1-4, 0.78-0.91x at batch 32 up to 1k context (1.08-1.17x at 4k), and 1.03-1.24x at 64.
     # EARLY_KV: decode_rotary's order of memory round trips (its docstring; 0 = load the KV tiles after the
     # rotary; 1/2 = issue the first tile's loads first / also before the PDL wait); bench/attn_b1_device.py.
-    for _bucket, _block_n, _stages in (("d<=64", 128, 2), ("d<=128", 64, 3 if _arch == "sm90" else 2),
-                                       ("d>128", 32, 2)):
+    # H200 (bench/results/h200_cb40abc_attn_b1.txt, decode_rotary behind a PDL predecessor): BLOCK_N 32 with
+    # EARLY_KV 2 takes 4.9-6.9 us a launch at 8B b1 ctx 128-256 against 6.3-8.6 for BLOCK_N 64 / EARLY_KV 0,
+    # and 16.3 against 20.3 at b32 ctx 256; 1B (d 64) b1 ctx 256: EARLY_KV 2 7.1 against 7.4. sm80 has no PDL
+    # and EARLY_KV 1 alone gained nothing there; d > 128 was not measured.
+    _sm90 = _arch == "sm90"
+    for _bucket, _block_n, _stages, _early in (("d<=64", 128, 2, 2 if _sm90 else 0),
+                                               ("d<=128", 32 if _sm90 else 64, 3 if _sm90 else 2, 2 if _sm90 else 0),
+                                               ("d>128", 32, 2, 0)):
         _put(_arch, "paged_attention", "decode", _bucket, BLOCK_N=_block_n, num_warps=4, num_stages=_stages,
              impl="triton", **dict(_split, min_split_tokens=_block_n), in_kernel_reduce=True, rotary_max_rows=32,
-             EARLY_KV=0)
+             EARLY_KV=_early)
     # decode_reduce: the second launch of the CUDA decode template (the Triton decode reduces in-kernel)
     _put(_arch, "paged_attention", "decode_reduce", "any", num_warps=4, num_stages=1)
     # The CUDA C++ twin of the decode kernel (templates/paged_decode.cu.j2): built and launched instead of

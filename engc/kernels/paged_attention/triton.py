@@ -39,8 +39,9 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
                         GR_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, RED_SPLITS: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         KV_QUANT: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr):
-    """EARLY_KV as paged_decode_rotary_kernel's: 1 loads the context length with the query offsets and the
-    first KV tile before q; 2 also issues those before the PDL wait (q, the rotary kernel's output, after)."""
+    """EARLY_KV: 1 (and 2) load the context length with the query offsets and the first KV tile before q.
+    Unlike paged_decode_rotary_kernel, 2 does not move them before the PDL wait: the kernel before this one
+    is the rotary kernel, which writes the new token's K/V into the cache, maybe into that first tile."""
     if EARLY_KV == 0:
         pdl.wait(PDL)
         pdl.launch_dependents(PDL)
@@ -53,9 +54,8 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D_PAD)
     else:
-        if EARLY_KV == 1:
-            pdl.wait(PDL)
-            pdl.launch_dependents(PDL)
+        pdl.wait(PDL)
+        pdl.launch_dependents(PDL)
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         row = tl.load(query_start_loc_ptr + b)
         rows = tl.load(query_start_loc_ptr + b + 1) - row
@@ -66,9 +66,6 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
         k0, v0, k0_scale, v0_scale = tiles.load_decode_tile(lo, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr,
                                                             v_scale_ptr, bt_row, kvh, d, PAGE, NUM_KV_HEADS,
                                                             HEAD_DIM, BLOCK_N, KV_QUANT)
-        if EARLY_KV == 2:
-            pdl.wait(PDL)
-            pdl.launch_dependents(PDL)
         if rows != 1:   # not one query token: the prefill kernel's sequence
             return
         g = tl.arange(0, G_PAD)
