@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engc.kernels import argmax, sampling
+from engc.runtime import cuda_graphs
 from engc.runtime.cuda_graphs import GraphedExecutor
 from engc.runtime.engine import Engine, EngineConfig
 from engc.runtime.gpu_ops import StepFacts
@@ -121,6 +122,20 @@ def stops_from(model, ids, n=12):
     engine.run_to_completion()
     text = model.tokenizer.decode(seq.output_ids[4:7])
     return text.strip()[:3] or text, seq.output_ids[5]
+
+
+@pytest.mark.parametrize("max_batch, width", [(256, 5), (1, 1), (7, 3), (33, 17)])
+def test_staged_inputs_start_16_byte_aligned(max_batch, width, monkeypatch):
+    """Kernels are compiled assuming 16-byte aligned pointers (BundleKernels.run refuses others): every
+    staged field, block_tables included, must start on a 16-byte boundary whatever the batch size."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)   # no accelerator here to pin for
+    staged = cuda_graphs.StagedInputs(max_batch, width, "cpu")
+    base = staged.device.data_ptr()
+    for name, view in staged.dev.items():
+        assert (view.data_ptr() - base) % 16 == 0, name
+    for b in (1, max_batch):
+        for name, view in staged.bucket_inputs(b).items():
+            assert (view.data_ptr() - base) % 16 == 0, name
 
 
 def test_greedy_stops_and_lengths_match(model):

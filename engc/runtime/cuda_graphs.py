@@ -36,19 +36,26 @@ I64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices", "fill_
 I32_FIELDS = ("context_lens", "query_start_loc")
 
 
+def _aligned(words: int) -> int:
+    """The first int32 offset at or after words that lies on a 16-byte boundary."""
+    return -(-words // 4) * 4
+
+
 class StagedInputs:
     """The decode graphs' input tensors as views of one device buffer, mirrored by pinned host ones."""
 
     def __init__(self, max_batch: int, max_blocks: int, device):
         self.n, self.width = max_batch, max_blocks
         self.offsets, at = {}, 0
+        # Every field starts on a 16-byte boundary: the kernels are compiled assuming their pointer
+        # arguments are (BundleKernels.run checks it; an odd max_batch + 1 put the tables 8 bytes off).
         for name in I64_FIELDS:
-            self.offsets[name] = at
+            self.offsets[name] = at = _aligned(at)
             at += 2 * max_batch
         for name in I32_FIELDS:
-            self.offsets[name] = at
+            self.offsets[name] = at = _aligned(at)
             at += max_batch + 1
-        self.offsets["block_tables"] = at
+        self.offsets["block_tables"] = at = _aligned(at)
         self.size = at + max_batch * max_blocks
         self.hosts = [torch.zeros(self.size, dtype=torch.int32).pin_memory() for _ in range(2)]
         self.turn = 0                                   # which host buffer the next step writes
