@@ -32,10 +32,13 @@ class GpuSampler:
         rows = [(s.params.temperature, s.params.top_k, s.params.top_p,
                  0.0 if s.params.greedy else float(torch.rand((), generator=s.generator)))
                 for s in seqs]
+        # Padded to 4 rows so each parameter's row below starts 16 bytes aligned, as the kernel assumes
+        # (BundleKernels.run refuses a misaligned argument; one sequence put top_p 8 bytes off).
+        rows += [(1.0, 0, 1.0, 0.0)] * (-len(rows) % 4)
         # pinned, so the upload does not wait for the step still running on the GPU
         params = torch.tensor(rows, dtype=torch.float32).pin_memory().to(self.device, non_blocking=True)
         params = params.T.contiguous()
-        temperature, top_p, uniform = params[0].contiguous(), params[2].contiguous(), params[3].contiguous()
+        temperature, top_p, uniform = params[0], params[2], params[3]
         top_k = params[1].to(torch.int32)
         out = torch.empty(len(seqs), dtype=torch.int64, device=self.device)
         self.kernels.run("sampling", sampling.launch(logits.contiguous(), temperature, top_k, top_p,
