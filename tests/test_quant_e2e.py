@@ -143,3 +143,19 @@ def test_already_quantized_is_refused(tiny_dir, tmp_path):
     out = CliRunner().invoke(main, ["quantize", str(tmp_path / "q"), "-o", str(tmp_path / "o2"), "--method", "rtn",
                                     "--group-size", "32"])
     assert out.exit_code == 1 and "already quantized (gptq)" in out.output and out.output.count("\n") == 1
+
+
+def test_eval_forward_describes_its_prefill_to_gpu_kernels():
+    """On a GPU model the kernels size their grids from host-side step facts; eval's prefill of one window
+    must set them first (left at the defaults, a decode step, the attention wrote nothing for its rows)."""
+    from types import SimpleNamespace
+    from engc.runtime.gpu_ops import StepFacts
+    seen = []
+    facts = StepFacts()
+    model = SimpleNamespace(device="cpu", block_size=16, step_facts=facts, executor=SimpleNamespace(
+        forward=lambda inputs, layers: seen.append((facts.max_query_len, facts.max_context_len,
+                                                    facts.has_decode_rows))))
+    _forward(model, SimpleNamespace(layers=[]), list(range(40)))
+    assert seen == [(40, 40, False)]
+    _forward(model, SimpleNamespace(layers=[]), [7])
+    assert seen[-1] == (1, 1, True)

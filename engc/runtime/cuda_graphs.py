@@ -142,10 +142,7 @@ class GraphedExecutor:
         decode = (self.enabled and n == inputs["block_tables"].shape[0] and n <= self.buckets[-1]
                   and inputs["block_tables"].shape[1] <= self.staged.width)
         if not decode:
-            query_lens = inputs["query_start_loc"][1:] - inputs["query_start_loc"][:-1]
-            self.facts.max_query_len = int(query_lens.max())
-            self.facts.has_decode_rows = bool((query_lens == 1).any())
-            self.facts.max_context_len = int(inputs["context_lens"].max())
+            self.facts.describe(inputs["query_start_loc"][1:] - inputs["query_start_loc"][:-1], inputs["context_lens"])
             on_device = {k: _to_device(v, self.device) for k, v in inputs.items()}
             if fill is not None:
                 fill.apply(on_device["input_ids"], _to_device(fill.rows, self.device),

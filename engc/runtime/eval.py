@@ -57,6 +57,8 @@ def _forward(model: LoadedModel, kv: KVCache, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one sequence, run as a single prefill from position 0."""
     n, dev = len(ids), model.device
     blocks = -(-n // model.block_size)
+    if model.step_facts is not None:   # a GPU model: its kernels size their grids from these
+        model.step_facts.describe(torch.tensor([n]), torch.tensor([n]))
     inputs = {
         "input_ids": torch.tensor(ids, dtype=torch.int64, device=dev),
         "positions": torch.arange(n, dtype=torch.int64, device=dev),

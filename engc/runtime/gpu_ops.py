@@ -55,6 +55,13 @@ class StepFacts:
     max_context_len: int | None = None  # None: the block table's capacity (fixed under CUDA graphs)
     has_decode_rows: bool = True
 
+    def describe(self, query_lens: torch.Tensor, context_lens: torch.Tensor) -> None:
+        """Set them for an eager step from its host-side query and context lengths. Every eager forward on
+        a GPU model needs this first: left at the defaults (a decode step), a prefill's rows get no output."""
+        self.max_query_len = int(query_lens.max())
+        self.has_decode_rows = bool((query_lens == 1).any())
+        self.max_context_len = int(context_lens.max())
+
 
 def _capability(arch: str) -> int:
     return int(arch[2:])
