@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 GROUP = 128
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 MS = (1, 2, 4, 8)
+WIDE_MS = (16, 32)        # the 'gemv_wide' builds (several n8 tiles of x) against dequant + cuBLAS and bf16
 SMS = 132
 TARGETS = (2, 4, 8)       # target_programs = this x SMs
 LAYERS = 32
@@ -46,20 +47,27 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "w4t4u1b3z": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=3, ZERO_SUM=True),
          # ABLATE (a measurement, not a kernel): the compute replaced by an XOR of the W words, so only the
          # W loads remain (the compiler drops the scale, zero and x loads): the loop's memory ceiling
-         "w4t2u1b4z_a": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True)}
+         "w4t2u1b4z_a": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True),
+         # the tune table's 'gemv_wide' entry: max_m / 8 n8 tiles of x on each dequantized W fragment
+         "wide_m32_w4t2u1b2": dict(kind="gemv_wide", max_m=32, num_warps=4, TILES=2, UNROLL=1, min_blocks=2),
+         "wide_m32_w4t1u2b2": dict(kind="gemv_wide", max_m=32, num_warps=4, TILES=1, UNROLL=2, min_blocks=2),
+         "wide_m32_w4t1u1b3": dict(kind="gemv_wide", max_m=32, num_warps=4, TILES=1, UNROLL=1, min_blocks=3),
+         "wide_m16_w4t2u1b3": dict(kind="gemv_wide", max_m=16, num_warps=4, TILES=2, UNROLL=1, min_blocks=3),
+         "wide_m16_w4t1u2b3": dict(kind="gemv_wide", max_m=16, num_warps=4, TILES=1, UNROLL=2, min_blocks=3)}
 ABLATE_AT = "        for (int u = 0; u < UNROLL; ++u) {        // ... then dequantize and multiply\n"
 ABLATE_BODY = """            uint32_t v = 0;   // inside the loop over u: this step's W words only
 #pragma unroll
             for (int t = 0; t < TILES; ++t)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) v ^= wv[u][t][h].x ^ wv[u][t][h].y ^ wv[u][t][h].z ^ wv[u][t][h].w;
-            acc[0][0] += __uint_as_float(v & 0x007fffffu);
+            acc[0][0][0] += __uint_as_float(v & 0x007fffffu);
             continue;
 """
 # the prefill dequant (templates/int4_dequant.cu.j2): w warps, c 16-byte chunks per thread
 DEQUANT_SWEEP = {"w8c4": dict(num_warps=8, CHUNKS=4), "w8c2": dict(num_warps=8, CHUNKS=2),
                  "w4c8": dict(num_warps=4, CHUNKS=8), "w8c8": dict(num_warps=8, CHUNKS=8)}
-EDGE = [(3, 1000, 1056, True), (8, 48, 4096 + 32, False), (1, 257, 2080, True)]   # (M, N, K, bias)
+EDGE = [(3, 1000, 1056, True), (8, 48, 4096 + 32, False), (1, 257, 2080, True),   # (M, N, K, bias)
+        (20, 1000, 1056, True), (32, 48, 4096 + 32, False)]                     # the wide builds' rows
 
 
 # ------------------------------------------------------------------------------------------ prepare (CPU)
@@ -73,11 +81,11 @@ def prepare(out_dir: Path):
     t0, index, sets = time.time(), {}, {}
     render = cuda.render
     for name, ov in SWEEP.items():
-        ablate = ov.get("ABLATE", False)
-        ov = {k: v for k, v in ov.items() if k != "ABLATE"}
-        specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov)[0]]
-        if name == next(iter(SWEEP)):
-            specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov)[0])
+        ablate, kind = ov.get("ABLATE", False), ov.get("kind", "gemv")
+        ov = {k: v for k, v in ov.items() if k not in ("ABLATE", "kind")}
+        specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov, kind)[0]]
+        if name == next(iter(SWEEP)) or kind == "gemv_wide":
+            specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov, kind)[0])
         if ablate:
             def patched(*a, **kw):
                 src = render(*a, **kw)
@@ -182,7 +190,7 @@ def run(aot: Path, out: Path):
             for name in cuda_sets:
                 if SWEEP[name.split("/")[-1]].get("ABLATE"):
                     continue
-                if op.cuda_variant(group) in sets[name].consts("int4_linear"):
+                if op.uses_cuda_gemv(m, group, sets[name].consts("int4_linear")):
                     for target in (None, 8 * SMS):
                         check(dict(case="edge", group=group, M=m, N=n, K=k, bias=with_bias, set=name, target=target),
                               cuda_linear(name, target, x, w, group, b), ref)
@@ -208,7 +216,7 @@ def run(aot: Path, out: Path):
                 results["timings"].append(dict(shape=shape, N=n, K=k, M="dequant", set=name, us=us,
                                                write_tbs=2 * n * k / us / 1e6, tbs=(wbytes + 2 * n * k) / us / 1e6))
         scratch = None
-        for m in MS:
+        for m in MS + WIDE_MS:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda", generator=gen)
             ref = x.double() @ ref_w.t()
             row = dict(shape=shape, N=n, K=k, M=m, wbytes=wbytes)
@@ -218,6 +226,8 @@ def run(aot: Path, out: Path):
                 us = time_graph(lambda i: triton_linear(x, ws[i], GROUP), copies)
                 results["timings"].append(dict(row, set="triton", us=us, tbs=wbytes / us / 1e6))
             for name in cuda_sets:
+                if not op.uses_cuda_gemv(m, GROUP, sets[name].consts("int4_linear")):
+                    continue
                 for mult in TARGETS:
                     target = mult * SMS
                     tag = dict(row, set=name, target=target)
@@ -241,7 +251,9 @@ def table(results, say):
     bad = [c for c in results["checks"] if not c["ok"]]
     all_ts = results["timings"]
     ablated = [t for t in all_ts if t["set"].startswith("cuda/") and SWEEP[t["set"][5:]].get("ABLATE")]
-    ts = [t for t in all_ts if t["M"] != "dequant" and t not in ablated]
+    wide = [t for t in all_ts if t["M"] in WIDE_MS]
+    ts = [t for t in all_ts if t["M"] in MS and t not in ablated
+          and not (t["set"].startswith("cuda/") and SWEEP[t["set"][5:]].get("kind") == "gemv_wide")]
     say("")
     say(f"== checks: {len(results['checks']) - len(bad)}/{len(results['checks'])} ok (rel err < 1e-2 vs the float64 "
         "reference, before and after graph replay, counters back to zero) ==")
@@ -293,6 +305,28 @@ def table(results, say):
             best = min(full, key=full.get)
             say(f"  for tune.py (sm90/int4_linear/cuda/dequant): enabled=True, "
                 f"{', '.join(f'{k}={v}' for k, v in DEQUANT_SWEEP[best.split('/')[-1]].items())}")
+    if wide:
+        say("== M 16/32: the wide CUDA GEMV (best config per case) against dequant + cuBLAS (today's path) and bf16, "
+            "us ==")
+        for shape in SHAPES:
+            for m in WIDE_MS:
+                mine = [t for t in wide if t["shape"] == shape and t["M"] == m]
+                get = lambda s: next((t["us"] for t in mine if t["set"] == s), math.nan)  # noqa: E731
+                cu = [t for t in mine if t["set"].startswith("cuda/")]
+                best = min(cu, key=lambda t: t["us"]) if cu else None
+                say(f"  {shape:<8} {m:>2}  bf16 {get('bf16'):7.2f}  dequant+cuBLAS {get('triton'):7.2f}  "
+                    + (f"wide {best['us']:7.2f} ({best['set'][5:]} t{best['target']})" if best else "wide -"))
+        for m in WIDE_MS:
+            per = {}
+            for t in wide:
+                if t["M"] == m and t["set"].startswith("cuda/"):
+                    per.setdefault((t["set"], t["target"]), []).append(t["us"])
+            full = {key: sum(v) for key, v in per.items() if len(v) == len(SHAPES)}
+            base = {s: sum(t["us"] for t in wide if t["M"] == m and t["set"] == s) for s in ("bf16", "triton")}
+            if full:
+                (name, target), us = min(full.items(), key=lambda kv: kv[1])
+                say(f"  M={m} step ({LAYERS} layers), ms: bf16 {LAYERS * base['bf16'] / 1e3:.3f}  dequant+cuBLAS "
+                    f"{LAYERS * base['triton'] / 1e3:.3f}  wide {LAYERS * us / 1e3:.3f} ({name[5:]} t{target})")
     if ablated:
         say("== W loads alone (ABLATE: the loop's memory ceiling), M=1, us (TB/s) ==")
         for name in sorted({t["set"] for t in ablated}):

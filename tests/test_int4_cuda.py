@@ -163,12 +163,13 @@ def records():
         pytest.skip("nvcc not found")
     specs = [make(128, "bf16", arch)[0] for arch in ("sm80", "sm90")
              for make in (cuda_int4.int4_gemv_spec, cuda_int4.int4_dequant_spec)]
+    specs += [cuda_int4.int4_gemv_spec(128, "bf16", arch, ON, "gemv_wide")[0] for arch in ("sm80", "sm90")]
     return cuda.compile_cuda(specs).records
 
 
 def test_compiles_for_sm80_and_sm90(records):
     assert {(r["arch"], r["variant"]) for r in records} == {
-        (a, v) for a in ("sm80", "sm90") for v in ("cuda_g128", "cuda_dequant_g128")}
+        (a, v) for a in ("sm80", "sm90") for v in ("cuda_g128", "cuda_dequant_g128", "cuda_wide_g128")}
     for r in records:
         assert r["scratch_params"] == 0 and r["launch"]["impl"] == "cuda" and r["launch"]["GROUP"] == 128
 
@@ -211,6 +212,36 @@ def test_launch_rule_matches_records(records, rows, n, k, bias):
         else:
             assert isinstance(value, int) and not isinstance(value, bool), spec
     assert args[13] == int(bias)
+
+
+def test_wide_build_serves_the_rows_the_first_cannot():
+    """cuda_wide_g{G} (the 'gemv_wide' entry: max_m / 8 n8 tiles of x) takes M past the first GEMV's max_m,
+    up to its own; the first keeps the rows it holds (fewer x tiles, the same W reads)."""
+    narrow = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", ON)[0]
+    wide = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", ON, "gemv_wide")[0]
+    assert (narrow.variant, wide.variant) == ("cuda_g128", "cuda_wide_g128")
+    assert narrow.render["x_tiles"] == 1 and wide.render["x_tiles"] == 4 and wide.launch["max_m"] == 32
+    assert "constexpr int X_TILES = 4;" in cuda.render(wide.template, **wide.render)
+    both = {narrow.variant: narrow.launch, wide.variant: wide.launch}
+    picks = {m: op.cuda_variant_for(m, 128, both) for m in (1, 8, 9, 32, 33)}
+    assert picks == {1: "cuda_g128", 8: "cuda_g128", 9: "cuda_wide_g128", 32: "cuda_wide_g128", 33: None}
+    assert op.cuda_variant_for(1, 128, {wide.variant: wide.launch}) == "cuda_wide_g128"
+    counters = torch.zeros(1 << 16, dtype=torch.int32)
+    n, k = 64, 256
+    qw = torch.zeros(n, k // 8, dtype=torch.int32)
+    s, z = torch.ones(n, k // 128, dtype=torch.bfloat16), torch.zeros(n, k // 128, dtype=torch.uint8)
+    for rows, variant in ((4, "cuda_g128"), (24, "cuda_wide_g128")):
+        x, y = torch.zeros(rows, k, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
+        (got, _grid, args), = op.cuda_launch(x, qw, s, z, None, y, group_size=128, consts=both, counters=counters)
+        assert got == variant and args[8] == rows
+    assert cuda_int4.int4_gemv_spec(128, "bf16", "sm90", dict(ON, max_m=40), "gemv_wide")[0] is None
+    # off in the table until measured; on, the build adds it beside the first
+    from engc.compiler.codegen.specs import int4_linear_specs
+    triton_specs = int4_linear_specs("bf16", "sm90", (128,))
+    assert [s.variant for s in cuda_int4.selected_int4_specs(triton_specs, {"dequant": {"enabled": False}})[0]] \
+        == ["cuda_g128"]
+    on, _ = cuda_int4.selected_int4_specs(triton_specs, {"gemv_wide": ON, "dequant": {"enabled": False}})
+    assert sorted(s.variant for s in on) == ["cuda_g128", "cuda_wide_g128"]
 
 
 def test_runtime_prefers_cuda_then_triton_then_dequant():

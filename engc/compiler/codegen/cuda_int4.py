@@ -24,8 +24,9 @@ ARG_TYPES = {"x_ptr": "*{t}", "qw_ptr": "*i32", "s_ptr": "*{t}", "z_ptr": "*u8",
 DEQUANT_ARG_TYPES = {"qw_ptr": "*i32", "s_ptr": "*{t}", "z_ptr": "*u8", "w_ptr": "*{t}", "N": "i32", "K": "i32"}
 
 
-def variant_name(group: int) -> str:
-    return f"cuda_g{group}"
+def variant_name(group: int, kind: str = "gemv") -> str:
+    """'gemv': the GEMV for up to 8 rows (one n8 tile of x); 'gemv_wide': its build for more rows."""
+    return f"cuda_g{group}" if kind == "gemv" else f"cuda_wide_g{group}"
 
 
 def dequant_variant_name(group: int) -> str:
@@ -50,27 +51,29 @@ def int4_dequant_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
                           num_warps=warps, tune_key=key, tune=entry, launch=launch), ""
 
 
-def int4_gemv_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
-    """(spec, '') for the template at this group size, or (None, why it does not apply)."""
+def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "gemv") -> tuple:
+    """(spec, '') for the template at this group size, or (None, why it does not apply). kind: the tune
+    entry, 'gemv' (up to 8 rows) or 'gemv_wide' (up to 32: max_m / 8 n8 tiles of x)."""
     if t not in MMA_TYPE:
         return None, f"the CUDA int4 GEMV multiplies bf16 or fp16, not {t}"
     if group % 32:
         return None, f"group size {group} is not a multiple of 32"
-    key, entry = tune.lookup(arch, "int4_linear", "cuda", "gemv", overrides)
-    if not 1 <= entry["max_m"] <= 8:
-        return None, f"max_m {entry['max_m']} is outside 1..8 (one n8 mma tile)"
-    warps, tiles, unroll = entry["num_warps"], entry["TILES"], entry["UNROLL"]
+    key, entry = tune.lookup(arch, "int4_linear", "cuda", kind, overrides)
+    if not 1 <= entry["max_m"] <= 32:
+        return None, f"max_m {entry['max_m']} is outside 1..32 (up to four n8 mma tiles of x)"
+    warps, tiles, unroll, x_tiles = entry["num_warps"], entry["TILES"], entry["UNROLL"], -(-entry["max_m"] // 8)
     block_n, block_k = 16 * tiles, 128 * warps * unroll
-    name = f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}{'z' if entry['ZERO_SUM'] else ''}"
+    name = (f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}x{x_tiles}"
+            f"{'z' if entry['ZERO_SUM'] else ''}")
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
               "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
-              "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "entry": name}
+              "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "x_tiles": x_tiles, "entry": name}
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"
     launch["PDL"] = int(entry.get("PDL", tune.PDL[arch]))   # the template waits first on sm90 (kernels/pdl.py)
     types = {name_: ty.format(t=t) for name_, ty in ARG_TYPES.items()}
-    return CudaKernelSpec(op="int4_linear", variant=variant_name(group), arch=arch, template="int4_gemv.cu.j2",
+    return CudaKernelSpec(op="int4_linear", variant=variant_name(group, kind), arch=arch, template="int4_gemv.cu.j2",
                           entry=name, render=values, arg_types=types, num_warps=warps, tune_key=key, tune=entry,
                           launch=launch), ""
 
@@ -84,11 +87,14 @@ def selected_int4_specs(triton_specs: list, overrides=None) -> tuple[list[CudaKe
         if s.op != "int4_linear" or not s.variant.startswith("gemv_m1_g"):
             continue
         group, t = s.constexprs["GROUP"], s.arg_types["x_ptr"][1:]
-        for kind, make, what in (("gemv", int4_gemv_spec, "GEMV"), ("dequant", int4_dequant_spec, "dequant")):
+        for kind, what in (("gemv", "GEMV"), ("gemv_wide", "GEMV for up to 32 rows"), ("dequant", "dequant")):
             ov = (overrides or {}).get(kind)
             if not tune.lookup(s.arch, "int4_linear", "cuda", kind, ov)[1]["enabled"]:
                 continue
-            spec, why = make(group, t, s.arch, ov)
+            if kind == "dequant":
+                spec, why = int4_dequant_spec(group, t, s.arch, ov)
+            else:
+                spec, why = int4_gemv_spec(group, t, s.arch, ov, kind)
             if spec is None:
                 notes.append(f"{s.arch}: no CUDA int4 {what} ({why}); the Triton one runs")
             else:

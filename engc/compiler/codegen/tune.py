@@ -227,6 +227,10 @@ for _arch in ("sm80", "sm90"):
     # packed [groups, N] scale|zero words (2-4% faster, but every int4 reader would need the layout).
     _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
+    # ... built for up to 32 rows too (X_TILES = max_m / 8 n8 tiles of x share each dequantized W fragment),
+    # which would serve M 9-32 in place of dequant + cuBLAS (2.5x slower than bf16 there). Off until measured.
+    _put(_arch, "int4_linear", "cuda", "gemv_wide", enabled=False, max_m=32, num_warps=4, TILES=2, UNROLL=1,
+         min_blocks=2, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
     # ... and its prefill dequant (templates/int4_dequant.cu.j2): CHUNKS 16-byte chunks per thread, all
     # loaded before the first is written. H200: 1.3-1.45 TB/s written, about twice the Triton dequant.
     _put(_arch, "int4_linear", "cuda", "dequant", enabled=True, num_warps=8, CHUNKS=2)

@@ -25,7 +25,8 @@ and call cuBLAS: cheaper than any int4 tensor-core GEMM engc has, by far (bench/
 Where the build had nvcc and the tune table turns it on, the bundle also holds the CUDA C++ GEMV
 (templates/int4_gemv.cu.j2, variant cuda_g{G}: dequant in registers, tensor-core mma, M = 1..8 for the
 cost of one); it runs first for M <= its max_m (cuda_launch), splitting K in-kernel on the runtime's
-zeroed counters, with no reduce launch.
+zeroed counters, with no reduce launch. A second build of it for up to 32 rows (variant cuda_wide_g{G},
+several n8 tiles of x on each dequantized W fragment) serves the M its first one does not, where built.
 """
 import torch
 
@@ -192,10 +193,22 @@ def cuda_variant(group_size: int) -> str:
     return f"cuda_g{group_size}"
 
 
+def cuda_wide_variant(group_size: int) -> str:
+    """The CUDA GEMV built for more rows (several n8 tiles of x, up to 32 rows), where the bundle has it."""
+    return f"cuda_wide_g{group_size}"
+
+
+def cuda_variant_for(m: int, group_size: int, consts: dict) -> str | None:
+    """The CUDA C++ GEMV that serves M rows: of the bundle's ones for this group size, the one with the
+    fewest rows that still holds M; None where none does."""
+    fits = [(c["max_m"], v) for v in (cuda_variant(group_size), cuda_wide_variant(group_size))
+            if (c := consts.get(v)) is not None and 1 <= m <= c["max_m"]]
+    return min(fits)[1] if fits else None
+
+
 def uses_cuda_gemv(m: int, group_size: int, consts: dict) -> bool:
     """Whether M rows run the CUDA C++ GEMV (the bundle has one for this group size and M fits)."""
-    c = consts.get(cuda_variant(group_size))
-    return c is not None and 1 <= m <= c["max_m"]
+    return cuda_variant_for(m, group_size, consts) is not None
 
 
 def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: dict, counters):
@@ -211,7 +224,7 @@ def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: 
     assert x.is_contiguous() and y.is_contiguous() and qweight.shape[1] * PACK == k and k % CHUNK == 0
     if m == 0:
         return []
-    variant = cuda_variant(group_size)
+    variant = cuda_variant_for(m, group_size, consts)
     c = consts[variant]
     assert m <= c["max_m"] and c["GROUP"] == group_size
     n_tiles, k_tiles = _cdiv(n, c["BLOCK_N"]), _cdiv(k, c["BLOCK_K"])
