@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 
 def engc(*args, check=False):
     r = subprocess.run([sys.executable, "-m", "engc.cli", *map(str, args)], capture_output=True, text=True,

@@ -200,7 +200,7 @@ def test_codegen_compiles_the_quantized_variants():
 
 def check_rotary(dtype, idx_dtype, kv_dtype):
     from engc.kernels import kv_quant, rotary as op
-    from test_kernels import _cfg, _rel, _run, _specs
+    from test_kernels import _cfg, _rel, _run
     H, KV_HEADS, D, page, T = 6, 2, 32, 4, 9
     cfg = _cfg(num_heads=H, num_kv_heads=KV_HEADS, head_dim=D)
     kv = "int8" if kv_dtype == torch.int8 else "fp8"
