@@ -34,9 +34,10 @@ from engc.errors import UserError
 
 CHECK_TOL = 1e-2   # relative error (Frobenius) of a candidate's output against the op's torch reference
 DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
-NOTE = ("per-kernel times, each kernel alone over cold L2 in CUDA graphs: they leave out what a decode step "
-        "adds (programmatic dependent launch overlapping neighbours, warm caches); time the bundle built "
-        "with this file end to end against a stock one before keeping it")
+NOTE = ("per-kernel times over cold L2 in CUDA graphs, each launch starting from an idle GPU after a tiny "
+        "kernel: they leave out what a decode step adds (programmatic dependent launch overlapping "
+        "neighbours, warm caches); time the bundle built with this file end to end against a stock one "
+        "before keeping it")
 
 
 @dataclass(frozen=True)
@@ -194,8 +195,8 @@ def summary(result: dict, out: Path) -> list[str]:
                 + (f"; about {saved:.1f} us less GEMV time per decode step" if n else
                    f" (nothing beat the table by more than {result['meta']['options']['margin']:.0%})")
                 + f"; build with: engc build SRC --arch {result['meta']['arch']} --tune {out} -o BUNDLE")
-    rows.append("per-kernel times (cold L2, each kernel alone): time the bundle built with it end to end before "
-                "keeping it")
+    rows.append("per-kernel times (cold L2, each launch from an idle GPU): time the bundle built with it end to "
+                "end before keeping it")
     return rows
 
 

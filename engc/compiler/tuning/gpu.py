@@ -4,7 +4,11 @@ check each against the torch reference, time it over cold L2.
 
 Timing: each shape cycles through enough copies of its weight to overflow L2 (3x its size), as a decode
 step's weights do; the launches are captured in one CUDA graph (decode steps replay graphs too, so launch
-gaps are as in serving) and the figure is the median over replays, in us per launch.
+gaps are as in serving) and the figure is the median over replays, in us per launch. Each launch follows a
+one-element kernel launched without PDL, so it starts from an idle GPU, as a projection starts after a norm
+or the attention in a step; that kernel's own time (timed alone the same way) is taken off. Back to back,
+one launch's ramp-up hid behind the tail of the one before: ranked that way, the 1B file made the H200
+step 1.9% slower (bench/results/h200_b12d3ed_engc_tune_from_1b.json).
 """
 from __future__ import annotations
 
@@ -77,6 +81,8 @@ class GpuBench:
         self._shape, self._bufs = None, None
         l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 50 << 20
         self.ring_bytes = 3 * l2
+        self.gap = torch.zeros(1, device="cuda")   # the one-element kernel each timed launch follows
+        self.gap_us = self._graph_us([lambda: None])
 
     def ready(self, shape, cand) -> bool:
         return cand.bucket is None or (shape, cand) in self.kernels
@@ -133,8 +139,12 @@ class GpuBench:
         return float((b["out"].float() - ref).norm() / ref.norm())
 
     def time_us(self, shape, cand) -> float:
+        """us a launch adds after an idle gap (see the module's docstring)."""
         b = self._buffers(shape)
-        fns = [self._launches(shape, cand, i) for i in range(len(b["ws"]))]
+        return self._graph_us([self._launches(shape, cand, i) for i in range(len(b["ws"]))]) - self.gap_us
+
+    def _graph_us(self, fns) -> float:
+        """Median us per (gap kernel, fns[j]) pair over graph replays, cycling through fns."""
         n = math.ceil(MIN_LAUNCHES / len(fns)) * len(fns)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -145,6 +155,7 @@ class GpuBench:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for j in range(n):
+                self.gap.add_(1.0)   # torch's kernel: no PDL, so the next launch cannot start before it ends
                 fns[j % len(fns)]()
         graph.replay()
         times = []
