@@ -4,8 +4,9 @@ as kernel specs for codegen/cuda.py's nvcc build.
 One kernel per int4 group size of the program (K and N are run-time arguments), built where the tune table's
 'int4_linear/cuda/gemv' entry is on and nvcc is there; the bundle keeps the Triton int4 kernels anyway (the
 GEMV for M the CUDA one does not take, dequant + cuBLAS for prefill, the fallback without nvcc). Records are
-op "int4_linear", variant `cuda_g{G}`; their launch constants (impl "cuda", GROUP, max_m, BLOCK_N, BLOCK_K
-and the split rule of kernels/gemv) drive kernels/int4_linear's cuda_launch. The dequant kernel, where its
+op "int4_linear", variant `cuda_g{G}` (`cuda_wide_g{G}`: the build for up to 32 rows); their launch
+constants (impl "cuda", GROUP, max_m, BLOCK_N, BLOCK_K and the split rule of kernels/gemv) drive
+kernels/int4_linear's cuda_launch. The dequant kernel, where its
 own entry ('int4_linear/cuda/dequant') is on: variant `cuda_dequant_g{G}` (launch: impl, GROUP, BLOCK chunks
 per CTA), run by kernels/int4_linear's dequant_launch in place of the Triton one.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from engc.compiler.codegen import tune
 from engc.compiler.codegen.cuda import C_TYPE, CudaKernelSpec
+from engc.kernels import int4_linear as op   # the variant names its launch rules look up
 
 MMA_TYPE = {"bf16": "bf16", "fp16": "f16"}
 LAUNCH_KEYS = ("GROUP", "max_m", "BLOCK_N", "BLOCK_K", "target_programs", "max_splits", "min_split_k_tiles")
@@ -22,15 +24,6 @@ ARG_TYPES = {"x_ptr": "*{t}", "qw_ptr": "*i32", "s_ptr": "*{t}", "z_ptr": "*u8",
 
 
 DEQUANT_ARG_TYPES = {"qw_ptr": "*i32", "s_ptr": "*{t}", "z_ptr": "*u8", "w_ptr": "*{t}", "N": "i32", "K": "i32"}
-
-
-def variant_name(group: int, kind: str = "gemv") -> str:
-    """'gemv': the GEMV for up to 8 rows (one n8 tile of x); 'gemv_wide': its build for more rows."""
-    return f"cuda_g{group}" if kind == "gemv" else f"cuda_wide_g{group}"
-
-
-def dequant_variant_name(group: int) -> str:
-    return f"cuda_dequant_g{group}"
 
 
 def int4_dequant_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
@@ -46,7 +39,7 @@ def int4_dequant_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
               "chunks": chunks, "block": 32 * warps * chunks, "entry": name}
     launch = {"impl": "cuda", "GROUP": group, "BLOCK": 32 * warps * chunks}
     types = {name_: ty.format(t=t) for name_, ty in DEQUANT_ARG_TYPES.items()}
-    return CudaKernelSpec(op="int4_linear", variant=dequant_variant_name(group), arch=arch,
+    return CudaKernelSpec(op="int4_linear", variant=op.cuda_dequant_variant(group), arch=arch,
                           template="int4_dequant.cu.j2", entry=name, render=values, arg_types=types,
                           num_warps=warps, tune_key=key, tune=entry, launch=launch), ""
 
@@ -73,7 +66,7 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     launch["impl"] = "cuda"
     launch["PDL"] = int(entry.get("PDL", tune.PDL[arch]))   # the template waits first on sm90 (kernels/pdl.py)
     types = {name_: ty.format(t=t) for name_, ty in ARG_TYPES.items()}
-    return CudaKernelSpec(op="int4_linear", variant=variant_name(group, kind), arch=arch, template="int4_gemv.cu.j2",
+    return CudaKernelSpec(op="int4_linear", variant=op.cuda_variant(group) if kind == "gemv" else op.cuda_wide_variant(group), arch=arch, template="int4_gemv.cu.j2",
                           entry=name, render=values, arg_types=types, num_warps=warps, tune_key=key, tune=entry,
                           launch=launch), ""
 

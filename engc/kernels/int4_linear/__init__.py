@@ -180,7 +180,7 @@ def dequant_launch(qweight, scales, zeros, w, *, group_size: int, consts: dict):
     assert w.is_contiguous() and qweight.shape == (n, k // PACK) and k % CHUNK == 0
     if n == 0:
         return []
-    cuda = f"cuda_dequant_g{group_size}"   # the CUDA C++ twin, where built: 16-byte chunks, BLOCK per CTA
+    cuda = cuda_dequant_variant(group_size)   # the CUDA C++ twin, where built: 16-byte chunks, BLOCK per CTA
     if cuda in consts:
         return [(cuda, (_cdiv(n * (k // CHUNK), consts[cuda]["BLOCK"]), 1, 1), [qweight, scales, zeros, w, n, k])]
     variant = dequant_variant(group_size)
@@ -191,6 +191,11 @@ def dequant_launch(qweight, scales, zeros, w, *, group_size: int, consts: dict):
 
 def cuda_variant(group_size: int) -> str:
     return f"cuda_g{group_size}"
+
+
+def cuda_dequant_variant(group_size: int) -> str:
+    """The CUDA C++ prefill dequant (templates/int4_dequant.cu.j2), where the bundle has it."""
+    return f"cuda_dequant_g{group_size}"
 
 
 def cuda_wide_variant(group_size: int) -> str:
