@@ -39,6 +39,26 @@ def _load_kv_scales(scale_ptr, block_table_row, pos, valid, kvh, PAGE: tl.conste
 
 
 @triton.jit
+def _scores(q, k, k_scale, qk_scale, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
+    """q k^T * qk_scale for one KV tile; a quantized cache's codes widened, then scaled per token."""
+    if KV_QUANT != 0:
+        s = tl.dot(q, tl.trans(_widen(k, q.dtype, KV_QUANT)), input_precision=DOT_PRECISION) * (qk_scale * k_scale[None, :])
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    return s
+
+
+@triton.jit
+def _pv(p, v, v_scale, q, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
+    """p v for one KV tile (in q's dtype); a quantized cache's per-token scales go onto p first."""
+    if KV_QUANT != 0:
+        pv = tl.dot((p * v_scale[None, :]).to(q.dtype), _widen(v, q.dtype, KV_QUANT), input_precision=DOT_PRECISION)
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return pv
+
+
+@triton.jit
 def load_decode_tile(tile, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row, kvh, d,
                      PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_N: tl.constexpr, KV_QUANT: tl.constexpr):
@@ -73,19 +93,13 @@ def decode_tile_math(q, acc, m_i, l_i, k, v, k_scale, v_scale, tile, ctx, start,
         if KV_QUANT != 0:
             k_scale = tl.where(is_new, new_k_scale, k_scale)
             v_scale = tl.where(is_new, new_v_scale, v_scale)
-    if KV_QUANT != 0:
-        s = tl.dot(q, tl.trans(_widen(k, q.dtype, KV_QUANT)), input_precision=DOT_PRECISION) * (qk_scale * k_scale[None, :])
-    else:
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = _scores(q, k, k_scale, qk_scale, DOT_PRECISION, KV_QUANT)
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if KV_QUANT != 0:
-        pv = tl.dot((p * v_scale[None, :]).to(q.dtype), _widen(v, q.dtype, KV_QUANT), input_precision=DOT_PRECISION)
-    else:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    pv = _pv(p, v, v_scale, q, DOT_PRECISION, KV_QUANT)
     return acc * alpha[:, None] + pv, m_new, l_i
 
 
@@ -118,9 +132,10 @@ def prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
     if KV_QUANT != 0:
         k_scale = _load_kv_scales(k_scale_ptr, bt_row, pos, valid, kvh, PAGE, NUM_KV_HEADS)
         v_scale = _load_kv_scales(v_scale_ptr, bt_row, pos, valid, kvh, PAGE, NUM_KV_HEADS)
-        s = tl.dot(q, tl.trans(_widen(k, q.dtype, KV_QUANT)), input_precision=DOT_PRECISION) * (qk_scale * k_scale[None, :])
     else:
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        k_scale = 0.0   # unread: a cache of the model's dtype has no scales
+        v_scale = 0.0
+    s = _scores(q, k, k_scale, qk_scale, DOT_PRECISION, KV_QUANT)
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
         if sliding_window > 0:
@@ -131,10 +146,7 @@ def prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if KV_QUANT != 0:
-        pv = tl.dot((p * v_scale[None, :]).to(q.dtype), _widen(v, q.dtype, KV_QUANT), input_precision=DOT_PRECISION)
-    else:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    pv = _pv(p, v, v_scale, q, DOT_PRECISION, KV_QUANT)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
