@@ -164,13 +164,7 @@ def run(aot: Path, out: Path):
     bench.log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
     try:
         for cfg_name in bench.index:
-            try:
-                bench.decode(cfg_name)
-            except Exception as exc:
-                import traceback
-                bench.log(f"STEP FAILED in {cfg_name}: {exc!r}\n{traceback.format_exc()}")
-                bench.results["notes"].append(repr(exc))
-            bench.save()
+            bench.attempt(cfg_name, lambda: bench.decode(cfg_name))
     finally:
         bench.table()
         bench.save()
@@ -347,13 +341,7 @@ def run_fused(aot: Path, out: Path):
     bench.log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
     try:
         for cfg_name in bench.index:
-            try:
-                bench.fused(cfg_name)
-            except Exception as exc:
-                import traceback
-                bench.log(f"STEP FAILED in {cfg_name}: {exc!r}\n{traceback.format_exc()}")
-                bench.results["notes"].append(repr(exc))
-            bench.save()
+            bench.attempt(cfg_name, lambda: bench.fused(cfg_name))
     finally:
         bench.results["seconds"] = time.time() - started
         bench.table()

@@ -204,6 +204,17 @@ class Bench:
         print(msg, flush=True)
         self.log_lines.append(msg)
 
+    def attempt(self, where, step):
+        """Run one step of a run; a failure is logged and noted, not raised, so the steps after it still run.
+        Saves the results either way."""
+        try:
+            step()
+        except Exception as exc:
+            import traceback
+            self.log(f"STEP FAILED in {where}: {exc!r}\n{traceback.format_exc()}")
+            self.results["notes"].append(repr(exc))
+        self.save()
+
     def kernels(self, cfg_name, set_name="default", use_ptx=False):
         return KernelSet(self.aot / cfg_name / set_name, self.index[cfg_name]["sets"][set_name], use_ptx)
 
@@ -565,13 +576,7 @@ def run(aot: Path, out: Path):
             for step in (lambda: bench.graph_check(cfg_name, ks), lambda: bench.ptx_check(cfg_name),
                          lambda: bench.elementwise(cfg_name, ks), lambda: bench.sampling(cfg_name, ks),
                          lambda: bench.attention(cfg_name, ks)):
-                try:
-                    step()
-                except Exception as exc:
-                    import traceback
-                    bench.log(f"STEP FAILED in {cfg_name}: {exc!r}\n{traceback.format_exc()}")
-                    bench.results["notes"].append(repr(exc))
-                bench.save()
+                bench.attempt(cfg_name, step)
     finally:
         bench.save()
         bench.table()
