@@ -63,6 +63,13 @@ ABLATE_BODY = """            uint32_t v = 0;   // inside the loop over u: this s
             acc[0][0][0] += __uint_as_float(v & 0x007fffffu);
             continue;
 """
+
+
+def sweep_config(set_name: str) -> dict:
+    """The SWEEP entry of a result's set ('cuda/<name>'); {} for the others (bf16, triton, dequant sets)."""
+    return SWEEP.get(set_name[5:], {}) if set_name.startswith("cuda/") else {}
+
+
 # the prefill dequant (templates/int4_dequant.cu.j2): w warps, c 16-byte chunks per thread
 DEQUANT_SWEEP = {"w8c4": dict(num_warps=8, CHUNKS=4), "w8c2": dict(num_warps=8, CHUNKS=2),
                  "w4c8": dict(num_warps=4, CHUNKS=8), "w8c8": dict(num_warps=8, CHUNKS=8)}
@@ -188,7 +195,7 @@ def run(aot: Path, out: Path):
             b = torch.randn(n, dtype=torch.bfloat16, device="cuda", generator=gen) if with_bias else None
             ref = x.double() @ op.dequantize(*w, group).double().t() + (b.double() if with_bias else 0)
             for name in cuda_sets:
-                if SWEEP[name.split("/")[-1]].get("ABLATE"):
+                if sweep_config(name).get("ABLATE"):
                     continue
                 if op.uses_cuda_gemv(m, group, sets[name].consts("int4_linear")):
                     for target in (None, 8 * SMS):
@@ -231,7 +238,7 @@ def run(aot: Path, out: Path):
                 for mult in TARGETS:
                     target = mult * SMS
                     tag = dict(row, set=name, target=target)
-                    ablate = SWEEP[name.split("/")[-1]].get("ABLATE", False)
+                    ablate = sweep_config(name).get("ABLATE", False)
                     if not ablate and not check(tag, cuda_linear(name, target, x, ws[0], GROUP), ref):
                         continue
                     us = time_graph(lambda i: cuda_linear(name, target, x, ws[i], GROUP), copies)
@@ -250,10 +257,10 @@ def run(aot: Path, out: Path):
 def table(results, say):
     bad = [c for c in results["checks"] if not c["ok"]]
     all_ts = results["timings"]
-    ablated = [t for t in all_ts if t["set"].startswith("cuda/") and SWEEP[t["set"][5:]].get("ABLATE")]
+    ablated = [t for t in all_ts if sweep_config(t["set"]).get("ABLATE")]
     wide = [t for t in all_ts if t["M"] in WIDE_MS]
     ts = [t for t in all_ts if t["M"] in MS and t not in ablated
-          and not (t["set"].startswith("cuda/") and SWEEP[t["set"][5:]].get("kind") == "gemv_wide")]
+          and sweep_config(t["set"]).get("kind") != "gemv_wide"]
     say("")
     say(f"== checks: {len(results['checks']) - len(bad)}/{len(results['checks'])} ok (rel err < 1e-2 vs the float64 "
         "reference, before and after graph replay, counters back to zero) ==")
@@ -333,7 +340,7 @@ def table(results, say):
             cells = [min((t for t in ablated if t["set"] == name and t["shape"] == sh and t["M"] == 1),
                          key=lambda t: t["us"]) for sh in SHAPES]
             say(f"  {name[5:]:<16} " + " ".join(f"{sh} {c['us']:6.2f} ({c['tbs']:4.2f})" for sh, c in zip(SHAPES, cells)))
-    cfg = SWEEP[chosen.split("/")[-1]]
+    cfg = sweep_config(chosen)
     say(f"== for tune.py (sm90/int4_linear/cuda/gemv): enabled=True, max_m=8, "
         f"{', '.join(f'{k}={v}' for k, v in cfg.items())}, target_programs={target // SMS} * _SM_COUNT[_arch] ==")
 
