@@ -149,12 +149,17 @@ def test_render_specializes_group_and_tiles():
 def test_selected_only_where_enabled():
     from engc.compiler.codegen.specs import int4_linear_specs
     triton_specs = int4_linear_specs("bf16", "sm90", (128, 32))
-    off, _ = cuda_int4.selected_int4_specs(triton_specs, {"gemv": {"enabled": False}, "dequant": {"enabled": False}})
+    no_wide = {"gemv_wide16": {"enabled": False}, "gemv_wide32": {"enabled": False}}
+    off, _ = cuda_int4.selected_int4_specs(triton_specs, {"gemv": {"enabled": False}, "dequant": {"enabled": False},
+                                                          **no_wide})
     assert off == []
-    on, notes = cuda_int4.selected_int4_specs(triton_specs, {"gemv": ON, "dequant": {"enabled": False}})
+    on, notes = cuda_int4.selected_int4_specs(triton_specs, {"gemv": ON, "dequant": {"enabled": False}, **no_wide})
     assert sorted(s.variant for s in on) == ["cuda_g128", "cuda_g32"] and notes == []
-    both, _ = cuda_int4.selected_int4_specs(triton_specs, {"gemv": ON, "dequant": ON})
+    both, _ = cuda_int4.selected_int4_specs(triton_specs, {"gemv": ON, "dequant": ON, **no_wide})
     assert sorted(s.variant for s in both) == ["cuda_dequant_g128", "cuda_dequant_g32", "cuda_g128", "cuda_g32"]
+    stock, notes = cuda_int4.selected_int4_specs(triton_specs)   # the table as it ships
+    assert sorted(s.variant for s in stock) == sorted(f"{v}_g{g}" for g in (128, 32) for v in (
+        "cuda", "cuda_wide16", "cuda_wide32", "cuda_dequant")) and notes == []
 
 
 @pytest.fixture(scope="module")
@@ -163,13 +168,13 @@ def records():
         pytest.skip("nvcc not found")
     specs = [make(128, "bf16", arch)[0] for arch in ("sm80", "sm90")
              for make in (cuda_int4.int4_gemv_spec, cuda_int4.int4_dequant_spec)]
-    specs += [cuda_int4.int4_gemv_spec(128, "bf16", arch, ON, "gemv_wide")[0] for arch in ("sm80", "sm90")]
+    specs += [cuda_int4.int4_gemv_spec(128, "bf16", arch, ON, "gemv_wide32")[0] for arch in ("sm80", "sm90")]
     return cuda.compile_cuda(specs).records
 
 
 def test_compiles_for_sm80_and_sm90(records):
     assert {(r["arch"], r["variant"]) for r in records} == {
-        (a, v) for a in ("sm80", "sm90") for v in ("cuda_g128", "cuda_dequant_g128", "cuda_wide_g128")}
+        (a, v) for a in ("sm80", "sm90") for v in ("cuda_g128", "cuda_dequant_g128", "cuda_wide32_g128")}
     for r in records:
         assert r["scratch_params"] == 0 and r["launch"]["impl"] == "cuda" and r["launch"]["GROUP"] == 128
 
@@ -214,34 +219,43 @@ def test_launch_rule_matches_records(records, rows, n, k, bias):
     assert args[13] == int(bias)
 
 
-def test_wide_build_serves_the_rows_the_first_cannot():
-    """cuda_wide_g{G} (the 'gemv_wide' entry: max_m / 8 n8 tiles of x) takes M past the first GEMV's max_m,
-    up to its own; the first keeps the rows it holds (fewer x tiles, the same W reads)."""
+def test_wide_builds_serve_the_rows_the_first_cannot():
+    """cuda_wide{16,32}_g{G} (the 'gemv_wide16/32' entries: max_m / 8 n8 tiles of x) take M past the first
+    GEMV's max_m, each up to its own; the build with the fewest rows that holds M runs it (fewer x tiles,
+    the same W reads)."""
     narrow = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", ON)[0]
-    wide = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", ON, "gemv_wide")[0]
-    assert (narrow.variant, wide.variant) == ("cuda_g128", "cuda_wide_g128")
-    assert narrow.render["x_tiles"] == 1 and wide.render["x_tiles"] == 4 and wide.launch["max_m"] == 32
-    assert "constexpr int X_TILES = 4;" in cuda.render(wide.template, **wide.render)
-    both = {narrow.variant: narrow.launch, wide.variant: wide.launch}
-    picks = {m: op.cuda_variant_for(m, 128, both) for m in (1, 8, 9, 32, 33)}
-    assert picks == {1: "cuda_g128", 8: "cuda_g128", 9: "cuda_wide_g128", 32: "cuda_wide_g128", 33: None}
-    assert op.cuda_variant_for(1, 128, {wide.variant: wide.launch}) == "cuda_wide_g128"
+    w16 = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", ON, "gemv_wide16")[0]
+    w32 = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", ON, "gemv_wide32")[0]
+    assert (narrow.variant, w16.variant, w32.variant) == ("cuda_g128", "cuda_wide16_g128", "cuda_wide32_g128")
+    assert [s.render["x_tiles"] for s in (narrow, w16, w32)] == [1, 2, 4]
+    assert [s.launch["max_m"] for s in (narrow, w16, w32)] == [8, 16, 32]
+    assert "constexpr int X_TILES = 4;" in cuda.render(w32.template, **w32.render)
+    every = {s.variant: s.launch for s in (narrow, w16, w32)}
+    picks = {m: op.cuda_variant_for(m, 128, every) for m in (1, 8, 9, 16, 17, 32, 33)}
+    assert picks == {1: "cuda_g128", 8: "cuda_g128", 9: "cuda_wide16_g128", 16: "cuda_wide16_g128",
+                     17: "cuda_wide32_g128", 32: "cuda_wide32_g128", 33: None}
+    no16 = {s.variant: s.launch for s in (narrow, w32)}
+    assert op.cuda_variant_for(12, 128, no16) == "cuda_wide32_g128"
+    assert op.cuda_variant_for(1, 128, {w32.variant: w32.launch}) == "cuda_wide32_g128"
     counters = torch.zeros(1 << 16, dtype=torch.int32)
     n, k = 64, 256
     qw = torch.zeros(n, k // 8, dtype=torch.int32)
     s, z = torch.ones(n, k // 128, dtype=torch.bfloat16), torch.zeros(n, k // 128, dtype=torch.uint8)
-    for rows, variant in ((4, "cuda_g128"), (24, "cuda_wide_g128")):
+    for rows, variant in ((4, "cuda_g128"), (12, "cuda_wide16_g128"), (24, "cuda_wide32_g128")):
         x, y = torch.zeros(rows, k, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
-        (got, _grid, args), = op.cuda_launch(x, qw, s, z, None, y, group_size=128, consts=both, counters=counters)
+        (got, _grid, args), = op.cuda_launch(x, qw, s, z, None, y, group_size=128, consts=every, counters=counters)
         assert got == variant and args[8] == rows
-    assert cuda_int4.int4_gemv_spec(128, "bf16", "sm90", dict(ON, max_m=40), "gemv_wide")[0] is None
-    # off in the table until measured; on, the build adds it beside the first
+    # a class's max_m stays within the rows its name promises (and four n8 tiles)
+    assert cuda_int4.int4_gemv_spec(128, "bf16", "sm90", dict(ON, max_m=40), "gemv_wide32")[0] is None
+    assert cuda_int4.int4_gemv_spec(128, "bf16", "sm90", dict(ON, max_m=24), "gemv_wide16")[0] is None
+    # on in the table for sm80 and sm90; each can be turned off alone
     from engc.compiler.codegen.specs import int4_linear_specs
     triton_specs = int4_linear_specs("bf16", "sm90", (128,))
-    assert [s.variant for s in cuda_int4.selected_int4_specs(triton_specs, {"dequant": {"enabled": False}})[0]] \
-        == ["cuda_g128"]
-    on, _ = cuda_int4.selected_int4_specs(triton_specs, {"gemv_wide": ON, "dequant": {"enabled": False}})
-    assert sorted(s.variant for s in on) == ["cuda_g128", "cuda_wide_g128"]
+    assert sorted(s.variant for s in cuda_int4.selected_int4_specs(triton_specs, {"dequant": {"enabled": False}})[0]) \
+        == ["cuda_g128", "cuda_wide16_g128", "cuda_wide32_g128"]
+    off = {"gemv_wide16": {"enabled": False}, "dequant": {"enabled": False}}
+    assert sorted(s.variant for s in cuda_int4.selected_int4_specs(triton_specs, off)[0]) == ["cuda_g128",
+                                                                                           "cuda_wide32_g128"]
 
 
 def test_runtime_prefers_cuda_then_triton_then_dequant():
@@ -275,8 +289,9 @@ def test_build_adds_the_cuda_gemv_where_enabled(monkeypatch):
                         dict(tune.TUNE["sm80/int4_linear/cuda/gemv"], enabled=False))
     triton_specs = [s for arch in ("sm80", "sm90") for s in int4_linear_specs("bf16", arch, (128,))]
     for arch in ("sm80", "sm90"):
-        monkeypatch.setitem(tune.TUNE, f"{arch}/int4_linear/cuda/dequant",
-                            dict(tune.TUNE[f"{arch}/int4_linear/cuda/dequant"], enabled=False))
+        for kind in ("dequant", "gemv_wide16", "gemv_wide32"):   # their own tests cover them
+            monkeypatch.setitem(tune.TUNE, f"{arch}/int4_linear/cuda/{kind}",
+                                dict(tune.TUNE[f"{arch}/int4_linear/cuda/{kind}"], enabled=False))
     result = cuda.add_selected(CodegenResult(), triton_specs, TINY)
     assert [(r["arch"], r["variant"]) for r in result.records] == [("sm90", "cuda_g128")]
     assert "kernels/sm90/int4_linear.cuda_g128.cubin" in result.files

@@ -4,7 +4,7 @@ as kernel specs for codegen/cuda.py's nvcc build.
 One kernel per int4 group size of the program (K and N are run-time arguments), built where the tune table's
 'int4_linear/cuda/gemv' entry is on and nvcc is there; the bundle keeps the Triton int4 kernels anyway (the
 GEMV for M the CUDA one does not take, dequant + cuBLAS for prefill, the fallback without nvcc). Records are
-op "int4_linear", variant `cuda_g{G}` (`cuda_wide_g{G}`: the build for up to 32 rows); their launch
+op "int4_linear", variant `cuda_g{G}` (`cuda_wide{R}_g{G}`: the builds for up to R = 16, 32 rows); their launch
 constants (impl "cuda", GROUP, max_m, BLOCK_N, BLOCK_K and the split rule of kernels/gemv) drive
 kernels/int4_linear's cuda_launch. The dequant kernel, where its
 own entry ('int4_linear/cuda/dequant') is on: variant `cuda_dequant_g{G}` (launch: impl, GROUP, BLOCK chunks
@@ -46,14 +46,15 @@ def int4_dequant_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
 
 def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "gemv") -> tuple:
     """(spec, '') for the template at this group size, or (None, why it does not apply). kind: the tune
-    entry, 'gemv' (up to 8 rows) or 'gemv_wide' (up to 32: max_m / 8 n8 tiles of x)."""
+    entry, 'gemv' (up to 8 rows) or 'gemv_wide{R}' for R in int4_linear.CUDA_WIDE_ROWS (max_m / 8 n8 tiles of x)."""
     if t not in MMA_TYPE:
         return None, f"the CUDA int4 GEMV multiplies bf16 or fp16, not {t}"
     if group % 32:
         return None, f"group size {group} is not a multiple of 32"
     key, entry = tune.lookup(arch, "int4_linear", "cuda", kind, overrides)
-    if not 1 <= entry["max_m"] <= 32:
-        return None, f"max_m {entry['max_m']} is outside 1..32 (up to four n8 mma tiles of x)"
+    rows = 32 if kind == "gemv" else int(kind[len("gemv_wide"):])   # what the variant's name promises
+    if not 1 <= entry["max_m"] <= rows:
+        return None, f"max_m {entry['max_m']} is outside 1..{rows} (up to {rows // 8} n8 mma tiles of x)"
     warps, tiles, unroll, x_tiles = entry["num_warps"], entry["TILES"], entry["UNROLL"], -(-entry["max_m"] // 8)
     block_n, block_k = 16 * tiles, 128 * warps * unroll
     name = (f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}x{x_tiles}"
@@ -66,7 +67,8 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     launch["impl"] = "cuda"
     launch["PDL"] = int(entry.get("PDL", tune.PDL[arch]))   # the template waits first on sm90 (kernels/pdl.py)
     types = {name_: ty.format(t=t) for name_, ty in ARG_TYPES.items()}
-    return CudaKernelSpec(op="int4_linear", variant=op.cuda_variant(group) if kind == "gemv" else op.cuda_wide_variant(group), arch=arch, template="int4_gemv.cu.j2",
+    variant = op.cuda_variant(group) if kind == "gemv" else op.cuda_wide_variant(group, rows)
+    return CudaKernelSpec(op="int4_linear", variant=variant, arch=arch, template="int4_gemv.cu.j2",
                           entry=name, render=values, arg_types=types, num_warps=warps, tune_key=key, tune=entry,
                           launch=launch), ""
 
@@ -80,7 +82,8 @@ def selected_int4_specs(triton_specs: list, overrides=None) -> tuple[list[CudaKe
         if s.op != "int4_linear" or not s.variant.startswith("gemv_m1_g"):
             continue
         group, t = s.constexprs["GROUP"], s.arg_types["x_ptr"][1:]
-        for kind, what in (("gemv", "GEMV"), ("gemv_wide", "GEMV for up to 32 rows"), ("dequant", "dequant")):
+        wide = [(f"gemv_wide{r}", f"GEMV for up to {r} rows") for r in op.CUDA_WIDE_ROWS]
+        for kind, what in [("gemv", "GEMV")] + wide + [("dequant", "dequant")]:
             ov = (overrides or {}).get(kind)
             if not tune.lookup(s.arch, "int4_linear", "cuda", kind, ov)[1]["enabled"]:
                 continue

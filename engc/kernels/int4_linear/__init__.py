@@ -25,8 +25,8 @@ and call cuBLAS: cheaper than any int4 tensor-core GEMM engc has, by far (bench/
 Where the build had nvcc and the tune table turns it on, the bundle also holds the CUDA C++ GEMV
 (templates/int4_gemv.cu.j2, variant cuda_g{G}: dequant in registers, tensor-core mma, M = 1..8 for the
 cost of one); it runs first for M <= its max_m (cuda_launch), splitting K in-kernel on the runtime's
-zeroed counters, with no reduce launch. A second build of it for up to 32 rows (variant cuda_wide_g{G},
-several n8 tiles of x on each dequantized W fragment) serves the M its first one does not, where built.
+zeroed counters, with no reduce launch. Wider builds of it (variants cuda_wide16_g{G}, cuda_wide32_g{G}: max_m / 8
+n8 tiles of x on each dequantized W fragment) serve the M the first one does not, up to 32 rows, where built.
 """
 import torch
 
@@ -198,16 +198,21 @@ def cuda_dequant_variant(group_size: int) -> str:
     return f"cuda_dequant_g{group_size}"
 
 
-def cuda_wide_variant(group_size: int) -> str:
-    """The CUDA GEMV built for more rows (several n8 tiles of x, up to 32 rows), where the bundle has it."""
-    return f"cuda_wide_g{group_size}"
+# The row classes of the wider CUDA GEMV builds (tune entries int4_linear/cuda/gemv_wide{rows}): each x tile
+# costs registers and issue slots for every row it holds, so 9-16 rows get a build of their own.
+CUDA_WIDE_ROWS = (16, 32)
+
+
+def cuda_wide_variant(group_size: int, rows: int) -> str:
+    """The CUDA GEMV built for up to `rows` rows (rows / 8 n8 tiles of x), where the bundle has it."""
+    return f"cuda_wide{rows}_g{group_size}"
 
 
 def cuda_variant_for(m: int, group_size: int, consts: dict) -> str | None:
     """The CUDA C++ GEMV that serves M rows: of the bundle's ones for this group size, the one with the
     fewest rows that still holds M; None where none does."""
-    fits = [(c["max_m"], v) for v in (cuda_variant(group_size), cuda_wide_variant(group_size))
-            if (c := consts.get(v)) is not None and 1 <= m <= c["max_m"]]
+    names = [cuda_variant(group_size)] + [cuda_wide_variant(group_size, r) for r in CUDA_WIDE_ROWS]
+    fits = [(c["max_m"], v) for v in names if (c := consts.get(v)) is not None and 1 <= m <= c["max_m"]]
     return min(fits)[1] if fits else None
 
 
