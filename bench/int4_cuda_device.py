@@ -197,7 +197,7 @@ def run(aot: Path, out: Path):
             for name in cuda_sets:
                 if sweep_config(name).get("ABLATE"):
                     continue
-                if op.uses_cuda_gemv(m, group, sets[name].consts("int4_linear")):
+                if op.cuda_variant_for(m, group, sets[name].consts("int4_linear")):   # one launch holds M
                     for target in (None, 8 * SMS):
                         check(dict(case="edge", group=group, M=m, N=n, K=k, bias=with_bias, set=name, target=target),
                               cuda_linear(name, target, x, w, group, b), ref)
@@ -233,7 +233,7 @@ def run(aot: Path, out: Path):
                 us = time_graph(lambda i: triton_linear(x, ws[i], GROUP), copies)
                 results["timings"].append(dict(row, set="triton", us=us, tbs=wbytes / us / 1e6))
             for name in cuda_sets:
-                if not op.uses_cuda_gemv(m, GROUP, sets[name].consts("int4_linear")):
+                if not op.cuda_variant_for(m, GROUP, sets[name].consts("int4_linear")):
                     continue
                 for mult in TARGETS:
                     target = mult * SMS

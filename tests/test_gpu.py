@@ -103,3 +103,45 @@ def test_pdl_changes_no_token(tiny_dir, tmp_path, monkeypatch):
         monkeypatch.setenv("ENGC_PDL", pdl)      # read when the bundle's kernels load
         runs[pdl] = greedy(out, "cuda", n=32)
     assert runs["1"] == runs["0"]
+
+
+@pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA device and engc._native")
+def test_int4_linear_matches_reference_at_every_row_count(tiny_dir, tmp_path):
+    """A bf16 int4 bundle's QLinear kernels, through the runtime's own launch rule, against the dequantized
+    weight in float64 at row counts of each path: the CUDA GEMV (M <= 8), its 16- and 32-row builds, two
+    passes of the 32-row one, dequant + cuBLAS (where the build had nvcc; else the Triton GEMV and dequant)."""
+    from engc.bundle.reader import open_bundle
+    from engc.compiler.quantize import QuantOptions
+    from engc.compiler.quantize.stream import quantize_checkpoint
+    from engc.kernels import int4_linear as op
+    from engc.runtime.gpu_ops import BundleKernels
+    quantize_checkpoint(str(tiny_dir("llama")), tmp_path / "q", QuantOptions(method="rtn", group_size=32))
+    build(str(tmp_path / "q"), tmp_path / "b", BuildOptions(archs=(sm_arch(),), dtype="bfloat16",
+                                                            kernel_cache=os.environ.get("ENGC_KERNEL_CACHE")))
+    kernels = BundleKernels(open_bundle(tmp_path / "b"), sm_arch())
+    consts = kernels.consts["int4_linear"]
+    seen = []
+
+    def run(launches):
+        seen.extend(v for v, _, _ in launches)
+        kernels.run("int4_linear", launches)
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 200, 1024 + 32   # N and K are run-time arguments; K not a whole number of the GEMV's K tiles
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.005).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (n, k // 32), generator=gen).to(torch.uint8)
+    w = [t.cuda() for t in (op.pack_int4(q), scales, zeros)]
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).cuda()
+    ref_w = op.dequantize(*w, 32).double()
+    counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    for rows in (1, 5, 12, 24, 32, 48, 64, 80):
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
+        seen.clear()
+        y = op.run_quantized_linear(x, *w, bias, group_size=32, consts=consts, run=run, counters=counters)
+        ref = x.double() @ ref_w.t() + bias.double()
+        err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-2, (rows, seen, err)
+        assert counters.eq(0).all(), (rows, seen)
+        if "cuda_wide32_g32" in consts and rows in (48, 64):
+            assert seen == ["cuda_wide32_g32"] * 2, seen

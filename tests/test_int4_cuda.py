@@ -200,7 +200,7 @@ def test_launch_rule_matches_records(records, rows, n, k, bias):
     qw = torch.zeros(n, k // 8, dtype=torch.int32)
     s, z = torch.ones(n, k // 128, dtype=torch.bfloat16), torch.zeros(n, k // 128, dtype=torch.uint8)
     b = torch.zeros(n, dtype=torch.bfloat16) if bias else None
-    assert op.uses_cuda_gemv(rows, 128, consts) and not op.uses_cuda_gemv(9, 128, consts)
+    assert op.cuda_variant_for(rows, 128, consts) == rec["variant"] and op.cuda_variant_for(9, 128, consts) is None
     (variant, grid, args), = op.cuda_launch(x, qw, s, z, b, y, group_size=128, consts=consts, counters=counters)
     assert variant == rec["variant"] and len(args) == len(rec["args"])
     c = rec["launch"]
@@ -259,20 +259,34 @@ def test_wide_builds_serve_the_rows_the_first_cannot():
 
 
 def test_runtime_prefers_cuda_then_triton_then_dequant():
-    consts = op.jit_consts(128, {"gemv": tune.TUNE["sm90/int4_linear/*/gemv_m1"],
-                                 "gemv_reduce": tune.TUNE["sm90/int4_linear/*/gemv_reduce"],
-                                 "dequant": tune.TUNE["sm90/int4_linear/*/dequant"]})
-    consts["cuda_g128"] = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", dict(ON, max_m=4))[0].launch
+    triton_only = op.jit_consts(128, {"gemv": tune.TUNE["sm90/int4_linear/*/gemv_m1"],
+                                      "gemv_reduce": tune.TUNE["sm90/int4_linear/*/gemv_reduce"],
+                                      "dequant": tune.TUNE["sm90/int4_linear/*/dequant"]})
+    narrow = dict(triton_only, cuda_g128=cuda_int4.int4_gemv_spec(128, "bf16", "sm90", dict(ON, max_m=4))[0].launch)
+    wide = dict(narrow, cuda_wide32_g128=cuda_int4.int4_gemv_spec(128, "bf16", "sm90", ON, "gemv_wide32")[0].launch)
     counters = torch.zeros(1 << 16, dtype=torch.int32)
     n, k = 64, 256
     qw = torch.zeros(n, k // 8, dtype=torch.int32)
     s, z = torch.ones(n, k // 128, dtype=torch.bfloat16), torch.zeros(n, k // 128, dtype=torch.uint8)
-    for rows, kind in ((2, "cuda"), (6, "gemv"), (20, "dequant")):
+    # (consts, rows) -> the variants launched and the rows each launch covers
+    cases = [(narrow, 2, [("cuda_g128", 2)]),
+             (narrow, 6, [("cuda_g128", 4), ("cuda_g128", 2)]),       # two passes of the widest build
+             (narrow, 9, [("dequant_g128", None)]),                     # three would be too many
+             (triton_only, 6, [("gemv_m8_g128", None)]),
+             (wide, 20, [("cuda_wide32_g128", 20)]),
+             (wide, 48, [("cuda_wide32_g128", 32), ("cuda_wide32_g128", 16)]),
+             (wide, 65, [("dequant_g128", None)])]
+    for consts, rows, want in cases:
         seen = []
-        op.run_quantized_linear(torch.zeros(rows, k, dtype=torch.bfloat16), qw, s, z, None, group_size=128,
-                                consts=consts, run=lambda launches: seen.extend(v for v, _, _ in launches),
-                                counters=counters)
-        assert op.variant_kind(seen[0]) == kind, (rows, seen)
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        y = op.run_quantized_linear(x, qw, s, z, None, group_size=128, consts=consts, counters=counters,
+                                    run=lambda launches: seen.extend((v, a) for v, _, a in launches))
+        got = [(v, a[8] if op.variant_kind(v) == "cuda" else None) for v, a in seen]
+        assert got[:len(want)] == want, (rows, got)
+        if op.variant_kind(want[0][0]) == "cuda":   # the slices are views of x and y, in order
+            starts = [a[0].data_ptr() for _, a in seen]
+            assert starts == [x[i:].data_ptr() for i in range(0, rows, want[0][1])] and y.shape == (rows, n)
+            assert all(a[5].data_ptr() == y[i:].data_ptr() for (_, a), i in zip(seen, range(0, rows, want[0][1])))
 
 
 def test_build_adds_the_cuda_gemv_where_enabled(monkeypatch):

@@ -26,7 +26,8 @@ Where the build had nvcc and the tune table turns it on, the bundle also holds t
 (templates/int4_gemv.cu.j2, variant cuda_g{G}: dequant in registers, tensor-core mma, M = 1..8 for the
 cost of one); it runs first for M <= its max_m (cuda_launch), splitting K in-kernel on the runtime's
 zeroed counters, with no reduce launch. Wider builds of it (variants cuda_wide16_g{G}, cuda_wide32_g{G}: max_m / 8
-n8 tiles of x on each dequantized W fragment) serve the M the first one does not, up to 32 rows, where built.
+n8 tiles of x on each dequantized W fragment) serve the M the first one does not, up to 32 rows, where built;
+up to twice the widest one's rows run it once per slice of rows (cuda_row_slices).
 """
 import torch
 
@@ -216,9 +217,29 @@ def cuda_variant_for(m: int, group_size: int, consts: dict) -> str | None:
     return min(fits)[1] if fits else None
 
 
+# Rows past the widest CUDA GEMV build run it once per slice of that many rows, in at most this many passes:
+# two M=32 passes over the 8B projections take ~11.3 ms a step against ~14 ms for the CUDA dequant + cuBLAS
+# at M=64 (bench/results/h200_5b7e245_int4_cuda.txt); more passes would re-read W more often than the
+# dequant's one bf16 write and read of it costs.
+CUDA_MAX_PASSES = 2
+
+
+def cuda_row_slices(m: int, group_size: int, consts: dict) -> list[tuple[int, int]]:
+    """The (start, stop) row slices in which the CUDA C++ GEMV serves M rows: one where a build holds M,
+    else slices of the widest build's max_m (at most CUDA_MAX_PASSES); [] where the bundle has none."""
+    if cuda_variant_for(m, group_size, consts) is not None:
+        return [(0, m)]
+    names = [cuda_variant(group_size)] + [cuda_wide_variant(group_size, r) for r in CUDA_WIDE_ROWS]
+    widest = max((consts[v]["max_m"] for v in names if v in consts), default=0)
+    if not widest or m < 1 or -(-m // widest) > CUDA_MAX_PASSES:
+        return []
+    return [(i, min(i + widest, m)) for i in range(0, m, widest)]
+
+
 def uses_cuda_gemv(m: int, group_size: int, consts: dict) -> bool:
-    """Whether M rows run the CUDA C++ GEMV (the bundle has one for this group size and M fits)."""
-    return cuda_variant_for(m, group_size, consts) is not None
+    """Whether M rows run the CUDA C++ GEMV (the bundle has one for this group size that holds M, or the
+    widest one does in a few passes)."""
+    return bool(cuda_row_slices(m, group_size, consts))
 
 
 def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: dict, counters):
@@ -254,10 +275,12 @@ def run_quantized_linear(x, qweight, scales, zeros, bias, *, group_size: int, co
     cuBLAS. run(launches) launches the bundle's kernels. x contiguous [M, K]."""
     m, k = x.shape
     n = qweight.shape[0]
-    if counters is not None and uses_cuda_gemv(m, group_size, consts):
+    slices = cuda_row_slices(m, group_size, consts) if counters is not None else []
+    if slices:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        run(cuda_launch(x, qweight, scales, zeros, bias, y, group_size=group_size, consts=consts,
-                        counters=counters))
+        for a, b in slices:   # row slices of contiguous x and y stay contiguous and 16-byte aligned
+            run(cuda_launch(x[a:b], qweight, scales, zeros, bias, y[a:b], group_size=group_size, consts=consts,
+                            counters=counters))
         return y
     if uses_gemv(m, group_size, consts):
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
