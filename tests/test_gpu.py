@@ -143,5 +143,5 @@ def test_int4_linear_matches_reference_at_every_row_count(tiny_dir, tmp_path):
         err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < 1e-2, (rows, seen, err)
         assert counters.eq(0).all(), (rows, seen)
-        if "cuda_wide32_g32" in consts and rows in (48, 64):
-            assert seen == ["cuda_wide32_g32"] * 2, seen
+        if "cuda_wide32_g32" in consts and rows in (48, 64):   # two passes; the second's build fits its rows
+            assert seen == ["cuda_wide32_g32", "cuda_wide16_g32" if rows == 48 else "cuda_wide32_g32"], seen
