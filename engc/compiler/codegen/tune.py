@@ -85,18 +85,20 @@ for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 1
 # projections get the per-(K, N) entries of GEMV_PLAIN_CLASSES below).
 GEMV_M_CLASSES = ("m<=1",)
 for _arch in ("sm80", "sm90"):
-    # EARLY_W: load each split's first W tile before the PDL wait (kernels/gemv/triton.py); off until an
-    # H200 step A/B (`gpu_bench --tune`) shows it ahead: a whole-slice L2 prefetch there lost 12% (0262219)
-    _put(_arch, "gemv", "*", "m<=1", max_m=1, plain=False, BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, DOT=False, EARLY_W=False,
+    # Not kept: W loads before the PDL wait. The whole slice prefetched to L2 lost 12% (0262219); the first
+    # W tile of each split (EARLY_W, ec9c5a4) lost 0.9% on 1B and 3.7% on 8B at batch 1 (bench/results/
+    # h200_5b7e245_early_w_engc_1b.json, h200_02e91c9_early_w_engc_8b.json). A likely cause, not measured: the
+    # early programs hold SM slots and registers while the kernel before them still runs.
+    _put(_arch, "gemv", "*", "m<=1", max_m=1, plain=False, BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, DOT=False,
          num_warps=4, num_stages=2, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2,
          silu_by_n=((1, 2048, {"BLOCK_N": 4}),))
     # silu_by_n: (N lo, N hi (0: no bound), overrides) for the SiLU-fused down by its N (the hidden size):
     # BLOCK_N 8 leaves an N of 2048 only 256 programs; the sweep's best for the 1B down (K 8192, N 2048)
     # was BLOCK_N 4 (11.9 us) where this entry's BLOCK_N 8 ran 14.0 us (bench/results, run-pick)
     # classes kept for sweeps and tests (bench/gemv_device.py, tests/test_gemv.py); cuBLAS was faster
-    _put(_arch, "gemv", "*", "m<=4", max_m=4, BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, DOT=False, EARLY_W=False, num_warps=4,
+    _put(_arch, "gemv", "*", "m<=4", max_m=4, BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, DOT=False, num_warps=4,
          num_stages=2, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
-    _put(_arch, "gemv", "*", "m<=16", max_m=16, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT=True, EARLY_W=False, num_warps=4,
+    _put(_arch, "gemv", "*", "m<=16", max_m=16, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT=True, num_warps=4,
          num_stages=4, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
 
 # Plain projections (Gemm x @ W^T, no bias) at M=1, one entry per tile config: `serves` lists the (K range,
@@ -118,7 +120,7 @@ for _arch in ("sm80", "sm90"):
 # Other K and N inside these regions (3B, 70B, small models) are extrapolated, not measured.
 GEMV_PLAIN_CLASSES = ("m<=1/n4k1024w4", "m<=1/n8k512w2")
 for _arch in ("sm80", "sm90"):
-    _plain_m1 = dict(max_m=1, BLOCK_M=4, DOT=False, EARLY_W=False, num_stages=2, target_programs=2 * _SM_COUNT[_arch],
+    _plain_m1 = dict(max_m=1, BLOCK_M=4, DOT=False, num_stages=2, target_programs=2 * _SM_COUNT[_arch],
                      max_splits=16, min_split_k_tiles=2)
     _put(_arch, "gemv", "*", "m<=1/n4k1024w4", BLOCK_N=4, BLOCK_K=1024, num_warps=4,
          serves=(((1, 2048), (1, 2048)), ((2049, 0), (8193, 65535))), **_plain_m1)

@@ -59,19 +59,12 @@ def _tile(w, x_ptr, rows, offs_k, k_mask, M, acc, acc0, acc1, acc2, acc3, K: tl.
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_tiles_per_split, splits,
                 K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SILU: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, EARLY_W: tl.constexpr = False):
-    """EARLY_W: the split's first W tile is loaded before the PDL wait (W is constant: kernels/pdl.py), so
-    its DRAM latency overlaps the kernel before; the loop then starts at the second tile. Every split
-    has at least one tile (the launch rule's split count)."""
+                SILU: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n, w_rows = gemm_tiles.w_tile_rows(w_ptr, pid_n, N, K, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     t_begin, t_end = gemm_tiles.split_tiles(pid_k, k_tiles_per_split, K, BLOCK_K)
-    if EARLY_W:
-        offs_k0 = t_begin * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask0 = offs_k0 < K
-        w0 = gemm_tiles.load_w_tile(w_rows, offs_k0, k_mask0, K, BLOCK_K)
     # x, the partials and the counters belong to the step: wait for the kernel before
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
@@ -81,12 +74,7 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_tiles_p
     acc1 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
-    first = t_begin
-    if EARLY_W:
-        acc, acc0, acc1, acc2, acc3 = _tile(w0, x_ptr, rows, offs_k0, k_mask0, M, acc, acc0, acc1, acc2, acc3, K,
-                                            BLOCK_M, BLOCK_N, BLOCK_K, SILU, DOT, VEC)
-        first = t_begin + 1
-    for t in range(first, t_end):
+    for t in range(t_begin, t_end):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = gemm_tiles.load_w_tile(w_rows, offs_k, k_mask, K, BLOCK_K)
