@@ -169,6 +169,25 @@ def decode_split(context_lens_ptr, b, split, sliding_window, num_splits, BLOCK_N
 
 
 @triton.jit
+def early_decode_start(query_start_loc_ptr, context_lens_ptr, block_tables_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                       v_scale_ptr, sliding_window, num_splits, block_table_stride, D_PAD: tl.constexpr,
+                       PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                       KV_QUANT: tl.constexpr):
+    """A decode program's start under EARLY_KV 1 and 2 (paged_attention/triton.py): its sequence facts and
+    its split's first KV tile, loaded before q so the two round trips overlap. -> (b, kvh, split, row, rows,
+    ctx, start, lo, hi, used, d, bt_row, k0, v0, k0_scale, v0_scale); rows != 1 is the prefill kernel's."""
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = tl.load(query_start_loc_ptr + b)
+    rows = tl.load(query_start_loc_ptr + b + 1) - row
+    ctx, start, lo, hi, used = decode_split(context_lens_ptr, b, split, sliding_window, num_splits, BLOCK_N)
+    d = tl.arange(0, D_PAD)
+    bt_row = block_tables_ptr + b.to(tl.int64) * block_table_stride
+    k0, v0, k0_scale, v0_scale = load_decode_tile(lo, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                                  bt_row, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, KV_QUANT)
+    return b, kvh, split, row, rows, ctx, start, lo, hi, used, d, bt_row, k0, v0, k0_scale, v0_scale
+
+
+@triton.jit
 def finish_split(acc, m_i, l_i, has_tiles, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr, b, kvh, row, split,
                  num_splits, used, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, GR_PAD: tl.constexpr,

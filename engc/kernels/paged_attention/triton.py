@@ -56,16 +56,10 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
     else:
         pdl.wait(PDL)
         pdl.launch_dependents(PDL)
-        b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        row = tl.load(query_start_loc_ptr + b)
-        rows = tl.load(query_start_loc_ptr + b + 1) - row
-        ctx, start, lo, hi, used = tiles.decode_split(context_lens_ptr, b, split, sliding_window, num_splits,
-                                                      BLOCK_N)
-        d = tl.arange(0, D_PAD)
-        bt_row = block_tables_ptr + b.to(tl.int64) * block_table_stride
-        k0, v0, k0_scale, v0_scale = tiles.load_decode_tile(lo, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                                                            v_scale_ptr, bt_row, kvh, d, PAGE, NUM_KV_HEADS,
-                                                            HEAD_DIM, BLOCK_N, KV_QUANT)
+        b, kvh, split, row, rows, ctx, start, lo, hi, used, d, bt_row, k0, v0, k0_scale, v0_scale = \
+            tiles.early_decode_start(query_start_loc_ptr, context_lens_ptr, block_tables_ptr, k_cache_ptr,
+                                     v_cache_ptr, k_scale_ptr, v_scale_ptr, sliding_window, num_splits,
+                                     block_table_stride, D_PAD, PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, KV_QUANT)
         if rows != 1:   # not one query token: the prefill kernel's sequence
             return
         g = tl.arange(0, G_PAD)
@@ -163,16 +157,10 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
         if EARLY_KV == 1:
             pdl.wait(PDL)
             pdl.launch_dependents(PDL)
-        b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        row = tl.load(query_start_loc_ptr + b)
-        rows = tl.load(query_start_loc_ptr + b + 1) - row
-        ctx, start, lo, hi, used = tiles.decode_split(context_lens_ptr, b, split, sliding_window, num_splits,
-                                                      BLOCK_N)
-        d = tl.arange(0, D_PAD)
-        bt_row = block_tables_ptr + b.to(tl.int64) * block_table_stride
-        k0, v0, k0_scale, v0_scale = tiles.load_decode_tile(lo, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                                                            v_scale_ptr, bt_row, kvh, d, PAGE, NUM_KV_HEADS,
-                                                            HEAD_DIM, BLOCK_N, KV_QUANT)
+        b, kvh, split, row, rows, ctx, start, lo, hi, used, d, bt_row, k0, v0, k0_scale, v0_scale = \
+            tiles.early_decode_start(query_start_loc_ptr, context_lens_ptr, block_tables_ptr, k_cache_ptr,
+                                     v_cache_ptr, k_scale_ptr, v_scale_ptr, sliding_window, num_splits,
+                                     block_table_stride, D_PAD, PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, KV_QUANT)
         d_mask = d < HEAD_DIM
         angle = tl.load(positions_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + d % HALF, mask=d_mask,
                                                                       other=0.0)
