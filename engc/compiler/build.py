@@ -154,4 +154,4 @@ def _quantization(ckpt: Checkpoint) -> dict | None:
     if not qc:
         return None
     from engc.compiler.frontend.quantized import describe
-    return describe(qc)
+    return describe(qc, lm_head=ckpt.has("lm_head.qweight"))

@@ -5,6 +5,8 @@ is deliberately unfused (one Gemm per projection, joined by Concat): fusion is t
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engc.bundle.model_config import ModelConfig
@@ -92,11 +94,17 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
 
     h, _ = _norm(g, x, residual, weight("norm.weight", "model.norm.weight"), eps, "final")
     sampled = g.onnx_op("Gather", [h, "logits_indices"], "h.sampled", axis=0)
-    if cfg.tie_word_embeddings or not ckpt.has("lm_head.weight"):
-        head = embed
+    if ckpt.has("lm_head.qweight"):
+        # an int4 lm_head (GPTQModel's `lm_head: true`): the same QLinear as the projections, and untied
+        # even where config.json ties it, since the embedding stays the float gather table
+        logits = _qlinear(g, sampled, weight, "lm_head", "lm_head", False, cfg.hidden_size)
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     else:
-        head = weight("lm_head.weight", "lm_head.weight")
-    logits = g.onnx_op("Gemm", [sampled, head], "logits.raw", transB=1)
+        if cfg.tie_word_embeddings or not ckpt.has("lm_head.weight"):
+            head = embed
+        else:
+            head = weight("lm_head.weight", "lm_head.weight")
+        logits = g.onnx_op("Gemm", [sampled, head], "logits.raw", transB=1)
     g.onnx_op("Cast", [logits], "logits", to=1)  # float32 logits for sampling
     return cfg, g
 

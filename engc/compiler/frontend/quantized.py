@@ -2,7 +2,8 @@
 
 Each quantized projection `P` (P.qweight, P.qzeros, P.scales[, P.g_idx] in the file) is offered as
 P.qweight, P.scales, P.zeros[, P.perm] laid out as kernels/int4_linear wants them; the decoder lowers
-a projection that has P.qweight to QLinear. Everything else passes through from the HF folder reader.
+a projection that has P.qweight to QLinear, the lm_head too where the checkpoint quantized it
+(GPTQModel's `lm_head: true`). Everything else passes through from the HF folder reader.
 """
 from __future__ import annotations
 
@@ -61,11 +62,11 @@ def group_size(qc: dict, in_features: int) -> int:
     return in_features if g <= 0 else g
 
 
-def describe(qc: dict) -> dict:
-    """The manifest's `quantization` field."""
+def describe(qc: dict, lm_head: bool = False) -> dict:
+    """The manifest's `quantization` field. lm_head: the checkpoint has an int4 lm_head (lm_head.qweight)."""
     return {"method": (qc.get("meta") or {}).get("method", qc["quant_method"]), "bits": 4,
             "group_size": int(qc.get("group_size", 128)), "source_format": qc["quant_method"],
-            "act_order": bool(qc.get("desc_act", False)), "layout": int4_linear.LAYOUT}
+            "act_order": bool(qc.get("desc_act", False)), "layout": int4_linear.LAYOUT, "lm_head": lm_head}
 
 
 def _checked_scales(src: dict, qc: dict, prefix: str, name: str):
