@@ -184,20 +184,25 @@ def tune_(src, prepare_dir, from_dir, out, arch, sms, ops, dtype, budget_s, marg
 @click.option("--calib-seqlen", default=256, show_default=True, type=int)
 @click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in decreasing Hessian order.")
 @click.option("--damp", default=0.01, show_default=True, type=float, help="GPTQ: Hessian dampening.")
+@click.option("--lm-head", is_flag=True,
+              help="Also quantize the lm_head, same method and group size (quantization_config lm_head: true; "
+                   "a tied embedding stays float). Costs some perplexity: see docs/quantization.md.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
-def quantize(src, out, method, bits, group_size, calib, calib_samples, calib_seqlen, act_order, damp, as_json):
+def quantize(src, out, method, bits, group_size, calib, calib_samples, calib_seqlen, act_order, damp, lm_head,
+             as_json):
     """Quantize SRC to int4 one layer at a time; writes an AutoAWQ (awq) or GPTQ (gptq, rtn) checkpoint."""
     from engc.compiler.quantize import QuantOptions
     from engc.compiler.quantize.stream import quantize_checkpoint
     from engc.progress import Progress
     opts = QuantOptions(method=method, bits=bits, group_size=group_size, calib=calib,
                         calib_samples=calib_samples, calib_seqlen=calib_seqlen, act_order=act_order,
-                        damp=damp).validate()
+                        damp=damp, lm_head=lm_head).validate()
     summary = quantize_checkpoint(src, out, opts, Progress(enabled=not as_json))
     if as_json:
         click.echo(json.dumps(summary, sort_keys=True))
     else:
-        click.echo(f"quantized {summary['model']} -> {summary['out']}: {method} int{bits} g{group_size} "
+        click.echo(f"quantized {summary['model']} -> {summary['out']}: {method} int{bits} g{group_size}"
+                   f"{' + lm_head' if lm_head else ''} "
                    f"({summary['format']} layout), {summary['layers']} layers in {summary['seconds']}s; "
                    f"peak RSS {summary['peak_rss_mb']:.0f} MB (one layer's weights: "
                    f"{summary['layer_weights_mb']:.0f} MB)")

@@ -21,6 +21,7 @@ class QuantOptions:
     act_order: bool = False           # GPTQ only: quantize columns in decreasing Hessian diagonal order
     damp: float = 0.01                # GPTQ only: dampening, a fraction of the mean Hessian diagonal
     awq_grid: int = 20                # AWQ only: grid points of the scale and the clip search
+    lm_head: bool = False             # also quantize the lm_head (GPTQModel's `lm_head: true`; head.py)
     seed: int = 0
 
     @property

@@ -22,6 +22,7 @@ from engc.compiler.quantize.awq import awq_layer
 from engc.compiler.quantize.calibration import calibration_samples
 from engc.compiler.quantize.formats import to_awq, to_gptq
 from engc.compiler.quantize.gptq import Hessian, gptq_quantize
+from engc.compiler.quantize.head import head_source, quantize_head
 from engc.compiler.quantize.layer import LINEARS, DecoderLayer, batched
 from engc.compiler.quantize.options import QuantOptions
 from engc.compiler.quantize.rtn import quantize_rtn
@@ -46,7 +47,7 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
     ckpt = read_source(src)
     refuse_quantized(ckpt)
     cfg = resolve_config(ckpt.hf_config)
-    check_shapes(cfg, opts.group_size)
+    check_shapes(cfg, opts.group_size, opts.lm_head)
     x = None
     if opts.method != "rtn":
         with progress.step("tokenize calibration text"):
@@ -57,8 +58,9 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
         del embed
     rope = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     out = Path(out).resolve()
-    rest_names = [n for n in ckpt.names() if not n.startswith("model.layers.")]
-    shards = cfg.num_layers + len(rest_names)
+    rest_names = [n for n in ckpt.names() if not n.startswith("model.layers.")
+                  and not (opts.lm_head and n == "lm_head.weight")]  # --lm-head: written quantized instead
+    shards = cfg.num_layers + len(rest_names) + opts.lm_head
     index, layer_bytes, layer_rss = {}, 0, []
     with atomic_folder(out) as tmp:
         bar = progress.bar(f"quantize {opts.method} g{opts.group_size}", total=cfg.num_layers)
@@ -73,16 +75,31 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
             layer_rss.append(round(current_rss_mb(), 1))  # flat across layers unless something leaks
             bar.advance()
         bar.close()
+        replaced = {}  # tensors written changed: AWQ's head scales fold into the final norm
+        if opts.lm_head:  # one more "layer": the head is loaded, quantized, written and freed
+            with progress.step(f"quantize lm_head ({opts.method})"):
+                tensors, new_norm = quantize_head(ckpt.get(head_source(ckpt, cfg)), ckpt.get("model.norm.weight"),
+                                                  x, cfg.rms_norm_eps, opts, pack_of(opts))
+            if new_norm is not None:
+                replaced["model.norm.weight"] = new_norm
+            shard = f"model-{shards:05d}-of-{shards:05d}.safetensors"
+            save_file({f"lm_head.{k}": t.contiguous() for k, t in tensors.items()}, str(tmp / shard),
+                      metadata={"format": "pt"})
+            index.update({f"lm_head.{k}": shard for k in tensors})
+            del tensors, new_norm
+            release_freed_memory()
         del x
         # embedding, lm_head, final norm: one shard each, so at most one of them is in memory
         for j, name in enumerate(rest_names, cfg.num_layers + 1):
             shard = f"model-{j:05d}-of-{shards:05d}.safetensors"
-            save_file({name: ckpt.get(name).contiguous()}, str(tmp / shard), metadata={"format": "pt"})
+            t = replaced.pop(name) if name in replaced else ckpt.get(name)
+            save_file({name: t.contiguous()}, str(tmp / shard), metadata={"format": "pt"})
             index[name] = shard
+            del t
             release_freed_memory()
         write_metadata(tmp, ckpt, opts, index)
     return {"out": str(out), "model": ckpt.name, "method": opts.method, "bits": opts.bits,
-            "group_size": opts.group_size, "format": opts.format, "layers": cfg.num_layers,
+            "group_size": opts.group_size, "format": opts.format, "layers": cfg.num_layers, "lm_head": opts.lm_head,
             "layer_weights_mb": round(layer_bytes / 2**20, 1), "start_rss_mb": round(start_rss, 1),
             "peak_rss_mb": round(peak_rss_mb(), 1), "layer_end_rss_mb": layer_rss,
             "seconds": round(time.monotonic() - started, 1)}
@@ -101,7 +118,7 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions):
     missing = [n for n in LINEARS if n + ".weight" not in layer.w]
     if missing:
         raise UserError(f"checkpoint {ckpt.name} is missing tensor '{prefix}{missing[0]}.weight'")
-    pack = to_awq if opts.format == "awq" else to_gptq
+    pack = pack_of(opts)
     tensors = {}
     with torch.no_grad():
         if opts.method == "gptq":
@@ -126,6 +143,10 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions):
         for key, t in parts.items():
             tensors[f"{prefix}{n}.{key}"] = t
     return tensors, x, nbytes
+
+
+def pack_of(opts: QuantOptions):
+    return to_awq if opts.format == "awq" else to_gptq
 
 
 def gptq_layer(layer: DecoderLayer, x: torch.Tensor, opts: QuantOptions, pack) -> dict:
@@ -161,18 +182,23 @@ def refuse_quantized(ckpt: Checkpoint) -> None:
         raise UserError(f"{ckpt.name} is already quantized ({method}); quantize its float checkpoint instead")
 
 
-def check_shapes(cfg, group_size: int) -> None:
+def check_shapes(cfg, group_size: int, lm_head: bool = False) -> None:
     """A group size need not divide the widths (the last group is then short, see rtn.pad_groups);
     packing needs multiples of 8."""
     for what, dim in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
                       ("num_heads * head_dim", cfg.q_size), ("num_kv_heads * head_dim", cfg.kv_size)):
         if dim % 8:
             raise UserError(f"{what} {dim} is not a multiple of 8, which packing int4 weights needs")
+    if lm_head and cfg.vocab_size % 8:
+        raise UserError(f"--lm-head: vocab_size {cfg.vocab_size} is not a multiple of 8, and both int4 layouts "
+                        "pack the lm_head's outputs 8 to a word (qzeros; AWQ's qweight too)")
 
 
 def write_metadata(folder: Path, ckpt: Checkpoint, opts: QuantOptions, index: dict) -> None:
     qc = quantization_config(opts)
     config = dict(ckpt.hf_config, quantization_config=qc)
+    if opts.lm_head:  # the head is written explicitly: transformers must not re-tie it to the embedding
+        config["tie_word_embeddings"] = False
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if opts.format == "gptq":
         (folder / "quantize_config.json").write_text(json.dumps(qc, indent=2, sort_keys=True) + "\n")
@@ -185,11 +211,13 @@ def write_metadata(folder: Path, ckpt: Checkpoint, opts: QuantOptions, index: di
 def quantization_config(opts: QuantOptions) -> dict:
     meta = {"quantizer": ["engc"], "method": opts.method}
     if opts.format == "awq":
+        # "lm_head" as vLLM's AWQ configs read it; AutoAWQ itself never quantizes the head
         return {"quant_method": "awq", "bits": opts.bits, "group_size": opts.group_size,
-                "zero_point": True, "version": "gemm", "modules_to_not_convert": None, "meta": meta}
+                "zero_point": True, "version": "gemm", "modules_to_not_convert": None, "meta": meta,
+                **({"lm_head": True} if opts.lm_head else {})}
     return {"quant_method": "gptq", "bits": opts.bits, "group_size": opts.group_size,
             "desc_act": opts.act_order, "sym": False, "true_sequential": True, "static_groups": False,
-            "damp_percent": opts.damp, "checkpoint_format": "gptq", "lm_head": False, "meta": meta}
+            "damp_percent": opts.damp, "checkpoint_format": "gptq", "lm_head": opts.lm_head, "meta": meta}
 
 
 def release_freed_memory() -> None:

@@ -1,0 +1,117 @@
+"""engc quantize --lm-head: an int4 lm_head in GPTQModel's form (`lm_head: true`, lm_head.qweight/qzeros/scales
+[/g_idx]) -> engc build lowers it to the same QLinear as the projections -> the bundle's logits.
+
+The oracle is transformers' float model with every weight, the head included, dequantized from our files
+by test_quant_e2e's own unpacking code. transformers loads a GPTQ checkpoint (and so a quantized head)
+only through gptqmodel, which is not installed here (docs/quantization.md).
+"""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from engc.bundle.program import parse_program
+from engc.cli import main
+from engc.compiler.build import BuildOptions, build
+from engc.compiler.quantize import QuantOptions
+from engc.compiler.quantize.stream import quantize_checkpoint
+from tests.test_quant_e2e import CALIB, bundle_logits, dequant_awq, dequant_gptq, float_model_of
+
+transformers = pytest.importorskip("transformers")
+
+
+def tensors_of(folder):
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("family,method,extra", [
+    ("llama", "gptq", {}), ("llama", "awq", {}), ("llama", "rtn", {}),
+    ("qwen2", "gptq", {"act_order": True}), ("mistral", "awq", {}),
+], ids=["llama-tied-gptq", "llama-tied-awq", "llama-tied-rtn", "qwen2-gptq-act-order", "mistral-awq"])
+def test_quantized_lm_head_bundle_matches_dequantized_hf(family, method, extra, tiny_dir, tmp_path):
+    src = tiny_dir(family)
+    src_cfg = json.loads((src / "config.json").read_text())
+    ckpt = tmp_path / "q"
+    summary = quantize_checkpoint(str(src), ckpt, QuantOptions(method=method, group_size=32, lm_head=True,
+                                                               **CALIB, **extra))
+    assert summary["lm_head"]
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["quantization_config"]["lm_head"] is True and cfg["tie_word_embeddings"] is False
+    if method != "awq":
+        assert json.loads((ckpt / "quantize_config.json").read_text())["lm_head"] is True
+    t = tensors_of(ckpt)
+    vocab, hidden = src_cfg["vocab_size"], src_cfg["hidden_size"]
+    assert "lm_head.weight" not in t and "model.embed_tokens.weight" in t   # the embedding stays float
+    assert t["model.embed_tokens.weight"].dtype == torch.float32
+    same = tensors_of(src)
+    assert torch.equal(t["model.embed_tokens.weight"], same["model.embed_tokens.weight"])
+    if method == "awq":
+        assert t["lm_head.qweight"].shape == (hidden, vocab // 8)
+    else:
+        assert t["lm_head.qweight"].shape == (hidden // 8, vocab) and t["lm_head.g_idx"].shape == (hidden,)
+    assert t["lm_head.scales"].shape == (hidden // 32, vocab) and t["lm_head.qzeros"].shape == (hidden // 32, vocab // 8)
+    # the head is an int4 approximation of the source's head (the embedding where tied), not something else
+    head = dequant_awq(t, "lm_head.", 32) if method == "awq" else dequant_gptq(t, "lm_head.")
+    source_head = same.get("lm_head.weight", same["model.embed_tokens.weight"])
+    if method == "awq":  # the AWQ scales sit in the final norm: compare the products
+        head = head * t["model.norm.weight"].float()
+        source_head = source_head * same["model.norm.weight"].float()
+    rel = (head - source_head).norm() / source_head.norm()
+    assert rel < 0.15, rel
+
+    build(str(ckpt), tmp_path / "b", BuildOptions())
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["quantization"]["lm_head"] is True and manifest["model"]["tie_word_embeddings"] is False
+    program = parse_program((tmp_path / "b" / "program.onnx").read_bytes())
+    ops = [n.op for n in program.nodes]
+    assert "Gemm" not in ops and ops.count("QLinear") == (7 if extra else 4) * 2 + 1  # act-order: not fused
+    last = next(n for n in program.nodes if n.op == "QLinear" and n.inputs[1] == "lm_head.qweight")
+    assert last.inputs[0] == "h.sampled"
+    ids = list(range(3, 40))
+    ours = bundle_logits(tmp_path / "b", ids)
+    with torch.no_grad():
+        theirs = float_model_of(ckpt, 32)(torch.tensor([ids])).logits[0]
+    assert ours.shape == (len(ids), vocab)
+    assert torch.allclose(ours, theirs, atol=2e-4, rtol=1e-4)
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def test_without_lm_head_flag_the_head_stays_float(tiny_dir, tmp_path):
+    quantize_checkpoint(str(tiny_dir("mistral")), tmp_path / "q", QuantOptions(method="rtn", group_size=32))
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["quantization_config"]["lm_head"] is False
+    t = tensors_of(tmp_path / "q")
+    assert "lm_head.weight" in t and "lm_head.qweight" not in t
+
+
+def test_quantized_head_bundle_bf16_logits_close_to_float_head(tiny_dir, tmp_path):
+    """The CPU path of a bf16 bundle (the GPU's dtype): the int4 head's logits stay close to the float-head
+    bundle's of the same quantized layers, and greedy tokens mostly agree."""
+    src = str(tiny_dir("llama"))
+    quantize_checkpoint(src, tmp_path / "q", QuantOptions(method="rtn", group_size=32))
+    quantize_checkpoint(src, tmp_path / "qh", QuantOptions(method="rtn", group_size=32, lm_head=True))
+    build(str(tmp_path / "q"), tmp_path / "b", BuildOptions(dtype="bfloat16"))
+    build(str(tmp_path / "qh"), tmp_path / "bh", BuildOptions(dtype="bfloat16"))
+    ids = list(range(3, 60))
+    a, b = bundle_logits(tmp_path / "b", ids), bundle_logits(tmp_path / "bh", ids)
+    assert b.dtype == torch.float32
+    assert ((a - b).norm() / a.norm()) < 0.2
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.7
+
+
+def test_lm_head_cli_and_vocab_not_multiple_of_8(tiny_dir, tmp_path):
+    out = CliRunner().invoke(main, ["quantize", str(tiny_dir("llama")), "-o", str(tmp_path / "o"), "--method", "rtn",
+                                    "--group-size", "32", "--lm-head", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["lm_head"] is True
+    odd = tiny_dir("mistral", vocab_size=321)
+    out = CliRunner().invoke(main, ["quantize", str(odd), "-o", str(tmp_path / "o2"), "--method", "rtn",
+                                    "--group-size", "32", "--lm-head"])
+    assert out.exit_code == 1, out.output
+    assert out.output.count("\n") == 1 and out.output.startswith("engc: error: --lm-head: vocab_size 321")
+    assert not (tmp_path / "o2").exists()
