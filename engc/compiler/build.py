@@ -103,7 +103,8 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
                 result = compile_cached(cfg, DTYPES[dtype_name], gpu_archs, opts.kv_block_size,
                                         Path(opts.kernel_cache) if opts.kernel_cache else None,
                                         quant="fp8" if fp8 else "none", kv_cache=opts.kv_cache,
-                                        int4_group_sizes=int4_group_sizes(graph))
+                                        int4_group_sizes=int4_group_sizes(graph),
+                                        int4_lm_head=has_int4_lm_head(graph))
             files.update(result.files)
             kernels = result.records
 
@@ -134,6 +135,11 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
 def int4_group_sizes(graph) -> tuple[int, ...]:
     """The group sizes of the program's int4 projections: each gets its own GEMV/GEMM kernels."""
     return tuple(sorted({int(n.attrs["group_size"]) for n in graph.nodes if n.op == "QLinear"}))
+
+
+def has_int4_lm_head(graph) -> bool:
+    """The logits come from an int4 QLinear (a checkpoint quantized with its lm_head): no dense Gemm left."""
+    return any(n.op == "QLinear" and n.inputs[1] == "lm_head.qweight" for n in graph.nodes)
 
 
 def tokenizer_files(ckpt: Checkpoint) -> dict[str, bytes]:

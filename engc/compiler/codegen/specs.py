@@ -190,12 +190,14 @@ def argmax_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
 
 
 def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int, overrides=None,
-                quant: str = "none", kv_cache: str = "auto", int4_group_sizes=()) -> list:
+                quant: str = "none", kv_cache: str = "auto", int4_group_sizes=(), int4_lm_head: bool = False) -> list:
     """Every kernel the model needs on one arch. overrides: op -> tune overrides (bench sweeps).
     quant: the build's --quant ('none' for float or int4-from-checkpoint; 'fp8' adds fp8_quant and
     fp8_linear).
     kv_cache: the build's --kv-cache ('auto': the model dtype; 'int8'/'fp8': rotary and paged attention
-    specialized on that quantized cache). int4_group_sizes: group sizes of the program's int4 QLinears."""
+    specialized on that quantized cache). int4_group_sizes: group sizes of the program's int4 QLinears.
+    int4_lm_head: the lm_head is a QLinear too (`engc quantize --lm-head`): no dense Gemm is left, so no
+    GEMV or skinny GEMM is built."""
     if arch not in tune.ARCHS:
         raise UserError(f"unsupported arch '{arch}': engc builds kernels for {', '.join(tune.ARCHS)}")
     if dtype not in TRITON_DTYPE:
@@ -216,12 +218,15 @@ def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int
     specs += paged_attention_specs(cfg, t, arch, block_size, ov.get("paged_attention"), kv)
     specs += sampling_specs(cfg, t, arch, ov.get("sampling"))
     specs += argmax_specs(cfg, t, arch, ov.get("argmax"))
-    # --quant fp8 and int4 programs keep only the lm_head a dense Gemm
-    specs += gemv_specs(cfg, t, arch, ov.get("gemv"),
-                        projections=dense_projections(cfg, layers=quant != "fp8" and not int4_group_sizes))
+    # --quant fp8 and int4 programs keep only the lm_head a dense Gemm; an int4 lm_head, none
+    if not int4_lm_head:
+        specs += gemv_specs(cfg, t, arch, ov.get("gemv"),
+                            projections=dense_projections(cfg, layers=quant != "fp8" and not int4_group_sizes))
     if quant == "fp8":
         specs += fp8_quant_specs(cfg, t, arch, ov.get("fp8_quant"))
         specs += fp8_linear_specs(cfg, t, arch, ov.get("fp8_linear"))
     specs += int4_linear_specs(t, arch, int4_group_sizes, ov.get("int4_linear"))
-    specs += skinny_gemm_specs(cfg, t, arch, ov.get("skinny_gemm"), layers=quant != "fp8" and not int4_group_sizes)
+    if not int4_lm_head:
+        specs += skinny_gemm_specs(cfg, t, arch, ov.get("skinny_gemm"),
+                                   layers=quant != "fp8" and not int4_group_sizes)
     return specs

@@ -73,7 +73,8 @@ def prepare(src: str, folder: Path, opts: TuneOptions, arch: str = "sm90", sms: 
     name, hf = tp.source_config(src)
     cfg = tp.model_config(hf)
     from engc.compiler.frontend.quantized import is_quantized
-    shapes = tp.model_shapes(cfg, opts.ops, int4=is_quantized(hf))
+    int4_head = bool((hf.get("quantization_config") or {}).get("lm_head"))  # engc quantize --lm-head
+    shapes = tp.model_shapes(cfg, opts.ops, int4=is_quantized(hf), int4_lm_head=int4_head)
     if not shapes:
         raise UserError(f"{name}: no {'/'.join(opts.ops)} kernel to tune for this model")
     dtype = DTYPES[opts.dtype]

@@ -126,15 +126,16 @@ def model_config(hf: dict):
     return cfg
 
 
-def model_shapes(cfg, ops, int4: bool = False) -> list[Shape]:
-    """The decode GEMV shapes a bundle of cfg runs at M=1 (an int4 checkpoint: the lm_head only)."""
+def model_shapes(cfg, ops, int4: bool = False, int4_lm_head: bool = False) -> list[Shape]:
+    """The decode GEMV shapes a bundle of cfg runs at M=1 (an int4 checkpoint: the lm_head only; one with
+    an int4 lm_head too: none)."""
     from engc.compiler.codegen.decode_gemm_specs import dense_projections
     names: dict[tuple[int, int], list[str]] = {}
     for kn, name in (((cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), "qkv"), ((cfg.q_size, cfg.hidden_size), "o"),
                      ((cfg.hidden_size, 2 * cfg.intermediate_size), "gate_up")):
         names.setdefault(kn, []).append(name)
     shapes = []
-    if "gemv" in ops:
+    if "gemv" in ops and not (int4 and int4_lm_head):
         for k, n in sorted(dense_projections(cfg, layers=not int4)):
             layer = [] if int4 else names.get((k, n), [])
             head = (k, n) == (cfg.hidden_size, cfg.vocab_size)
