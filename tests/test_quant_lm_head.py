@@ -115,3 +115,41 @@ def test_lm_head_cli_and_vocab_not_multiple_of_8(tiny_dir, tmp_path):
     assert out.exit_code == 1, out.output
     assert out.output.count("\n") == 1 and out.output.startswith("engc: error: --lm-head: vocab_size 321")
     assert not (tmp_path / "o2").exists()
+
+
+def test_int4_lm_head_program_builds_no_dense_gemv(tiny_dir, tmp_path):
+    """With the head int4 too, no dense Gemm is left: a GPU build (Triton AOT for sm90, no GPU needed)
+    compiles int4_linear but no gemv / skinny_gemm, and engc tune has no GEMV to tune."""
+    from engc.compiler.tuning import plan
+    from engc.compiler.tuning.plan import model_config
+    quantize_checkpoint(str(tiny_dir("llama")), tmp_path / "q", QuantOptions(method="rtn", group_size=32,
+                                                                            lm_head=True))
+    build(str(tmp_path / "q"), tmp_path / "b", BuildOptions(archs=("sm90",), dtype="bfloat16"))
+    ops = {k["op"] for k in json.loads((tmp_path / "b" / "manifest.json").read_text())["kernels"]}
+    assert "int4_linear" in ops and "argmax" in ops and not ops & {"gemv", "skinny_gemm"}
+    cfg = model_config(json.loads((tmp_path / "q" / "config.json").read_text()))
+    assert plan.model_shapes(cfg, ("gemv", "silu_gemv"), int4=True, int4_lm_head=True) == []
+    assert [s.name for s in plan.model_shapes(cfg, ("gemv",), int4=True)] == ["lm_head"]
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_head_quantized_in_chunks_of_rows_as_if_whole(method, monkeypatch):
+    """The head is never float32 all at once (one chunk of rows at a time): the chunks give the head the
+    whole matrix would have."""
+    from engc.compiler.quantize import head
+    from engc.compiler.quantize.formats import to_awq, to_gptq
+    torch.manual_seed(0)
+    w, norm = torch.randn(96, 64).to(torch.bfloat16), 1 + 0.1 * torch.randn(64)
+    x = torch.randn(2, 16, 64) * torch.linspace(0.2, 3, 64)   # a few loud channels, as AWQ expects
+    opts = QuantOptions(method=method, group_size=32, lm_head=True, awq_grid=10)
+    pack = to_awq if method == "awq" else to_gptq
+    whole, whole_norm = head.quantize_head(w, norm, x, 1e-5, opts, pack)
+    monkeypatch.setattr(head, "CHUNK_ELEMENTS", 16 * 64)    # 16 rows a chunk: 6 chunks
+    assert head.chunk_rows(64) == 16
+    chunked, chunked_norm = head.quantize_head(w, norm, x, 1e-5, opts, pack)
+    assert whole.keys() == chunked.keys()
+    for k in whole:
+        assert torch.equal(whole[k], chunked[k]), k
+    assert (whole_norm is None) == (method != "awq")
+    if method == "awq":
+        assert torch.equal(whole_norm, chunked_norm)
