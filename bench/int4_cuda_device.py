@@ -53,20 +53,7 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "wide_m32_w4t1u2b2": dict(kind="gemv_wide32", max_m=32, num_warps=4, TILES=1, UNROLL=2, min_blocks=2),
          "wide_m32_w4t1u1b3": dict(kind="gemv_wide32", max_m=32, num_warps=4, TILES=1, UNROLL=1, min_blocks=3),
          "wide_m16_w4t2u1b3": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=2, UNROLL=1, min_blocks=3),
-         "wide_m16_w4t1u2b3": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=1, UNROLL=2, min_blocks=3),
-         # _s<N>: W through a shared-memory ring of N BLOCK_K tiles filled by bulk copies (STAGES, sm90)
-         "w4t2u1b4z_s4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, STAGES=4),
-         "w4t2u1b3z_s6": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=3, ZERO_SUM=True, STAGES=6),
-         "w4t2u1b2z_s8": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=2, ZERO_SUM=True, STAGES=8),
-         "w4t1u1b4z_s8": dict(num_warps=4, TILES=1, UNROLL=1, min_blocks=4, ZERO_SUM=True, STAGES=8),
-         "w4t4u1b2z_s4": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=2, ZERO_SUM=True, STAGES=4),
-         "w8t2u1b2z_s4": dict(num_warps=8, TILES=2, UNROLL=1, min_blocks=2, ZERO_SUM=True, STAGES=4),
-         "w4t2u2b2z_s4": dict(num_warps=4, TILES=2, UNROLL=2, min_blocks=2, ZERO_SUM=True, STAGES=4),
-         "w4t2u1b4z_s4_a": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, STAGES=4, ABLATE=True),
-         "wide_m32_w4t2u1b2_s4": dict(kind="gemv_wide32", max_m=32, num_warps=4, TILES=2, UNROLL=1, min_blocks=2,
-                                      STAGES=4),
-         "wide_m16_w4t2u1b3_s4": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=2, UNROLL=1, min_blocks=3,
-                                      STAGES=4)}
+         "wide_m16_w4t1u2b3": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=1, UNROLL=2, min_blocks=3)}
 ABLATE_AT = "        for (int u = 0; u < UNROLL; ++u) {        // ... then dequantize and multiply\n"
 ABLATE_BODY = """            uint32_t v = 0;   // inside the loop over u: this step's W words only
 #pragma unroll

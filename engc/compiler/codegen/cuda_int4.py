@@ -23,10 +23,6 @@ ARG_TYPES = {"x_ptr": "*{t}", "qw_ptr": "*i32", "s_ptr": "*{t}", "z_ptr": "*u8",
              "k_tiles_per_split": "i32", "splits": "i32", "has_bias": "i32"}
 
 
-TMA_ARCHS = ("sm90",)   # the GEMV's shared-memory ring (STAGES > 0) fills by cp.async.bulk
-SZ_GROUPS = 64          # scale/zero groups a ring CTA keeps in shared memory (more, where one BLOCK_K tile spans more)
-C_SIZE = {"bf16": 2, "fp16": 2}
-
 DEQUANT_ARG_TYPES = {"qw_ptr": "*i32", "s_ptr": "*{t}", "z_ptr": "*u8", "w_ptr": "*{t}", "N": "i32", "K": "i32"}
 
 
@@ -60,32 +56,21 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     if not 1 <= entry["max_m"] <= rows:
         return None, f"max_m {entry['max_m']} is outside 1..{rows} (up to {rows // 8} n8 mma tiles of x)"
     warps, tiles, unroll, x_tiles = entry["num_warps"], entry["TILES"], entry["UNROLL"], -(-entry["max_m"] // 8)
-    block_n, block_k, stages = 16 * tiles, 128 * warps * unroll, entry.get("STAGES", 0)
-    if stages and arch not in TMA_ARCHS:
-        return None, f"STAGES {stages} needs the bulk copies of {', '.join(TMA_ARCHS)}, not {arch}"
+    block_n, block_k = 16 * tiles, 128 * warps * unroll
     name = (f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}x{x_tiles}"
-            f"{'z' if entry['ZERO_SUM'] else ''}{f's{stages}' if stages else ''}")
-    sz_groups = max(SZ_GROUPS, -(-block_k // group) + 2) if stages else 0
+            f"{'z' if entry['ZERO_SUM'] else ''}")
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
               "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
-              "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "x_tiles": x_tiles, "entry": name,
-              "stages": stages, "sz_groups": sz_groups, "arch_has_tma": arch in TMA_ARCHS}
+              "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "x_tiles": x_tiles, "entry": name}
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"
-    shared = 0
-    if stages:   # the ring's rows (padded as the template pads them), then the CTA's scales and zeros
-        row = block_k // 2
-        shared = stages * block_n * (row + 64 if row % 128 == 0 else row) + block_n * sz_groups * (C_SIZE[t] + 1)
-        shared = -(-shared // 16) * 16
-        # a CTA's K range must touch at most sz_groups groups: ceil(tiles * BLOCK_K / G) + 1 <= sz_groups
-        launch["max_split_k_tiles"] = max(1, (sz_groups - 2) * group // block_k)
     launch["PDL"] = int(entry.get("PDL", tune.PDL[arch]))   # the template waits first on sm90 (kernels/pdl.py)
     types = {name_: ty.format(t=t) for name_, ty in ARG_TYPES.items()}
     variant = op.cuda_variant(group) if kind == "gemv" else op.cuda_wide_variant(group, rows)
     return CudaKernelSpec(op="int4_linear", variant=variant, arch=arch, template="int4_gemv.cu.j2",
                           entry=name, render=values, arg_types=types, num_warps=warps, tune_key=key, tune=entry,
-                          launch=launch, shared_mem=shared), ""
+                          launch=launch), ""
 
 
 def selected_int4_specs(triton_specs: list, overrides=None) -> tuple[list[CudaKernelSpec], list[str]]:

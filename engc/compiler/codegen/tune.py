@@ -228,22 +228,20 @@ for _arch in ("sm80", "sm90"):
     # ZERO_SUM (the zero off each step's sum, one packed op fewer per pair): 0.4-1.7% faster in three H200
     # sweeps (bench/results/h200_59ba135_int4_variants.txt). Not kept from that sweep: PREFETCH (loads of
     # the next iteration in flight during this one: 5-7% slower at 3 CTAs an SM), and W in 16-row tiles with
-    # packed [groups, N] scale|zero words (2-4% faster, but every int4 reader would need the layout).
-    # STAGES > 0 (sm90): W through a shared-memory ring of that many BLOCK_K tiles, filled by bulk copies.
+    # packed [groups, N] scale|zero words (2-4% faster, but every int4 reader would need the layout). Nor W
+    # through a shared-memory ring filled by cp.async.bulk (5a04ded, reverted): 79 us a layer at M=1 against
+    # 57, and its loads alone 57 against 41 (bench/results/h200_5a04ded_int4_ring.txt).
     _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
-         min_blocks=4, ZERO_SUM=True, STAGES=0, target_programs=2 * _SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1)
+         min_blocks=4, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
     # ... and built for up to 16 and 32 rows (X_TILES = max_m / 8 n8 tiles of x share each dequantized W
     # fragment), serving M 9-16 and 17-32 in place of dequant + cuBLAS. H200, the 8B projections of a decode
     # step (bench/int4_cuda_device.py, bench/results/h200_5b7e245_int4_cuda.txt): M=16 3.19 ms, M=32 5.66 ms,
     # each the best config of the sweep at its M, against bf16 4.02 / 4.16 and dequant + cuBLAS ~14 (the CUDA
     # dequant's times + the bf16 GEMMs) to 26.8 (the Triton dequant).
     _put(_arch, "int4_linear", "cuda", "gemv_wide16", enabled=True, max_m=16, num_warps=4, TILES=2, UNROLL=1,
-         min_blocks=3, ZERO_SUM=True, STAGES=0, target_programs=2 * _SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1)
+         min_blocks=3, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
     _put(_arch, "int4_linear", "cuda", "gemv_wide32", enabled=True, max_m=32, num_warps=4, TILES=2, UNROLL=1,
-         min_blocks=2, ZERO_SUM=True, STAGES=0, target_programs=2 * _SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1)
+         min_blocks=2, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
     # ... and its prefill dequant (templates/int4_dequant.cu.j2): CHUNKS 16-byte chunks per thread, all
     # loaded before the first is written. H200: 1.3-1.45 TB/s written, about twice the Triton dequant.
     _put(_arch, "int4_linear", "cuda", "dequant", enabled=True, num_warps=8, CHUNKS=2)

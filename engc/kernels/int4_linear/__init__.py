@@ -260,12 +260,8 @@ def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: 
     assert m <= c["max_m"] and c["GROUP"] == group_size
     n_tiles, k_tiles = _cdiv(n, c["BLOCK_N"]), _cdiv(k, c["BLOCK_K"])
     splits, per = split_count(n_tiles, k_tiles, c)
-    if per > c.get("max_split_k_tiles", per):   # a shared-memory build holds the scales of so many tiles
-        per = c["max_split_k_tiles"]
-        splits = _cdiv(k_tiles, per)
-    elif splits > 1 and n_tiles > counters.numel():
+    if splits > 1 and n_tiles > counters.numel():
         splits, per = 1, k_tiles
-    assert splits == 1 or n_tiles <= counters.numel(), "more N tiles than split counters"
     has_bias, b = (1, bias) if bias is not None else (0, 0)
     partial = torch.empty(splits * m * n, dtype=torch.float32, device=x.device) if splits > 1 else 0
     return [(variant, (n_tiles, splits, 1), [x, qweight, scales, zeros, b, y, partial,
