@@ -24,7 +24,7 @@ from engc.compiler.quantize.gptq import Hessian, gptq_quantize
 from engc.compiler.quantize.rtn import fake_quantize, pad_groups, quantize_rtn
 from engc.kernels.rms_norm import rms_norm
 
-CHUNK_ELEMENTS = 1 << 25   # float32 elements of one chunk of head rows (128 MB)
+CHUNK_ELEMENTS = 1 << 23   # float32 elements of one chunk of head rows (32 MB)
 
 
 def head_source(ckpt, cfg) -> str:
