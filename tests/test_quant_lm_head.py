@@ -153,3 +153,54 @@ def test_head_quantized_in_chunks_of_rows_as_if_whole(method, monkeypatch):
     assert (whole_norm is None) == (method != "awq")
     if method == "awq":
         assert torch.equal(whole_norm, chunked_norm)
+
+
+def _gpu_ready() -> bool:
+    from engc.runtime.cubin import cuda_available
+    return torch.cuda.is_available() and cuda_available()
+
+
+@pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA device and engc._native")
+def test_gpu_int4_lm_head_vocab_sized(tiny_dir, tmp_path):
+    """On the GPU: an int4-head bundle's logits against the CPU path of the same bundle, and its QLinear
+    kernels (the runtime's launch rule) on a Llama-3-sized head, N = 128256, K = 4096, against float64."""
+    import os
+    from engc.bundle.reader import open_bundle
+    from engc.kernels import int4_linear as op
+    from engc.runtime.gpu_ops import BundleKernels
+    from tests.test_gpu import sm_arch
+    quantize_checkpoint(str(tiny_dir("llama")), tmp_path / "q", QuantOptions(method="rtn", group_size=32,
+                                                                            lm_head=True))
+    build(str(tmp_path / "q"), tmp_path / "b", BuildOptions(archs=("cpu", sm_arch()), dtype="bfloat16",
+                                                            kernel_cache=os.environ.get("ENGC_KERNEL_CACHE")))
+    ids = list(range(3, 60))
+    from engc.runtime.eval import _forward
+    from engc.runtime.kv_cache import KVCache
+    logits = {}
+    for device in ("cpu", "cuda"):
+        model = load(tmp_path / "b", device=device)
+        kv = KVCache(model.config, 8, model.block_size, model.dtype, device=model.device)
+        logits[device] = _forward(model, kv, ids).float().cpu()
+    a, b = logits["cpu"], logits["cuda"]
+    assert ((a - b).norm() / a.norm()) < 2e-2
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+    kernels = BundleKernels(open_bundle(tmp_path / "b"), sm_arch())
+    consts = kernels.consts["int4_linear"]
+    gen = torch.Generator().manual_seed(0)
+    n, k = 128256, 4096
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.005).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (n, k // 32), generator=gen).to(torch.uint8)
+    w = [t.cuda() for t in (op.pack_int4(q), scales, zeros)]
+    del q
+    ref_w = op.dequantize(*w, 32).float()
+    counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    for rows in (1, 4, 8, 64):
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
+        y = op.run_quantized_linear(x, *w, None, group_size=32, consts=consts,
+                                    run=lambda launches: kernels.run("int4_linear", launches), counters=counters)
+        ref = (x.double() @ ref_w.t().double())
+        err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-2, (rows, err)
+        assert counters.eq(0).all(), rows
