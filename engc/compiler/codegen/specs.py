@@ -171,6 +171,35 @@ def int4_linear_specs(t: str, arch: str, group_sizes, overrides=None):
     return specs
 
 
+def int4_gemm_specs(cfg: ModelConfig, t: str, arch: str, group_sizes, overrides=None, classes=None,
+                    enabled_only: bool = True, widths=None) -> list:
+    """The W4A16 GEMM of decode batches (kernels/int4_gemm) per input width K of the int4 projections
+    (hidden: qkv, gate_up, an int4 lm_head; q_size: o; intermediate: down), group size and M class whose
+    tune entry is enabled (every class of `classes` with enabled_only=False: sweeps).
+    overrides: M class -> tune overrides; widths: other input widths than the model's (sweeps)."""
+    from engc.kernels.int4_gemm import variant_name
+    if not group_sizes or t == "fp32":
+        return []
+    ov = overrides or {}
+    types = {"x_ptr": f"*{t}", "qw_ptr": "*i32", "s_ptr": f"*{t}", "z_ptr": "*u8", "out_ptr": f"*{t}",
+             "partial_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "k_tiles_per_split": "i32",
+             "splits": "i32"}
+    keys = ("K", "GROUP", "min_m", "max_m", "BLOCK_M", "BLOCK_N", "BLOCK_K", "target_programs", "max_splits",
+            "min_split_k_tiles")
+    specs = []
+    for bucket in classes or tune.INT4_GEMM_M_CLASSES:
+        entry = tune.lookup(arch, "int4_gemm", "*", bucket, ov.get(bucket))[1]
+        if enabled_only and not entry["enabled"]:
+            continue
+        for g in sorted(set(int(g) for g in group_sizes)):
+            for k in sorted(widths or {cfg.hidden_size, cfg.q_size, cfg.intermediate_size}):
+                variant = variant_name(k, g, entry["max_m"])
+                specs.append(make_spec("int4_gemm", variant, arch, "int4_gemm_kernel", types,
+                                       {"K": k, "GROUP": g, "SILU": False}, bucket, launch_keys=keys,
+                                       overrides=ov.get(bucket)))
+    return specs
+
+
 def argmax_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
     key, entry = tune.lookup(arch, "argmax", "*", "any", overrides)
     # chunks of at least one BLOCK each, at most MAX_SPLITS of them (a power of two: stage 2 loads them all)
@@ -226,6 +255,7 @@ def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int
         specs += fp8_quant_specs(cfg, t, arch, ov.get("fp8_quant"))
         specs += fp8_linear_specs(cfg, t, arch, ov.get("fp8_linear"))
     specs += int4_linear_specs(t, arch, int4_group_sizes, ov.get("int4_linear"))
+    specs += int4_gemm_specs(cfg, t, arch, int4_group_sizes, ov.get("int4_gemm"))
     if not int4_lm_head:
         specs += skinny_gemm_specs(cfg, t, arch, ov.get("skinny_gemm"),
                                    layers=quant != "fp8" and not int4_group_sizes)

@@ -246,6 +246,19 @@ for _arch in ("sm80", "sm90"):
     # loaded before the first is written. H200: 1.3-1.45 TB/s written, about twice the Triton dequant.
     _put(_arch, "int4_linear", "cuda", "dequant", enabled=True, num_warps=8, CHUNKS=2)
 
+# int4_gemm (W4A16 GEMM of decode batches over the engc int4 layout, kernels/int4_gemm), one entry per M
+# class: the rows past the CUDA int4 GEMV's sweet spot, where dequantizing each weight once per program and
+# multiplying it by every row on the tensor cores should beat both the GEMV (which dequantizes again per 8
+# rows) and dequant + cuBLAS (bf16 W written and read back). BLOCK_M is the MMA's narrow side (swap AB);
+# the M=256 class tiles M by 64 (each M tile reads W again, mostly from L2). Off until an H200 sweep
+# (bench/int4_gemm_device.py) shows it ahead.
+INT4_GEMM_M_CLASSES = ("m<=16", "m<=32", "m<=64", "m<=256")
+for _arch, _stages in (("sm80", 3), ("sm90", 4)):
+    _int4_gemm = dict(enabled=False, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=_stages,
+                      target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
+    for _bucket, _min_m, _block_m in (("m<=16", 9, 16), ("m<=32", 17, 32), ("m<=64", 33, 64), ("m<=256", 65, 64)):
+        _put(_arch, "int4_gemm", "*", _bucket, min_m=_min_m, max_m=int(_bucket[3:]), BLOCK_M=_block_m, **_int4_gemm)
+
 _put("sm90", "paged_attention", "prefill", "d<=64", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 _put("sm90", "paged_attention", "prefill", "d<=128", BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
 _put("sm90", "paged_attention", "prefill", "d>128", BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
