@@ -7,7 +7,9 @@ On the device: python bench/gpu_bench.py run --cache .kcache --shapes 1b,8b --ou
 A shape name may carry a build variant: "8b-kv8" is the 8b checkpoint built with --kv-cache int8,
 "8b-kvfp8" with --kv-cache fp8, "8b-fp8" with --quant fp8 (W8A8 projections) (same weights: one checkpoint
 per base shape). "8b-int4" / "1b-int4" are a random AutoAWQ-GEMM int4 g128 checkpoint of that shape (its own
-folder), which `engc build` repacks as it would a real one; its kernels need `prepare --shapes 8b-int4`. With the base shape in the same invocation, the table ends with the variant's KV blocks
+folder), which `engc build` repacks as it would a real one; its kernels need `prepare --shapes 8b-int4`;
+"8b-int4-qhead" has its lm_head in int4 too (as `engc quantize --lm-head` writes it). With the base shape in
+the same invocation, the table ends with the variant's KV blocks
 and throughputs (b1 decode, b32/b64/b256) against it.
 
 `run` makes each checkpoint (HF folder, bf16, seed 0), builds its bundle with `engc build --arch sm90
@@ -60,6 +62,11 @@ def is_int4(shape: str) -> bool:
     return "int4" in shape.split("-")[1:]
 
 
+def is_int4_head(shape: str) -> bool:
+    """An "-int4-qhead" variant: the int4 checkpoint's lm_head is int4 too (GPTQModel's lm_head quantization)."""
+    return is_int4(shape) and "qhead" in shape.split("-")[1:]
+
+
 def quant_of(shape: str) -> str:
     """--quant of a shape: "fp8" for an "-fp8" variant (W8A8 projections), else "auto"."""
     return "fp8" if "fp8" in shape.split("-")[1:] else "auto"
@@ -103,13 +110,14 @@ def _prepare(args):
         t = time.time()
         r = compile_cached(model_config(shape), dtype_of(shape), ["sm90"], 16, Path(args.cache),
                            kv_cache=kv_cache_of(shape), quant="fp8" if quant_of(shape) == "fp8" else "none",
-                           int4_group_sizes=(INT4_GROUP,) if is_int4(shape) else ())
+                           int4_group_sizes=(INT4_GROUP,) if is_int4(shape) else (),
+                           int4_lm_head=is_int4_head(shape))
         print(f"{shape}: {len(r.records)} kernels in {time.time() - t:.1f}s")
 
 
 # ------------------------------------------------------------------------------------------ device
 
-def make_checkpoint(shape: str, folder: Path, int4: bool = False) -> None:
+def make_checkpoint(shape: str, folder: Path, int4: bool = False, int4_head: bool = False) -> None:
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -144,7 +152,11 @@ def make_checkpoint(shape: str, folder: Path, int4: bool = False) -> None:
                 name + ".scales": scales.to(torch.float16).cpu()}
 
     tensors = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=dt)}
-    if not cfg["tie_word_embeddings"]:
+    if int4_head:   # an int4 head is its own tensor, tied or not (as engc quantize --lm-head writes it)
+        cfg["tie_word_embeddings"] = False
+        (folder / "config.json").write_text(json.dumps(cfg))
+        tensors.update(proj("lm_head", cfg["vocab_size"], h))
+    elif not cfg["tie_word_embeddings"]:
         tensors["lm_head.weight"] = rand(cfg["vocab_size"], h)
     save_file(tensors, str(folder / "model-embed.safetensors"))
     for layer in range(L):
@@ -195,12 +207,13 @@ def run_batch(engine, ids_list, out_len, **sampling):
     return seqs, t1 - t0, first - t0
 
 
-def weight_bytes(cfg, projection_bytes: int = 2) -> tuple[int, int]:
-    """(bytes a decode step reads, non-embedding parameter count): bf16 weights, or 1-byte projections (fp8)."""
+def weight_bytes(cfg, projection_bytes: float = 2, head_bytes: float = 2) -> tuple[int, int]:
+    """(bytes a decode step reads, non-embedding parameter count): bf16 weights, or 1-byte projections (fp8),
+    or int4 ones (and an int4 lm_head: head_bytes)."""
     h, i, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
     per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i
     params = L * per_layer + V * h  # lm_head counts: it is read every step (tied or not)
-    return projection_bytes * L * per_layer + 2 * V * h, params
+    return int(projection_bytes * L * per_layer + head_bytes * V * h), params
 
 
 def bench_shape(shape: str, args) -> dict:
@@ -210,14 +223,16 @@ def bench_shape(shape: str, args) -> dict:
     from engc.runtime.loader import load
     work = Path(args.work)
     base = base_shape(shape)
-    ckpt, bundle = work / f"ckpt-{base}{'-int4' if is_int4(shape) else ''}", work / f"bundle-{shape}"
+    ckpt = work / f"ckpt-{base}{'-int4' if is_int4(shape) else ''}{'-qhead' if is_int4_head(shape) else ''}"
+    bundle = work / f"bundle-{shape}"
     if args.tune:   # a tune-table variant: its own bundle, one per table (--quick reuses a bundle by name)
         import hashlib
         bundle = bundle.with_name(bundle.name + "-tuned-" + hashlib.sha256(args.tune.encode()).hexdigest()[:8])
     res = {"shape": shape, "gpu": torch.cuda.get_device_name(), "commit": args.commit, "tune": args.tune,
            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d")}
     if not (ckpt / "config.json").exists():
-        _, res["make_checkpoint_s"] = timed(lambda: make_checkpoint(base, ckpt, int4=is_int4(shape)))
+        _, res["make_checkpoint_s"] = timed(lambda: make_checkpoint(base, ckpt, int4=is_int4(shape),
+                                                                    int4_head=is_int4_head(shape)))
     t = time.perf_counter()
     if not (args.quick and (bundle / "manifest.json").exists()):   # --quick reuses this lease's bundle
         build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="float32" if base == "tiny" else "bfloat16",
@@ -264,9 +279,12 @@ def bench_shape(shape: str, args) -> dict:
         res["check"] = check_against_reference(model, engine, cfg)
     except Exception as e:  # report and go on to the timings
         res["check"] = {"error": repr(e)[:500]}
+    if args.check_only:
+        return res
 
-    wbytes, params = weight_bytes(cfg, 1 if quant_of(shape) == "fp8" else
-                                  0.5 + 3 / INT4_GROUP if is_int4(shape) else 2)  # int4: codes, bf16 scale, u8 zero
+    int4_bytes = 0.5 + 3 / INT4_GROUP   # int4: codes, bf16 scale, u8 zero
+    wbytes, params = weight_bytes(cfg, 1 if quant_of(shape) == "fp8" else int4_bytes if is_int4(shape) else 2,
+                                  int4_bytes if is_int4_head(shape) else 2)
     # batch 1 decode, 128 in / 128 out
     ids = prompts(1, 128, cfg.vocab_size, 1)
     run_batch(engine, ids, 8)  # warm-up
@@ -505,7 +523,7 @@ def run(args):
                "--out", str(out), "--work", args.work, "--commit", args.commit] + (["--long"] if args.long else []) \
             + (["--serve"] if args.serve else []) + (["--profile-only"] if args.profile_only else []) \
             + (["--no-hf"] if args.no_hf else []) + (["--quick"] if args.quick else []) \
-            + (["--tune", args.tune] if args.tune else [])
+            + (["--tune", args.tune] if args.tune else []) + (["--check-only"] if args.check_only else [])
         subprocess.run(cmd, timeout=args.timeout)
         f = out / f"engc_{shape}.json"
         results.append(json.loads(f.read_text()) if f.exists() else {"shape": shape, "error": "no result"})
@@ -548,6 +566,9 @@ def main():
     ap.add_argument("--serve", action="store_true", help="also time `engc run` to its first token")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers floor")
     ap.add_argument("--profile-only", action="store_true", help="per-kernel decode profile, no timings")
+    ap.add_argument("--check-only", action="store_true",
+                    help="build, load and check against the reference ops (and the float32 oracle, up to the 1B "
+                         "shape), no timings")
     ap.add_argument("--quick", action="store_true",
                     help="batch-1 decode and the two first batch sizes only, reusing a built bundle (A/B runs: "
                          "e.g. ENGC_PDL=0 ... --quick after a full run)")
