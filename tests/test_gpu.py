@@ -109,7 +109,8 @@ def test_pdl_changes_no_token(tiny_dir, tmp_path, monkeypatch):
 def test_int4_linear_matches_reference_at_every_row_count(tiny_dir, tmp_path):
     """A bf16 int4 bundle's QLinear kernels, through the runtime's own launch rule, against the dequantized
     weight in float64 at row counts of each path: the CUDA GEMV (M <= 8), its 16- and 32-row builds, two
-    passes of the 32-row one, dequant + cuBLAS (where the build had nvcc; else the Triton GEMV and dequant)."""
+    passes of the 32-row one, dequant + cuBLAS (where the build had nvcc; else the Triton GEMV and dequant),
+    and the int4 GEMM at the edges of its M classes (where the tune table turns one on for the arch)."""
     from engc.bundle.reader import open_bundle
     from engc.compiler.quantize import QuantOptions
     from engc.compiler.quantize.stream import quantize_checkpoint
@@ -145,3 +146,26 @@ def test_int4_linear_matches_reference_at_every_row_count(tiny_dir, tmp_path):
         assert counters.eq(0).all(), (rows, seen)
         if "cuda_wide32_g32" in consts and rows in (48, 64):   # two passes; the second's build fits its rows
             assert seen == ["cuda_wide32_g32", "cuda_wide16_g32" if rows == 48 else "cuda_wide32_g32"], seen
+    # the int4 GEMM of decode batches (kernels/int4_gemm), where the bundle has it: its variants are per K
+    # of the model (tiny: hidden 64, intermediate 128), so a weight of the model's intermediate width
+    gemm_consts = kernels.consts.get("int4_gemm", {})
+    gemm_ks = {c["K"] for c in gemm_consts.values()}
+    if not gemm_ks:
+        return
+    n, k = 200, max(gemm_ks)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.005).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (n, k // 32), generator=gen).to(torch.uint8)
+    w = [t.cuda() for t in (op.pack_int4(q), scales, zeros)]
+    ref_w = op.dequantize(*w, 32).double()
+    for rows in sorted({c["min_m"] for c in gemm_consts.values()} | {c["max_m"] for c in gemm_consts.values()}):
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
+        seen.clear()
+        y = op.run_quantized_linear(x, *w, bias, group_size=32, consts=consts, run=run, counters=counters,
+                                    gemm_consts=gemm_consts,
+                                    run_gemm=lambda launches: (seen.extend(v for v, _, _ in launches),
+                                                               kernels.run("int4_gemm", launches)))
+        ref = x.double() @ ref_w.t() + bias.double()
+        err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-2 and counters.eq(0).all(), (rows, seen, err)
+        assert seen and all(v.startswith(f"k{k}_g32_") for v in seen), seen

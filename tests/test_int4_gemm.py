@@ -1,6 +1,7 @@
 """The W4A16 GEMM of decode batches (kernels/int4_gemm): the Triton kernel under TRITON_INTERPRET=1 against
 the op's reference (the dequantized weight, bit for bit, times x in float64; split-K, M tiles, ragged M, N
-and K, a short last group, group sizes 32/64/128), its launch and pick rules, and its sm80/sm90 compilation."""
+and K, a short last group, group sizes 32/64/128), its launch and pick rules, the runtime choosing it for
+the rows its classes hold, the specs of an int4 build, and its sm80/sm90 compilation."""
 from __future__ import annotations
 
 import json
@@ -68,14 +69,63 @@ def test_launch_rule_splits_tiles_and_picks():
     assert grid == (32, 2, 4)                                       # 4 M tiles of 64 rows: 128 tiles, 2 splits
 
 
+def test_runtime_takes_the_gemm_for_the_rows_its_classes_hold():
+    """int4_linear.run_quantized_linear (as gpu_ops' QLinear calls it) on the CPU, kernels replaced by their
+    references: the GEMM for M in its class (bias added after), the dequant + F.linear path elsewhere."""
+    from engc.kernels import int4_linear as op
+    g = torch.Generator().manual_seed(0)
+    n, k = 48, 256
+    qw, s, z = _weights(n, k, 128, g, torch.float32)
+    bias = torch.randn(n, generator=g)
+    gemm_consts = {"k256_g128_m64": _consts(256, 128, 64, 64, 64, min_m=33, max_m=64),
+                   "k512_g128_m32": _consts(512, 128, 32, 64, 64, min_m=9, max_m=32)}
+    ran = []
+
+    def run_gemm(launches):
+        for variant, _grid, args in launches:
+            ran.append(variant)
+            x, qw_, s_, z_, out = args[:5]
+            out.copy_(x @ op.dequantize(qw_, s_, z_, 128).t())
+
+    def run(launches):   # the dequant kernel (no CUDA GEMV in these consts)
+        for variant, _grid, args in launches:
+            ran.append(variant)
+            args[3].copy_(op.dequantize(*args[:3], 128))
+
+    consts = {op.dequant_variant(128): {"BLOCK_N": 4, "BLOCK_C": 128}}
+    counters = torch.zeros(64, dtype=torch.int32)
+    for rows, expect in ((33, ["k256_g128_m64"]), (64, ["k256_g128_m64"]), (20, ["dequant_g128"]),
+                         (65, ["dequant_g128"])):
+        ran.clear()
+        x = torch.randn(rows, k, generator=g)
+        y = op.run_quantized_linear(x, qw, s, z, bias, group_size=128, consts=consts, run=run, counters=counters,
+                                    gemm_consts=gemm_consts, run_gemm=run_gemm)
+        assert ran == expect, (rows, ran)
+        assert torch.allclose(y, x @ op.dequantize(qw, s, z, 128).t() + bias, atol=1e-4)
+
+
+def test_int4_build_specs_follow_the_tune_table():
+    from engc.compiler.codegen.specs import model_specs
+    from engc.compiler.codegen import tune
+
+    def gemm(arch, **kw):
+        return {s.variant: s for s in model_specs(_llama8b(), torch.bfloat16, arch, 16, **kw) if s.op == "int4_gemm"}
+
+    on = [b for b in tune.INT4_GEMM_M_CLASSES if tune.TUNE[f"sm90/int4_gemm/*/{b}"]["enabled"]]
+    specs = gemm("sm90", int4_group_sizes=(128,))
+    assert {s.launch["max_m"] for s in specs.values()} == {int(b[3:]) for b in on}
+    assert {s.constexprs["K"] for s in specs.values()} == ({4096, 14336} if on else set())
+    assert all(s.launch["PDL"] == 1 and s.launch["GROUP"] == 128 for s in specs.values())
+    assert not gemm("sm90")                                    # a float build has no int4 projections
+    assert not gemm("sm80", int4_group_sizes=(128,))           # not measured there: off
+
+
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
 def test_compiles_for_sm80_and_sm90(arch):
     pytest.importorskip("triton")
-    from engc.compiler.codegen.kernel_spec import make_spec
     from engc.compiler.codegen.record import compile_specs
     from engc.compiler.codegen.specs import int4_gemm_specs
     specs = int4_gemm_specs(_llama8b(), "bf16", arch, (128,), enabled_only=False, classes=("m<=32",))
-    assert make_spec  # the builder's own path
     result = compile_specs(specs, jobs=1)
     assert {r["variant"] for r in result.records} == {"k4096_g128_m32", "k14336_g128_m32"}
     for r in result.records:

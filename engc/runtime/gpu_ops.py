@@ -266,8 +266,8 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
                              out_dtype=x.dtype)
         return (y + bias if has_bias else y,)
 
-    # W4A16: the CUDA C++ GEMV where built, else the Triton GEMV up to gemv_max_rows rows; above,
-    # dequantize into a scratch W and cuBLAS
+    # W4A16: the int4 GEMM for the decode batches its M classes hold, the CUDA C++ GEMV where built, else
+    # the Triton GEMV up to gemv_max_rows rows; above, dequantize into a scratch W and cuBLAS
 
     def qlinear(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0):
         if act_order:  # GPTQ desc_act: rows were sorted by group at build time, x follows them
@@ -276,7 +276,8 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
                                                  extra[0] if has_bias else None, group_size=group_size,
                                                  consts=k.consts["int4_linear"],
                                                  run=lambda launches: k.run("int4_linear", launches),
-                                                 counters=counters),)
+                                                 counters=counters, gemm_consts=k.consts.get("int4_gemm"),
+                                                 run_gemm=lambda launches: k.run("int4_gemm", launches)),)
 
     ops = dict(REFERENCE_OPS)
     ops.update({

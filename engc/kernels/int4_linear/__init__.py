@@ -268,13 +268,23 @@ def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: 
                                               counters if splits > 1 else 0, m, n, k, per, splits, has_bias])]
 
 
-def run_quantized_linear(x, qweight, scales, zeros, bias, *, group_size: int, consts: dict, run, counters=None):
-    """y = x @ dequant(W)^T (+ bias) on the GPU: the CUDA GEMV where the bundle has one (counters: the
-    runtime's zeroed split counters), else the Triton GEMV for decode-sized M, else the dequant kernel
-    into a scratch [N, K] from torch's allocator (graph-safe: a captured graph keeps it in its pool) and
-    cuBLAS. run(launches) launches the bundle's kernels. x contiguous [M, K]."""
+def run_quantized_linear(x, qweight, scales, zeros, bias, *, group_size: int, consts: dict, run, counters=None,
+                         gemm_consts=None, run_gemm=None):
+    """y = x @ dequant(W)^T (+ bias) on the GPU: the int4 GEMM of decode batches where the bundle has a
+    variant for M rows of this K (kernels/int4_gemm: gemm_consts, run_gemm), else the CUDA GEMV where the
+    bundle has one (counters: the runtime's zeroed split counters), else the Triton GEMV for decode-sized
+    M, else the dequant kernel into a scratch [N, K] from torch's allocator (graph-safe: a captured graph
+    keeps it in its pool) and cuBLAS. run(launches) launches the bundle's int4_linear kernels.
+    x contiguous [M, K]."""
     m, k = x.shape
     n = qweight.shape[0]
+    if gemm_consts and counters is not None:
+        from engc.kernels import int4_gemm
+        variant = int4_gemm.pick(gemm_consts, k, group_size, m)
+        if variant is not None:
+            y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+            run_gemm(int4_gemm.launch(x, qweight, scales, zeros, y, variant, gemm_consts[variant], counters))
+            return y + bias if bias is not None else y
     slices = cuda_row_slices(m, group_size, consts) if counters is not None else []
     if slices:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
