@@ -143,16 +143,33 @@ def test_head_quantized_in_chunks_of_rows_as_if_whole(method, monkeypatch):
     x = torch.randn(2, 16, 64) * torch.linspace(0.2, 3, 64)   # a few loud channels, as AWQ expects
     opts = QuantOptions(method=method, group_size=32, lm_head=True, awq_grid=10)
     pack = to_awq if method == "awq" else to_gptq
-    whole, whole_norm = head.quantize_head(w, norm, x, 1e-5, opts, pack)
+    whole = head.quantize_head(w, norm, x, 1e-5, opts, pack)
     monkeypatch.setattr(head, "CHUNK_ELEMENTS", 16 * 64)    # 16 rows a chunk: 6 chunks
     assert head.chunk_rows(64) == 16
-    chunked, chunked_norm = head.quantize_head(w, norm, x, 1e-5, opts, pack)
+    chunked = head.quantize_head(w, norm, x, 1e-5, opts, pack)
     assert whole.keys() == chunked.keys()
     for k in whole:
         assert torch.equal(whole[k], chunked[k]), k
-    assert (whole_norm is None) == (method != "awq")
-    if method == "awq":
-        assert torch.equal(whole_norm, chunked_norm)
+
+
+def test_calibrated_head_is_gptq_and_beats_rtn_on_its_inputs():
+    """AWQ and GPTQ runs quantize the head by GPTQ on the final norm's outputs: the same codes in either
+    layout, and a smaller output error on those inputs than round-to-nearest."""
+    from engc.compiler.quantize import head
+    from engc.compiler.quantize.formats import to_awq, to_gptq
+    from tests.test_quant_e2e import dequant_awq, dequant_gptq
+    torch.manual_seed(0)
+    w, norm = torch.randn(96, 64), 1 + 0.1 * torch.randn(64)
+    x = torch.randn(4, 32, 16) @ torch.randn(16, 64) + 0.1 * torch.randn(4, 32, 64)  # correlated inputs
+    heads = {}
+    for method, pack, unpack in (("gptq", to_gptq, dequant_gptq), ("awq", to_awq, lambda t, p: dequant_awq(t, p, 32)),
+                                 ("rtn", to_gptq, dequant_gptq)):
+        t = head.quantize_head(w, norm, x, 1e-5, QuantOptions(method=method, group_size=32, lm_head=True), pack)
+        heads[method] = unpack({"h." + k: v for k, v in t.items()}, "h.")
+    assert torch.equal(heads["gptq"], heads["awq"])
+    h = torch.nn.functional.rms_norm(x, (64,), norm, 1e-5).reshape(-1, 64)
+    err = {m: ((h @ (q - w).T).norm() / (h @ w.T).norm()).item() for m, q in heads.items()}
+    assert err["gptq"] < 0.8 * err["rtn"], err
 
 
 def _gpu_ready() -> bool:

@@ -75,27 +75,22 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
             layer_rss.append(round(current_rss_mb(), 1))  # flat across layers unless something leaks
             bar.advance()
         bar.close()
-        replaced = {}  # tensors written changed: AWQ's head scales fold into the final norm
-        if opts.lm_head:  # one more "layer": the head is loaded, quantized, written and freed
-            with progress.step(f"quantize lm_head ({opts.method})"):
-                tensors, new_norm = quantize_head(ckpt.get(head_source(ckpt, cfg)), ckpt.get("model.norm.weight"),
-                                                  x, cfg.rms_norm_eps, opts, pack_of(opts))
-            if new_norm is not None:
-                replaced["model.norm.weight"] = new_norm
+        if opts.lm_head:  # one more "layer": the head is loaded, quantized, written and freed (head.py)
+            with progress.step(f"quantize lm_head ({'rtn' if opts.method == 'rtn' else 'gptq'})"):
+                tensors = quantize_head(ckpt.get(head_source(ckpt, cfg)), ckpt.get("model.norm.weight"), x,
+                                        cfg.rms_norm_eps, opts, pack_of(opts))
             shard = f"model-{shards:05d}-of-{shards:05d}.safetensors"
             save_file({f"lm_head.{k}": t.contiguous() for k, t in tensors.items()}, str(tmp / shard),
                       metadata={"format": "pt"})
             index.update({f"lm_head.{k}": shard for k in tensors})
-            del tensors, new_norm
+            del tensors
             release_freed_memory()
         del x
         # embedding, lm_head, final norm: one shard each, so at most one of them is in memory
         for j, name in enumerate(rest_names, cfg.num_layers + 1):
             shard = f"model-{j:05d}-of-{shards:05d}.safetensors"
-            t = replaced.pop(name) if name in replaced else ckpt.get(name)
-            save_file({name: t.contiguous()}, str(tmp / shard), metadata={"format": "pt"})
+            save_file({name: ckpt.get(name).contiguous()}, str(tmp / shard), metadata={"format": "pt"})
             index[name] = shard
-            del t
             release_freed_memory()
         write_metadata(tmp, ckpt, opts, index)
     return {"out": str(out), "model": ckpt.name, "method": opts.method, "bits": opts.bits,
