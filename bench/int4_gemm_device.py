@@ -37,9 +37,14 @@ LAYERS = 32
 # config name -> tune overrides of every M class
 SWEEP = {"n64k64w4s4": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
          "n64k128w4s4": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-         "n64k64w4s6": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=6),
-         "n128k64w8s4": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-         "n128k128w8s3": dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)}
+         # x in the layout's interleaved order (a gather) instead of W permuted in registers
+         "n64k64w4s4_px": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, PERM_X=True),
+         # the magic-pair dequant (inline PTX: one LOP3 and two bf16x2 FMAs per pair of weights)
+         "n64k64w4s4_pairs": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, PAIRS=True),
+         "n64k128w4s4_pairs": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, PAIRS=True),
+         "n128k64w8s4_pairs": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, PAIRS=True),
+         "n128k128w8s3_pairs": dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, PAIRS=True),
+         "n64k64w4s4_pairs_px": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, PAIRS=True, PERM_X=True)}
 # today's int4 paths at these rows: the CUDA GEMV builds (kind, max_m) as tune.py has them
 CUDA_BUILDS = {"gemv_wide16": 16, "gemv_wide32": 32}
 EDGE = [(11, 200, 1056, 64), (40, 72, 4096 + 32, 128), (100, 257, 2080, 128)]   # (M, N, K, group)
@@ -208,7 +213,8 @@ def table(results, say):
     say("== the 8B's projections per decode step (32 layers), ms: bf16 | int4 today | int4 GEMM, one config per "
         "M class (the best over the class's Ms) ==")
     for bucket in tune.INT4_GEMM_M_CLASSES:
-        lo, hi = {"m<=16": (9, 16), "m<=32": (17, 32), "m<=64": (33, 64), "m<=256": (65, 256)}[bucket]
+        entry = tune.TUNE[f"sm90/int4_gemm/*/{bucket}"]
+        lo, hi = entry["min_m"], entry["max_m"]
         ms = [m for m in MS if lo <= m <= hi]
         per = {}
         for t in ts:

@@ -188,7 +188,8 @@ def int4_gemm_specs(cfg: ModelConfig, t: str, arch: str, group_sizes, overrides=
             "min_split_k_tiles")
     specs = []
     for bucket in classes or tune.INT4_GEMM_M_CLASSES:
-        entry = tune.lookup(arch, "int4_gemm", "*", bucket, ov.get(bucket))[1]
+        bucket_ov = dict(ov.get(bucket) or {}, **({} if t == "bf16" else {"PAIRS": False}))  # PAIRS: bf16 math
+        entry = tune.lookup(arch, "int4_gemm", "*", bucket, bucket_ov)[1]
         if enabled_only and not entry["enabled"]:
             continue
         for g in sorted(set(int(g) for g in group_sizes)):
@@ -196,7 +197,7 @@ def int4_gemm_specs(cfg: ModelConfig, t: str, arch: str, group_sizes, overrides=
                 variant = variant_name(k, g, entry["max_m"])
                 specs.append(make_spec("int4_gemm", variant, arch, "int4_gemm_kernel", types,
                                        {"K": k, "GROUP": g, "SILU": False}, bucket, launch_keys=keys,
-                                       overrides=ov.get(bucket)))
+                                       overrides=bucket_ov))
     return specs
 
 

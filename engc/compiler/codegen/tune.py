@@ -248,24 +248,28 @@ for _arch in ("sm80", "sm90"):
 
 # int4_gemm (W4A16 GEMM of decode batches over the engc int4 layout, kernels/int4_gemm), one entry per M
 # class: the rows past the CUDA int4 GEMV's sweet spot, where dequantizing each weight once per program and
-# multiplying it by every row on the tensor cores should beat both the GEMV (which dequantizes again per 8
-# rows) and dequant + cuBLAS (bf16 W written and read back). BLOCK_M is the MMA's narrow side (swap AB);
-# the M=256 class tiles M by 64 (each M tile reads W again, mostly from L2).
-# H200 sweep (bench/int4_gemm_device.py, bench/results/h200_2d4cf76_int4_gemm.txt; the 8B's projections of a
-# decode step, 32 layers): on at 33-64 rows only, where it replaces two passes of the 32-row CUDA GEMV:
-# M=64 8.59 ms against 11.10 (M=48 8.52 / 8.65). Off elsewhere: at 9-32 rows the CUDA GEMV is 2-2.5x faster
-# (M=16 3.13 against 6.90 ms), at 128 rows it ties dequant + cuBLAS (15.0 / 14.5) and at 256 loses (28.0 /
-# 15.9). It is bound by its dequant (0.46-0.68x bf16 cuBLAS at every M, ~1.3 ms of int4 loads a step):
-# the Triton per-weight float ops and the interleave's permute, where the CUDA GEMV takes one LOP3 a pair.
+# multiplying it by every row on the tensor cores beats both the GEMV (which dequantizes again per 8 rows)
+# and dequant + cuBLAS (bf16 W written and read back). BLOCK_M is the MMA's narrow side (swap AB); the
+# classes past 64 rows tile M by 64 (each M tile reads W again, mostly from L2). PAIRS (bf16 only): the CUDA
+# GEMV's magic-pair dequant in inline PTX, one LOP3 and two bf16x2 FMAs a pair of weights, where the float32
+# path spends ~6 operations a weight; PERM_X: x gathered in the layout's interleaved order instead of W
+# permuted in registers (slower: bench/results/h200_int4_gemm_pairs.txt).
+# H200 sweeps (bench/int4_gemm_device.py; the 8B's projections of a decode step, 32 layers, ms):
+#   float32 dequant (bench/results/h200_2d4cf76_int4_gemm.txt): 0.46-0.68x bf16 cuBLAS at every M;
+#   PAIRS, BLOCK_N 64 x BLOCK_K 128 (bench/results/h200_int4_gemm_pairs.txt), against today's path before it:
+#     M=16 3.71 vs CUDA GEMV 3.14 (off: the GEMV stays); M=24/32 4.24/4.25 vs 5.12/5.64; M=48/64 5.02/5.00
+#     vs two GEMV passes 8.66/11.15; M=128 8.77 vs dequant + cuBLAS 14.41; M=256 15.99 vs 15.87 (off: the
+#     prefill path stays from 129 rows). bf16 for scale: 3.9-4.4 (5.9 at 256).
 # sm80: not measured, off.
-INT4_GEMM_M_CLASSES = ("m<=16", "m<=32", "m<=64", "m<=256")
+INT4_GEMM_M_CLASSES = ("m<=16", "m<=32", "m<=64", "m<=128", "m<=256")
 for _arch, _stages in (("sm80", 3), ("sm90", 4)):
-    _int4_gemm = dict(enabled=False, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=_stages,
-                      target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
-    for _bucket, _min_m, _block_m in (("m<=16", 9, 16), ("m<=32", 17, 32), ("m<=64", 33, 64), ("m<=256", 65, 64)):
-        _put(_arch, "int4_gemm", "*", _bucket, min_m=_min_m, max_m=int(_bucket[3:]), BLOCK_M=_block_m, **_int4_gemm)
-_put("sm90", "int4_gemm", "*", "m<=64", min_m=33, max_m=64, BLOCK_M=64,
-     **dict(_int4_gemm, enabled=True, BLOCK_K=64))   # the sweep's best at 48 and 64 rows (n64k64w4s4 t264)
+    _int4_gemm = dict(enabled=False, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=_stages, PERM_X=False,
+                      PAIRS=_arch == "sm90", target_programs=2 * _SM_COUNT[_arch], max_splits=16,
+                      min_split_k_tiles=2)
+    for _bucket, _min_m, _block_m in (("m<=16", 9, 16), ("m<=32", 17, 32), ("m<=64", 33, 64), ("m<=128", 65, 64),
+                                      ("m<=256", 129, 64)):
+        _put(_arch, "int4_gemm", "*", _bucket, min_m=_min_m, max_m=int(_bucket[3:]), BLOCK_M=_block_m,
+             **dict(_int4_gemm, enabled=_arch == "sm90" and _bucket in ("m<=32", "m<=64", "m<=128")))
 
 _put("sm90", "paged_attention", "prefill", "d<=64", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 _put("sm90", "paged_attention", "prefill", "d<=128", BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
