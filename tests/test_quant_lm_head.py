@@ -185,7 +185,8 @@ def test_gpu_int4_lm_head_vocab_sized(tiny_dir, tmp_path):
     from engc.bundle.reader import open_bundle
     from engc.kernels import int4_linear as op
     from engc.runtime.gpu_ops import BundleKernels
-    from tests.test_gpu import sm_arch
+    from engc.runtime.loader import load
+    from test_gpu import sm_arch
     quantize_checkpoint(str(tiny_dir("llama")), tmp_path / "q", QuantOptions(method="rtn", group_size=32,
                                                                             lm_head=True))
     build(str(tmp_path / "q"), tmp_path / "b", BuildOptions(archs=("cpu", sm_arch()), dtype="bfloat16",
