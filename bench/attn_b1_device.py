@@ -19,10 +19,8 @@ results.json and log.txt under $OUT; prints the table last (us, and the ratio to
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -235,14 +233,6 @@ def run(aot: Path, out: Path):
         bench.save()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["prepare", "run"])
-    ap.add_argument("aot", type=Path)
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
-    args = ap.parse_args()
-    {"prepare": lambda: prepare(args.aot), "run": lambda: run(args.aot, args.out)}[args.step]()
-
-
 if __name__ == "__main__":
-    main()
+    from kernels_device import step_main
+    step_main({"prepare": lambda aot, out: prepare(aot), "run": run})

@@ -24,10 +24,8 @@ Writes results.json and log.txt under $OUT and prints the table last.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -348,16 +346,7 @@ def run_fused(aot: Path, out: Path):
         bench.save()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["prepare", "run", "prepare-fused", "run-fused"])
-    ap.add_argument("aot", type=Path)
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
-    args = ap.parse_args()
-    steps = {"prepare": lambda: prepare(args.aot), "run": lambda: run(args.aot, args.out),
-             "prepare-fused": lambda: prepare_fused(args.aot), "run-fused": lambda: run_fused(args.aot, args.out)}
-    steps[args.step]()
-
-
 if __name__ == "__main__":
-    main()
+    from kernels_device import step_main
+    step_main({"prepare": lambda aot, out: prepare(aot), "run": run,
+               "prepare-fused": lambda aot, out: prepare_fused(aot), "run-fused": run_fused})

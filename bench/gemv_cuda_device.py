@@ -15,10 +15,8 @@ replays. results.json and log.txt go under $OUT; the table is printed last, with
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -243,17 +241,6 @@ def table(results, say):
         f"({target // SMS} * _SM_COUNT[_arch])")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["prepare", "run"])
-    ap.add_argument("aot", type=Path)
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
-    args = ap.parse_args()
-    if args.step == "prepare":
-        prepare(args.aot)
-    else:
-        run(args.aot, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    from kernels_device import step_main
+    step_main({"prepare": lambda aot, out: prepare(aot), "run": run})

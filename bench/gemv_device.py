@@ -17,10 +17,8 @@ per (K, M class) which config and target_programs to put in tune.py. results.jso
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -342,15 +340,7 @@ def table(results, say):
                 f"vs cuBLAS {cublas:.1f} us")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["prepare", "run", "prepare-pick", "run-pick"])
-    ap.add_argument("aot", type=Path)
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
-    args = ap.parse_args()
-    {"prepare": lambda: prepare(args.aot), "run": lambda: run(args.aot, args.out),
-     "prepare-pick": lambda: prepare_pick(args.aot), "run-pick": lambda: run_pick(args.aot, args.out)}[args.step]()
-
-
 if __name__ == "__main__":
-    main()
+    from kernels_device import step_main
+    step_main({"prepare": lambda aot, out: prepare(aot), "run": run,
+               "prepare-pick": lambda aot, out: prepare_pick(aot), "run-pick": run_pick})

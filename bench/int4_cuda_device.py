@@ -18,10 +18,8 @@ config per case, the 8B's GEMV time per decode step (32 layers) at each M, the d
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -345,17 +343,6 @@ def table(results, say):
         f"{', '.join(f'{k}={v}' for k, v in cfg.items())}, target_programs={target // SMS} * _SM_COUNT[_arch] ==")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["prepare", "run"])
-    ap.add_argument("aot", type=Path)
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
-    args = ap.parse_args()
-    if args.step == "prepare":
-        prepare(args.aot)
-    else:
-        run(args.aot, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    from kernels_device import step_main
+    step_main({"prepare": lambda aot, out: prepare(aot), "run": run})

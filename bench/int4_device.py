@@ -14,10 +14,8 @@ JSON and the log go to $OUT; the table prints last.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -201,14 +199,6 @@ def run(aot: Path, out: Path):
               f"{'OK' if r['ok'] else 'FAIL'}")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["prepare", "run"])
-    ap.add_argument("aot", type=Path)
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
-    args = ap.parse_args()
-    prepare(args.aot) if args.step == "prepare" else run(args.aot, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    from kernels_device import step_main
+    step_main({"prepare": lambda aot, out: prepare(aot), "run": run})

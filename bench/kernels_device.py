@@ -583,17 +583,16 @@ def run(aot: Path, out: Path):
         bench.save()
 
 
-def main():
+def step_main(steps: dict) -> None:
+    """The command line of the device bench scripts: `SCRIPT STEP AOT [--out DIR]`, each step a function of
+    (aot folder, out folder): a `prepare` here (CPU: compile into AOT) and a `run` on the GPU box."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["prepare", "run"])
+    ap.add_argument("step", choices=list(steps))
     ap.add_argument("aot", type=Path)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
     args = ap.parse_args()
-    if args.step == "prepare":
-        prepare(args.aot)
-    else:
-        run(args.aot, args.out)
+    steps[args.step](args.aot, args.out)
 
 
 if __name__ == "__main__":
-    main()
+    step_main({"prepare": lambda aot, out: prepare(aot), "run": run})

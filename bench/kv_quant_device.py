@@ -12,10 +12,8 @@ Writes results.json under $OUT (or --out) and prints the table last.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -265,14 +263,6 @@ def run(aot: Path, out: Path):
     (out / "kv_quant_log.txt").write_text("\n".join(log + lines) + "\n")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["prepare", "run"])
-    ap.add_argument("aot", type=Path)
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
-    args = ap.parse_args()
-    prepare(args.aot) if args.step == "prepare" else run(args.aot, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    from kernels_device import step_main
+    step_main({"prepare": lambda aot, out: prepare(aot), "run": run})
