@@ -250,7 +250,7 @@ for _arch in ("sm80", "sm90"):
 # class: the rows past the CUDA int4 GEMV's sweet spot, where dequantizing each weight once per program and
 # multiplying it by every row on the tensor cores beats both the GEMV (which dequantizes again per 8 rows)
 # and dequant + cuBLAS (bf16 W written and read back). BLOCK_M is the MMA's narrow side (swap AB); the
-# classes past 64 rows tile M by 64 (each M tile reads W again, mostly from L2). PAIRS (bf16 only): the CUDA
+# classes past 64 rows take 128-row M tiles (M=256: two, each reading W). PAIRS (bf16 only): the CUDA
 # GEMV's magic-pair dequant in inline PTX, one LOP3 and two bf16x2 FMAs a pair of weights, where the float32
 # path spends ~6 operations a weight; PERM_X: x gathered in the layout's interleaved order instead of W
 # permuted in registers (slower: bench/results/h200_int4_gemm_pairs.txt).
@@ -258,18 +258,22 @@ for _arch in ("sm80", "sm90"):
 #   float32 dequant (bench/results/h200_2d4cf76_int4_gemm.txt): 0.46-0.68x bf16 cuBLAS at every M;
 #   PAIRS, BLOCK_N 64 x BLOCK_K 128 (bench/results/h200_int4_gemm_pairs.txt), against today's path before it:
 #     M=16 3.71 vs CUDA GEMV 3.14 (off: the GEMV stays); M=24/32 4.24/4.25 vs 5.12/5.64; M=48/64 5.02/5.00
-#     vs two GEMV passes 8.66/11.15; M=128 8.77 vs dequant + cuBLAS 14.41; M=256 15.99 vs 15.87 (off: the
-#     prefill path stays from 129 rows). bf16 for scale: 3.9-4.4 (5.9 at 256).
+#     vs two GEMV passes 8.66/11.15; M=128 8.77 vs dequant + cuBLAS 14.41; M=256 15.99 vs 15.87.
+#   128-row M tiles past 64 rows (bench/results/h200_int4_gemm_m128.txt), BLOCK_M 128 x BLOCK_N 64 x BLOCK_K 64:
+#     M=96/128 7.06/7.09 (64-row tiles 8.77), M=192/256 12.06/11.99 vs dequant + cuBLAS 15.28/15.88.
+#   bf16 cuBLAS for scale: 3.9-4.4 ms up to 128 rows, 5.3/5.9 at 192/256. Past 256 rows (prefill) the
+#   dequant + cuBLAS path stays.
 # sm80: not measured, off.
 INT4_GEMM_M_CLASSES = ("m<=16", "m<=32", "m<=64", "m<=128", "m<=256")
 for _arch, _stages in (("sm80", 3), ("sm90", 4)):
     _int4_gemm = dict(enabled=False, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=_stages, PERM_X=False,
                       PAIRS=_arch == "sm90", target_programs=2 * _SM_COUNT[_arch], max_splits=16,
                       min_split_k_tiles=2)
-    for _bucket, _min_m, _block_m in (("m<=16", 9, 16), ("m<=32", 17, 32), ("m<=64", 33, 64), ("m<=128", 65, 64),
-                                      ("m<=256", 129, 64)):
+    for _bucket, _min_m, _block_m, _block_k in (("m<=16", 9, 16, 128), ("m<=32", 17, 32, 128),
+                                                ("m<=64", 33, 64, 128), ("m<=128", 65, 128, 64),
+                                                ("m<=256", 129, 128, 64)):
         _put(_arch, "int4_gemm", "*", _bucket, min_m=_min_m, max_m=int(_bucket[3:]), BLOCK_M=_block_m,
-             **dict(_int4_gemm, enabled=_arch == "sm90" and _bucket in ("m<=32", "m<=64", "m<=128")))
+             **dict(_int4_gemm, BLOCK_K=_block_k, enabled=_arch == "sm90" and _bucket != "m<=16"))
 
 _put("sm90", "paged_attention", "prefill", "d<=64", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 _put("sm90", "paged_attention", "prefill", "d<=128", BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
