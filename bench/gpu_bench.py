@@ -154,6 +154,7 @@ def make_checkpoint(shape: str, folder: Path, int4: bool = False, int4_head: boo
     tensors = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=dt)}
     if int4_head:   # an int4 head is its own tensor, tied or not (as engc quantize --lm-head writes it)
         cfg["tie_word_embeddings"] = False
+        cfg["quantization_config"]["lm_head"] = True   # GPTQModel's key, which engc quantize --lm-head writes
         (folder / "config.json").write_text(json.dumps(cfg))
         tensors.update(proj("lm_head", cfg["vocab_size"], h))
     elif not cfg["tie_word_embeddings"]:
