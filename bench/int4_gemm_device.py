@@ -43,8 +43,8 @@ SWEEP = {"n64k128w4s4_pairs": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_sta
                                         classes=("m<=128", "m<=256")),
          "m128_n128k64w8s3_pairs": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, PAIRS=True,
                                         classes=("m<=128", "m<=256"))}
-# earlier sweeps' configs (bench/results/h200_int4_gemm_pairs.txt): float32 dequant n64k64w4s4 / n64k128w4s4, PERM_X
-# (x gathered in the interleaved order), PAIRS at n64k64w4s4 / n128k64w8s4 / n128k128w8s3 / with PERM_X
+# earlier sweeps' configs (bench/results/h200_int4_gemm_pairs.txt): float32 dequant n64k64w4s4 / n64k128w4s4,
+# PERM_X (x gathered in the interleaved order: slower, removed), PAIRS at n64k64w4s4 / n128k64w8s4 / n128k128w8s3
 # today's int4 paths at these rows: the CUDA GEMV builds (kind, max_m) as tune.py has them
 CUDA_BUILDS = {"gemv_wide16": 16, "gemv_wide32": 32}
 EDGE = [(11, 200, 1056, 64), (40, 72, 4096 + 32, 128), (100, 257, 2080, 128)]   # (M, N, K, group)

@@ -20,11 +20,9 @@ CASES = {
                                   {"target_programs": 3, "min_split_k_tiles": 1}),
     "m70_g128_m_tiles_split_k": (70, 48, 384, 128, torch.bfloat16, 32, 32, 128, SPLIT),
     "m9_g128_short_last_group": (9, 40, 160, 128, torch.bfloat16, 16, 32, 64, {}),
-    # x in the layout's order instead of W permuted; the magic-pair dequant (its float32 twin here)
-    "m20_g64_perm_x_split_k": (20, 72, 224, 64, torch.bfloat16, 32, 64, 64, dict(SPLIT, PERM_X=True)),
+    # the magic-pair dequant (its float32 twin here)
     "m40_g128_pairs_m_tiles": (40, 80, 288, 128, torch.bfloat16, 16, 64, 128, dict(SPLIT, PAIRS=True)),
     "m33_g32_pairs_ragged": (33, 50, 224, 32, torch.bfloat16, 64, 32, 64, dict(PAIRS=True)),
-    "m12_g64_pairs_perm_x": (12, 64, 256, 64, torch.bfloat16, 16, 64, 64, dict(PAIRS=True, PERM_X=True)),
 }
 
 
@@ -167,11 +165,12 @@ def main():
         qw, s, z = _weights(n, k, group, g, dtype)
         out = torch.full((m, n), float("nan"), dtype=dtype)
         counters = torch.zeros(64, dtype=torch.int32)
-        flags = {f: ov.pop(f, False) for f in ("PERM_X", "PAIRS")} if ov else {"PERM_X": False, "PAIRS": False}
+        ov = dict(ov)
+        pairs = ov.pop("PAIRS", False)
         consts = _consts(k, group, block_m, block_n, block_k, **ov)
         (_, grid, args), = launch(x, qw, s, z, out, "v", consts, counters)
         int4_gemm_kernel[grid](*args[:11], K=k, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                               SILU=False, PDL=0, **flags)
+                               SILU=False, PDL=0, PAIRS=pairs)
         ref = x.double() @ dequantize(qw, s, z, group).double().t()
         err = float((out.double() - ref).abs().max() / ref.abs().max())
         report[name] = {"ok": err < TOL[dtype] and int(counters.abs().sum()) == 0, "err": err, "splits": grid[1],

@@ -252,8 +252,8 @@ for _arch in ("sm80", "sm90"):
 # and dequant + cuBLAS (bf16 W written and read back). BLOCK_M is the MMA's narrow side (swap AB); the
 # classes past 64 rows take 128-row M tiles (M=256: two, each reading W). PAIRS (bf16 only): the CUDA
 # GEMV's magic-pair dequant in inline PTX, one LOP3 and two bf16x2 FMAs a pair of weights, where the float32
-# path spends ~6 operations a weight; PERM_X: x gathered in the layout's interleaved order instead of W
-# permuted in registers (slower: bench/results/h200_int4_gemm_pairs.txt).
+# path spends ~6 operations a weight. Gathering x in the layout's interleaved order instead of permuting
+# the W tile in registers was slower with either dequant (183cfce's PERM_X; bench/results/h200_int4_gemm_pairs.txt).
 # H200 sweeps (bench/int4_gemm_device.py; the 8B's projections of a decode step, 32 layers, ms):
 #   float32 dequant (bench/results/h200_2d4cf76_int4_gemm.txt): 0.46-0.68x bf16 cuBLAS at every M;
 #   PAIRS, BLOCK_N 64 x BLOCK_K 128 (bench/results/h200_int4_gemm_pairs.txt), against today's path before it:
@@ -266,7 +266,7 @@ for _arch in ("sm80", "sm90"):
 # sm80: not measured, off.
 INT4_GEMM_M_CLASSES = ("m<=16", "m<=32", "m<=64", "m<=128", "m<=256")
 for _arch, _stages in (("sm80", 3), ("sm90", 4)):
-    _int4_gemm = dict(enabled=False, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=_stages, PERM_X=False,
+    _int4_gemm = dict(enabled=False, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=_stages,
                       PAIRS=_arch == "sm90", target_programs=2 * _SM_COUNT[_arch], max_splits=16,
                       min_split_k_tiles=2)
     for _bucket, _min_m, _block_m, _block_k in (("m<=16", 9, 16, 128), ("m<=32", 17, 32, 128),

@@ -58,59 +58,49 @@ else:
 
 
 @triton.jit
-def _w_tile(qw_rows, s_rows, z_rows, t, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, dtype,
-            PERM_X: tl.constexpr):
-    """Tile t of the program's rows, dequantized: [BLOCK_N, BLOCK_K] in `dtype`, inputs in K order (PERM_X:
-    in the layout's word/nibble order, which x then follows)."""
+def _tile_words(qw_rows, s_rows, z_rows, t, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tile t of the program's rows, packed: words [BLOCK_N, BLOCK_K / 8] int32 and each word's group
+    scale and zero point (float32, same shape; chunk w // 4 lies in one group)."""
     words_per_tile: tl.constexpr = BLOCK_K // 8
     groups: tl.constexpr = (K + GROUP - 1) // GROUP
     w_idx = t * words_per_tile + tl.arange(0, words_per_tile)          # the tile's words along the row
     if K % BLOCK_K == 0:
-        words = tl.load(qw_rows + w_idx[None, :])                          # [BLOCK_N, BLOCK_K / 8] int32
+        words = tl.load(qw_rows + w_idx[None, :])
     else:
         words = tl.load(qw_rows + w_idx[None, :], mask=(w_idx < K // 8)[None, :], other=0)
-    grp = tl.minimum((w_idx // 4) * 32 // GROUP, groups - 1)              # chunk w // 4 lies in one group
-    s = tl.load(s_rows + grp[None, :]).to(tl.float32)
-    zz = tl.load(z_rows + grp[None, :]).to(tl.float32) + MAGIC_F
+    grp = tl.minimum((w_idx // 4) * 32 // GROUP, groups - 1)
+    return words, tl.load(s_rows + grp[None, :]).to(tl.float32), tl.load(z_rows + grp[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _w_tile(qw_rows, s_rows, z_rows, t, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, dtype):
+    """Tile t dequantized by float32 math: [BLOCK_N, BLOCK_K] in `dtype`, inputs in K order."""
+    words, s, z = _tile_words(qw_rows, s_rows, z_rows, t, K, GROUP, BLOCK_K)
+    zz = z + MAGIC_F
     shifts = tl.arange(0, 8) * 4
     bits = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) | MAGIC  # [BLOCK_N, BLOCK_K / 8, 8]
     w = ((bits.to(tl.float32, bitcast=True) - zz[:, :, None]) * s[:, :, None]).to(dtype)
-    if PERM_X:
-        return tl.reshape(w, [w.shape[0], BLOCK_K])
     # word 4c + i, nibble j holds input 32c + 4j + i: swap the (i, j) axes to get K order
     w = tl.permute(tl.reshape(w, [w.shape[0], BLOCK_K // 32, 4, 8]), [0, 1, 3, 2])
     return tl.reshape(w, [w.shape[0], BLOCK_K])
 
 
 @triton.jit
-def _w_tile_pairs(qw_rows, s_rows, z_rows, t, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PERM_X: tl.constexpr):
-    """Tile t dequantized (bf16) by magic pairs: [BLOCK_N, BLOCK_K] in K order; PERM_X: column p of word
-    w = p // 8 holding nibble (p % 8) // 2 + 4 (p % 2), i.e. input 32 (w // 4) + 4 ((p % 8) // 2 + 4 (p % 2))
-    + w % 4, which x then follows."""
-    words_per_tile: tl.constexpr = BLOCK_K // 8
-    groups: tl.constexpr = (K + GROUP - 1) // GROUP
-    w_idx = t * words_per_tile + tl.arange(0, words_per_tile)
-    if K % BLOCK_K == 0:
-        words = tl.load(qw_rows + w_idx[None, :])
-    else:
-        words = tl.load(qw_rows + w_idx[None, :], mask=(w_idx < K // 8)[None, :], other=0)
-    grp = tl.minimum((w_idx // 4) * 32 // GROUP, groups - 1)
-    s = tl.load(s_rows + grp[None, :]).to(tl.float32)
-    nz = -tl.load(z_rows + grp[None, :]).to(tl.float32) - 128.0
+def _w_tile_pairs(qw_rows, s_rows, z_rows, t, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tile t dequantized (bf16) by magic pairs: [BLOCK_N, BLOCK_K] in K order."""
+    words, s, z = _tile_words(qw_rows, s_rows, z_rows, t, K, GROUP, BLOCK_K)
     shift = tl.arange(0, 4) * 4
-    lo, hi = _pair(words[:, :, None], shift[None, None, :], nz[:, :, None], s[:, :, None], tl.bfloat16)
+    lo, hi = _pair(words[:, :, None], shift[None, None, :], (-z - 128.0)[:, :, None], s[:, :, None], tl.bfloat16)
     w = tl.join(lo, hi)                                  # [BLOCK_N, BLOCK_K / 8, 4 (s), 2 (h)]: nibble s + 4h
-    if not PERM_X:   # word 4c + i, nibble s + 4h: input 32c + 16h + 4s + i; (i, s, h) -> (h, s, i) is K order
-        w = tl.permute(tl.reshape(w, [w.shape[0], BLOCK_K // 32, 4, 4, 2]), [0, 1, 4, 3, 2])
+    # word 4c + i, nibble s + 4h: input 32c + 16h + 4s + i; (i, s, h) -> (h, s, i) is K order
+    w = tl.permute(tl.reshape(w, [w.shape[0], BLOCK_K // 32, 4, 4, 2]), [0, 1, 4, 3, 2])
     return tl.reshape(w, [w.shape[0], BLOCK_K])
 
 
 @triton.jit
 def int4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_tiles_per_split,
                      splits, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr, PERM_X: tl.constexpr,
-                     PAIRS: tl.constexpr):
+                     BLOCK_K: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr, PAIRS: tl.constexpr):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     groups: tl.constexpr = (K + GROUP - 1) // GROUP
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,20 +115,13 @@ def int4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, counter_
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    p = tl.arange(0, BLOCK_K)
-    if PAIRS and PERM_X:    # x follows the W tile's columns (_w_tile_pairs)
-        cols = 32 * (p // 32) + 4 * ((p % 8) // 2 + 4 * (p % 2)) + (p % 32) // 8
-    elif PERM_X:   # column p of the W tile holds input 32 (p // 32) + 4 (p % 8) + (p % 32) // 8: x follows
-        cols = 32 * (p // 32) + 4 * (p % 8) + (p % 32) // 8
-    else:
-        cols = p
     for t in range(t_begin, t_end):
-        offs_k = t * BLOCK_K + cols
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         x = gemm_tiles.act_tile(x_ptr, rows, offs_k, row_mask, offs_k < K, K, SILU)
         if PAIRS:
-            w = _w_tile_pairs(qw_rows, s_rows, z_rows, t, K, GROUP, BLOCK_K, PERM_X)
+            w = _w_tile_pairs(qw_rows, s_rows, z_rows, t, K, GROUP, BLOCK_K)
         else:
-            w = _w_tile(qw_rows, s_rows, z_rows, t, K, GROUP, BLOCK_K, x.dtype, PERM_X)
+            w = _w_tile(qw_rows, s_rows, z_rows, t, K, GROUP, BLOCK_K, x.dtype)
         acc = tl.dot(w, tl.trans(x), acc)
 
     # acc is transposed (swap AB): element [n, m] goes to out[m, n]; one split counter per (N, M) tile
