@@ -90,15 +90,16 @@ def split_count(n_tiles: int, k_tiles: int, c: dict) -> tuple[int, int]:
     return -(-k_tiles // per), per
 
 
-def split_k(x, n: int, k: int, consts: dict, counters, rule=split_count):
-    """The split-K half of the gemv, skinny_gemm and fp8_linear launch rules: (N tiles, splits, K tiles per
-    split, partial, counter argument), splits by the op's rule (its split_count), none where there are
-    fewer counters than N tiles. The fp32 partials [splits, M, N] come from torch's allocator (inside a
-    CUDA graph, its pool); unsplit, partial and counters are 0 (null pointers the kernel never reads)."""
+def split_k(x, n: int, k: int, consts: dict, counters, rule=split_count, m_tiles: int = 1):
+    """The split-K half of the gemv, skinny_gemm, fp8_linear and int4_gemm launch rules: (N tiles, splits, K
+    tiles per split, partial, counter argument), splits by the op's rule (its split_count) over the N x M
+    output tiles (m_tiles: programs along M, one counter each), none where there are fewer counters than
+    output tiles. The fp32 partials [splits, M, N] come from torch's allocator (inside a CUDA graph, its
+    pool); unsplit, partial and counters are 0 (null pointers the kernel never reads)."""
     n_tiles = -(-n // consts["BLOCK_N"])
     k_tiles = -(-k // consts["BLOCK_K"])
-    splits, per = rule(n_tiles, k_tiles, consts)
-    if splits > 1 and n_tiles > counters.numel():
+    splits, per = rule(n_tiles * m_tiles, k_tiles, consts)
+    if splits > 1 and n_tiles * m_tiles > counters.numel():
         splits, per = 1, k_tiles
     if splits == 1:
         return n_tiles, splits, per, 0, 0

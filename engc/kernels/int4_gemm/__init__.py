@@ -37,18 +37,11 @@ def launch(x, qweight, scales, zeros, out, variant: str, consts: dict, counters)
     variant's record launch; counters: NUM_COUNTERS int32, zero, owned by the caller (split launches leave
     them zero). grid (N tiles, splits, M tiles); args: x, qweight, scales, zeros, out, partial, counter, M,
     N, k_tiles_per_split, splits, global/profile scratch."""
-    import torch
     m, k = x.shape
     n = qweight.shape[0]
     assert k == consts["K"] and consts["min_m"] <= m <= consts["max_m"] and qweight.shape[1] * 8 == k
     assert x.is_contiguous() and out.is_contiguous() and out.shape == (m, n)
-    n_tiles = -(-n // consts["BLOCK_N"])
     m_tiles = -(-m // consts["BLOCK_M"])
-    k_tiles = -(-k // consts["BLOCK_K"])
-    splits, per = split_count(n_tiles * m_tiles, k_tiles, consts)
-    if splits > 1 and n_tiles * m_tiles > counters.numel():
-        splits, per = 1, k_tiles
-    partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else 0
-    counter = counters if splits > 1 else 0
+    n_tiles, splits, per, partial, counter = gemv.split_k(x, n, k, consts, counters, split_count, m_tiles)
     return [(variant, (n_tiles, splits, m_tiles), [x, qweight, scales, zeros, out, partial, counter, m, n, per,
                                                    splits, 0, 0])]
