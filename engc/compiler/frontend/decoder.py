@@ -61,7 +61,7 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
     g.weights["rope.inv_freq"] = lambda: rope
     eps = cfg.rms_norm_eps
 
-    embed = weight("embed.weight", "model.embed_tokens.weight")
+    embed = weight("embed.weight", EMBED)
     x = g.onnx_op("Gather", [embed, "input_ids"], "h.embed", axis=0)
     residual = None
     for i in range(cfg.num_layers):
@@ -100,13 +100,18 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
         logits = _qlinear(g, sampled, weight, "lm_head", "lm_head", False, cfg.hidden_size)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     else:
-        if cfg.tie_word_embeddings or not ckpt.has("lm_head.weight"):
-            head = embed
-        else:
-            head = weight("lm_head.weight", "lm_head.weight")
+        head = embed if head_source(ckpt, cfg) == EMBED else weight("lm_head.weight", "lm_head.weight")
         logits = g.onnx_op("Gemm", [sampled, head], "logits.raw", transB=1)
     g.onnx_op("Cast", [logits], "logits", to=1)  # float32 logits for sampling
     return cfg, g
+
+
+EMBED = "model.embed_tokens.weight"
+
+
+def head_source(ckpt: Checkpoint, cfg: ModelConfig) -> str:
+    """The float tensor the logits read: the embedding for a tied model (or one without lm_head.weight)."""
+    return EMBED if cfg.tie_word_embeddings or not ckpt.has("lm_head.weight") else "lm_head.weight"
 
 
 def _weight_binder(ckpt: Checkpoint, g: Graph, dtype: torch.dtype):

@@ -27,13 +27,6 @@ from engc.kernels.rms_norm import rms_norm
 CHUNK_ELEMENTS = 1 << 23   # float32 elements of one chunk of head rows (32 MB)
 
 
-def head_source(ckpt, cfg) -> str:
-    """The tensor the bundle's logits read: the embedding for a tied model (as decoder.lower does)."""
-    if cfg.tie_word_embeddings or not ckpt.has("lm_head.weight"):
-        return "model.embed_tokens.weight"
-    return "lm_head.weight"
-
-
 def chunk_rows(hidden: int) -> int:
     return max(8, CHUNK_ELEMENTS // hidden // 8 * 8)   # a multiple of 8: the packing's out/8 words
 

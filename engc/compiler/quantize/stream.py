@@ -16,13 +16,13 @@ from safetensors.torch import save_file
 
 from engc.atomic import atomic_folder
 from engc.compiler.frontend.checkpoint import Checkpoint
-from engc.compiler.frontend.decoder import resolve_config
+from engc.compiler.frontend.decoder import head_source, resolve_config
 from engc.compiler.frontend.rope import inv_freq
 from engc.compiler.quantize.awq import awq_layer
 from engc.compiler.quantize.calibration import calibration_samples
 from engc.compiler.quantize.formats import to_awq, to_gptq
 from engc.compiler.quantize.gptq import Hessian, gptq_quantize
-from engc.compiler.quantize.head import head_source, quantize_head
+from engc.compiler.quantize.head import quantize_head
 from engc.compiler.quantize.layer import LINEARS, DecoderLayer, batched
 from engc.compiler.quantize.options import QuantOptions
 from engc.compiler.quantize.rtn import quantize_rtn
