@@ -398,6 +398,13 @@ def kernel_profile(engine, cfg, out_dir: Path, shape: str, batches=(1, 32)) -> d
         graph, _ = engine.executor.graphs[engine.executor.graph_key(n, 128 + 64)]
         _, t = timed(lambda: [graph.replay() for _ in range(50)])
         res[f"b{n}_graph_replay_ms"] = round(t * 20, 3)
+        # the same step's kernels inside the graph (with PDL a kernel's time includes its wait)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        (out_dir / f"kernels_graph_{shape}_b{n}.txt").write_text(table)
         _, t = timed(lambda: [engine.step() for _ in range(20)])
         res[f"b{n}_engine_step_ms"] = round(t * 50, 3)
         engine.run_to_completion()
