@@ -271,6 +271,8 @@ def bench_shape(shape: str, args) -> dict:
     res["kv_blocks"] = engine.kv.allocator.num_blocks
     if args.profile_only:
         res.update(kernel_profile(engine, cfg, Path(args.out), shape))
+        for n in (1, 32):
+            res.update(step_timeline(engine, cfg, Path(args.out), shape, n))
         return res
 
     # correctness: GPU kernels vs the reference ops on the same weights (prefill + 16 greedy tokens)
@@ -409,6 +411,47 @@ def kernel_profile(engine, cfg, out_dir: Path, shape: str, batches=(1, 32)) -> d
         res[f"b{n}_engine_step_ms"] = round(t * 50, 3)
         engine.run_to_completion()
     return res
+
+
+def step_timeline(engine, cfg, out_dir: Path, shape: str, n: int = 1, steps: int = 30) -> dict:
+    """Where the GPU idles during overlapped engine decode steps at batch n: the GPU's busy and idle time
+    a step (union of kernel and copy intervals) and the idle gaps summed by the ops on either side."""
+    import collections
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from engc.runtime.sampling import SamplingParams
+    for ids in prompts(n, 128, cfg.vocab_size, 200 + n):
+        engine.add_request(ids, SamplingParams(max_tokens=steps + 20, temperature=0, ignore_eos=True))
+    for _ in range(5):
+        engine.step()   # prefill, then warm decode steps
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    engine.run_to_completion()
+    trace = out_dir / f"trace_{shape}_b{n}.json"
+    prof.export_chrome_trace(str(trace))
+    events = [e for e in json.loads(trace.read_text())["traceEvents"]
+              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    trace.unlink()  # large; the summary below is what is kept
+    events.sort(key=lambda e: e["ts"])
+    busy, idle, end, prev = 0.0, 0.0, None, None
+    gaps = collections.Counter()
+    for e in events:
+        ts, te = e["ts"], e["ts"] + e["dur"]
+        if end is not None and ts > end:
+            idle += ts - end
+            gaps[(prev[:40], e["name"][:40])] += ts - end
+        if end is None or te > end:
+            busy += te - max(ts, end) if end is not None else te - ts
+            end, prev = te, e["name"]
+    lines = [f"{shape} b{n}: {steps} overlapped engine steps, GPU busy {busy / steps:.1f} us a step, "
+             f"idle {idle / steps:.1f} us a step", "idle us a step  after -> before"]
+    lines += [f"{v / steps:10.2f}  {a} -> {b}" for (a, b), v in gaps.most_common(15)]
+    (out_dir / f"timeline_{shape}_b{n}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return {f"b{n}_timeline_busy_us": round(busy / steps, 1), f"b{n}_timeline_idle_us": round(idle / steps, 1)}
 
 
 def decode_breakdown(engine, ids, profile_path: Path) -> dict:
