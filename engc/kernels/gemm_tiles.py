@@ -1,6 +1,6 @@
 """@triton.jit pieces the decode GEMM kernels share (kernels/gemv, skinny_gemm, fp8_linear triton.py): the
-program's W rows and their K-tile loads, its split's K range, the L2 prefetch of its first W columns, the
-(SiLU-fused) input tile, and the split-K epilogue.
+program's W rows and their K-tile loads, its split's K range, the (SiLU-fused) input tile, and the split-K
+epilogue.
 
 Split-K reduced in the same launch: every split stores its fp32 partial tile to partial_ptr[split], then
 counts itself in counter_ptr[pid_n]; the last one to arrive sums the partials in split order (so the
@@ -12,34 +12,8 @@ transposed [BLOCK_N, BLOCK_M] for the swap-AB kernels); the partials use the sam
 Triton inlines these into each kernel, so the compiled code is what it was when they were written out in
 every kernel (the cubins were compared byte for byte when they moved here).
 """
-import os
-
 import triton
 import triton.language as tl
-
-# bf16/fp16 elements in a 128-byte cache line: one L2 prefetch each
-LINE: tl.constexpr = tl.constexpr(64)
-
-if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter runs no PTX; a prefetch changes no result
-    @triton.jit
-    def _prefetch_l2(ptrs):
-        pass
-else:
-    @triton.jit
-    def _prefetch_l2(ptrs):
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_w_l2(w_rows, t_begin, t_end, K: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr):
-    """Ask L2 for the first PREFETCH_K columns of the split's W slice (whole K tiles, within the split), one
-    prefetch.global.L2 per 128-byte line: no registers held, nothing waited for. W is a constant weight, so
-    a PDL kernel may do this before its wait (kernels/pdl.py), while the kernel before it still runs."""
-    if PREFETCH_K > 0:
-        for t in range(t_begin, tl.minimum(t_end, t_begin + tl.cdiv(PREFETCH_K, BLOCK_K))):
-            lines = tl.minimum(t * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
-            _prefetch_l2(w_rows + lines[None, :])
 
 
 @triton.jit

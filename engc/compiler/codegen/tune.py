@@ -91,15 +91,15 @@ for _arch in ("sm80", "sm90"):
     # early programs hold SM slots and registers while the kernel before them still runs.
     _put(_arch, "gemv", "*", "m<=1", max_m=1, plain=False, BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, DOT=False,
          num_warps=4, num_stages=2, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2,
-         PREFETCH_K=0, silu_by_n=((1, 2048, {"BLOCK_N": 4}),))
+         silu_by_n=((1, 2048, {"BLOCK_N": 4}),))
     # silu_by_n: (N lo, N hi (0: no bound), overrides) for the SiLU-fused down by its N (the hidden size):
     # BLOCK_N 8 leaves an N of 2048 only 256 programs; the sweep's best for the 1B down (K 8192, N 2048)
     # was BLOCK_N 4 (11.9 us) where this entry's BLOCK_N 8 ran 14.0 us (bench/results, run-pick)
     # classes kept for sweeps and tests (bench/gemv_device.py, tests/test_gemv.py); cuBLAS was faster
     _put(_arch, "gemv", "*", "m<=4", max_m=4, BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, DOT=False, num_warps=4,
-         num_stages=2, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2, PREFETCH_K=0)
+         num_stages=2, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
     _put(_arch, "gemv", "*", "m<=16", max_m=16, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT=True, num_warps=4,
-         num_stages=4, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2, PREFETCH_K=0)
+         num_stages=4, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=2)
 
 # Plain projections (Gemm x @ W^T, no bias) at M=1, one entry per tile config: `serves` lists the (K range,
 # N range) regions, (lo, hi) inclusive, hi 0 = no bound, where that config ran ahead of or even with cuBLAS
@@ -118,25 +118,14 @@ for _arch in ("sm80", "sm90"):
 #     but with PDL the whole 8B batch-1 step ran 4.300 ms against 4.334 with cuBLAS (231.9 vs 230.0 tok/s,
 #     bench/results/h200_18fe01d_*): the down GEMV after it can then start early too.
 # Other K and N inside these regions (3B, 70B, small models) are extrapolated, not measured.
-# The classes ending in "p" are the same tiles with PREFETCH_K (kernels/gemv: the program asks L2 for its W
-# slice before its PDL wait), for the regions where a Llama-shaped model has only its o projection: the one
-# projection after a latency-bound kernel (decode attention, ~5 us at batch 1 over ~1 MB of KV), whose W can
-# stream in meanwhile. Not for the others: a prefetch during the GEMV before competes for DRAM, and one
-# during a norm has ~1 us to run (every GEMV prefetching its slice lost 12%, bench/results/
-# h200_0262219_prefetch_*).
-GEMV_PLAIN_CLASSES = ("m<=1/n4k1024w4", "m<=1/n4k1024w4p", "m<=1/n8k512w2", "m<=1/n8k512w2p")
+GEMV_PLAIN_CLASSES = ("m<=1/n4k1024w4", "m<=1/n8k512w2")
 for _arch in ("sm80", "sm90"):
     _plain_m1 = dict(max_m=1, BLOCK_M=4, DOT=False, num_stages=2, target_programs=2 * _SM_COUNT[_arch],
-                     max_splits=16, min_split_k_tiles=2, PREFETCH_K=0)
-    _prefetch = 0 if _arch == "sm80" else 1 << 20   # every column of a split (clamped to it); PDL is sm90's
+                     max_splits=16, min_split_k_tiles=2)
     _put(_arch, "gemv", "*", "m<=1/n4k1024w4", BLOCK_N=4, BLOCK_K=1024, num_warps=4,
-         serves=(((2049, 0), (8193, 65535)),), **_plain_m1)
-    _put(_arch, "gemv", "*", "m<=1/n4k1024w4p", BLOCK_N=4, BLOCK_K=1024, num_warps=4,
-         serves=(((1, 2048), (1, 2048)),), **dict(_plain_m1, PREFETCH_K=_prefetch))
+         serves=(((1, 2048), (1, 2048)), ((2049, 0), (8193, 65535))), **_plain_m1)
     _put(_arch, "gemv", "*", "m<=1/n8k512w2", BLOCK_N=8, BLOCK_K=512, num_warps=2,
-         serves=(((2049, 0), (4097, 8192)), ((1, 0), (65536, 0))), **_plain_m1)
-    _put(_arch, "gemv", "*", "m<=1/n8k512w2p", BLOCK_N=8, BLOCK_K=512, num_warps=2,
-         serves=(((2049, 0), (1, 4096)),), **dict(_plain_m1, PREFETCH_K=_prefetch))
+         serves=(((2049, 0), (1, 8192)), ((1, 0), (65536, 0))), **_plain_m1)
 
 # The CUDA C++ decode GEMV (templates/gemv.cu.j2: tensor-core mma, any M <= max_m <= 8 for the cost of
 # one), per M class. Built, and preferred by the runtime to the Triton GEMV and cuBLAS, for the kinds the

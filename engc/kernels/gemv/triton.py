@@ -59,16 +59,12 @@ def _tile(w, x_ptr, rows, offs_k, k_mask, M, acc, acc0, acc1, acc2, acc3, K: tl.
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_tiles_per_split, splits,
                 K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SILU: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
-    """PREFETCH_K > 0 (a tune class for the projection after attention): before the PDL wait, the program
-    asks L2 for the first PREFETCH_K columns of its W slice, so W streams in while the latency-bound
-    attention kernel still runs and the loop then mostly hits L2 (gemm_tiles.prefetch_w_l2)."""
+                SILU: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n, w_rows = gemm_tiles.w_tile_rows(w_ptr, pid_n, N, K, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     t_begin, t_end = gemm_tiles.split_tiles(pid_k, k_tiles_per_split, K, BLOCK_K)
-    gemm_tiles.prefetch_w_l2(w_rows, t_begin, t_end, K, BLOCK_K, PREFETCH_K)
     # x, the partials and the counters belong to the step: wait for the kernel before
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
