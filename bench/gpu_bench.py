@@ -397,7 +397,7 @@ def kernel_profile(engine, cfg, out_dir: Path, shape: str, batches=(1, 32)) -> d
         total = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 5
         res[f"b{n}_eager_kernel_time_per_step_ms"] = round(total / 1000, 3)
         # graph replay alone and the whole engine step, at this batch
-        graph, _ = engine.executor.graphs[engine.executor.graph_key(n, 128 + 64)]
+        graph, _ = engine.executor.graphs[engine.executor.graph_key(n, 128 + 64)][0]
         _, t = timed(lambda: [graph.replay() for _ in range(50)])
         res[f"b{n}_graph_replay_ms"] = round(t * 20, 3)
         # the same step's kernels inside the graph (with PDL a kernel's time includes its wait)
@@ -459,7 +459,7 @@ def decode_breakdown(engine, ids, profile_path: Path) -> dict:
     import cProfile
     import pstats
     import torch
-    graph, _ = engine.executor.graphs[engine.executor.graph_key(1, len(ids[0]) + 64)]
+    graph, _ = engine.executor.graphs[engine.executor.graph_key(1, len(ids[0]) + 64)][0]
     for _ in range(5):
         graph.replay()
     _, t = timed(lambda: [graph.replay() for _ in range(100)])

@@ -4,8 +4,9 @@ On the H200 a decode step's GPU work is one CUDA graph replay, so everything els
 (schedule, build inputs, stage them, sample, detokenize, stop checks) is lost throughput. This times
 exactly that: a real bundle's tokenizer and config, the real GraphedExecutor decode path (staging into
 the host buffer) with the graph replay a no-op, and a logits tensor that looks like a GPU one, so
-Engine._sample_on_device takes its GPU greedy path (argmax(-1)). The fake's argmax returns precomputed
-tokens of real text, so detokenizing does representative work.
+Engine._sample_on_device takes its GPU greedy path (argmax(-1)) on eager steps. The fake's argmax, and
+the tokens a graphed step leaves, are precomputed tokens of real text, so detokenizing does
+representative work.
 
     python bench/host_overhead.py [--bundle /tmp/b_default] [--batch 1 32 128] [--steps 100] [--profile]
                                   [--no-overlap]
@@ -85,7 +86,16 @@ def make_engine(model, batch: int, prompt_len: int, steps: int, stops: tuple[str
     text_ids = model.tokenizer.encode(text, add_special_tokens=False)
     fake = FakeModel(model.config.vocab_size, text_ids, cuda_graphs.BUCKETS[-1])
     ex = GraphedExecutor(fake, StepFacts(), -(-engine.max_context // bs), batch, "cpu", True)
-    ex.graphs = {(b, c): (fake, fake) for b in ex.buckets for c in ex._ctx_buckets(b)}
+    ex.graphs = {(b, c): [(fake, fake)] * 2 for b in ex.buckets for c in ex._ctx_buckets(b)}
+    graphed_forward = ex.forward
+
+    def forward(inputs, kv_caches, fill=None):   # a graphed step's greedy tokens, as its argmax would leave them
+        out = graphed_forward(inputs, kv_caches, fill)
+        if ex.step_tokens is not None:
+            tokens = fake.next_tokens(inputs["input_ids"].shape[0])
+            ex.step_tokens = (tokens, tokens)
+        return out
+    ex.forward = forward
     engine.executor = ex
     params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True, stop=stops)
     for i in range(batch):

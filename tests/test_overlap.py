@@ -54,14 +54,18 @@ def prompts(model, n, length=20):
 
 
 class ReplayOnCpu:
-    """A captured decode graph's stand-in: replay runs the program on the staged buffers it was made with."""
+    """A captured decode graph's stand-in: replay runs what the graph holds (GraphedExecutor._step: staging
+    from its turn's host buffer, the fills, the program, the argmax, the tokens' export); its logits are
+    what slicing it gives, as the graph's output tensor would."""
 
-    def __init__(self, executor, inputs, kv_caches):
-        self.run = lambda: executor.forward(inputs, kv_caches)
-        self.out = self.run().clone()   # staged defaults: padded rows only, no KV written
+    def __init__(self, step):
+        self.run, self.out = step, None
 
     def replay(self):
-        self.out.copy_(self.run())
+        self.out = self.run()
+
+    def __getitem__(self, rows):
+        return self.out[rows]
 
 
 def cpu_graphed(engine):
@@ -70,8 +74,8 @@ def cpu_graphed(engine):
                          engine.config.max_num_seqs, "cpu", True)
 
     def capture(key, kv_caches):
-        graph = ReplayOnCpu(ex.executor, ex.staged.bucket_inputs(key[0]), kv_caches)
-        ex.graphs[key] = (graph, graph.out)
+        graphs = [ReplayOnCpu(lambda t=turn: ex._step(key[0], t, kv_caches)) for turn in range(2)]
+        ex.graphs[key] = [(g, g) for g in graphs]
     ex._capture = capture
     engine.executor = ex
 
@@ -176,6 +180,59 @@ def test_graphed_executor_fills_in_flight_ids(model, monkeypatch):
                                                        add_later=kw["add_later"])[0]]
 
 
+def test_graphed_greedy_steps_take_the_graphs_tokens(model, monkeypatch):
+    """A graphed all-greedy step's tokens are the graph's own argmax, written to its turn's host row (no
+    sampling launch, no readback copy); the turns alternate; a sampled step's tokens are kept where the
+    next graphed step's in-flight rows read them."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+    ids = prompts(model, 3)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
+    engine = Engine(model, EngineConfig(max_num_seqs=4))
+    cpu_graphed(engine)
+    calls, turns = [], []
+    sample = engine._sample_on_device
+    monkeypatch.setattr(engine, "_sample_on_device", lambda logits, seqs: calls.append(len(seqs)) or
+                        sample(logits, seqs))
+    send = engine.executor.staged.send
+    monkeypatch.setattr(engine.executor.staged, "send", lambda *a: turns.append(send(*a)) or turns[-1])
+    seqs = [engine.add_request(i, greedy) for i in ids]
+    engine.run_to_completion()
+    assert turns and calls == [3]               # only the prefill step sampled outside a graph
+    assert turns[:4] == [0, 1, 0, 1]
+    tokens = engine.executor.staged.tokens
+    assert tokens[turns[-1], :3].tolist() == [s.output_ids[-1] for s in seqs]
+    # the same requests again, one sampled: its steps sample outside the graph, and still match
+    engine2 = Engine(model, EngineConfig(max_num_seqs=4))
+    seqs2 = [engine2.add_request(i, greedy) for i in ids[:2]] + [engine2.add_request(ids[2], sampled)]
+    engine2.run_to_completion()
+    engine3 = Engine(model, EngineConfig(max_num_seqs=4))
+    cpu_graphed(engine3)
+    seqs3 = [engine3.add_request(i, greedy) for i in ids[:2]] + [engine3.add_request(ids[2], sampled)]
+    engine3.run_to_completion()
+    assert [s.output_ids for s in seqs3] == [s.output_ids for s in seqs2]
+    assert [s.output_ids for s in seqs3[:2]] == [s.output_ids for s in seqs[:2]]
+
+
+def test_decode_shaped_batch_with_an_unsampled_row_runs_eager(model, monkeypatch):
+    """A one-token-a-row batch in which a row does not sample (a prompt's 1-token chunk) is not a graph's:
+    the graph's logits are row for row the sampled ones."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+    engine = Engine(model, EngineConfig(max_num_seqs=4))
+    cpu_graphed(engine)
+    ex = engine.executor
+    inputs = {"input_ids": torch.tensor([5, 6]), "positions": torch.tensor([3, 0]),
+              "slot_mapping": torch.tensor([3, 16]), "block_tables": torch.tensor([[0], [1]], dtype=torch.int32),
+              "context_lens": torch.tensor([4, 1], dtype=torch.int32),
+              "query_start_loc": torch.tensor([0, 1, 2], dtype=torch.int32),
+              "logits_indices": torch.tensor([0])}
+    logits = ex.forward(inputs, engine.kv.layers)
+    assert logits.shape[0] == 1 and ex.step_tokens is None and not ex.graphs
+    inputs["logits_indices"] = torch.tensor([0, 1])
+    logits = ex.forward(inputs, engine.kv.layers)
+    assert logits.shape[0] == 2 and ex.step_tokens is not None and ex.graphs
+
+
 def test_graph_keys_by_batch_and_context_bucket(model, monkeypatch):
     """Small batches with short contexts replay their own graph (one KV split); the rest the batch
     bucket's graph sized for the block table's capacity; both kinds are captured at start."""
@@ -193,14 +250,20 @@ def test_graph_keys_by_batch_and_context_bucket(model, monkeypatch):
                                                                if b <= cuda_graphs.CTX_BUCKETED_UP_TO}
 
 
-def test_seeded_sampling_on_the_device_path_matches(with_sampler):
+@pytest.mark.parametrize("graphed", [False, True])
+def test_seeded_sampling_on_the_device_path_matches(with_sampler, graphed, monkeypatch):
+    """Graphed: the sampled tokens of a step are kept where the next graphed step's fills read them."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
     model = with_sampler
     ids = prompts(model, 5)
     params = [SamplingParams(max_tokens=18, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True) for i in range(3)]
     params += [SamplingParams(max_tokens=12, temperature=0.7, top_k=5, seed=9),
                SamplingParams(max_tokens=15, temperature=0)]
-    results, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, params)])
+    results, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, params)], graphed=graphed)
     assert len({tuple(r[0]) for r in results[:3]}) == 3  # different seeds, different draws
+    if graphed:
+        eager, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, params)])
+        assert results == eager
 
 
 def test_host_sampled_rows_fall_back_and_match(with_sampler):
@@ -288,3 +351,27 @@ def test_gpu_overlap_matches_sync(gpu_bundle, graphs):  # noqa: F811
         assert torch.allclose(torch.tensor([x[1] for x in a[5]]), torch.tensor([x[1] for x in b[5]]))
     assert dropped > 0
     assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
+
+
+@pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA device and engc._native")
+def test_gpu_graphed_steps_match_eager(gpu_bundle):  # noqa: F811
+    """On the GPU: decode graphs that stage their inputs from pinned memory, fill in-flight ids, take the
+    greedy tokens and write them to pinned memory themselves give what eager steps give, greedy and
+    sampled rows, batches joining and leaving."""
+    from engc.runtime.cuda_graphs import mapped_view
+    model = load(gpu_bundle, device="cuda")
+    probe = torch.zeros(4, dtype=torch.int64).pin_memory()
+    print(f"pinned memory mapped for kernels: {mapped_view(probe) is not None}")
+    ids = prompts(model, 5)
+    params = [SamplingParams(max_tokens=26, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=18, temperature=0.9, top_p=0.9, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=22, temperature=0.7, top_k=8, seed=2, ignore_eos=True)]
+    requests = [(i, p, None) for i, p in zip(ids, params)]
+    runs = {}
+    for graphs in (False, True):
+        config = EngineConfig(num_blocks=40, max_num_seqs=8, max_batched_tokens=64, cuda_graphs=graphs)
+        runs[graphs], engine, _ = run(model, True, requests, config=config, add_later=[(6, ids[3], params[0])])
+        assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
+    assert runs[True] == runs[False]

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, captured once, replayed per step.
+"""CUDA graphs for decode steps: one graph per batch-size bucket (and staging turn), captured once.
 
 Small batches also get a graph per context bucket: the split-KV decode sizes its grid from the longest
 context a graph may see, and a graph captured for the block table's full capacity (8k tokens) runs
@@ -7,16 +7,26 @@ when a reduce launch followed; the decode now reduces in-kernel and empty splits
 Large batches fill the GPU with (sequence, head) pairs anyway, so they keep one graph.
 
 A decode step of a small model is a few hundred short launches; replaying them as one graph removes
-the host from the critical path. Graphs read fixed buffers, so a step writes its inputs into one
-pinned host staging area, sends it with a single copy, and pads up to the bucket: padded rows write
-no KV (slot -1), read a one-token context, and their logits are dropped.
+the host from the critical path. The whole step is in the graph, not only the forward pass: the graph
+reads its inputs from pinned host memory (the host writes them there; nothing is copied before the
+replay), puts the previous step's tokens into the rows still waiting for them, runs the program, takes
+the greedy tokens and writes them back into pinned host memory. Each operation outside a graph cost
+the H200 a gap of 5-11 us (copy-engine hand-offs, the start of the graph after a kernel): ~45 us a
+batch-1 step (bench/gpu_bench.py --profile-only, timeline_*), while back-to-back graphs follow one
+another with almost none. Where the GPU can address pinned host memory (mapped_view), the two copies
+are kernels reading and writing it over PCIe; elsewhere they are copy nodes of the graph.
+
+Graphs read fixed buffers, so the host writes a step's inputs into one of two pinned staging buffers in
+turn (the GPU may still be reading the other one, for the step before) and replays that turn's graph;
+padded rows write no KV (slot -1), read a one-token context, and their logits are dropped.
 
 Overlapped steps (engine.py) launch step N+1 before the host has read step N's tokens: rows whose input
-id is such a token get it on the device, from the indices staged with the other inputs. The host
-stages into two pinned buffers in turn, since a buffer's copy may still be queued behind the GPU's
-current step when the host writes the next one.
+id is such a token take it from `last_tokens`, where every step leaves its tokens on the device (the
+graph's argmax writes them there; keep_tokens copies those of other steps).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -31,9 +41,10 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CTX_BUCKETS = (255,)
 CTX_BUCKETED_UP_TO = 4
 # int64 fields first (two int32 words each), then int32 fields; block_tables last so a step copies
-# only the rows it uses.
-I64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices", "fill_rows", "fill_src")
+# only the rows it uses. fill_sel: where each row's input id comes from (see StagedInputs.pool).
+I64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices", "fill_sel")
 I32_FIELDS = ("context_lens", "query_start_loc")
+TURNS = 2
 
 
 def _aligned(words: int) -> int:
@@ -41,8 +52,39 @@ def _aligned(words: int) -> int:
     return -(-words // 4) * 4
 
 
+_TYPESTR = {torch.int32: "<i4", torch.int64: "<i8"}
+
+
+class _Mapped:
+    """A pinned host tensor as a CUDA array (__cuda_array_interface__): its host address, which the GPU can
+    address too (unified addressing maps pinned memory), so torch makes a CUDA tensor over the same bytes."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t   # kept alive by the CUDA tensor made from this object
+        self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": _TYPESTR[t.dtype],
+                                         "data": (t.data_ptr(), False), "version": 2}
+
+
+def mapped_view(host: torch.Tensor) -> torch.Tensor | None:
+    """host (pinned, contiguous) as a CUDA tensor over the same memory, for kernels to read and write over
+    PCIe; None where torch or the driver will not make one (the graphs then copy with copy nodes)."""
+    try:
+        view = torch.as_tensor(_Mapped(host), device="cuda")
+    except Exception:   # an old torch, no unified addressing: the copy-node path works everywhere
+        return None
+    return view if view.data_ptr() == host.data_ptr() else None
+
+
+def _kernel_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst = src with an elementwise kernel: copy_ between two CUDA tensors would be a copy-engine memcpy,
+    the hand-off the in-graph staging is there to avoid."""
+    torch.bitwise_or(src, 0, out=dst)
+
+
 class StagedInputs:
-    """The decode graphs' input tensors as views of one device buffer, mirrored by pinned host ones."""
+    """The decode graphs' input tensors as views of one device buffer, filled by the graph itself from one
+    of two pinned host buffers; and where the step's tokens go (`last_tokens` on the device, `tokens` on
+    the host, per turn)."""
 
     def __init__(self, max_batch: int, max_blocks: int, device):
         self.n, self.width = max_batch, max_blocks
@@ -56,67 +98,116 @@ class StagedInputs:
             self.offsets[name] = at = _aligned(at)
             at += max_batch + 1
         self.offsets["block_tables"] = at = _aligned(at)
-        self.size = at + max_batch * max_blocks
-        self.hosts = [torch.zeros(self.size, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self.size = _aligned(at + max_batch * max_blocks)   # whole 16-byte lines: turn 1's row aligned too
+        cuda = torch.device(device).type == "cuda"
+        stack = torch.zeros(TURNS, self.size, dtype=torch.int32)
+        stack = stack.pin_memory() if cuda else stack
+        self.hosts = list(stack)                        # the host writes turn t's inputs into hosts[t]
+        self.host_stack = mapped_view(stack) if cuda else stack
+        self.host_rows = stack                          # for the copy-node path
         self.turn = 0                                   # which host buffer the next step writes
-        self.device = torch.zeros(self.size, dtype=torch.int32, device=device)
+        # One device buffer: the previous step's tokens (last_tokens), then the staged fields. The int64
+        # pool over [last_tokens | input_ids] is what fill_sel indexes: an index below n takes that row of
+        # the previous step's tokens, ids_base + i the staged id of row i.
+        lead = _aligned(2 * max_batch)
+        self.ids_base = lead // 2
+        whole = torch.zeros(lead + self.size, dtype=torch.int32, device=device)
+        self.device = whole[lead:]
+        self.pool = whole[:lead + 2 * max_batch].view(torch.int64)
+        self.last_tokens = self.pool[:max_batch]
+        self.ids = torch.zeros(max_batch, dtype=torch.int64, device=device)    # after the fill
         self.dev = self._views(self.device)
+        tokens = torch.zeros(TURNS, max_batch, dtype=torch.int64)
+        self.tokens = tokens.pin_memory() if cuda else tokens     # each turn's greedy tokens, for the host
+        self.tokens_dev = mapped_view(self.tokens) if cuda else self.tokens
         cpus = [self._views(host) for host in self.hosts]
         self.cpu_np = [{name: view.numpy() for name, view in cpu.items()} for cpu in cpus]
+        self.own_ids = (self.ids_base + torch.arange(max_batch)).numpy()
         for views in (*cpus, self.dev):
             views["query_start_loc"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))
             views["logits_indices"].copy_(torch.arange(max_batch))
             views["context_lens"].fill_(1)
             views["slot_mapping"].fill_(-1)
+            views["fill_sel"].copy_(torch.from_numpy(self.own_ids))
 
     def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         o, n = self.offsets, self.n
         views = {name: buf[o[name]:o[name] + 2 * n].view(torch.int64) for name in I64_FIELDS}
         views.update({name: buf[o[name]:o[name] + n + 1] for name in I32_FIELDS})
         views["context_lens"] = views["context_lens"][:n]
-        views["block_tables"] = buf[o["block_tables"]:].view(n, self.width)
+        views["block_tables"] = buf[o["block_tables"]:o["block_tables"] + n * self.width].view(n, self.width)
         return views
 
-    def bucket_inputs(self, b: int) -> dict[str, torch.Tensor]:
-        return {name: (t[:b + 1] if name == "query_start_loc" else t[:b]) for name, t in self.dev.items()
-                if not name.startswith("fill_")}
+    def used(self, b: int) -> int:
+        """int32 words a bucket of b rows reads: every field, and b rows of block tables."""
+        return self.offsets["block_tables"] + b * self.width
 
-    def send(self, inputs: dict[str, torch.Tensor], n: int, b: int, fill: TokenFill | None) -> None:
+    def bucket_inputs(self, b: int) -> dict[str, torch.Tensor]:
+        views = {name: (t[:b + 1] if name == "query_start_loc" else t[:b]) for name, t in self.dev.items()
+                 if name != "fill_sel"}
+        views["input_ids"] = self.ids[:b]
+        return views
+
+    def stage(self, b: int, turn: int) -> None:
+        """Inside the graph: turn's host buffer into the device one, then each row's input id from the
+        staged ids or the previous step's tokens."""
+        used = self.used(b)
+        if self.host_stack is not None:
+            _kernel_copy(self.device[:used], self.host_stack[turn, :used])
+        else:
+            self.device[:used].copy_(self.host_rows[turn, :used], non_blocking=True)
+        torch.index_select(self.pool, 0, self.dev["fill_sel"][:b], out=self.ids[:b])
+
+    def export(self, b: int, turn: int) -> None:
+        """Inside the graph: the step's tokens (last_tokens) into turn's pinned host row."""
+        if self.tokens_dev is not None:
+            _kernel_copy(self.tokens_dev[turn, :b], self.last_tokens[:b])
+        else:
+            self.tokens[turn, :b].copy_(self.last_tokens[:b], non_blocking=True)
+
+    def send(self, inputs: dict[str, torch.Tensor], n: int, b: int, fill: TokenFill | None) -> int:
+        """Writes a step's inputs into the next host buffer; returns its turn (the graph to replay)."""
         # Written through numpy views of the pinned buffer: a numpy slice assignment costs a fraction
         # of a torch copy_ call, and this runs every decode step.
-        host, cpu = self.hosts[self.turn], self.cpu_np[self.turn]
-        self.turn ^= 1
+        turn, cpu = self.turn, self.cpu_np[self.turn]
+        self.turn = (self.turn + 1) % TURNS
         for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
             cpu[name][:n] = inputs[name].numpy()
         cpu["input_ids"][n:b] = 0       # padded rows: a valid id (a buffer may hold an in-flight -1)
         cpu["slot_mapping"][n:b] = -1   # no KV write
         cpu["context_lens"][n:b] = 1
+        sel = cpu["fill_sel"]
+        sel[:b] = self.own_ids[:b]
         if fill is not None:
-            cpu["fill_rows"][:len(fill.rows)] = fill.rows.numpy()
-            cpu["fill_src"][:len(fill.src)] = fill.src.numpy()
+            sel[fill.rows.numpy()] = fill.src.numpy()
         width = inputs["block_tables"].shape[1]
         cpu["block_tables"][:n, :width] = inputs["block_tables"].numpy()
-        used = self.offsets["block_tables"] + b * self.width
-        self.device[:used].copy_(host[:used], non_blocking=True)
-        if fill is not None:
-            k = len(fill.rows)
-            fill.apply(self.dev["input_ids"], self.dev["fill_rows"][:k], self.dev["fill_src"][:k])
+        return turn
 
 
 class GraphedExecutor:
-    """Executor.forward with decode batches served from captured graphs, everything else eager."""
+    """Executor.forward with decode batches served from captured graphs, everything else eager.
+
+    greedy(logits, out): the argmax the graphs end with (the bundle's kernel); every decode graph takes
+    the greedy tokens, and after a replay `step_tokens` holds them (device rows, pinned host rows) for
+    the engine, which uses them when the step was all greedy and samples from the logits otherwise."""
 
     def __init__(self, executor: Executor, facts: StepFacts, max_blocks_per_seq: int,
-                 max_batch: int = 256, device: str | torch.device = "cuda", enabled: bool = True):
+                 max_batch: int = 256, device: str | torch.device = "cuda", enabled: bool = True,
+                 greedy: Callable[[torch.Tensor, torch.Tensor], None] | None = None):
         self.executor = executor
         self.facts = facts
         self.device = device
         self.enabled = enabled
+        self.greedy = greedy or (lambda logits, out: torch.argmax(logits, -1, out=out))
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
         self.staged = StagedInputs(self.buckets[-1], max_blocks_per_seq, device)
-        # (batch bucket, context bucket or None for the block table's capacity) -> (graph, logits)
-        self.graphs: dict[tuple[int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (batch bucket, context bucket or None for the block table's capacity) -> per staging turn
+        # (graph, logits)
+        self.graphs: dict[tuple[int, int | None], list[tuple[torch.cuda.CUDAGraph, torch.Tensor]]] = {}
         self.pool = None
+        self.step_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.tokens_kept = True   # last_tokens holds the previous step's tokens (fills can read them)
 
     def capture(self, kv_caches: list[torch.Tensor]) -> None:
         """Capture every bucket now (largest first, so the smaller ones reuse its memory pool)."""
@@ -136,11 +227,14 @@ class GraphedExecutor:
 
     def forward(self, inputs: dict[str, torch.Tensor], kv_caches: list[torch.Tensor],
                 fill: TokenFill | None = None) -> torch.Tensor:
-        """inputs are host tensors (the engine builds them there); they cross to the GPU here without
-        a sync, so the host can go on while earlier steps still run."""
+        """inputs are host tensors (the engine builds them there); they reach the GPU without a sync, so
+        the host can go on while earlier steps still run."""
         n = inputs["input_ids"].shape[0]
-        decode = (self.enabled and n == inputs["block_tables"].shape[0] and n <= self.buckets[-1]
-                  and inputs["block_tables"].shape[1] <= self.staged.width)
+        self.step_tokens = None
+        # one token a row, each sampled: the graph's logits and tokens are row for row the sampled ones
+        decode = (self.enabled and n == inputs["block_tables"].shape[0] == inputs["logits_indices"].shape[0]
+                  and n <= self.buckets[-1] and inputs["block_tables"].shape[1] <= self.staged.width
+                  and (fill is None or self.tokens_kept))
         if not decode:
             self.facts.describe(inputs["query_start_loc"][1:] - inputs["query_start_loc"][:-1], inputs["context_lens"])
             on_device = {k: _to_device(v, self.device) for k, v in inputs.items()}
@@ -151,10 +245,27 @@ class GraphedExecutor:
         key = self.graph_key(n, int(inputs["context_lens"].max()))
         if key not in self.graphs:
             self._capture(key, kv_caches)
-        self.staged.send(inputs, n, key[0], fill)
-        graph, out = self.graphs[key]
+        turn = self.staged.send(inputs, n, key[0], fill)
+        graph, out = self.graphs[key][turn]
         graph.replay()
+        self.step_tokens = (self.staged.last_tokens[:n], self.staged.tokens[turn, :n])
+        self.tokens_kept = True
         return out[:n]
+
+    def keep_tokens(self, tokens: torch.Tensor | None) -> None:
+        """A step outside the graphs sampled `tokens` (on the device): keep them where the next graphed
+        step's in-flight rows read them."""
+        self.tokens_kept = tokens is not None and tokens.shape[0] <= self.staged.n
+        if self.tokens_kept:
+            self.staged.last_tokens[:tokens.shape[0]].copy_(tokens)
+
+    def _step(self, b: int, turn: int, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """One decode step of bucket b from host buffer `turn`: what a graph holds."""
+        self.staged.stage(b, turn)
+        logits = self.executor.forward(self.staged.bucket_inputs(b), kv_caches)
+        self.greedy(logits, self.staged.last_tokens[:b])
+        self.staged.export(b, turn)
+        return logits
 
     def _capture(self, key: tuple[int, int | None], kv_caches: list[torch.Tensor]) -> None:
         b, max_context = key
@@ -169,13 +280,19 @@ class GraphedExecutor:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.executor.forward(inputs, kv_caches)  # warm-up: allocator and cuBLAS handles
+            # warm-up: allocator and cuBLAS handles (the forward only: the staging would read a host
+            # buffer the engine may be writing)
+            self.greedy(self.executor.forward(inputs, kv_caches), torch.empty(b, dtype=torch.int64,
+                                                                              device=self.device))
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.executor.forward(inputs, kv_caches)
-        self.pool = graph.pool()
-        self.graphs[key] = (graph, out)
+        graphs = []
+        for turn in range(TURNS):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._step(b, turn, kv_caches)
+            self.pool = graph.pool()
+            graphs.append((graph, out))
+        self.graphs[key] = graphs
 
 
 def _to_device(t: torch.Tensor, device) -> torch.Tensor:

@@ -81,11 +81,16 @@ class Readback:
         host = self.buffers[self.turn][:len(tokens)]
         self.turn ^= 1
         host.copy_(tokens, non_blocking=True)
+        return host, self.event(tokens)
+
+    @staticmethod
+    def event(tokens: torch.Tensor) -> torch.cuda.Event | None:
+        """An event after the work queued so far (tokens on a GPU), else None."""
         if not tokens.is_cuda:
-            return host, None
+            return None
         ready = torch.cuda.Event()
         ready.record()
-        return host, ready
+        return ready
 
 
 class Engine:
@@ -101,9 +106,10 @@ class Engine:
         self.executor = model.executor
         if model.device.type == "cuda":
             from engc.runtime.cuda_graphs import GraphedExecutor
+            greedy = None if model.sampler is None else model.sampler.greedy
             self.executor = GraphedExecutor(model.executor, model.step_facts,
                                             -(-self.max_context // model.block_size),
-                                            config.max_num_seqs, model.device, config.cuda_graphs)
+                                            config.max_num_seqs, model.device, config.cuda_graphs, greedy)
             if config.cuda_graphs:
                 self.executor.capture(self.kv.layers)
         self.eos_token_ids = model.tokenizer.eos_token_ids
@@ -169,13 +175,22 @@ class Engine:
 
     def _launch(self, batch: list[tuple[Sequence, int]]) -> InFlight:
         inputs, sampled, fill = self._inputs(batch)
+        host = None
         with torch.inference_mode():
             logits = self.executor.forward(inputs, self.kv.layers, fill)
-            tokens = self._sample_on_device(logits, sampled) if sampled else None
+            # a graphed decode step took its greedy tokens itself, on their way to pinned memory already
+            graphed = getattr(self.executor, "step_tokens", None)
+            if sampled and graphed is not None and all(s.params.plain_greedy for s in sampled):
+                tokens, host = graphed
+            else:
+                tokens = self._sample_on_device(logits, sampled) if sampled else None
+                if hasattr(self.executor, "keep_tokens"):
+                    self.executor.keep_tokens(tokens)   # where the next graphed step's fills read them
         step = InFlight(batch, sampled, logits)
         if tokens is not None:
             step.tokens = tokens
-            step.host, step.ready = self.readback.start(tokens)
+            step.host, step.ready = (host, self.readback.event(tokens)) if host is not None \
+                else self.readback.start(tokens)
             step.row_of = {seq: i for i, seq in enumerate(sampled)}
         return step
 
