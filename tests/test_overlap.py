@@ -174,10 +174,24 @@ def test_graphed_executor_fills_in_flight_ids(model, monkeypatch):
               add_later=[(5, ids[0], params[3])])
     sync, _, _ = run(model, False, requests, **kw)
     overlapped, engine, dropped = run(model, True, requests, **kw)
-    assert overlapped == sync and dropped > 0 and engine.scheduler.num_preemptions > 0
+    assert overlapped == sync and engine.scheduler.num_preemptions > 0
     assert engine.executor.graphs  # decode batches went through the staged path
     assert [r[0] for r in sync] == [r[0] for r in run(model, False, requests, config=kw["config"],
                                                        add_later=kw["add_later"])[0]]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_of_n_tokens_runs_n_steps(model, overlap):
+    """The step that would run a sequence's last in-flight token (max_tokens reached) is not launched:
+    it would compute a token only to drop it (one wasted step a request, 1/128 of a 128-token reply)."""
+    engine = Engine(model, EngineConfig(overlap=overlap))
+    launches = []
+    forward = engine.executor.forward
+    engine.executor.forward = lambda *a, **k: launches.append(1) or forward(*a, **k)
+    seq = engine.add_request(prompts(model, 1)[0], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
+    engine.run_to_completion()
+    assert len(seq.output_ids) == 9 and seq.finish_reason == "length"
+    assert len(launches) == 9       # the prefill, then 8 decode steps
 
 
 def test_graphed_greedy_steps_take_the_graphs_tokens(model, monkeypatch):

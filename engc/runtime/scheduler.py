@@ -41,8 +41,8 @@ class Scheduler:
         budget, batch = self.max_batched_tokens, []
         self.running.sort(key=_order)
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or budget == 0:
-                continue  # preempted below to make room for a higher-priority sequence
+            if seq.status is not Status.RUNNING or budget == 0 or seq.ends_in_flight:
+                continue  # preempted below to make room for a higher-priority sequence, or done once read
             n = min(seq.num_pending, budget)
             while not self._reserve(seq, seq.num_computed + n):
                 victim = self.running[-1]

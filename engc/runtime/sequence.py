@@ -74,5 +74,11 @@ class Sequence:
         return self.num_tokens - self.num_computed
 
     @property
+    def ends_in_flight(self) -> bool:
+        """Its token in flight is its last (max_tokens): reading it finishes the sequence, so no step needs
+        to run that token through the model (the step would compute a token only to drop it)."""
+        return self.num_in_flight > 0 and len(self.output_ids) + self.num_in_flight >= self.params.max_tokens
+
+    @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
