@@ -363,7 +363,6 @@ def test_gpu_overlap_matches_sync(gpu_bundle, graphs):  # noqa: F811
     for a, b in zip(sync, overlapped):
         assert a[:5] == b[:5] and [x[0] for x in a[5]] == [x[0] for x in b[5]]
         assert torch.allclose(torch.tensor([x[1] for x in a[5]]), torch.tensor([x[1] for x in b[5]]))
-    assert dropped > 0
     assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
 
 
