@@ -247,6 +247,13 @@ def test_decode_shaped_batch_with_an_unsampled_row_runs_eager(model, monkeypatch
     assert logits.shape[0] == 2 and ex.step_tokens is not None and ex.graphs
 
 
+def test_mapped_view_is_none_where_the_gpu_cannot_address_host_memory():
+    """No CUDA here: mapped_view says so with None (then the GPU executor runs decode steps eagerly)."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: test_gpu_graphed_steps_match_eager checks the mapped view")
+    assert cuda_graphs.mapped_view(torch.zeros(4, dtype=torch.int32)) is None
+
+
 def test_graph_keys_by_batch_and_context_bucket(model, monkeypatch):
     """Small batches with short contexts replay their own graph (one KV split); the rest the batch
     bucket's graph sized for the block table's capacity; both kinds are captured at start."""
@@ -373,8 +380,9 @@ def test_gpu_graphed_steps_match_eager(gpu_bundle):  # noqa: F811
     sampled rows, batches joining and leaving."""
     from engc.runtime.cuda_graphs import mapped_view
     model = load(gpu_bundle, device="cuda")
-    probe = torch.zeros(4, dtype=torch.int64).pin_memory()
-    print(f"pinned memory mapped for kernels: {mapped_view(probe) is not None}")
+    probe = torch.arange(4, dtype=torch.int64).pin_memory()
+    view = mapped_view(probe)   # without it, decode steps would run without graphs
+    assert view is not None and view.is_cuda and view.sum().item() == 6
     ids = prompts(model, 5)
     params = [SamplingParams(max_tokens=26, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=18, temperature=0.9, top_p=0.9, seed=1, ignore_eos=True),

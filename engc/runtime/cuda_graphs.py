@@ -13,8 +13,9 @@ replay), puts the previous step's tokens into the rows still waiting for them, r
 the greedy tokens and writes them back into pinned host memory. Each operation outside a graph cost
 the H200 a gap of 5-11 us (copy-engine hand-offs, the start of the graph after a kernel): ~45 us a
 batch-1 step (bench/gpu_bench.py --profile-only, timeline_*), while back-to-back graphs follow one
-another with almost none. Where the GPU can address pinned host memory (mapped_view), the two copies
-are kernels reading and writing it over PCIe; elsewhere they are copy nodes of the graph.
+another with almost none. The two copies are kernels reading and writing pinned host memory over PCIe
+(mapped_view; unified addressing, every 64-bit CUDA platform); where torch cannot address it so, decode
+steps run eagerly, with a warning.
 
 Graphs read fixed buffers, so the host writes a step's inputs into one of two pinned staging buffers in
 turn (the GPU may still be reading the other one, for the step before) and replays that turn's graph;
@@ -26,6 +27,7 @@ graph's argmax writes them there; keep_tokens copies those of other steps).
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -67,10 +69,10 @@ class _Mapped:
 
 def mapped_view(host: torch.Tensor) -> torch.Tensor | None:
     """host (pinned, contiguous) as a CUDA tensor over the same memory, for kernels to read and write over
-    PCIe; None where torch or the driver will not make one (the graphs then copy with copy nodes)."""
+    PCIe; None where torch or the driver will not make one."""
     try:
         view = torch.as_tensor(_Mapped(host), device="cuda")
-    except Exception:   # an old torch, no unified addressing: the copy-node path works everywhere
+    except Exception:   # no unified addressing, or a torch that refuses host memory
         return None
     return view if view.data_ptr() == host.data_ptr() else None
 
@@ -103,8 +105,7 @@ class StagedInputs:
         stack = torch.zeros(TURNS, self.size, dtype=torch.int32)
         stack = stack.pin_memory() if cuda else stack
         self.hosts = list(stack)                        # the host writes turn t's inputs into hosts[t]
-        self.host_stack = mapped_view(stack) if cuda else stack
-        self.host_rows = stack                          # for the copy-node path
+        self.host_stack = mapped_view(stack) if cuda else stack   # what the graphs read them through
         self.turn = 0                                   # which host buffer the next step writes
         # One device buffer: the previous step's tokens (last_tokens), then the staged fields. The int64
         # pool over [last_tokens | input_ids] is what fill_sel indexes: an index below n takes that row of
@@ -152,18 +153,12 @@ class StagedInputs:
         """Inside the graph: turn's host buffer into the device one, then each row's input id from the
         staged ids or the previous step's tokens."""
         used = self.used(b)
-        if self.host_stack is not None:
-            _kernel_copy(self.device[:used], self.host_stack[turn, :used])
-        else:
-            self.device[:used].copy_(self.host_rows[turn, :used], non_blocking=True)
+        _kernel_copy(self.device[:used], self.host_stack[turn, :used])
         torch.index_select(self.pool, 0, self.dev["fill_sel"][:b], out=self.ids[:b])
 
     def export(self, b: int, turn: int) -> None:
         """Inside the graph: the step's tokens (last_tokens) into turn's pinned host row."""
-        if self.tokens_dev is not None:
-            _kernel_copy(self.tokens_dev[turn, :b], self.last_tokens[:b])
-        else:
-            self.tokens[turn, :b].copy_(self.last_tokens[:b], non_blocking=True)
+        _kernel_copy(self.tokens_dev[turn, :b], self.last_tokens[:b])
 
     def send(self, inputs: dict[str, torch.Tensor], n: int, b: int, fill: TokenFill | None) -> int:
         """Writes a step's inputs into the next host buffer; returns its turn (the graph to replay)."""
@@ -202,6 +197,10 @@ class GraphedExecutor:
         self.greedy = greedy or (lambda logits, out: torch.argmax(logits, -1, out=out))
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
         self.staged = StagedInputs(self.buckets[-1], max_blocks_per_seq, device)
+        if enabled and (self.staged.host_stack is None or self.staged.tokens_dev is None):
+            print("engc: warning: torch cannot address pinned host memory from the GPU here; decode steps run "
+                  "without CUDA graphs (slower at small batches)", file=sys.stderr)
+            self.enabled = False
         # (batch bucket, context bucket or None for the block table's capacity) -> per staging turn
         # (graph, logits)
         self.graphs: dict[tuple[int, int | None], list[tuple[torch.cuda.CUDAGraph, torch.Tensor]]] = {}
