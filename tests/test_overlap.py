@@ -228,6 +228,27 @@ def test_graphed_greedy_steps_take_the_graphs_tokens(model, monkeypatch):
     assert [s.output_ids for s in seqs3[:2]] == [s.output_ids for s in seqs[:2]]
 
 
+def test_large_buckets_sample_outside_their_graphs(model, monkeypatch):
+    """Graphs of more than GREEDY_UP_TO rows end with the logits: the engine samples (greedy too) outside
+    them and keeps the tokens for the next step's fills; the tokens match eager steps."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+    n = cuda_graphs.GREEDY_UP_TO + 4
+    ids = [model.tokenizer.encode(f"{i} {TEXT}")[:8 + i % 5] for i in range(n)]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    config = EngineConfig(max_num_seqs=64, num_blocks=4 * n)
+    eager, _, _ = run(model, True, [(i, greedy, None) for i in ids], config=config)
+    engine = Engine(model, EngineConfig(**{**config.__dict__, "overlap": True}))
+    cpu_graphed(engine)
+    calls = []
+    sample = engine._sample_on_device
+    monkeypatch.setattr(engine, "_sample_on_device", lambda logits, seqs: calls.append(len(seqs)) or
+                        sample(logits, seqs))
+    seqs = [engine.add_request(i, greedy) for i in ids]
+    engine.run_to_completion()
+    assert [s.output_ids for s in seqs] == [r[0] for r in eager]
+    assert n in calls[1:] and (48, None) in engine.executor.graphs   # decode steps of the 48-row bucket
+
+
 def test_decode_shaped_batch_with_an_unsampled_row_runs_eager(model, monkeypatch):
     """A one-token-a-row batch in which a row does not sample (a prompt's 1-token chunk) is not a graph's:
     the graph's logits are row for row the sampled ones."""

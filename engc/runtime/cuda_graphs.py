@@ -42,6 +42,11 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # the 1B batch-1 step gained 24 us (1.082 -> 1.058 ms) while the 8B one did not move.
 CTX_BUCKETS = (255,)
 CTX_BUCKETED_UP_TO = 4
+# The largest bucket whose graphs end with the greedy argmax and the tokens' write-back. A sampled step
+# (temperature) runs the argmax for nothing: cheap up to here (32 rows x a 128k vocab: 16 MB of float32
+# logits, ~4 us), not at 256 rows (131 MB) on a small model's short steps. Larger buckets end with the
+# logits; the engine samples (greedy too) outside the graph and copies the tokens back as before.
+GREEDY_UP_TO = 32
 # int64 fields first (two int32 words each), then int32 fields; block_tables last so a step copies
 # only the rows it uses. fill_sel: where each row's input id comes from (see StagedInputs.pool).
 I64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices", "fill_sel")
@@ -183,9 +188,9 @@ class StagedInputs:
 class GraphedExecutor:
     """Executor.forward with decode batches served from captured graphs, everything else eager.
 
-    greedy(logits, out): the argmax the graphs end with (the bundle's kernel); every decode graph takes
-    the greedy tokens, and after a replay `step_tokens` holds them (device rows, pinned host rows) for
-    the engine, which uses them when the step was all greedy and samples from the logits otherwise."""
+    greedy(logits, out): the argmax the graphs of up to GREEDY_UP_TO rows end with (the bundle's kernel);
+    after such a replay `step_tokens` holds its tokens (device rows, pinned host rows) for the engine,
+    which uses them when the step was all greedy and samples from the logits otherwise."""
 
     def __init__(self, executor: Executor, facts: StepFacts, max_blocks_per_seq: int,
                  max_batch: int = 256, device: str | torch.device = "cuda", enabled: bool = True,
@@ -247,8 +252,9 @@ class GraphedExecutor:
         turn = self.staged.send(inputs, n, key[0], fill)
         graph, out = self.graphs[key][turn]
         graph.replay()
-        self.step_tokens = (self.staged.last_tokens[:n], self.staged.tokens[turn, :n])
-        self.tokens_kept = True
+        if key[0] <= GREEDY_UP_TO:
+            self.step_tokens = (self.staged.last_tokens[:n], self.staged.tokens[turn, :n])
+            self.tokens_kept = True
         return out[:n]
 
     def keep_tokens(self, tokens: torch.Tensor | None) -> None:
@@ -262,8 +268,9 @@ class GraphedExecutor:
         """One decode step of bucket b from host buffer `turn`: what a graph holds."""
         self.staged.stage(b, turn)
         logits = self.executor.forward(self.staged.bucket_inputs(b), kv_caches)
-        self.greedy(logits, self.staged.last_tokens[:b])
-        self.staged.export(b, turn)
+        if b <= GREEDY_UP_TO:
+            self.greedy(logits, self.staged.last_tokens[:b])
+            self.staged.export(b, turn)
         return logits
 
     def _capture(self, key: tuple[int, int | None], kv_caches: list[torch.Tensor]) -> None:
@@ -281,8 +288,9 @@ class GraphedExecutor:
         with torch.cuda.stream(stream):
             # warm-up: allocator and cuBLAS handles (the forward only: the staging would read a host
             # buffer the engine may be writing)
-            self.greedy(self.executor.forward(inputs, kv_caches), torch.empty(b, dtype=torch.int64,
-                                                                              device=self.device))
+            logits = self.executor.forward(inputs, kv_caches)
+            if b <= GREEDY_UP_TO:
+                self.greedy(logits, torch.empty(b, dtype=torch.int64, device=self.device))
         torch.cuda.current_stream().wait_stream(stream)
         graphs = []
         for turn in range(TURNS):
