@@ -417,3 +417,19 @@ def test_gpu_graphed_steps_match_eager(gpu_bundle):  # noqa: F811
         runs[graphs], engine, _ = run(model, True, requests, config=config, add_later=[(6, ids[3], params[0])])
         assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
     assert runs[True] == runs[False]
+
+
+@pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA device and engc._native")
+def test_gpu_large_buckets_match_eager(gpu_bundle):  # noqa: F811
+    """On the GPU: more rows than GREEDY_UP_TO, so the graphs end with the logits and the engine samples and
+    keeps the tokens outside them; greedy and sampled rows give what eager steps give."""
+    model = load(gpu_bundle, device="cuda")
+    n = cuda_graphs.GREEDY_UP_TO + 4
+    ids = [model.tokenizer.encode(f"{i} {TEXT}")[:8 + i % 5] for i in range(n)]
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) if i % 3 else
+              SamplingParams(max_tokens=8, temperature=0.8, seed=i, ignore_eos=True) for i in range(n)]
+    runs = {}
+    for graphs in (False, True):
+        config = EngineConfig(num_blocks=8 * n, max_num_seqs=64, cuda_graphs=graphs)
+        runs[graphs], _, _ = run(model, True, [(i, p, None) for i, p in zip(ids, params)], config=config)
+    assert runs[True] == runs[False]
