@@ -121,17 +121,12 @@ def run(aot: Path, out: Path):
     from engc.kernels import gemv
     from engc.kernels.silu_mul import silu_mul
     from engc.runtime.cubin import current_stream
-    started = time.time()
-    torch.zeros(1, device="cuda")   # the primary context, before any driver call loads a module
-    index = json.loads((aot / "index.json").read_text())
-    sets = {name: KernelSet(aot / name, recs) for name, recs in index.items()}
+    from kernels_device import RunLog, load_sets
+    run_log = RunLog()
+    say = run_log.say
+    sets = load_sets(aot, KernelSet)
     counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "timings": []}
-    log = []
-
-    def say(msg):
-        print(msg, flush=True)
-        log.append(msg)
 
     def launch_plan(plan):
         for kern, grid, ptrs, _ in plan:
@@ -184,8 +179,7 @@ def run(aot: Path, out: Path):
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     table(results, say)
-    say(f"total {time.time() - started:.0f}s")
-    (out / "log.txt").write_text("\n".join(log) + "\n")
+    run_log.finish(out)
 
 
 def _kind(shape: str) -> str:

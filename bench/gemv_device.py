@@ -176,17 +176,14 @@ def run(aot: Path, out: Path):
     from engc.kernels import gemv
     from engc.kernels.silu_mul import silu_mul
     from engc.runtime.cubin import current_stream
-    started = time.time()
+    from kernels_device import RunLog
+    run_log = RunLog()
+    say = run_log.say
     index = json.loads((aot / "index.json").read_text())
     sets = {(mc, name): Kernels(aot / mc.replace("<=", "le") / name, recs)
             for mc, configs in index.items() for name, recs in configs.items()}
     counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "timings": []}
-    log = []
-
-    def say(msg):
-        print(msg, flush=True)
-        log.append(msg)
 
     bf = torch.bfloat16
     for shape, (n, k, silu) in SHAPES.items():
@@ -235,8 +232,7 @@ def run(aot: Path, out: Path):
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     table(results, say)
-    say(f"total {time.time() - started:.0f}s")
-    (out / "log.txt").write_text("\n".join(log) + "\n")
+    run_log.finish(out)
 
 
 def run_pick(aot: Path, out: Path):

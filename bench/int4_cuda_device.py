@@ -134,20 +134,14 @@ def make_weights(n, k, group, copies, gen):
 def run(aot: Path, out: Path):
     import torch
     import torch.nn.functional as F
-    from kernels_device import KernelSet, rel_err, time_graph
+    from kernels_device import RunLog, load_sets, rel_err, time_graph
     from engc.kernels import gemv
     from engc.kernels import int4_linear as op
-    started = time.time()
-    torch.zeros(1, device="cuda")   # the primary context, before any driver call loads a module
-    index = json.loads((aot / "index.json").read_text())
-    sets = {name: KernelSet(aot / name, recs) for name, recs in index.items()}
+    run_log = RunLog()
+    say = run_log.say
+    sets = load_sets(aot)
     counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "timings": []}
-    log = []
-
-    def say(msg):
-        print(msg, flush=True)
-        log.append(msg)
 
     def cuda_linear(name, target, x, w, group, bias=None):
         ks = sets[name]
@@ -204,7 +198,7 @@ def run(aot: Path, out: Path):
             for name in dq_sets:
                 exact(dict(case="edge", group=group, N=n, K=k, set=name), dequant(name, w, group, n, k), w, group)
     say(f"edge checks: {sum(c['ok'] for c in results['checks'])}/{len(results['checks'])} ok "
-        f"({time.time() - started:.0f}s)")
+        f"({run_log.elapsed():.0f}s)")
     # 2. the 8B shapes: check, time, check again after the graph replays
     for shape, (n, k) in SHAPES.items():
         wbytes = n * k // 2 + 3 * n * (k // GROUP)
@@ -242,14 +236,13 @@ def run(aot: Path, out: Path):
                     us = time_graph(lambda i: cuda_linear(name, target, x, ws[i], GROUP), copies)
                     if ablate or check(dict(tag, after="graph"), cuda_linear(name, target, x, ws[0], GROUP), ref):
                         results["timings"].append(dict(tag, us=us, tbs=wbytes / us / 1e6))
-        say(f"{shape}: done ({time.time() - started:.0f}s)")
+        say(f"{shape}: done ({run_log.elapsed():.0f}s)")
         ws = dense = None
         torch.cuda.empty_cache()
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     table(results, say)
-    say(f"total {time.time() - started:.0f}s")
-    (out / "log.txt").write_text("\n".join(log) + "\n")
+    run_log.finish(out)
 
 
 def table(results, say):

@@ -96,20 +96,14 @@ def run(aot: Path, out: Path):
     import torch
     import torch.nn.functional as F
     from int4_cuda_device import make_weights
-    from kernels_device import KernelSet, rel_err, time_graph
+    from kernels_device import RunLog, load_sets, rel_err, time_graph
     from engc.kernels import gemv, int4_gemm
     from engc.kernels import int4_linear as op
-    started = time.time()
-    torch.zeros(1, device="cuda")
-    index = json.loads((aot / "index.json").read_text())
-    sets = {name: KernelSet(aot / name, recs) for name, recs in index.items()}
+    run_log = RunLog()
+    say = run_log.say
+    sets = load_sets(aot)
     counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "timings": []}
-    log = []
-
-    def say(msg):
-        print(msg, flush=True)
-        log.append(msg)
 
     def gemm(name, target, x, w, group):
         ks = sets[name]
@@ -154,7 +148,7 @@ def run(aot: Path, out: Path):
                 check(dict(case="edge", M=m, N=n, K=k, group=group, set=name, target=target),
                       gemm(name, target, x, w, group), ref)
     say(f"edge checks: {sum(c['ok'] for c in results['checks'])}/{len(results['checks'])} ok "
-        f"({time.time() - started:.0f}s)")
+        f"({run_log.elapsed():.0f}s)")
     for shape, (n, k) in SHAPES.items():
         wbytes = n * k // 2 + 3 * n * (k // GROUP)
         copies = max(2, math.ceil(150e6 / wbytes))
@@ -180,14 +174,13 @@ def run(aot: Path, out: Path):
                     us = time_graph(lambda i: gemm(name, mult * SMS, x, ws[i], GROUP), copies)
                     if check(dict(tag, after="graph"), gemm(name, mult * SMS, x, ws[0], GROUP), ref):
                         results["timings"].append(dict(tag, us=us, tbs=wbytes / us / 1e6))
-        say(f"{shape}: done ({time.time() - started:.0f}s)")
+        say(f"{shape}: done ({run_log.elapsed():.0f}s)")
         ws = dense = None
         torch.cuda.empty_cache()
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     table(results, say)
-    say(f"total {time.time() - started:.0f}s")
-    (out / "log.txt").write_text("\n".join(log) + "\n")
+    run_log.finish(out)
 
 
 # today's int4 path past 64 rows: the CUDA dequant (bench/results/h200_59ba135_int4_variants.txt, w8c2, us per

@@ -120,6 +120,35 @@ class CubinKernel:
                                           stream, ctypes.addressof(params), 0))
 
 
+def load_sets(aot: Path, kernel_set=None) -> dict:
+    """The kernel sets a `prepare` step wrote under aot (index.json: set name -> records), by name, each a
+    kernel_set(folder, records) (default KernelSet); the primary CUDA context is made first, before any
+    driver call loads a module."""
+    import torch
+    torch.zeros(1, device="cuda")
+    index = json.loads((aot / "index.json").read_text())
+    return {name: (kernel_set or KernelSet)(aot / name, recs) for name, recs in index.items()}
+
+
+class RunLog:
+    """What a device script's run prints: say() prints a line and keeps it; finish() says the total time
+    and writes the lines to out/log.txt."""
+
+    def __init__(self):
+        self.started, self.lines = time.time(), []
+
+    def say(self, msg: str) -> None:
+        print(msg, flush=True)
+        self.lines.append(msg)
+
+    def elapsed(self) -> float:
+        return time.time() - self.started
+
+    def finish(self, out: Path) -> None:
+        self.say(f"total {self.elapsed():.0f}s")
+        (out / "log.txt").write_text("\n".join(self.lines) + "\n")
+
+
 class KernelSet:
     def __init__(self, base: Path, records: list[dict], use_ptx=False):
         self.kernels = {}
