@@ -109,8 +109,7 @@ class StagedInputs:
         cuda = torch.device(device).type == "cuda"
         stack = torch.zeros(TURNS, self.size, dtype=torch.int32)
         stack = stack.pin_memory() if cuda else stack
-        self.hosts = list(stack)                        # the host writes turn t's inputs into hosts[t]
-        self.host_stack = mapped_view(stack) if cuda else stack   # what the graphs read them through
+        self.host_stack = mapped_view(stack) if cuda else stack   # row t: turn t's inputs, as the graphs read them
         self.turn = 0                                   # which host buffer the next step writes
         # One device buffer: the previous step's tokens (last_tokens), then the staged fields. The int64
         # pool over [last_tokens | input_ids] is what fill_sel indexes: an index below n takes that row of
@@ -126,7 +125,7 @@ class StagedInputs:
         tokens = torch.zeros(TURNS, max_batch, dtype=torch.int64)
         self.tokens = tokens.pin_memory() if cuda else tokens     # each turn's greedy tokens, for the host
         self.tokens_dev = mapped_view(self.tokens) if cuda else self.tokens
-        cpus = [self._views(host) for host in self.hosts]
+        cpus = [self._views(host) for host in stack]    # where the host writes each turn's inputs
         self.cpu_np = [{name: view.numpy() for name, view in cpu.items()} for cpu in cpus]
         self.own_ids = (self.ids_base + torch.arange(max_batch)).numpy()
         for views in (*cpus, self.dev):
