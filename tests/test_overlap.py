@@ -268,6 +268,47 @@ def test_decode_shaped_batch_with_an_unsampled_row_runs_eager(model, monkeypatch
     assert logits.shape[0] == 2 and ex.step_tokens is not None and ex.graphs
 
 
+def test_decode_form_of_the_program_skips_the_row_gather_and_the_cast(model):
+    """Executor.forward(decode=True), what the graphs run: every row is sampled, so the gather by
+    logits_indices passes its input through and the logits come out before the float32 cast, equal to
+    the plain forward's."""
+    ex = model.executor
+    cast = ex.program.nodes[-1]
+    assert cast.op == "Cast" and ex.decode_output == cast.inputs[0]
+    assert len(ex.decode_steps) == len(ex.steps) - 1
+    assert sum(step[0].__name__ == "_pass_through" for step in ex.decode_steps) == 1
+    engine = Engine(model, EngineConfig(max_num_seqs=4))
+    inputs = {"input_ids": torch.tensor([5, 6, 7]), "positions": torch.tensor([0, 0, 0]),
+              "slot_mapping": torch.tensor([0, 16, 32]),
+              "block_tables": torch.tensor([[0], [1], [2]], dtype=torch.int32),
+              "context_lens": torch.tensor([1, 1, 1], dtype=torch.int32),
+              "query_start_loc": torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+              "logits_indices": torch.arange(3)}
+    plain = ex.forward(inputs, engine.kv.layers)
+    decode = ex.forward(inputs, engine.kv.layers, decode=True)
+    assert plain.dtype == torch.float32 and torch.equal(decode.float(), plain)
+
+
+def test_graphs_take_only_batches_that_sample_every_row_in_order(model, monkeypatch):
+    """logits_indices other than arange (never made by the engine for one token a row) runs eager: the
+    decode form's gather would not reorder the rows."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+    engine = Engine(model, EngineConfig(max_num_seqs=4))
+    cpu_graphed(engine)
+    ex = engine.executor
+    inputs = {"input_ids": torch.tensor([5, 6]), "positions": torch.tensor([0, 0]),
+              "slot_mapping": torch.tensor([0, 16]), "block_tables": torch.tensor([[0], [1]], dtype=torch.int32),
+              "context_lens": torch.tensor([1, 1], dtype=torch.int32),
+              "query_start_loc": torch.tensor([0, 1, 2], dtype=torch.int32),
+              "logits_indices": torch.tensor([1, 0])}
+    swapped = ex.forward(inputs, engine.kv.layers)
+    assert ex.step_tokens is None and not ex.graphs
+    inputs["logits_indices"] = torch.tensor([0, 1])
+    in_order = ex.forward(inputs, engine.kv.layers)
+    assert ex.step_tokens is not None and ex.graphs
+    assert torch.equal(swapped, in_order.flip(0))
+
+
 def test_mapped_view_is_none_where_the_gpu_cannot_address_host_memory():
     """No CUDA here: mapped_view says so with None (then the GPU executor runs decode steps eagerly)."""
     if torch.cuda.is_available():

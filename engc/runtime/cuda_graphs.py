@@ -21,6 +21,10 @@ Graphs read fixed buffers, so the host writes a step's inputs into one of two pi
 turn (the GPU may still be reading the other one, for the step before) and replays that turn's graph;
 padded rows write no KV (slot -1), read a one-token context, and their logits are dropped.
 
+Every row of a graphed step is sampled, so the program runs its decode form (Executor.forward(decode=True)):
+no gather of the sampled rows, and the logits stay in the head's dtype (no float32 cast) for the argmax and
+the sampler, which read either; the host sampler casts what it reads.
+
 Overlapped steps (engine.py) launch step N+1 before the host has read step N's tokens: rows whose input
 id is such a token take it from `last_tokens`, where every step leaves its tokens on the device (the
 graph's argmax writes them there; keep_tokens copies those of other steps).
@@ -30,6 +34,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+import numpy as np
 import torch
 
 from engc.runtime.executor import Executor, TokenFill
@@ -237,7 +242,8 @@ class GraphedExecutor:
         # one token a row, each sampled: the graph's logits and tokens are row for row the sampled ones
         decode = (self.enabled and n == inputs["block_tables"].shape[0] == inputs["logits_indices"].shape[0]
                   and n <= self.buckets[-1] and inputs["block_tables"].shape[1] <= self.staged.width
-                  and (fill is None or self.tokens_kept))
+                  and (fill is None or self.tokens_kept)
+                  and (inputs["logits_indices"].numpy() == np.arange(n)).all())
         if not decode:
             self.facts.describe(inputs["query_start_loc"][1:] - inputs["query_start_loc"][:-1], inputs["context_lens"])
             on_device = {k: _to_device(v, self.device) for k, v in inputs.items()}
@@ -266,7 +272,7 @@ class GraphedExecutor:
     def _step(self, b: int, turn: int, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """One decode step of bucket b from host buffer `turn`: what a graph holds."""
         self.staged.stage(b, turn)
-        logits = self.executor.forward(self.staged.bucket_inputs(b), kv_caches)
+        logits = self.executor.forward(self.staged.bucket_inputs(b), kv_caches, decode=True)
         if b <= GREEDY_UP_TO:
             self.greedy(logits, self.staged.last_tokens[:b])
             self.staged.export(b, turn)
@@ -287,7 +293,7 @@ class GraphedExecutor:
         with torch.cuda.stream(stream):
             # warm-up: allocator and cuBLAS handles (the forward only: the staging would read a host
             # buffer the engine may be writing)
-            logits = self.executor.forward(inputs, kv_caches)
+            logits = self.executor.forward(inputs, kv_caches, decode=True)
             if b <= GREEDY_UP_TO:
                 self.greedy(logits, torch.empty(b, dtype=torch.int64, device=self.device))
         torch.cuda.current_stream().wait_stream(stream)

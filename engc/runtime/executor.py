@@ -51,9 +51,30 @@ class Executor:
             drop = tuple(n for n in node.inputs if last_use.get(n) == i and n not in weights
                          and n not in program.inputs)
             self.steps.append((impl, node.inputs, node.outputs, dict(node.attrs), drop))
+        self.decode_steps, self.decode_output = self._decode_tail()
+
+    def _decode_tail(self) -> tuple[list, str]:
+        """The steps of forward(decode=True): every row of the batch is sampled, so the gather of the
+        sampled rows (by logits_indices, then arange) passes its input through, and the float32 cast of
+        the logits is left off (its input is returned: argmax and the sampling kernels read the head's
+        dtype, the host sampler casts what it reads). At a decode step of a big model these are two
+        launches of ~2 and ~4 us between the final norm, the lm_head and the argmax."""
+        steps, output = list(self.steps), self.program.outputs[0]
+        for i, (impl, ins, outs, attrs, drop) in enumerate(steps):
+            node = self.program.nodes[i]
+            if node.domain == "" and node.op == "Gather" and ins[1:] == ("logits_indices",) \
+                    and attrs.get("axis", 0) == 0:
+                steps[i] = (_pass_through, ins, outs, {}, drop)
+        last = self.program.nodes[-1]
+        if last.domain == "" and last.op == "Cast" and last.outputs == (output,):
+            steps.pop()
+            output = last.inputs[0]
+        return steps, output
 
     def forward(self, inputs: dict[str, torch.Tensor], kv_caches: list[torch.Tensor],
-                fill: TokenFill | None = None) -> torch.Tensor:
+                fill: TokenFill | None = None, decode: bool = False) -> torch.Tensor:
+        """The program's logits for the batch. decode: a step whose every row is sampled (logits_indices is
+        arange over the rows), whose logits may stay in the head's dtype (_decode_tail)."""
         if fill is not None:
             fill.apply(inputs["input_ids"], fill.rows, fill.src)
         env = dict(self.weights)
@@ -63,11 +84,15 @@ class Executor:
                 env[f"kv_cache.{i}"], env[f"kv_scale.{i}"] = cache
             else:
                 env[f"kv_cache.{i}"] = cache
-        for impl, ins, outs, attrs, drop in self.steps:
+        for impl, ins, outs, attrs, drop in (self.decode_steps if decode else self.steps):
             results = impl(*[env[n] for n in ins], **attrs)
             for name, value in zip(outs, results):
                 env[name] = value
             for name in drop:
                 del env[name]
-        return env[self.program.outputs[0]]
+        return env[self.decode_output if decode else self.program.outputs[0]]
+
+
+def _pass_through(data, indices):
+    return (data,)
 
