@@ -162,6 +162,32 @@ def test_selected_only_where_enabled():
         "cuda", "cuda_wide16", "cuda_wide32", "cuda_dequant")) and notes == []
 
 
+def test_a_projection_shape_gets_its_own_build_where_the_table_has_one():
+    """gemv_n{N}_k{K} entries (the 8B's qkv on sm90): built only for a model with that shape, as variant
+    cuda_g{G}_n{N}_k{K}, and preferred by the launch rule for that shape up to its max_m."""
+    from engc.compiler.codegen.specs import int4_linear_specs
+    triton_specs = int4_linear_specs("bf16", "sm90", (128,))
+    no_dq = {"dequant": {"enabled": False}}
+    specs, notes = cuda_int4.selected_int4_specs(triton_specs, no_dq, shapes={(6144, 4096), (4096, 4096)})
+    own = [s for s in specs if s.variant == "cuda_g128_n6144_k4096"]
+    assert len(own) == 1 and notes == [] and (own[0].render["tiles"], own[0].render["unroll"]) == (1, 2)
+    assert own[0].launch["BLOCK_N"] == 16 and not any("n4096" in s.variant for s in specs)
+    assert not any("_n" in s.variant for s in cuda_int4.selected_int4_specs(triton_specs, no_dq)[0])
+    sm80 = cuda_int4.selected_int4_specs(int4_linear_specs("bf16", "sm80", (128,)), no_dq, shapes={(6144, 4096)})
+    assert not any("_n" in s.variant for s in sm80[0])   # measured on sm90 only
+    consts = {s.variant: s.launch for s in specs}
+    qkv, o = (6144, 4096), (4096, 4096)
+    assert [op.cuda_variant_for(m, 128, consts, qkv) for m in (1, 8, 9)] == [own[0].variant] * 2 + ["cuda_wide16_g128"]
+    assert op.cuda_variant_for(1, 128, consts, o) == op.cuda_variant_for(1, 128, consts) == "cuda_g128"
+    counters = torch.zeros(1 << 16, dtype=torch.int32)
+    for (n, k), variant, block_n in ((qkv, own[0].variant, 16), (o, "cuda_g128", 32)):
+        x, y = torch.zeros(2, k, dtype=torch.bfloat16), torch.empty(2, n, dtype=torch.bfloat16)
+        qw = torch.zeros(n, k // 8, dtype=torch.int32)
+        s, z = torch.ones(n, k // 128, dtype=torch.bfloat16), torch.zeros(n, k // 128, dtype=torch.uint8)
+        (got, grid, _), = op.cuda_launch(x, qw, s, z, None, y, group_size=128, consts=consts, counters=counters)
+        assert got == variant and grid[0] == n // block_n
+
+
 @pytest.fixture(scope="module")
 def records():
     if cuda.nvcc_path() is None:

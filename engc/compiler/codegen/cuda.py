@@ -261,10 +261,10 @@ def add_selected(result, triton_specs: list, cfg: ModelConfig, progress=None, ge
     """Compile the selected CUDA kernels into result (a CodegenResult). Without nvcc they are skipped with
     one line: the Triton kernels they replace are in the bundle anyway, and the launch rule falls back
     (the GEMV to the Triton GEMV where the bundle has one, else cuBLAS; the int4 GEMV to the Triton one)."""
-    from engc.compiler.codegen.cuda_int4 import selected_int4_specs
+    from engc.compiler.codegen.cuda_int4 import int4_shapes, selected_int4_specs
     specs, notes = selected_specs(triton_specs, cfg)
     gemv_specs, gemv_notes = selected_gemv_specs(triton_specs, cfg, gemv_overrides)
-    int4_specs, int4_notes = selected_int4_specs(triton_specs)
+    int4_specs, int4_notes = selected_int4_specs(triton_specs, shapes=int4_shapes(cfg))
     notes += gemv_notes + int4_notes
     if (specs or gemv_specs or int4_specs) and nvcc_path() is None:
         if specs:

@@ -52,7 +52,9 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     if group % 32:
         return None, f"group size {group} is not a multiple of 32"
     key, entry = tune.lookup(arch, "int4_linear", "cuda", kind, overrides)
-    rows = 32 if kind == "gemv" else int(kind[len("gemv_wide"):])   # what the variant's name promises
+    shape = _shape_of(kind)
+    # what the variant's name promises (the M <= 8 GEMV and its per-shape builds: 32 rows of x, 4 n8 tiles)
+    rows = 32 if kind == "gemv" or shape else int(kind[len("gemv_wide"):])
     if not 1 <= entry["max_m"] <= rows:
         return None, f"max_m {entry['max_m']} is outside 1..{rows} (up to {rows // 8} n8 mma tiles of x)"
     warps, tiles, unroll, x_tiles = entry["num_warps"], entry["TILES"], entry["UNROLL"], -(-entry["max_m"] // 8)
@@ -67,23 +69,45 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     launch["impl"] = "cuda"
     launch["PDL"] = int(entry.get("PDL", tune.PDL[arch]))   # the template waits first on sm90 (kernels/pdl.py)
     types = {name_: ty.format(t=t) for name_, ty in ARG_TYPES.items()}
-    variant = op.cuda_variant(group) if kind == "gemv" else op.cuda_wide_variant(group, rows)
+    variant = (op.cuda_shape_variant(group, *shape) if shape else op.cuda_variant(group) if kind == "gemv"
+               else op.cuda_wide_variant(group, rows))
     return CudaKernelSpec(op="int4_linear", variant=variant, arch=arch, template="int4_gemv.cu.j2",
                           entry=name, render=values, arg_types=types, num_warps=warps, tune_key=key, tune=entry,
                           launch=launch), ""
 
 
-def selected_int4_specs(triton_specs: list, overrides=None) -> tuple[list[CudaKernelSpec], list[str]]:
+def shape_kind(n: int, k: int) -> str:
+    """The tune entry (int4_linear/cuda/<kind>) of the CUDA GEMV built for one projection shape [N, K]."""
+    return f"gemv_n{n}_k{k}"
+
+
+def _shape_of(kind: str) -> tuple[int, int] | None:
+    if not kind.startswith("gemv_n"):
+        return None
+    n, k = kind[len("gemv_n"):].split("_k")
+    return int(n), int(k)
+
+
+def int4_shapes(cfg) -> set[tuple[int, int]]:
+    """[N, K] of every projection an int4 program may quantize: qkv, o, gate_up, down and the lm_head."""
+    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    return {(q + 2 * kv, h), (h, q), (2 * i, h), (h, i), (cfg.vocab_size, h)}
+
+
+def selected_int4_specs(triton_specs: list, overrides=None, shapes=()) -> tuple[list[CudaKernelSpec], list[str]]:
     """A CUDA int4 GEMV and dequant kernel for each (arch, group size) the Triton int4 kernels of the build
-    cover, each where the tune table turns it on; and a note for each it cannot have. overrides: 'gemv' /
-    'dequant' -> tune overrides."""
+    cover, each where the tune table turns it on, plus a GEMV per projection shape [N, K] of `shapes` that
+    has an entry of its own (gemv_n{N}_k{K}: constants measured best for that shape); and a note for each it
+    cannot have. overrides: 'gemv' / 'dequant' / ... -> tune overrides."""
     specs, notes = [], []
     for s in triton_specs:
         if s.op != "int4_linear" or not s.variant.startswith("gemv_m1_g"):
             continue
         group, t = s.constexprs["GROUP"], s.arg_types["x_ptr"][1:]
         wide = [(f"gemv_wide{r}", f"GEMV for up to {r} rows") for r in op.CUDA_WIDE_ROWS]
-        for kind, what in [("gemv", "GEMV")] + wide + [("dequant", "dequant")]:
+        own = [(shape_kind(n, k), f"GEMV for [{n}, {k}]") for n, k in sorted(shapes)
+               if f"{s.arch}/int4_linear/cuda/{shape_kind(n, k)}" in tune.TUNE]
+        for kind, what in [("gemv", "GEMV")] + wide + own + [("dequant", "dequant")]:
             ov = (overrides or {}).get(kind)
             if not tune.lookup(s.arch, "int4_linear", "cuda", kind, ov)[1]["enabled"]:
                 continue

@@ -233,6 +233,16 @@ for _arch in ("sm80", "sm90"):
     # 57, and its loads alone 57 against 41 (bench/results/h200_5a04ded_int4_ring.txt).
     _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
+    # ... and, per projection shape [N, K] where one config beat it, a build of its own (gemv_n{N}_k{K}, variant
+    # cuda_g{G}_n{N}_k{K}, made where a model has that shape; the runtime prefers it up to its max_m). H200
+    # (bench/int4_cuda_device.py; h200_5b7e245_int4_cuda.txt, h200_b1c505b_int4_cuda.txt): the 8B's qkv
+    # [6144, 4096] at M=1/2/4/8 took 8.14/8.23/8.83/10.48 us with 16-row tiles and two K steps an iteration,
+    # against 9.31/9.44/9.56/10.54 with this entry (8.13 against 9.30 at M=1 in the earlier sweep). o, gate_up and
+    # down had no better config than this one.
+    if _arch == "sm90":
+        _put(_arch, "int4_linear", "cuda", "gemv_n6144_k4096", enabled=True, max_m=8, num_warps=4, TILES=1,
+             UNROLL=2, min_blocks=4, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16,
+             min_split_k_tiles=1)
     # ... and built for up to 16 and 32 rows (X_TILES = max_m / 8 n8 tiles of x share each dequantized W
     # fragment), serving M 9-16 and 17-32 in place of dequant + cuBLAS. H200, the 8B projections of a decode
     # step (bench/int4_cuda_device.py, bench/results/h200_5b7e245_int4_cuda.txt): M=16 3.19 ms, M=32 5.66 ms,

@@ -209,9 +209,20 @@ def cuda_wide_variant(group_size: int, rows: int) -> str:
     return f"cuda_wide{rows}_g{group_size}"
 
 
-def cuda_variant_for(m: int, group_size: int, consts: dict) -> str | None:
-    """The CUDA C++ GEMV that serves M rows: of the bundle's ones for this group size, the one with the
-    fewest rows that still holds M; None where none does."""
+def cuda_shape_variant(group_size: int, n: int, k: int) -> str:
+    """The CUDA GEMV built for one projection shape [N, K] (tune entry int4_linear/cuda/gemv_n{N}_k{K}), where
+    the bundle has it: the up-to-8-rows GEMV with the constants measured best for that shape."""
+    return f"cuda_g{group_size}_n{n}_k{k}"
+
+
+def cuda_variant_for(m: int, group_size: int, consts: dict, shape: tuple[int, int] | None = None) -> str | None:
+    """The CUDA C++ GEMV that serves M rows of a [N, K] = shape weight: the build for that shape where the
+    bundle has one that holds M, else of its builds for this group size the one with the fewest rows that
+    still holds M; None where none does."""
+    if shape is not None:
+        own = cuda_shape_variant(group_size, *shape)
+        if (c := consts.get(own)) is not None and 1 <= m <= c["max_m"]:
+            return own
     names = [cuda_variant(group_size)] + [cuda_wide_variant(group_size, r) for r in CUDA_WIDE_ROWS]
     fits = [(c["max_m"], v) for v in names if (c := consts.get(v)) is not None and 1 <= m <= c["max_m"]]
     return min(fits)[1] if fits else None
@@ -255,7 +266,7 @@ def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: 
     assert x.is_contiguous() and y.is_contiguous() and qweight.shape[1] * PACK == k and k % CHUNK == 0
     if m == 0:
         return []
-    variant = cuda_variant_for(m, group_size, consts)
+    variant = cuda_variant_for(m, group_size, consts, (n, k))
     c = consts[variant]
     assert m <= c["max_m"] and c["GROUP"] == group_size
     n_tiles, k_tiles = _cdiv(n, c["BLOCK_N"]), _cdiv(k, c["BLOCK_K"])
