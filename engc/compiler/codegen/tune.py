@@ -190,9 +190,10 @@ _put("sm90", "fp8_linear", "k14336_m64", "m<=64", max_m=64, BLOCK_M=64, BLOCK_N=
 # Starting points by the fp8_linear sweep's arithmetic (its winners at M=32/64 streamed 16 KB W tiles,
 # BLOCK_N 64, over 4-6 stages, one program per SM, split-K filling one wave: target_programs 1 x SMs), the
 # token side padded to the class; PREFETCH_K: W columns each program asks L2 for before its PDL wait.
-# Not measured yet: enabled stays False until bench/skinny_gemm_device.py shows it ahead of cuBLAS on the
-# H200 (then the sweep's winners go here, per K where they differ, as for fp8_linear). sm80 by analogy
-# (fewer stages: 163 KB of shared memory).
+# Off (enabled False): per GEMM it was even with cuBLAS at 16-32 rows (bench/skinny_gemm_device.py), and as
+# a whole 8B step it lost: m<=16 and m<=32 on (bench/ab's skinny_32, one lease, 2026-12-01) gave b32
+# 128/128 5,342 tok/s against 5,708-5,733 with cuBLAS (bench/results/h200_b1c505b_skinny32_engc_8b.json).
+# sm80 by analogy (fewer stages: 163 KB of shared memory).
 SKINNY_GEMM_M_CLASSES = ("m<=16", "m<=32", "m<=64")
 for _arch, _stages in (("sm80", 4), ("sm90", 6)):
     _skinny = dict(enabled=False, max_n=0, BLOCK_N=64, BLOCK_K=128, num_warps=4, PREFETCH_K=256,
