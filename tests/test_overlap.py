@@ -249,6 +249,17 @@ def test_large_buckets_sample_outside_their_graphs(model, monkeypatch):
     assert n in calls[1:] and (48, None) in engine.executor.graphs   # decode steps of the 48-row bucket
 
 
+def one_token_rows(ids, positions, logits_indices):
+    """The engine's inputs for a batch of one token a row, row i's sequence in block i (16-token blocks)."""
+    n = len(ids)
+    return {"input_ids": torch.tensor(ids), "positions": torch.tensor(positions),
+            "slot_mapping": torch.tensor([16 * i + p for i, p in enumerate(positions)]),
+            "block_tables": torch.arange(n, dtype=torch.int32)[:, None],
+            "context_lens": torch.tensor(positions, dtype=torch.int32) + 1,
+            "query_start_loc": torch.arange(n + 1, dtype=torch.int32),
+            "logits_indices": torch.tensor(logits_indices)}
+
+
 def test_decode_shaped_batch_with_an_unsampled_row_runs_eager(model, monkeypatch):
     """A one-token-a-row batch in which a row does not sample (a prompt's 1-token chunk) is not a graph's:
     the graph's logits are row for row the sampled ones."""
@@ -256,11 +267,7 @@ def test_decode_shaped_batch_with_an_unsampled_row_runs_eager(model, monkeypatch
     engine = Engine(model, EngineConfig(max_num_seqs=4))
     cpu_graphed(engine)
     ex = engine.executor
-    inputs = {"input_ids": torch.tensor([5, 6]), "positions": torch.tensor([3, 0]),
-              "slot_mapping": torch.tensor([3, 16]), "block_tables": torch.tensor([[0], [1]], dtype=torch.int32),
-              "context_lens": torch.tensor([4, 1], dtype=torch.int32),
-              "query_start_loc": torch.tensor([0, 1, 2], dtype=torch.int32),
-              "logits_indices": torch.tensor([0])}
+    inputs = one_token_rows([5, 6], [3, 0], [0])
     logits = ex.forward(inputs, engine.kv.layers)
     assert logits.shape[0] == 1 and ex.step_tokens is None and not ex.graphs
     inputs["logits_indices"] = torch.tensor([0, 1])
@@ -278,12 +285,7 @@ def test_decode_form_of_the_program_skips_the_row_gather_and_the_cast(model):
     assert len(ex.decode_steps) == len(ex.steps) - 1
     assert sum(step[0].__name__ == "_pass_through" for step in ex.decode_steps) == 1
     engine = Engine(model, EngineConfig(max_num_seqs=4))
-    inputs = {"input_ids": torch.tensor([5, 6, 7]), "positions": torch.tensor([0, 0, 0]),
-              "slot_mapping": torch.tensor([0, 16, 32]),
-              "block_tables": torch.tensor([[0], [1], [2]], dtype=torch.int32),
-              "context_lens": torch.tensor([1, 1, 1], dtype=torch.int32),
-              "query_start_loc": torch.tensor([0, 1, 2, 3], dtype=torch.int32),
-              "logits_indices": torch.arange(3)}
+    inputs = one_token_rows([5, 6, 7], [0, 0, 0], [0, 1, 2])
     plain = ex.forward(inputs, engine.kv.layers)
     decode = ex.forward(inputs, engine.kv.layers, decode=True)
     assert plain.dtype == torch.float32 and torch.equal(decode.float(), plain)
@@ -296,11 +298,7 @@ def test_graphs_take_only_batches_that_sample_every_row_in_order(model, monkeypa
     engine = Engine(model, EngineConfig(max_num_seqs=4))
     cpu_graphed(engine)
     ex = engine.executor
-    inputs = {"input_ids": torch.tensor([5, 6]), "positions": torch.tensor([0, 0]),
-              "slot_mapping": torch.tensor([0, 16]), "block_tables": torch.tensor([[0], [1]], dtype=torch.int32),
-              "context_lens": torch.tensor([1, 1], dtype=torch.int32),
-              "query_start_loc": torch.tensor([0, 1, 2], dtype=torch.int32),
-              "logits_indices": torch.tensor([1, 0])}
+    inputs = one_token_rows([5, 6], [0, 0], [1, 0])
     swapped = ex.forward(inputs, engine.kv.layers)
     assert ex.step_tokens is None and not ex.graphs
     inputs["logits_indices"] = torch.tensor([0, 1])
