@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,14 @@ SWEEP = {"n64k128w4s4_pairs": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_sta
                                         classes=("m<=128", "m<=256")),
          "m128_n128k64w8s3_pairs": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, PAIRS=True,
                                         classes=("m<=128", "m<=256"))}
+# A subset for a diagnostic run, from the environment (prepare and run alike): INT4_GEMM_SWEEP (config names),
+# INT4_GEMM_SHAPES (of SHAPES, or lm_head: an int4 Llama-3 head, engc quantize --lm-head), INT4_GEMM_MS.
+# The per-step sums then cover the shapes chosen.
+_env = {k: os.environ.get(f"INT4_GEMM_{k}", "") for k in ("SWEEP", "SHAPES", "MS")}
+SWEEP = {k: SWEEP[k] for k in _env["SWEEP"].split(",")} if _env["SWEEP"] else SWEEP
+SHAPES = ({k: {**SHAPES, "lm_head": (128256, 4096)}[k] for k in _env["SHAPES"].split(",")} if _env["SHAPES"]
+          else SHAPES)
+MS = tuple(int(m) for m in _env["MS"].split(",")) if _env["MS"] else MS
 # earlier sweeps' configs (bench/results/h200_int4_gemm_pairs.txt): float32 dequant n64k64w4s4 / n64k128w4s4,
 # PERM_X (x gathered in the interleaved order: slower, removed), PAIRS at n64k64w4s4 / n128k64w8s4 / n128k128w8s3
 # today's int4 paths at these rows: the CUDA GEMV builds (kind, max_m) as tune.py has them
@@ -204,7 +213,7 @@ def table(results, say):
         for shape in SHAPES:
             mine = [t for t in ts if t["shape"] == shape and t["M"] == m]
             bf = next(t["us"] for t in mine if t["set"] == "bf16")
-            today = next((t["us"] for t in mine if t["set"] == "cuda_gemv"), bf + DEQUANT_US[shape])
+            today = next((t["us"] for t in mine if t["set"] == "cuda_gemv"), bf + DEQUANT_US.get(shape, math.nan))
             best = min((t for t in mine if t["set"].startswith("gemm/")), key=lambda t: t["us"], default=None)
             say(f"  M={m:<3} {shape:<8} bf16 {bf:7.2f}  int4 today {today:7.2f}  "
                 + (f"gemm {best['us']:7.2f} ({best['set'][5:]} t{best['target']}) {bf / best['us']:.2f}x bf16"
