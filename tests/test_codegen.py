@@ -197,3 +197,18 @@ def test_sources_recorded_with_the_helpers_they_import(runs):
             assert result.files[path] == (root / rel).read_bytes() and rel in digested, path
         if "PDL" in r["constexprs"]:
             assert "kernels/src/pdl.py" in r["imports"], (r["op"], r["variant"])
+
+
+def test_cache_key_ignores_comments_in_codegen_but_not_in_kernels(tmp_path):
+    """The kernel cache's key covers codegen's Python by its syntax tree (a comment in tune.py keeps
+    prepared caches), kernel modules and templates by their bytes (the bundle records them as they read)."""
+    from engc.compiler.kernel_cache import digested_form
+    forms = {}
+    for folder in ("codegen", "gemv"):
+        for name, text in (("a", "X = 1\n"), ("b", "# measured on an H200\n\nX = 1  # why\n"), ("c", "X = 2\n")):
+            f = tmp_path / folder / f"{name}.py"
+            f.parent.mkdir(exist_ok=True)
+            f.write_text(text)
+            forms[folder, name] = digested_form(f)
+    assert forms["codegen", "a"] == forms["codegen", "b"] != forms["codegen", "c"]
+    assert len({forms["gemv", n] for n in "abc"}) == 3

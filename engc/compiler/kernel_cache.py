@@ -6,6 +6,7 @@ lets a build elsewhere reuse the same cubins without a compiler: `engc build --k
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 from pathlib import Path
@@ -23,11 +24,22 @@ def source_files() -> list[Path]:
     return sorted([*root.glob("kernels/**/*.py"), *root.glob("compiler/codegen/*.py"), *root.glob("templates/*.j2")])
 
 
+def digested_form(f: Path) -> bytes:
+    """What of a source file the key covers. Kernel modules and templates: their bytes (the bundle records
+    the kernels' sources as they read, and Triton's line info follows their lines). Codegen's Python: its
+    syntax tree, so comments and blank lines there (tune.py's notes on measurements, say) leave prepared
+    caches valid; an edit of a comment in tune.py had made a device run compile every kernel again."""
+    text = f.read_bytes()
+    if f.parent.name == "codegen" and f.suffix == ".py":
+        return ast.dump(ast.parse(text)).encode()
+    return text
+
+
 def sources_digest() -> str:
     root = Path(engc.__file__).parent
     h = hashlib.sha256()
     for f in source_files():
-        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + digested_form(f))
     return h.hexdigest()
 
 
