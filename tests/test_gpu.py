@@ -1,7 +1,8 @@
 """The GPU path against the CPU reference path (skipped without a CUDA device and engc._native).
 
 On the H200: ENGC_KERNEL_CACHE=.kcache python3 -m pytest tests/test_gpu.py, with the cache filled on a
-CPU machine by the same builds, so the cubins under test are the ones compiled there.
+CPU machine by the same builds, so the cubins under test are the ones compiled there (bench/fake_sm90.py
+says how).
 """
 import os
 
