@@ -307,6 +307,31 @@ def test_graphs_take_only_batches_that_sample_every_row_in_order(model, monkeypa
     assert torch.equal(swapped, in_order.flip(0))
 
 
+def test_a_gpu_forward_without_its_step_facts_stops(model, monkeypatch):
+    """A GPU model's Executor takes its StepFacts first (before_forward=facts.take): a forward nobody set
+    them for raises, where its kernels would have sized their grids for another batch and left rows
+    unwritten; one describe serves one forward; GraphedExecutor's eager steps describe themselves."""
+    from engc.runtime.executor import Executor
+    from engc.runtime.ops_reference import REFERENCE_OPS
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+    facts = StepFacts()
+    ex = Executor(model.executor.program, model.executor.weights, REFERENCE_OPS, before_forward=facts.take)
+    engine = Engine(model, EngineConfig(max_num_seqs=4))
+    inputs = one_token_rows([5, 6], [0, 0], [0, 1])
+    with pytest.raises(RuntimeError, match="step facts"):
+        ex.forward(inputs, engine.kv.layers)
+    facts.describe(torch.tensor([1, 1]), torch.tensor([1, 1]))
+    ex.forward(inputs, engine.kv.layers)
+    with pytest.raises(RuntimeError, match="step facts"):   # taken by the forward before
+        ex.forward(inputs, engine.kv.layers)
+    facts.for_graph(255)
+    ex.forward(inputs, engine.kv.layers, decode=True)
+    assert (facts.max_query_len, facts.max_context_len, facts.has_decode_rows) == (1, 255, True)
+    graphed = GraphedExecutor(ex, facts, 4, 4, "cpu", enabled=False)
+    graphed.forward(one_token_rows([5, 6], [3, 0], [0]), engine.kv.layers)
+    assert (facts.max_query_len, facts.max_context_len, facts.fresh) == (1, 4, False)
+
+
 def test_mapped_view_is_none_where_the_gpu_cannot_address_host_memory():
     """No CUDA here: mapped_view says so with None (then the GPU executor runs decode steps eagerly)."""
     if torch.cuda.is_available():

@@ -286,8 +286,8 @@ class GraphedExecutor:
         inputs["slot_mapping"].fill_(-1)
         inputs["context_lens"].fill_(1)
         # Decode kernels size their split-KV grid from the longest context the graph may see: the
-        # context bucket, or the block table's capacity.
-        self.facts.max_query_len, self.facts.max_context_len, self.facts.has_decode_rows = 1, max_context, True
+        # context bucket, or the block table's capacity (set before each forward, which takes them).
+        self.facts.for_graph(max_context)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -300,6 +300,7 @@ class GraphedExecutor:
         graphs = []
         for turn in range(TURNS):
             graph = torch.cuda.CUDAGraph()
+            self.facts.for_graph(max_context)
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self._step(b, turn, kv_caches)
             self.pool = graph.pool()

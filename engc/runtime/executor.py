@@ -31,9 +31,12 @@ class TokenFill:
 
 class Executor:
     def __init__(self, program: Program, weights: dict[str, torch.Tensor],
-                 ops: dict[tuple[str, str], Callable]):
+                 ops: dict[tuple[str, str], Callable], before_forward: Callable[[], None] | None = None):
+        """before_forward: called first in every forward (a GPU model's StepFacts.take: the batch's facts
+        must have been set for it)."""
         self.program = program
         self.weights = weights
+        self.before_forward = before_forward
         self.steps = []
         last_use = {}
         for i, node in enumerate(program.nodes):
@@ -75,6 +78,8 @@ class Executor:
                 fill: TokenFill | None = None, decode: bool = False) -> torch.Tensor:
         """The program's logits for the batch. decode: a step whose every row is sampled (logits_indices is
         arange over the rows), whose logits may stay in the head's dtype (_decode_tail)."""
+        if self.before_forward is not None:
+            self.before_forward()
         if fill is not None:
             fill.apply(inputs["input_ids"], fill.rows, fill.src)
         env = dict(self.weights)

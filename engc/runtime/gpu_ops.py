@@ -54,6 +54,7 @@ class StepFacts:
     max_query_len: int = 1
     max_context_len: int | None = None  # None: the block table's capacity (fixed under CUDA graphs)
     has_decode_rows: bool = True
+    fresh: bool = False                 # set for the next forward (describe, for_graph), taken by it (take)
 
     def describe(self, query_lens: torch.Tensor, context_lens: torch.Tensor) -> None:
         """Set them for an eager step from its host-side query and context lengths. Every eager forward on
@@ -61,6 +62,21 @@ class StepFacts:
         self.max_query_len = int(query_lens.max())
         self.has_decode_rows = bool((query_lens == 1).any())
         self.max_context_len = int(context_lens.max())
+        self.fresh = True
+
+    def for_graph(self, max_context_len: int | None) -> None:
+        """Set them for the capture of a decode graph: one token a row, contexts up to max_context_len
+        (None: the block table's capacity), so the decode kernels size their split-KV grid for it."""
+        self.max_query_len, self.max_context_len, self.has_decode_rows, self.fresh = 1, max_context_len, True, True
+
+    def take(self) -> None:
+        """The GPU executor's first act in each forward (Executor.before_forward): the facts were set for
+        this forward. Without them the kernels would size their grids for the last batch described and
+        leave rows of this one unwritten, silently (eval on a GPU did so until b05da84); this stops it."""
+        if not self.fresh:
+            raise RuntimeError("engc: internal error: a GPU forward ran without its step facts "
+                               "(StepFacts.describe or for_graph first)")
+        self.fresh = False
 
 
 def _capability(arch: str) -> int:

@@ -74,7 +74,7 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
         from engc.runtime.gpu_ops import BundleKernels, StepFacts, device_arch, gpu_ops
         facts = StepFacts()
         kernels = BundleKernels(bundle, device_arch(dev))
-        executor = Executor(program, weights, gpu_ops(kernels, facts))
+        executor = Executor(program, weights, gpu_ops(kernels, facts), before_forward=facts.take)
         if "sampling" in kernels.consts:
             from engc.runtime.gpu_sampler import GpuSampler
             sampler = GpuSampler(kernels, dev)
