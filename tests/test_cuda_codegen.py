@@ -166,3 +166,29 @@ def _decode_launch(consts):
     return pa.launch(q, cache, tables, torch.tensor([5, 300, 600], dtype=torch.int32),
                      torch.arange(4, dtype=torch.int32), torch.empty_like(q), num_heads=H, num_kv_heads=KV,
                      head_dim=D, scale=D ** -0.5, max_query_len=1, consts=consts)
+
+
+@needs_nvcc
+def test_a_kernel_whose_parameters_differ_from_its_spec_is_refused(tmp_path):
+    # the launcher packs the spec's arg_types: a template parameter the spec lacks would read past the
+    # arguments (the streaming int4 GEMV's has_bias did, on the H200)
+    import dataclasses
+    spec = cuda.decode_spec(SHAPE, "bf16", "sm90", 16)[0]
+    short = dataclasses.replace(spec, arg_types=dict(list(spec.arg_types.items())[:-1]))
+    with pytest.raises(ValueError, match="takes parameters"):
+        cuda.compile_cuda([short], build_dir=tmp_path / "short")
+    swapped = dict(spec.arg_types)
+    first = next(iter(swapped))
+    swapped[first] = "i32"   # a pointer parameter declared as a scalar
+    with pytest.raises(ValueError, match="takes parameters"):
+        cuda.compile_cuda([dataclasses.replace(spec, arg_types=swapped)], build_dir=tmp_path / "swapped")
+    assert cuda.compile_cuda([spec], build_dir=tmp_path / "ok").records
+
+
+def test_check_params_reads_the_entry_of_the_ptx():
+    spec = cuda.decode_spec(SHAPE, "bf16", "sm90", 16)[0]
+    params = "".join(f".param .{'u64' if t.startswith('*') else 'u32'} p{i},\n"
+                     for i, t in enumerate(spec.arg_types.values())).rstrip(",\n")
+    cuda.check_params(spec, f".visible .entry {spec.entry}(\n{params}\n)\n{{ ret; }}")
+    with pytest.raises(ValueError, match="takes parameters None"):
+        cuda.check_params(spec, ".visible .entry other_kernel(\n.param .u64 p0\n)")

@@ -158,6 +158,18 @@ def static_shared_bytes(cubin: bytes, entry: str) -> int:
     return 0
 
 
+def check_params(spec: CudaKernelSpec, ptx: str) -> None:
+    """The entry's parameters in the PTX must be the spec's arg_types, one for one and of the same width:
+    the launcher packs arg_types, so a template parameter it does not know of would read what lies past
+    the arguments (a kernel whose flag read garbage did exactly that)."""
+    found = re.search(rf"\.entry\s+{re.escape(spec.entry)}\s*\((.*?)\)", ptx, re.DOTALL)
+    params = re.findall(r"\.param\s+\.[a-z]+(\d+)", found.group(1)) if found else None
+    want = ["64" if ty.startswith("*") or ty[-2:] == "64" else "32" for ty in spec.arg_types.values()]
+    if params is None or params != want:
+        raise ValueError(f"{spec.entry}: the kernel takes parameters {params}, its spec passes "
+                         f"{list(spec.arg_types.values())}")
+
+
 def check_shared_fits(spec: CudaKernelSpec, static: int) -> None:
     """Static + dynamic shared memory must fit one CTA of the arch; launches that pass 48 KiB in total
     need the loader to raise the function's dynamic limit (runtime/cubin.load_kernel does)."""
@@ -217,6 +229,7 @@ def compile_cuda(specs: list[CudaKernelSpec], build_dir: str | Path | None = Non
             cubin = (root / s.arch / f"{s.stem}.cubin").read_bytes()
             static = static_shared_bytes(cubin, s.entry)
             check_shared_fits(s, static)
+            check_params(s, ptx)
             result.files[f"{stem}.cubin"] = cubin
             result.files[f"{stem}.ptx"] = ptx.encode()
             result.files[source_path] = sources[s.stem].encode()
