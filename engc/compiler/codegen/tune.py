@@ -253,6 +253,13 @@ for _arch in ("sm80", "sm90"):
          min_blocks=3, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
     _put(_arch, "int4_linear", "cuda", "gemv_wide32", enabled=True, max_m=32, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=2, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
+    # ... and, for M <= max_m where K is a multiple of ITEM_K, the streaming GEMV (sm90; templates/
+    # int4_gemv_stream.cu.j2): `programs` CTAs of num_warps warps, each warp streaming its share of
+    # TILES*16-row x ITEM_K items through SLOTS shared-memory ring slots by bulk copies, started before the PDL
+    # wait. Off until measured on the H200 (bench/int4_cuda_device.py's stream configs).
+    if _arch == "sm90":
+        _put(_arch, "int4_linear", "cuda", "gemv_stream", enabled=False, max_m=8, num_warps=8, TILES=1,
+             ITEM_K=1024, SLOTS=2, MAX_K=16384, programs=_SM_COUNT[_arch])
     # ... and its prefill dequant (templates/int4_dequant.cu.j2): CHUNKS 16-byte chunks per thread, all
     # loaded before the first is written. H200: 1.3-1.45 TB/s written, about twice the Triton dequant.
     _put(_arch, "int4_linear", "cuda", "dequant", enabled=True, num_warps=8, CHUNKS=2)
