@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -46,38 +45,14 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "w4t4u1b3z": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=3, ZERO_SUM=True),
          # ABLATE (a measurement, not a kernel): the compute replaced by an XOR of the W words, so only the
          # W loads remain (the compiler drops the scale, zero and x loads): the loop's memory ceiling
-         # L2_PREFETCH: the CTA's W rows asked of L2 (bulk prefetch) at its start, before the PDL wait
-         "w4t2u1b4zp": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, L2_PREFETCH=True),
-         "w4t1u2b4zp": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, L2_PREFETCH=True),
          "w4t2u1b4z_a": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True),
          # the tune table's 'gemv_wide{16,32}' entries: max_m / 8 n8 tiles of x on each dequantized W fragment
          "wide_m32_w4t2u1b2": dict(kind="gemv_wide32", max_m=32, num_warps=4, TILES=2, UNROLL=1, min_blocks=2),
          "wide_m32_w4t1u2b2": dict(kind="gemv_wide32", max_m=32, num_warps=4, TILES=1, UNROLL=2, min_blocks=2),
          "wide_m32_w4t1u1b3": dict(kind="gemv_wide32", max_m=32, num_warps=4, TILES=1, UNROLL=1, min_blocks=3),
          "wide_m16_w4t2u1b3": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=2, UNROLL=1, min_blocks=3),
-         "wide_m16_w4t1u2b3": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=1, UNROLL=2, min_blocks=3),
-         # the streaming GEMV (templates/int4_gemv_stream.cu.j2; its set also holds the table's 'gemv' build,
-         # which runs where the stream does not fit): w warps, t 16-row tiles an item, k ITEM_K, s ring slots
-         "stream_w8t1k1024s2": dict(kind="gemv_stream", num_warps=8, TILES=1, ITEM_K=1024, SLOTS=2),
-         "stream_w12t1k1024s2": dict(kind="gemv_stream", num_warps=12, TILES=1, ITEM_K=1024, SLOTS=2),
-         "stream_w16t1k512s2": dict(kind="gemv_stream", num_warps=16, TILES=1, ITEM_K=512, SLOTS=2),
-         "stream_w12t1k512s3": dict(kind="gemv_stream", num_warps=12, TILES=1, ITEM_K=512, SLOTS=3),
-         "stream_w8t2k512s2": dict(kind="gemv_stream", num_warps=8, TILES=2, ITEM_K=512, SLOTS=2),
-         # ABLATE of the streaming GEMV: the ring's words XORed, no dequant or mma: how fast the copies stream
-         # at each copy size (ITEM_K / 2 bytes a row)
-         "stream_w16t1k512s2_a": dict(kind="gemv_stream", num_warps=16, TILES=1, ITEM_K=512, SLOTS=2, ABLATE=True),
-         "stream_w8t1k1024s2_a": dict(kind="gemv_stream", num_warps=8, TILES=1, ITEM_K=1024, SLOTS=2, ABLATE=True),
-         "stream_w4t1k2048s2_a": dict(kind="gemv_stream", num_warps=4, TILES=1, ITEM_K=2048, SLOTS=2, ABLATE=True),
-         "stream_w2t1k4096s2_a": dict(kind="gemv_stream", num_warps=2, TILES=1, ITEM_K=4096, SLOTS=2, ABLATE=True,
-                                      MAX_K=4096)}
-# INT4_CUDA_SWEEP=name,name,...: prepare only those configs (the first stays first: it gets the g64 build)
-if os.environ.get("INT4_CUDA_SWEEP"):
-    SWEEP = {k: SWEEP[k] for k in os.environ["INT4_CUDA_SWEEP"].split(",")}
+         "wide_m16_w4t1u2b3": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=1, UNROLL=2, min_blocks=3)}
 ABLATE_AT = "        for (int u = 0; u < UNROLL; ++u) {        // ... then dequantize and multiply\n"
-STREAM_ABLATE_AT = "            // x regrouped like the W pairs (int4_gemv.cu.j2)\n"
-STREAM_ABLATE_BODY = """            acc[0][0] += __uint_as_float((wv[0][0].x ^ wv[0][0].y ^ wv[0][1].z ^ wv[0][1].w) & 0x007fffffu);
-            continue;
-"""
 ABLATE_BODY = """            uint32_t v = 0;   // inside the loop over u: this step's W words only
 #pragma unroll
             for (int t = 0; t < TILES; ++t)
@@ -97,10 +72,7 @@ def sweep_config(set_name: str) -> dict:
 DEQUANT_SWEEP = {"w8c4": dict(num_warps=8, CHUNKS=4), "w8c2": dict(num_warps=8, CHUNKS=2),
                  "w4c8": dict(num_warps=4, CHUNKS=8), "w8c8": dict(num_warps=8, CHUNKS=8)}
 EDGE = [(3, 1000, 1056, True), (8, 48, 4096 + 32, False), (1, 257, 2080, True),   # (M, N, K, bias)
-        (20, 1000, 1056, True), (32, 48, 4096 + 32, False),                     # the wide builds' rows
-        # the streaming GEMV's (K a multiple of its ITEM_K): tiles split over warps, whole tiles, N tails
-        (3, 1000, 2048, True), (1, 48, 14336, False), (8, 257, 3072, True), (1, 20000, 1024, False),
-        (5, 17000, 2048, True)]
+        (20, 1000, 1056, True), (32, 48, 4096 + 32, False)]                     # the wide builds' rows
 
 
 # ------------------------------------------------------------------------------------------ prepare (CPU)
@@ -116,19 +88,14 @@ def prepare(out_dir: Path):
     for name, ov in SWEEP.items():
         ablate, kind = ov.get("ABLATE", False), ov.get("kind", "gemv")
         ov = {k: v for k, v in ov.items() if k not in ("ABLATE", "kind")}
-        if kind == "gemv_stream":
-            specs = [cuda_int4.int4_gemv_stream_spec(GROUP, "bf16", "sm90", dict(ov, enabled=True))[0],
-                     cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", None)[0]]
-        else:
-            specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov, kind)[0]]
-        if kind != "gemv_stream" and (name == next(iter(SWEEP)) or kind.startswith("gemv_wide")):
+        specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov, kind)[0]]
+        if name == next(iter(SWEEP)) or kind.startswith("gemv_wide"):
             specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov, kind)[0])
         if ablate:
-            at, body = (STREAM_ABLATE_AT, STREAM_ABLATE_BODY) if kind == "gemv_stream" else (ABLATE_AT, ABLATE_BODY)
-
-            def patched(*a, at=at, body=body, **kw):
+            def patched(*a, **kw):
                 src = render(*a, **kw)
-                return src.replace(at, body + at) if "stream" in a[0] else src.replace(ABLATE_AT, ABLATE_AT + ABLATE_BODY)
+                assert ABLATE_AT in src
+                return src.replace(ABLATE_AT, ABLATE_AT + ABLATE_BODY)
             cuda.render = patched
         try:
             sets[f"cuda/{name}"] = cuda.compile_cuda(specs)

@@ -60,11 +60,10 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     warps, tiles, unroll, x_tiles = entry["num_warps"], entry["TILES"], entry["UNROLL"], -(-entry["max_m"] // 8)
     block_n, block_k = 16 * tiles, 128 * warps * unroll
     name = (f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}x{x_tiles}"
-            f"{'z' if entry['ZERO_SUM'] else ''}{'p' if entry.get('L2_PREFETCH') else ''}")
+            f"{'z' if entry['ZERO_SUM'] else ''}")
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
               "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
-              "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "x_tiles": x_tiles, "entry": name,
-              "l2_prefetch": bool(entry.get("L2_PREFETCH")) and int(arch[2:]) >= 90}
+              "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "x_tiles": x_tiles, "entry": name}
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"
@@ -75,40 +74,6 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     return CudaKernelSpec(op="int4_linear", variant=variant, arch=arch, template="int4_gemv.cu.j2",
                           entry=name, render=values, arg_types=types, num_warps=warps, tune_key=key, tune=entry,
                           launch=launch), ""
-
-
-STREAM_ARG_TYPES = {"x_ptr": "*{t}", "qw_ptr": "*i32", "s_ptr": "*{t}", "z_ptr": "*u8", "bias_ptr": "*{t}",
-                    "y_ptr": "*{t}", "partial_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32",
-                    "K": "i32", "per": "i32", "has_bias": "i32"}
-
-
-def int4_gemv_stream_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
-    """(spec, '') for the streaming GEMV (templates/int4_gemv_stream.cu.j2: W through each warp's shared-memory
-    ring by bulk copies) at this group size, or (None, why it does not apply)."""
-    if t not in MMA_TYPE:
-        return None, f"the CUDA int4 GEMV multiplies bf16 or fp16, not {t}"
-    if int(arch[2:]) < 90:
-        return None, f"the streaming GEMV needs sm90's bulk copies, {arch} has none"
-    key, entry = tune.lookup(arch, "int4_linear", "cuda", "gemv_stream", overrides)
-    item_k, warps, tiles, slots = entry["ITEM_K"], entry["num_warps"], entry["TILES"], entry["SLOTS"]
-    if group % 128 or item_k % group or item_k // group not in (1, 2, 4, 8, 16, 32):
-        return None, f"group size {group} is not a multiple of 128 that holds ITEM_K {item_k} in 1 to 32 groups"
-    if not 1 <= entry["max_m"] <= 8:
-        return None, f"max_m {entry['max_m']} is outside 1..8 (one n8 mma tile of x)"
-    row_bytes = item_k // 2
-    pitch = row_bytes + 64 if row_bytes % 128 == 0 else row_bytes
-    name = f"int4_gemv_stream_{t}_g{group}_w{warps}t{tiles}k{item_k}s{slots}m{entry['MAX_K']}"
-    values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
-              "tiles": tiles, "item_k": item_k, "slots": slots, "block_n": 16 * tiles, "block_k": item_k,
-              "max_k": entry["MAX_K"], "entry": name}
-    launch = {"GROUP": group, "max_m": entry["max_m"], "BLOCK_N": 16 * tiles, "ITEM_K": item_k,
-              "MAX_K": entry["MAX_K"], "programs": entry["programs"], "impl": "cuda_stream", "num_warps": warps,
-              "PDL": int(entry.get("PDL", tune.PDL[arch]))}
-    types = {name_: ty.format(t=t) for name_, ty in STREAM_ARG_TYPES.items()}
-    return CudaKernelSpec(op="int4_linear", variant=op.cuda_stream_variant(group), arch=arch,
-                          template="int4_gemv_stream.cu.j2", entry=name, render=values, arg_types=types,
-                          num_warps=warps, tune_key=key, tune=entry, launch=launch,
-                          shared_mem=warps * slots * 16 * tiles * pitch), ""
 
 
 def shape_kind(n: int, k: int) -> str:
@@ -142,15 +107,12 @@ def selected_int4_specs(triton_specs: list, overrides=None, shapes=()) -> tuple[
         wide = [(f"gemv_wide{r}", f"GEMV for up to {r} rows") for r in op.CUDA_WIDE_ROWS]
         own = [(shape_kind(n, k), f"GEMV for [{n}, {k}]") for n, k in sorted(shapes)
                if f"{s.arch}/int4_linear/cuda/{shape_kind(n, k)}" in tune.TUNE]
-        stream = [("gemv_stream", "streaming GEMV")] if f"{s.arch}/int4_linear/cuda/gemv_stream" in tune.TUNE else []
-        for kind, what in [("gemv", "GEMV")] + wide + own + stream + [("dequant", "dequant")]:
+        for kind, what in [("gemv", "GEMV")] + wide + own + [("dequant", "dequant")]:
             ov = (overrides or {}).get(kind)
             if not tune.lookup(s.arch, "int4_linear", "cuda", kind, ov)[1]["enabled"]:
                 continue
             if kind == "dequant":
                 spec, why = int4_dequant_spec(group, t, s.arch, ov)
-            elif kind == "gemv_stream":
-                spec, why = int4_gemv_stream_spec(group, t, s.arch, ov)
             else:
                 spec, why = int4_gemv_spec(group, t, s.arch, ov, kind)
             if spec is None:

@@ -231,7 +231,12 @@ for _arch in ("sm80", "sm90"):
     # the next iteration in flight during this one: 5-7% slower at 3 CTAs an SM), and W in 16-row tiles with
     # packed [groups, N] scale|zero words (2-4% faster, but every int4 reader would need the layout). Nor W
     # through a shared-memory ring filled by cp.async.bulk (5a04ded, reverted): 79 us a layer at M=1 against
-    # 57, and its loads alone 57 against 41 (bench/results/h200_5a04ded_int4_ring.txt).
+    # 57, and its loads alone 57 against 41 (bench/results/h200_5a04ded_int4_ring.txt). Nor a streaming GEMV
+    # (889aa03, reverted: one CTA an SM, each warp its own ring of whole items by bulk copies started before
+    # the PDL wait, 8-16 warps): the 8B's projections at M=1 took 82-88 us a layer against 57, gate_up 35 us
+    # against 25, although its copies alone streamed gate_up at 3.0 TB/s (the register loads: 3.35); its
+    # dequant and mma could not keep up at one CTA an SM. And an L2 prefetch of the CTA's W rows before the
+    # wait (L2_PREFETCH, 889aa03) made every projection slower (gate_up 30.6 us; h200_889aa03_int4_stream*).
     _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
     # ... and, per projection shape [N, K] where one config beat it, a build of its own (gemv_n{N}_k{K}, variant
@@ -253,13 +258,6 @@ for _arch in ("sm80", "sm90"):
          min_blocks=3, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
     _put(_arch, "int4_linear", "cuda", "gemv_wide32", enabled=True, max_m=32, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=2, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
-    # ... and, for M <= max_m where K is a multiple of ITEM_K, the streaming GEMV (sm90; templates/
-    # int4_gemv_stream.cu.j2): `programs` CTAs of num_warps warps, each warp streaming its share of
-    # TILES*16-row x ITEM_K items through SLOTS shared-memory ring slots by bulk copies, started before the PDL
-    # wait. Off until measured on the H200 (bench/int4_cuda_device.py's stream configs).
-    if _arch == "sm90":
-        _put(_arch, "int4_linear", "cuda", "gemv_stream", enabled=False, max_m=8, num_warps=8, TILES=1,
-             ITEM_K=1024, SLOTS=2, MAX_K=16384, programs=_SM_COUNT[_arch])
     # ... and its prefill dequant (templates/int4_dequant.cu.j2): CHUNKS 16-byte chunks per thread, all
     # loaded before the first is written. H200: 1.3-1.45 TB/s written, about twice the Triton dequant.
     _put(_arch, "int4_linear", "cuda", "dequant", enabled=True, num_warps=8, CHUNKS=2)

@@ -253,39 +253,6 @@ def uses_cuda_gemv(m: int, group_size: int, consts: dict) -> bool:
     return bool(cuda_row_slices(m, group_size, consts))
 
 
-def cuda_stream_variant(group_size: int) -> str:
-    """The streaming CUDA GEMV (templates/int4_gemv_stream.cu.j2, sm90), where the bundle has it."""
-    return f"cuda_stream_g{group_size}"
-
-
-def stream_fits(m: int, qweight, scales, zeros, c: dict) -> bool:
-    """Whether the streaming GEMV (record launch c) takes M rows of this weight: M <= max_m, K a multiple of
-    its ITEM_K (whole items) up to MAX_K (the x step sums' room), and the item's scales and zeros aligned for
-    one vector load each."""
-    k, per_item = qweight.shape[1] * PACK, c["ITEM_K"] // c["GROUP"]
-    return (1 <= m <= c["max_m"] and k % c["ITEM_K"] == 0 and k <= c["MAX_K"] and qweight.data_ptr() % 16 == 0
-            and scales.data_ptr() % (2 * per_item) == 0 and zeros.data_ptr() % per_item == 0)
-
-
-def cuda_stream_launch(x, qweight, scales, zeros, bias, y, *, variant: str, c: dict, counters):
-    """Launch rule of the streaming GEMV: [(variant, grid, args)]. `programs` CTAs of num_warps warps; the
-    N tiles x K items are shared out in runs of `per` items a warp: whole tiles where there are as many
-    tiles as warps, else evenly, a tile then held by several warps that sum through fp32 partials
-    [K items, M, N] and counters (int32, zero, one per N tile; left zero). args: x, qweight, scales, zeros,
-    bias, y, partial (or 0), counter (or 0), M, N, K, per, has_bias."""
-    m, k = x.shape
-    n = qweight.shape[0]
-    n_tiles, k_items = _cdiv(n, c["BLOCK_N"]), k // c["ITEM_K"]
-    warps = c["programs"] * c["num_warps"]
-    whole = k_items * _cdiv(n_tiles, warps)
-    per = whole if n_tiles >= warps or n_tiles > counters.numel() else _cdiv(n_tiles * k_items, warps)
-    split = per % k_items != 0
-    has_bias, b = (1, bias) if bias is not None else (0, 0)
-    partial = torch.empty(k_items * m * n, dtype=torch.float32, device=x.device) if split else 0
-    return [(variant, (c["programs"], 1, 1), [x, qweight, scales, zeros, b, y, partial, counters if split else 0,
-                                              m, n, k, per, has_bias])]
-
-
 def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: dict, counters):
     """Launch rule of the CUDA GEMV (uses_cuda_gemv(M) true): [(variant, grid, args)].
 
@@ -299,9 +266,6 @@ def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: 
     assert x.is_contiguous() and y.is_contiguous() and qweight.shape[1] * PACK == k and k % CHUNK == 0
     if m == 0:
         return []
-    stream = cuda_stream_variant(group_size)
-    if (c := consts.get(stream)) is not None and stream_fits(m, qweight, scales, zeros, c):
-        return cuda_stream_launch(x, qweight, scales, zeros, bias, y, variant=stream, c=c, counters=counters)
     variant = cuda_variant_for(m, group_size, consts, (n, k))
     c = consts[variant]
     assert m <= c["max_m"] and c["GROUP"] == group_size
