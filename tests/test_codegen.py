@@ -200,7 +200,7 @@ def test_sources_recorded_with_the_helpers_they_import(runs):
 
 
 def test_cache_key_ignores_comments_in_codegen_but_not_in_kernels(tmp_path):
-    """The kernel cache's key covers codegen's Python by its syntax tree (a comment in tune.py keeps
+    """The kernel cache's key covers codegen's Python without its comments (a comment in tune.py keeps
     prepared caches), kernel modules and templates by their bytes (the bundle records them as they read)."""
     from engc.compiler.kernel_cache import digested_form
     forms = {}
@@ -212,3 +212,12 @@ def test_cache_key_ignores_comments_in_codegen_but_not_in_kernels(tmp_path):
             forms[folder, name] = digested_form(f)
     assert forms["codegen", "a"] == forms["codegen", "b"] != forms["codegen", "c"]
     assert len({forms["gemv", n] for n in "abc"}) == 3
+
+
+def test_cache_key_of_codegen_is_the_same_under_every_python(tmp_path):
+    """A cache filled under this Python must serve a build under another (the GPU machine runs 3.12): the
+    key is codegen's text without comments, which no Python version changes, where a syntax-tree dump did
+    (3.12 adds type_params). A '#' inside a string is code, not a comment."""
+    from engc.compiler.kernel_cache import code_without_comments
+    src = 'def f(x):  # why\n\n    return "#1" + x   \n# note\nY = f"{1 + 2}#"\n'
+    assert code_without_comments(src) == 'def f(x):\n    return "#1" + x\nY = f"{1 + 2}#"'

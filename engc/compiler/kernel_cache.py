@@ -6,9 +6,10 @@ lets a build elsewhere reuse the same cubins without a compiler: `engc build --k
 """
 from __future__ import annotations
 
-import ast
 import hashlib
+import io
 import json
+import tokenize
 from pathlib import Path
 
 import torch
@@ -27,12 +28,24 @@ def source_files() -> list[Path]:
 def digested_form(f: Path) -> bytes:
     """What of a source file the key covers. Kernel modules and templates: their bytes (the bundle records
     the kernels' sources as they read, and Triton's line info follows their lines). Codegen's Python: its
-    syntax tree, so comments and blank lines there (tune.py's notes on measurements, say) leave prepared
-    caches valid; an edit of a comment in tune.py had made a device run compile every kernel again."""
+    code without comments, blank lines or trailing blanks, so notes there (tune.py's on measurements, say)
+    leave prepared caches valid; an edit of a comment in tune.py had made a device run compile every kernel
+    again. Not its syntax tree: ast.dump differs between Python versions (3.12 adds type_params), and a cache
+    filled under one version must serve another (this machine's 3.11, the GPU machine's 3.12)."""
     text = f.read_bytes()
     if f.parent.name == "codegen" and f.suffix == ".py":
-        return ast.dump(ast.parse(text)).encode()
+        return code_without_comments(text.decode()).encode()
     return text
+
+
+def code_without_comments(source: str) -> str:
+    """Python source with its comments, blank lines and trailing whitespace removed (tokenize finds the
+    comments, so a '#' inside a string stays)."""
+    lines = source.splitlines()
+    cut = {tok.start[0] - 1: tok.start[1] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+           if tok.type == tokenize.COMMENT}
+    kept = (line[:cut[i]] if i in cut else line for i, line in enumerate(lines))
+    return "\n".join(line.rstrip() for line in kept if line.strip())
 
 
 def sources_digest() -> str:
