@@ -5,7 +5,7 @@
 #          rm .whl/numpy-*    # the image has numpy, onnx, click, jinja2, prometheus-client, scikit-build-core
 #          python3 bench/gpu_bench.py prepare --shapes 8b,1b --cache .kc       # kernels compiled here
 #          git rev-parse --short HEAD > .kc/commit
-#   there: source bench/device_env.sh; gb s8b 240 --shapes 8b; gb s1b 150 --shapes 1b; finish
+#   there: source bench/device_env.sh; gb s8b 240 --shapes 8b; clean; gb s1b 150 --shapes 1b; finish
 #          (carry [".kc", ".whl"]; everything comes back as $OUT/gb.tgz)
 #
 # The image's `pip` is not its python3's (python3 is /opt/torch/.venv): always `python3 -m pip`, or the
@@ -41,6 +41,11 @@ for f in sorted(glob.glob(sys.argv[1] + "/*.json")):
         print("  ", d["shape"], {k: d[k] for k in keep})
 PY
 }
+
+# clean: the checkpoints and bundles of earlier gb runs off the 64 GB disk. 8b-int4 and 8b-int4-qhead, then 8b,
+# in one command filled it (16 GB a bf16 8B checkpoint and as much a bundle): clean before a shape that
+# shares nothing with the last
+clean() { rm -rf /tmp/engc_work; }
 
 # finish: everything under /tmp/gb back as one file ($OUT returns at most 8)
 finish() { (cd /tmp && tar czf "$OUT/gb.tgz" gb); echo "done $(el)"; }
