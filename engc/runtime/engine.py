@@ -106,6 +106,8 @@ class Engine:
         self.executor = model.executor
         if model.device.type == "cuda":
             from engc.runtime.cuda_graphs import GraphedExecutor
+            from engc.runtime.gpu_ops import warm_cublas
+            warm_cublas(model.dtype, model.device)
             greedy = None if model.sampler is None else model.sampler.greedy
             self.executor = GraphedExecutor(model.executor, model.step_facts,
                                             -(-self.max_context // model.block_size),

@@ -43,6 +43,17 @@ def load_record(image: bytes, r: dict, pdl: bool) -> Kernel:
                        scratch_params=scratch, pdl=pdl and bool(r.get("launch", {}).get("PDL")))
 
 
+def warm_cublas(dtype: torch.dtype, device: torch.device) -> None:
+    """Initialize cuBLAS now, at start: it sets itself up at its first call (handle, workspace, its kernel
+    modules). Most programs call it while their decode graphs are captured; an int4 program with an int4
+    lm_head does not (its projections and head run engc's kernels up to 256 rows), so its first prefill of
+    more rows paid the setup: ~90 ms in the first batch-32 run of the 8B shape on the H200 (a user's first
+    long prompt)."""
+    a = torch.zeros(64, 64, dtype=dtype, device=device)
+    F.linear(a, a)
+    torch.cuda.synchronize(device)
+
+
 def device_arch(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm{major}{minor}"
