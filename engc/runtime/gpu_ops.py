@@ -47,8 +47,9 @@ def warm_cublas(dtype: torch.dtype, device: torch.device) -> None:
     """Initialize cuBLAS now, at start: it sets itself up at its first call (handle, workspace, its kernel
     modules). Most programs call it while their decode graphs are captured; an int4 program with an int4
     lm_head does not (its projections and head run engc's kernels up to 256 rows), so its first prefill of
-    more rows paid the setup: ~90 ms in the first batch-32 run of the 8B shape on the H200 (a user's first
-    long prompt)."""
+    more rows (a user's first long prompt) would pay the setup. On the H200 that bundle's first batch-32
+    run took ~90 ms more than its second; whether this call removes all of it is not measured yet (the
+    kernels cuBLAS picks for the prefill's shapes may still load at their first use)."""
     a = torch.zeros(64, 64, dtype=dtype, device=device)
     F.linear(a, a)
     torch.cuda.synchronize(device)
