@@ -39,6 +39,10 @@ for f in sorted(glob.glob(sys.argv[1] + "/*.json")):
     if isinstance(d, dict) and "shape" in d:
         keep = [k for k in d if k.startswith(("b1_", "b32", "b64", "b256", "kernels_compiled_by_triton"))]
         print("  ", d["shape"], {k: d[k] for k in keep})
+        import triton
+        if triton.__version__ in d.get("kernels_compiled_by_triton", []):   # the device's Triton built them
+            print("   CACHE MISS: these kernels were compiled on this machine by its Triton, not taken from .kc "
+                  "(not comparable with runs that hit it); prepare .kc at this commit")
 PY
 }
 
