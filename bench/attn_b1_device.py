@@ -30,25 +30,22 @@ from kernels_device import CONFIGS, PAGE, Bench, attention_reference, rel_err, t
 
 ARCH = "sm90"
 # cubin variants: decode tune overrides (EARLY_KV, BLOCK_N, num_stages, num_warps); min_split_tokens follows
-# BLOCK_N as in the tune table. 'base' is today's entry.
+# BLOCK_N as in the tune table. 'base' is today's entry (d<=128: BLOCK_N 32, 3 stages, 4 warps, EARLY_KV 2).
+# Earlier sweeps: bench/results/h200_cb40abc_attn_b1.txt (EARLY_KV, BLOCK_N 16-64, stages 1-3, warps),
+# h200_4e0a94b_attn_sweep.txt (more splits, bigger tiles, 2/8 warps: all slower; 2 stages 1.3x slower at
+# batch 32) and h200_4e0a94b_attn_busy.txt (one split for short contexts of a busy batch: slower). This one:
+# deeper pipelines (the first tiles' loads all in flight at once).
 CUBINS = {
-    "8b": {"base": {}, "e1": {"EARLY_KV": 1}, "e2": {"EARLY_KV": 2},
-           "e1s1": {"EARLY_KV": 1, "num_stages": 1}, "e1s2": {"EARLY_KV": 1, "num_stages": 2},
-           "e1w2": {"EARLY_KV": 1, "num_warps": 2}, "e1w8": {"EARLY_KV": 1, "num_warps": 8},
-           "n32": {"BLOCK_N": 32}, "n32e1": {"BLOCK_N": 32, "EARLY_KV": 1},
-           "n32e2": {"BLOCK_N": 32, "EARLY_KV": 2}, "n16e1": {"BLOCK_N": 16, "EARLY_KV": 1}},
-    "1b": {"base": {}, "e1": {"EARLY_KV": 1}, "e2": {"EARLY_KV": 2}},
+    "8b": {"base": {}, "s4": {"num_stages": 4}, "s5": {"num_stages": 5}, "n16s5": {"BLOCK_N": 16, "num_stages": 5},
+           "n16s6": {"BLOCK_N": 16, "num_stages": 6}, "s4w8": {"num_stages": 4, "num_warps": 8}},
+    "1b": {"base": {}, "s4": {"num_stages": 4}},
 }
 # launch-rule variants on a cubin: (name, cubin, decode launch-constant overrides)
-LAUNCH = [("base", "base", {}), ("e1", "e1", {}), ("e2", "e2", {}), ("e1s1", "e1s1", {}), ("e1s2", "e1s2", {}),
-          ("e1w2", "e1w2", {}), ("e1w8", "e1w8", {}), ("n32", "n32", {}), ("n32e1", "n32e1", {}),
-          ("n32e2", "n32e2", {}), ("n16e1", "n16e1", {}),
-          ("e1_split1", "e1", {"max_splits": 1}), ("e1_split2", "e1", {"max_splits": 2}),
-          ("e2_split2", "e2", {"max_splits": 2}), ("e2_max8", "e2", {"max_splits": 8}),
-          ("n32e2_max8", "n32e2", {"max_splits": 8})]
+LAUNCH = [(name, name, {}) for name in ("base", "s4", "s5", "n16s5", "n16s6", "s4w8")]
 # (cfg, batch, context, max_context_len as the runtime sizes splits: 255 = b<=4 graph bucket, 8192 = capacity)
-CASES = [("8b", 1, 128, 255), ("8b", 1, 192, 255), ("8b", 1, 256, 255), ("8b", 1, 256, 8192),
-         ("8b", 32, 256, 8192), ("1b", 1, 256, 8192)]
+CASES = [("8b", 1, 128, 255), ("8b", 1, 192, 255), ("8b", 1, 256, 8192), ("8b", 32, 192, 8192),
+         ("8b", 32, 256, 8192), ("8b", 32, 512, 8192), ("8b", 32, 1024, 8192), ("8b", 64, 192, 8192),
+         ("1b", 1, 256, 8192), ("1b", 64, 192, 8192)]
 CHECKS = [("b3_graph_splits", [130, 1000, 17], 8192), ("b4_ctx1_and_257", [1, 257, 64, 65], 1024),
           ("b1_192", [192], 255)]
 PDL_FILL_ROWS = 48          # silu_mul rows before each attention in the PDL timing (~5.5 MB, a few us)

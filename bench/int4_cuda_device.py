@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,16 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "w4t1u2b4z": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True),
          "w4t1u4b3z": dict(num_warps=4, TILES=1, UNROLL=4, min_blocks=3, ZERO_SUM=True),
          "w4t4u1b3z": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=3, ZERO_SUM=True),
+         # occupancy: ncu (bench/int4_gemv_ncu.py) found the table's config latency-bound, half its warps'
+         # stall samples waiting on the W loads, 4 warps a scheduler (110 registers: 4 CTAs an SM); more
+         # CTAs an SM cap the registers (b5: 102, b6: 85, b8: 64) and keep more loads in flight
+         "w4t2u1b5z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=5, ZERO_SUM=True),
+         "w4t2u1b6z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=6, ZERO_SUM=True),
+         "w4t1u2b6z": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=6, ZERO_SUM=True),
+         "w4t1u1b6z": dict(num_warps=4, TILES=1, UNROLL=1, min_blocks=6, ZERO_SUM=True),
+         "w4t1u1b8z": dict(num_warps=4, TILES=1, UNROLL=1, min_blocks=8, ZERO_SUM=True),
+         "w8t1u1b4z": dict(num_warps=8, TILES=1, UNROLL=1, min_blocks=4, ZERO_SUM=True),
+         "w8t2u1b3z": dict(num_warps=8, TILES=2, UNROLL=1, min_blocks=3, ZERO_SUM=True),
          # ABLATE (a measurement, not a kernel): the compute replaced by an XOR of the W words, so only the
          # W loads remain (the compiler drops the scale, zero and x loads): the loop's memory ceiling
          "w4t2u1b4z_a": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True),
@@ -85,7 +96,12 @@ def prepare(out_dir: Path):
         raise SystemExit("nvcc not found: the CUDA int4 GEMV cannot be built here")
     t0, index, sets = time.time(), {}, {}
     render = cuda.render
+    # INT4_CUDA_SWEEP=name,... builds those configs alone (no dequant sweep, no Triton set): for
+    # bench/int4_gemv_ncu.py, which runs nothing else
+    only = [n for n in os.environ.get("INT4_CUDA_SWEEP", "").split(",") if n]
     for name, ov in SWEEP.items():
+        if only and name not in only:
+            continue
         ablate, kind = ov.get("ABLATE", False), ov.get("kind", "gemv")
         ov = {k: v for k, v in ov.items() if k not in ("ABLATE", "kind")}
         specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov, kind)[0]]
@@ -102,12 +118,13 @@ def prepare(out_dir: Path):
         finally:
             cuda.render = render
         print(f"cuda/{name}: {len(specs)} kernels ({time.time() - t0:.0f}s)", flush=True)
-    for name, ov in DEQUANT_SWEEP.items():
+    for name, ov in ({} if only else DEQUANT_SWEEP).items():
         specs = [cuda_int4.int4_dequant_spec(g, "bf16", "sm90", ov)[0] for g in (GROUP, 64)]
         sets[f"cuda_dq/{name}"] = cuda.compile_cuda(specs)
         print(f"cuda_dq/{name}: {len(specs)} kernels ({time.time() - t0:.0f}s)", flush=True)
-    sets["triton"] = compile_specs(int4_linear_specs("bf16", "sm90", (GROUP, 64)), jobs=2)
-    print(f"triton: ({time.time() - t0:.0f}s)", flush=True)
+    if not only:
+        sets["triton"] = compile_specs(int4_linear_specs("bf16", "sm90", (GROUP, 64)), jobs=2)
+        print(f"triton: ({time.time() - t0:.0f}s)", flush=True)
     for set_name, res in sets.items():
         for path, data in res.files.items():
             dst = out_dir / set_name / path
@@ -193,8 +210,9 @@ def run(aot: Path, out: Path):
                     for target in (None, 8 * SMS):
                         check(dict(case="edge", group=group, M=m, N=n, K=k, bias=with_bias, set=name, target=target),
                               cuda_linear(name, target, x, w, group, b), ref)
-            check(dict(case="edge", group=group, M=m, N=n, K=k, bias=with_bias, set="triton"),
-                  triton_linear(x, w, group, b), ref)
+            if "triton" in sets:
+                check(dict(case="edge", group=group, M=m, N=n, K=k, bias=with_bias, set="triton"),
+                      triton_linear(x, w, group, b), ref)
             for name in dq_sets:
                 exact(dict(case="edge", group=group, N=n, K=k, set=name), dequant(name, w, group, n, k), w, group)
     say(f"edge checks: {sum(c['ok'] for c in results['checks'])}/{len(results['checks'])} ok "
@@ -207,7 +225,7 @@ def run(aot: Path, out: Path):
         dense = [op.dequantize(*ws[i], GROUP) for i in range(max(2, math.ceil(150e6 / (2 * n * k))))]
         ref_w = dense[0].double()
         scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")   # the prefill path: dequant, cuBLAS
-        for name in ["triton", *dq_sets]:
+        for name in [n for n in ("triton", *dq_sets) if n in sets]:
             consts = sets[name].consts("int4_linear")
             plans = [op.dequant_launch(*ws[i], scratch, group_size=GROUP, consts=consts) for i in range(copies)]
             if exact(dict(shape=shape, set=name, case="dequant"), dequant(name, ws[0], GROUP, n, k), ws[0], GROUP):
@@ -221,7 +239,7 @@ def run(aot: Path, out: Path):
             row = dict(shape=shape, N=n, K=k, M=m, wbytes=wbytes)
             bf16_us = time_graph(lambda i: F.linear(x, dense[i % len(dense)]), len(dense))
             results["timings"].append(dict(row, set="bf16", us=bf16_us, tbs=2 * n * k / bf16_us / 1e6))
-            if check(dict(row, set="triton"), triton_linear(x, ws[0], GROUP), ref):
+            if "triton" in sets and check(dict(row, set="triton"), triton_linear(x, ws[0], GROUP), ref):
                 us = time_graph(lambda i: triton_linear(x, ws[i], GROUP), copies)
                 results["timings"].append(dict(row, set="triton", us=us, tbs=wbytes / us / 1e6))
             for name in cuda_sets:
