@@ -221,3 +221,22 @@ def test_cache_key_of_codegen_is_the_same_under_every_python(tmp_path):
     from engc.compiler.kernel_cache import code_without_comments
     src = 'def f(x):  # why\n\n    return "#1" + x   \n# note\nY = f"{1 + 2}#"\n'
     assert code_without_comments(src) == 'def f(x):\n    return "#1" + x\nY = f"{1 + 2}#"'
+
+
+def test_decode_split_rule_of_the_sm90_table():
+    """The decode's split rule with the table's sm90 entries (H200 measurements in tune.py): a lone sequence
+    splits down to one tile a program; a busy batch (8B batch 32: 256 (sequence, KV head) pairs) takes the
+    two splits it wants from two tiles of context, in an eager step as in a graph sized for the block table;
+    batch 64 fills the GPU with one."""
+    from engc.compiler.codegen import tune
+    from engc.kernels.paged_attention import decode_splits
+    d128 = tune.lookup("sm90", "paged_attention", "decode", "d<=128")[1]
+    assert d128["BLOCK_N"] == 32 and d128["min_split_tokens_busy"] == 64
+    assert decode_splits(1, 8, 255, d128) == 7                  # the b<=4 graphs' context bucket
+    assert decode_splits(1, 8, 8192, d128) == 33                # 264 programs
+    for ctx in (128, 192, 1000, 8192):                          # 8B batch 32: eager contexts and the graph's
+        assert decode_splits(32, 8, ctx, d128) == 2
+    assert decode_splits(32, 8, 100, d128) == 1                 # under two tiles a split
+    assert decode_splits(64, 8, 8192, d128) == 1
+    d64 = tune.lookup("sm90", "paged_attention", "decode", "d<=64")[1]
+    assert d64["min_split_tokens_busy"] == 2 * d64["BLOCK_N"]

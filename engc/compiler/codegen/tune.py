@@ -45,7 +45,12 @@ for _arch in ("sm80", "sm90"):
     # The Triton decode combines its splits in the same launch (in_kernel_reduce: the last split to arrive
     # reduces), so a split costs a partial write, not a launch: while (sequence, KV head) pairs leave the
     # GPU short of target_programs, split down to one BLOCK_N tile a program (min_split_tokens = BLOCK_N;
-    # it was 128 tokens with the reduce launch). Busy batches keep min_split_tokens_busy (measured).
+    # it was 128 tokens with the reduce launch). Busy batches (pairs fill half of target_programs: the rule then
+    # picks 1 or 2 splits) split from two tiles of context: on the H200 two splits beat one at 8B batch 24 and
+    # 32 at every context measured, 0.90x at 192 tokens to 0.64x at 2048 (bench/results/h200_4e0a94b_attn_busy.txt:
+    # 'old' and 'split1' against 'base'). The 1024 tokens before came from BLOCK_N 64, where one split was
+    # ahead (h200_cb40abc_attn_b1.txt, e1_split1), and kept eager and mixed steps under 2048 tokens on one
+    # split, while decode graphs, sized for the block table's capacity, split anyway.
     # H200 (bench/results/h200_decode_fused.txt): the in-kernel reduce is even with the two-launch form or
     # ahead (8B b1 ctx 256: 10.8 vs 12.9 us with rotary).
     # rotary_max_rows: RotaryPagedAttention runs as one kernel (decode_rotary) on decode steps of at most
@@ -62,7 +67,8 @@ for _arch in ("sm80", "sm90"):
                                                ("d<=128", 32 if _sm90 else 64, 3 if _sm90 else 2, 2 if _sm90 else 0),
                                                ("d>128", 32, 2, 0)):
         _put(_arch, "paged_attention", "decode", _bucket, BLOCK_N=_block_n, num_warps=4, num_stages=_stages,
-             impl="triton", **dict(_split, min_split_tokens=_block_n), in_kernel_reduce=True, rotary_max_rows=32,
+             impl="triton", **dict(_split, min_split_tokens=_block_n, min_split_tokens_busy=2 * _block_n),
+             in_kernel_reduce=True, rotary_max_rows=32,
              EARLY_KV=_early)
     # decode_reduce: the second launch of the CUDA decode template (the Triton decode reduces in-kernel)
     _put(_arch, "paged_attention", "decode_reduce", "any", num_warps=4, num_stages=1)
