@@ -207,6 +207,14 @@ for _arch, _stages in (("sm80", 4), ("sm90", 6)):
     _put(_arch, "skinny_gemm", "*", "m<=16", min_m=9, max_m=16, BLOCK_M=16, num_stages=_stages, **_skinny)
     _put(_arch, "skinny_gemm", "*", "m<=32", min_m=17, max_m=32, BLOCK_M=32, num_stages=_stages, **_skinny)
     _put(_arch, "skinny_gemm", "*", "m<=64", min_m=33, max_m=64, BLOCK_M=64, num_stages=_stages - 1, **_skinny)
+# ... and per-K entries for the 8B's widths at 17-32 rows, the sweep's winners per K (h200_b093c46_skinny_gemm.txt,
+# 'best per (model, K, M class)'): K 4096 (qkv, o, gate_up, lm_head) 64 x 128 tiles over 4 stages (two programs
+# an SM), the SiLU-fused down (K 14336) 128 x 128 tiles with 8 warps. The '*' entry (6 stages: one program an SM)
+# took that down 59.5 us at 32 rows against 36.5 (cuBLAS and silu_mul: 36.6), ~0.7 ms a step, and that is what
+# the step A/Bs above enabled. Off until a step A/B with these (bench/ab/skinny_32_k.json) says otherwise.
+_put("sm90", "skinny_gemm", "k4096_m32", "m<=32", **dict(TUNE["sm90/skinny_gemm/*/m<=32"], num_stages=4))
+_put("sm90", "skinny_gemm", "silu_k14336_m32", "m<=32",
+     **dict(TUNE["sm90/skinny_gemm/*/m<=32"], BLOCK_N=128, num_warps=8, num_stages=4))
 
 # int4_linear (W4A16), not yet measured on a device (bench/int4_device.py sweeps these). GEMV: a tile is
 # BLOCK_N rows x BLOCK_C 16-byte chunks (32 weights each); threads and warps all run along K (BLOCK_C =
