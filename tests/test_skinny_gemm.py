@@ -4,6 +4,7 @@ launch and pick rules, the specs (built only where the tune entry is enabled), i
 and gpu_ops' Gemm / SiluMulLinear choosing it between the GEMV and cuBLAS."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -93,8 +94,16 @@ def test_specs_only_where_enabled():
     def skinny(**kw):
         return {s.variant: s for s in model_specs(_llama8b(), torch.bfloat16, "sm90", 16, **kw) if s.op == "skinny_gemm"}
 
-    enabled = [c for c in tune.SKINNY_GEMM_M_CLASSES if tune.TUNE[f"sm90/skinny_gemm/*/{c}"]["enabled"]]
-    assert {s.launch["max_m"] for s in skinny().values()} == {int(c[3:]) for c in enabled}
+    assert not any(tune.TUNE[f"sm90/skinny_gemm/*/{c}"]["enabled"] for c in tune.SKINNY_GEMM_M_CLASSES)
+    # the table's per-K entries (the 8B's widths at 17-32 rows, measured on the H200) are on by themselves ...
+    own = skinny()
+    assert {v: s.launch["max_m"] for v, s in own.items()} == {"k4096_m32": 32, "silu_k14336_m32": 32}
+    assert (own["silu_k14336_m32"].launch["BLOCK_N"], own["silu_k14336_m32"].num_warps) == (128, 8)
+    assert (own["k4096_m32"].launch["BLOCK_N"], own["k4096_m32"].num_stages) == (64, 4)
+    # ... and no other width gets the skinny GEMM unless its class is enabled
+    narrow = dataclasses.replace(_llama8b(), hidden_size=2048, intermediate_size=8192, head_dim=64)
+    assert not [s for s in model_specs(narrow, torch.bfloat16, "sm90", 16) if s.op == "skinny_gemm"]
+    assert not [s for s in model_specs(_llama8b(), torch.bfloat16, "sm80", 16) if s.op == "skinny_gemm"]
     with _enable("m<=32"):
         specs = skinny()
         assert set(specs) == {"k4096_m32", "silu_k14336_m32"}   # hidden = q_size: qkv, o, gate_up, lm_head; down

@@ -198,7 +198,9 @@ _put("sm90", "fp8_linear", "k14336_m64", "m<=64", max_m=64, BLOCK_M=64, BLOCK_N=
 # token side padded to the class; PREFETCH_K: W columns each program asks L2 for before its PDL wait.
 # Off (enabled False): per GEMM it was even with cuBLAS at 16-32 rows (bench/skinny_gemm_device.py), and as
 # a whole 8B step it lost: m<=16 and m<=32 on (bench/ab's skinny_32, one lease, 2026-12-01) gave b32
-# 128/128 5,342 tok/s against 5,708-5,733 with cuBLAS (bench/results/h200_b1c505b_skinny32_engc_8b.json).
+# 128/128 5,342 tok/s against 5,708-5,733 with cuBLAS (bench/results/h200_b1c505b_skinny32_engc_8b.json;
+# again at f4538da: 5,410 against 5,855, h200_f4538da_skinny32_*), because these generic entries are not
+# the sweep's winners per K (below).
 # sm80 by analogy (fewer stages: 163 KB of shared memory).
 SKINNY_GEMM_M_CLASSES = ("m<=16", "m<=32", "m<=64")
 for _arch, _stages in (("sm80", 4), ("sm90", 6)):
@@ -211,10 +213,13 @@ for _arch, _stages in (("sm80", 4), ("sm90", 6)):
 # 'best per (model, K, M class)'): K 4096 (qkv, o, gate_up, lm_head) 64 x 128 tiles over 4 stages (two programs
 # an SM), the SiLU-fused down (K 14336) 128 x 128 tiles with 8 warps. The '*' entry (6 stages: one program an SM)
 # took that down 59.5 us at 32 rows against 36.5 (cuBLAS and silu_mul: 36.6), ~0.7 ms a step, and that is what
-# the step A/Bs above enabled. Off until a step A/B with these (bench/ab/skinny_32_k.json) says otherwise.
-_put("sm90", "skinny_gemm", "k4096_m32", "m<=32", **dict(TUNE["sm90/skinny_gemm/*/m<=32"], num_stages=4))
+# the step A/Bs above enabled. On since the eleventh session: in one lease (bench/results/h200_8ccda65_*) these two gave 8B b32 128/128
+# 5,858 tok/s against 5,745 with cuBLAS (+2.0%; first runs 5,872 / 5,704), b1 and b64 unchanged. Without PDL
+# their GEMMs take 4.31 ms a step against cuBLAS's 4.19 (another lease): the gain is the PDL overlap with the
+# kernels beside them (cuBLAS launches plainly), e.g. the attention's early KV loads behind qkv.
+_put("sm90", "skinny_gemm", "k4096_m32", "m<=32", **dict(TUNE["sm90/skinny_gemm/*/m<=32"], num_stages=4, enabled=True))
 _put("sm90", "skinny_gemm", "silu_k14336_m32", "m<=32",
-     **dict(TUNE["sm90/skinny_gemm/*/m<=32"], BLOCK_N=128, num_warps=8, num_stages=4))
+     **dict(TUNE["sm90/skinny_gemm/*/m<=32"], BLOCK_N=128, num_warps=8, num_stages=4, enabled=True))
 
 # int4_linear (W4A16), not yet measured on a device (bench/int4_device.py sweeps these). GEMV: a tile is
 # BLOCK_N rows x BLOCK_C 16-byte chunks (32 weights each); threads and warps all run along K (BLOCK_C =
