@@ -54,6 +54,12 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "w4t1u1b8z": dict(num_warps=4, TILES=1, UNROLL=1, min_blocks=8, ZERO_SUM=True),
          "w8t1u1b4z": dict(num_warps=8, TILES=1, UNROLL=1, min_blocks=4, ZERO_SUM=True),
          "w8t2u1b3z": dict(num_warps=8, TILES=2, UNROLL=1, min_blocks=3, ZERO_SUM=True),
+         # ... or more W bytes in flight a warp (two K steps or four tiles an iteration), fewer CTAs
+         "w4t2u2b3z": dict(num_warps=4, TILES=2, UNROLL=2, min_blocks=3, ZERO_SUM=True),
+         "w4t2u2b2z": dict(num_warps=4, TILES=2, UNROLL=2, min_blocks=2, ZERO_SUM=True),
+         "w4t4u1b2z": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=2, ZERO_SUM=True),
+         "w8t2u2b2z": dict(num_warps=8, TILES=2, UNROLL=2, min_blocks=2, ZERO_SUM=True),
+         "w4t1u4b4z": dict(num_warps=4, TILES=1, UNROLL=4, min_blocks=4, ZERO_SUM=True),
          # ABLATE (a measurement, not a kernel): the compute replaced by an XOR of the W words, so only the
          # W loads remain (the compiler drops the scale, zero and x loads): the loop's memory ceiling
          "w4t2u1b4z_a": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True),

@@ -260,7 +260,8 @@ for _arch in ("sm80", "sm90"):
     # in 37% of cycles and streams 2.35 TB/s; 48% of its warps' stall samples wait on the W loads (long
     # scoreboard), 18% on fixed-latency results; 110 registers hold it at 4 CTAs (16 warps) an SM. Yet more CTAs
     # an SM (min_blocks 5/6/8 capping 96/80/64 registers) or 8 warps were no faster on any 8B projection
-    # (h200_4e0a94b_int4_occupancy.txt): more warps waiting the same way do not fill the gap.
+    # (h200_4e0a94b_int4_occupancy.txt): more warps waiting the same way do not fill the gap. Nor more W bytes in
+    # flight a warp (UNROLL 2-4 or TILES 4 at 2-4 CTAs an SM: 60-64 us a layer against 57, h200_8498b70_int4_inflight).
     _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
     # ... and, per projection shape [N, K] where one config beat it, a build of its own (gemv_n{N}_k{K}, variant
