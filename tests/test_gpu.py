@@ -106,6 +106,43 @@ def test_pdl_changes_no_token(tiny_dir, tmp_path, monkeypatch):
     assert runs["1"] == runs["0"]
 
 
+@pytest.mark.skipif(not gpu_ready() or sm_arch() != "sm90", reason="needs an sm90 GPU and engc._native")
+def test_skinny_gemm_of_the_8b_widths_matches_reference(tmp_path):
+    """The skinny GEMM where sm90's tune table turns it on by width (K 4096 and the SiLU-fused down of K 14336,
+    17-32 rows): a one-layer bf16 checkpoint of the 8B's widths, built, its skinny kernels through their launch
+    rule against float64 at the M class's edges and between, on the 8B's projection shapes; split-K
+    counters left zero."""
+    from tiny_models import write_random_llama
+    from engc.bundle.reader import open_bundle
+    from engc.kernels import skinny_gemm as op
+    from engc.runtime.gpu_ops import BundleKernels
+    write_random_llama(tmp_path / "ckpt", hidden=4096, intermediate=14336, layers=1, heads=32, kv_heads=8,
+                       head_dim=128, vocab=512)
+    build(str(tmp_path / "ckpt"), tmp_path / "b", BuildOptions(archs=("sm90",), dtype="bfloat16",
+                                                               kernel_cache=os.environ.get("ENGC_KERNEL_CACHE")))
+    kernels = BundleKernels(open_bundle(tmp_path / "b"), "sm90")
+    consts = kernels.consts["skinny_gemm"]
+    assert set(consts) == {"k4096_m32", "silu_k14336_m32"}
+    table = op.variant_table(consts)
+    counters = torch.zeros(op.NUM_COUNTERS, dtype=torch.int32, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    for k, silu, n in ((4096, False, 6144), (4096, False, 4096), (4096, False, 28672), (4096, False, 512),
+                       (14336, True, 4096)):
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
+        for m in (17, 24, 32):
+            x = torch.randn(m, 2 * k if silu else k, generator=gen).to(torch.bfloat16).cuda()
+            variant = op.pick(table, k, silu, m, n)
+            assert variant == f"{'silu_' if silu else ''}k{k}_m32", (k, silu, m, variant)
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            kernels.run("skinny_gemm", op.launch(x, w, out, variant, consts[variant], counters))
+            a = x.double()
+            if silu:   # the kernel multiplies the product as the model dtype rounds it (silu_mul's output)
+                a = (torch.nn.functional.silu(a[:, :k]) * a[:, k:]).to(torch.bfloat16).double()
+            ref = a @ w.double().t()
+            err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 2e-2 and counters.eq(0).all(), (k, silu, n, m, err)
+
+
 @pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA device and engc._native")
 def test_int4_linear_matches_reference_at_every_row_count(tiny_dir, tmp_path):
     """A bf16 int4 bundle's QLinear kernels, through the runtime's own launch rule, against the dequantized
