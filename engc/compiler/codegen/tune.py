@@ -213,10 +213,11 @@ for _arch, _stages in (("sm80", 4), ("sm90", 6)):
 # 'best per (model, K, M class)'): K 4096 (qkv, o, gate_up, lm_head) 64 x 128 tiles over 4 stages (two programs
 # an SM), the SiLU-fused down (K 14336) 128 x 128 tiles with 8 warps. The '*' entry (6 stages: one program an SM)
 # took that down 59.5 us at 32 rows against 36.5 (cuBLAS and silu_mul: 36.6), ~0.7 ms a step, and that is what
-# the step A/Bs above enabled. On since the eleventh session: in one lease (bench/results/h200_8ccda65_*) these two gave 8B b32 128/128
-# 5,858 tok/s against 5,745 with cuBLAS (+2.0%; first runs 5,872 / 5,704), b1 and b64 unchanged. Without PDL
-# their GEMMs take 4.31 ms a step against cuBLAS's 4.19 (another lease): the gain is the PDL overlap with the
-# kernels beside them (cuBLAS launches plainly), e.g. the attention's early KV loads behind qkv.
+# the step A/Bs above enabled. On since the eleventh session: in one lease (bench/results/h200_8ccda65_*)
+# these two gave 8B b32 128/128 5,858 tok/s against 5,745 with cuBLAS (+2.0%; first runs 5,872 / 5,704), b1
+# and b64 unchanged. Without PDL their GEMMs take 4.31 ms a step against cuBLAS's 4.19 (another lease): the
+# gain is the PDL overlap with the kernels beside them (cuBLAS launches plainly), e.g. the attention's early
+# KV loads behind qkv.
 _put("sm90", "skinny_gemm", "k4096_m32", "m<=32", **dict(TUNE["sm90/skinny_gemm/*/m<=32"], num_stages=4, enabled=True))
 _put("sm90", "skinny_gemm", "silu_k14336_m32", "m<=32",
      **dict(TUNE["sm90/skinny_gemm/*/m<=32"], BLOCK_N=128, num_warps=8, num_stages=4, enabled=True))
