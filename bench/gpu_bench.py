@@ -568,6 +568,9 @@ def run(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     args.batches = {"1b": [64, 256], "8b": [32, 64, 256], "tiny": [4]}
+    if args.batch_sizes:   # the throughput batches of every shape, e.g. 16,32 for an A/B of 9-16-row kernels
+        sizes = [int(b) for b in args.batch_sizes.split(",")]
+        args.batches = {shape: sizes for shape in args.batches}
     results = []
     for shape in args.shapes.split(","):
         if args.child:
@@ -580,7 +583,8 @@ def run(args):
                "--out", str(out), "--work", args.work, "--commit", args.commit] + (["--long"] if args.long else []) \
             + (["--serve"] if args.serve else []) + (["--profile-only"] if args.profile_only else []) \
             + (["--no-hf"] if args.no_hf else []) + (["--quick"] if args.quick else []) \
-            + (["--tune", args.tune] if args.tune else []) + (["--check-only"] if args.check_only else [])
+            + (["--tune", args.tune] if args.tune else []) + (["--check-only"] if args.check_only else []) \
+            + (["--batch-sizes", args.batch_sizes] if args.batch_sizes else [])
         subprocess.run(cmd, timeout=args.timeout)
         f = out / f"engc_{shape}.json"
         results.append(json.loads(f.read_text()) if f.exists() else {"shape": shape, "error": "no result"})
@@ -632,6 +636,9 @@ def main():
     ap.add_argument("--tune", default="", help='tune-table entries (JSON {"sm90/op/variant/bucket": {field: '
                     'value}}, as engc build --tune takes) to prepare and build with; the bundle gets a '
                     '-tuned-<hash of the JSON> suffix (an 8B one is 16 GB: remove it after its run on a small disk)')
+    ap.add_argument("--batch-sizes", default="",
+                    help="comma-separated batch sizes of the 128 in / 128 out throughput runs, for every shape "
+                         "(default: 1b 64,256; 8b 32,64,256; --quick keeps the first two)")
     ap.add_argument("--timeout", type=int, default=400)
     args = ap.parse_args()
     prepare(args) if args.verb == "prepare" else run(args)
