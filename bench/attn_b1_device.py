@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,14 @@ CASES = [("8b", 1, 128, 255), ("8b", 1, 192, 255), ("8b", 1, 256, 8192), ("8b", 
 CHECKS = [("b3_graph_splits", [130, 1000, 17], 8192), ("b4_ctx1_and_257", [1, 257, 64, 65], 1024),
           ("b1_192", [192], 255)]
 PDL_FILL_ROWS = 48          # silu_mul rows before each attention in the PDL timing (~5.5 MB, a few us)
+# ATTN_SETS=base,s4 (prepare and run): only those cubin sets. ATTN_NCU=8b:32:192 (run): after the checks, two
+# launches of each set at that case (no PDL, max_ctx 8192) inside the NVTX range 'ncu', and no timing:
+#   ncu --clock-control none --nvtx --nvtx-include 'ncu/' --set full -o $OUT/attn -f \
+#       python3 bench/attn_b1_device.py run .kc/aot_attn --out $OUT/attn
+if os.environ.get("ATTN_SETS"):
+    CUBINS = {cfg: {k: v for k, v in sets.items() if k in os.environ["ATTN_SETS"].split(",")}
+              for cfg, sets in CUBINS.items()}
+    LAUNCH = [entry for entry in LAUNCH if entry[1] in os.environ["ATTN_SETS"].split(",")]
 
 
 def prepare(out_dir: Path):
@@ -162,6 +171,22 @@ class AttnB1Bench(Bench):
                 self.correct(f"{cfg_name}/{v}/{name}", err, 2e-2)
             self.correct(f"{cfg_name}/counters_zero/{name}", float(counters.abs().sum()), 0)
 
+        if os.environ.get("ATTN_NCU"):
+            cfg, B, ctx_len = os.environ["ATTN_NCU"].split(":")
+            if cfg != cfg_name:
+                return
+            xs = [self.step_inputs(c, [int(ctx_len)] * int(B), num_blocks, 100 + i) for i in range(3)]
+            for v, cub, ov in variants:
+                runs = [attention(False, cub, ov, x, 8192) for x in xs]
+                runs[0]()
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_push("ncu")
+                runs[1]()
+                runs[2]()
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_pop()
+                self.log(f"ncu: {cfg} b{B} ctx {ctx_len}: {v} launched twice in range 'ncu'")
+            return
         for cfg, B, ctx_len, max_ctx in CASES:
             if cfg != cfg_name:
                 continue
