@@ -109,7 +109,7 @@ def test_pdl_changes_no_token(tiny_dir, tmp_path, monkeypatch):
 @pytest.mark.skipif(not gpu_ready() or sm_arch() != "sm90", reason="needs an sm90 GPU and engc._native")
 def test_skinny_gemm_of_the_8b_widths_matches_reference(tmp_path):
     """The skinny GEMM where sm90's tune table turns it on by width (K 4096 and the SiLU-fused down of K 14336,
-    17-32 rows): a one-layer bf16 checkpoint of the 8B's widths, built, its skinny kernels through their launch
+    9-16 and 17-32 rows): a one-layer bf16 checkpoint of the 8B's widths, built, its skinny kernels through their launch
     rule against float64 at the M class's edges and between, on the 8B's projection shapes; split-K
     counters left zero."""
     from tiny_models import write_random_llama
@@ -122,17 +122,17 @@ def test_skinny_gemm_of_the_8b_widths_matches_reference(tmp_path):
                                                                kernel_cache=os.environ.get("ENGC_KERNEL_CACHE")))
     kernels = BundleKernels(open_bundle(tmp_path / "b"), "sm90")
     consts = kernels.consts["skinny_gemm"]
-    assert set(consts) == {"k4096_m32", "silu_k14336_m32"}
+    assert set(consts) == {f"{p}_m{m}" for p in ("k4096", "silu_k14336") for m in (16, 32)}
     table = op.variant_table(consts)
     counters = torch.zeros(op.NUM_COUNTERS, dtype=torch.int32, device="cuda")
     gen = torch.Generator().manual_seed(0)
     for k, silu, n in ((4096, False, 6144), (4096, False, 4096), (4096, False, 28672), (4096, False, 512),
                        (14336, True, 4096)):
         w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
-        for m in (17, 24, 32):
+        for m in (9, 12, 16, 17, 24, 32):
             x = torch.randn(m, 2 * k if silu else k, generator=gen).to(torch.bfloat16).cuda()
             variant = op.pick(table, k, silu, m, n)
-            assert variant == f"{'silu_' if silu else ''}k{k}_m32", (k, silu, m, variant)
+            assert variant == f"{'silu_' if silu else ''}k{k}_m{16 if m <= 16 else 32}", (k, silu, m, variant)
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             kernels.run("skinny_gemm", op.launch(x, w, out, variant, consts[variant], counters))
             a = x.double()

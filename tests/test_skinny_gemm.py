@@ -95,22 +95,25 @@ def test_specs_only_where_enabled():
         return {s.variant: s for s in model_specs(_llama8b(), torch.bfloat16, "sm90", 16, **kw) if s.op == "skinny_gemm"}
 
     assert not any(tune.TUNE[f"sm90/skinny_gemm/*/{c}"]["enabled"] for c in tune.SKINNY_GEMM_M_CLASSES)
-    # the table's per-K entries (the 8B's widths at 17-32 rows, measured on the H200) are on by themselves ...
+    # the table's per-K entries (the 8B's widths at 9-32 rows, measured on the H200) are on by themselves ...
     own = skinny()
-    assert {v: s.launch["max_m"] for v, s in own.items()} == {"k4096_m32": 32, "silu_k14336_m32": 32}
-    assert (own["silu_k14336_m32"].launch["BLOCK_N"], own["silu_k14336_m32"].num_warps) == (128, 8)
-    assert (own["k4096_m32"].launch["BLOCK_N"], own["k4096_m32"].num_stages) == (64, 4)
+    assert {v: (s.launch["min_m"], s.launch["max_m"]) for v, s in own.items()} == {
+        "k4096_m16": (9, 16), "silu_k14336_m16": (9, 16), "k4096_m32": (17, 32), "silu_k14336_m32": (17, 32)}
+    for m in (16, 32):
+        assert (own[f"silu_k14336_m{m}"].launch["BLOCK_N"], own[f"silu_k14336_m{m}"].num_warps) == (128, 8)
+        assert (own[f"k4096_m{m}"].launch["BLOCK_N"], own[f"k4096_m{m}"].num_stages) == (64, 4)
     # ... and no other width gets the skinny GEMM unless its class is enabled
     narrow = dataclasses.replace(_llama8b(), hidden_size=2048, intermediate_size=8192, head_dim=64)
     assert not [s for s in model_specs(narrow, torch.bfloat16, "sm90", 16) if s.op == "skinny_gemm"]
     assert not [s for s in model_specs(_llama8b(), torch.bfloat16, "sm80", 16) if s.op == "skinny_gemm"]
     with _enable("m<=32"):
         specs = skinny()
-        assert set(specs) == {"k4096_m32", "silu_k14336_m32"}   # hidden = q_size: qkv, o, gate_up, lm_head; down
+        # hidden = q_size: qkv, o, gate_up, lm_head; down
+        assert set(specs) == {f"{p}_m{m}" for p in ("k4096", "silu_k14336") for m in (16, 32)}
         launch = specs["k4096_m32"].launch
         assert (launch["min_m"], launch["max_m"], launch["PDL"]) == (17, 32, 1)
         assert specs["silu_k14336_m32"].constexprs["SILU"] and specs["k4096_m32"].constexprs["BLOCK_M"] == 32
-        assert set(skinny(quant="fp8")) == {"k4096_m32"}            # fp8 layers: the lm_head only
+        assert set(skinny(quant="fp8")) == {"k4096_m16", "k4096_m32"}   # fp8 layers: the lm_head only
         assert not [s for s in model_specs(_llama8b(), torch.float32, "sm90", 16) if s.op == "skinny_gemm"]
     # the sweep builds every class whatever the table says
     every = skinny_gemm_specs(_llama8b(), "bf16", "sm80", enabled_only=False)

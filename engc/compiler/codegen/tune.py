@@ -222,10 +222,12 @@ _put("sm90", "skinny_gemm", "k4096_m32", "m<=32", **dict(TUNE["sm90/skinny_gemm/
 _put("sm90", "skinny_gemm", "silu_k14336_m32", "m<=32",
      **dict(TUNE["sm90/skinny_gemm/*/m<=32"], BLOCK_N=128, num_warps=8, num_stages=4, enabled=True))
 # The same widths' winners at 9-16 rows (same sweep: 3,008 against cuBLAS's 3,041 us a step for K 4096, 1,108
-# against 1,133 for the SiLU down), off until a step A/B at batch 16 (bench/ab/skinny_16_k.json).
-_put("sm90", "skinny_gemm", "k4096_m16", "m<=16", **dict(TUNE["sm90/skinny_gemm/*/m<=16"], num_stages=4))
+# against 1,133 for the SiLU down). On since the twelfth session: the step A/B in one lease (bench/ab's
+# skinny_16_k, bench/results/h200_1ff3351_*) gave 8B b16 128/128 3,420 tok/s against 3,307 with cuBLAS (+3.4%;
+# first runs 3,377 / 3,275), b32 and b1 unchanged (5,999 / 6,011, 240.9 / 241.2).
+_put("sm90", "skinny_gemm", "k4096_m16", "m<=16", **dict(TUNE["sm90/skinny_gemm/*/m<=16"], num_stages=4, enabled=True))
 _put("sm90", "skinny_gemm", "silu_k14336_m16", "m<=16",
-     **dict(TUNE["sm90/skinny_gemm/*/m<=16"], BLOCK_N=128, num_warps=8, num_stages=4))
+     **dict(TUNE["sm90/skinny_gemm/*/m<=16"], BLOCK_N=128, num_warps=8, num_stages=4, enabled=True))
 
 # int4_linear (W4A16), not yet measured on a device (bench/int4_device.py sweeps these). GEMV: a tile is
 # BLOCK_N rows x BLOCK_C 16-byte chunks (32 weights each); threads and warps all run along K (BLOCK_C =
