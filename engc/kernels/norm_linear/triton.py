@@ -32,8 +32,9 @@ def norm_linear_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, residual
 
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
+    first_tile = tl.full([BLOCK_M], pid_n, tl.int32) == 0   # a predicate, not a branch, in the loop
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)   # s^2 by column, summed along K once, after the loop
     for t in range(0, tl.cdiv(K, BLOCK_K)):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -43,15 +44,14 @@ def norm_linear_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, residual
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         r = tl.load(residual_ptr + offs, mask=mask, other=0.0)
         s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        if pid_n == 0:
-            tl.store(residual_out_ptr + offs, s, mask=mask)
+        tl.store(residual_out_ptr + offs, s, mask=mask & first_tile[:, None])
         sf = s.to(tl.float32)
-        sum_sq += tl.sum(sf * sf, axis=1)
+        sq += sf * sf
         nw = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         a = (sf * nw[None, :]).to(w.dtype)
         acc = tl.dot(w, tl.trans(a), acc)
 
-    rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
     acc = acc * rstd[None, :]
     # acc is transposed (swap AB): element [n, m] goes to out[m, n]
     out_offs = rows[None, :] * N + offs_n[:, None]
