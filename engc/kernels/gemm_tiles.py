@@ -1,6 +1,6 @@
-"""@triton.jit pieces the decode GEMM kernels share (kernels/gemv, skinny_gemm, norm_linear, fp8_linear
-triton.py): the program's W rows, an L2 prefetch of them and their K-tile loads, its split's K range, the
-(SiLU-fused) input tile, and the split-K epilogue.
+"""@triton.jit pieces the decode GEMM kernels share (kernels/gemv, skinny_gemm, fp8_linear triton.py): the
+program's W rows and their K-tile loads, its split's K range, the (SiLU-fused) input tile, and the split-K
+epilogue.
 
 Split-K reduced in the same launch: every split stores its fp32 partial tile to partial_ptr[split], then
 counts itself in counter_ptr[pid_n]; the last one to arrive sums the partials in split order (so the
@@ -12,33 +12,8 @@ transposed [BLOCK_N, BLOCK_M] for the swap-AB kernels); the partials use the sam
 Triton inlines these into each kernel, so the compiled code is what it was when they were written out in
 every kernel (the cubins were compared byte for byte when they moved here).
 """
-import os
-
 import triton
 import triton.language as tl
-
-# bf16/fp16 elements in a 128-byte cache line: one L2 prefetch each
-LINE: tl.constexpr = tl.constexpr(64)
-
-if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter runs no PTX; a prefetch changes no result
-    @triton.jit
-    def _prefetch_l2(ptrs):
-        pass
-else:
-    @triton.jit
-    def _prefetch_l2(ptrs):
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_w_l2(w_rows, k_first, k_last, PREFETCH_K: tl.constexpr):
-    """Ask L2 for the first PREFETCH_K columns from k_first of the program's W rows (bf16/fp16), clamped to
-    k_last: one prefetch.global.L2 per 128-byte line. W is a constant, so a PDL kernel may do this before its
-    wait, and the DRAM reads of its first tiles overlap the previous kernel's tail."""
-    lines = tl.minimum(k_first + tl.arange(0, PREFETCH_K // LINE) * LINE, k_last)
-    _prefetch_l2(w_rows + lines[None, :])
-
 
 
 @triton.jit

@@ -19,7 +19,7 @@ from engc.bundle.reader import Bundle
 from engc.errors import BundleError
 from engc.kernels import fp8_quant, gemv, paged_attention, qk_norm, rms_norm, rotary, silu_mul
 from engc.kernels import fp8_linear as fp8_gemm
-from engc.kernels import int4_linear, norm_linear, skinny_gemm
+from engc.kernels import int4_linear, skinny_gemm
 from engc.runtime.cubin import Kernel, current_stream, load_kernel, require_cuda, signature_from_triton
 from engc.runtime.ops_reference import REFERENCE_OPS
 
@@ -257,23 +257,6 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
                 return (out,)
         return REFERENCE_OPS[("", "Gemm")](a, b, c, transB=transB, **attrs)
 
-    # AddRMSNormLinear (passes/fuse_norm_linear): one launch of kernels/norm_linear where the bundle has one
-    # for this K and M, else the norm kernel and then the GEMM, as the unfused pair ran.
-    norm_linear_consts = k.consts.get("norm_linear", {})
-    norm_linear_table = norm_linear.variant_table(norm_linear_consts)
-
-    def add_norm_linear(x, r, norm_w, w, eps):
-        variant = norm_linear.pick(norm_linear_table, w.shape[1], x.shape[0])
-        if variant is not None and x.dtype == w.dtype and x.is_contiguous() and r.is_contiguous() \
-                and w.is_contiguous():
-            out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-            r_out = torch.empty_like(r)
-            k.run("norm_linear", norm_linear.launch(x, r, norm_w, w, eps, out, r_out, variant,
-                                                    norm_linear_consts[variant]))
-            return out, r_out
-        normed, r_out = add_norm(x, r, norm_w, eps)
-        return gemm(normed, w, transB=1)[0], r_out
-
     def silu_linear(gate_up, w):
         out = run_linear(gate_up, w, silu=True)
         return (out,) if out is not None else (F.linear(act(gate_up)[0], w),)
@@ -329,7 +312,6 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         ("", "Gather"): gather,
         (ENGC_DOMAIN, "RMSNorm"): norm,
         (ENGC_DOMAIN, "AddRMSNorm"): add_norm,
-        (ENGC_DOMAIN, "AddRMSNormLinear"): add_norm_linear,
         (ENGC_DOMAIN, "QKNorm"): qk,
         (ENGC_DOMAIN, "RotaryKVWrite"): rope,
         (ENGC_DOMAIN, "PagedAttention"): attention,

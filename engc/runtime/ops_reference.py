@@ -12,7 +12,6 @@ from engc.bundle.program import ENGC_DOMAIN
 from engc.kernels.fp8_quant import fp8_linear
 from engc.kernels.gemv import silu_mul_linear
 from engc.kernels.int4_linear import int4_linear
-from engc.kernels.norm_linear import add_rms_norm_linear
 from engc.kernels.paged_attention import paged_attention, rotary_paged_attention
 from engc.kernels.qk_norm import qk_norm
 from engc.kernels.rms_norm import add_rms_norm, rms_norm
@@ -39,7 +38,6 @@ REFERENCE_OPS = {
     ("", "Cast"): lambda x, to: (x.to(_ONNX_TO_TORCH[to]),),
     (ENGC_DOMAIN, "RMSNorm"): lambda x, w, eps: (rms_norm(x, w, eps),),
     (ENGC_DOMAIN, "AddRMSNorm"): lambda x, r, w, eps: add_rms_norm(x, r, w, eps),
-    (ENGC_DOMAIN, "AddRMSNormLinear"): lambda x, r, nw, w, eps: add_rms_norm_linear(x, r, nw, w, eps),
     (ENGC_DOMAIN, "QKNorm"): lambda qkv, qw, kw, **a: (qk_norm(qkv, qw, kw, **a),),
     # a quantized KV cache (--kv-cache int8|fp8) passes its scales as a 6th input
     (ENGC_DOMAIN, "RotaryKVWrite"): lambda qkv, pos, inv_freq, kv, slots, kv_scale=None, **a: (

@@ -1,6 +1,5 @@
 """The split-K GEMMs of decode batches, per arch: the GEMV (gemv), the skinny GEMM (skinny_gemm) and the FP8
-W8A8 GEMM (fp8_linear), and the model's dense projections they serve; also the skinny GEMM's norm-fused twin
-(norm_linear, never split). One kernel per input width K and M
+W8A8 GEMM (fp8_linear), and the model's dense projections they serve. One kernel per input width K and M
 class of the tune table, N a run-time argument; the three kernels share kernels/gemm_tiles.py and their
 launch rules gemv.split_k / gemv.table_by_k. specs.model_specs assembles them with the other ops' specs.
 """
@@ -117,28 +116,6 @@ def skinny_gemm_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, class
                 continue
             specs.append(make_spec("skinny_gemm", variant, arch, "skinny_gemm_kernel", types, {"K": k, "SILU": silu},
                                    bucket, overrides=ov, launch_keys=launch_keys))
-    return specs
-
-
-def norm_linear_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, classes=None, enabled_only: bool = True):
-    """Residual add + RMSNorm + linear (passes/fuse_norm_linear's AddRMSNormLinear: the qkv and gate_up
-    projections, K = hidden) per M class of tune.NORM_LINEAR_M_CLASSES whose entry is enabled (enabled_only=False:
-    every class, for sweeps). Only for programs whose layer projections are dense Gemms (not --quant fp8 or
-    int4: there the pass finds no Gemm after a norm). overrides: M class -> tune overrides."""
-    from engc.kernels.norm_linear import variant_name
-    if t == "fp32":
-        return []   # float32 bundles keep cuBLAS: the tensor-core path would round through tf32
-    types = {"x_ptr": f"*{t}", "residual_ptr": f"*{t}", "norm_w_ptr": f"*{t}", "w_ptr": f"*{t}", "out_ptr": f"*{t}",
-             "residual_out_ptr": f"*{t}", "M": "i32", "N": "i32", "eps": "fp32"}
-    specs = []
-    for bucket in classes or tune.NORM_LINEAR_M_CLASSES:
-        ov = (overrides or {}).get(bucket)
-        k = cfg.hidden_size
-        variant = variant_name(k, tune.lookup(arch, "norm_linear", "*", bucket, ov)[1]["max_m"])
-        if enabled_only and not tune.lookup(arch, "norm_linear", variant, bucket, ov)[1]["enabled"]:
-            continue
-        specs.append(make_spec("norm_linear", variant, arch, "norm_linear_kernel", types, {"K": k}, bucket,
-                               overrides=ov, launch_keys=("K", "min_m", "max_m", "BLOCK_N")))
     return specs
 
 

@@ -11,8 +11,7 @@ import torch
 
 from engc.bundle.model_config import ModelConfig
 from engc.compiler.codegen import tune
-from engc.compiler.codegen.decode_gemm_specs import (dense_projections, fp8_linear_specs, gemv_specs, norm_linear_specs,
-                                                    skinny_gemm_specs)
+from engc.compiler.codegen.decode_gemm_specs import dense_projections, fp8_linear_specs, gemv_specs, skinny_gemm_specs
 from engc.compiler.codegen.kernel_spec import TRITON_DTYPE, make_spec, pow2
 from engc.errors import UserError
 from engc.kernels import kv_quant
@@ -261,6 +260,4 @@ def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int
     if not int4_lm_head:
         specs += skinny_gemm_specs(cfg, t, arch, ov.get("skinny_gemm"),
                                    layers=quant != "fp8" and not int4_group_sizes)
-    if quant != "fp8" and not int4_group_sizes:
-        specs += norm_linear_specs(cfg, t, arch, ov.get("norm_linear"))
     return specs

@@ -229,18 +229,12 @@ _put("sm90", "skinny_gemm", "k4096_m16", "m<=16", **dict(TUNE["sm90/skinny_gemm/
 _put("sm90", "skinny_gemm", "silu_k14336_m16", "m<=16",
      **dict(TUNE["sm90/skinny_gemm/*/m<=16"], BLOCK_N=128, num_warps=8, num_stages=4, enabled=True))
 
-# Residual add + RMSNorm + linear (kernels/norm_linear: the skinny GEMM's shape, the norm applied as its input
-# tiles load, rstd on the accumulator; never split, every program reads all of K). Per M class [min_m, max_m],
-# built for the model's hidden width (the qkv and gate_up projections that follow each AddRMSNorm) only where
-# enabled; elsewhere the runtime runs rms_norm, then the GEMM, as before the fusion. Starting points: the
-# skinny GEMM's per-K winners for K 4096 (64 x 128 W tiles over 4 stages, 4 warps); the input tile is now
-# made from two loads (x and the residual) through registers. Off until an H200 step A/B at batch 16 and 32
-# (bench/ab/norm_linear.json). sm80 by analogy.
-NORM_LINEAR_M_CLASSES = ("m<=16", "m<=32")
-for _arch in ("sm80", "sm90"):
-    _norm_linear = dict(enabled=False, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, PREFETCH_K=256)
-    _put(_arch, "norm_linear", "*", "m<=16", min_m=9, max_m=16, BLOCK_M=16, **_norm_linear)
-    _put(_arch, "norm_linear", "*", "m<=32", min_m=17, max_m=32, BLOCK_M=32, **_norm_linear)
+# Not here: a residual add + RMSNorm fused into these kernels' input tiles (kernels/norm_linear, 23d4a5c,
+# reverted). In a swap-AB kernel every program reads and transforms all of x for its W rows, so the fusion
+# multiplies the norm's work by the N tiles (and x and the residual took pipeline stages, halving programs an
+# SM): on the H200 it took the 8B's qkv 23.8-40.3 us against 17.0-17.7 for add_rms_norm + this GEMM, gate_up
+# 64-124 against 60-62, and b32 128/128 to 3,707-5,483 tok/s against 6,026
+# (bench/results/h200_23d4a5c_norm_linear_*). The separate norm kernel normalizes x once.
 
 # int4_linear (W4A16), not yet measured on a device (bench/int4_device.py sweeps these). GEMV: a tile is
 # BLOCK_N rows x BLOCK_C 16-byte chunks (32 weights each); threads and warps all run along K (BLOCK_C =

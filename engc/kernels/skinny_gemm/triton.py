@@ -16,10 +16,25 @@ that, as kernels/fp8_linear is for float8:
 SILU: x is the fused gate_up [M, 2K] (gate first) and the kernel multiplies by silu(gate) * up
 (gemm_tiles.act_tile, the GEMV's), so results match silu_mul + linear.
 """
+import os
+
 import triton
 import triton.language as tl
 
 from engc.kernels import gemm_tiles, pdl
+
+# bf16/fp16 elements in a 128-byte cache line: one L2 prefetch each
+LINE: tl.constexpr = tl.constexpr(64)
+
+if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter runs no PTX; a prefetch changes no result
+    @triton.jit
+    def _prefetch_l2(ptrs):
+        pass
+else:
+    @triton.jit
+    def _prefetch_l2(ptrs):
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -31,7 +46,10 @@ def skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, k_
     offs_n, w_rows = gemm_tiles.w_tile_rows(w_ptr, pid_n, N, K, BLOCK_N)
     t_begin, t_end = gemm_tiles.split_tiles(pid_k, k_tiles_per_split, K, BLOCK_K)
     if PREFETCH_K > 0:   # the split's first columns, clamped to its own range
-        gemm_tiles.prefetch_w_l2(w_rows, t_begin * BLOCK_K, tl.minimum(t_end * BLOCK_K, K) - 1, PREFETCH_K)
+        k_first = t_begin * BLOCK_K
+        k_last = tl.minimum(t_end * BLOCK_K, K) - 1
+        lines = tl.minimum(k_first + tl.arange(0, PREFETCH_K // LINE) * LINE, k_last)
+        _prefetch_l2(w_rows + lines[None, :])
     # x, the partials and the counters belong to the step: wait for the kernel before
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
