@@ -138,8 +138,12 @@ def test_render_specializes_group_and_tiles():
     fp16 = cuda.render(spec.template, **cuda_int4.int4_gemv_spec(128, "fp16", "sm90")[0].render)
     assert "0x64006400u" in fp16 and "f16x2" in fp16
     # ZERO_SUM is a render switch, and the kernel keeps it off for fp16 itself (MAGIC 1024 would cancel bits)
-    on, off = (cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"ZERO_SUM": z})[0] for z in (True, False))
+    on, off = (cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"ZERO_SUM": z, "ACC_SPLIT": 1})[0] for z in (True, False))
     assert on.entry.endswith("z") and not off.entry.endswith("z")
+    # ACC_SPLIT: a step's mmas over that many accumulators (the table's M <= 8 entry takes 2), named in the entry
+    split = cuda_int4.int4_gemv_spec(128, "bf16", "sm90")[0]
+    assert split.entry.endswith("zs2") and "constexpr int ACC_SPLIT = 2;" in cuda.render(split.template, **split.render)
+    assert "constexpr int ACC_SPLIT = 1;" in cuda.render(on.template, **on.render)
     assert "constexpr bool ZERO_SUM = true &&" in cuda.render(on.template, **on.render)
     assert "constexpr bool ZERO_SUM = false &&" in cuda.render(off.template, **off.render)
     assert "&& false;" in fp16.split("constexpr bool ZERO_SUM")[1].split("\n")[0]

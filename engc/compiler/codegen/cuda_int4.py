@@ -59,11 +59,13 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
         return None, f"max_m {entry['max_m']} is outside 1..{rows} (up to {rows // 8} n8 mma tiles of x)"
     warps, tiles, unroll, x_tiles = entry["num_warps"], entry["TILES"], entry["UNROLL"], -(-entry["max_m"] // 8)
     block_n, block_k = 16 * tiles, 128 * warps * unroll
+    acc_split = entry.get("ACC_SPLIT", 1)
     name = (f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}x{x_tiles}"
-            f"{'z' if entry['ZERO_SUM'] else ''}")
+            f"{'z' if entry['ZERO_SUM'] else ''}{f's{acc_split}' if acc_split > 1 else ''}")
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
               "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
-              "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "x_tiles": x_tiles, "entry": name}
+              "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "acc_split": acc_split, "x_tiles": x_tiles,
+              "entry": name}
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"

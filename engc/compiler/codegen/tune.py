@@ -277,8 +277,12 @@ for _arch in ("sm80", "sm90"):
     # an SM (min_blocks 5/6/8 capping 96/80/64 registers) or 8 warps were no faster on any 8B projection
     # (h200_4e0a94b_int4_occupancy.txt): more warps waiting the same way do not fill the gap. Nor more W bytes in
     # flight a warp (UNROLL 2-4 or TILES 4 at 2-4 CTAs an SM: 60-64 us a layer against 57, h200_8498b70_int4_inflight).
+    # ACC_SPLIT (twelfth session): a step's 8 dependent mmas split over 2 accumulators, on the 18% of fixed-latency
+    # waits: the 8B's projection GEMVs of a layer at M=1 took 53.4 us against 55.5 (gate_up 23.5 against 24.9,
+    # down 15.0 / 15.6, o 6.9 / 7.1), at M=8 60.5 against 63.0 (bench/results/h200_3b3b03d_int4_split.txt).
     _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
-         min_blocks=4, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
+         min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * _SM_COUNT[_arch], max_splits=16,
+         min_split_k_tiles=1)
     # ... and, per projection shape [N, K] where one config beat it, a build of its own (gemv_n{N}_k{K}, variant
     # cuda_g{G}_n{N}_k{K}, made where a model has that shape; the runtime prefers it up to its max_m). H200
     # (bench/int4_cuda_device.py; h200_5b7e245_int4_cuda.txt, h200_b1c505b_int4_cuda.txt): the 8B's qkv
@@ -287,17 +291,20 @@ for _arch in ("sm80", "sm90"):
     # down had no better config than this one.
     if _arch == "sm90":
         _put(_arch, "int4_linear", "cuda", "gemv_n6144_k4096", enabled=True, max_m=8, num_warps=4, TILES=1,
-             UNROLL=2, min_blocks=4, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16,
-             min_split_k_tiles=1)
+             UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=1, target_programs=2 * _SM_COUNT[_arch],
+             max_splits=16, min_split_k_tiles=1)   # ACC_SPLIT 2: 8.08 us against 7.98 (its two K steps: two chains)
     # ... and built for up to 16 and 32 rows (X_TILES = max_m / 8 n8 tiles of x share each dequantized W
     # fragment), serving M 9-16 and 17-32 in place of dequant + cuBLAS. H200, the 8B projections of a decode
     # step (bench/int4_cuda_device.py, bench/results/h200_5b7e245_int4_cuda.txt): M=16 3.19 ms, M=32 5.66 ms,
     # each the best config of the sweep at its M, against bf16 4.02 / 4.16 and dequant + cuBLAS ~14 (the CUDA
     # dequant's times + the bf16 GEMMs) to 26.8 (the Triton dequant).
+    # (ACC_SPLIT 1: their X_TILES n8 tiles of x are already that many independent chains; not measured split)
     _put(_arch, "int4_linear", "cuda", "gemv_wide16", enabled=True, max_m=16, num_warps=4, TILES=2, UNROLL=1,
-         min_blocks=3, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
+         min_blocks=3, ZERO_SUM=True, ACC_SPLIT=1, target_programs=2 * _SM_COUNT[_arch], max_splits=16,
+         min_split_k_tiles=1)
     _put(_arch, "int4_linear", "cuda", "gemv_wide32", enabled=True, max_m=32, num_warps=4, TILES=2, UNROLL=1,
-         min_blocks=2, ZERO_SUM=True, target_programs=2 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
+         min_blocks=2, ZERO_SUM=True, ACC_SPLIT=1, target_programs=2 * _SM_COUNT[_arch], max_splits=16,
+         min_split_k_tiles=1)
     # ... and its prefill dequant (templates/int4_dequant.cu.j2): CHUNKS 16-byte chunks per thread, all
     # loaded before the first is written. H200: 1.3-1.45 TB/s written, about twice the Triton dequant.
     _put(_arch, "int4_linear", "cuda", "dequant", enabled=True, num_warps=8, CHUNKS=2)
