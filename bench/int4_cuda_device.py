@@ -69,6 +69,14 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "w4t2u1b4z_s2": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2),
          "w4t2u1b4z_s4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=4),
          "w4t1u2b4z_s2": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2),
+         # ... and the occupancy / bytes-in-flight configs above again with two accumulators
+         "w4t2u1b5z_s2": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=5, ZERO_SUM=True, ACC_SPLIT=2),
+         "w4t2u1b6z_s2": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=6, ZERO_SUM=True, ACC_SPLIT=2),
+         "w4t1u1b6z_s2": dict(num_warps=4, TILES=1, UNROLL=1, min_blocks=6, ZERO_SUM=True, ACC_SPLIT=2),
+         "w4t1u1b8z_s2": dict(num_warps=4, TILES=1, UNROLL=1, min_blocks=8, ZERO_SUM=True, ACC_SPLIT=2),
+         "w8t2u1b3z_s2": dict(num_warps=8, TILES=2, UNROLL=1, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2),
+         "w4t2u2b3z_s2": dict(num_warps=4, TILES=2, UNROLL=2, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2),
+         "w4t4u1b3z_s2": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2),
          # the tune table's 'gemv_wide{16,32}' entries: max_m / 8 n8 tiles of x on each dequantized W fragment
          "wide_m32_w4t2u1b2": dict(kind="gemv_wide32", max_m=32, num_warps=4, TILES=2, UNROLL=1, min_blocks=2),
          "wide_m32_w4t1u2b2": dict(kind="gemv_wide32", max_m=32, num_warps=4, TILES=1, UNROLL=2, min_blocks=2),
