@@ -3,6 +3,7 @@ build.ninja, recorded like the Triton kernels and chosen by the launch rule only
 says so. Tests that compile skip where nvcc is missing (it is optional for engc build)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -172,7 +173,6 @@ def _decode_launch(consts):
 def test_a_kernel_whose_parameters_differ_from_its_spec_is_refused(tmp_path):
     # the launcher packs the spec's arg_types: a template parameter the spec lacks would read past the
     # arguments (the streaming int4 GEMV's has_bias did, on the H200)
-    import dataclasses
     spec = cuda.decode_spec(SHAPE, "bf16", "sm90", 16)[0]
     short = dataclasses.replace(spec, arg_types=dict(list(spec.arg_types.items())[:-1]))
     with pytest.raises(ValueError, match="takes parameters"):
@@ -180,7 +180,7 @@ def test_a_kernel_whose_parameters_differ_from_its_spec_is_refused(tmp_path):
     swapped = dict(spec.arg_types)
     first = next(iter(swapped))
     swapped[first] = "i32"   # a pointer parameter declared as a scalar
-    with pytest.raises(ValueError, match="takes parameters"):
+    with pytest.raises(ValueError, match="takes parameters of"):
         cuda.compile_cuda([dataclasses.replace(spec, arg_types=swapped)], build_dir=tmp_path / "swapped")
     assert cuda.compile_cuda([spec], build_dir=tmp_path / "ok").records
 
@@ -190,5 +190,13 @@ def test_check_params_reads_the_entry_of_the_ptx():
     params = "".join(f".param .{'u64' if t.startswith('*') else 'u32'} p{i},\n"
                      for i, t in enumerate(spec.arg_types.values())).rstrip(",\n")
     cuda.check_params(spec, f".visible .entry {spec.entry}(\n{params}\n)\n{{ ret; }}")
-    with pytest.raises(ValueError, match="takes parameters None"):
+    with pytest.raises(ValueError, match="takes parameters of None bytes"):
         cuda.check_params(spec, ".visible .entry other_kernel(\n.param .u64 p0\n)")
+    # widths the launcher packs other than 4 and 8: a bf16 scalar (nvcc: a 2-byte aggregate), an i8, a u16
+    small = dataclasses.replace(spec, arg_types={"x_ptr": "*bf16", "alpha": "bf16", "flag": "i8", "n": "u16",
+                                                 "scale": "fp32"})
+    cuda.check_params(small, f".visible .entry {spec.entry}(\n.param .u64 p0,\n.param .align 2 .b8 p1[2],\n"
+                             f".param .u8 p2,\n.param .u16 p3,\n.param .f32 p4\n)\n{{ ret; }}")
+    with pytest.raises(ValueError, match=r"\[8, 4, 1, 2, 4\] bytes"):   # the bf16 declared as a 32-bit int
+        cuda.check_params(small, f".visible .entry {spec.entry}(\n.param .u64 p0,\n.param .u32 p1,\n"
+                                 f".param .u8 p2,\n.param .u16 p3,\n.param .f32 p4\n)\n{{ ret; }}")
