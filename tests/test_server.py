@@ -114,6 +114,23 @@ def test_stop_sequences_and_logprobs(srv, http):
     assert len(content) >= 1 and len(content[0]["top_logprobs"]) == 3
 
 
+def test_any_integer_seed_is_accepted_and_reproducible(srv, http):
+    """OpenAI's seed is any integer: past 64 bits (and seed + j for n > 1 at the edge) it is reduced, not a 500
+    (torch's generator takes [-2^63, 2^64) only); the same seed gives the same text, and a seed torch already
+    took draws as before."""
+    from engc.runtime.sampling import make_generator
+    body = {"model": srv.model, "prompt": "Once", "max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    for seed in (10 ** 23, -(10 ** 23), 2 ** 64 - 1):
+        texts = [http.post("/v1/completions", json=dict(body, seed=seed, n=2)) for _ in range(2)]
+        assert all(r.status_code == 200 for r in texts), texts[0].text
+        assert [c["text"] for c in texts[0].json()["choices"]] == [c["text"] for c in texts[1].json()["choices"]]
+    for seed in (0, 7, -1, 2 ** 63, 2 ** 64 - 1):
+        reference = torch.Generator()
+        reference.manual_seed(seed)
+        assert torch.equal(torch.rand(4, generator=make_generator(seed)), torch.rand(4, generator=reference))
+    assert torch.equal(torch.rand(4, generator=make_generator(2 ** 64 + 5)), torch.rand(4, generator=make_generator(5)))
+
+
 def test_32_concurrent_equal_one_at_a_time(srv):
     bodies = [{"model": srv.model, "prompt": f"{i} {LONG[: 10 + 7 * i]}", "max_tokens": 12, "temperature": 0,
                "ignore_eos": True} for i in range(32)]
@@ -199,6 +216,10 @@ BAD = [
     ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": []}, 400),
     ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": 5}]}, 400),
     ("/v1/messages/count_tokens", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}]}]}, 400),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, 400),
 ]
 
 
@@ -215,6 +236,17 @@ def test_bad_requests_get_4xx_in_the_right_shape(srv, http, path, body, status):
         assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
     ok = http.post("/v1/completions", json={"model": srv.model, "prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_image_parts_are_refused_by_name(http):
+    """A content part the server cannot read gets one line naming its type (not pydantic's union message)."""
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "messages.0.content: content parts of type 'image_url' are not supported: this server takes text only")
+    r = http.post("/v1/messages", json={"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]})
+    assert r.status_code == 400 and "type 'image' are not supported" in r.json()["error"]["message"]
 
 
 def test_api_key(tiny_bundle):

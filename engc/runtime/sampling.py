@@ -60,8 +60,11 @@ class Sampled:
 
 
 def make_generator(seed: int | None) -> torch.Generator:
+    """The sequence's own generator. Any integer seeds it: torch takes [-2^63, 2^64) and wraps negatives to
+    64 bits, so the seed is reduced modulo 2^64, which leaves every seed torch took as it was (an API seed of
+    1e23 made torch raise, a 500 from the server)."""
     g = torch.Generator()
-    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    g.manual_seed(seed % 2**64 if seed is not None else int(torch.randint(0, 2**62, ()).item()))
     return g
 
 

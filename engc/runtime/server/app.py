@@ -116,7 +116,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
         if err.get("type") == "json_invalid":
             message, where = "the request body is not valid JSON", ""
         else:
-            message = f"{where}: {err.get('msg', 'invalid value')}" if where else err.get("msg", "invalid request")
+            msg = err.get("msg", "invalid value").removeprefix("Value error, ")   # pydantic's prefix for our own checks
+            message = f"{where}: {msg}" if where else msg
         return error_response(request, 400, message, where or None)
 
     @app.exception_handler(StarletteHTTPException)

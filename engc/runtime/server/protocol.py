@@ -8,11 +8,22 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+def _text_parts_only(content):
+    """A message's content list may hold text parts only: an image (or any other part) gets one line that
+    names it, not the union's "should be a valid string" for the string form it was not meant to be."""
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text only")
+    return content
 
 
 # --- OpenAI ----------------------------------------------------------------------------------------
@@ -26,6 +37,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+
+    _text_only = field_validator("content", mode="before")(_text_parts_only)
 
 
 class StreamOptions(_Body):
@@ -83,6 +96,8 @@ class AnthropicText(_Body):
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
     content: Union[str, list[AnthropicText]]
+
+    _text_only = field_validator("content", mode="before")(_text_parts_only)
 
 
 class _AnthropicPrompt(_Body):
