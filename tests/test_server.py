@@ -218,6 +218,10 @@ BAD = [
     ("/v1/messages/count_tokens", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}]}]}, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["", "x"]}, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"50": 100}}, 400),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 5, "stop_sequences": [""],
+                      "messages": [{"role": "user", "content": "hi"}]}, 400),
     ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, 400),
 ]

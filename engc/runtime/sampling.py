@@ -31,7 +31,9 @@ class SamplingParams:
                   (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
                   (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
                   (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-                  (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")]
+                  (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+                  # an empty stop string matches before the first token: the answer would always be empty
+                  (all(self.stop), "stop strings must not be empty")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)

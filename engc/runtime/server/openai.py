@@ -75,6 +75,8 @@ def _text(content) -> str:
 
 
 def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs):
+    if (req.model_extra or {}).get("logit_bias"):   # an OpenAI field that changes the answer: refused, not ignored
+        raise APIError(400, "logit_bias is not supported by engc", "logit_bias")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     prompts = []
     for ids in id_lists:

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI and Anthropic APIs, as pydantic models (the HTTP edge only).
 
 Unknown fields are accepted and ignored, as the reference APIs' SDKs send fields that come and go;
-fields engc would have to honour but cannot (tools, images, json_schema) are refused where used.
+fields engc would have to honour but cannot (tools, images, json_schema, logit_bias) are refused where used.
 Fields marked "engc" are extensions.
 """
 from __future__ import annotations
