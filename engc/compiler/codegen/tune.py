@@ -218,16 +218,15 @@ for _arch, _stages in (("sm80", 4), ("sm90", 6)):
 # and b64 unchanged. Without PDL their GEMMs take 4.31 ms a step against cuBLAS's 4.19 (another lease): the
 # gain is the PDL overlap with the kernels beside them (cuBLAS launches plainly), e.g. the attention's early
 # KV loads behind qkv.
-_put("sm90", "skinny_gemm", "k4096_m32", "m<=32", **dict(TUNE["sm90/skinny_gemm/*/m<=32"], num_stages=4, enabled=True))
-_put("sm90", "skinny_gemm", "silu_k14336_m32", "m<=32",
-     **dict(TUNE["sm90/skinny_gemm/*/m<=32"], BLOCK_N=128, num_warps=8, num_stages=4, enabled=True))
 # The same widths' winners at 9-16 rows (same sweep: 3,008 against cuBLAS's 3,041 us a step for K 4096, 1,108
 # against 1,133 for the SiLU down). On since the twelfth session: the step A/B in one lease (bench/ab's
 # skinny_16_k, bench/results/h200_1ff3351_*) gave 8B b16 128/128 3,420 tok/s against 3,307 with cuBLAS (+3.4%;
 # first runs 3,377 / 3,275), b32 and b1 unchanged (5,999 / 6,011, 240.9 / 241.2).
-_put("sm90", "skinny_gemm", "k4096_m16", "m<=16", **dict(TUNE["sm90/skinny_gemm/*/m<=16"], num_stages=4, enabled=True))
-_put("sm90", "skinny_gemm", "silu_k14336_m16", "m<=16",
-     **dict(TUNE["sm90/skinny_gemm/*/m<=16"], BLOCK_N=128, num_warps=8, num_stages=4, enabled=True))
+for _m in (16, 32):
+    _generic = TUNE[f"sm90/skinny_gemm/*/m<={_m}"]
+    _put("sm90", "skinny_gemm", f"k4096_m{_m}", f"m<={_m}", **dict(_generic, num_stages=4, enabled=True))
+    _put("sm90", "skinny_gemm", f"silu_k14336_m{_m}", f"m<={_m}",
+         **dict(_generic, BLOCK_N=128, num_warps=8, num_stages=4, enabled=True))
 
 # Not here: a residual add + RMSNorm fused into these kernels' input tiles (kernels/norm_linear, 23d4a5c,
 # reverted). In a swap-AB kernel every program reads and transforms all of x for its W rows, so the fusion
