@@ -34,6 +34,8 @@ TRITON_TYPE_CODES = {
     "u1": "C", "u8": "C", "u16": "S", "u32": "I", "u64": "L",
     "fp16": "h", "bf16": "B", "fp32": "f", "f32": "f", "fp64": "d",
 }
+# Bytes the native launcher packs for each signature code (native/args.cpp, param_size).
+PARAM_BYTES = {"c": 1, "C": 1, "s": 2, "S": 2, "h": 2, "B": 2, "i": 4, "I": 4, "f": 4, "l": 8, "L": 8, "d": 8, "p": 8}
 # Triton (3.5 and later) appends two pointer parameters, global and profile scratch, to every kernel.
 TRITON_SCRATCH_PARAMS = 2
 

@@ -158,9 +158,6 @@ def static_shared_bytes(cubin: bytes, entry: str) -> int:
     return 0
 
 
-# Bytes the launcher packs for each signature code (engc/runtime/native/args.cpp, param_size).
-_PARAM_BYTES = {"c": 1, "C": 1, "s": 2, "S": 2, "h": 2, "B": 2, "i": 4, "I": 4, "f": 4, "l": 8, "L": 8, "d": 8,
-                "p": 8}
 # A PTX entry parameter: `.param .u64 name`, or an aggregate nvcc declares as bytes (a __nv_bfloat16 or
 # __half by value: `.param .align 2 .b8 name[2]`).
 _PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.[a-z]+(\d+)\s+[\w$]+(?:\[(\d+)\])?")
@@ -170,11 +167,11 @@ def check_params(spec: CudaKernelSpec, ptx: str) -> None:
     """The entry's parameters in the PTX must be the spec's arg_types, one for one and of the same size in
     bytes as the launcher packs them: a template parameter it does not know of would read what lies past
     the arguments (a kernel whose flag read garbage did exactly that)."""
-    from engc.runtime.cubin import signature_from_triton
+    from engc.runtime.cubin import PARAM_BYTES, signature_from_triton
     found = re.search(rf"\.entry\s+{re.escape(spec.entry)}\s*\((.*?)\)", ptx, re.DOTALL)
     params = ([int(bits) // 8 * int(count or 1) for bits, count in _PTX_PARAM.findall(found.group(1))]
               if found else None)
-    want = [_PARAM_BYTES[code] for code in signature_from_triton(list(spec.arg_types.values()))]
+    want = [PARAM_BYTES[code] for code in signature_from_triton(list(spec.arg_types.values()))]
     if params is None or params != want:
         raise ValueError(f"{spec.entry}: the kernel takes parameters of {params} bytes, its spec passes "
                          f"{list(spec.arg_types.values())} ({want} bytes)")
