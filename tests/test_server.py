@@ -224,6 +224,12 @@ BAD = [
                       "messages": [{"role": "user", "content": "hi"}]}, 400),
     ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, 400),
+    # JSON types as the APIs define them, not coerced: a string flag or count, a fractional count
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream": "yes"}, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "5"}, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2.0}, 400),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 5, "stream": "true",
+                      "messages": [{"role": "user", "content": "hi"}]}, 400),
 ]
 
 
@@ -251,6 +257,14 @@ def test_image_parts_are_refused_by_name(http):
     r = http.post("/v1/messages", json={"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]})
     assert r.status_code == 400 and "type 'image' are not supported" in r.json()["error"]["message"]
+
+
+def test_numbers_keep_their_json_types(srv, http):
+    """Strict typing refuses strings for flags and counts, but an integer is still a valid number (as in JSON)."""
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("stream:")
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
 
 
 def test_api_key(tiny_bundle):

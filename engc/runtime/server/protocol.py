@@ -2,6 +2,8 @@
 
 Unknown fields are accepted and ignored, as the reference APIs' SDKs send fields that come and go;
 fields engc would have to honour but cannot (tools, images, json_schema, logit_bias) are refused where used.
+Known fields are typed strictly, as JSON types them: `"stream": "yes"`, `"max_tokens": "5"` or `"n": 2.0` get a
+400 naming the field instead of being coerced (an integer is still a valid number).
 Fields marked "engc" are extensions.
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 def _text_parts_only(content):
