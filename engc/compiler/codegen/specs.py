@@ -86,10 +86,8 @@ def paged_attention_specs(cfg: ModelConfig, t: str, arch: str, block_size: int, 
              "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "out_ptr": f"*{t}"}
     decode_types = dict(cache, part_acc_ptr="*fp32", part_ml_ptr="*fp32", counters_ptr="*i32", scale="fp32",
                         sliding_window="i32", block_table_stride="i32", num_splits="i32")
-    decode_tune = tune.lookup(arch, "paged_attention", "decode", bucket, (overrides or {}).get("decode"))[1]
     # The in-kernel reduce reads [RED_SPLITS, group, D] partials at a time: ~4k fp32, 32 a thread of 4 warps.
-    reduce_consts = dict(GR_PAD=pow2(group), MAX_SPLITS=pow2(decode_tune["max_splits"]),
-                         RED_SPLITS=max(1, 4096 // (pow2(group) * pow2(cfg.head_dim))))
+    reduce_consts = dict(GR_PAD=pow2(group), RED_SPLITS=max(1, 4096 // (pow2(group) * pow2(cfg.head_dim))))
     decode = make_spec("paged_attention", "decode", arch, "paged_decode_kernel", decode_types,
                        dict(common, G_PAD=max(16, pow2(group)), **reduce_consts), bucket,
                        launch_keys=("BLOCK_N", "target_programs", "max_splits", "min_split_tokens",

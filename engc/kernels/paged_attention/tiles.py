@@ -191,17 +191,19 @@ def early_decode_start(query_start_loc_ptr, context_lens_ptr, block_tables_ptr, 
 def finish_split(acc, m_i, l_i, has_tiles, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr, b, kvh, row, split,
                  num_splits, used, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, GR_PAD: tl.constexpr,
-                 MAX_SPLITS: tl.constexpr, RED_SPLITS: tl.constexpr):
-    """One split: the output itself, or its partial and a ticket; the last split to arrive combines them
-    all (no reduce launch) and leaves its counter zero for the next launch or graph replay. acq_rel
-    orders the partials before the ticket, and the winner's loads after it."""
+                 RED_SPLITS: tl.constexpr):
+    """One split of the `used` that hold tiles (the kernels return early from the others, so a graph sized
+    for a long context does not make a short one wait on empty splits): the output itself when it is the
+    only one, or its partial and a ticket; the last of the used splits to arrive combines them all (no reduce
+    launch) and leaves its counter zero for the next launch or graph replay. acq_rel orders the partials
+    before the ticket, and the winner's loads after it."""
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     heads = kvh * GROUP + g
     g_mask = g < GROUP
     out_mask = g_mask[:, None] & (d[None, :] < HEAD_DIM)
     pair = b * NUM_KV_HEADS + kvh
-    if num_splits == 1:
+    if used == 1:
         o = acc / l_i[:, None]
         tl.store(out_ptr + row.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -213,30 +215,27 @@ def finish_split(acc, m_i, l_i, has_tiles, out_ptr, part_acc_ptr, part_ml_ptr, c
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
         tl.debug_barrier()   # every thread's partial is stored before this program counts as arrived
         ticket = tl.atomic_add(counters_ptr + pair, 1, sem="acq_rel", scope="gpu")
-        if ticket == num_splits - 1:
+        if ticket == used - 1:
             _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, pair, row, kvh, used, num_splits, NUM_HEADS,
-                            HEAD_DIM, D_PAD, GROUP, GR_PAD, MAX_SPLITS, RED_SPLITS)
+                            HEAD_DIM, D_PAD, GROUP, GR_PAD, RED_SPLITS)
             tl.atomic_xchg(counters_ptr + pair, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, pair, row, kvh, used_splits, num_splits,
                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
-                    GR_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, RED_SPLITS: tl.constexpr):
+                    GR_PAD: tl.constexpr, RED_SPLITS: tl.constexpr):
     """out of one (sequence, KV head): the partials of its first used_splits splits, weighted by exp2 of
-    their max over the global max. Loads bypass L1 (.cg): other programs wrote them."""
+    their max over the running max, RED_SPLITS at a time. Each chunk's maxima, sums and accumulators load
+    together (one memory round trip for the usual single chunk, not one for the maxima and one more for
+    the rest); a later chunk rescales what came before, as the online softmax does. Loads bypass L1 (.cg):
+    other programs wrote them."""
     g = tl.arange(0, GR_PAD)
     d = tl.arange(0, D_PAD)
     g_mask = g < GROUP
     base = pair.to(tl.int64) * num_splits
-    s_all = tl.arange(0, MAX_SPLITS)
-    ml_mask = (s_all[:, None] < used_splits) & g_mask[None, :]
-    ml = (base + s_all)[:, None] * GROUP + g[None, :]
-    m = tl.load(part_ml_ptr + ml * 2, mask=ml_mask, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(part_ml_ptr + ml * 2 + 1, mask=ml_mask, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_sum = tl.sum(tl.where(l > 0, l * tl.exp2(m - m_max[None, :]), 0.0), axis=0)
+    m_run = tl.full([GR_PAD], float("-inf"), tl.float32)
+    l_run = tl.zeros([GR_PAD], tl.float32)
     acc = tl.zeros([GR_PAD, D_PAD], tl.float32)
     s = tl.arange(0, RED_SPLITS)
     for first in range(0, used_splits, RED_SPLITS):
@@ -244,11 +243,16 @@ def _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, pair, row, kvh, used_spl
         rows = (base + first + s)[:, None] * GROUP + g[None, :]                   # [RED_SPLITS, GR_PAD]
         m_c = tl.load(part_ml_ptr + rows * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
         l_c = tl.load(part_ml_ptr + rows * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        w = tl.where(l_c > 0, tl.exp2(m_c - m_max[None, :]), 0.0)
         a = tl.load(part_acc_ptr + rows[:, :, None] * HEAD_DIM + d[None, None, :],
                     mask=ok[:, :, None] & (d[None, None, :] < HEAD_DIM), other=0.0, cache_modifier=".cg")
-        acc += tl.sum(a * w[:, :, None], axis=0)
-    o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        m_new = tl.maximum(m_run, tl.max(m_c, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_safe)                                           # 0 before the first chunk
+        w = tl.where(l_c > 0, tl.exp2(m_c - m_safe[None, :]), 0.0)
+        l_run = l_run * alpha + tl.sum(l_c * w, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], axis=0)
+        m_run = m_new
+    o = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
     heads = kvh * GROUP + g
     tl.store(out_ptr + row.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (d[None, :] < HEAD_DIM))

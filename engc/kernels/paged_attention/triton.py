@@ -36,7 +36,7 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
                         scale, sliding_window, block_table_stride, num_splits, k_scale_ptr, v_scale_ptr,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                         D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                        GR_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, RED_SPLITS: tl.constexpr,
+                        GR_PAD: tl.constexpr, RED_SPLITS: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         KV_QUANT: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr):
     """EARLY_KV: 1 (and 2) load the context length with the query offsets and the first KV tile before q.
@@ -51,6 +51,8 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
             return
         ctx, start, lo, hi, used = tiles.decode_split(context_lens_ptr, b, split, sliding_window, num_splits,
                                                       BLOCK_N)
+        if split >= used:   # no tiles (a grid sized for a longer context): finish_split counts the used only
+            return
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D_PAD)
     else:
@@ -60,7 +62,7 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
             tiles.early_decode_start(query_start_loc_ptr, context_lens_ptr, block_tables_ptr, k_cache_ptr,
                                      v_cache_ptr, k_scale_ptr, v_scale_ptr, sliding_window, num_splits,
                                      block_table_stride, D_PAD, PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, KV_QUANT)
-        if rows != 1:   # not one query token: the prefill kernel's sequence
+        if (rows != 1) | (split >= used):   # the prefill kernel's sequence, or a split without tiles
             return
         g = tl.arange(0, G_PAD)
     heads = kvh * GROUP + g
@@ -85,7 +87,7 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
                                           v_scale_ptr, bt_row, kvh, d, qk_scale, 0.0, 0.0, 0.0, 0.0, PAGE, NUM_KV_HEADS,
                                           HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT, False)
     tiles.finish_split(acc, m_i, l_i, lo < hi, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr, b, kvh, row, split,
-                       num_splits, used, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, D_PAD, GROUP, G_PAD, GR_PAD, MAX_SPLITS,
+                       num_splits, used, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, D_PAD, GROUP, G_PAD, GR_PAD,
                        RED_SPLITS)
 
 
@@ -115,7 +117,7 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
                                k_scale_ptr, v_scale_ptr,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                               GR_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, RED_SPLITS: tl.constexpr,
+                               GR_PAD: tl.constexpr, RED_SPLITS: tl.constexpr,
                                PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                                KV_QUANT: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr):
     """decode fused with the rotary op before it (RotaryPagedAttention on a decode-only step): each program
@@ -145,6 +147,8 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
             return
         ctx, start, lo, hi, used = tiles.decode_split(context_lens_ptr, b, split, sliding_window, num_splits,
                                                       BLOCK_N)
+        if split >= used:   # no tiles, so not the owner either: nothing to write or count
+            return
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D_PAD)
         d_mask = d < HEAD_DIM
@@ -161,6 +165,8 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
             tiles.early_decode_start(query_start_loc_ptr, context_lens_ptr, block_tables_ptr, k_cache_ptr,
                                      v_cache_ptr, k_scale_ptr, v_scale_ptr, sliding_window, num_splits,
                                      block_table_stride, D_PAD, PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, KV_QUANT)
+        if split >= used:   # no tiles, so not the owner either: leaves before the wait, counted by no one
+            return
         d_mask = d < HEAD_DIM
         angle = tl.load(positions_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + d % HALF, mask=d_mask,
                                                                       other=0.0)
@@ -237,7 +243,7 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
                                               new_k_scale, new_v_scale, PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
                                               DOT_PRECISION, KV_QUANT, True)
     tiles.finish_split(acc, m_i, l_i, lo < hi, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr, b, kvh, row, split,
-                       num_splits, used, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, D_PAD, GROUP, G_PAD, GR_PAD, MAX_SPLITS,
+                       num_splits, used, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, D_PAD, GROUP, G_PAD, GR_PAD,
                        RED_SPLITS)
 
 
