@@ -157,13 +157,17 @@ def test_selected_only_where_enabled():
     off, _ = cuda_int4.selected_int4_specs(triton_specs, {"gemv": {"enabled": False}, "dequant": {"enabled": False},
                                                           **no_wide})
     assert off == []
-    on, notes = cuda_int4.selected_int4_specs(triton_specs, {"gemv": ON, "dequant": {"enabled": False}, **no_wide})
+    plain = {"enabled": True, "silu_out": False}
+    on, notes = cuda_int4.selected_int4_specs(triton_specs, {"gemv": plain, "dequant": {"enabled": False}, **no_wide})
     assert sorted(s.variant for s in on) == ["cuda_g128", "cuda_g32"] and notes == []
-    both, _ = cuda_int4.selected_int4_specs(triton_specs, {"gemv": ON, "dequant": ON, **no_wide})
+    both, _ = cuda_int4.selected_int4_specs(triton_specs, {"gemv": plain, "dequant": ON, **no_wide})
     assert sorted(s.variant for s in both) == ["cuda_dequant_g128", "cuda_dequant_g32", "cuda_g128", "cuda_g32"]
+    silu, _ = cuda_int4.selected_int4_specs(triton_specs, {"gemv": dict(plain, silu_out=True),
+                                                           "dequant": {"enabled": False}, **no_wide})
+    assert sorted(s.variant for s in silu) == ["cuda_g128", "cuda_g32", "cuda_silu_g128", "cuda_silu_g32"]
     stock, notes = cuda_int4.selected_int4_specs(triton_specs)   # the table as it ships
     assert sorted(s.variant for s in stock) == sorted(f"{v}_g{g}" for g in (128, 32) for v in (
-        "cuda", "cuda_wide16", "cuda_wide32", "cuda_dequant")) and notes == []
+        "cuda", "cuda_silu", "cuda_wide16", "cuda_wide32", "cuda_dequant")) and notes == []
 
 
 def test_a_projection_shape_gets_its_own_build_where_the_table_has_one():
@@ -199,12 +203,14 @@ def records():
     specs = [make(128, "bf16", arch)[0] for arch in ("sm80", "sm90")
              for make in (cuda_int4.int4_gemv_spec, cuda_int4.int4_dequant_spec)]
     specs += [cuda_int4.int4_gemv_spec(128, "bf16", arch, ON, "gemv_wide32")[0] for arch in ("sm80", "sm90")]
+    specs += [cuda_int4.int4_gemv_spec(128, "bf16", arch, ON, silu_out=True)[0] for arch in ("sm80", "sm90")]
     return cuda.compile_cuda(specs).records
 
 
 def test_compiles_for_sm80_and_sm90(records):
     assert {(r["arch"], r["variant"]) for r in records} == {
-        (a, v) for a in ("sm80", "sm90") for v in ("cuda_g128", "cuda_dequant_g128", "cuda_wide32_g128")}
+        (a, v) for a in ("sm80", "sm90")
+        for v in ("cuda_g128", "cuda_dequant_g128", "cuda_wide32_g128", "cuda_silu_g128")}
     for r in records:
         assert r["scratch_params"] == 0 and r["launch"]["impl"] == "cuda" and r["launch"]["GROUP"] == 128
 
@@ -249,6 +255,33 @@ def test_launch_rule_matches_records(records, rows, n, k, bias):
     assert args[13] == int(bias)
 
 
+def test_silu_out_build_and_launch_rule(records):
+    """cuda_silu_g{G}: the 'gemv' entry's config with SILU_OUT, launched over the fused gate_up's N = 2I rows
+    in BLOCK_N tiles (each CTA's BLOCK_N / 2 outputs pair gate and up rows), writing act [M, I]; it serves the
+    rows its max_m holds and an I the tiles divide, else run_quantized_silu leaves it to QLinear + silu_mul."""
+    spec = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", ON, silu_out=True)[0]
+    plain = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", ON)[0]
+    assert spec.variant == op.cuda_silu_variant(128) == "cuda_silu_g128" and spec.entry == plain.entry + "_silu"
+    assert spec.render["silu_out"] and not plain.render["silu_out"] and spec.launch == plain.launch
+    assert "constexpr bool SILU_OUT = true;" in cuda.render(spec.template, **spec.render)
+    assert cuda_int4.int4_gemv_spec(128, "bf16", "sm90", ON, "gemv_wide16", silu_out=True)[0] is None
+    rec = next(r for r in records if (r["arch"], r["variant"]) == ("sm90", "cuda_silu_g128"))
+    consts = {rec["variant"]: rec["launch"]}
+    counters = torch.zeros(1 << 16, dtype=torch.int32)
+    n, k = 2 * 14336, 4096
+    x, act = torch.zeros(3, k, dtype=torch.bfloat16), torch.empty(3, n // 2, dtype=torch.bfloat16)
+    qw = torch.zeros(n, k // 8, dtype=torch.int32)
+    s, z = torch.ones(n, k // 128, dtype=torch.bfloat16), torch.zeros(n, k // 128, dtype=torch.uint8)
+    (variant, grid, args), = op.cuda_launch(x, qw, s, z, None, act, group_size=128, consts=consts, counters=counters,
+                                            variant="cuda_silu_g128")
+    assert variant == "cuda_silu_g128" and grid[0] == n // rec["launch"]["BLOCK_N"] and args[5] is act
+    assert op.silu_out_fits(3, n, 128, consts) and op.silu_out_fits(8, n, 128, consts)
+    assert not op.silu_out_fits(9, n, 128, consts) and not op.silu_out_fits(3, n + 16, 128, consts)
+    assert not op.silu_out_fits(3, n, 32, consts)   # no build for that group size
+    assert op.run_quantized_silu(torch.zeros(9, k, dtype=torch.bfloat16), qw, s, z, None, group_size=128,
+                                 consts=consts, run=None, counters=counters) is None
+
+
 def test_wide_builds_serve_the_rows_the_first_cannot():
     """cuda_wide{16,32}_g{G} (the 'gemv_wide16/32' entries: max_m / 8 n8 tiles of x) take M past the first
     GEMV's max_m, each up to its own; the build with the fewest rows that holds M runs it (fewer x tiles,
@@ -282,10 +315,10 @@ def test_wide_builds_serve_the_rows_the_first_cannot():
     from engc.compiler.codegen.specs import int4_linear_specs
     triton_specs = int4_linear_specs("bf16", "sm90", (128,))
     assert sorted(s.variant for s in cuda_int4.selected_int4_specs(triton_specs, {"dequant": {"enabled": False}})[0]) \
-        == ["cuda_g128", "cuda_wide16_g128", "cuda_wide32_g128"]
+        == ["cuda_g128", "cuda_silu_g128", "cuda_wide16_g128", "cuda_wide32_g128"]
     off = {"gemv_wide16": {"enabled": False}, "dequant": {"enabled": False}}
-    assert sorted(s.variant for s in cuda_int4.selected_int4_specs(triton_specs, off)[0]) == ["cuda_g128",
-                                                                                           "cuda_wide32_g128"]
+    assert sorted(s.variant for s in cuda_int4.selected_int4_specs(triton_specs, off)[0]) == [
+        "cuda_g128", "cuda_silu_g128", "cuda_wide32_g128"]
 
 
 def test_runtime_prefers_cuda_then_triton_then_dequant():
@@ -337,5 +370,5 @@ def test_build_adds_the_cuda_gemv_where_enabled(monkeypatch):
             monkeypatch.setitem(tune.TUNE, f"{arch}/int4_linear/cuda/{kind}",
                                 dict(tune.TUNE[f"{arch}/int4_linear/cuda/{kind}"], enabled=False))
     result = cuda.add_selected(CodegenResult(), triton_specs, TINY)
-    assert [(r["arch"], r["variant"]) for r in result.records] == [("sm90", "cuda_g128")]
+    assert [(r["arch"], r["variant"]) for r in result.records] == [("sm90", "cuda_g128"), ("sm90", "cuda_silu_g128")]
     assert "kernels/sm90/int4_linear.cuda_g128.cubin" in result.files

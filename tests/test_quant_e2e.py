@@ -99,7 +99,9 @@ def test_quantized_program_fuses_qkv_and_gate_up(tiny_dir, tmp_path):
     build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())
     program = parse_program((tmp_path / "b" / "program.onnx").read_bytes())
     ops = [n.op for n in program.nodes]
-    assert ops.count("QLinear") == 4 * 2 and "Gemm" in ops and "Concat" not in ops  # 4 per layer + lm_head Gemm
+    # qkv, o, down per layer; gate_up with its SiLU-and-mul (passes/fuse_qlinear_silu_mul); the lm_head a Gemm
+    assert ops.count("QLinear") == 3 * 2 and ops.count("QLinearSiluMul") == 2 and "SiluMul" not in ops
+    assert "Gemm" in ops and "Concat" not in ops
 
 
 def test_eval_reports_same_ppl_for_float_and_close_for_int4(tiny_dir, tiny_bundle, tmp_path):

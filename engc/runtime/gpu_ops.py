@@ -307,6 +307,20 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
                                                  counters=counters, gemm_consts=k.consts.get("int4_gemm"),
                                                  run_gemm=lambda launches: k.run("int4_gemm", launches)),)
 
+    # QLinearSiluMul (passes/fuse_qlinear_silu_mul): the SiLU-out CUDA GEMV where the bundle has it and M fits;
+    # else the projection as QLinear runs it, then the silu_mul kernel
+    def qlinear_silu(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0):
+        if not act_order:
+            act_out = int4_linear.run_quantized_silu(x.contiguous(), qweight, scales, zeros,
+                                                     extra[0] if has_bias else None, group_size=group_size,
+                                                     consts=k.consts["int4_linear"],
+                                                     run=lambda launches: k.run("int4_linear", launches),
+                                                     counters=counters)
+            if act_out is not None:
+                return (act_out,)
+        return act(qlinear(x, qweight, scales, zeros, *extra, group_size=group_size, has_bias=has_bias,
+                           act_order=act_order)[0])
+
     ops = dict(REFERENCE_OPS)
     ops.update({
         ("", "Gather"): gather,
@@ -322,6 +336,7 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
     })
     if "int4_linear" in k.consts:  # a bundle built from an AWQ/GPTQ checkpoint
         ops[(ENGC_DOMAIN, "QLinear")] = qlinear
+        ops[(ENGC_DOMAIN, "QLinearSiluMul")] = qlinear_silu
     if "fp8_quant" in k.consts:  # an fp8 bundle (engc build --quant fp8)
         ops[(ENGC_DOMAIN, "FP8Linear")] = fp8_linear
     return ops

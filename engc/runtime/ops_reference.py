@@ -49,5 +49,6 @@ REFERENCE_OPS = {
     (ENGC_DOMAIN, "SiluMul"): lambda x: (silu_mul(x),),
     (ENGC_DOMAIN, "SiluMulLinear"): lambda x, w: (silu_mul_linear(x, w),),
     (ENGC_DOMAIN, "QLinear"): lambda *xs, **a: (int4_linear(*xs, **a),),
+    (ENGC_DOMAIN, "QLinearSiluMul"): lambda *xs, **a: (silu_mul(int4_linear(*xs, **a)),),
     (ENGC_DOMAIN, "FP8Linear"): lambda *xs, **a: (fp8_linear(*xs, **a),),
 }

@@ -4,7 +4,8 @@ as kernel specs for codegen/cuda.py's nvcc build.
 One kernel per int4 group size of the program (K and N are run-time arguments), built where the tune table's
 'int4_linear/cuda/gemv' entry is on and nvcc is there; the bundle keeps the Triton int4 kernels anyway (the
 GEMV for M the CUDA one does not take, dequant + cuBLAS for prefill, the fallback without nvcc). Records are
-op "int4_linear", variant `cuda_g{G}` (`cuda_wide{R}_g{G}`: the builds for up to R = 16, 32 rows); their launch
+op "int4_linear", variant `cuda_g{G}` (`cuda_wide{R}_g{G}`: the builds for up to R = 16, 32 rows; `cuda_silu_g{G}`:
+the up-to-8-rows build that writes silu(gate) * up of a fused gate_up, where the entry says silu_out); their launch
 constants (impl "cuda", GROUP, max_m, BLOCK_N, BLOCK_K and the split rule of kernels/gemv) drive
 kernels/int4_linear's cuda_launch. The dequant kernel, where its
 own entry ('int4_linear/cuda/dequant') is on: variant `cuda_dequant_g{G}` (launch: impl, GROUP, BLOCK chunks
@@ -44,9 +45,10 @@ def int4_dequant_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
                           num_warps=warps, tune_key=key, tune=entry, launch=launch), ""
 
 
-def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "gemv") -> tuple:
+def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "gemv", silu_out: bool = False) -> tuple:
     """(spec, '') for the template at this group size, or (None, why it does not apply). kind: the tune
-    entry, 'gemv' (up to 8 rows) or 'gemv_wide{R}' for R in int4_linear.CUDA_WIDE_ROWS (max_m / 8 n8 tiles of x)."""
+    entry, 'gemv' (up to 8 rows) or 'gemv_wide{R}' for R in int4_linear.CUDA_WIDE_ROWS (max_m / 8 n8 tiles of x).
+    silu_out: the build that writes silu(gate) * up of a fused gate_up (variant cuda_silu_g{G}, 'gemv' only)."""
     if t not in MMA_TYPE:
         return None, f"the CUDA int4 GEMV multiplies bf16 or fp16, not {t}"
     if group % 32:
@@ -60,19 +62,21 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     warps, tiles, unroll, x_tiles = entry["num_warps"], entry["TILES"], entry["UNROLL"], -(-entry["max_m"] // 8)
     block_n, block_k = 16 * tiles, 128 * warps * unroll
     acc_split = entry.get("ACC_SPLIT", 1)
+    if silu_out and kind != "gemv":
+        return None, f"only the 'gemv' build has a SiLU-out twin, not '{kind}'"
     name = (f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}x{x_tiles}"
-            f"{'z' if entry['ZERO_SUM'] else ''}{f's{acc_split}' if acc_split > 1 else ''}")
+            f"{'z' if entry['ZERO_SUM'] else ''}{f's{acc_split}' if acc_split > 1 else ''}{'_silu' if silu_out else ''}")
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
               "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
               "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "acc_split": acc_split, "x_tiles": x_tiles,
-              "entry": name}
+              "silu_out": silu_out, "entry": name}
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"
     launch["PDL"] = int(entry.get("PDL", tune.PDL[arch]))   # the template waits first on sm90 (kernels/pdl.py)
     types = {name_: ty.format(t=t) for name_, ty in ARG_TYPES.items()}
-    variant = (op.cuda_shape_variant(group, *shape) if shape else op.cuda_variant(group) if kind == "gemv"
-               else op.cuda_wide_variant(group, rows))
+    variant = (op.cuda_shape_variant(group, *shape) if shape else op.cuda_silu_variant(group) if silu_out
+               else op.cuda_variant(group) if kind == "gemv" else op.cuda_wide_variant(group, rows))
     return CudaKernelSpec(op="int4_linear", variant=variant, arch=arch, template="int4_gemv.cu.j2",
                           entry=name, render=values, arg_types=types, num_warps=warps, tune_key=key, tune=entry,
                           launch=launch), ""
@@ -114,11 +118,14 @@ def selected_int4_specs(triton_specs: list, overrides=None, shapes=()) -> tuple[
             if not tune.lookup(s.arch, "int4_linear", "cuda", kind, ov)[1]["enabled"]:
                 continue
             if kind == "dequant":
-                spec, why = int4_dequant_spec(group, t, s.arch, ov)
+                made = [int4_dequant_spec(group, t, s.arch, ov)]
             else:
-                spec, why = int4_gemv_spec(group, t, s.arch, ov, kind)
-            if spec is None:
-                notes.append(f"{s.arch}: no CUDA int4 {what} ({why}); the Triton one runs")
-            else:
-                specs.append(spec)
+                made = [int4_gemv_spec(group, t, s.arch, ov, kind)]
+                if kind == "gemv" and tune.lookup(s.arch, "int4_linear", "cuda", kind, ov)[1].get("silu_out"):
+                    made.append(int4_gemv_spec(group, t, s.arch, ov, kind, silu_out=True))
+            for spec, why in made:
+                if spec is None:
+                    notes.append(f"{s.arch}: no CUDA int4 {what} ({why}); the Triton one runs")
+                else:
+                    specs.append(spec)
     return specs, notes

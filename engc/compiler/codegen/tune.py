@@ -279,9 +279,11 @@ for _arch in ("sm80", "sm90"):
     # ACC_SPLIT (twelfth session): a step's 8 dependent mmas split over 2 accumulators, on the 18% of fixed-latency
     # waits: the 8B's projection GEMVs of a layer at M=1 took 53.4 us against 55.5 (gate_up 23.5 against 24.9,
     # down 15.0 / 15.6, o 6.9 / 7.1), at M=8 60.5 against 63.0 (bench/results/h200_3b3b03d_int4_split.txt).
+    # silu_out: also build its twin that writes silu(gate) * up of a fused gate_up (QLinearSiluMul), so a decode
+    # step of at most max_m rows has no silu_mul launch (8B b1: 32 x 1.15 us, h200_f2f7b0e_pdl0_kernels_graph_*).
     _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * _SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1)
+         min_split_k_tiles=1, silu_out=True)
     # ... and, per projection shape [N, K] where one config beat it, a build of its own (gemv_n{N}_k{K}, variant
     # cuda_g{G}_n{N}_k{K}, made where a model has that shape; the runtime prefers it up to its max_m). H200
     # (bench/int4_cuda_device.py; h200_5b7e245_int4_cuda.txt, h200_b1c505b_int4_cuda.txt): the 8B's qkv

@@ -27,7 +27,9 @@ Where the build had nvcc and the tune table turns it on, the bundle also holds t
 cost of one); it runs first for M <= its max_m (cuda_launch), splitting K in-kernel on the runtime's
 zeroed counters, with no reduce launch. Wider builds of it (variants cuda_wide16_g{G}, cuda_wide32_g{G}: max_m / 8
 n8 tiles of x on each dequantized W fragment) serve the M the first one does not, up to 32 rows, where built;
-up to twice the widest one's rows run it once per slice of rows (cuda_row_slices).
+up to twice the widest one's rows run it once per slice of rows (cuda_row_slices). A fused gate_up followed by
+SiLU-and-mul (ai.engc::QLinearSiluMul, passes/fuse_qlinear_silu_mul) runs the SiLU-out twin of the first one
+(cuda_silu_g{G}) where built and M fits: it writes silu(gate) * up itself (run_quantized_silu).
 """
 import torch
 
@@ -194,6 +196,12 @@ def cuda_variant(group_size: int) -> str:
     return f"cuda_g{group_size}"
 
 
+def cuda_silu_variant(group_size: int) -> str:
+    """The up-to-8-rows CUDA GEMV that writes silu(gate) * up of a fused gate_up [gate; up] (SILU_OUT in
+    templates/int4_gemv.cu.j2), where the bundle has it: QLinearSiluMul then needs no silu_mul launch."""
+    return f"cuda_silu_g{group_size}"
+
+
 def cuda_dequant_variant(group_size: int) -> str:
     """The CUDA C++ prefill dequant (templates/int4_dequant.cu.j2), where the bundle has it."""
     return f"cuda_dequant_g{group_size}"
@@ -253,22 +261,25 @@ def uses_cuda_gemv(m: int, group_size: int, consts: dict) -> bool:
     return bool(cuda_row_slices(m, group_size, consts))
 
 
-def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: dict, counters):
+def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: dict, counters, variant=None):
     """Launch rule of the CUDA GEMV (uses_cuda_gemv(M) true): [(variant, grid, args)].
 
     grid (cdiv(N, BLOCK_N), splits); K splits as kernels/gemv's split_count says (toward target_programs
     CTAs), whole BLOCK_K tiles each; the last split to arrive reduces. counters: int32, zero, at least one
     per N tile for a split launch (left zero again). args: x, qweight, scales, zeros, bias, y, partial
-    (fp32 [splits, M, N] or 0), counter (or 0), M, N, K, k_tiles_per_split, splits, has_bias."""
+    (fp32 [splits, M, N] or 0), counter (or 0), M, N, K, k_tiles_per_split, splits, has_bias.
+    variant: the build to launch (default: cuda_variant_for M); for cuda_silu_g{G}, y is [M, N / 2]."""
     from engc.kernels.gemv import split_count
     m, k = x.shape
     n = qweight.shape[0]
     assert x.is_contiguous() and y.is_contiguous() and qweight.shape[1] * PACK == k and k % CHUNK == 0
     if m == 0:
         return []
-    variant = cuda_variant_for(m, group_size, consts, (n, k))
+    variant = variant or cuda_variant_for(m, group_size, consts, (n, k))
     c = consts[variant]
     assert m <= c["max_m"] and c["GROUP"] == group_size
+    if variant == cuda_silu_variant(group_size):   # a CTA pairs BLOCK_N / 2 gate rows with their up rows
+        assert n % c["BLOCK_N"] == 0 and y.shape == (m, n // 2), (n, c["BLOCK_N"], tuple(y.shape))
     n_tiles, k_tiles = _cdiv(n, c["BLOCK_N"]), _cdiv(k, c["BLOCK_K"])
     splits, per = split_count(n_tiles, k_tiles, c)
     if splits > 1 and n_tiles > counters.numel():
@@ -277,6 +288,24 @@ def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: 
     partial = torch.empty(splits * m * n, dtype=torch.float32, device=x.device) if splits > 1 else 0
     return [(variant, (n_tiles, splits, 1), [x, qweight, scales, zeros, b, y, partial,
                                               counters if splits > 1 else 0, m, n, k, per, splits, has_bias])]
+
+
+def silu_out_fits(m: int, n: int, group_size: int, consts: dict) -> bool:
+    """Whether the bundle's SiLU-out GEMV takes M rows of a fused gate_up with N = 2I outputs."""
+    c = consts.get(cuda_silu_variant(group_size))
+    return c is not None and 1 <= m <= c["max_m"] and n % c["BLOCK_N"] == 0
+
+
+def run_quantized_silu(x, qweight, scales, zeros, bias, *, group_size: int, consts: dict, run, counters):
+    """silu(gate) * up of a fused gate_up, act [M, N / 2], by the SiLU-out CUDA GEMV where it takes M rows
+    (silu_out_fits); None where it does not (the caller runs the projection, then silu_mul)."""
+    m, n = x.shape[0], qweight.shape[0]
+    if counters is None or not silu_out_fits(m, n, group_size, consts):
+        return None
+    act = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
+    run(cuda_launch(x, qweight, scales, zeros, bias, act, group_size=group_size, consts=consts, counters=counters,
+                    variant=cuda_silu_variant(group_size)))
+    return act
 
 
 def run_quantized_linear(x, qweight, scales, zeros, bias, *, group_size: int, consts: dict, run, counters=None,
