@@ -192,19 +192,20 @@ def test_int4_linear_matches_reference_at_every_row_count(tiny_dir, tmp_path):
         q = torch.randint(0, 16, (2 * inter, k), generator=gen)
         scales = (torch.rand(2 * inter, k // 32, generator=gen) * 0.02 + 0.005).to(torch.bfloat16)
         zeros = torch.randint(0, 16, (2 * inter, k // 32), generator=gen).to(torch.uint8)
-        w = [t.cuda() for t in (op.pack_int4(q), scales, zeros)]
-        bias = torch.randn(2 * inter, generator=gen).to(torch.bfloat16).cuda()
-        ref_w = op.dequantize(*w, 32).double()
+        gate_up = [t.cuda() for t in (op.pack_int4(q), scales, zeros)]
+        gate_up_bias = torch.randn(2 * inter, generator=gen).to(torch.bfloat16).cuda()
+        gate_up_w = op.dequantize(*gate_up, 32).double()
         for rows in (1, 5, 8):
             x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
             seen.clear()
-            act = op.run_quantized_silu(x, *w, bias, group_size=32, consts=consts, run=run, counters=counters)
-            ref = silu_mul((x.double() @ ref_w.t() + bias.double()).to(torch.bfloat16)).double()
+            act = op.run_quantized_silu(x, *gate_up, gate_up_bias, group_size=32, consts=consts, run=run,
+                                        counters=counters)
+            ref = silu_mul((x.double() @ gate_up_w.t() + gate_up_bias.double()).to(torch.bfloat16)).double()
             err = ((act.double() - ref).abs().max() / ref.abs().max()).item()
             assert seen == ["cuda_silu_g32"] and act.shape == (rows, inter) and err < 1e-2, (rows, seen, err)
             assert counters.eq(0).all(), rows
-        assert op.run_quantized_silu(torch.zeros(12, k, dtype=torch.bfloat16, device="cuda"), *w, bias,
-                                     group_size=32, consts=consts, run=run, counters=counters) is None
+        assert op.run_quantized_silu(torch.zeros(12, k, dtype=torch.bfloat16, device="cuda"), *gate_up,
+                                     gate_up_bias, group_size=32, consts=consts, run=run, counters=counters) is None
     # the int4 GEMM of decode batches (kernels/int4_gemm), where the bundle has it: its variants are per K
     # of the model (tiny: hidden 64, intermediate 128), so a weight of the model's intermediate width
     gemm_consts = kernels.consts.get("int4_gemm", {})
