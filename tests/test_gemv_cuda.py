@@ -45,6 +45,13 @@ def built():
     return specs, cuda.compile_cuda(specs)
 
 
+@needs_nvcc
+def test_split_accumulators_compile_for_sm80_and_sm90():
+    specs = [_spec(512, silu, arch=arch, TILES=1, UNROLL=8, ACC_SPLIT=2) for arch in ARCHS for silu in (False, True)]
+    result = cuda.compile_cuda(specs)
+    assert sorted(r["entry"] for r in result.records) == sorted(s.entry for s in specs)
+
+
 def test_template_renders_the_shape_as_constants():
     spec = _spec(512, True, t="fp16", TILES=1, UNROLL=2, num_warps=8, min_blocks=2)
     src = cuda.render(spec.template, **spec.render)
@@ -57,6 +64,11 @@ def test_template_renders_the_shape_as_constants():
     # 8 warps x 2 steps of 32 -> BLOCK_K 512; one 16-row tile per warp -> BLOCK_N 16
     assert spec.launch["BLOCK_K"] == 512 and spec.launch["BLOCK_N"] == 16 and spec.launch["impl"] == "cuda"
     assert spec.variant == "cuda_silu_k512_m8" and spec.stem == "gemv.cuda_silu_k512_m8"
+    assert "constexpr int ACC_SPLIT = 1;" in src and "griddepcontrol.wait;" in src
+    split = _spec(512, False, TILES=1, UNROLL=8, ACC_SPLIT=2)
+    assert split.entry.endswith("s2") and "constexpr int ACC_SPLIT = 2;" in cuda.render(split.template, **split.render)
+    assert "does not divide UNROLL 2" in cuda_gemv.gemv_spec(512, False, "bf16", "sm90", CLASS,
+                                                             {"UNROLL": 2, "ACC_SPLIT": 4})[1]
 
 
 def test_what_the_template_does_not_cover_is_refused_with_a_reason():
@@ -130,7 +142,8 @@ def test_records_follow_the_kernel_table_schema(built):
         assert r["scratch_params"] == 0 and r["shared_mem"] == 0 and r["num_warps"] == r["tune"]["num_warps"]
         assert [a["name"] for a in r["args"]] == ["x_ptr", "w_ptr", "out_ptr", "partial_ptr", "counter_ptr",
                                                   "M", "N", "k_tiles_per_split", "splits"]
-        assert set(r["launch"]) == set(cuda_gemv.LAUNCH_KEYS) | {"impl"}
+        assert set(r["launch"]) == set(cuda_gemv.LAUNCH_KEYS) | {"impl", "PDL"}
+        assert r["launch"]["PDL"] == {"sm80": 0, "sm90": 1}[r["arch"]]   # the template waits first on sm90
         assert r["tune_key"] == f"{r['arch']}/gemv/cuda/{CLASS}+override"
         # the launch rule's arguments line up with the record's parameters, pointer for pointer
         k, silu = r["launch"]["K"], r["launch"]["SILU"]

@@ -34,17 +34,21 @@ def gemv_spec(k: int, silu: bool, t: str, arch: str, bucket: str, overrides=None
     warps, tiles, unroll = entry["num_warps"], entry["TILES"], entry["UNROLL"]
     block_n, block_k = 16 * tiles, 32 * warps * unroll
     variant = variant_name(k, silu, entry["max_m"])
+    acc_split = entry.get("ACC_SPLIT", 1)
+    if unroll % acc_split:
+        return None, f"ACC_SPLIT {acc_split} does not divide UNROLL {unroll}"
     name = (f"gemv_{t}_{'silu_' if silu else ''}k{k}_m{entry['max_m']}"
-            f"_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}")
+            f"_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}{f's{acc_split}' if acc_split > 1 else ''}")
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "k": k, "silu": silu,
               "max_m": entry["max_m"], "num_warps": warps, "tiles": tiles, "unroll": unroll,
-              "min_blocks": entry["min_blocks"],
+              "min_blocks": entry["min_blocks"], "acc_split": acc_split,
               "block_n": block_n, "block_k": block_k, "entry": name}
     types = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "out_ptr": f"*{t}", "partial_ptr": "*fp32",
              "counter_ptr": "*i32", "M": "i32", "N": "i32", "k_tiles_per_split": "i32", "splits": "i32"}
     consts = dict(entry, K=k, SILU=silu, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {key_: consts[key_] for key_ in LAUNCH_KEYS}
     launch["impl"] = "cuda"
+    launch["PDL"] = int(entry.get("PDL", tune.PDL[arch]))   # the template waits first on sm90 (kernels/pdl.py)
     return CudaKernelSpec(op="gemv", variant=variant, arch=arch, template="gemv.cu.j2", entry=name,
                           render=values, arg_types=types, num_warps=warps, tune_key=key, tune=entry,
                           launch=launch), ""

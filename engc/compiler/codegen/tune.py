@@ -143,7 +143,8 @@ for _arch in ("sm80", "sm90"):
 GEMV_CUDA_M_CLASSES = ("m<=8",)
 for _arch in ("sm80", "sm90"):
     _put(_arch, "gemv", "cuda", "m<=8", max_m=8, plain=False, silu=False, max_n=0, num_warps=4, TILES=2,
-         UNROLL=4, min_blocks=4, target_programs=4 * _SM_COUNT[_arch], max_splits=16, min_split_k_tiles=1)
+         UNROLL=4, min_blocks=4, ACC_SPLIT=1, target_programs=4 * _SM_COUNT[_arch], max_splits=16,
+         min_split_k_tiles=1)
 
 # fp8_linear (W8A8 GEMM, kernels/fp8_linear) for --quant fp8 bundles, one entry per M class; prefill above
 # the last class stays with fp8_quant + torch._scaled_mm. Not yet measured: bench/fp8_device.py times these
