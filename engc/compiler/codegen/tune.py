@@ -139,7 +139,9 @@ for _arch in ("sm80", "sm90"):
 # silu: the fused down -- and only where nvcc was there at build time. Tiles: num_warps warps share
 # 16 * TILES rows of W, each reads UNROLL 32-wide K steps per iteration (BLOCK_K = 32 * warps * UNROLL);
 # min_blocks: CTAs per SM the register budget allows (65536 / (32 * warps * min_blocks) registers each).
-# Not measured on a device yet: plain and silu stay False until bench/gemv_cuda_device.py shows it ahead.
+# Off (plain and silu False): bench/gemv_cuda_device.py found it even with the Triton GEMV per call at best; as
+# a whole 8B b1 step (thirteenth session, with PDL, config w4t1u8b3) it ran 223.6 tok/s with one accumulator
+# and 229.3 with ACC_SPLIT 2 against 239.3 for the Triton GEMV (bench/results/h200_38c6765_cuda_gemv_s*).
 GEMV_CUDA_M_CLASSES = ("m<=8",)
 for _arch in ("sm80", "sm90"):
     _put(_arch, "gemv", "cuda", "m<=8", max_m=8, plain=False, silu=False, max_n=0, num_warps=4, TILES=2,
@@ -281,7 +283,8 @@ for _arch in ("sm80", "sm90"):
     # waits: the 8B's projection GEMVs of a layer at M=1 took 53.4 us against 55.5 (gate_up 23.5 against 24.9,
     # down 15.0 / 15.6, o 6.9 / 7.1), at M=8 60.5 against 63.0 (bench/results/h200_3b3b03d_int4_split.txt).
     # silu_out: also build its twin that writes silu(gate) * up of a fused gate_up (QLinearSiluMul), so a decode
-    # step of at most max_m rows has no silu_mul launch (8B b1: 32 x 1.15 us, h200_f2f7b0e_pdl0_kernels_graph_*).
+    # step of at most max_m rows has no silu_mul launch: 8B int4 b1 509.2-509.6 tok/s against 507.3 without it,
+    # A-B-A in one lease (graph 2.010 against 2.024 ms; bench/results/h200_a3feda7_*silu*).
     _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * _SM_COUNT[_arch], max_splits=16,
          min_split_k_tiles=1, silu_out=True)
