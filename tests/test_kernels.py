@@ -299,10 +299,16 @@ def check_sampling(dtype, block_v=None):
     specs = _specs(cfg, torch.bfloat16, overrides={"sampling": {"BLOCK_V": block_v}} if block_v else None)["sampling"]
     gen = torch.Generator().manual_seed(7)
     rows = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 50, 1.0), (1.3, 0, 0.9), (0.8, 20, 0.5), (1.0, 1, 1.0),
-            (2.0, 2999, 0.99), (0.5, 3000, 0.3), (1.0, 0, 1.0), (0.0, 5, 0.5)]
+            (2.0, 2999, 0.99), (0.5, 3000, 0.3), (1.0, 0, 1.0), (0.0, 5, 0.5),
+            (0.9, 0, 1.0), (1.2, 10, 0.8), (0.7, 0, 1.0), (0.0, 0, 1.0)]
     B = len(rows)
     logits = (torch.randn(B, 3000, generator=gen) * 3).to(dtype)
     logits[8, 100:200] = 4.0        # a plateau of ties
+    # no distribution to draw from: the row's argmax (a NaN counting as +inf), a valid id, never -1 or 2^31 - 1
+    logits[10, 1234] = float("nan")
+    logits[11, :] = float("-inf")
+    logits[12, 77] = float("inf")
+    logits[13, :] = float("nan")
     temperature = torch.tensor([r[0] for r in rows], dtype=torch.float32)
     top_k = torch.tensor([r[1] for r in rows], dtype=torch.int32)
     top_p = torch.tensor([r[2] for r in rows], dtype=torch.float32)
@@ -313,6 +319,7 @@ def check_sampling(dtype, block_v=None):
         out = torch.full((B,), -1, dtype=torch.int64)
         _run(specs, op.launch(logits, temperature, top_k, top_p, uniform, out))
         mismatches += int((out != ref).sum())
+        assert out[10:].tolist() == [1234, 0, 77, 0], out[10:]
     return mismatches
 
 
@@ -322,14 +329,17 @@ def check_argmax(dtype, vocab=3000, block=None):
     ov = {"argmax": {"block": block}} if block else None
     specs = _specs(_cfg(vocab_size=vocab), dtype, overrides=ov)["argmax"]
     gen = torch.Generator().manual_seed(3)
-    logits = (torch.randn(6, vocab, generator=gen) * 3).to(dtype)
+    logits = (torch.randn(8, vocab, generator=gen) * 3).to(dtype)
     logits[1, :] = 0.5                          # all tied: the first index wins
     logits[2, vocab - 1] = 100.0                # the last element of the last chunk
     logits[3, 7], logits[3, vocab - 3] = 50.0, 50.0   # tie across chunks
     logits[4, :] = float("-inf")
     logits[5, 1:] = float("-inf")
-    out = torch.full((6,), -1, dtype=torch.int64)
+    logits[6, vocab - 2] = float("nan")         # a NaN is the maximum, as for torch.argmax
+    logits[7, :] = float("nan")                 # a NaN-only row still gets an id of the vocabulary
+    out = torch.full((8,), -1, dtype=torch.int64)
     _run(specs, op.launch(logits, out, _consts(specs)))
+    assert out[6:].tolist() == [vocab - 2, 0] == torch.argmax(logits[6:].float(), -1).tolist(), out
     return int((out != op.argmax(logits)).sum()), [list(g) for _, g, _ in op.launch(logits, out, _consts(specs))]
 
 

@@ -99,8 +99,8 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, prompt: list[int], outpu
                generator: torch.Generator) -> Sampled:
     raw = logits
     logits = apply_penalties(logits.clone(), p, prompt, output)
-    if p.greedy:
-        token = int(torch.argmax(logits))
+    if p.greedy or not torch.isfinite(logits.max()):   # NaN (torch's max is NaN then), +inf, or all -inf:
+        token = int(torch.argmax(logits))                # nothing to draw from; argmax is still a valid id
     else:
         logits = filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
         token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))

@@ -5,13 +5,16 @@ size, more than a layer of the 1B model. Here each row is cut into SPLITS chunks
 chunk's max and first index (grid (B, SPLITS)), stage 2 picks the winner per row (grid (B,)).
 
 logits [B, V] (fp32, bf16 or fp16) -> out [B] int64, the first index of the maximum (torch's rule on
-ties). NaN logits are not special-cased: a row with NaN has no meaningful greedy token.
+ties), a NaN counting as +inf (torch counts NaN the maximum; they differ only where a +inf comes before
+the first NaN). A row with NaN has no meaningful greedy token, but it gets a valid one: an id outside the
+vocabulary would fail the next step's embedding gather on the device and stop the engine.
 """
 import torch
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    return torch.argmax(logits.float(), dim=-1)
+    return torch.argmax(torch.nan_to_num(logits.float(), nan=float("inf"), posinf=float("inf"),
+                                         neginf=float("-inf")), dim=-1)
 
 
 def workspace(rows: int, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:

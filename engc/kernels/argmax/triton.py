@@ -3,6 +3,8 @@
 Within a chunk every lane keeps its own running max with a strict '>' (so it holds the first index of
 its lane's maximum); the lanes are reduced once at the end by taking the smallest index whose value
 equals the maximum. Both stages use that rule, which makes the result torch's first-index argmax.
+A NaN counts as +inf, as torch.argmax counts it the maximum: the result is always an index of the row (a
+NaN-only row used to give 2^31 - 1, and the next step's embedding gather a device-side assert).
 """
 import triton
 import triton.language as tl
@@ -23,6 +25,7 @@ def argmax_partial_kernel(logits_ptr, part_val_ptr, part_idx_ptr, VOCAB: tl.cons
         offs = start + off + tl.arange(0, BLOCK)
         mask = (offs < VOCAB) & (off + tl.arange(0, BLOCK) < CHUNK)
         x = tl.load(logits_ptr + row * VOCAB + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("inf"), x)
         take = (x > best) | ((x == best) & mask & (offs < best_idx))
         best = tl.where(take, x, best)
         best_idx = tl.where(take, offs, best_idx)

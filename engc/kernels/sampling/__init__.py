@@ -5,7 +5,9 @@ logits [B, V] (any float dtype); temperature, top_p [B] float32; top_k [B] int32
 in [0, 1). The caller draws uniform, so the op is a pure function of its inputs and needs no host sync.
 
 Per row:
-  temperature == 0 -> argmax of the logits (first index on ties).
+  temperature == 0 -> argmax of the logits (first index on ties; a NaN counts as +inf).
+  A row whose largest logit is not finite (NaN, +inf, or all -inf) takes that argmax too, whatever its
+  temperature: a valid token id, never one outside the vocabulary.
   s = logits.float() / temperature.
   top-k (0 < k < V): keep s >= the k-th largest s (ties at the threshold are kept).
   top-p (p < 1): over the kept tokens in descending s order, find the first token whose cumulative
@@ -25,8 +27,9 @@ def sample(logits, temperature, top_k, top_p, uniform) -> torch.Tensor:
 
 
 def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float) -> int:
-    if temperature == 0.0:
-        return int(torch.argmax(logits.float()))
+    x = torch.nan_to_num(logits.float(), nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
+    if temperature == 0.0 or not torch.isfinite(x.max()):   # NaN, +inf, or all -inf: nothing to draw from
+        return int(torch.argmax(x))
     s = logits.float() / temperature
     v = s.shape[0]
     keep = torch.ones_like(s, dtype=torch.bool)

@@ -74,12 +74,15 @@ def sample_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniform_ptr
     for start in range(0, VOCAB, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + offs, mask=offs < VOCAB, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("inf"), x)     # NaN counts as the maximum (kernels/argmax says why)
         take = x > lane_best
         lane_idx = tl.where(take, offs, lane_idx)
         lane_best = tl.where(take, x, lane_best)
     best_val = tl.max(lane_best, axis=0)
     best_idx = tl.min(tl.where(lane_best == best_val, lane_idx, VOCAB), axis=0)
-    if greedy:
+    # NaN or +inf logits (or none above -inf) leave no distribution to draw from: such a row takes its
+    # argmax, a valid id (an id outside the vocabulary would stop the engine at the next embedding gather)
+    if greedy | (best_val == float("inf")) | (best_val == float("-inf")):
         tl.store(out_ptr + row, best_idx.to(tl.int64))
         return
     m = best_val / t    # x / t is monotone in x, so this is the max scaled logit

@@ -1,0 +1,46 @@
+"""Logits with NaN or inf (a model that overflows, a damaged weight) still give every row a token id of the
+vocabulary, greedy or sampled: an id outside it would fail the next step's embedding gather (on the GPU a
+device-side assert that stops the engine). Such a row takes its argmax, a NaN counting as the maximum."""
+from __future__ import annotations
+
+import torch
+
+from engc.kernels import sampling as kernel_ref
+from engc.runtime.engine import Engine
+from engc.runtime.loader import load
+from engc.runtime.sampling import SamplingParams, make_generator, sample_row
+
+V = 50
+
+
+def _rows():
+    nan = torch.randn(V)
+    nan[17] = float("nan")
+    inf = torch.randn(V)
+    inf[33] = float("inf")
+    return {"nan": (nan, 17), "all_nan": (torch.full((V,), float("nan")), 0), "inf": (inf, 33),
+            "all_neg_inf": (torch.full((V,), float("-inf")), 0)}
+
+
+def test_host_sampler_takes_the_argmax_of_a_row_with_nothing_to_draw_from():
+    for name, (logits, want) in _rows().items():
+        for p in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=10, top_p=0.9)):
+            got = sample_row(logits, p, [1, 2], [3], make_generator(0)).token
+            assert got == want, (name, p, got)
+
+
+def test_kernel_reference_takes_the_argmax_too():
+    for name, (logits, want) in _rows().items():
+        for t, k, top_p in ((0.0, 0, 1.0), (0.8, 10, 0.9), (1.5, 0, 1.0)):
+            assert kernel_ref.sample_row(logits, t, k, top_p, 0.5) == want, (name, t)
+
+
+def test_engine_keeps_decoding_when_the_logits_turn_nan(tiny_bundle):
+    model = load(tiny_bundle("llama"))
+    model.executor.weights["norm.weight"] = torch.full_like(model.executor.weights["norm.weight"], float("nan"))
+    engine = Engine(model)
+    seqs = [engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=t, ignore_eos=True, seed=1))
+            for t in (0.0, 0.9)]
+    engine.run_to_completion()
+    for s in seqs:
+        assert len(s.output_ids) == 4 and all(0 <= t < model.config.vocab_size for t in s.output_ids), s.output_ids
