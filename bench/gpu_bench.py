@@ -241,6 +241,10 @@ def bench_shape(shape: str, args) -> dict:
                                               quant=quant_of(shape), tune=tune_overrides(args)))
         res["build_s"] = round(time.perf_counter() - t, 1)
     res["env"] = {k: v for k, v in os.environ.items() if k.startswith("ENGC_")}
+    if args.ablate:   # bench/ablate.py: timings only, the outputs are garbage
+        import ablate
+        ablate.install(set(args.ablate.split(",")))
+        res["ablate"] = args.ablate
     manifest = json.loads((bundle / "manifest.json").read_text())
     # which Triton compiled the cubins: this machine's 3.6 would mean the kernel cache missed
     res["kernels_compiled_by_triton"] = sorted({k["triton_version"] for k in manifest["kernels"]
@@ -584,7 +588,8 @@ def run(args):
             + (["--serve"] if args.serve else []) + (["--profile-only"] if args.profile_only else []) \
             + (["--no-hf"] if args.no_hf else []) + (["--quick"] if args.quick else []) \
             + (["--tune", args.tune] if args.tune else []) + (["--check-only"] if args.check_only else []) \
-            + (["--batch-sizes", args.batch_sizes] if args.batch_sizes else [])
+            + (["--batch-sizes", args.batch_sizes] if args.batch_sizes else []) \
+            + (["--ablate", args.ablate] if args.ablate else [])
         subprocess.run(cmd, timeout=args.timeout)
         f = out / f"engc_{shape}.json"
         results.append(json.loads(f.read_text()) if f.exists() else {"shape": shape, "error": "no result"})
@@ -639,6 +644,9 @@ def main():
     ap.add_argument("--batch-sizes", default="",
                     help="comma-separated batch sizes of the 128 in / 128 out throughput runs, for every shape "
                          "(default: 1b 64,256; 8b 32,64,256; --quick keeps the first two)")
+    ap.add_argument("--ablate", default="",
+                    help="comma-separated kernel families (norm, attn, silu, gemm) removed from decode steps: an "
+                         "upper bound on what fusing them away can give; outputs are garbage (bench/ablate.py)")
     ap.add_argument("--timeout", type=int, default=400)
     args = ap.parse_args()
     prepare(args) if args.verb == "prepare" else run(args)
