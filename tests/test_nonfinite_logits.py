@@ -35,6 +35,15 @@ def test_kernel_reference_takes_the_argmax_too():
             assert kernel_ref.sample_row(logits, t, k, top_p, 0.5) == want, (name, t)
 
 
+def test_logprobs_go_out_as_json_numbers():
+    import json
+    import math
+    from engc.runtime.server.openai import json_logprob
+    assert [json_logprob(v) for v in (-1.5, float("-inf"), float("nan"), 0.0)] == [-1.5, -9999.0, -9999.0, 0.0]
+    json.dumps([json_logprob(float("nan"))], allow_nan=False)   # what the JSON response encoder demands
+    assert not math.isnan(json_logprob(float("nan")))
+
+
 def test_engine_keeps_decoding_when_the_logits_turn_nan(tiny_bundle):
     model = load(tiny_bundle("llama"))
     model.executor.weights["norm.weight"] = torch.full_like(model.executor.weights["norm.weight"], float("nan"))
@@ -44,3 +53,18 @@ def test_engine_keeps_decoding_when_the_logits_turn_nan(tiny_bundle):
     engine.run_to_completion()
     for s in seqs:
         assert len(s.output_ids) == 4 and all(0 <= t < model.config.vocab_size for t in s.output_ids), s.output_ids
+
+
+def test_server_answers_with_logprobs_when_the_logits_turn_nan(tiny_bundle):
+    import httpx
+    from live_server import LiveServer
+    with LiveServer(tiny_bundle("llama")) as s:
+        weights = s.engine.engine.model.executor.weights
+        weights["norm.weight"] = torch.full_like(weights["norm.weight"], float("nan"))
+        for path, body in (("/v1/completions", {"prompt": "hi", "logprobs": 2}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                     "logprobs": True, "top_logprobs": 2})):
+            r = httpx.post(s.url + path, json={"model": s.model, "max_tokens": 3, "temperature": 0.7, **body},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+            assert "NaN" not in r.text and "-9999.0" in r.text

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import replace
@@ -14,6 +15,12 @@ from engc.runtime.server.app import APIError, ServerState
 from engc.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
+
+
+def json_logprob(lp: float) -> float:
+    """A logprob as JSON can carry it: -inf (a token of probability 0) and NaN (logits a model overflowed)
+    have no JSON form and would fail the response, so they go out as -9999.0, OpenAI's "very unlikely"."""
+    return lp if math.isfinite(lp) else -9999.0
 
 
 @router.post("/v1/chat/completions")
@@ -129,13 +136,13 @@ class _Output:
         text = [tok.decode([x.token], skip_special_tokens=False) for x in sampled]
         if self.chat:
             def entry(t, lp):
-                return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
+                return {"token": t, "logprob": json_logprob(lp), "bytes": list(t.encode("utf-8", "replace"))}
             return {"content": [dict(entry(t, x.logprob), top_logprobs=[
                 entry(tok.decode([i], skip_special_tokens=False), lp) for i, lp in x.top or []])
                 for t, x in zip(text, sampled)]}
         offsets = [offset + sum(len(t) for t in text[:k]) for k in range(len(text))]
-        return {"tokens": text, "token_logprobs": [x.logprob for x in sampled],
-                "top_logprobs": [{tok.decode([i], skip_special_tokens=False): lp for i, lp in x.top or []}
+        return {"tokens": text, "token_logprobs": [json_logprob(x.logprob) for x in sampled],
+                "top_logprobs": [{tok.decode([i], skip_special_tokens=False): json_logprob(lp) for i, lp in x.top or []}
                                  for x in sampled], "text_offset": offsets}
 
     def choice(self, index: int, text: str | None, finish_reason, logprobs, delta: bool, role: bool = False):
