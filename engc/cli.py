@@ -226,8 +226,9 @@ def eval_(bundle, ppl_file, window, stride, max_tokens, as_json):
     if as_json:
         click.echo(json.dumps(result, sort_keys=True))
     else:
-        click.echo(f"perplexity {result['ppl']:.4f} over {result['scored']} tokens "
-                   f"({result['windows']} windows of {window}, stride {stride})")
+        scored, windows = result["scored"], result["windows"]
+        click.echo(f"perplexity {result['ppl']:.4f} over {scored} token{'s' * (scored != 1)} "
+                   f"({windows} window{'s' * (windows != 1)} of {window}, stride {stride})")
 
 def _sampling_options(f):
     for opt in reversed([

@@ -116,6 +116,10 @@ def test_eval_reports_same_ppl_for_float_and_close_for_int4(tiny_dir, tiny_bundl
     out = CliRunner().invoke(main, ["eval", str(tiny_bundle("llama")), "--ppl", str(_write(tmp_path, text)),
                                     "--window", "64", "--stride", "32", "--json"])
     assert out.exit_code == 0 and json.loads(out.output)["ppl"] == pytest.approx(fp["ppl"], rel=1e-6)
+    for words, line in (("hi", "over 1 token (1 window of 64,"), (text, f"tokens ({fp['windows']} windows of 64,")):
+        out = CliRunner().invoke(main, ["eval", str(tiny_bundle("llama")), "--ppl", str(_write(tmp_path, words)),
+                                        "--window", "64", "--stride", "32"])
+        assert out.exit_code == 0 and line in out.output, out.output
 
 
 def _write(tmp_path, text, name="t.txt"):
