@@ -188,12 +188,13 @@ def early_decode_start(query_start_loc_ptr, context_lens_ptr, block_tables_ptr, 
 
 
 @triton.jit
-def finish_split(acc, m_i, l_i, has_tiles, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr, b, kvh, row, split,
+def finish_split(acc, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr, b, kvh, row, split,
                  num_splits, used, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, GR_PAD: tl.constexpr,
                  RED_SPLITS: tl.constexpr):
     """One split of the `used` that hold tiles (the kernels return early from the others, so a graph sized
-    for a long context does not make a short one wait on empty splits): the output itself when it is the
+    for a long context does not make a short one wait on empty splits; every caller's split holds one, as
+    split < used means lo < hi in decode_split): the output itself when it is the
     only one, or its partial and a ticket; the last of the used splits to arrive combines them all (no reduce
     launch) and leaves its counter zero for the next launch or graph replay. acq_rel orders the partials
     before the ticket, and the winner's loads after it."""
@@ -208,11 +209,10 @@ def finish_split(acc, m_i, l_i, has_tiles, out_ptr, part_acc_ptr, part_ml_ptr, c
         tl.store(out_ptr + row.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        if has_tiles:   # partial rows of a (sequence, KV head) are contiguous: [splits, GROUP]
-            part = (pair.to(tl.int64) * num_splits + split) * GROUP + g
-            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
-            tl.store(part_ml_ptr + part * 2, m_i, mask=g_mask)
-            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
+        part = (pair.to(tl.int64) * num_splits + split) * GROUP + g   # a pair's partials: [splits, GROUP]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + part * 2, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
         tl.debug_barrier()   # every thread's partial is stored before this program counts as arrived
         ticket = tl.atomic_add(counters_ptr + pair, 1, sem="acq_rel", scope="gpu")
         if ticket == used - 1:

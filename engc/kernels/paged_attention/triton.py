@@ -77,16 +77,14 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
     if EARLY_KV == 0:
         first_loaded = lo
     else:
-        first_loaded = lo + 1
-        if lo < hi:
-            acc, m_i, l_i = tiles.decode_tile_math(q, acc, m_i, l_i, k0, v0, k0_scale, v0_scale, lo, ctx, start,
-                                                   qk_scale, 0.0, 0.0, 0.0, 0.0, BLOCK_N, DOT_PRECISION, KV_QUANT,
-                                                   False)
+        first_loaded = lo + 1   # every split left here holds tile lo (split < used)
+        acc, m_i, l_i = tiles.decode_tile_math(q, acc, m_i, l_i, k0, v0, k0_scale, v0_scale, lo, ctx, start,
+                                               qk_scale, 0.0, 0.0, 0.0, 0.0, BLOCK_N, DOT_PRECISION, KV_QUANT, False)
     for tile in range(first_loaded, hi):
         acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr,
                                           v_scale_ptr, bt_row, kvh, d, qk_scale, 0.0, 0.0, 0.0, 0.0, PAGE, NUM_KV_HEADS,
                                           HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT, False)
-    tiles.finish_split(acc, m_i, l_i, lo < hi, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr, b, kvh, row, split,
+    tiles.finish_split(acc, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr, b, kvh, row, split,
                        num_splits, used, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, D_PAD, GROUP, G_PAD, GR_PAD,
                        RED_SPLITS)
 
@@ -192,7 +190,7 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
     new_v = tl.load(src + Q_SIZE + KV_SIZE + kvh * HEAD_DIM + d, mask=d_mask, other=0.0)
     if EARLY_KV == 0:
         slot = tl.load(slot_mapping_ptr + row)
-    owner = (lo < hi) & (hi == tl.cdiv(ctx, BLOCK_N))     # the split whose last tile holds the new token
+    owner = hi == tl.cdiv(ctx, BLOCK_N)                  # the split whose last tile holds the new token
     write = owner & (slot >= 0)                          # a negative slot (a padded row) writes nothing
     dst = slot * KV_SIZE + kvh * HEAD_DIM + d
     if KV_QUANT != 0:   # codes and scales of the rows as rounded to the model dtype (as the rotary op)
@@ -229,10 +227,9 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
     else:
         # the prefetched tile lo first, WITH_NEW whichever tile it is (only the one holding ctx - 1 changes);
         # then the rest as above, the owner's last tile with the new token unless it was tile lo
-        if lo < hi:
-            acc, m_i, l_i = tiles.decode_tile_math(q, acc, m_i, l_i, k0, v0, k0_scale, v0_scale, lo, ctx, start,
-                                                   qk_scale, new_k, new_v, new_k_scale, new_v_scale, BLOCK_N,
-                                                   DOT_PRECISION, KV_QUANT, True)
+        acc, m_i, l_i = tiles.decode_tile_math(q, acc, m_i, l_i, k0, v0, k0_scale, v0_scale, lo, ctx, start,
+                                               qk_scale, new_k, new_v, new_k_scale, new_v_scale, BLOCK_N,
+                                               DOT_PRECISION, KV_QUANT, True)
         for tile in range(lo + 1, hi - owner.to(tl.int32)):
             acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr,
                                               k_scale_ptr, v_scale_ptr, bt_row, kvh, d, qk_scale, 0.0, 0.0, 0.0, 0.0,
@@ -242,7 +239,7 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
                                               k_scale_ptr, v_scale_ptr, bt_row, kvh, d, qk_scale, new_k, new_v,
                                               new_k_scale, new_v_scale, PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
                                               DOT_PRECISION, KV_QUANT, True)
-    tiles.finish_split(acc, m_i, l_i, lo < hi, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr, b, kvh, row, split,
+    tiles.finish_split(acc, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr, b, kvh, row, split,
                        num_splits, used, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, D_PAD, GROUP, G_PAD, GR_PAD,
                        RED_SPLITS)
 
