@@ -115,13 +115,14 @@ def selected_int4_specs(triton_specs: list, overrides=None, shapes=()) -> tuple[
                if f"{s.arch}/int4_linear/cuda/{shape_kind(n, k)}" in tune.TUNE]
         for kind, what in [("gemv", "GEMV")] + wide + own + [("dequant", "dequant")]:
             ov = (overrides or {}).get(kind)
-            if not tune.lookup(s.arch, "int4_linear", "cuda", kind, ov)[1]["enabled"]:
+            entry = tune.lookup(s.arch, "int4_linear", "cuda", kind, ov)[1]
+            if not entry["enabled"]:
                 continue
             if kind == "dequant":
                 made = [int4_dequant_spec(group, t, s.arch, ov)]
             else:
                 made = [int4_gemv_spec(group, t, s.arch, ov, kind)]
-                if kind == "gemv" and tune.lookup(s.arch, "int4_linear", "cuda", kind, ov)[1].get("silu_out"):
+                if kind == "gemv" and entry.get("silu_out"):
                     made.append(int4_gemv_spec(group, t, s.arch, ov, kind, silu_out=True))
             for spec, why in made:
                 if spec is None:

@@ -12,9 +12,13 @@ vocabulary would fail the next step's embedding gather on the device and stop th
 import torch
 
 
+def nan_as_max(logits: torch.Tensor) -> torch.Tensor:
+    """logits in float32 with every NaN as +inf: the order the argmax and sampling kernels rank by."""
+    return torch.nan_to_num(logits.float(), nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    return torch.argmax(torch.nan_to_num(logits.float(), nan=float("inf"), posinf=float("inf"),
-                                         neginf=float("-inf")), dim=-1)
+    return torch.argmax(nan_as_max(logits), dim=-1)
 
 
 def workspace(rows: int, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:

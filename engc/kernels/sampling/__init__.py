@@ -17,6 +17,8 @@ Per row:
 """
 import torch
 
+from engc.kernels.argmax import nan_as_max
+
 
 def sample(logits, temperature, top_k, top_p, uniform) -> torch.Tensor:
     b, v = logits.shape
@@ -27,7 +29,7 @@ def sample(logits, temperature, top_k, top_p, uniform) -> torch.Tensor:
 
 
 def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float) -> int:
-    x = torch.nan_to_num(logits.float(), nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
+    x = nan_as_max(logits)
     if temperature == 0.0 or not torch.isfinite(x.max()):   # NaN, +inf, or all -inf: nothing to draw from
         return int(torch.argmax(x))
     s = logits.float() / temperature
