@@ -36,19 +36,23 @@ ARCH = "sm90"
 # h200_4e0a94b_attn_sweep.txt (more splits, bigger tiles, 2/8 warps: all slower; 2 stages 1.3x slower at
 # batch 32) and h200_4e0a94b_attn_busy.txt (one split for short contexts of a busy batch: slower). This one:
 # deeper pipelines (the first tiles' loads all in flight at once).
+# h200_4e0a94b_attn_sweep.txt / h200_*_attn_b1.txt (stages 4-6, BLOCK_N 16, 8 warps: none better than base).
+# Sets named cl* are the CUDA cluster kernel (templates/paged_decode_cluster.cu.j2, variant
+# decode_rotary_cluster) with decode_cluster tune overrides, launched at every batch size here.
 CUBINS = {
-    "8b": {"base": {}, "s4": {"num_stages": 4}, "s5": {"num_stages": 5}, "n16s5": {"BLOCK_N": 16, "num_stages": 5},
-           "n16s6": {"BLOCK_N": 16, "num_stages": 6}, "s4w8": {"num_stages": 4, "num_warps": 8}},
-    "1b": {"base": {}, "s4": {"num_stages": 4}},
+    "8b": {"base": {}, "cl8": {"cluster": 8}, "cl4": {"cluster": 4}, "cl2": {"cluster": 2},
+           "cl8s1": {"cluster": 8, "stages": 1}},
+    "1b": {"base": {}, "cl8": {"cluster": 8}, "cl4": {"cluster": 4}},
 }
 # launch-rule variants on a cubin: (name, cubin, decode launch-constant overrides)
-LAUNCH = [(name, name, {}) for name in ("base", "s4", "s5", "n16s5", "n16s6", "s4w8")]
+LAUNCH = [(name, name, {}) for name in ("base", "cl8", "cl4", "cl2", "cl8s1")]
 # (cfg, batch, context, max_context_len as the runtime sizes splits: 255 = b<=4 graph bucket, 8192 = capacity)
-CASES = [("8b", 1, 128, 255), ("8b", 1, 192, 255), ("8b", 1, 256, 8192), ("8b", 32, 192, 8192),
+CASES = [("8b", 1, 128, 255), ("8b", 1, 192, 255), ("8b", 1, 256, 8192), ("8b", 1, 4096, 8192),
+         ("8b", 4, 192, 8192), ("8b", 32, 192, 8192),
          ("8b", 32, 256, 8192), ("8b", 32, 512, 8192), ("8b", 32, 1024, 8192), ("8b", 64, 192, 8192),
          ("1b", 1, 256, 8192), ("1b", 64, 192, 8192)]
 CHECKS = [("b3_graph_splits", [130, 1000, 17], 8192), ("b4_ctx1_and_257", [1, 257, 64, 65], 1024),
-          ("b1_192", [192], 255)]
+          ("b1_192", [192], 255), ("b2_long", [5000, 33], 8192)]
 PDL_FILL_ROWS = 48          # silu_mul rows before each attention in the PDL timing (~5.5 MB, a few us)
 # ATTN_SETS=base,s4 (prepare and run): only those cubin sets. ATTN_NCU=8b:32:192 (run): after the checks, two
 # launches of each set at that case (no PDL, max_ctx 8192) inside the NVTX range 'ncu', and no timing:
@@ -65,6 +69,7 @@ def prepare(out_dir: Path):
     from engc.bundle.model_config import ModelConfig
     from engc.compiler.codegen.record import compile_specs
     from engc.compiler.codegen.specs import model_specs
+    from engc.compiler.codegen.cuda import compile_cuda
     index = {}
     for name, variants in CUBINS.items():
         cfg = ModelConfig(**CONFIGS[name])
@@ -72,6 +77,9 @@ def prepare(out_dir: Path):
         base = [s for s in model_specs(cfg, torch.bfloat16, ARCH, PAGE) if s.op == "silu_mul"]
         sets = {"silu_mul": base}
         for vname, tune in variants.items():
+            if vname.startswith("cl"):
+                sets[vname] = cluster_spec(cfg, tune)
+                continue
             ov = dict(tune)
             if "BLOCK_N" in ov:
                 ov["min_split_tokens"] = ov["BLOCK_N"]
@@ -79,7 +87,7 @@ def prepare(out_dir: Path):
             sets[vname] = [s for s in specs if (s.op, s.variant) == ("paged_attention", "decode_rotary")]
         for set_name, specs in sets.items():
             t0 = time.time()
-            res = compile_specs(specs, jobs=2)
+            res = compile_cuda(specs) if set_name.startswith("cl") else compile_specs(specs, jobs=2)
             print(f"{name}/{set_name}: {', '.join(s.variant for s in specs)} in {time.time() - t0:.1f}s", flush=True)
             for path, data in res.files.items():
                 dst = out_dir / name / set_name / path
@@ -89,17 +97,31 @@ def prepare(out_dir: Path):
     (out_dir / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
 
 
+def cluster_spec(cfg, tune_overrides: dict) -> list:
+    """The cluster decode kernel's spec for this shape with decode_cluster overrides (enabled, and launched at
+    any batch size here)."""
+    from engc.compiler.codegen import cuda, tune
+    key = f"{ARCH}/paged_attention/decode_cluster/{tune.head_dim_bucket(cfg.head_dim)}"
+    with tune.overridden({key: {"enabled": True, "max_seqs": 1 << 20, **tune_overrides}}):
+        spec, why = cuda.decode_cluster_spec(cfg, "bf16", ARCH, PAGE)
+    assert spec is not None, why
+    return [spec]
+
+
 class Kernels:
-    """One set's cubins through engc.runtime.cubin (the runtime's launcher), with or without PDL."""
+    """One set's cubins through engc.runtime.cubin (the runtime's launcher), with or without PDL. Triton
+    records take two scratch zeros at the end of a launch rule's args; CUDA ones (nvcc_version) none."""
 
     def __init__(self, base: Path, records: list[dict], pdl: bool):
         from engc.runtime.cubin import load_kernel, signature_from_triton
-        self.kernels, self.consts = {}, {}
+        self.kernels, self.consts, self.trailing = {}, {}, {}
         for r in records:
-            sig = signature_from_triton([a["type"] for a in r["args"][:-2]])
+            scratch = 0 if "nvcc_version" in r else 2
+            sig = signature_from_triton([a["type"] for a in r["args"][:len(r["args"]) - scratch]])
             self.kernels[(r["op"], r["variant"])] = load_kernel(
                 (base / r["cubin"]).read_bytes(), r["entry"], sig, block_x=32 * r["num_warps"],
-                shared_mem=r["shared_mem"], scratch_params=2, pdl=pdl)
+                shared_mem=r["shared_mem"], scratch_params=scratch, pdl=pdl)
+            self.trailing[(r["op"], r["variant"])] = scratch
             self.consts.setdefault(r["op"], {})[r["variant"]] = r["launch"]
 
     def run(self, op, launches):
@@ -107,8 +129,9 @@ class Kernels:
         from engc.runtime.cubin import current_stream
         stream = current_stream()
         for variant, grid, args in launches:
+            args = args[:len(args) - self.trailing[(op, variant)]]
             self.kernels[(op, variant)].launch(grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a
-                                                      for a in args[:-2]], stream)
+                                                      for a in args], stream)
 
 
 class AttnB1Bench(Bench):
@@ -145,7 +168,7 @@ class AttnB1Bench(Bench):
 
         def attention(pdl, cub, ov, x, max_ctx):
             k = ks[pdl][cub]
-            consts = {"decode_rotary": {**k.consts["paged_attention"]["decode_rotary"], **ov}}
+            consts = {v: {**launch, **ov} for v, launch in k.consts["paged_attention"].items()}
             return lambda: k.run("paged_attention", pa.launch_rotary_decode(
                 x["qkv"], x["pos"], inv_freq, cache, x["slots"], x["bt"], x["ctx"], x["qsl"], x["out"],
                 max_context_len=max_ctx, consts=consts, workspace=ws, counters=counters, **attn))
@@ -205,8 +228,9 @@ class AttnB1Bench(Bench):
                     fills[i]()
                     pdl[i]()
                 pdl_us = time_graph(pair, copies) - fill_us
-                splits = pa.decode_splits(B, KV, max_ctx, {**ks[False][cub].consts["paged_attention"]["decode_rotary"],
-                                                           **ov})
+                kc = ks[False][cub].consts["paged_attention"]
+                splits = (kc["decode_rotary_cluster"]["cluster"] if "decode_rotary_cluster" in kc else
+                          pa.decode_splits(B, KV, max_ctx, {**kc["decode_rotary"], **ov}))
                 row["sets"][v] = dict(us=us, pdl_us=pdl_us, splits=splits)
             self.results["timing"].append(row)
             self.log(f"{cfg} B={B} ctx={ctx_len} max_ctx={max_ctx} (silu_mul alone {fill_us:.2f} us): " + ", ".join(

@@ -124,7 +124,8 @@ def test_triton_stays_the_default_decode():
     specs = model_specs(SHAPE, torch.bfloat16, "sm90", 16)
     decode = next(s for s in specs if s.variant == "decode")
     assert decode.launch["impl"] == "triton"
-    assert cuda.selected_specs(specs, SHAPE) == ([], [])
+    selected, notes = cuda.selected_specs(specs, SHAPE)     # only sm90's cluster decode (test_decode_cluster.py)
+    assert [s.variant for s in selected] == ["decode_rotary_cluster"] and notes == []
 
 
 def test_without_nvcc_the_build_keeps_triton_with_one_line(monkeypatch, capsys):
@@ -142,7 +143,8 @@ def test_without_nvcc_the_build_keeps_triton_with_one_line(monkeypatch, capsys):
 def test_selected_template_is_built_and_launched_with_its_own_args():
     specs = model_specs(SHAPE, torch.bfloat16, "sm90", 16, PICK_CUDA)
     result = cuda.add_selected(CodegenResult(), specs, SHAPE)
-    assert [(r["arch"], r["variant"]) for r in result.records] == [("sm90", "decode_cuda")]
+    assert [(r["arch"], r["variant"]) for r in result.records] == [("sm90", "decode_cuda"),
+                                                                    ("sm90", "decode_rotary_cluster")]
     record = result.records[0]
     launches = _decode_launch(_consts(specs, result.records))
     assert [v for v, _, _ in launches] == ["decode_cuda", "decode_reduce"]

@@ -96,7 +96,8 @@ def test_without_nvcc_the_build_keeps_the_triton_gemv_with_one_line(monkeypatch,
     specs = _triton("sm90")
     result = cuda.add_selected(CodegenResult(), specs, SHAPE, gemv_overrides=TURN_ON)
     assert result.records == [] and result.files == {}
-    assert capsys.readouterr().err.strip().splitlines() == [
+    assert capsys.readouterr().err.strip().splitlines() == [   # (the first: sm90's cluster decode)
+        "engc: note: nvcc not found: the CUDA decode kernel is skipped, Triton's decode is used",
         "engc: note: nvcc not found: the CUDA GEMV is skipped, the Triton GEMV or cuBLAS runs"]
 
 
@@ -178,7 +179,8 @@ def test_every_w_load_is_in_flight_before_the_first_mma(built, tmp_path):
 def test_selected_gemv_joins_the_build_with_the_triton_kernels(built):
     specs = _triton("sm90")
     result = cuda.add_selected(CodegenResult(), specs, SHAPE, gemv_overrides={CLASS: {"silu": True}})
-    assert [(r["op"], r["variant"]) for r in result.records] == [("gemv", "cuda_silu_k512_m8")]
+    assert [(r["op"], r["variant"]) for r in result.records] == [("gemv", "cuda_silu_k512_m8"),
+                                                                  ("paged_attention", "decode_rotary_cluster")]
     assert "kernels/src/gemv.cuda_silu_k512_m8.cu" in result.files
 
 

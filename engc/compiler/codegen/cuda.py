@@ -108,6 +108,42 @@ def decode_spec(cfg: ModelConfig, t: str, arch: str, block_size: int, overrides=
                           tune=entry, launch=launch), ""
 
 
+def decode_cluster_spec(cfg: ModelConfig, t: str, arch: str, block_size: int) -> tuple:
+    """(spec, '') for the cluster decode template (templates/paged_decode_cluster.cu.j2, the
+    'decode_rotary_cluster' variant) on this shape, or (None, why it does not apply)."""
+    if arch != "sm90":
+        return None, f"{arch} has no thread-block clusters"
+    if t not in ("bf16", "fp16"):
+        return None, f"its mma takes bf16 or fp16, not {t}"
+    group = cfg.num_heads // cfg.num_kv_heads
+    key, entry = tune.lookup(arch, "paged_attention", "decode_cluster", tune.head_dim_bucket(cfg.head_dim))
+    warps, stages, cluster = entry["num_warps"], entry["stages"], entry["cluster"]
+    if group > 8:
+        return None, f"GQA group {group} is more than the 8 rows it gives the query heads"
+    if cfg.head_dim % 16 or (warps * 32) % cfg.head_dim:
+        return None, f"head_dim {cfg.head_dim} is not a multiple of 16 dividing {warps * 32} threads"
+    if block_size % 16:
+        return None, f"KV block size {block_size} is not a multiple of its 16-token tiles"
+    row = cfg.head_dim + 8
+    shared = (warps * stages * 2 * 16 * row * 2 + 16 * row * 2 + 2 * cfg.head_dim * 2
+              + (warps + cluster) * group * (cfg.head_dim + 2) * 4)
+    entry_name = f"paged_decode_cluster_{t}_h{cfg.num_heads}_kv{cfg.num_kv_heads}_d{cfg.head_dim}_p{block_size}"
+    values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": t,
+              "from_float": "__float2bfloat16_rn" if t == "bf16" else "__float2half_rn",
+              "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+              "page": block_size, "cluster": cluster, "num_warps": warps, "stages": stages,
+              "shared_bytes": shared, "entry": entry_name}
+    types = {"qkv_ptr": f"*{t}", "positions_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_mapping_ptr": "*i64",
+             "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}", "block_tables_ptr": "*i32",
+             "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "out_ptr": f"*{t}", "scale": "fp32",
+             "sliding_window": "i32", "block_table_stride": "i32"}
+    launch = {"cluster": cluster, "max_seqs": entry["max_seqs"], "max_context": entry["max_context"],
+              "PDL": int(entry.get("PDL", tune.PDL[arch]))}
+    return CudaKernelSpec(op="paged_attention", variant="decode_rotary_cluster", arch=arch,
+                          template="paged_decode_cluster.cu.j2", entry=entry_name, render=values, arg_types=types,
+                          num_warps=warps, tune_key=key, tune=entry, launch=launch, shared_mem=shared), ""
+
+
 def write_build_ninja(build_dir: Path, nvcc: str, specs: list[CudaKernelSpec]) -> Path:
     """One cubin and one PTX rule per arch; one build edge per (kernel, arch). Sources are in src/."""
     lines = ["ninja_required_version = 1.3", f"nvcc = {nvcc}", f"flags = {' '.join(NVCC_FLAGS)}", ""]
@@ -250,6 +286,21 @@ def selected_specs(triton_specs: list, cfg: ModelConfig) -> tuple[list[CudaKerne
     and a note for each selected one that this shape cannot have."""
     specs, notes = [], []
     for s in triton_specs:
+        if (s.op, s.variant) == ("paged_attention", "decode_rotary"):
+            cluster_entry = tune.TUNE.get(f"{s.arch}/paged_attention/decode_cluster/"
+                                          f"{tune.head_dim_bucket(cfg.head_dim)}", {})
+            if not cluster_entry.get("enabled"):
+                continue
+            t = s.arg_types["qkv_ptr"][1:]
+            if s.arg_types["k_cache_ptr"] != s.arg_types["qkv_ptr"]:
+                notes.append(f"{s.arch}: the cluster decode kernel reads only a {t} KV cache; Triton's is used")
+                continue
+            spec, why = decode_cluster_spec(cfg, t, s.arch, s.constexprs["PAGE"])
+            if spec is None:
+                notes.append(f"{s.arch}: no cluster decode kernel ({why}); Triton's decode is used")
+            else:
+                specs.append(spec)
+            continue
         if (s.op, s.variant) != ("paged_attention", "decode") or s.launch.get("impl") != "cuda":
             continue
         t = s.arg_types["q_ptr"][1:]

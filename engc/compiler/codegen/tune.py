@@ -79,6 +79,19 @@ for _arch in ("sm80", "sm90"):
     _put(_arch, "paged_attention", "decode_cuda", "d<=128", TOKENS_PER_THREAD=8, num_warps=4, **_split)
     _put(_arch, "paged_attention", "decode_cuda", "d>128", TOKENS_PER_THREAD=8, num_warps=4, **_split)
 
+# The cluster decode (templates/paged_decode_cluster.cu.j2, variant decode_rotary_cluster): RotaryPagedAttention
+# on decode steps of at most max_seqs sequences whose longest context is at most max_context (a CUDA graph's
+# context bucket: 255), one thread-block cluster of `cluster` CTAs per (sequence, KV head) combining its
+# partials through distributed shared memory. sm90 only (clusters); needs nvcc (else Triton's runs).
+# H200 (bench/attn_b1_device.py, bench/results/h200_cluster_attn_b1.txt; us a launch behind a PDL
+# predecessor, Triton's decode_rotary in brackets): 8B b1 ctx 128/192/256 4.47/4.82/5.36 (5.05/5.27/5.89),
+# 1B b1 ctx 256 3.64 (7.04); but 8B b1 ctx 4096 15.13 (13.19): 8 CTAs a sequence stream long contexts
+# slower than Triton's 33 splits, so max_context keeps them on Triton (1024: between 256 and 4096, not
+# measured); 8B b4 ctx 192 9.92 (6.87; cluster 4: 6.42), so max_seqs 1; at b32 cluster 8 is 2-3x slower.
+for _bucket in ("d<=64", "d<=128"):
+    _put("sm90", "paged_attention", "decode_cluster", _bucket, enabled=True, cluster=8, num_warps=4, stages=2,
+         max_seqs=1, max_context=1024)
+
 # fp8_quant (per-token activation quantization) holds a whole row in registers: warps grow with the row.
 for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 16)):
     _put("sm90", "fp8_quant", "*", _bucket, num_warps=_warps, num_stages=1)

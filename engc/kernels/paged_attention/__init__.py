@@ -232,6 +232,12 @@ def launch_rotary_decode(qkv, positions, inv_freq, kv_cache, slot_mapping, block
     args (grid (B, KV, splits)): qkv, positions, inv_freq, slot_mapping, k_cache, v_cache, block_tables,
         context_lens, query_start_loc, out, part_acc, part_ml, counters, scale (fp32), sliding_window (i32),
         block_table_stride (i32), num_splits (i32), [k_scale, v_scale], 0, 0
+    'decode_rotary_cluster' instead (the CUDA cluster kernel, templates/paged_decode_cluster.cu.j2) where the
+    bundle has it, the cache is not quantized, B <= its launch's max_seqs and max_context_len <= its
+    max_context (a decode graph of the short-context bucket; the capacity-sized one runs Triton's):
+    grid (B, KV, cluster), args
+        qkv, positions, inv_freq, slot_mapping, k_cache, v_cache, block_tables, context_lens,
+        query_start_loc, out, scale (fp32), sliding_window (i32), block_table_stride (i32)
     """
     assert qkv.is_contiguous() and out.is_contiguous() and kv_cache.is_contiguous()
     assert positions.dtype == slot_mapping.dtype == torch.int64 and inv_freq.dtype == torch.float32
@@ -243,6 +249,12 @@ def launch_rotary_decode(qkv, positions, inv_freq, kv_cache, slot_mapping, block
         return []
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * kv_cache.shape[2]
+    cluster = consts.get("decode_rotary_cluster")
+    if (cluster is not None and kv_scale is None and num_seqs <= cluster["max_seqs"]
+            and max_context_len <= cluster["max_context"]):
+        return [("decode_rotary_cluster", (num_seqs, num_kv_heads, cluster["cluster"]),
+                 [qkv, positions, inv_freq, slot_mapping, kv_cache[0], kv_cache[1], block_tables, context_lens,
+                  query_start_loc, out, float(scale), int(sliding_window), block_tables.stride(0)])]
     splits, part_acc, part_ml, counters = _split_buffers(num_seqs, num_heads, num_kv_heads, head_dim,
                                                          max_context_len, consts["decode_rotary"], True,
                                                          workspace, counters, qkv.device)
