@@ -115,14 +115,16 @@ def test_launch_rule_takes_the_cluster_kernel_for_small_batches_only():
 
 
 @needs_nvcc
-def test_compiles_for_sm90_with_its_parameters_and_shared_memory():
-    spec, _ = cuda.decode_cluster_spec(cfg(), "bf16", "sm90", 16)
+@pytest.mark.parametrize("t,shape", [("bf16", dict()), ("fp16", dict(heads=16, kv_heads=2, head_dim=64))])
+def test_compiles_for_sm90_with_its_parameters_and_shared_memory(t, shape):
+    spec, _ = cuda.decode_cluster_spec(cfg(**shape), t, "sm90", 16)
     result = cuda.compile_cuda([spec])
     (record,) = result.records
     assert record["variant"] == "decode_rotary_cluster" and record["shared_mem"] == spec.shared_mem
     assert record["static_shared"] + record["shared_mem"] <= cuda.DYNAMIC_SHARED_LIMIT["sm90"]
-    assert ".explicitcluster" in result.files[record["ptx"]].decode() or \
-        ".reqnctapercluster" in result.files[record["ptx"]].decode()
+    ptx = result.files[record["ptx"]].decode()
+    assert ".reqnctapercluster 1, 1, 8" in ptx or ".explicitcluster" in ptx
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{cuda.MMA_TYPE[t]}.{cuda.MMA_TYPE[t]}.f32" in ptx
 
 
 def _sm90() -> bool:

@@ -27,6 +27,7 @@ from engc.compiler.codegen.aot import ARCH_CAPABILITY, PTX_VERSION
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 NVCC_FLAGS = ["-O3", "-std=c++17", "--restrict"]
 C_TYPE = {"bf16": "__nv_bfloat16", "fp16": "__half", "fp32": "float"}
+MMA_TYPE = {"bf16": "bf16", "fp16": "f16"}   # the mma instruction's name for an operand type
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _PTX_VERSION_LINE = re.compile(r"^\.version\s+\d+\.\d+\s*$", re.MULTILINE)
 _PTX_TARGET = re.compile(r"^\.target\s+(\S+)", re.MULTILINE)
@@ -128,7 +129,7 @@ def decode_cluster_spec(cfg: ModelConfig, t: str, arch: str, block_size: int) ->
     shared = (warps * stages * 2 * 16 * row * 2 + 16 * row * 2 + 2 * cfg.head_dim * 2
               + (warps + cluster) * group * (cfg.head_dim + 2) * 4)
     entry_name = f"paged_decode_cluster_{t}_h{cfg.num_heads}_kv{cfg.num_kv_heads}_d{cfg.head_dim}_p{block_size}"
-    values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": t,
+    values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t],
               "from_float": "__float2bfloat16_rn" if t == "bf16" else "__float2half_rn",
               "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
               "page": block_size, "cluster": cluster, "num_warps": warps, "stages": stages,

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from engc.bundle.model_config import ModelConfig
 from engc.compiler.codegen import tune
-from engc.compiler.codegen.cuda import C_TYPE, CudaKernelSpec
+from engc.compiler.codegen.cuda import C_TYPE, MMA_TYPE, CudaKernelSpec
 
-MMA_TYPE = {"bf16": "bf16", "fp16": "f16"}
 LAUNCH_KEYS = ("K", "SILU", "max_m", "max_n", "BLOCK_N", "BLOCK_K", "target_programs", "max_splits",
                "min_split_k_tiles")
 

@@ -14,10 +14,9 @@ per CTA), run by kernels/int4_linear's dequant_launch in place of the Triton one
 from __future__ import annotations
 
 from engc.compiler.codegen import tune
-from engc.compiler.codegen.cuda import C_TYPE, CudaKernelSpec
+from engc.compiler.codegen.cuda import C_TYPE, MMA_TYPE, CudaKernelSpec
 from engc.kernels import int4_linear as op   # the variant names its launch rules look up
 
-MMA_TYPE = {"bf16": "bf16", "fp16": "f16"}
 LAUNCH_KEYS = ("GROUP", "max_m", "BLOCK_N", "BLOCK_K", "target_programs", "max_splits", "min_split_k_tiles")
 ARG_TYPES = {"x_ptr": "*{t}", "qw_ptr": "*i32", "s_ptr": "*{t}", "z_ptr": "*u8", "bias_ptr": "*{t}",
              "y_ptr": "*{t}", "partial_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
