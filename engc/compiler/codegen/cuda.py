@@ -283,34 +283,27 @@ def compile_cuda(specs: list[CudaKernelSpec], build_dir: str | Path | None = Non
 
 
 def selected_specs(triton_specs: list, cfg: ModelConfig) -> tuple[list[CudaKernelSpec], list[str]]:
-    """The CUDA kernels the tune table selects in place of Triton ones (a 'decode' entry with impl "cuda"),
-    and a note for each selected one that this shape cannot have."""
+    """The CUDA decode-attention kernels the tune table selects: the cluster decode beside Triton's
+    decode_rotary (its 'decode_cluster' entry enabled) and the split-KV twin in place of Triton's decode (a
+    'decode' entry with impl "cuda"); and a note for each selected one that this shape cannot have."""
     specs, notes = [], []
     for s in triton_specs:
         if (s.op, s.variant) == ("paged_attention", "decode_rotary"):
-            cluster_entry = tune.TUNE.get(f"{s.arch}/paged_attention/decode_cluster/"
-                                          f"{tune.head_dim_bucket(cfg.head_dim)}", {})
-            if not cluster_entry.get("enabled"):
-                continue
-            t = s.arg_types["qkv_ptr"][1:]
-            if s.arg_types["k_cache_ptr"] != s.arg_types["qkv_ptr"]:
-                notes.append(f"{s.arch}: the cluster decode kernel reads only a {t} KV cache; Triton's is used")
-                continue
-            spec, why = decode_cluster_spec(cfg, t, s.arch, s.constexprs["PAGE"])
-            if spec is None:
-                notes.append(f"{s.arch}: no cluster decode kernel ({why}); Triton's decode is used")
-            else:
-                specs.append(spec)
+            entry = tune.TUNE.get(f"{s.arch}/paged_attention/decode_cluster/{tune.head_dim_bucket(cfg.head_dim)}", {})
+            wanted, q_arg, make, name = entry.get("enabled"), "qkv_ptr", decode_cluster_spec, "cluster decode kernel"
+        elif (s.op, s.variant) == ("paged_attention", "decode"):
+            wanted, q_arg, make, name = s.launch.get("impl") == "cuda", "q_ptr", decode_spec, "CUDA decode kernel"
+        else:
             continue
-        if (s.op, s.variant) != ("paged_attention", "decode") or s.launch.get("impl") != "cuda":
+        if not wanted:
             continue
-        t = s.arg_types["q_ptr"][1:]
-        if s.arg_types["k_cache_ptr"] != s.arg_types["q_ptr"]:
-            notes.append(f"{s.arch}: the CUDA decode kernel reads only a {t} KV cache; Triton's decode is used")
+        t = s.arg_types[q_arg][1:]
+        if s.arg_types["k_cache_ptr"] != s.arg_types[q_arg]:
+            notes.append(f"{s.arch}: the {name} reads only a {t} KV cache; Triton's decode is used")
             continue
-        spec, why = decode_spec(cfg, t, s.arch, s.constexprs["PAGE"])
+        spec, why = make(cfg, t, s.arch, s.constexprs["PAGE"])
         if spec is None:
-            notes.append(f"{s.arch}: no CUDA decode kernel ({why}); Triton's decode is used")
+            notes.append(f"{s.arch}: no {name} ({why}); Triton's decode is used")
         else:
             specs.append(spec)
     return specs, notes
