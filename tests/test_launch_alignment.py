@@ -87,3 +87,22 @@ def test_gpu_sampler_parameter_rows_start_aligned(rows, monkeypatch):
         assert t.data_ptr() % 16 == 0 and t.shape[0] >= rows
     assert args[1][:rows].tolist() == pytest.approx([0.5 + i for i in range(rows)])
     assert args[2][:rows].tolist() == [3] * rows and args[3][:rows].tolist() == pytest.approx([0.9] * rows)
+
+
+def test_cuda_templates_can_be_left_unloaded(monkeypatch):
+    """ENGC_CUDA_TEMPLATES=0: the bundle's nvcc-built kernels are not loaded, so the launch rules, which take
+    them only where present, fall back to the Triton kernels (the cluster decode to Triton's decode_rotary)."""
+    cluster = dict(RECORD, variant="decode_rotary_cluster", nvcc_version="13.0", scratch_params=0,
+                   args=RECORD["args"][:-2], launch={"cluster": 8, "max_seqs": 1, "max_context": 1024})
+
+    class TwoKernels(FakeBundle):
+        manifest = {"kernels": [RECORD, cluster]}
+
+    monkeypatch.setattr(gpu_ops, "require_cuda", lambda: None)
+    monkeypatch.setattr(gpu_ops, "load_kernel", lambda image, entry, sig, **kw: FakeKernel(sig))
+    assert set(gpu_ops.BundleKernels(TwoKernels(), "sm90").consts["paged_attention"]) == {
+        "decode", "decode_rotary_cluster"}
+    monkeypatch.setenv("ENGC_CUDA_TEMPLATES", "0")
+    kernels = gpu_ops.BundleKernels(TwoKernels(), "sm90")
+    assert set(kernels.consts["paged_attention"]) == {"decode"}
+    assert list(kernels.kernels) == [("paged_attention", "decode")]

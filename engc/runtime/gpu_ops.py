@@ -32,6 +32,13 @@ def pdl_enabled() -> bool:
     return os.environ.get("ENGC_PDL", "1") != "0"
 
 
+def cuda_templates_enabled() -> bool:
+    """The bundle's nvcc-built kernels (templates/*.cu.j2: records with an nvcc_version) load unless
+    ENGC_CUDA_TEMPLATES=0, an escape hatch and an A/B switch that needs no rebuild: each is optional, and its
+    launch rule takes the Triton kernel (or cuBLAS) the bundle always has where the variant is missing."""
+    return os.environ.get("ENGC_CUDA_TEMPLATES", "1") != "0"
+
+
 def load_record(image: bytes, r: dict, pdl: bool) -> Kernel:
     """One kernel record's image (cubin or PTX), loaded as its record says: its runtime params (less the
     trailing scratch pointers, which the kernel appends itself), 32 * num_warps threads, its dynamic shared
@@ -129,6 +136,8 @@ class BundleKernels:
                   f"{records[0]['arch']} PTX at load (slower start, older code): rebuild with --arch {arch}",
                   file=sys.stderr)
         pdl = pdl_enabled()
+        if not cuda_templates_enabled():
+            records = [r for r in records if "nvcc_version" not in r]
         self.kernels: dict[tuple[str, str], Kernel] = {}
         self.consts: dict[str, dict] = {}
         self.records: dict[tuple[str, str], dict] = {}
