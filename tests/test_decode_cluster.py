@@ -2,7 +2,6 @@
 per shape, built by nvcc for sm90 where the tune table enables it, picked by the launch rule for small decode
 batches; on an sm90 GPU, checked against the torch reference (rotary_kv_write, then paged_attention).
 Compiling tests skip where nvcc is missing; the GPU test where there is no sm90 device."""
-import os
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch
 from engc.bundle.model_config import ModelConfig
 from engc.compiler.codegen import cuda, tune
 from engc.kernels import paged_attention as pa
+from test_gpu import gpu_ready, sm_arch
 
 needs_nvcc = pytest.mark.skipif(cuda.nvcc_path() is None, reason="nvcc is not installed")
 KEY = "sm90/paged_attention/decode_cluster/d<=128"
@@ -66,27 +66,16 @@ def test_selected_only_where_the_table_enables_it():
                                      "gives the query heads); Triton's decode is used"]
 
 
-def _inputs(contexts, heads=4, kv_heads=2, head_dim=64, page=16, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    blocks = sum((n + page - 1) // page for n in contexts) + 3
-    kv = torch.randn(2, blocks, page, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-    width = max((n + page - 1) // page for n in contexts)
-    perm = torch.randperm(blocks, generator=gen).tolist()
-    tables = torch.zeros(len(contexts), width, dtype=torch.int32)
-    for b, n in enumerate(contexts):
-        for j in range((n + page - 1) // page):
-            tables[b, j] = perm.pop()
-    ctx = torch.tensor(contexts, dtype=torch.int32)
-    starts = torch.arange(len(contexts) + 1, dtype=torch.int32)
-    pos = (ctx - 1).long()
-    slots = tables[torch.arange(len(contexts)), (pos // page)].long() * page + pos % page
-    qkv = torch.randn(len(contexts), (heads + 2 * kv_heads) * head_dim, generator=gen).to(torch.bfloat16)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+def _inputs(contexts, heads=4, kv_heads=2, head_dim=64, seed=0):
+    """A bf16 decode step (tests/test_kernels.rotary_decode_batch): a row per context and a padded row (slot -1)."""
+    from test_kernels import rotary_decode_batch
+    qkv, pos, inv_freq, kv, slots, tables, ctx, starts, _ = rotary_decode_batch(
+        contexts, heads, kv_heads, head_dim, 16, torch.bfloat16, torch.Generator().manual_seed(seed))
     return qkv, pos, inv_freq, kv, slots, tables, ctx, starts
 
 
 def test_launch_rule_takes_the_cluster_kernel_for_small_batches_only():
-    qkv, pos, inv_freq, kv, slots, tables, ctx, starts = _inputs([20, 40, 3])
+    qkv, pos, inv_freq, kv, slots, tables, ctx, starts = _inputs([20, 40])   # 3 rows with the padded one
     out = torch.empty(3, 4 * 64, dtype=torch.bfloat16)
     triton = {"BLOCK_N": 32, "target_programs": 264, "max_splits": 64, "min_split_tokens": 32,
               "min_split_tokens_busy": 64, "in_kernel_reduce": True}
@@ -106,7 +95,7 @@ def test_launch_rule_takes_the_cluster_kernel_for_small_batches_only():
     consts["decode_rotary_cluster"]["max_seqs"] = 3       # a longer context bound (a graph sized for the
     for longer in (256, None):                            # table's capacity, 48 here): Triton's kernel
         launches = pa.launch_rotary_decode(qkv, pos, inv_freq, kv, slots, tables, ctx, starts, out,
-                                           **{**kw, "max_context_len": longer}, )
+                                           **{**kw, "max_context_len": longer})
         assert [v for v, _, _ in launches] == (["decode_rotary"] if longer else ["decode_rotary_cluster"])
     kv8 = torch.zeros(kv.shape, dtype=torch.int8)        # a quantized cache: Triton's kernel
     launches = pa.launch_rotary_decode(qkv, pos, inv_freq, kv8, slots, tables, ctx, starts, out, **kw,
@@ -127,20 +116,14 @@ def test_compiles_for_sm90_with_its_parameters_and_shared_memory(t, shape):
     assert f"mma.sync.aligned.m16n8k16.row.col.f32.{cuda.MMA_TYPE[t]}.{cuda.MMA_TYPE[t]}.f32" in ptx
 
 
-def _sm90() -> bool:
-    from engc.runtime.cubin import cuda_available
-    return torch.cuda.is_available() and cuda_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-@pytest.mark.skipif(not _sm90(), reason="needs an sm90 GPU and engc._native")
+@pytest.mark.skipif(not gpu_ready() or sm_arch() != "sm90", reason="needs an sm90 GPU and engc._native")
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (32, 8, 64), (6, 6, 128)])
 def test_matches_the_reference_on_the_gpu(tmp_path, heads, kv_heads, head_dim):
     """Contexts from 1 token to several rounds of every warp of the cluster, a sliding window, a padded row
     (slot -1: writes nothing), through the bundle loader's own kernel path; the output and the new cache rows
-    against rotary_kv_write + paged_attention in float64 on the same inputs."""
+    against rotary_paged_attention in float64 on the same inputs."""
     from engc.runtime.cubin import current_stream
     from engc.runtime.gpu_ops import load_record
-    from engc.kernels import rotary
     c = cfg(heads, kv_heads, head_dim)
     with tune.overridden({f"sm90/paged_attention/decode_cluster/{tune.head_dim_bucket(head_dim)}": {"enabled": True}}):
         spec, why = cuda.decode_cluster_spec(c, "bf16", "sm90", 16)
@@ -153,16 +136,12 @@ def test_matches_the_reference_on_the_gpu(tmp_path, heads, kv_heads, head_dim):
     for contexts, window in (([1], 0), ([17], 0), ([192], 0), ([5000, 33, 130, 1000], 0), ([600, 31], 100)):
         qkv, pos, inv_freq, kv, slots, tables, ctx, starts = _inputs(contexts, heads, kv_heads, head_dim,
                                                                      seed=len(contexts) + window)
-        padded = window > 0                         # the last row of the windowed case stands for graph padding
-        if padded:
-            slots[-1] = -1
-        written = kv.float()                        # the cache as the step leaves it
-        ref_q = rotary.rotary_kv_write(qkv.float(), pos, inv_freq, written, slots, heads, kv_heads, head_dim)
-        ref = pa.paged_attention(ref_q.double(), written.double(), tables, ctx, starts, heads, kv_heads,
-                                 head_dim, head_dim ** -0.5, window)
+        written = kv.double()                       # the cache as the step leaves it
+        ref = pa.rotary_paged_attention(qkv.double(), pos, inv_freq, written, slots, tables, ctx, starts, heads,
+                                        kv_heads, head_dim, head_dim ** -0.5, window)
         keep = slots >= 0       # a padded row reads its new token from registers, the reference a stale row
         g = [t.cuda() for t in (qkv, pos, inv_freq, kv, slots, tables, ctx, starts)]
-        out = torch.full((len(contexts), heads * head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = torch.full((len(ctx), heads * head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
         for variant, grid, args in pa.launch_rotary_decode(*g, out, num_heads=heads, num_kv_heads=kv_heads,
                                                            head_dim=head_dim, scale=head_dim ** -0.5,
                                                            sliding_window=window, consts=consts):
@@ -175,7 +154,7 @@ def test_matches_the_reference_on_the_gpu(tmp_path, heads, kv_heads, head_dim):
         new = g[3].cpu().float()
         for slot in slots[keep].tolist():
             block, off = divmod(slot, 16)
-            assert torch.allclose(new[:, block, off], written[:, block, off], atol=2e-2, rtol=2e-2)
+            assert torch.allclose(new[:, block, off], written[:, block, off].float(), atol=2e-2, rtol=2e-2)
         untouched = kv.float().clone()
         for slot in slots.tolist():
             if slot >= 0:
