@@ -109,19 +109,15 @@ def cluster_spec(cfg, tune_overrides: dict) -> list:
 
 
 class Kernels:
-    """One set's cubins through engc.runtime.cubin (the runtime's launcher), with or without PDL. Triton
-    records take two scratch zeros at the end of a launch rule's args; CUDA ones (nvcc_version) none."""
+    """One set's cubins loaded as the runtime loads them (gpu_ops.load_record), with or without PDL. Triton
+    records take two scratch zeros at the end of a launch rule's args; CUDA ones none (scratch_params)."""
 
     def __init__(self, base: Path, records: list[dict], pdl: bool):
-        from engc.runtime.cubin import load_kernel, signature_from_triton
+        from engc.runtime.gpu_ops import SCRATCH, load_record
         self.kernels, self.consts, self.trailing = {}, {}, {}
         for r in records:
-            scratch = 0 if "nvcc_version" in r else 2
-            sig = signature_from_triton([a["type"] for a in r["args"][:len(r["args"]) - scratch]])
-            self.kernels[(r["op"], r["variant"])] = load_kernel(
-                (base / r["cubin"]).read_bytes(), r["entry"], sig, block_x=32 * r["num_warps"],
-                shared_mem=r["shared_mem"], scratch_params=scratch, pdl=pdl)
-            self.trailing[(r["op"], r["variant"])] = scratch
+            self.kernels[(r["op"], r["variant"])] = load_record((base / r["cubin"]).read_bytes(), r, pdl)
+            self.trailing[(r["op"], r["variant"])] = r.get("scratch_params", SCRATCH)
             self.consts.setdefault(r["op"], {})[r["variant"]] = r["launch"]
 
     def run(self, op, launches):
