@@ -99,6 +99,27 @@ def test_anthropic_sdk_messages(srv):
     assert_clean(srv)
 
 
+def test_anthropic_final_assistant_message_is_continued(srv, http):
+    """A final assistant message is the reply's start: the prompt ends with its text, not with the end of a
+    turn, and the response holds only what the model adds. Consecutive turns of one role are one turn."""
+    t = tok(srv)
+    user, start = {"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My answer is"}
+    body = {"model": srv.model, "max_tokens": 6, "temperature": 0, "messages": [user, start]}
+    finished = t.apply_chat_template([user, start], add_generation_prompt=False)   # "...: My answer is</s>"
+    assert finished.endswith("My answer is</s>")
+    expected = t.encode(finished[:-len("</s>")], add_special_tokens=False)
+    assert http.post("/v1/messages/count_tokens", json=body).json()["input_tokens"] == len(expected)
+    m = http.post("/v1/messages", json=body).json()
+    c = http.post("/v1/completions", json={"model": srv.model, "prompt": expected, "max_tokens": 6,
+                                            "temperature": 0}).json()
+    assert m["content"][0]["text"] == c["choices"][0]["text"]
+    split = [{"role": "user", "content": "Name"}, {"role": "user", "content": "a color."}]
+    joined = [{"role": "user", "content": "Name\n\na color."}]
+    n = http.post("/v1/messages/count_tokens", json={"model": srv.model, "messages": split}).json()
+    assert n["input_tokens"] == len(t.encode_chat(joined))
+    assert_clean(srv)
+
+
 def test_stop_sequences_and_logprobs(srv, http):
     body = {"model": srv.model, "prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     full = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
@@ -230,6 +251,13 @@ BAD = [
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2.0}, 400),
     ("/v1/messages", {"model": "tiny", "max_tokens": 5, "stream": "true",
                       "messages": [{"role": "user", "content": "hi"}]}, 400),
+    # Anthropic's conversation rules: a user turn first, no empty turn, a final reply without trailing blanks
+    ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": [{"role": "assistant", "content": "Hi"},
+                                                                     {"role": "user", "content": "hi"}]}, 400),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": ""},
+                                                                     {"role": "user", "content": "hi"}]}, 400),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"},
+                                                                     {"role": "assistant", "content": "Sure "}]}, 400),
 ]
 
 

@@ -60,9 +60,22 @@ class Tokenizer:
         except TemplateError as e:
             raise UserError(f"chat template refused the messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], continue_final: bool = False) -> list[int]:
         # The template writes any BOS itself, as HF's apply_chat_template assumes.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        text = self.continue_chat(messages) if continue_final else self.apply_chat_template(messages)
+        return self.encode(text, add_special_tokens=False)
+
+    def continue_chat(self, messages: list[dict]) -> str:
+        """The conversation with its final message (an assistant's opening words) left open for the model
+        to continue: rendered as a finished turn, then cut right after that message's text, so whatever
+        the template closes a turn with (an end-of-turn token, a newline) is not in the prompt."""
+        text = self.apply_chat_template(messages, add_generation_prompt=False)
+        content = messages[-1]["content"]
+        at = text.rfind(content) if content else -1
+        if at < 0:
+            raise UserError("the chat template does not write the final message's text as sent, "
+                            "so it cannot be continued")
+        return text[:at + len(content)]
 
 
 def _token_text(value) -> str | None:

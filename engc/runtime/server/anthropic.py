@@ -54,15 +54,30 @@ async def count_tokens(req: CountTokensRequest, request: Request):
 
 
 def _encode(s: ServerState, req) -> list[int]:
+    """The prompt as Anthropic's API reads a conversation: it starts with a user turn; consecutive messages
+    of one role are one turn; a final assistant message is the start of the reply, which the model continues
+    (the response holds only the new text)."""
     if not req.messages:
         raise APIError(400, "messages: at least one message is required")
+    if req.messages[0].role != "user":
+        raise APIError(400, "messages.0.role: the first message must use the user role")
+    turns: list[dict] = []
+    for i, m in enumerate(req.messages):
+        content = m.content if isinstance(m.content, str) else "".join(b.text for b in m.content)
+        final_reply = i == len(req.messages) - 1 and m.role == "assistant"
+        if not content and not final_reply:
+            raise APIError(400, f"messages.{i}.content: must not be empty (only a final assistant message may be)")
+        if final_reply and content != content.rstrip():
+            raise APIError(400, f"messages.{i}.content: a final assistant message cannot end with whitespace")
+        if turns and turns[-1]["role"] == m.role:
+            if content:
+                turns[-1]["content"] += "\n\n" + content
+        elif content:
+            turns.append({"role": m.role, "content": content})
     system = req.system if isinstance(req.system, str) or req.system is None else \
         "".join(b.text for b in req.system)
-    messages = [{"role": "system", "content": system}] if system else []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) else "".join(b.text for b in m.content)
-        messages.append({"role": m.role, "content": content})
-    return s.tokenizer.encode_chat(messages)
+    messages = ([{"role": "system", "content": system}] if system else []) + turns
+    return s.tokenizer.encode_chat(messages, continue_final=turns[-1]["role"] == "assistant")
 
 
 def _usage(prompt: int, cached: int, output: int) -> dict:
