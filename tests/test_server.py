@@ -113,6 +113,10 @@ def test_anthropic_final_assistant_message_is_continued(srv, http):
     c = http.post("/v1/completions", json={"model": srv.model, "prompt": expected, "max_tokens": 6,
                                             "temperature": 0}).json()
     assert m["content"][0]["text"] == c["choices"][0]["text"]
+    o = http.post("/v1/chat/completions", json={"model": srv.model, "max_tokens": 6, "temperature": 0,
+                                                 "messages": [user, start], "continue_final_message": True}).json()
+    assert o["choices"][0]["message"]["content"] == m["content"][0]["text"]
+    assert o["usage"]["prompt_tokens"] == len(expected)
     split = [{"role": "user", "content": "Name"}, {"role": "user", "content": "a color."}]
     joined = [{"role": "user", "content": "Name\n\na color."}]
     n = http.post("/v1/messages/count_tokens", json={"model": srv.model, "messages": split}).json()
@@ -251,6 +255,8 @@ BAD = [
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2.0}, 400),
     ("/v1/messages", {"model": "tiny", "max_tokens": 5, "stream": "true",
                       "messages": [{"role": "user", "content": "hi"}]}, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "continue_final_message": True}, 400),
     # Anthropic's conversation rules: a user turn first, no empty turn, a final reply without trailing blanks
     ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": [{"role": "assistant", "content": "Hi"},
                                                                      {"role": "user", "content": "hi"}]}, 400),

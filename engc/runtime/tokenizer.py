@@ -69,9 +69,11 @@ class Tokenizer:
         """The conversation with its final message (an assistant's opening words) left open for the model
         to continue: rendered as a finished turn, then cut right after that message's text, so whatever
         the template closes a turn with (an end-of-turn token, a newline) is not in the prompt."""
-        text = self.apply_chat_template(messages, add_generation_prompt=False)
         content = messages[-1]["content"]
-        at = text.rfind(content) if content else -1
+        if not content:   # an empty start: the reply starts where a new turn would
+            return self.apply_chat_template(messages[:-1])
+        text = self.apply_chat_template(messages, add_generation_prompt=False)
+        at = text.rfind(content)
         if at < 0:
             raise UserError("the chat template does not write the final message's text as sent, "
                             "so it cannot be continued")

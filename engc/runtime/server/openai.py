@@ -35,7 +35,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         raise APIError(400, "response_format json_schema is not supported; use json_object", "response_format")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
                 for m in req.messages]
-    prompt_ids = s.tokenizer.encode_chat(messages)
+    if req.continue_final_message and messages[-1]["role"] != "assistant":
+        raise APIError(400, "continue_final_message needs a final assistant message to continue",
+                       "continue_final_message")
+    prompt_ids = s.tokenizer.encode_chat(messages, continue_final=req.continue_final_message)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prompts = _prompts(s, [prompt_ids], req, max_tokens, logprobs)

@@ -78,6 +78,8 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list] = None
+    continue_final_message: bool = Field(False, description="engc (as vLLM): the final message, an assistant's, "
+                                                            "is the reply's start; the model continues it")
 
 
 class CompletionRequest(_OpenAISampling):
