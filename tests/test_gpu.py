@@ -92,18 +92,37 @@ def test_kernel_selection_by_arch():
         select_kernels([], "sm90")
 
 
+@pytest.mark.parametrize("value,expected", [("", None), ("100", 100), ("0", 0), ("-1", -1), ("101", "error"),
+                                            ("max", "error"), ("-2", "error")])
+def test_carveout_switch_reads_a_percent(monkeypatch, value, expected):
+    from engc.errors import UserError
+    from engc.runtime.gpu_ops import shared_carveout
+    monkeypatch.setenv("ENGC_SMEM_CARVEOUT", value)
+    if expected == "error":
+        with pytest.raises(UserError, match="ENGC_SMEM_CARVEOUT"):
+            shared_carveout()
+    else:
+        assert shared_carveout() == expected
+
+
 @pytest.mark.skipif(not gpu_ready() or sm_arch() != "sm90", reason="needs an sm90 GPU (PDL) and engc._native")
-def test_pdl_changes_no_token(tiny_dir, tmp_path, monkeypatch):
+def test_pdl_and_carveout_change_no_token(tiny_dir, tmp_path, monkeypatch):
     """Programmatic dependent launch only moves kernel starts earlier: a missing wait would be a race, seen
-    as other tokens. bf16 on sm90, so the decode GEMVs and the fused rotary attention run too."""
+    as other tokens. bf16 on sm90, so the decode GEMVs and the fused rotary attention run too. The same for
+    ENGC_SMEM_CARVEOUT, which every kernel of the bundle then carries."""
+    from engc.bundle.reader import open_bundle
+    from engc.runtime.gpu_ops import BundleKernels
     out = tmp_path / "bf16"
     build(str(tiny_dir("llama")), out, BuildOptions(archs=("sm90",), dtype="bfloat16",
                                                     kernel_cache=os.environ.get("ENGC_KERNEL_CACHE")))
     runs = {}
-    for pdl in ("1", "0"):
-        monkeypatch.setenv("ENGC_PDL", pdl)      # read when the bundle's kernels load
-        runs[pdl] = greedy(out, "cuda", n=32)
-    assert runs["1"] == runs["0"]
+    for pdl, carveout in (("1", ""), ("0", ""), ("1", "100")):
+        monkeypatch.setenv("ENGC_PDL", pdl)      # both read when the bundle's kernels load
+        monkeypatch.setenv("ENGC_SMEM_CARVEOUT", carveout)
+        runs[pdl, carveout] = greedy(out, "cuda", n=32)
+    assert runs["1", ""] == runs["0", ""] == runs["1", "100"]
+    kernels = BundleKernels(open_bundle(out), "sm90").kernels.values()
+    assert kernels and {k.attributes()["preferred_shared_carveout"] for k in kernels} == {100}
 
 
 @pytest.mark.skipif(not gpu_ready() or sm_arch() != "sm90", reason="needs an sm90 GPU and engc._native")

@@ -102,6 +102,10 @@ def test_unknown_handles_are_rejected():
         _native.Launch(0x1234, (1, 1, 1), 2048, 0, "i", [1])
     with pytest.raises(ValueError, match="unknown function handle"):
         _native.set_pdl(0x1234, True)
+    with pytest.raises(ValueError, match="unknown function handle"):
+        _native.set_shared_carveout(0x1234, 100)
+    with pytest.raises(ValueError, match="carveout must be"):
+        _native.set_shared_carveout(0x1234, 101)
     with pytest.raises(TypeError, match="Launch"):
         _native.launch_many([1, 2], 0)
     _native.launch_many([], 0)

@@ -128,12 +128,13 @@ class Kernel:
 
 
 def load_kernel(image: bytes, name: str, signature: str, *, block_x: int, shared_mem: int = 0,
-                scratch_params: int = 0, device: int = -1, pdl: bool = False) -> Kernel:
+                scratch_params: int = 0, device: int = -1, pdl: bool = False, carveout: int | None = None) -> Kernel:
     """Load a cubin (or PTX) image and look up its kernel `name`.
 
     pdl: launch it with programmatic dependent launch (it may start before the previous kernel in the
     stream ends; it must wait with griddepcontrol.wait before touching data that kernel uses), where the
     driver supports it; elsewhere it launches normally, and its wait is a no-op.
+    carveout: its preferred shared-memory share of L1 in percent (None: the driver's choice).
 
     `signature` covers the kernel's own parameters; `scratch_params` null pointers are appended to every
     launch (TRITON_SCRATCH_PARAMS for Triton kernels). The module lives in the current CUDA context, or
@@ -150,6 +151,8 @@ def load_kernel(image: bytes, name: str, signature: str, *, block_x: int, shared
             lib.set_max_dynamic_shared(func, shared_mem)
         if pdl and lib.pdl_supported():
             lib.set_pdl(func, True)
+        if carveout is not None:
+            lib.set_shared_carveout(func, carveout)
     except Exception:
         lib.unload_module(module)
         raise

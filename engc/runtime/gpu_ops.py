@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from engc.bundle.program import ENGC_DOMAIN
 from engc.bundle.reader import Bundle
-from engc.errors import BundleError
+from engc.errors import BundleError, UserError
 from engc.kernels import fp8_quant, gemv, paged_attention, qk_norm, rms_norm, rotary, silu_mul
 from engc.kernels import fp8_linear as fp8_gemm
 from engc.kernels import int4_linear, skinny_gemm
@@ -39,6 +39,19 @@ def cuda_templates_enabled() -> bool:
     return os.environ.get("ENGC_CUDA_TEMPLATES", "1") != "0"
 
 
+def shared_carveout() -> int | None:
+    """ENGC_SMEM_CARVEOUT=P (0..100, or -1) sets every bundle kernel's preferred L1/shared-memory split to P
+    percent of the most shared memory; unset, the driver picks per kernel. An A/B switch for a hypothesis
+    (see docs/architecture.md): an SM holds one split at a time, so a kernel that starts early under PDL
+    beside one that wants a different split may wait for the SM to drain."""
+    value = os.environ.get("ENGC_SMEM_CARVEOUT", "")
+    if not value:
+        return None
+    if not value.lstrip("-").isdigit() or not -1 <= int(value) <= 100:
+        raise UserError(f"ENGC_SMEM_CARVEOUT={value!r}: expected a percent 0..100 or -1 (no preference)")
+    return int(value)
+
+
 def load_record(image: bytes, r: dict, pdl: bool) -> Kernel:
     """One kernel record's image (cubin or PTX), loaded as its record says: its runtime params (less the
     trailing scratch pointers, which the kernel appends itself), 32 * num_warps threads, its dynamic shared
@@ -47,7 +60,8 @@ def load_record(image: bytes, r: dict, pdl: bool) -> Kernel:
     scratch = r.get("scratch_params", SCRATCH)   # CUDA C++ kernels take none
     sig = signature_from_triton([a["type"] for a in r["args"][:len(r["args"]) - scratch]])
     return load_kernel(image, r["entry"], sig, block_x=32 * r["num_warps"], shared_mem=r["shared_mem"],
-                       scratch_params=scratch, pdl=pdl and bool(r.get("launch", {}).get("PDL")))
+                       scratch_params=scratch, pdl=pdl and bool(r.get("launch", {}).get("PDL")),
+                       carveout=shared_carveout())
 
 
 def warm_cublas(dtype: torch.dtype, device: torch.device) -> None:

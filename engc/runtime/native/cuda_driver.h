@@ -39,6 +39,7 @@ constexpr int CU_FUNC_ATTRIBUTE_NUM_REGS = 4;
 constexpr int CU_FUNC_ATTRIBUTE_PTX_VERSION = 5;
 constexpr int CU_FUNC_ATTRIBUTE_BINARY_VERSION = 6;
 constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
+constexpr int CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9;
 
 // Programmatic dependent launch (sm90+, CUDA 12): cuLaunchKernelEx with this attribute lets a kernel
 // start while the previous one in the stream finishes; the kernel waits for it with griddepcontrol.wait.

@@ -78,6 +78,14 @@ std::uintptr_t get_function(std::uintptr_t module, const std::string& name) {
     return handle;
 }
 
+void set_shared_carveout(std::uintptr_t func, int percent) {
+    if (percent < -1 || percent > 100) throw py::value_error("carveout must be -1 (no preference) or 0..100");
+    registry().function(func);
+    check(driver().cuFuncSetAttribute(reinterpret_cast<CUfunction>(func),
+                                      CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, percent),
+          "cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)");
+}
+
 void set_max_dynamic_shared(std::uintptr_t func, int bytes) {
     if (bytes < 0) throw py::value_error("bytes must be non-negative");
     FunctionInfo& info = registry().function(func);
@@ -97,6 +105,7 @@ py::dict function_attributes(std::uintptr_t func) {
         {"ptx_version", CU_FUNC_ATTRIBUTE_PTX_VERSION},
         {"binary_version", CU_FUNC_ATTRIBUTE_BINARY_VERSION},
         {"max_dynamic_shared_bytes", CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES},
+        {"preferred_shared_carveout", CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT},
     };
     py::dict out;
     for (const auto& [key, attribute] : attributes) {
@@ -179,6 +188,10 @@ PYBIND11_MODULE(_native, m) {
     m.def("set_max_dynamic_shared", &set_max_dynamic_shared, py::arg("func"), py::arg("bytes"),
           "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES). Launches raise it themselves when they need\n"
           "more than the current limit (by default 48 KiB minus the kernel's static shared memory).");
+    m.def("set_shared_carveout", &set_shared_carveout, py::arg("func"), py::arg("percent"),
+          "cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT): the share of the SM's L1/shared memory this\n"
+          "function prefers as shared memory (percent of the most; -1: no preference, the driver's pick). An SM\n"
+          "runs kernels of one split at a time, so two overlapping kernels that want different splits wait.");
     m.def("pdl_supported", []() { return driver().cuLaunchKernelEx != nullptr; },
           "True when the driver has cuLaunchKernelEx (programmatic dependent launch needs sm90 as well).");
     m.def("set_pdl", [](std::uintptr_t func, bool on) { registry().function(func).pdl = on; }, py::arg("func"),
