@@ -115,6 +115,31 @@ def test_chat_template_renders(checkpoint, our_tokenizer, hf_tokenizer):
     assert our_tokenizer.encode(text).ids == hf_tokenizer(text)["input_ids"]
 
 
+# Llama 3's way of writing a turn: the content trimmed
+TRIMMING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("reply", ['{"capital":', "  Sure thing ", "Sure\n\n"])
+@pytest.mark.parametrize("trimming", [False, True], ids=["smollm2_template", "trimming_template"])
+def test_final_message_is_continued_as_transformers_does(checkpoint, hf_tokenizer, tmp_path, reply, trimming):
+    """Tokenizer.continue_chat (Anthropic prefill, OpenAI continue_final_message) against transformers'
+    apply_chat_template(continue_final_message=True), on the real SmolLM2 template and on one that trims."""
+    import json
+
+    from engc.runtime.tokenizer import Tokenizer
+    for name, data in checkpoint.tokenizer_files.items():
+        (tmp_path / name).write_bytes(data)
+    template = TRIMMING_TEMPLATE if trimming else json.loads(checkpoint.tokenizer_files["tokenizer_config.json"])[
+        "chat_template"]
+    (tmp_path / "chat_template.jinja").write_text(template)
+    chat = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": reply}]
+    ours = Tokenizer(tmp_path).continue_chat(chat)
+    assert ours == hf_tokenizer.apply_chat_template(chat, chat_template=template, continue_final_message=True,
+                                                    tokenize=False)
+    assert ours.endswith(reply.strip() if trimming else reply)
+
+
 def test_tokenizer_files_are_deterministic(checkpoint, gguf_path):
     assert read_gguf(gguf_path).tokenizer_files == checkpoint.tokenizer_files
 

@@ -68,16 +68,20 @@ class Tokenizer:
     def continue_chat(self, messages: list[dict]) -> str:
         """The conversation with its final message (an assistant's opening words) left open for the model
         to continue: rendered as a finished turn, then cut right after that message's text, so whatever
-        the template closes a turn with (an end-of-turn token, a newline) is not in the prompt."""
+        the template closes a turn with (an end-of-turn token, a newline) is not in the prompt. Templates
+        that trim messages (Llama 3's) drop its outer blanks: the text is found without them, and the
+        trailing ones are kept where the template kept them."""
         content = messages[-1]["content"]
-        if not content:   # an empty start: the reply starts where a new turn would
+        core = content.strip()
+        if not core:   # an empty start: the reply starts where a new turn would
             return self.apply_chat_template(messages[:-1])
         text = self.apply_chat_template(messages, add_generation_prompt=False)
-        at = text.rfind(content)
+        at = text.rfind(core)
         if at < 0:
             raise UserError("the chat template does not write the final message's text as sent, "
                             "so it cannot be continued")
-        return text[:at + len(content)]
+        tail = content.lstrip()
+        return text[:at + (len(tail) if text.startswith(tail, at) else len(core))]
 
 
 def _token_text(value) -> str | None:
