@@ -38,16 +38,18 @@ ARCH = "sm90"
 # deeper pipelines (the first tiles' loads all in flight at once).
 # h200_4e0a94b_attn_sweep.txt / h200_*_attn_b1.txt (stages 4-6, BLOCK_N 16, 8 warps: none better than base).
 # Sets named cl* are the CUDA cluster kernel (templates/paged_decode_cluster.cu.j2, variant
-# decode_rotary_cluster) with decode_cluster tune overrides, launched at every batch size here.
+# decode_rotary_cluster) with decode_cluster tune overrides, launched at every batch size here; the table's
+# entry has one stage since 41fa4b5 (cl8s2: the two it had before).
 CUBINS = {
     "8b": {"base": {}, "cl8": {"cluster": 8}, "cl4": {"cluster": 4}, "cl2": {"cluster": 2},
-           "cl8s1": {"cluster": 8, "stages": 1}},
+           "cl8s2": {"cluster": 8, "stages": 2}},
     "1b": {"base": {}, "cl8": {"cluster": 8}, "cl4": {"cluster": 4}},
 }
 # launch-rule variants on a cubin: (name, cubin, decode launch-constant overrides)
-LAUNCH = [(name, name, {}) for name in ("base", "cl8", "cl4", "cl2", "cl8s1")]
+LAUNCH = [(name, name, {}) for name in ("base", "cl8", "cl4", "cl2", "cl8s2")]
 # (cfg, batch, context, max_context_len as the runtime sizes splits: 255 = b<=4 graph bucket, 8192 = capacity)
-CASES = [("8b", 1, 128, 255), ("8b", 1, 192, 255), ("8b", 1, 256, 8192), ("8b", 1, 4096, 8192),
+CASES = [("8b", 1, 128, 255), ("8b", 1, 192, 255), ("8b", 1, 256, 8192), ("8b", 1, 512, 8192),
+         ("8b", 1, 1024, 8192), ("8b", 1, 4096, 8192), ("8b", 2, 192, 8192),
          ("8b", 4, 192, 8192), ("8b", 32, 192, 8192),
          ("8b", 32, 256, 8192), ("8b", 32, 512, 8192), ("8b", 32, 1024, 8192), ("8b", 64, 192, 8192),
          ("1b", 1, 256, 8192), ("1b", 64, 192, 8192)]
