@@ -69,7 +69,22 @@ def test_openai_sdk_chat_and_completions(srv):
         extra_body={"ignore_eos": True}) if c.choices)
     assert streamed == r.choices[0].text
     assert [m.id for m in client.models.list().data] == [srv.model]
+    assert client.models.retrieve(srv.model).id == srv.model
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("nope")
     assert_clean(srv)
+
+
+def test_anthropic_sdk_models(srv):
+    """The model list and card in Anthropic's shapes for its SDK (it sends anthropic-version), errors too."""
+    client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    page = client.models.list()
+    assert [m.id for m in page.data] == [srv.model] and page.data[0].type == "model"
+    card = client.models.retrieve(srv.model)
+    assert card.id == srv.model and card.created_at.year >= 2026
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.models.retrieve("nope")
+    assert e.value.body["type"] == "error" and "does not exist" in e.value.body["error"]["message"]
 
 
 def test_anthropic_sdk_messages(srv):
@@ -312,6 +327,8 @@ def test_api_key(tiny_bundle):
             r = httpx.post(s.url + "/v1/messages", json=msg, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
             assert httpx.get(s.url + "/metrics", headers=headers).status_code == 401
+            r = httpx.get(s.url + "/v1/models", headers={**headers, "anthropic-version": "2023-06-01"})
+            assert r.status_code == 401 and r.json()["type"] == "error"    # an Anthropic client's shape
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
         assert openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0).completions.create(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import logging
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -86,8 +87,14 @@ class ServerState:
             raise APIError(400, str(e)) from None
 
 
+def from_anthropic_client(request: Request) -> bool:
+    """Anthropic's routes, or a shared one (/v1/models) asked by an Anthropic client (its SDK always sends
+    anthropic-version): answered, errors included, in Anthropic's shapes."""
+    return request.url.path.startswith("/v1/messages") or "anthropic-version" in request.headers
+
+
 def error_response(request: Request, status: int, message: str, param=None, code=None) -> JSONResponse:
-    if request.url.path.startswith("/v1/messages"):
+    if from_anthropic_client(request):
         kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
         return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
     kind = OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
@@ -154,11 +161,25 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models():
+    def model_card(request: Request) -> dict:
         s = app.state.engc
-        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.created,
-                                            "owned_by": "engc", "max_model_len": s.max_context}]}
+        if from_anthropic_client(request):
+            created = datetime.fromtimestamp(s.created, timezone.utc).isoformat().replace("+00:00", "Z")
+            return {"type": "model", "id": s.model_name, "display_name": s.model_name, "created_at": created}
+        return {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "engc",
+                "max_model_len": s.max_context}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        card = model_card(request)
+        if from_anthropic_client(request):
+            return {"data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        app.state.engc.check_model(model_id)
+        return model_card(request)
 
     app.include_router(openai.router)
     app.include_router(anthropic.router)
