@@ -139,6 +139,23 @@ def test_anthropic_final_assistant_message_is_continued(srv, http):
     assert_clean(srv)
 
 
+def test_json_object_mode_answers_json(srv, http):
+    """response_format json_object: every choice is a JSON object or, cut by max_tokens, a prefix of one."""
+    from engc.runtime.json_mode import DONE, START, walk
+    body = {"model": srv.model, "max_tokens": 40, "temperature": 1.0, "seed": 3, "n": 8,
+            "response_format": {"type": "json_object"}, "messages": [{"role": "user", "content": "JSON please"}]}
+    choices = http.post("/v1/chat/completions", json=body).json()["choices"]
+    assert len(choices) == 8
+    for c in choices:
+        state = walk(START, c["message"]["content"])
+        assert state is not None and (state[0] == DONE) == (c["finish_reason"] == "stop"), c
+    assert any(c["finish_reason"] == "stop" for c in choices)
+    r = http.post("/v1/chat/completions", json=dict(body, continue_final_message=True, messages=[
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "{"}]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    assert_clean(srv)
+
+
 def test_stop_sequences_and_logprobs(srv, http):
     body = {"model": srv.model, "prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     full = http.post("/v1/completions", json=body).json()["choices"][0]["text"]

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engc.runtime.executor import TokenFill
+from engc.runtime.json_mode import JsonConstraint, JsonVocab
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import LoadedModel
 from engc.runtime.sampling import Sampled, SamplingParams, sample_row
@@ -145,6 +146,8 @@ class Engine:
             seq.request_id = request_id
         self.sequences[seq.request_id] = seq
         self.decoders[seq] = IncrementalDecoder(self.model.tokenizer, seq.prompt_ids)
+        if params.json_object:
+            seq.constraint = JsonConstraint(JsonVocab.of(self.model.tokenizer))
         self.scheduler.add(seq)
         return seq
 
@@ -276,7 +279,8 @@ class Engine:
 
     def _sample_on_host(self, logits: torch.Tensor, sampled: list[Sequence]) -> list[Sampled | None]:
         rows = logits.float().cpu()
-        return [None if s.finished else sample_row(rows[i], s.params, s.prompt_ids, s.output_ids, s.generator)
+        return [None if s.finished else sample_row(rows[i], s.params, s.prompt_ids, s.output_ids, s.generator,
+                                                   s.constraint.allowed() if s.constraint else None)
                 for i, s in enumerate(sampled)]
 
     def _append(self, seq: Sequence, s: Sampled) -> StepOutput:
@@ -285,13 +289,17 @@ class Engine:
         if p.logprobs is not None:
             seq.logprobs.append(s)
         reason = None
+        # JSON mode: the token that closes the object (or one that cannot go on) ends it, its text kept
+        json_end = seq.constraint is not None and seq.constraint.take(token)
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_context:
+        elif json_end or len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_context:
             reason = "length"
         decoder = self.decoders[seq]
         if reason != "stop":
             seq.output_text += decoder.step([token]) + (decoder.flush() if reason else "")
+        if json_end and reason == "length":
+            reason = "stop"
         if p.stop and self._hit_stop_string(seq):
             reason = "stop"
         if reason is not None:

@@ -21,6 +21,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # None: none; k: the chosen token's logprob and the top k
+    json_object: bool = False         # JSON mode: the output is one JSON object (runtime/json_mode.py)
     extra: dict = field(default_factory=dict, compare=False)
 
     def validate(self) -> None:
@@ -51,7 +52,7 @@ class SamplingParams:
     def device_sampleable(self) -> bool:
         """Only temperature, top-k and top-p: what the GPU sampling kernel does, no host-side logits."""
         return (self.logprobs is None and self.repetition_penalty == 1.0
-                and not self.presence_penalty and not self.frequency_penalty)
+                and not self.presence_penalty and not self.frequency_penalty and not self.json_object)
 
 
 @dataclass
@@ -96,9 +97,13 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 
 
 def sample_row(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int],
-               generator: torch.Generator) -> Sampled:
+               generator: torch.Generator, allowed: torch.Tensor | None = None) -> Sampled:
+    """One token for a row of logits. allowed: a bool mask of the tokens it may be (JSON mode); logprobs
+    stay those of the model's distribution."""
     raw = logits
     logits = apply_penalties(logits.clone(), p, prompt, output)
+    if allowed is not None and bool(allowed.any()):
+        logits.masked_fill_(~allowed, float("-inf"))
     if p.greedy or not torch.isfinite(logits.max()):   # NaN (torch's max is NaN then), +inf, or all -inf:
         token = int(torch.argmax(logits))                # nothing to draw from; argmax is still a valid id
     else:

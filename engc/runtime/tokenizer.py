@@ -45,6 +45,16 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_texts(self) -> list[str]:
+        """Each token's text as it reads inside a sequence ("" for special tokens): decoded after an anchor
+        token and cut after the anchor's text, since decoders drop a lone token's leading space."""
+        anchor = self.tok.token_to_id("a")
+        if anchor is None:
+            return self.tok.decode_batch([[i] for i in range(self.vocab_size)])
+        head = len(self.tok.decode([anchor]))
+        texts = self.tok.decode_batch([[anchor, i] for i in range(self.vocab_size)])
+        return [t[head:] for t in texts]
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise UserError("this model has no chat template; send a plain prompt instead")

@@ -38,10 +38,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if req.continue_final_message and messages[-1]["role"] != "assistant":
         raise APIError(400, "continue_final_message needs a final assistant message to continue",
                        "continue_final_message")
+    json_object = req.response_format is not None and req.response_format.type == "json_object"
+    if json_object and req.continue_final_message:   # the object would have to start inside the given text
+        raise APIError(400, "response_format json_object cannot be combined with continue_final_message",
+                       "response_format")
     prompt_ids = s.tokenizer.encode_chat(messages, continue_final=req.continue_final_message)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    prompts = _prompts(s, [prompt_ids], req, max_tokens, logprobs)
+    prompts = _prompts(s, [prompt_ids], req, max_tokens, logprobs, json_object)
     out = _Output(s, req, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", [len(prompt_ids)])
     stream = s.stream(prompts, req.priority, req.session_id)
     if req.stream:
@@ -84,7 +88,7 @@ def _text(content) -> str:
     return "".join(part.text for part in content)
 
 
-def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs):
+def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs, json_object=False):
     if (req.model_extra or {}).get("logit_bias"):   # an OpenAI field that changes the answer: refused, not ignored
         raise APIError(400, "logit_bias is not supported by engc", "logit_bias")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -93,7 +97,8 @@ def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs):
         base = s.params(len(ids), max_tokens, temperature=req.temperature if req.temperature is not None else 1.0,
                         top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop,
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                        repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs)
+                        repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                        json_object=json_object)
         for j in range(req.n):
             prompts.append((ids, base if req.seed is None or j == 0 else replace(base, seed=req.seed + j)))
     return prompts

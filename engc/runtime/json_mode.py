@@ -1,0 +1,205 @@
+"""JSON mode (`response_format: {"type": "json_object"}`): the sampler may only pick tokens that keep the
+output a prefix of one JSON object (RFC 8259), and the sequence ends when that object closes.
+
+A character automaton reads the output; its state is a hashable tuple (mode, aux, stack), so the mask of
+allowed tokens is computed once per state and reused (a document revisits few states: "in a string value
+at depth 2" is one state however long the string). A token is allowed if the automaton accepts every one
+of its characters. Walking the whole vocabulary for each new state would be slow in Python, so:
+- in a string, tokens without '"', '\\' or control characters are always allowed (one precomputed mask),
+  and only the others are walked;
+- between values, whitespace changes nothing, so tokens are bucketed by their first non-blank character
+  and only the buckets the state accepts are walked (blank-only tokens are allowed, up to MAX_BLANKS in a
+  row, so a model cannot loop on newlines).
+Token texts come from decoding each token after an anchor token (a lone token's leading space can
+vanish in decoding); bytes of a character split across tokens read as U+FFFD, which a string accepts.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+
+import torch
+
+BLANKS = " \t\n\r"
+MAX_BLANKS = 64                  # blank characters in a row outside strings
+CACHE_STATES = 256               # masks kept (a vocabulary-sized bool tensor each)
+LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
+NUMBER_NEXT = {                  # number sub-state -> {character class: next sub-state}
+    "minus": {"0": "zero", "1": "int"}, "zero": {".": "dot", "e": "e"}, "int": {"d": "int", ".": "dot", "e": "e"},
+    "dot": {"d": "frac"}, "frac": {"d": "frac", "e": "e"}, "e": {"+": "sign", "d": "exp"}, "sign": {"d": "exp"},
+    "exp": {"d": "exp"}}
+NUMBER_ENDS = {"zero", "int", "frac", "exp"}
+# modes where blanks are allowed and change nothing (between tokens of the grammar)
+BETWEEN = {"start", "value", "value_or_close", "key", "key_or_close", "colon", "comma_or_close"}
+START = ("start", None, ())
+DONE = "done"
+
+
+def _number_class(ch: str) -> str:
+    if ch == "0":
+        return "0"
+    if ch.isascii() and ch.isdigit():
+        return "1"
+    return {"e": "e", "E": "e", "+": "+", "-": "+", ".": "."}.get(ch, "?")
+
+
+def _after_value(stack: tuple) -> tuple:
+    return (DONE, None, ()) if not stack else ("comma_or_close", None, stack)
+
+
+def step(state: tuple, ch: str) -> tuple | None:
+    """The state after one more character, or None if no JSON object text continues that way."""
+    mode, aux, stack = state
+    if mode == "string":
+        if ch == '"':
+            return ("colon", None, stack) if aux else _after_value(stack)
+        if ch == "\\":
+            return ("escape", aux, stack)
+        return None if ord(ch) < 0x20 else state
+    if mode == "escape":
+        if ch in '"\\/bfnrt':
+            return ("string", aux, stack)
+        return ("unicode", (aux, 4), stack) if ch == "u" else None
+    if mode == "unicode":
+        if ch not in "0123456789abcdefABCDEF":
+            return None
+        is_key, left = aux
+        return ("string", is_key, stack) if left == 1 else ("unicode", (is_key, left - 1), stack)
+    if mode == "number":
+        cls = _number_class(ch)
+        cls = "d" if cls in "01" and aux not in ("minus",) else cls
+        nxt = NUMBER_NEXT[aux].get(cls)
+        if nxt is not None:
+            return ("number", nxt, stack)
+        return step(_after_value(stack), ch) if aux in NUMBER_ENDS else None
+    if mode == "literal":
+        if ch != aux[0]:
+            return None
+        return ("literal", aux[1:], stack) if len(aux) > 1 else _after_value(stack)
+    if mode == DONE:
+        return None
+    if ch in BLANKS:
+        return state
+    if mode == "start":
+        return ("key_or_close", None, ("{",)) if ch == "{" else None
+    if mode in ("key", "key_or_close"):
+        if ch == '"':
+            return ("string", True, stack)
+        return _after_value(stack[:-1]) if ch == "}" and mode == "key_or_close" else None
+    if mode == "colon":
+        return ("value", None, stack) if ch == ":" else None
+    if mode == "comma_or_close":
+        if ch == ",":
+            return ("key" if stack[-1] == "{" else "value", None, stack)
+        return _after_value(stack[:-1]) if ch == "}]"[stack[-1] == "["] else None
+    if mode == "value_or_close" and ch == "]":
+        return _after_value(stack[:-1])
+    return _start_value(ch, stack)
+
+
+def _start_value(ch: str, stack: tuple) -> tuple | None:
+    if ch == "{":
+        return ("key_or_close", None, stack + ("{",))
+    if ch == "[":
+        return ("value_or_close", None, stack + ("[",))
+    if ch == '"':
+        return ("string", False, stack)
+    if ch in LITERALS:
+        return ("literal", LITERALS[ch], stack)
+    if ch == "-":
+        return ("number", "minus", stack)
+    cls = _number_class(ch)
+    return ("number", "zero" if cls == "0" else "int", stack) if cls in "01" else None
+
+
+def walk(state: tuple | None, text: str) -> tuple | None:
+    for ch in text:
+        if state is None:
+            return None
+        state = step(state, ch)
+    return state
+
+
+class JsonVocab:
+    """A tokenizer's token texts, sorted for the mask computation; built once per tokenizer."""
+
+    def __init__(self, texts: list[str]):
+        self.texts = texts
+        self.size = len(texts)
+        plain = [bool(t) and not any(c in '"\\' or ord(c) < 0x20 for c in t) for t in texts]
+        self.plain = torch.tensor(plain, dtype=torch.bool)
+        self.not_plain = [i for i, t in enumerate(texts) if t and not plain[i]]
+        self.blank_only = torch.tensor([bool(t) and not t.strip(BLANKS) for t in texts], dtype=torch.bool)
+        self.by_first: dict[str, list[int]] = defaultdict(list)       # first character
+        self.by_first_solid: dict[str, list[int]] = defaultdict(list)  # first non-blank one
+        for i, t in enumerate(texts):
+            if t:
+                self.by_first[t[0]].append(i)
+                solid = t.lstrip(BLANKS)
+                if solid:
+                    self.by_first_solid[solid[0]].append(i)
+        self._masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+    @classmethod
+    def of(cls, tokenizer) -> "JsonVocab":
+        if getattr(tokenizer, "_json_vocab", None) is None:
+            tokenizer._json_vocab = cls(tokenizer.token_texts())
+        return tokenizer._json_vocab
+
+    def mask(self, state: tuple) -> torch.Tensor:
+        """The tokens allowed in `state` (a bool tensor over the vocabulary), cached per state."""
+        m = self._masks.get(state)
+        if m is None:
+            m = self._compute(state)
+            self._masks[state] = m
+            if len(self._masks) > CACHE_STATES:
+                self._masks.popitem(last=False)
+        else:
+            self._masks.move_to_end(state)
+        return m
+
+    def _compute(self, state: tuple) -> torch.Tensor:
+        mode = state[0]
+        if mode == "string":
+            allowed, candidates = self.plain.clone(), self.not_plain
+        elif mode in BETWEEN:
+            allowed = self.blank_only.clone()
+            candidates = [i for ch, ids in self.by_first_solid.items() if step(state, ch) is not None for i in ids]
+        else:
+            allowed = torch.zeros(self.size, dtype=torch.bool)
+            candidates = [i for ch, ids in self.by_first.items() if step(state, ch) is not None for i in ids]
+        for i in candidates:
+            if walk(state, self.texts[i]) is not None:
+                allowed[i] = True
+        return allowed
+
+
+class JsonConstraint:
+    """One sequence's JSON-mode state: the mask for its next token, advanced by each token it takes."""
+
+    def __init__(self, vocab: JsonVocab):
+        self.vocab, self.state, self.blanks = vocab, START, 0
+
+    @property
+    def done(self) -> bool:
+        return self.state[0] == DONE
+
+    def allowed(self) -> torch.Tensor:
+        m = self.vocab.mask(self.state)
+        if self.blanks >= MAX_BLANKS and self.state[0] in BETWEEN:
+            m = m & ~self.vocab.blank_only
+        return m
+
+    def take(self, token: int) -> bool:
+        """Advance by the token the sequence took; True when the output must end here: the object is
+        complete, or the token does not continue it (the mask was empty: a vocabulary without the
+        characters needed, or an end-of-sequence token the engine stops on anyway)."""
+        text = self.vocab.texts[token] if 0 <= token < self.vocab.size else ""
+        state = walk(self.state, text) if text else None
+        if state is None:
+            return True
+        if self.state[0] in BETWEEN and not text.strip(BLANKS):
+            self.blanks += len(text)
+        else:   # blanks that end a token in a between-values state are outside strings
+            self.blanks = len(text) - len(text.rstrip(BLANKS)) if state[0] in BETWEEN else 0
+        self.state = state
+        return self.done

@@ -1,0 +1,120 @@
+"""JSON mode (runtime/json_mode.py): the automaton against Python's json module, the bucketed masks against
+a brute-force walk of every token, and the engine and server ending outputs at the object's close."""
+import json
+import random
+
+import pytest
+import torch
+
+from engc.runtime.json_mode import DONE, MAX_BLANKS, START, JsonConstraint, JsonVocab, walk
+
+VALID = ['{}', '{ }', '{"a":1}', '{"a": [1, -2.5e-3, 0, 0.0, 1E+9, true, false, null]}',
+         '{"k": {"x": [], "y": {}, "z": [[{}]]}}', '{"s": "a\\"b\\\\c\\/d\\b\\f\\n\\r\\t\\u00e9\\uFFFF"}',
+         '\n {\n\t"a" : "caf\u00e9 \ufffd \U0001f600" ,\r\n "b":[ ] }', '{"": ""}', '{"-0": -0, "e": 1e5}']
+INVALID = ['[1]', '"a"', '1', '{a:1}', '{"a":01}', '{"a":tru}', '{"a":1,}', '{"a" 1}', '{"a":1}}', '{"a":-}',
+           '{"a":1.}', '{"a":1e}', '{"a":"\\x"}', '{"a":"\x01"}', '{"a":[1,]}', '{"a":[1}', '{"a":.5}',
+           "{'a':1}", '{"a":1}x', '{"a":"\\u12"}', '{"a":+1}', '{"a":NaN}', '{,}', '{"a":1 2}']
+
+
+def parses_as_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text, parse_constant=lambda c: 1 / 0), dict)
+    except (ValueError, ZeroDivisionError):
+        return False
+
+
+@pytest.mark.parametrize("text", VALID)
+def test_valid_objects_end_exactly_at_their_close(text):
+    assert parses_as_object(text)
+    for i in range(len(text)):
+        state = walk(START, text[:i])
+        assert state is not None and state[0] != DONE, text[:i]
+    assert walk(START, text)[0] == DONE
+
+
+@pytest.mark.parametrize("text", INVALID)
+def test_invalid_texts_are_refused(text):
+    assert not parses_as_object(text)
+    state = walk(START, text)
+    assert state is None or state[0] != DONE
+
+
+def test_agrees_with_json_module_on_random_texts():
+    """Complete for the automaton exactly when json.loads reads an object, on random short strings and on
+    the valid objects above with one to three random edits (json allows trailing blanks, which end
+    nothing here: stripped first)."""
+    rng = random.Random(0)
+    alphabet = '{}[]":,0123456789.-+eEtrufalsn\\ \nx'
+    counts = [0, 0]
+    for n in range(30000):
+        if n % 2:
+            text = "{" + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 9)))
+        else:
+            text = rng.choice(VALID)
+            for _ in range(rng.randint(1, 3)):
+                i = rng.randrange(len(text) + 1)
+                text = text[:i] + rng.choice(["", rng.choice(alphabet)]) + text[i + rng.randint(0, 1):]
+        text = text.rstrip()
+        state = walk(START, text)
+        ours = state is not None and state[0] == DONE
+        assert ours == parses_as_object(text), text
+        counts[ours] += 1
+    assert min(counts) > 3000, counts   # both answers were exercised
+
+
+def test_bucketed_masks_equal_a_brute_force_walk():
+    texts = ["{", "}", '"', "a", '":', " ", "\n", "  ", "1", ".5", "e-3", "true", " true", "tr", "ue", ",", '"}',
+             'x"', "", "[", "]", '"]', "\\", "\\n", "\\u", "00", "e9", "}}", "], ", '{"', "-", "0", " {", "\t\n",
+             "null", "n", ": ", '", "', "\x01", "caf\u00e9", "\ufffd"]
+    vocab = JsonVocab(texts)
+    doc = '{"a": [1.5e-3, true, "x\\n\\u00e9"], "b": {"c": null}, "d": -0}'
+    state, states = START, [START]
+    for ch in doc:
+        state = walk(state, ch)
+        states.append(state)
+    assert state[0] == DONE
+    for s in states[:-1]:
+        brute = torch.tensor([bool(t) and walk(s, t) is not None for t in texts])
+        assert torch.equal(vocab.mask(s), brute), s
+
+
+def test_constraint_ends_at_the_close_and_stops_blank_loops():
+    texts = ["{", "}", " ", "\n", '"a"', ":", "1", " }"]
+    c = JsonConstraint(JsonVocab(texts))
+    assert not c.take(0)                       # {
+    for _ in range(MAX_BLANKS):
+        assert not c.take(3)                   # blanks between values, up to the limit
+    assert not c.allowed()[2] and not c.allowed()[3] and c.allowed()[7]
+    assert not c.take(4) and not c.take(5) and not c.take(6)   # "a" : 1
+    assert c.allowed()[2] and c.take(7) and c.done              # " }" closes it
+    assert JsonConstraint(JsonVocab(texts)).take(6)             # a token that cannot start it ends it
+
+
+def test_token_texts_keep_leading_spaces(tiny_bundle):
+    from engc.runtime.loader import load
+    tok = load(tiny_bundle("llama"), device="cpu").tokenizer
+    texts = tok.token_texts()
+    assert len(texts) == tok.vocab_size
+    ids = tok.encode(' {"a": true}', add_special_tokens=False)
+    assert "".join(texts[i] for i in ids) == ' {"a": true}'
+
+
+def test_engine_outputs_are_json_objects(tiny_bundle):
+    """A random tiny model in JSON mode: every output is a prefix of an object, and those that stop are whole
+    objects that json.loads reads (the stop is the object's close, whose text is kept)."""
+    from engc.runtime.engine import Engine, EngineConfig
+    from engc.runtime.loader import load
+    from engc.runtime.sampling import SamplingParams
+    model = load(tiny_bundle("llama"), device="cpu")
+    engine = Engine(model, EngineConfig(num_blocks=256, max_num_seqs=16))
+    prompt = model.tokenizer.encode("Hello, world!")
+    seqs = [engine.add_request(prompt, SamplingParams(max_tokens=48, temperature=1.0, seed=s, json_object=True))
+            for s in range(16)]
+    seqs.append(engine.add_request(prompt, SamplingParams(max_tokens=48, temperature=0, json_object=True)))
+    engine.run_to_completion()
+    stopped = [s for s in seqs if s.finish_reason == "stop"]
+    for s in seqs:
+        assert walk(START, s.output_text) is not None, s.output_text
+    for s in stopped:
+        assert parses_as_object(s.output_text), s.output_text
+    assert len(stopped) >= 4 and all(s.finish_reason in ("stop", "length") for s in seqs)
