@@ -65,7 +65,7 @@ def test_agrees_with_json_module_on_random_texts():
 def test_bucketed_masks_equal_a_brute_force_walk():
     texts = ["{", "}", '"', "a", '":', " ", "\n", "  ", "1", ".5", "e-3", "true", " true", "tr", "ue", ",", '"}',
              'x"', "", "[", "]", '"]', "\\", "\\n", "\\u", "00", "e9", "}}", "], ", '{"', "-", "0", " {", "\t\n",
-             "null", "n", ": ", '", "', "\x01", "caf\u00e9", "\ufffd"]
+             "null", "n", ": ", '", "', "\x01", "caf\u00e9", "\ufffd", " ,", " }", "  ]", " 5", "\n}"]
     vocab = JsonVocab(texts)
     doc = '{"a": [1.5e-3, true, "x\\n\\u00e9"], "b": {"c": null}, "d": -0}'
     state, states = START, [START]
