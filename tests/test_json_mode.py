@@ -81,13 +81,13 @@ def test_bucketed_masks_equal_a_brute_force_walk():
 def test_constraint_ends_at_the_close_and_stops_blank_loops():
     texts = ["{", "}", " ", "\n", '"a"', ":", "1", " }"]
     c = JsonConstraint(JsonVocab(texts))
-    assert not c.take(0)                       # {
+    assert c.take(0) is None                   # {
     for _ in range(MAX_BLANKS):
-        assert not c.take(3)                   # blanks between values, up to the limit
+        assert c.take(3) is None               # blanks between values, up to the limit
     assert not c.allowed()[2] and not c.allowed()[3] and c.allowed()[7]
-    assert not c.take(4) and not c.take(5) and not c.take(6)   # "a" : 1
-    assert c.allowed()[2] and c.take(7) and c.done              # " }" closes it
-    assert JsonConstraint(JsonVocab(texts)).take(6)             # a token that cannot start it ends it
+    assert c.take(4) is c.take(5) is c.take(6) is None        # "a" : 1
+    assert c.allowed()[2] and c.take(7) == "done" and c.done   # " }" closes it
+    assert JsonConstraint(JsonVocab(texts)).take(6) == "broken"   # a token that cannot start it
 
 
 def test_token_texts_keep_leading_spaces(tiny_bundle):
@@ -118,3 +118,8 @@ def test_engine_outputs_are_json_objects(tiny_bundle):
     for s in stopped:
         assert parses_as_object(s.output_text), s.output_text
     assert len(stopped) >= 4 and all(s.finish_reason in ("stop", "length") for s in seqs)
+    # a token that cannot continue the object (a mask left empty) ends the output without its text
+    from engc.runtime.sampling import Sampled
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=8, json_object=True))
+    engine._append(seq, Sampled(model.tokenizer.encode("x", add_special_tokens=False)[0]))
+    assert seq.finish_reason == "stop" and seq.output_text == "" and not engine.has_work

@@ -289,16 +289,17 @@ class Engine:
         if p.logprobs is not None:
             seq.logprobs.append(s)
         reason = None
-        # JSON mode: the token that closes the object (or one that cannot go on) ends it, its text kept
-        json_end = seq.constraint is not None and seq.constraint.take(token)
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+        # JSON mode: the token that closes the object ends the output with its text; one that cannot
+        # continue it (only where the mask was empty) ends it without, as an end-of-sequence token does
+        json = seq.constraint.take(token) if seq.constraint is not None else None
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids or json == "broken":
             reason = "stop"
-        elif json_end or len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_context:
+        elif json == "done" or len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_context:
             reason = "length"
         decoder = self.decoders[seq]
         if reason != "stop":
             seq.output_text += decoder.step([token]) + (decoder.flush() if reason else "")
-        if json_end and reason == "length":
+        if json == "done":
             reason = "stop"
         if p.stop and self._hit_stop_string(seq):
             reason = "stop"

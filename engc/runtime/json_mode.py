@@ -197,17 +197,17 @@ class JsonConstraint:
             m = m & ~self.vocab.blank_only
         return m
 
-    def take(self, token: int) -> bool:
-        """Advance by the token the sequence took; True when the output must end here: the object is
-        complete, or the token does not continue it (the mask was empty: a vocabulary without the
-        characters needed, or an end-of-sequence token the engine stops on anyway)."""
+    def take(self, token: int) -> str | None:
+        """Advance by the token the sequence took. "done": it closed the object; "broken": it does not
+        continue it (the mask was empty, a vocabulary without the characters needed; or an end-of-sequence
+        token), so the output ends before it; None: go on."""
         text = self.vocab.texts[token] if 0 <= token < self.vocab.size else ""
         state = walk(self.state, text) if text else None
         if state is None:
-            return True
+            return "broken"
         if self.state[0] in BETWEEN and not text.strip(BLANKS):
             self.blanks += len(text)
         else:   # blanks that end a token in a between-values state are outside strings
             self.blanks = len(text) - len(text.rstrip(BLANKS)) if state[0] in BETWEEN else 0
         self.state = state
-        return self.done
+        return "done" if self.done else None
