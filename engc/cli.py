@@ -240,15 +240,17 @@ def _sampling_options(f):
         click.option("--seed", default=None, type=int),
         click.option("--repetition-penalty", default=1.0, show_default=True, type=float),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--json-object", is_flag=True,
+                     help="JSON mode: the answer is one JSON object, ended at its closing brace."),
     ]):
         f = opt(f)
     return f
 
 
-def _params(max_tokens, temperature, top_p, top_k, seed, repetition_penalty, stop):
+def _params(max_tokens, temperature, top_p, top_k, seed, repetition_penalty, stop, json_object):
     from engc.runtime.sampling import SamplingParams
     p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                       seed=seed, repetition_penalty=repetition_penalty, stop=tuple(stop))
+                       seed=seed, repetition_penalty=repetition_penalty, stop=tuple(stop), json_object=json_object)
     try:
         p.validate()
     except ValueError as e:

@@ -31,6 +31,8 @@ def test_build_generate_inspect_verify(tiny_dir, tmp_path):
     assert summary["family"] == "qwen3" and summary["dtype"] == "float32"
     r = engc("generate", out, "--prompt", "Hello", "--max-tokens", "5", "--raw", check=True)
     assert r.stdout.strip()
+    r = engc("generate", out, "--prompt", "Hello", "--max-tokens", "24", "--json-object", check=True)
+    assert r.stdout.startswith("{")   # JSON mode (the object's close may be past 24 tokens)
     assert "qwen3" in engc("inspect", out, check=True).stdout
     assert engc("verify", out, check=True).stdout.startswith("OK")
 

@@ -10,8 +10,9 @@ from engc.runtime.json_mode import DONE, MAX_BLANKS, START, JsonConstraint, Json
 
 VALID = ['{}', '{ }', '{"a":1}', '{"a": [1, -2.5e-3, 0, 0.0, 1E+9, true, false, null]}',
          '{"k": {"x": [], "y": {}, "z": [[{}]]}}', '{"s": "a\\"b\\\\c\\/d\\b\\f\\n\\r\\t\\u00e9\\uFFFF"}',
-         '\n {\n\t"a" : "caf\u00e9 \ufffd \U0001f600" ,\r\n "b":[ ] }', '{"": ""}', '{"-0": -0, "e": 1e5}']
-INVALID = ['[1]', '"a"', '1', '{a:1}', '{"a":01}', '{"a":tru}', '{"a":1,}', '{"a" 1}', '{"a":1}}', '{"a":-}',
+         '{\n\t"a" : "caf\u00e9 \ufffd \U0001f600" ,\r\n "b":[ ] }', '{"": ""}', '{"-0": -0, "e": 1e5}']
+INVALID = [' {}', '\n{"a": 1}', '[1]', '"a"', '1', '{a:1}', '{"a":01}', '{"a":tru}', '{"a":1,}', '{"a" 1}',
+           '{"a":1}}', '{"a":-}',
            '{"a":1.}', '{"a":1e}', '{"a":"\\x"}', '{"a":"\x01"}', '{"a":[1,]}', '{"a":[1}', '{"a":.5}',
            "{'a':1}", '{"a":1}x', '{"a":"\\u12"}', '{"a":+1}', '{"a":NaN}', '{,}', '{"a":1 2}']
 
@@ -34,15 +35,15 @@ def test_valid_objects_end_exactly_at_their_close(text):
 
 @pytest.mark.parametrize("text", INVALID)
 def test_invalid_texts_are_refused(text):
-    assert not parses_as_object(text)
+    assert not parses_as_object(text) or not text.startswith("{")   # the answer starts with its brace
     state = walk(START, text)
     assert state is None or state[0] != DONE
 
 
 def test_agrees_with_json_module_on_random_texts():
-    """Complete for the automaton exactly when json.loads reads an object, on random short strings and on
-    the valid objects above with one to three random edits (json allows trailing blanks, which end
-    nothing here: stripped first)."""
+    """Complete for the automaton exactly when json.loads reads an object that starts with its brace, on
+    random short strings and on the valid objects above with one to three random edits (json allows
+    trailing blanks, which end nothing here: stripped first)."""
     rng = random.Random(0)
     alphabet = '{}[]":,0123456789.-+eEtrufalsn\\ \nx'
     counts = [0, 0]
@@ -57,7 +58,7 @@ def test_agrees_with_json_module_on_random_texts():
         text = text.rstrip()
         state = walk(START, text)
         ours = state is not None and state[0] == DONE
-        assert ours == parses_as_object(text), text
+        assert ours == (parses_as_object(text) and text.startswith("{")), text
         counts[ours] += 1
     assert min(counts) > 3000, counts   # both answers were exercised
 

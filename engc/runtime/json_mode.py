@@ -28,8 +28,9 @@ NUMBER_NEXT = {                  # number sub-state -> {character class: next su
     "dot": {"d": "frac"}, "frac": {"d": "frac", "e": "e"}, "e": {"+": "sign", "d": "exp"}, "sign": {"d": "exp"},
     "exp": {"d": "exp"}}
 NUMBER_ENDS = {"zero", "int", "frac", "exp"}
-# modes where blanks are allowed and change nothing (between tokens of the grammar)
-BETWEEN = {"start", "value", "value_or_close", "key", "key_or_close", "colon", "comma_or_close"}
+# modes where blanks are allowed and change nothing (between tokens of the grammar); not before the object:
+# the answer starts with its '{' (JSON allows blanks there, but they would only cost tokens)
+BETWEEN = {"value", "value_or_close", "key", "key_or_close", "colon", "comma_or_close"}
 START = ("start", None, ())
 DONE = "done"
 
@@ -77,10 +78,10 @@ def step(state: tuple, ch: str) -> tuple | None:
         return ("literal", aux[1:], stack) if len(aux) > 1 else _after_value(stack)
     if mode == DONE:
         return None
-    if ch in BLANKS:
-        return state
     if mode == "start":
         return ("key_or_close", None, ("{",)) if ch == "{" else None
+    if ch in BLANKS:
+        return state
     if mode in ("key", "key_or_close"):
         if ch == '"':
             return ("string", True, stack)
