@@ -292,15 +292,15 @@ class Engine:
         # JSON mode: the token that closes the object ends the output with its text; one that cannot
         # continue it (only where the mask was empty) ends it without, as an end-of-sequence token does
         json = seq.constraint.take(token) if seq.constraint is not None else None
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids or json == "broken":
+        text_ends = ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
+                     or json == "broken")   # the token is not part of the answer
+        if text_ends or json == "done":
             reason = "stop"
-        elif json == "done" or len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_context:
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_context:
             reason = "length"
         decoder = self.decoders[seq]
-        if reason != "stop":
+        if not text_ends:
             seq.output_text += decoder.step([token]) + (decoder.flush() if reason else "")
-        if json == "done":
-            reason = "stop"
         if p.stop and self._hit_stop_string(seq):
             reason = "stop"
         if reason is not None:

@@ -67,7 +67,7 @@ def step(state: tuple, ch: str) -> tuple | None:
         return ("string", is_key, stack) if left == 1 else ("unicode", (is_key, left - 1), stack)
     if mode == "number":
         cls = _number_class(ch)
-        cls = "d" if cls in "01" and aux not in ("minus",) else cls
+        cls = "d" if cls in "01" and aux != "minus" else cls
         nxt = NUMBER_NEXT[aux].get(cls)
         if nxt is not None:
             return ("number", nxt, stack)
