@@ -41,9 +41,10 @@ def cuda_templates_enabled() -> bool:
 
 def shared_carveout() -> int | None:
     """ENGC_SMEM_CARVEOUT=P (0..100, or -1) sets every bundle kernel's preferred L1/shared-memory split to P
-    percent of the most shared memory; unset, the driver picks per kernel. An A/B switch for a hypothesis
-    (see docs/architecture.md): an SM holds one split at a time, so a kernel that starts early under PDL
-    beside one that wants a different split may wait for the SM to drain."""
+    percent of the most shared memory, over the records' own (their launch constant smem_carveout, from the
+    tune table); unset, each record's or the driver's choice. An A/B switch: on the H200 the split moves a
+    decode step by up to 2x (a kernel's CTAs an SM are bounded by the shared memory of its split; the rest
+    is L1), and no one value suits every kernel (docs/architecture.md)."""
     value = os.environ.get("ENGC_SMEM_CARVEOUT", "")
     if not value:
         return None
@@ -61,7 +62,11 @@ def load_record(image: bytes, r: dict, pdl: bool) -> Kernel:
     sig = signature_from_triton([a["type"] for a in r["args"][:len(r["args"]) - scratch]])
     return load_kernel(image, r["entry"], sig, block_x=32 * r["num_warps"], shared_mem=r["shared_mem"],
                        scratch_params=scratch, pdl=pdl and bool(r.get("launch", {}).get("PDL")),
-                       carveout=shared_carveout())
+                       carveout=_first_set(shared_carveout(), r.get("launch", {}).get("smem_carveout")))
+
+
+def _first_set(*values):
+    return next((v for v in values if v is not None), None)
 
 
 def warm_cublas(dtype: torch.dtype, device: torch.device) -> None:

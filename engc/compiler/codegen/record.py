@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from engc.bundle.model_config import ModelConfig
+from engc.compiler.codegen import tune
 from engc.compiler.codegen.aot import PTX_VERSION, compile_in_children, compile_spec
 from engc.compiler.codegen.cuda import add_selected as add_selected_cuda
 from engc.compiler.codegen.kernel_spec import KernelSpec
@@ -60,7 +61,7 @@ def kernel_record(spec: KernelSpec, meta: dict, cubin_path: str, ptx_path: str, 
         "num_warps": meta["num_warps"], "num_ctas": meta["num_ctas"], "shared_mem": meta["shared"],
         "args": args + SCRATCH_ARGS, "scratch_params": len(SCRATCH_ARGS), "align": 16,
         "constexprs": {k: spec.constexprs[k] for k in sorted(spec.constexprs)},
-        "launch": dict(sorted(spec.launch.items())),
+        "launch": dict(sorted({**spec.launch, **tune.launch_carveout(spec.tune)}.items())),
         "tune_key": spec.tune_key, "tune": dict(sorted(spec.tune.items())),
         "triton_version": meta["triton_version"],
     }

@@ -388,8 +388,23 @@ def lookup(arch: str, op: str, variant: str, bucket: str, overrides: dict | None
     raise KeyError(f"no tune-table entry for {arch}/{op}/{variant}/{bucket}")
 
 
-# Fields an override may add to an entry that does not spell them out (read with a per-arch default).
-OPTIONAL_FIELDS = ("PDL",)
+# Fields an override may add to an entry that does not spell them out (PDL: read with a per-arch default;
+# smem_carveout: absent means the driver's choice).
+OPTIONAL_FIELDS = ("PDL", "smem_carveout")
+
+
+def launch_carveout(entry: dict) -> dict:
+    """An entry's preferred L1/shared-memory split (percent of the most shared memory an SM can have; -1 no
+    preference) as the launch constant its records carry, {} where the entry names none (the driver picks).
+    A launch constant, not a compile one: the runtime sets it on the loaded kernel, the cubin is the same."""
+    if "smem_carveout" not in entry:
+        return {}
+    value = entry["smem_carveout"]
+    if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value <= 100:
+        raise ValueError(f"smem_carveout {value!r}: expected a percent 0..100 or -1 (no preference)")
+    return {"smem_carveout": value}
+
+
 # The key of a tune file's provenance (`engc tune` writes GPU, versions, date, measurements there): skipped
 # and dropped by check_overrides, so it reaches neither the kernels, the kernel cache nor the manifest, and
 # two tune files with the same entries build the same bundle.
