@@ -182,6 +182,29 @@ def test_pdl_kernels_wait_on_sm90_only(runs):
         assert ("griddepcontrol.wait" in ptx) == on, (r["op"], r["variant"], r["arch"])
 
 
+def test_smem_carveout_is_a_launch_constant_where_an_entry_names_one():
+    """An entry's smem_carveout reaches its kernels' records as a launch constant (Triton's and the CUDA
+    templates'), never the compiled kernel's constants; entries without one record none (the driver picks)."""
+    from engc.compiler.codegen import cuda, model_specs, tune
+    from engc.compiler.codegen.cuda_int4 import int4_gemv_spec
+    from engc.compiler.codegen.record import kernel_record
+    meta = {"name": "k", "ptx_target": "sm_90", "num_warps": 4, "num_ctas": 1, "shared": 0, "triton_version": "t"}
+    silu = lambda: next(s for s in model_specs(TINY, torch.bfloat16, "sm90", 16) if s.op == "silu_mul")  # noqa: E731
+    int4 = lambda: int4_gemv_spec(128, "bf16", "sm90")[0]  # noqa: E731
+    triton_launch = lambda: kernel_record(silu(), meta, "c", "p", "s")["launch"]  # noqa: E731
+    cuda_launch = lambda: cuda.kernel_record(int4(), ".target sm_90\n", "c", "p", "s", "13.0")["launch"]  # noqa: E731
+    assert "smem_carveout" not in triton_launch() and "smem_carveout" not in cuda_launch()
+    entries = tune.check_overrides({"sm90/silu_mul/*/any": {"smem_carveout": 40},
+                                    "sm90/int4_linear/cuda/gemv": {"smem_carveout": 25}})
+    with tune.overridden(entries):
+        assert triton_launch()["smem_carveout"] == 40 and cuda_launch()["smem_carveout"] == 25
+        assert "smem_carveout" not in silu().constexprs
+    for bad in (101, -2, "40", True):
+        with tune.overridden({"sm90/silu_mul/*/any": {"smem_carveout": bad}}), \
+                pytest.raises(ValueError, match="smem_carveout"):
+            triton_launch()
+
+
 def test_sources_recorded_with_the_helpers_they_import(runs):
     """A cubin is compiled from its triton.py and from the modules whose @triton.jit helpers it calls
     (kernels/pdl.py; paged_attention/tiles.py; gemm_tiles.py): the bundle records each of them beside the kernel's

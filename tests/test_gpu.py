@@ -105,6 +105,20 @@ def test_carveout_switch_reads_a_percent(monkeypatch, value, expected):
         assert shared_carveout() == expected
 
 
+@pytest.mark.parametrize("env,record,expected", [("", None, None), ("", 40, 40), ("100", 40, 100), ("-1", 40, -1)])
+def test_a_record_carveout_is_set_unless_the_switch_overrides_it(monkeypatch, env, record, expected):
+    """load_record gives a kernel its record's smem_carveout (the tune table's); ENGC_SMEM_CARVEOUT, where set,
+    overrides every kernel's."""
+    from engc.runtime import gpu_ops
+    seen = {}
+    monkeypatch.setattr(gpu_ops, "load_kernel", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setenv("ENGC_SMEM_CARVEOUT", env)
+    r = {"args": [{"name": "x", "type": "*bf16"}], "scratch_params": 0, "entry": "k", "num_warps": 4,
+         "shared_mem": 0, "launch": {"PDL": 1, **({"smem_carveout": record} if record is not None else {})}}
+    gpu_ops.load_record(b"", r, pdl=True)
+    assert seen["carveout"] == expected and seen["pdl"] is True
+
+
 @pytest.mark.skipif(not gpu_ready() or sm_arch() != "sm90", reason="needs an sm90 GPU (PDL) and engc._native")
 def test_pdl_and_carveout_change_no_token(tiny_dir, tmp_path, monkeypatch):
     """Programmatic dependent launch only moves kernel starts earlier: a missing wait would be a race, seen

@@ -359,6 +359,12 @@ for _arch, _stages in (("sm80", 3), ("sm90", 4)):
                                                 ("m<=256", 129, 128, 64)):
         _put(_arch, "int4_gemm", "*", _bucket, min_m=_min_m, max_m=int(_bucket[3:]), BLOCK_M=_block_m,
              **dict(_int4_gemm, BLOCK_K=_block_k, enabled=_arch == "sm90" and _bucket != "m<=16"))
+# smem_carveout (the preferred L1/shared-memory split, a launch constant): the H200 8B int4 + int4 head
+# bundle at batch 32 (128/128, this class's GEMMs) ran 5,472 / 5,480 tok/s with 40% against 5,147-5,158
+# with the driver's choice, the same cubins in another lease of the session (bench/results/
+# h200_c60ec85_int4_carveout.json). A split for the whole bundle showed the range: 25% 4,316, 40-50% 5,451-5,463,
+# 60% 5,168. The other classes were not measured with it.
+TUNE["sm90/int4_gemm/*/m<=32"]["smem_carveout"] = 40
 
 _put("sm90", "paged_attention", "prefill", "d<=64", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 _put("sm90", "paged_attention", "prefill", "d<=128", BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
