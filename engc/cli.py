@@ -242,15 +242,31 @@ def _sampling_options(f):
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--json-object", is_flag=True,
                      help="JSON mode: the answer is one JSON object, ended at its closing brace."),
+        click.option("--json-schema", "json_schema", default=None, metavar="FILE",
+                     help="Structured output: the answer is one instance of this JSON Schema (a file; "
+                          "properties in declared order; docs/serving.md lists the keywords)."),
     ]):
         f = opt(f)
     return f
 
 
-def _params(max_tokens, temperature, top_p, top_k, seed, repetition_penalty, stop, json_object):
+def _schema_file(path: str):
+    from engc.runtime.json_schema import SchemaError, compile_schema
+    try:
+        return compile_schema(json.loads(Path(path).read_text()))
+    except OSError as e:
+        raise UserError(f"--json-schema {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"--json-schema {path}: not JSON ({e.msg} at line {e.lineno})") from None
+    except SchemaError as e:
+        raise UserError(f"--json-schema {path}: {e}") from None
+
+
+def _params(max_tokens, temperature, top_p, top_k, seed, repetition_penalty, stop, json_object, json_schema):
     from engc.runtime.sampling import SamplingParams
     p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                       seed=seed, repetition_penalty=repetition_penalty, stop=tuple(stop), json_object=json_object)
+                       seed=seed, repetition_penalty=repetition_penalty, stop=tuple(stop), json_object=json_object,
+                       json_schema=_schema_file(json_schema) if json_schema else None)
     try:
         p.validate()
     except ValueError as e:

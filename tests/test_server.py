@@ -156,6 +156,34 @@ def test_json_object_mode_answers_json(srv, http):
     assert_clean(srv)
 
 
+def test_json_schema_outputs_follow_the_schema(srv, http):
+    """response_format json_schema (OpenAI's structured outputs): every choice is a prefix of an instance, and
+    those that stop are valid ones; a schema engc cannot enforce, or none, is a 400."""
+    import jsonschema
+    from engc.runtime.json_mode import DONE, walk
+    from engc.runtime.json_schema import compile_schema
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    body = {"model": srv.model, "max_tokens": 60, "temperature": 1.0, "seed": 5, "n": 6, "response_format": fmt,
+            "messages": [{"role": "user", "content": "JSON please"}]}
+    choices = http.post("/v1/chat/completions", json=body).json()["choices"]
+    g = compile_schema(schema)
+    for c in choices:
+        state = walk(g.start, c["message"]["content"], g)
+        assert state is not None and (state[0] == DONE) == (c["finish_reason"] == "stop"), c
+        if c["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(c["message"]["content"]), schema)
+    assert any(c["finish_reason"] == "stop" for c in choices)
+    for bad, fragment in ((dict(fmt, json_schema={"name": "x", "schema": {"type": "object", "properties": {
+            "a": {"type": "string", "pattern": "x"}}}}), "'pattern' is not supported"),
+                          ({"type": "json_schema"}, "needs json_schema.schema")):
+        r = http.post("/v1/chat/completions", json=dict(body, response_format=bad))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+        assert fragment in r.json()["error"]["message"]
+    assert_clean(srv)
+
+
 def test_stop_sequences_and_logprobs(srv, http):
     body = {"model": srv.model, "prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     full = http.post("/v1/completions", json=body).json()["choices"][0]["text"]

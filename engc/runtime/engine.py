@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engc.runtime.executor import TokenFill
-from engc.runtime.json_mode import JsonConstraint, JsonVocab
+from engc.runtime.json_mode import OBJECT, JsonConstraint, JsonVocab
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import LoadedModel
 from engc.runtime.sampling import Sampled, SamplingParams, sample_row
@@ -146,8 +146,8 @@ class Engine:
             seq.request_id = request_id
         self.sequences[seq.request_id] = seq
         self.decoders[seq] = IncrementalDecoder(self.model.tokenizer, seq.prompt_ids)
-        if params.json_object:
-            seq.constraint = JsonConstraint(JsonVocab.of(self.model.tokenizer))
+        if params.json_object or params.json_schema is not None:
+            seq.constraint = JsonConstraint(JsonVocab.of(self.model.tokenizer), params.json_schema or OBJECT)
         self.scheduler.add(seq)
         return seq
 

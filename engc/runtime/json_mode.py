@@ -112,12 +112,31 @@ def _start_value(ch: str, stack: tuple) -> tuple | None:
     return ("number", "zero" if cls == "0" else "int", stack) if cls in "01" else None
 
 
-def walk(state: tuple | None, text: str) -> tuple | None:
+def walk(state: tuple | None, text: str, grammar=None) -> tuple | None:
+    go = grammar.step if grammar is not None else step
     for ch in text:
         if state is None:
             return None
-        state = step(state, ch)
+        state = go(state, ch)
     return state
+
+
+class ObjectGrammar:
+    """Any JSON object (json_object mode). A grammar is what JsonVocab and JsonConstraint drive: a start
+    state, step, and kind(state): 'string' where characters other than '"', '\\' and controls keep the
+    state, 'between' where blanks keep it, 'other' elsewhere (json_schema.SchemaGrammar is the other one)."""
+    start = START
+
+    @staticmethod
+    def step(state: tuple, ch: str) -> tuple | None:
+        return step(state, ch)
+
+    @staticmethod
+    def kind(state: tuple) -> str:
+        return "string" if state[0] == "string" else "between" if state[0] in BETWEEN else "other"
+
+
+OBJECT = ObjectGrammar()
 
 
 class JsonVocab:
@@ -147,54 +166,56 @@ class JsonVocab:
             tokenizer._json_vocab = cls(tokenizer.token_texts())
         return tokenizer._json_vocab
 
-    def mask(self, state: tuple) -> torch.Tensor:
-        """The tokens allowed in `state` (a bool tensor over the vocabulary), cached per state."""
-        m = self._masks.get(state)
+    def mask(self, state: tuple, grammar=OBJECT) -> torch.Tensor:
+        """The tokens allowed in `state` of `grammar` (a bool tensor over the vocabulary), cached per state."""
+        key = (grammar, state)
+        m = self._masks.get(key)
         if m is None:
-            m = self._compute(state)
-            self._masks[state] = m
+            m = self._compute(state, grammar)
+            self._masks[key] = m
             if len(self._masks) > CACHE_STATES:
                 self._masks.popitem(last=False)
         else:
-            self._masks.move_to_end(state)
+            self._masks.move_to_end(key)
         return m
 
-    def _compute(self, state: tuple) -> torch.Tensor:
-        mode = state[0]
-        if mode == "string":
+    def _compute(self, state: tuple, grammar) -> torch.Tensor:
+        kind, go = grammar.kind(state), grammar.step
+        if kind == "string":
             allowed, candidates = self.plain.clone(), self.not_plain
-        elif mode in BETWEEN:
+        elif kind == "between":
             allowed = self.blank_only.clone()
-            candidates = [i for ch, ids in self.by_first_solid.items() if step(state, ch) is not None for i in ids]
+            candidates = [i for ch, ids in self.by_first_solid.items() if go(state, ch) is not None for i in ids]
         else:
             allowed = torch.zeros(self.size, dtype=torch.bool)
-            firsts = [ch for ch in self.by_first if step(state, ch) is not None]
-            after_blank = step(state, " ")
-            if after_blank is not None and after_blank[0] in BETWEEN:
+            firsts = [ch for ch in self.by_first if go(state, ch) is not None]
+            after_blank = go(state, " ")
+            if after_blank is not None and grammar.kind(after_blank) == "between":
                 # a blank ends a number: blank-led tokens read on as in the state after it (65% of
                 # SmolLM2's tokens start with a blank; walking each took ~70 ms a number state)
-                allowed |= self.mask(after_blank) & self.blank_led
+                allowed |= self.mask(after_blank, grammar) & self.blank_led
                 firsts = [ch for ch in firsts if ch not in BLANKS]
             candidates = [i for ch in firsts for i in self.by_first[ch]]
         for i in candidates:
-            if walk(state, self.texts[i]) is not None:
+            if walk(state, self.texts[i], grammar) is not None:
                 allowed[i] = True
         return allowed
 
 
 class JsonConstraint:
-    """One sequence's JSON-mode state: the mask for its next token, advanced by each token it takes."""
+    """One sequence's JSON-mode state: the mask for its next token, advanced by each token it takes.
+    grammar: OBJECT (any JSON object) or a json_schema.SchemaGrammar."""
 
-    def __init__(self, vocab: JsonVocab):
-        self.vocab, self.state, self.blanks = vocab, START, 0
+    def __init__(self, vocab: JsonVocab, grammar=OBJECT):
+        self.vocab, self.grammar, self.state, self.blanks = vocab, grammar, grammar.start, 0
 
     @property
     def done(self) -> bool:
         return self.state[0] == DONE
 
     def allowed(self) -> torch.Tensor:
-        m = self.vocab.mask(self.state)
-        if self.blanks >= MAX_BLANKS and self.state[0] in BETWEEN:
+        m = self.vocab.mask(self.state, self.grammar)
+        if self.blanks >= MAX_BLANKS and self.grammar.kind(self.state) == "between":
             m = m & ~self.vocab.blank_only
         return m
 
@@ -203,12 +224,13 @@ class JsonConstraint:
         continue it (the mask was empty, a vocabulary without the characters needed; or an end-of-sequence
         token), so the output ends before it; None: go on."""
         text = self.vocab.texts[token] if 0 <= token < self.vocab.size else ""
-        state = walk(self.state, text) if text else None
+        state = walk(self.state, text, self.grammar) if text else None
         if state is None:
             return "broken"
-        if self.state[0] in BETWEEN and not text.strip(BLANKS):
+        between = self.grammar.kind(state) == "between"
+        if between and not text.strip(BLANKS):
             self.blanks += len(text)
         else:   # blanks that end a token in a between-values state are outside strings
-            self.blanks = len(text) - len(text.rstrip(BLANKS)) if state[0] in BETWEEN else 0
+            self.blanks = len(text) - len(text.rstrip(BLANKS)) if between else 0
         self.state = state
         return "done" if self.done else None

@@ -22,6 +22,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # None: none; k: the chosen token's logprob and the top k
     json_object: bool = False         # JSON mode: the output is one JSON object (runtime/json_mode.py)
+    json_schema: object = None        # a json_schema.SchemaGrammar: the output is one instance of it
     extra: dict = field(default_factory=dict, compare=False)
 
     def validate(self) -> None:
@@ -52,7 +53,8 @@ class SamplingParams:
     def device_sampleable(self) -> bool:
         """Only temperature, top-k and top-p: what the GPU sampling kernel does, no host-side logits."""
         return (self.logprobs is None and self.repetition_penalty == 1.0
-                and not self.presence_penalty and not self.frequency_penalty and not self.json_object)
+                and not self.presence_penalty and not self.frequency_penalty and not self.json_object
+                and self.json_schema is None)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from engc.runtime.async_engine import Delta, EngineError
+from engc.runtime.json_schema import SchemaError, compile_schema
 from engc.runtime.server.app import APIError, ServerState
 from engc.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -31,21 +32,19 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         raise APIError(400, "messages must not be empty", "messages")
     if req.tools:
         raise APIError(400, "tools are not supported by engc", "tools")
-    if req.response_format is not None and req.response_format.type == "json_schema":
-        raise APIError(400, "response_format json_schema is not supported; use json_object", "response_format")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
                 for m in req.messages]
     if req.continue_final_message and messages[-1]["role"] != "assistant":
         raise APIError(400, "continue_final_message needs a final assistant message to continue",
                        "continue_final_message")
-    json_object = req.response_format is not None and req.response_format.type == "json_object"
+    json_object, grammar = _json_format(req.response_format)
     if json_object and req.continue_final_message:   # the object would have to start inside the given text
-        raise APIError(400, "response_format json_object cannot be combined with continue_final_message",
-                       "response_format")
+        raise APIError(400, f"response_format {req.response_format.type} cannot be combined with "
+                       "continue_final_message", "response_format")
     prompt_ids = s.tokenizer.encode_chat(messages, continue_final=req.continue_final_message)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    prompts = _prompts(s, [prompt_ids], req, max_tokens, logprobs, json_object)
+    prompts = _prompts(s, [prompt_ids], req, max_tokens, logprobs, json_object, grammar)
     out = _Output(s, req, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", [len(prompt_ids)])
     stream = s.stream(prompts, req.priority, req.session_id)
     if req.stream:
@@ -88,7 +87,23 @@ def _text(content) -> str:
     return "".join(part.text for part in content)
 
 
-def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs, json_object=False):
+def _json_format(fmt) -> tuple[bool, object]:
+    """response_format -> (JSON mode on, the schema's grammar or None); a schema engc cannot enforce is a 400."""
+    if fmt is None or fmt.type == "text":
+        return False, None
+    if fmt.type == "json_object":
+        return True, None
+    spec = fmt.json_schema
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON Schema object",
+                       "response_format")
+    try:
+        return True, compile_schema(spec["schema"])
+    except SchemaError as e:
+        raise APIError(400, f"response_format json_schema: {e}", "response_format") from None
+
+
+def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs, json_object=False, grammar=None):
     if (req.model_extra or {}).get("logit_bias"):   # an OpenAI field that changes the answer: refused, not ignored
         raise APIError(400, "logit_bias is not supported by engc", "logit_bias")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -98,7 +113,7 @@ def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs, json_object=Fa
                         top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop,
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                         repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs,
-                        json_object=json_object)
+                        json_object=json_object, json_schema=grammar)
         for j in range(req.n):
             prompts.append((ids, base if req.seed is None or j == 0 else replace(base, seed=req.seed + j)))
     return prompts

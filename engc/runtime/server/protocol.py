@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI and Anthropic APIs, as pydantic models (the HTTP edge only).
 
 Unknown fields are accepted and ignored, as the reference APIs' SDKs send fields that come and go;
-fields engc would have to honour but cannot (tools, images, json_schema, logit_bias) are refused where used.
+fields engc would have to honour but cannot (tools, images, logit_bias) are refused where used.
 Known fields are typed strictly, as JSON types them: `"stream": "yes"`, `"max_tokens": "5"` or `"n": 2.0` get a
 400 naming the field instead of being coerced (an integer is still a valid number).
 Fields marked "engc" are extensions.
@@ -49,6 +49,7 @@ class StreamOptions(_Body):
 
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict] = None   # {"name": ..., "schema": {...}, "strict": ...} with type json_schema
 
 
 class _OpenAISampling(_Body):
