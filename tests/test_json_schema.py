@@ -217,6 +217,10 @@ def test_engine_outputs_follow_the_schema(tiny_bundle):
     g = compile_schema(schema)
     seqs = [engine.add_request(prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=s, json_object=True,
                                                       json_schema=g)) for s in range(12)]
+    seqs.append(engine.add_request(prompt, SamplingParams(max_tokens=64, json_schema=schema)))   # a dict will do
+    with pytest.raises(ValueError, match="'pattern' is not supported"):
+        engine.check_request(prompt, SamplingParams(json_schema={"type": "object", "properties": {
+            "a": {"type": "string", "pattern": "x"}}}))
     engine.run_to_completion()
     for s in seqs:
         assert walk(g.start, s.output_text, g) is not None, s.output_text

@@ -140,7 +140,7 @@ OBJECT = ObjectGrammar()
 
 
 class JsonVocab:
-    """A tokenizer's token texts, sorted for the mask computation; built once per tokenizer."""
+    """A tokenizer's token texts, sorted for the mask computation; built once per engine."""
 
     def __init__(self, texts: list[str]):
         self.texts = texts
@@ -159,12 +159,6 @@ class JsonVocab:
                 if solid:
                     self.by_first_solid[solid[0]].append(i)
         self._masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-
-    @classmethod
-    def of(cls, tokenizer) -> "JsonVocab":
-        if getattr(tokenizer, "_json_vocab", None) is None:
-            tokenizer._json_vocab = cls(tokenizer.token_texts())
-        return tokenizer._json_vocab
 
     def mask(self, state: tuple, grammar=OBJECT) -> torch.Tensor:
         """The tokens allowed in `state` of `grammar` (a bool tensor over the vocabulary), cached per state."""

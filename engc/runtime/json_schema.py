@@ -307,6 +307,14 @@ def _compiled(text: str) -> SchemaGrammar:
     return SchemaGrammar(json.loads(text))
 
 
+def grammar_of(spec) -> "SchemaGrammar | jm.ObjectGrammar":
+    """SamplingParams.json_schema as a grammar: None -> any JSON object (json_object mode), a compiled
+    SchemaGrammar as is, a schema (a dict, e.g. from engc.LLM callers) compiled."""
+    if spec is None:
+        return jm.OBJECT
+    return spec if isinstance(spec, SchemaGrammar) else compile_schema(spec)
+
+
 def compile_schema(schema) -> SchemaGrammar:
     """The grammar of a schema (a parsed JSON value); the same schema again gets the same grammar, so its
     masks are reused across requests. SchemaError names what cannot be enforced."""

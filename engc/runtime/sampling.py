@@ -22,7 +22,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # None: none; k: the chosen token's logprob and the top k
     json_object: bool = False         # JSON mode: the output is one JSON object (runtime/json_mode.py)
-    json_schema: object = None        # a json_schema.SchemaGrammar: the output is one instance of it
+    json_schema: object = None        # a JSON Schema (dict) or json_schema.SchemaGrammar: the output is one instance
     extra: dict = field(default_factory=dict, compare=False)
 
     def validate(self) -> None:
