@@ -38,7 +38,20 @@ TREE = {"$defs": {"Node": {"type": "object", "properties": {"v": {"type": "integ
                                                             "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
                            "required": ["v", "kids"]}},
         "type": "array", "items": {"$ref": "#/$defs/Node"}, "maxItems": 2}
-SCHEMAS = [PERSON, TREE, {"type": "object", "properties": {}}, {"type": "array", "items": {"enum": [1, 12, 123, "x"]}}]
+# pydantic's tagged union (oneOf + discriminator), and tags where one is a prefix of another (1, 12)
+PETS = {"$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
+                          "required": ["kind", "lives"]},
+                  "Dog": {"type": "object", "properties": {"kind": {"enum": ["dog"]}, "good": {"type": "boolean"}},
+                          "required": ["kind"]}},
+        "type": "object",
+        "properties": {"pets": {"type": "array", "items": {
+                           "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}, {"type": "null"}],
+                           "discriminator": {"propertyName": "kind"}}},
+                       "code": {"anyOf": [{"type": "object", "properties": {"v": {"const": 1}, "a": {"type": "string"}},
+                                           "required": ["v"]},
+                                          {"type": "object", "properties": {"v": {"const": 12}}, "required": ["v"]}]}},
+        "required": ["pets"]}
+SCHEMAS = [PERSON, TREE, PETS, {"type": "object", "properties": {}}, {"type": "array", "items": {"enum": [1, 12, 123, "x"]}}]
 
 
 def instance(schema, rng, root, depth=0):
@@ -52,8 +65,8 @@ def instance(schema, rng, root, depth=0):
         return rng.choice(schema["enum"])
     if "const" in schema:
         return schema["const"]
-    if "anyOf" in schema:
-        return instance(rng.choice(schema["anyOf"]), rng, root, depth)
+    if "anyOf" in schema or "oneOf" in schema:
+        return instance(rng.choice(schema.get("anyOf", schema.get("oneOf"))), rng, root, depth)
     t = schema.get("type")
     if isinstance(t, list):
         t = rng.choice(t)
@@ -145,21 +158,35 @@ def test_objects_follow_the_schema_not_just_json():
                         '"anything":[1,{"a":-0.5}],"version":2}')
 
 
+def test_a_tagged_union_follows_the_branch_its_tag_picks():
+    g = compile_schema(PETS)
+    assert completes(g, '{"pets": [{"kind": "cat", "lives": 9}, {"kind": "dog"}, null], "code": {"v": 12}}')
+    assert completes(g, '{"pets": [], "code": {"v": 1, "a": "x"}}')
+    for bad in ['{"pets": [{"kind": "cat"}]}',                  # the cat's required lives
+                '{"pets": [{"kind": "dog", "lives": 9}]}',      # a cat's property on a dog
+                '{"pets": [{"lives": 9, "kind": "cat"}]}',      # the tag comes first
+                '{"pets": [{"kind": "cow"}]}', '{"pets": [], "code": {"v": 12, "a": "x"}}', '{"pets": [], "code": {"v": 123}}']:
+        assert not completes(g, bad), bad
+
+
 def test_masks_equal_a_brute_force_walk():
     texts = ["{", "}", '"', "name", '":', " ", "\n", "1", "12", "2", ".5", "e3", "true", " true", ",", '"}', "[",
              "]", '"]', "\\", "\\n", "admin", "user", '"user"', "nu", "ll", "x", '{"', '"name', '": "', ', "', "-",
-             "null", ": ", "caf\u00e9", " ,", " }", "tags", '":["', "age", "role", "3", '"]}', "\x01", "", "\t"]
+             "null", ": ", "caf\u00e9", " ,", " }", "tags", '":["', "age", "role", "3", '"]}', "\x01", "", "\t",
+             "kind", '"cat"', "cat", '"', "dog", "lives", "9", "pets", "v", "12", '"}]', "}}", '{"kind": "']
     vocab = JsonVocab(texts)
-    g = compile_schema(PERSON)
-    doc = '{"name": "a\\n", "age": 12, "role": "user", "tags": ["x", "y"], "scores": [1, null], "anything": -1.5}'
-    state, states = g.start, [g.start]
-    for ch in doc:
-        state = g.step(state, ch)
-        states.append(state)
-    assert state[0] == DONE
-    for s in states[:-1]:
-        brute = torch.tensor([bool(t) and walk(s, t, g) is not None for t in texts])
-        assert torch.equal(vocab.mask(s, g), brute), s
+    for schema, doc in ((PERSON, '{"name": "a\\n", "age": 12, "role": "user", "tags": ["x", "y"], "scores": [1, null], '
+                                 '"anything": -1.5}'),
+                        (PETS, '{"pets": [{"kind": "cat", "lives": 9}, {"kind": "dog"}], "code": {"v": 12}}')):
+        g = compile_schema(schema)
+        state, states = g.start, [g.start]
+        for ch in doc:
+            state = g.step(state, ch)
+            states.append(state)
+        assert state[0] == DONE
+        for s in states[:-1]:
+            brute = torch.tensor([bool(t) and walk(s, t, g) is not None for t in texts])
+            assert torch.equal(vocab.mask(s, g), brute), s
 
 
 def test_constraint_takes_tokens_to_the_end():
@@ -185,6 +212,18 @@ def test_constraint_takes_tokens_to_the_end():
     ({"type": "object", "properties": {"a": {"anyOf": [{"type": "object"}, {"type": "object", "properties": {}}]}}},
      "both start with '{'"),
     ({"type": "object", "properties": {"a": {"type": ["integer", "number"]}}}, "integer and number"),
+    ({"type": "object", "properties": {"a": {"anyOf": [
+        {"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]},
+        {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]}]}}}, "must share a first"),
+    ({"type": "object", "properties": {"a": {"anyOf": [
+        {"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]},
+        {"type": "object", "properties": {"j": {"const": 2}}, "required": ["j"]}]}}}, "must share a first"),
+    ({"type": "object", "properties": {"a": {"anyOf": [
+        {"type": "object", "properties": {"k": {"const": 1}}},
+        {"type": "object", "properties": {"k": {"const": 2}}, "required": ["k"]}]}}}, "must share a first"),
+    ({"type": "object", "properties": {"a": {"anyOf": [
+        {"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]},
+        {"type": "object", "properties": {"k": {"enum": [1]}, "x": {}}, "required": ["k"]}]}}}, "the same 'k'"),
     ({"type": "object", "additionalProperties": {"type": "string"}}, "additionalProperties as a schema"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required must list declared"),
     ({"type": "object", "properties": {'a"b': {}}}, "needs escaping"),

@@ -7,7 +7,9 @@ output a prefix of a valid document.
 What a node can be: literals (enum, const, boolean, null: their JSON texts), a free string, an integer or
 number, an object with declared properties, an array of one item schema (minItems, maxItems), any JSON value
 or any object (where the schema says no more), or a union of those whose texts start with different
-characters (type lists, anyOf/oneOf: the first character picks the branch, so no backtracking). Objects write
+characters (type lists, anyOf/oneOf: the first character picks the branch, so no backtracking); object
+alternatives must be a tagged union (each starts with the same required property, a constant that differs:
+its text picks the branch). Objects write
 their properties in declared order, optional ones skippable, and no others (additionalProperties never has
 to be used: a document without extra keys is valid either way). Keywords that would constrain what this
 automaton cannot enforce (pattern, format, minimum, minLength, ...) are refused with SchemaError, not
@@ -22,7 +24,7 @@ from functools import lru_cache
 from engc.runtime import json_mode as jm
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-               "readOnly", "writeOnly", "$defs", "definitions"}
+               "readOnly", "writeOnly", "$defs", "definitions", "discriminator"}   # (OpenAPI's, pydantic writes it)
 KEYWORDS = {"type", "enum", "const", "properties", "required", "additionalProperties", "items", "minItems",
             "maxItems", "anyOf", "oneOf", "$ref"}
 TYPES = {"object", "array", "string", "integer", "number", "boolean", "null"}
@@ -46,6 +48,7 @@ class Node:
     min_items: int = 0
     max_items: int | None = None
     any: str | None = None                       # "value" or "object": json_mode's grammar, unconstrained
+    tags: tuple[tuple[str, int], ...] = ()       # a discriminator's value texts and the object node each picks
     starts: dict = field(default_factory=dict)   # first character -> branch ("literal", "string", ...)
 
 
@@ -105,8 +108,12 @@ class SchemaGrammar:
                 raise SchemaError(f"{where}: anyOf/oneOf must be a non-empty list")
             if set(schema) & {"type", "enum", "const", "properties", "items"}:
                 raise SchemaError(f"{where}: anyOf/oneOf beside type, enum or properties is not supported")
-            for i, branch in enumerate(branches):
-                self._merge(node, self.nodes[self._compile(branch, f"{where}/anyOf/{i}")], where)
+            ids = [self._compile(branch, f"{where}/anyOf/{i}") for i, branch in enumerate(branches)]
+            objects = [i for i in ids if self.nodes[i].props is not None]
+            if len(objects) > 1:
+                ids = [i for i in ids if i not in objects] + [self._union(objects, where)]
+            for i in ids:
+                self._merge(node, self.nodes[i], where)
             return
         if "enum" in schema or "const" in schema:
             values = schema["enum"] if "enum" in schema else [schema["const"]]
@@ -155,6 +162,26 @@ class SchemaGrammar:
                 raise SchemaError(f"{where}: property name {key!r} needs escaping, which is not supported")
         return Node(props=tuple((k, self._compile(s, f"{where}/properties/{k}")) for k, s in props.items()),
                     required=frozenset(required))
+
+    def _union(self, objects: list[int], where: str) -> int:
+        """Object alternatives told apart by their first property, required in each and a constant (a
+        discriminator, as pydantic's tagged unions write it): a node whose only property is that key, with
+        a 'tag' value node; the tag's text picks the branch, whose properties go on from its second."""
+        keys = {self.nodes[i].props[0][0] if self.nodes[i].props else None for i in objects}
+        problem = f"{where}: object alternatives must share a first property, required, with a constant value"
+        if len(keys) != 1 or None in keys:
+            raise SchemaError(problem)
+        key, tags = keys.pop(), []
+        for i in objects:
+            value = self.nodes[self.nodes[i].props[0][1]]
+            if key not in self.nodes[i].required or len(value.literals) != 1 or set(value.starts.values()) != {"literal"}:
+                raise SchemaError(problem)
+            tags.append((value.literals[0], i))
+        if len({t for t, _ in tags}) < len(tags):
+            raise SchemaError(f"{where}: two object alternatives have the same '{key}'")
+        self.nodes.append(Node(tags=tuple(tags), starts={t[0]: "tag" for t, _ in tags}))
+        self.nodes.append(Node(props=((key, len(self.nodes) - 1),), required=frozenset({key})))
+        return len(self.nodes) - 1
 
     def _merge(self, node: Node, other: Node, where: str) -> None:
         """Add other's texts to node's as a union: each first character must lead to one branch."""
@@ -220,6 +247,15 @@ class SchemaGrammar:
             if nxt is not None and not (integer and cls in ".e"):
                 return ("number", (nxt, integer), stack)
             return self.step(self._after_value(stack), ch) if sub in jm.NUMBER_ENDS else None
+        if mode == "tag":   # a discriminator's value: once it is known, its branch replaces the union
+            rest = tuple(sorted((t[1:], b) for t, b in aux if t and t[0] == ch))
+            if rest and any(t for t, _ in rest):
+                return ("tag", rest, stack)
+            chosen = rest[0][1] if rest else next((b for t, b in aux if not t), None)
+            if chosen is None:
+                return None
+            after = ("comma_or_close", None, stack[:-1] + (("o", chosen, 1),))
+            return after if rest else self.step(after, ch)
         if mode == "literal":
             rest = tuple(sorted({t[1:] for t in aux if t and t[0] == ch}))
             if rest:
@@ -268,6 +304,8 @@ class SchemaGrammar:
         kind = node.starts.get(ch)
         if kind == "literal":
             return self.step(("literal", tuple(sorted(set(node.literals))), stack), ch)
+        if kind == "tag":
+            return self.step(("tag", tuple(sorted(node.tags)), stack), ch)
         if kind == "string":
             return ("string", False, stack)
         if kind == "number":
