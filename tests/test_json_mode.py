@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from engc.runtime.json_mode import DONE, MAX_BLANKS, START, JsonConstraint, JsonVocab, walk
+from engc.runtime.json_mode import DONE, START, JsonConstraint, JsonVocab, blank_limit, walk
 
 VALID = ['{}', '{ }', '{"a":1}', '{"a": [1, -2.5e-3, 0, 0.0, 1E+9, true, false, null]}',
          '{"k": {"x": [], "y": {}, "z": [[{}]]}}', '{"s": "a\\"b\\\\c\\/d\\b\\f\\n\\r\\t\\u00e9\\uFFFF"}',
@@ -83,7 +83,7 @@ def test_constraint_ends_at_the_close_and_stops_blank_loops():
     texts = ["{", "}", " ", "\n", '"a"', ":", "1", " }"]
     c = JsonConstraint(JsonVocab(texts))
     assert c.take(0) is None                   # {
-    for _ in range(MAX_BLANKS):
+    for _ in range(blank_limit(1)):
         assert c.take(3) is None               # blanks between values, up to the limit
     assert not c.allowed()[2] and not c.allowed()[3] and c.allowed()[7]
     assert c.take(4) is c.take(5) is c.take(6) is None        # "a" : 1

@@ -8,8 +8,8 @@ of its characters. Walking the whole vocabulary for each new state would be slow
 - in a string, tokens without '"', '\\' or control characters are always allowed (one precomputed mask),
   and only the others are walked;
 - between values, whitespace changes nothing, so tokens are bucketed by their first non-blank character
-  and only the buckets the state accepts are walked (blank-only tokens are allowed, up to MAX_BLANKS in a
-  row, so a model cannot loop on newlines).
+  and only the buckets the state accepts are walked (blank-only tokens are allowed, up to blank_limit
+  characters in a row, so a model cannot spend its tokens on newlines).
 Token texts come from decoding each token after an anchor token (a lone token's leading space can
 vanish in decoding); bytes of a character split across tokens read as U+FFFD, which a string accepts.
 """
@@ -20,7 +20,13 @@ from collections import OrderedDict, defaultdict
 import torch
 
 BLANKS = " \t\n\r"
-MAX_BLANKS = 64                  # blank characters in a row outside strings
+
+def blank_limit(depth: int) -> int:
+    """Blank characters allowed in a row outside strings at a nesting depth: a pretty-printed document's
+    newline and indent (4 spaces a level) fit; more would only spend tokens (a random model's greedy
+    answer spent 64 of them at each gap under a fixed cap of 64)."""
+    return 8 + 4 * depth
+
 CACHE_STATES = 256               # masks kept (a vocabulary-sized bool tensor each)
 LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
 NUMBER_NEXT = {                  # number sub-state -> {character class: next sub-state}
@@ -135,6 +141,10 @@ class ObjectGrammar:
     def kind(state: tuple) -> str:
         return "string" if state[0] == "string" else "between" if state[0] in BETWEEN else "other"
 
+    @staticmethod
+    def depth(state: tuple) -> int:
+        return len(state[2])
+
 
 OBJECT = ObjectGrammar()
 
@@ -209,7 +219,7 @@ class JsonConstraint:
 
     def allowed(self) -> torch.Tensor:
         m = self.vocab.mask(self.state, self.grammar)
-        if self.blanks >= MAX_BLANKS and self.grammar.kind(self.state) == "between":
+        if self.grammar.kind(self.state) == "between" and self.blanks >= blank_limit(self.grammar.depth(self.state)):
             m = m & ~self.vocab.blank_only
         return m
 

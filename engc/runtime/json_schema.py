@@ -222,6 +222,9 @@ class SchemaGrammar:
             return jm.OBJECT.kind(state[1])
         return "string" if mode == "string" else "between" if mode in BETWEEN else "other"
 
+    def depth(self, state: tuple) -> int:
+        return len(state[2]) + (len(state[1][2]) if state[0] == "any" else 0)
+
     def step(self, state: tuple, ch: str) -> tuple | None:
         mode, aux, stack = state
         if mode in BETWEEN and ch in jm.BLANKS:

@@ -6,6 +6,7 @@ messages but cannot reach Python objects or the file system.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -55,7 +56,13 @@ class Tokenizer:
         texts = self.tok.decode_batch([[anchor, i] for i in range(self.vocab_size)])
         return [t[head:] for t in texts]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def reads_tools(self) -> bool:
+        """Whether the chat template uses a `tools` variable (it then also writes tool calls and results)."""
+        return self.chat_template is not None and re.search(r"\btools\b", self.chat_template) is not None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list | None = None) -> str:
         if self.chat_template is None:
             raise UserError("this model has no chat template; send a plain prompt instead")
         if self._template is None:
@@ -65,17 +72,18 @@ class Tokenizer:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
         try:
+            extra = {"tools": tools} if tools else {}   # templates test `tools is defined` or `if tools`
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except TemplateError as e:
             raise UserError(f"chat template refused the messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict], continue_final: bool = False) -> list[int]:
+    def encode_chat(self, messages: list[dict], continue_final: bool = False, tools: list | None = None) -> list[int]:
         # The template writes any BOS itself, as HF's apply_chat_template assumes.
-        text = self.continue_chat(messages) if continue_final else self.apply_chat_template(messages)
+        text = self.continue_chat(messages, tools) if continue_final else self.apply_chat_template(messages, tools=tools)
         return self.encode(text, add_special_tokens=False)
 
-    def continue_chat(self, messages: list[dict]) -> str:
+    def continue_chat(self, messages: list[dict], tools: list | None = None) -> str:
         """The conversation with its final message (an assistant's opening words) left open for the model
         to continue: rendered as a finished turn, then cut right after that message's text, so whatever
         the template closes a turn with (an end-of-turn token, a newline) is not in the prompt. Templates
@@ -84,8 +92,8 @@ class Tokenizer:
         content = messages[-1]["content"]
         core = content.strip()
         if not core:   # an empty start: the reply starts where a new turn would
-            return self.apply_chat_template(messages[:-1])
-        text = self.apply_chat_template(messages, add_generation_prompt=False)
+            return self.apply_chat_template(messages[:-1], tools=tools)
+        text = self.apply_chat_template(messages, add_generation_prompt=False, tools=tools)
         at = text.rfind(core)
         if at < 0:
             raise UserError("the chat template does not write the final message's text as sent, "

@@ -14,6 +14,7 @@ from engc.runtime.async_engine import Delta, EngineError
 from engc.runtime.json_schema import SchemaError, compile_schema
 from engc.runtime.server.app import APIError, ServerState
 from engc.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from engc.runtime.server.tools import ToolSpec
 
 router = APIRouter()
 
@@ -30,10 +31,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     s.check_model(req.model)
     if not req.messages:
         raise APIError(400, "messages must not be empty", "messages")
-    if req.tools:
-        raise APIError(400, "tools are not supported by engc", "tools")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
-                for m in req.messages]
+    tools = ToolSpec(req.tools, req.tool_choice)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content),
+                 **({"tool_calls": m.tool_calls} if m.tool_calls else {}),
+                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})} for m in req.messages]
     if req.continue_final_message and messages[-1]["role"] != "assistant":
         raise APIError(400, "continue_final_message needs a final assistant message to continue",
                        "continue_final_message")
@@ -41,11 +42,17 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if json_object and req.continue_final_message:   # the object would have to start inside the given text
         raise APIError(400, f"response_format {req.response_format.type} cannot be combined with "
                        "continue_final_message", "response_format")
-    prompt_ids = s.tokenizer.encode_chat(messages, continue_final=req.continue_final_message)
+    if tools.mode == "required":   # the answer is a call: constrained as a schema
+        if json_object or req.continue_final_message:
+            raise APIError(400, "a required tool call cannot be combined with response_format or "
+                           "continue_final_message", "tool_choice")
+        json_object, grammar = True, tools.grammar()
+    messages, tool_list = tools.prompt_messages(messages, s.tokenizer.reads_tools)
+    prompt_ids = s.tokenizer.encode_chat(messages, continue_final=req.continue_final_message, tools=tool_list)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prompts = _prompts(s, [prompt_ids], req, max_tokens, logprobs, json_object, grammar)
-    out = _Output(s, req, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", [len(prompt_ids)])
+    out = _Output(s, req, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", [len(prompt_ids)], tools)
     stream = s.stream(prompts, req.priority, req.session_id)
     if req.stream:
         return StreamingResponse(_events(stream, out), media_type="text/event-stream")
@@ -122,8 +129,9 @@ def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs, json_object=Fa
 class _Output:
     """Builds the response objects (whole or chunks) of one chat or text completion."""
 
-    def __init__(self, s: ServerState, req, rid: str, kind: str, prompt_lens: list[int]):
+    def __init__(self, s: ServerState, req, rid: str, kind: str, prompt_lens: list[int], tools=None):
         self.s, self.req, self.id, self.kind = s, req, rid, kind
+        self.tools = tools if tools is not None and tools.active else None   # choices' texts read for calls
         self.chat = kind == "chat.completion"
         self.prompt_lens = prompt_lens
         self.created = int(time.time())
@@ -168,13 +176,15 @@ class _Output:
                 "top_logprobs": [{tok.decode([i], skip_special_tokens=False): json_logprob(lp) for i, lp in x.top or []}
                                  for x in sampled], "text_offset": offsets}
 
-    def choice(self, index: int, text: str | None, finish_reason, logprobs, delta: bool, role: bool = False):
+    def choice(self, index: int, text: str | None, finish_reason, logprobs, delta: bool, role: bool = False,
+               calls: list | None = None):
         c = {"index": index}
         if self.chat and delta:
             c["delta"] = ({"role": "assistant", "content": ""} if role else
+                          {"tool_calls": [dict(call, index=k) for k, call in enumerate(calls)]} if calls else
                           {"content": text} if text is not None else {})
         elif self.chat:
-            c["message"] = {"role": "assistant", "content": text}
+            c["message"] = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
         else:
             c["text"] = text or ""
         c["logprobs"] = logprobs
@@ -197,8 +207,11 @@ async def _collect(stream, out: _Output) -> dict:
         except EngineError as e:
             raise APIError(500, str(e)) from None
     want_logprobs = bool(out.req.logprobs) if out.chat else out.req.logprobs is not None
-    choices = [out.choice(i, texts[i], reasons[i], out.logprobs(sampled[i]) if want_logprobs else None, delta=False)
-               for i in range(out.num_choices)]
+    choices = []
+    for i in range(out.num_choices):
+        text, calls = out.tools.calls(texts[i]) if out.tools else (texts[i], [])
+        choices.append(out.choice(i, text, "tool_calls" if calls else reasons[i],
+                                  out.logprobs(sampled[i]) if want_logprobs else None, delta=False, calls=calls))
     return out.obj(choices, chunk=False, usage=out.usage())
 
 
@@ -206,6 +219,7 @@ async def _events(stream, out: _Output):
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
     offsets = [0] * out.num_choices
+    held = [("", []) for _ in range(out.num_choices)]   # with tools: a choice's text, read for calls at its end
     async with stream:
         try:
             if out.chat:
@@ -213,6 +227,13 @@ async def _events(stream, out: _Output):
                     yield sse(out.obj([out.choice(i, None, None, None, delta=True, role=True)], chunk=True))
             async for d in stream:
                 out.track(d)
+                if out.tools:
+                    text, sampled = held[d.index]
+                    held[d.index] = (text + d.text, sampled + d.logprobs)
+                    if d.finished:
+                        for chunk in _tool_chunks(out, d, *held[d.index]):
+                            yield sse(chunk)
+                    continue
                 if d.text or d.logprobs:
                     lp = out.logprobs(d.logprobs, offsets[d.index])
                     offsets[d.index] += len(d.text)
@@ -224,6 +245,17 @@ async def _events(stream, out: _Output):
         except EngineError as e:
             yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
     yield "data: [DONE]\n\n"
+
+
+def _tool_chunks(out: _Output, d: Delta, text: str, sampled: list):
+    """A finished choice of a request with tools, streamed: its content (if any), its calls, its end."""
+    content, calls = out.tools.calls(text)
+    lp = out.logprobs(sampled) if out.req.logprobs else None
+    if content or lp:
+        yield out.obj([out.choice(d.index, content or "", None, lp, delta=True)], chunk=True)
+    if calls:
+        yield out.obj([out.choice(d.index, None, None, None, delta=True, calls=calls)], chunk=True)
+    yield out.obj([out.choice(d.index, None, "tool_calls" if calls else _reason(d), None, delta=True)], chunk=True)
 
 
 def _reason(d: Delta) -> str:

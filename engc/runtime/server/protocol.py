@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI and Anthropic APIs, as pydantic models (the HTTP edge only).
 
 Unknown fields are accepted and ignored, as the reference APIs' SDKs send fields that come and go;
-fields engc would have to honour but cannot (tools, images, logit_bias) are refused where used.
+fields engc would have to honour but cannot (images, logit_bias; tools on /v1/messages) are refused where used.
 Known fields are typed strictly, as JSON types them: `"stream": "yes"`, `"max_tokens": "5"` or `"n": 2.0` get a
 400 naming the field instead of being coerced (an integer is still a valid number).
 Fields marked "engc" are extensions.
@@ -36,9 +36,11 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None    # an assistant's earlier calls
+    tool_call_id: Optional[str] = None         # a tool message's call
 
     _text_only = field_validator("content", mode="before")(_text_parts_only)
 
@@ -79,6 +81,8 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list] = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
+    parallel_tool_calls: Optional[bool] = None   # accepted: a forced call is one call; "auto" reads all it finds
     continue_final_message: bool = Field(False, description="engc (as vLLM): the final message, an assistant's, "
                                                             "is the reply's start; the model continues it")
 

@@ -1,0 +1,163 @@
+"""Function calling on /v1/chat/completions (OpenAI's `tools`, `tool_choice`).
+
+The prompt: a chat template that reads `tools` (Qwen's, Llama 3's, Hermes-style ones) gets them and the
+conversation's calls and results in Hugging Face's message shapes. A template that does not (SmolLM2's) gets
+engc's own instructions in the system message: the functions' JSON specs and "reply with only a JSON object
+{"name": ..., "arguments": {...}}"; earlier calls are written in that form and results as user messages.
+
+The answer: with tool_choice "required" or a named function the output is constrained to a call (the
+json_schema automaton: {"name": <a function>, "arguments": <its parameters>}, a tagged union over the
+functions), so it always parses and its arguments follow the schema. With "auto" the model decides, and
+its text is read for calls afterwards: `<tool_call>{...}</tool_call>` blocks (Hermes, Qwen) or an answer
+that is only a call object or a list of them (Llama 3, engc's instructions), naming a declared function.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from engc.runtime.json_schema import SchemaError, compile_schema
+from engc.runtime.server.app import APIError
+
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+class ToolSpec:
+    """A request's functions and tool_choice, checked (400s name the field)."""
+
+    def __init__(self, tools: list | None, choice):
+        self.functions: dict[str, dict] = {}
+        for i, t in enumerate(tools or []):
+            f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not NAME.match(f["name"]):
+                raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
+                               "with a name of 1-64 letters, digits, '_' or '-'", "tools")
+            if f["name"] in self.functions:
+                raise APIError(400, f"tools[{i}]: the function name '{f['name']}' is declared twice", "tools")
+            params = f.get("parameters", NO_PARAMETERS)
+            if not isinstance(params, dict):
+                raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
+            self.functions[f["name"]] = dict(f, parameters=params)
+        if choice is None:
+            choice = "auto" if self.functions else "none"
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if name not in self.functions:
+                raise APIError(400, f"tool_choice names the function {name!r}, which tools does not declare",
+                               "tool_choice")
+            self.mode, self.forced = "required", [name]
+        elif choice in ("none", "auto", "required"):
+            if choice != "none" and not self.functions:
+                raise APIError(400, f"tool_choice '{choice}' needs tools", "tool_choice")
+            self.mode, self.forced = choice, list(self.functions)
+        else:
+            raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice")
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+    def grammar(self):
+        """The call's grammar where a call is required, else None."""
+        if self.mode != "required":
+            return None
+        alternatives = [{"type": "object", "properties": {"name": {"const": n},
+                                                          "arguments": self.functions[n]["parameters"]},
+                         "required": ["name", "arguments"]} for n in self.forced]
+        try:
+            return compile_schema(alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives})
+        except SchemaError as e:
+            raise APIError(400, f"tools: a function's parameters cannot be enforced: {e}", "tools") from None
+
+    def prompt_messages(self, messages: list[dict], template_reads_tools: bool) -> tuple[list[dict], list | None]:
+        """(messages, tools) for the chat template: HF shapes where it reads tools, engc's text otherwise."""
+        tools = [{"type": "function", "function": f} for f in self.functions.values()]
+        if template_reads_tools:
+            return [_hf_message(m) for m in messages], (tools if self.active else None)
+        out = [_text_message(m) for m in messages]
+        if self.active:
+            text = ("You can call these functions (JSON Schema of their arguments):\n"
+                    + "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+                    + '\nTo call one, reply with only a JSON object: {"name": <function name>, "arguments": '
+                      "<an object of its arguments>}. Otherwise reply normally.")
+            if out and out[0]["role"] == "system":
+                out[0] = dict(out[0], content=out[0]["content"] + "\n\n" + text)
+            else:
+                out.insert(0, {"role": "system", "content": text})
+        return out, None
+
+    def calls(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool_calls) of an answer; no calls where none names a declared function."""
+        if not self.active:
+            return text, []
+        found = [c for c in (_call(b) for b in HERMES.findall(text)) if c and c[0] in self.functions]
+        if found:
+            rest = HERMES.sub("", text).strip()
+            return rest or None, [_tool_call(*c) for c in found]
+        body = text.strip()
+        fenced = FENCE.match(body)
+        try:
+            value = json.loads(fenced.group(1) if fenced else body)
+        except ValueError:
+            return text, []
+        items = value if isinstance(value, list) else [value]
+        parsed = [_call_of(v) for v in items]
+        if items and all(c and c[0] in self.functions for c in parsed):
+            return None, [_tool_call(*c) for c in parsed]
+        return text, []
+
+
+def _call(block: str):
+    try:
+        return _call_of(json.loads(block))
+    except ValueError:
+        return None
+
+
+def _call_of(value):
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if isinstance(args, str):   # some models write the arguments as a JSON string, as OpenAI's API does
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return (value["name"], args) if isinstance(args, dict) else None
+
+
+def _tool_call(name: str, args: dict) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def _arguments(call: dict):
+    args = (call.get("function") or {}).get("arguments", "{}")
+    try:
+        return json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        return args
+
+
+def _hf_message(m: dict) -> dict:
+    """OpenAI's message -> the shape HF chat templates read (arguments as objects, not JSON text)."""
+    if m["role"] == "assistant" and m.get("tool_calls"):
+        return dict(m, tool_calls=[{"id": c.get("id"), "type": "function",
+                                    "function": {"name": (c.get("function") or {}).get("name"),
+                                                 "arguments": _arguments(c)}} for c in m["tool_calls"]])
+    return m
+
+
+def _text_message(m: dict) -> dict:
+    """OpenAI's message -> plain text turns, for templates that know nothing of tools."""
+    if m["role"] == "assistant" and m.get("tool_calls"):
+        calls = "\n".join(json.dumps({"name": (c.get("function") or {}).get("name"), "arguments": _arguments(c)},
+                                     ensure_ascii=False) for c in m["tool_calls"])
+        return {"role": "assistant", "content": ((m.get("content") or "") + "\n" + calls).strip()}
+    if m["role"] == "tool":
+        return {"role": "user", "content": f"Function result (call {m.get('tool_call_id') or '?'}): {m['content']}"}
+    return {"role": m["role"], "content": m["content"]}

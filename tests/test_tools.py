@@ -1,0 +1,151 @@
+"""Function calling (runtime/server/tools.py): the request's tools checked, calls read from answers in the
+formats models write, the prompt for templates with and without tool support, and the server: a required or
+named call is a valid call (constrained), streamed or not, through the openai SDK."""
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from engc.runtime.json_mode import walk
+from engc.runtime.server.app import APIError
+from engc.runtime.server.tools import ToolSpec
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]}}}
+NOARGS = {"type": "function", "function": {"name": "ping"}}
+
+
+@pytest.mark.parametrize("tools,choice,fragment", [
+    ([{"type": "function"}], None, "tools[0] must be"),
+    ([{"type": "function", "function": {"name": "a b"}}], None, "1-64 letters"),
+    ([WEATHER, WEATHER], None, "declared twice"),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "'nope'"),
+    (None, "required", "needs tools"),
+    ([WEATHER], "sometimes", "tool_choice must be"),
+    ([{"type": "function", "function": {"name": "f", "parameters": []}}], None, "parameters must be"),
+])
+def test_bad_tools_are_400s(tools, choice, fragment):
+    with pytest.raises(APIError, match=fragment.replace("[", r"\[")) as e:
+        ToolSpec(tools, choice)
+    assert e.value.status == 400
+
+
+def test_a_function_whose_parameters_cannot_be_enforced_is_a_400_when_required():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"d": {"type": "string", "format": "date"}}}}}]
+    assert ToolSpec(tools, "auto").grammar() is None        # auto: not constrained, so not refused
+    with pytest.raises(APIError, match="'format' is not supported"):
+        ToolSpec(tools, "required").grammar()
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>',
+     None, [("get_weather", {"city": "Paris", "unit": "c"})]),
+    ('Let me check.\n<tool_call>{"name": "get_time", "arguments": {"zone": 1}}</tool_call>\n'
+     '<tool_call>{"name": "ping", "arguments": {}}</tool_call>', "Let me check.",
+     [("get_time", {"zone": 1}), ("ping", {})]),
+    ('<tool_call>{"name": "ping", "arguments": "{}"}', None, [("ping", {})]),      # unclosed, string arguments
+    ('{"name": "get_time", "parameters": {"zone": 2}}', None, [("get_time", {"zone": 2})]),   # Llama 3
+    ('```json\n[{"name": "ping", "arguments": {}}, {"name": "get_time", "arguments": {"zone": 3}}]\n```', None,
+     [("ping", {}), ("get_time", {"zone": 3})]),
+    ('{"name": "unknown", "arguments": {}}', '{"name": "unknown", "arguments": {}}', []),
+    ('{"city": "Paris"}', '{"city": "Paris"}', []),
+    ('It is sunny.', 'It is sunny.', []),
+    ('<tool_call>{"name": broken}</tool_call>', '<tool_call>{"name": broken}</tool_call>', []),
+])
+def test_calls_are_read_from_the_formats_models_write(text, content, calls):
+    got_content, got = ToolSpec([WEATHER, TIME, NOARGS], "auto").calls(text)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got)
+    assert ToolSpec([WEATHER], "none").calls(text) == (text, [])
+
+
+def test_prompt_for_templates_with_and_without_tools(tiny_bundle):
+    from engc.runtime.loader import load
+    tok = load(tiny_bundle("llama"), device="cpu").tokenizer
+    convo = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"id": "call_1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+    spec = ToolSpec([WEATHER], "auto")
+    assert not tok.reads_tools
+    messages, tools = spec.prompt_messages(convo, tok.reads_tools)
+    text = tok.apply_chat_template(messages, tools=tools)
+    assert tools is None and messages[0]["role"] == "system" and '"name": "get_weather"' in messages[0]["content"]
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}' in text
+    assert "Function result (call call_1): 21 C" in text
+    # a template that reads tools gets them, and the calls with their arguments as objects (HF's shapes)
+    tok.chat_template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}"
+                         "{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+                         "<call>{{ c.function.name }}({{ c.function.arguments.city }})</call>{% endfor %}|"
+                         "{% endfor %}")
+    tok._template = None
+    assert tok.reads_tools
+    messages, tools = spec.prompt_messages(convo, tok.reads_tools)
+    assert tok.apply_chat_template(messages, tools=tools) == (
+        "[get_weather]user:Weather in Paris?|assistant:<call>get_weather(Paris)</call>|tool:21 C|")
+    messages, tools = ToolSpec([WEATHER], "none").prompt_messages(convo, True)
+    assert tools is None   # tool_choice none: the template is not told of them
+
+
+@pytest.fixture(scope="module")
+def client(tiny_bundle):
+    from live_server import LiveServer
+    # engc's tool instructions take ~600 of the tiny tokenizer's tokens: a longer context than the default 256
+    with LiveServer(tiny_bundle("llama", max_position_embeddings=2048)) as s:
+        yield s, openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_required_and_named_calls_are_valid_calls(client):
+    """A random tiny model cannot know tools; with tool_choice required or named its answer is still a call
+    of a declared function whose arguments follow its schema (streamed or not)."""
+    srv, c = client
+    schemas = {t["function"]["name"]: t["function"].get("parameters", {}) for t in (WEATHER, TIME, NOARGS)}
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        spec = ToolSpec([WEATHER, TIME, NOARGS], choice)
+        r = c.chat.completions.create(model=srv.model, messages=msgs, tools=[WEATHER, TIME, NOARGS],
+                                      tool_choice=choice, max_tokens=120, temperature=1.0, seed=1, n=6)
+        for ch in r.choices:
+            if ch.finish_reason == "length":   # a random model's string or number ran past max_tokens
+                g = spec.grammar()
+                assert walk(g.start, ch.message.content, g) is not None and not ch.message.tool_calls
+                continue
+            assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+            (call,) = ch.message.tool_calls
+            assert choice == "required" or call.function.name == "get_time"
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        assert sum(ch.finish_reason == "tool_calls" for ch in r.choices) >= 2
+    stream = c.chat.completions.create(model=srv.model, messages=msgs, tools=[NOARGS], tool_choice="required",
+                                       max_tokens=200, temperature=0, stream=True)
+    deltas = [ch.choices[0] for ch in stream if ch.choices]
+    calls = [tc for d in deltas for tc in d.delta.tool_calls or []]
+    assert len(calls) == 1 and calls[0].function.name == "ping" and calls[0].index == 0
+    assert isinstance(json.loads(calls[0].function.arguments), dict)
+    assert deltas[-1].finish_reason == "tool_calls"
+
+
+def test_auto_and_none_answer_text_and_conversations_with_results_render(client):
+    srv, c = client
+    convo = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "call_1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+    for choice in ("auto", "none"):
+        r = c.chat.completions.create(model=srv.model, messages=convo, tools=[WEATHER], tool_choice=choice,
+                                      max_tokens=8, temperature=0)
+        ch = r.choices[0]
+        # a random model writes no call: its text is the content
+        assert ch.finish_reason in ("stop", "length") and ch.message.tool_calls is None and ch.message.content
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        c.chat.completions.create(model=srv.model, messages=convo, tools=[WEATHER], tool_choice="required",
+                                  response_format={"type": "json_object"}, max_tokens=8)
