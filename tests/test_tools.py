@@ -3,6 +3,8 @@ formats models write, the prompt for templates with and without tool support, an
 named call is a valid call (constrained), streamed or not, through the openai SDK."""
 import json
 
+import anthropic
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -149,3 +151,78 @@ def test_auto_and_none_answer_text_and_conversations_with_results_render(client)
     with pytest.raises(openai.BadRequestError, match="response_format"):
         c.chat.completions.create(model=srv.model, messages=convo, tools=[WEATHER], tool_choice="required",
                                   response_format={"type": "json_object"}, max_tokens=8)
+
+
+def test_anthropic_tools_any_named_and_streamed(client):
+    """/v1/messages with tools through the anthropic SDK: tool_choice any / tool is a tool_use block whose input
+    follows its input_schema (stop_reason tool_use), streamed as input_json_delta too."""
+    srv, _ = client
+    a = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    tools = [{"name": t["function"]["name"], "description": "d",
+              "input_schema": t["function"].get("parameters", {"type": "object", "properties": {}})}
+             for t in (WEATHER, TIME, NOARGS)]
+    schemas = {t["name"]: t["input_schema"] for t in tools}
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    ok = 0
+    for seed_choice in ({"type": "any"}, {"type": "tool", "name": "get_time"}, {"type": "tool", "name": "ping"}):
+        for t in (0.0, 1.0):
+            m = a.messages.create(model=srv.model, max_tokens=120, messages=msgs, tools=tools,
+                                  tool_choice=seed_choice, extra_body={"temperature": t})
+            if m.stop_reason == "max_tokens":   # a random model's string or number ran long
+                continue
+            (block,) = m.content
+            assert m.stop_reason == "tool_use" and block.type == "tool_use" and block.id.startswith("toolu_")
+            assert seed_choice["type"] == "any" or block.name == seed_choice["name"]
+            jsonschema.validate(block.input, schemas[block.name])
+            ok += 1
+    assert ok >= 3
+    with a.messages.stream(model=srv.model, max_tokens=200, messages=msgs, tools=tools,
+                           tool_choice={"type": "tool", "name": "ping"}, extra_body={"temperature": 0}) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[-1].type == "tool_use"
+    assert final.content[-1].name == "ping" and final.content[-1].input == {}
+
+
+def test_anthropic_conversations_with_tool_blocks(client):
+    srv, _ = client
+    a = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
+    convo = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
+                                               {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                "input": {"city": "Paris", "unit": "c"}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 C"},
+                                          {"type": "text", "text": "Thanks"}]}]
+    m = a.messages.create(model=srv.model, max_tokens=8, messages=convo, tools=tools,
+                          tool_choice={"type": "none"}, extra_body={"temperature": 0})
+    assert m.content[0].type == "text" and m.content[0].text and m.stop_reason in ("end_turn", "max_tokens")
+    with_tools = a.messages.count_tokens(model=srv.model, messages=convo, tools=tools).input_tokens
+    assert with_tools > a.messages.count_tokens(model=srv.model, messages=convo[:1]).input_tokens
+    url = srv.url + "/v1/messages"
+    for body, fragment in (
+            (dict(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]),
+             "tool_use blocks belong to assistant"),
+            (dict(messages=convo[:2]), "tool_use (send its tool_result)"),
+            (dict(messages=convo[:1], tools=[{"name": "f"}]), "input_schema"),
+            (dict(messages=convo[:1], tools=tools, tool_choice={"type": "sometimes"}), "tool_choice.type")):
+        r = httpx.post(url, json={"model": srv.model, "max_tokens": 8, **body})
+        assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+
+
+def test_anthropic_structured_output(client):
+    """output_config.format (Anthropic's structured outputs) constrains the text as response_format does."""
+    srv, _ = client
+    a = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    m = a.messages.create(model=srv.model, max_tokens=200, messages=[{"role": "user", "content": "JSON"}],
+                          output_config={"format": {"type": "json_schema", "schema": schema}},
+                          extra_body={"temperature": 0})
+    assert m.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(m.content[0].text), schema)
+    for cfg, fragment in (({"format": {"type": "json_schema", "schema": {"type": "object", "properties": {
+                               "d": {"type": "string", "format": "date"}}}}}, "'format' is not supported"),
+                          ({"format": {"type": "xml"}}, "output_config.format must be")):
+        r = httpx.post(srv.url + "/v1/messages", json={"model": srv.model, "max_tokens": 8, "output_config": cfg,
+                                                       "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text

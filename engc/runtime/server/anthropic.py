@@ -12,8 +12,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from engc.runtime.async_engine import Delta, EngineError
+from engc.runtime.json_schema import SchemaError, compile_schema
 from engc.runtime.server.app import APIError, ServerState
 from engc.runtime.server.protocol import CountTokensRequest, MessagesRequest
+from engc.runtime.server.tools import ToolSpec
 
 router = APIRouter()
 
@@ -22,16 +24,42 @@ router = APIRouter()
 async def messages(req: MessagesRequest, request: Request):
     s: ServerState = request.app.state.engc
     s.check_model(req.model)
-    if req.tools:
-        raise APIError(400, "tools are not supported by engc")
-    prompt_ids = _encode(s, req)
+    prompt_ids, tools = _encode(s, req)
+    grammar = tools.grammar() or _output_format(req)   # a required call, or a schema: the answer is constrained
     params = s.params(len(prompt_ids), req.max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                      top_p=req.top_p, top_k=req.top_k, stop=tuple(req.stop_sequences or ()))
+                      top_p=req.top_p, top_k=req.top_k, stop=tuple(req.stop_sequences or ()),
+                      json_object=grammar is not None, json_schema=grammar)
     stream = s.stream([(prompt_ids, params)], 0, req.session_id)
     msg_id = f"msg_{uuid.uuid4().hex}"
     if req.stream:
-        return StreamingResponse(_events(stream, msg_id, s.model_name, len(prompt_ids)),
+        events = _tool_events if tools.active else _events
+        return StreamingResponse(events(stream, msg_id, s.model_name, len(prompt_ids), tools),
                                  media_type="text/event-stream")
+    text, last = await _whole(stream)
+    content, stop_reason, stop_sequence = _answer(text, last, tools)
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": s.model_name,
+            "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "usage": _usage(len(prompt_ids), last.cached_tokens, last.completion_tokens)}
+
+
+def _output_format(req):
+    """output_config.format (Anthropic's structured outputs) as a grammar, or None."""
+    fmt = (req.output_config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise APIError(400, 'output_config.format must be {"type": "json_schema", "schema": {...}}')
+    if req.tools and (req.tool_choice or {}).get("type") in ("any", "tool"):
+        raise APIError(400, "output_config.format cannot be combined with a required tool call")
+    if req.messages and req.messages[-1].role == "assistant":
+        raise APIError(400, "output_config.format cannot be combined with a final assistant message (prefill)")
+    try:
+        return compile_schema(fmt["schema"])
+    except SchemaError as e:
+        raise APIError(400, f"output_config.format: {e}") from None
+
+
+async def _whole(stream) -> tuple[str, Delta]:
     text, last = "", None
     async with stream:
         try:
@@ -40,44 +68,93 @@ async def messages(req: MessagesRequest, request: Request):
                 last = d
         except EngineError as e:
             raise APIError(500, str(e)) from None
-    stop_reason, stop_sequence = _stop(last)
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": s.model_name,
-            "content": [{"type": "text", "text": text}], "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": _usage(len(prompt_ids), last.cached_tokens, last.completion_tokens)}
+    return text, last
+
+
+def _answer(text: str, last: Delta, tools: ToolSpec) -> tuple[list[dict], str, str | None]:
+    """The reply's content blocks and stop reason: with tools, its calls as tool_use blocks."""
+    content, calls = tools.calls(text)
+    blocks = [{"type": "text", "text": content}] if content or not calls else []
+    blocks += [{"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"), "name": c["function"]["name"],
+                "input": json.loads(c["function"]["arguments"])} for c in calls]
+    return (blocks, "tool_use", None) if calls else (blocks, *_stop(last))
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(req: CountTokensRequest, request: Request):
     s: ServerState = request.app.state.engc
     s.check_model(req.model)
-    return {"input_tokens": len(_encode(s, req))}
+    return {"input_tokens": len(_encode(s, req)[0])}
 
 
-def _encode(s: ServerState, req) -> list[int]:
+def _encode(s: ServerState, req) -> tuple[list[int], ToolSpec]:
     """The prompt as Anthropic's API reads a conversation: it starts with a user turn; consecutive messages
     of one role are one turn; a final assistant message is the start of the reply, which the model continues
-    (the response holds only the new text)."""
+    (the response holds only the new text). tool_use blocks are the assistant turn's calls, tool_result
+    blocks tool messages before the user's text."""
     if not req.messages:
         raise APIError(400, "messages: at least one message is required")
     if req.messages[0].role != "user":
         raise APIError(400, "messages.0.role: the first message must use the user role")
+    tools = ToolSpec(*_openai_tools(req.tools, req.tool_choice))
     turns: list[dict] = []
     for i, m in enumerate(req.messages):
-        content = m.content if isinstance(m.content, str) else "".join(b.text for b in m.content)
+        blocks = [] if isinstance(m.content, str) else m.content
+        content = m.content if isinstance(m.content, str) else "".join(b.text for b in blocks if b.type == "text")
+        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                 for b in blocks if b.type == "tool_use"]
+        results = [b for b in blocks if b.type == "tool_result"]
+        if (calls and m.role != "assistant") or (results and m.role != "user"):
+            raise APIError(400, f"messages.{i}.content: tool_use blocks belong to assistant messages, "
+                                "tool_result blocks to user messages")
         final_reply = i == len(req.messages) - 1 and m.role == "assistant"
-        if not content and not final_reply:
+        if not content and not final_reply and not calls and not results:
             raise APIError(400, f"messages.{i}.content: must not be empty (only a final assistant message may be)")
-        if final_reply and content != content.rstrip():
-            raise APIError(400, f"messages.{i}.content: a final assistant message cannot end with whitespace")
+        if final_reply and (content != content.rstrip() or calls):
+            raise APIError(400, f"messages.{i}.content: a final assistant message cannot end with whitespace "
+                                "or a tool_use (send its tool_result)")
+        turns += [{"role": "tool", "tool_call_id": r.tool_use_id, "content": _result_text(r)} for r in results]
         if turns and turns[-1]["role"] == m.role:
             if content:
-                turns[-1]["content"] += "\n\n" + content
-        elif content:
-            turns.append({"role": m.role, "content": content})
+                turns[-1]["content"] += ("\n\n" if turns[-1]["content"] else "") + content
+            if calls:
+                turns[-1].setdefault("tool_calls", []).extend(calls)
+        elif content or calls:
+            turns.append({"role": m.role, "content": content, **({"tool_calls": calls} if calls else {})})
     system = req.system if isinstance(req.system, str) or req.system is None else \
         "".join(b.text for b in req.system)
     messages = ([{"role": "system", "content": system}] if system else []) + turns
-    return s.tokenizer.encode_chat(messages, continue_final=turns[-1]["role"] == "assistant")
+    messages, tool_list = tools.prompt_messages(messages, s.tokenizer.reads_tools)
+    continued = turns[-1]["role"] == "assistant"
+    if continued and tools.mode == "required":
+        raise APIError(400, "a final assistant message (prefill) cannot be combined with a required tool call")
+    return s.tokenizer.encode_chat(messages, continue_final=continued, tools=tool_list), tools
+
+
+def _openai_tools(tools, choice) -> tuple[list | None, object]:
+    """Anthropic's tools and tool_choice in OpenAI's form (ToolSpec's)."""
+    converted = None
+    if tools is not None:
+        converted = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or not isinstance(t.get("input_schema"), dict):
+                raise APIError(400, f"tools.{i}: a tool needs a name and an input_schema object")
+            converted.append({"type": "function", "function": {
+                "name": t.get("name"), "parameters": t["input_schema"],
+                **({"description": t["description"]} if t.get("description") else {})}})
+    if choice is None:
+        return converted, None
+    kind = choice.get("type")
+    if kind == "tool":
+        return converted, {"type": "function", "function": {"name": choice.get("name")}}
+    if kind not in ("auto", "any", "none"):
+        raise APIError(400, "tool_choice.type must be 'auto', 'any', 'tool' or 'none'")
+    return converted, {"any": "required"}.get(kind, kind)
+
+
+def _result_text(r) -> str:
+    text = r.content if isinstance(r.content, str) or r.content is None else "".join(b.text for b in r.content)
+    return ("(error) " if r.is_error else "") + (text or "")
 
 
 def _usage(prompt: int, cached: int, output: int) -> dict:
@@ -93,15 +170,44 @@ def _stop(d: Delta | None) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-async def _events(stream, msg_id: str, model: str, prompt_len: int):
-    def event(kind: str, data: dict) -> str:
-        return f"event: {kind}\ndata: {json.dumps(dict(type=kind, **data), ensure_ascii=False)}\n\n"
+def event(kind: str, data: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps(dict(type=kind, **data), ensure_ascii=False)}\n\n"
+
+
+def _start(msg_id: str, model: str, prompt_len: int, cached: int) -> str:
+    return event("message_start", {"message": {
+        "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_len, cached, 1)}})
+
+
+async def _tool_events(stream, msg_id: str, model: str, prompt_len: int, tools: ToolSpec):
+    """A reply with tools, streamed: sent whole at its end (a call is only known whole), as blocks."""
+    try:
+        text, last = await _whole(stream)
+    except APIError as e:
+        yield event("error", {"error": {"type": "api_error", "message": e.message}})
+        return
+    blocks, stop_reason, stop_sequence = _answer(text, last, tools)
+    yield _start(msg_id, model, prompt_len, last.cached_tokens)
+    for i, b in enumerate(blocks):
+        if b["type"] == "text":
+            yield event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
+            yield event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": b["text"]}})
+        else:
+            yield event("content_block_start", {"index": i, "content_block": dict(b, input={})})
+            yield event("content_block_delta", {"index": i, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)}})
+        yield event("content_block_stop", {"index": i})
+    yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                  "usage": {"output_tokens": last.completion_tokens}})
+    yield event("message_stop", {})
+
+
+async def _events(stream, msg_id: str, model: str, prompt_len: int, tools=None):
     async with stream:
         try:
             first = await stream.__anext__()
-            yield event("message_start", {"message": {
-                "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
-                "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_len, first.cached_tokens, 1)}})
+            yield _start(msg_id, model, prompt_len, first.cached_tokens)
             yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
             yield event("ping", {})
             last = first

@@ -1,14 +1,14 @@
 """Request bodies of the OpenAI and Anthropic APIs, as pydantic models (the HTTP edge only).
 
 Unknown fields are accepted and ignored, as the reference APIs' SDKs send fields that come and go;
-fields engc would have to honour but cannot (images, logit_bias; tools on /v1/messages) are refused where used.
+fields engc would have to honour but cannot (images, logit_bias) are refused where used.
 Known fields are typed strictly, as JSON types them: `"stream": "yes"`, `"max_tokens": "5"` or `"n": 2.0` get a
 400 naming the field instead of being coerced (an integer is still a valid number).
 Fields marked "engc" are extensions.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -102,17 +102,47 @@ class AnthropicText(_Body):
     text: str
 
 
-class AnthropicMessage(_Body):
-    role: Literal["user", "assistant"]
-    content: Union[str, list[AnthropicText]]
+class AnthropicToolUse(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+
+
+class AnthropicToolResult(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, list[AnthropicText], None] = None
+    is_error: bool = False
 
     _text_only = field_validator("content", mode="before")(_text_parts_only)
+
+
+def _anthropic_blocks(content):
+    """Text, tool_use and tool_result blocks; any other (an image) gets one line that names it."""
+    if isinstance(content, list):
+        for block in content:
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind not in ("text", "tool_use", "tool_result"):
+                raise ValueError(f"content blocks of type {kind!r} are not supported: this server takes text "
+                                 "and tool blocks only")
+    return content
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[Annotated[Union[AnthropicText, AnthropicToolUse, AnthropicToolResult],
+                                       Field(discriminator="type")]]]
+
+    _blocks = field_validator("content", mode="before")(_anthropic_blocks)
 
 
 class _AnthropicPrompt(_Body):
     model: str
     messages: list[AnthropicMessage]
     system: Union[str, list[AnthropicText], None] = None
+    tools: Optional[list] = None        # [{"name", "description", "input_schema"}]
+    tool_choice: Optional[dict] = None  # {"type": "auto" | "any" | "tool" | "none", "name": ...}
 
 
 class MessagesRequest(_AnthropicPrompt):
@@ -123,7 +153,7 @@ class MessagesRequest(_AnthropicPrompt):
     top_k: Optional[int] = Field(None, ge=0)
     stream: bool = False
     metadata: Optional[dict] = None
-    tools: Optional[list] = None
+    output_config: Optional[dict] = None   # {"format": {"type": "json_schema", "schema": ...}}: structured output
     session_id: Optional[str] = Field(None, description="engc: keep this chat's KV cache between requests")
 
 
