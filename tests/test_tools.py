@@ -11,7 +11,7 @@ import pytest
 
 from engc.runtime.json_mode import walk
 from engc.runtime.server.app import APIError
-from engc.runtime.server.tools import ToolSpec
+from engc.runtime.server.tools import CallWatch, ToolSpec
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -67,6 +67,27 @@ def test_calls_are_read_from_the_formats_models_write(text, content, calls):
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got)
     assert ToolSpec([WEATHER], "none").calls(text) == (text, [])
+
+
+@pytest.mark.parametrize("text,sent,content,names", [
+    ("It is sunny in Paris.", "It is sunny in Paris.", "", []),
+    ('Checking <tool_call>{"name": "ping", "arguments": {}}</tool_call>', "Checking ", "", ["ping"]),
+    ('  {"name": "ping", "arguments": {}}', "", "", ["ping"]),                   # held whole: a call object
+    ('{"weather": "sunny"}', "", '{"weather": "sunny"}', []),                     # held, then it is content
+    ("a < b <tool_ca", "a < b ", "<tool_ca", []),          # a tail that could begin a call waits to the end
+    ("x <tool_call>{broken</tool_call> y", "x ", "<tool_call>{broken</tool_call> y", []),
+])
+def test_streamed_text_is_held_only_where_it_could_be_a_call(text, sent, content, names):
+    """Whatever the chunking, CallWatch sends the same text early and reads the same calls at the end."""
+    spec = ToolSpec([WEATHER, NOARGS], "auto")
+    for size in (1, 2, 3, 7, len(text)):
+        watch = CallWatch(spec)
+        early = "".join(watch.feed(text[i:i + size]) for i in range(0, len(text), size))
+        rest, calls = watch.finish()
+        assert early == sent and rest == content and [c["function"]["name"] for c in calls] == names, size
+        assert early + rest == text or calls
+    required = CallWatch(ToolSpec([NOARGS], "required"))
+    assert required.feed("It is") == "" and required.finish() == ("It is", [])
 
 
 def test_prompt_for_templates_with_and_without_tools(tiny_bundle):
@@ -226,3 +247,24 @@ def test_anthropic_structured_output(client):
         r = httpx.post(srv.url + "/v1/messages", json={"model": srv.model, "max_tokens": 8, "output_config": cfg,
                                                        "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+
+
+def test_auto_answers_stream_as_they_come(client):
+    """With tools under "auto" a text answer is streamed in pieces, not held to its end (both APIs)."""
+    srv, c = client
+    msgs = [{"role": "user", "content": "Hello"}]
+    chunks = [ch.choices[0].delta.content for ch in c.chat.completions.create(
+        model=srv.model, messages=msgs, tools=[WEATHER], max_tokens=24, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices and ch.choices[0].delta.content]
+    whole = c.chat.completions.create(model=srv.model, messages=msgs, tools=[WEATHER], max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].message
+    if whole.tool_calls is None and not whole.content.lstrip().startswith(("{", "[", "`")):
+        assert len(chunks) > 3 and "".join(chunks) == whole.content
+    a = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    with a.messages.stream(model=srv.model, max_tokens=24, messages=msgs, extra_body={"temperature": 0},
+                           tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]) as st:
+        pieces = list(st.text_stream)
+        final = st.get_final_message()
+    assert "".join(pieces) == "".join(b.text for b in final.content if b.type == "text")
+    if final.stop_reason != "tool_use" and not pieces[0].lstrip().startswith(("{", "[", "`")):
+        assert len(pieces) > 3

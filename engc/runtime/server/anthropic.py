@@ -15,7 +15,7 @@ from engc.runtime.async_engine import Delta, EngineError
 from engc.runtime.json_schema import SchemaError, compile_schema
 from engc.runtime.server.app import APIError, ServerState
 from engc.runtime.server.protocol import CountTokensRequest, MessagesRequest
-from engc.runtime.server.tools import ToolSpec
+from engc.runtime.server.tools import CallWatch, ToolSpec
 
 router = APIRouter()
 
@@ -74,10 +74,14 @@ async def _whole(stream) -> tuple[str, Delta]:
 def _answer(text: str, last: Delta, tools: ToolSpec) -> tuple[list[dict], str, str | None]:
     """The reply's content blocks and stop reason: with tools, its calls as tool_use blocks."""
     content, calls = tools.calls(text)
-    blocks = [{"type": "text", "text": content}] if content or not calls else []
-    blocks += [{"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"), "name": c["function"]["name"],
-                "input": json.loads(c["function"]["arguments"])} for c in calls]
+    blocks = [{"type": "text", "text": content or ""}] if content or not calls else []
+    blocks += _tool_use_blocks(calls)
     return (blocks, "tool_use", None) if calls else (blocks, *_stop(last))
+
+
+def _tool_use_blocks(calls: list[dict]) -> list[dict]:
+    return [{"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"), "name": c["function"]["name"],
+             "input": json.loads(c["function"]["arguments"])} for c in calls]
 
 
 @router.post("/v1/messages/count_tokens")
@@ -181,23 +185,40 @@ def _start(msg_id: str, model: str, prompt_len: int, cached: int) -> str:
 
 
 async def _tool_events(stream, msg_id: str, model: str, prompt_len: int, tools: ToolSpec):
-    """A reply with tools, streamed: sent whole at its end (a call is only known whole), as blocks."""
-    try:
-        text, last = await _whole(stream)
-    except APIError as e:
-        yield event("error", {"error": {"type": "api_error", "message": e.message}})
-        return
-    blocks, stop_reason, stop_sequence = _answer(text, last, tools)
-    yield _start(msg_id, model, prompt_len, last.cached_tokens)
-    for i, b in enumerate(blocks):
-        if b["type"] == "text":
-            yield event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
-            yield event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": b["text"]}})
-        else:
-            yield event("content_block_start", {"index": i, "content_block": dict(b, input={})})
-            yield event("content_block_delta", {"index": i, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)}})
+    """A reply with tools, streamed: its text as it comes, except what could be a call (CallWatch), which
+    is read at the end and sent as tool_use blocks (their input in one input_json_delta)."""
+    watch, last, text_open = CallWatch(tools), None, False
+
+    def text_delta(text: str):
+        if not text_open:
+            yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+    async with stream:
+        try:
+            async for d in stream:
+                if last is None:
+                    yield _start(msg_id, model, prompt_len, d.cached_tokens)
+                last, text = d, watch.feed(d.text)
+                if text:
+                    for e in text_delta(text):
+                        yield e
+                    text_open = True
+        except EngineError as e:
+            yield event("error", {"error": {"type": "api_error", "message": str(e)}})
+            return
+    content, calls = watch.finish()
+    if content or not (calls or text_open):
+        for e in text_delta(content):
+            yield e
+        text_open = True
+    if text_open:
+        yield event("content_block_stop", {"index": 0})
+    for i, b in enumerate(_tool_use_blocks(calls), start=int(text_open)):
+        yield event("content_block_start", {"index": i, "content_block": dict(b, input={})})
+        yield event("content_block_delta", {"index": i, "delta": {
+            "type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)}})
         yield event("content_block_stop", {"index": i})
+    stop_reason, stop_sequence = ("tool_use", None) if calls else _stop(last)
     yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                   "usage": {"output_tokens": last.completion_tokens}})
     yield event("message_stop", {})

@@ -14,7 +14,7 @@ from engc.runtime.async_engine import Delta, EngineError
 from engc.runtime.json_schema import SchemaError, compile_schema
 from engc.runtime.server.app import APIError, ServerState
 from engc.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from engc.runtime.server.tools import ToolSpec
+from engc.runtime.server.tools import CallWatch, ToolSpec
 
 router = APIRouter()
 
@@ -219,7 +219,7 @@ async def _events(stream, out: _Output):
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
     offsets = [0] * out.num_choices
-    held = [("", []) for _ in range(out.num_choices)]   # with tools: a choice's text, read for calls at its end
+    watches = [CallWatch(out.tools) for _ in range(out.num_choices)] if out.tools else None
     async with stream:
         try:
             if out.chat:
@@ -227,11 +227,13 @@ async def _events(stream, out: _Output):
                     yield sse(out.obj([out.choice(i, None, None, None, delta=True, role=True)], chunk=True))
             async for d in stream:
                 out.track(d)
-                if out.tools:
-                    text, sampled = held[d.index]
-                    held[d.index] = (text + d.text, sampled + d.logprobs)
+                if watches:   # with tools: text that could be a call waits for the choice's end
+                    text = watches[d.index].feed(d.text)
+                    if text or d.logprobs:
+                        lp = out.logprobs(d.logprobs) if out.req.logprobs else None
+                        yield sse(out.obj([out.choice(d.index, text, None, lp, delta=True)], chunk=True))
                     if d.finished:
-                        for chunk in _tool_chunks(out, d, *held[d.index]):
+                        for chunk in _tool_chunks(out, d, watches[d.index]):
                             yield sse(chunk)
                     continue
                 if d.text or d.logprobs:
@@ -247,12 +249,11 @@ async def _events(stream, out: _Output):
     yield "data: [DONE]\n\n"
 
 
-def _tool_chunks(out: _Output, d: Delta, text: str, sampled: list):
-    """A finished choice of a request with tools, streamed: its content (if any), its calls, its end."""
-    content, calls = out.tools.calls(text)
-    lp = out.logprobs(sampled) if out.req.logprobs else None
-    if content or lp:
-        yield out.obj([out.choice(d.index, content or "", None, lp, delta=True)], chunk=True)
+def _tool_chunks(out: _Output, d: Delta, watch: CallWatch):
+    """The end of a streamed choice of a request with tools: the text it held, its calls, its finish."""
+    content, calls = watch.finish()
+    if content:
+        yield out.obj([out.choice(d.index, content, None, None, delta=True)], chunk=True)
     if calls:
         yield out.obj([out.choice(d.index, None, None, None, delta=True, calls=calls)], chunk=True)
     yield out.obj([out.choice(d.index, None, "tool_calls" if calls else _reason(d), None, delta=True)], chunk=True)

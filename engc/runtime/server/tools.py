@@ -111,6 +111,45 @@ class ToolSpec:
         return text, []
 
 
+class CallWatch:
+    """One streamed answer of a request with tools: the text that can be sent now, and the rest held to be
+    read for calls at the end. A required call is held whole; under "auto" an answer whose first character
+    opens a call object, list or code fence is held whole, and any other streams until a `<tool_call>`
+    (a tail that could begin one waits for the next text)."""
+    MARK = "<tool_call>"
+
+    def __init__(self, spec: ToolSpec):
+        self.spec, self.held, self.sent = spec, "", False
+        self.mode = "whole" if spec.mode == "required" else "open"   # or "marked": held from a <tool_call> on
+
+    def feed(self, text: str) -> str:
+        self.held += text
+        if self.mode != "open":
+            return ""
+        head = self.held.lstrip()
+        if not head:   # leading blanks wait: the first visible character decides
+            return ""
+        if not self.sent and head[0] in "{[`":
+            self.mode = "whole"
+            return ""
+        at = self.held.find(self.MARK)
+        if at >= 0:
+            out, self.held, self.mode = self.held[:at], self.held[at:], "marked"
+        else:
+            keep = next((k for k in range(min(len(self.held), len(self.MARK) - 1), 0, -1)
+                         if self.MARK.startswith(self.held[-k:])), 0)
+            out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        self.sent = self.sent or bool(out)
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The text still to send and the calls (no calls: the held text is content)."""
+        if self.mode != "open":
+            content, calls = self.spec.calls(self.held)
+            return content or "", calls
+        return self.held, []
+
+
 def _call(block: str):
     try:
         return _call_of(json.loads(block))
