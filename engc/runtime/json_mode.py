@@ -15,6 +15,7 @@ vanish in decoding); bytes of a character split across tokens read as U+FFFD, wh
 """
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict, defaultdict
 
 import torch
@@ -145,6 +146,11 @@ class ObjectGrammar:
     def depth(state: tuple) -> int:
         return len(state[2])
 
+    @staticmethod
+    def forced(state: tuple) -> str | None:
+        """The characters that must come next, where only one text can (the rest of true/false/null)."""
+        return state[1] if state[0] == "literal" else None
+
 
 OBJECT = ObjectGrammar()
 
@@ -168,6 +174,11 @@ class JsonVocab:
                 solid = t.lstrip(BLANKS)
                 if solid:
                     self.by_first_solid[solid[0]].append(i)
+        self.by_text: dict[str, list[int]] = defaultdict(list)
+        for i, t in enumerate(texts):
+            if t:
+                self.by_text[t].append(i)
+        self.sorted_texts = sorted(self.by_text)   # for the tokens that start with a forced text
         self._masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     def mask(self, state: tuple, grammar=OBJECT) -> torch.Tensor:
@@ -184,6 +195,9 @@ class JsonVocab:
         return m
 
     def _compute(self, state: tuple, grammar) -> torch.Tensor:
+        forced = grammar.forced(state)
+        if forced:
+            return self._compute_forced(state, grammar, forced)
         kind, go = grammar.kind(state), grammar.step
         if kind == "string":
             allowed, candidates = self.plain.clone(), self.not_plain
@@ -203,6 +217,21 @@ class JsonVocab:
         for i in candidates:
             if walk(state, self.texts[i], grammar) is not None:
                 allowed[i] = True
+        return allowed
+
+    def _compute_forced(self, state: tuple, grammar, forced: str) -> torch.Tensor:
+        """A state whose next characters can only be `forced` (the rest of a key or a literal): the tokens
+        that are a prefix of it, and those that start with it and read on (found by bisection, then walked);
+        a walk of every token with the right first character took 10-40 ms a state at SmolLM2's vocabulary."""
+        allowed = torch.zeros(self.size, dtype=torch.bool)
+        for k in range(1, len(forced)):
+            allowed[self.by_text.get(forced[:k], [])] = True
+        at = bisect.bisect_left(self.sorted_texts, forced)
+        while at < len(self.sorted_texts) and self.sorted_texts[at].startswith(forced):
+            text = self.sorted_texts[at]
+            if walk(state, text, grammar) is not None:
+                allowed[self.by_text[text]] = True
+            at += 1
         return allowed
 
 

@@ -222,6 +222,21 @@ class SchemaGrammar:
             return jm.OBJECT.kind(state[1])
         return "string" if mode == "string" else "between" if mode in BETWEEN else "other"
 
+    def forced(self, state: tuple) -> str | None:
+        """The characters that must come next where only one text can: the rest of the one key that may come
+        (with its closing quote), of the one literal or tag left. JsonVocab's masks of such states look
+        tokens up instead of walking the vocabulary."""
+        mode, aux, stack = state
+        if mode == "key_text":
+            cands = self._candidates(stack[-1])
+            keys = [k for _, (k, _) in cands if k.startswith(aux)]
+            return keys[0][len(aux):] + '"' if len(keys) == 1 else None
+        if mode == "literal" and len(aux) == 1:
+            return aux[0] or None
+        if mode == "tag" and len(aux) == 1:
+            return aux[0][0] or None
+        return None
+
     def depth(self, state: tuple) -> int:
         return len(state[2]) + (len(state[1][2]) if state[0] == "any" else 0)
 
