@@ -21,13 +21,6 @@ from collections import OrderedDict, defaultdict
 import torch
 
 BLANKS = " \t\n\r"
-
-def blank_limit(depth: int) -> int:
-    """Blank characters allowed in a row outside strings at a nesting depth: a pretty-printed document's
-    newline and indent (4 spaces a level) fit; more would only spend tokens (a random model's greedy
-    answer spent 64 of them at each gap under a fixed cap of 64)."""
-    return 8 + 4 * depth
-
 CACHE_STATES = 256               # masks kept (a vocabulary-sized bool tensor each)
 LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
 NUMBER_NEXT = {                  # number sub-state -> {character class: next sub-state}
@@ -42,12 +35,41 @@ START = ("start", None, ())
 DONE = "done"
 
 
+def blank_limit(depth: int) -> int:
+    """Blank characters allowed in a row outside strings at a nesting depth: a pretty-printed document's
+    newline and indent (4 spaces a level) fit; more would only spend tokens (a random model's greedy
+    answer spent 64 of them at each gap under a fixed cap of 64)."""
+    return 8 + 4 * depth
+
+
+def plain(text: str) -> bool:
+    """Whether a string's characters stand for themselves inside a JSON string (no quote, backslash or
+    control character)."""
+    return not any(c in '"\\' or ord(c) < 0x20 for c in text)
+
+
 def _number_class(ch: str) -> str:
     if ch == "0":
         return "0"
     if ch.isascii() and ch.isdigit():
         return "1"
     return {"e": "e", "E": "e", "+": "+", "-": "+", ".": "."}.get(ch, "?")
+
+
+def number_start(ch: str) -> str | None:
+    """A number's first sub-state, or None where ch cannot start one."""
+    if ch == "-":
+        return "minus"
+    cls = _number_class(ch)
+    return "zero" if cls == "0" else "int" if cls == "1" else None
+
+
+def number_next(sub: str, ch: str, integer: bool = False) -> str | None:
+    """A number's sub-state after one more character, or None where the number cannot take it (an integer
+    has no fraction or exponent)."""
+    cls = _number_class(ch)
+    cls = "d" if cls in "01" and sub != "minus" else cls
+    return None if integer and cls in ".e" else NUMBER_NEXT[sub].get(cls)
 
 
 def _after_value(stack: tuple) -> tuple:
@@ -73,9 +95,7 @@ def step(state: tuple, ch: str) -> tuple | None:
         is_key, left = aux
         return ("string", is_key, stack) if left == 1 else ("unicode", (is_key, left - 1), stack)
     if mode == "number":
-        cls = _number_class(ch)
-        cls = "d" if cls in "01" and aux != "minus" else cls
-        nxt = NUMBER_NEXT[aux].get(cls)
+        nxt = number_next(aux, ch)
         if nxt is not None:
             return ("number", nxt, stack)
         return step(_after_value(stack), ch) if aux in NUMBER_ENDS else None
@@ -113,10 +133,8 @@ def _start_value(ch: str, stack: tuple) -> tuple | None:
         return ("string", False, stack)
     if ch in LITERALS:
         return ("literal", LITERALS[ch], stack)
-    if ch == "-":
-        return ("number", "minus", stack)
-    cls = _number_class(ch)
-    return ("number", "zero" if cls == "0" else "int", stack) if cls in "01" else None
+    sub = number_start(ch)
+    return ("number", sub, stack) if sub else None
 
 
 def walk(state: tuple | None, text: str, grammar=None) -> tuple | None:
@@ -161,23 +179,21 @@ class JsonVocab:
     def __init__(self, texts: list[str]):
         self.texts = texts
         self.size = len(texts)
-        plain = [bool(t) and not any(c in '"\\' or ord(c) < 0x20 for c in t) for t in texts]
-        self.plain = torch.tensor(plain, dtype=torch.bool)
-        self.not_plain = [i for i, t in enumerate(texts) if t and not plain[i]]
+        is_plain = [bool(t) and plain(t) for t in texts]
+        self.plain = torch.tensor(is_plain, dtype=torch.bool)
+        self.not_plain = [i for i, t in enumerate(texts) if t and not is_plain[i]]
         self.blank_only = torch.tensor([bool(t) and not t.strip(BLANKS) for t in texts], dtype=torch.bool)
         self.blank_led = torch.tensor([bool(t) and t[0] in BLANKS for t in texts], dtype=torch.bool)
         self.by_first: dict[str, list[int]] = defaultdict(list)       # first character
         self.by_first_solid: dict[str, list[int]] = defaultdict(list)  # first non-blank one
-        for i, t in enumerate(texts):
-            if t:
-                self.by_first[t[0]].append(i)
-                solid = t.lstrip(BLANKS)
-                if solid:
-                    self.by_first_solid[solid[0]].append(i)
         self.by_text: dict[str, list[int]] = defaultdict(list)
         for i, t in enumerate(texts):
             if t:
+                self.by_first[t[0]].append(i)
                 self.by_text[t].append(i)
+                solid = t.lstrip(BLANKS)
+                if solid:
+                    self.by_first_solid[solid[0]].append(i)
         self.sorted_texts = sorted(self.by_text)   # for the tokens that start with a forced text
         self._masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 

@@ -158,7 +158,7 @@ class SchemaGrammar:
         if not isinstance(required, list) or set(required) - set(props):
             raise SchemaError(f"{where}: required must list declared properties")
         for key in props:
-            if any(c in '"\\' or ord(c) < 0x20 for c in key):
+            if not jm.plain(key):
                 raise SchemaError(f"{where}: property name {key!r} needs escaping, which is not supported")
         return Node(props=tuple((k, self._compile(s, f"{where}/properties/{k}")) for k, s in props.items()),
                     required=frozenset(required))
@@ -259,10 +259,8 @@ class SchemaGrammar:
             return self._after_value(stack) if inner[0] == jm.DONE else ("any", inner, stack)
         if mode == "number":
             sub, integer = aux
-            cls = jm._number_class(ch)
-            cls = "d" if cls in "01" and sub != "minus" else cls
-            nxt = jm.NUMBER_NEXT[sub].get(cls)
-            if nxt is not None and not (integer and cls in ".e"):
+            nxt = jm.number_next(sub, ch, integer)
+            if nxt is not None:
                 return ("number", (nxt, integer), stack)
             return self.step(self._after_value(stack), ch) if sub in jm.NUMBER_ENDS else None
         if mode == "tag":   # a discriminator's value: once it is known, its branch replaces the union
@@ -327,8 +325,7 @@ class SchemaGrammar:
         if kind == "string":
             return ("string", False, stack)
         if kind == "number":
-            sub = "minus" if ch == "-" else "zero" if ch == "0" else "int"
-            return ("number", (sub, node.number == "integer"), stack)
+            return ("number", (jm.number_start(ch), node.number == "integer"), stack)
         if kind == "object":
             if node.props is None:   # any object
                 return ("any", jm._start_value(ch, ()), stack)
