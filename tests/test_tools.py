@@ -243,9 +243,13 @@ def test_anthropic_structured_output(client):
     jsonschema.validate(json.loads(m.content[0].text), schema)
     for cfg, fragment in (({"format": {"type": "json_schema", "schema": {"type": "object", "properties": {
                                "d": {"type": "string", "format": "date"}}}}}, "'format' is not supported"),
-                          ({"format": {"type": "xml"}}, "output_config.format must be")):
+                          ({"format": {"type": "xml"}}, "output_config.format must be"),
+                          ({"format": {"type": "json_schema", "schema": schema}, "tools": [
+                              {"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"}},
+                           "cannot be combined with a required tool call")):
+        extra = {k: cfg.pop(k) for k in ("tools", "tool_choice") if k in cfg}
         r = httpx.post(srv.url + "/v1/messages", json={"model": srv.model, "max_tokens": 8, "output_config": cfg,
-                                                       "messages": [{"role": "user", "content": "x"}]})
+                                                       "messages": [{"role": "user", "content": "x"}], **extra})
         assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
 
 

@@ -25,7 +25,10 @@ async def messages(req: MessagesRequest, request: Request):
     s: ServerState = request.app.state.engc
     s.check_model(req.model)
     prompt_ids, tools = _encode(s, req)
-    grammar = tools.grammar() or _output_format(req)   # a required call, or a schema: the answer is constrained
+    schema = _output_format(req)
+    if schema is not None and tools.mode == "required":
+        raise APIError(400, "output_config.format cannot be combined with a required tool call")
+    grammar = tools.grammar() or schema   # a required call, or a schema: the answer is constrained
     params = s.params(len(prompt_ids), req.max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                       top_p=req.top_p, top_k=req.top_k, stop=tuple(req.stop_sequences or ()),
                       json_object=grammar is not None, json_schema=grammar)
@@ -49,8 +52,6 @@ def _output_format(req):
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise APIError(400, 'output_config.format must be {"type": "json_schema", "schema": {...}}')
-    if req.tools and (req.tool_choice or {}).get("type") in ("any", "tool"):
-        raise APIError(400, "output_config.format cannot be combined with a required tool call")
     if req.messages and req.messages[-1].role == "assistant":
         raise APIError(400, "output_config.format cannot be combined with a final assistant message (prefill)")
     try:
