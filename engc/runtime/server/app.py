@@ -161,9 +161,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    def model_card(request: Request) -> dict:
+    def model_card(anthropic_shape: bool) -> dict:
         s = app.state.engc
-        if from_anthropic_client(request):
+        if anthropic_shape:
             created = datetime.fromtimestamp(s.created, timezone.utc).isoformat().replace("+00:00", "Z")
             return {"type": "model", "id": s.model_name, "display_name": s.model_name, "created_at": created}
         return {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "engc",
@@ -171,15 +171,16 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
 
     @app.get("/v1/models")
     async def models(request: Request):
-        card = model_card(request)
-        if from_anthropic_client(request):
+        anthropic_shape = from_anthropic_client(request)
+        card = model_card(anthropic_shape)
+        if anthropic_shape:
             return {"data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}
         return {"object": "list", "data": [card]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
         app.state.engc.check_model(model_id)
-        return model_card(request)
+        return model_card(from_anthropic_client(request))
 
     app.include_router(openai.router)
     app.include_router(anthropic.router)

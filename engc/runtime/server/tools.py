@@ -1,4 +1,5 @@
-"""Function calling on /v1/chat/completions (OpenAI's `tools`, `tool_choice`).
+"""Function calling: OpenAI's `tools` / `tool_choice` on /v1/chat/completions, and Anthropic's on /v1/messages
+(anthropic.py turns its tools, tool_use and tool_result blocks into these shapes first).
 
 The prompt: a chat template that reads `tools` (Qwen's, Llama 3's, Hermes-style ones) gets them and the
 conversation's calls and results in Hugging Face's message shapes. A template that does not (SmolLM2's) gets
