@@ -16,9 +16,12 @@ import torch
 
 from engc.bundle.program import ENGC_DOMAIN, Program
 
-MAX_RANGES = 4          # the kernel's MAX_PREFETCH
+MAX_RANGES = 16         # the kernel's MAX_PREFETCH
 MIN_RANGE_BYTES = 1 << 16   # norm weights and biases are not worth a table slot
 ENV = "ENGC_L2_PREFETCH_MB"
+# Nodes whose weight rows come in halves that one program reads together: the SiLU-out int4 GEMV pairs gate
+# row a with up row I + a (templates/int4_gemv.cu.j2), so a partial prefetch takes the same rows of each half.
+HALVES = {"QLinearSiluMul"}
 
 
 def budget_bytes(launch: dict | None) -> int:
@@ -37,21 +40,37 @@ def budget_bytes(launch: dict | None) -> int:
 
 def ranges_after(program: Program, weights: dict[str, torch.Tensor], index: int, budget: int) -> list[tuple[int, int]]:
     """(address, bytes) of the weights the nodes after node `index` read, in order, until the next attention
-    node, MAX_RANGES ranges or `budget` bytes; each a multiple of 16 bytes (the instruction's unit)."""
+    node, MAX_RANGES ranges or `budget` bytes. A node that would overrun the budget gets the same leading
+    fraction of each of its weights (rows first: every weight here is row-major with the output rows first,
+    so those are the rows the first programs of its kernel read; of each half, for HALVES), then the table
+    ends. Ranges start and end on 16-byte boundaries (the instruction's unit)."""
     ranges, left = [], budget
     for node in program.nodes[index + 1:]:
         if node.domain == ENGC_DOMAIN and node.op in ("RotaryPagedAttention", "PagedAttention"):
             break
-        for name in node.inputs:
-            w = weights.get(name)
-            if w is None or w.numel() * w.element_size() < MIN_RANGE_BYTES:
-                continue
-            size = min(w.numel() * w.element_size(), left) & ~15
-            if size == 0 or len(ranges) == MAX_RANGES:
-                return ranges
-            ranges.append((w.data_ptr(), size))
-            left -= size
+        ws = [weights[n] for n in node.inputs if n in weights and _nbytes(weights[n]) >= MIN_RANGE_BYTES]
+        total = sum(_nbytes(w) for w in ws)
+        if not ws:
+            continue
+        parts = 2 if node.op in HALVES else 1
+        fraction = min(1.0, left / total)
+        for w in ws:
+            part_rows = w.shape[0] // parts if w.shape[0] % parts == 0 else w.shape[0]
+            row_bytes = _nbytes(w) // w.shape[0]
+            rows = int(part_rows * fraction) if fraction < 1 else part_rows
+            for p in range(w.shape[0] // part_rows):
+                begin = w.data_ptr() + p * part_rows * row_bytes
+                first, last = (begin + 15) & ~15, (begin + rows * row_bytes) & ~15
+                if last > first and len(ranges) < MAX_RANGES:
+                    ranges.append((first, last - first))
+                    left -= last - first
+        if fraction < 1 or len(ranges) == MAX_RANGES:
+            break
     return ranges
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def node_tables(program: Program, weights: dict[str, torch.Tensor], budget: int,
