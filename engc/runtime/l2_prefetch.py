@@ -84,5 +84,7 @@ def node_tables(program: Program, weights: dict[str, torch.Tensor], budget: int,
         if node.domain == ENGC_DOMAIN and node.op == "RotaryPagedAttention":
             ranges = ranges_after(program, weights, i, budget)
             if ranges:
+                if os.environ.get("ENGC_L2_PREFETCH_LINES") == "1":   # experiment: prefetch.global a line
+                    ranges = [(a, -b) for a, b in ranges]
                 tables[i] = {"l2_prefetch": torch.tensor(ranges, dtype=torch.int64, device=device)}
     return tables
