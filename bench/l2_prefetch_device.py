@@ -1,8 +1,9 @@
 """Does an L2 prefetch issued by a short kernel hold that kernel up, and does the reader after it hit L2?
 
-The question behind runtime/l2_prefetch.py (the cluster decode issuing the next weights' prefetch): at 603e2fc
-every budget made the int4 8B step slower, ~1 us a layer per MB prefetched, as if the prefetch ran
-serially. Here, on the GPU (kernels from bench/l2_prefetch_micro.cu, compiled where the cubin is made):
+The question behind the L2 prefetch experiment of 803114d..a863053 (reverted; bench/results/README.md,
+seventeenth session): the cluster decode kernel asked L2 for the weights the step reads next (the o
+projection, then the MLP's) from a per-layer table, and every budget made the int4 8B step slower. Here, on
+the GPU (kernels from bench/l2_prefetch_micro.cu, compiled where the cubin is made):
 
     here:   nvcc -cubin -arch=sm_90a -O3 -o .kc/l2_micro.cubin bench/l2_prefetch_micro.cu
     there:  python3 bench/l2_prefetch_device.py .kc/l2_micro.cubin OUT.json
@@ -10,7 +11,7 @@ serially. Here, on the GPU (kernels from bench/l2_prefetch_micro.cu, compiled wh
 For each mode (none; cp.async.bulk.prefetch.L2 in 4 KB chunks; prefetch.global.L2 a line; the same with
 evict_last) and size, a 64 x 128-thread `window` kernel (the attention's grid) issues the prefetch and spins
 for 0 or 5 us, then `stream_read` (132 x 4 CTAs, the GEMV's load instruction) reads the buffer. Times by
-CUDA events, L2 flushed before each, median of 15.
+CUDA events (each ~3 us over the kernels), L2 flushed before each, median of 15.
 """
 import json
 import statistics

@@ -88,13 +88,7 @@ def test_launch_rule_takes_the_cluster_kernel_for_small_batches_only():
     args = launches[0][2]
     expected = [qkv, pos, inv_freq, slots, kv[0], kv[1], tables, ctx, starts, out]
     assert all(a.data_ptr() == e.data_ptr() and a.shape == e.shape for a, e in zip(args[:10], expected))
-    assert args[10:] == [0.125, 0, tables.stride(0)]     # a bundle from before the L2 prefetch parameters
-    consts["decode_rotary_cluster"]["l2_prefetch_mb"] = 24   # one with them: the layer's table, or none
-    table = torch.tensor([[4096, 1 << 20], [1 << 24, 4096]], dtype=torch.int64)
-    for prefetch, tail in ((table, [table, 2]), (None, [0, 0])):
-        (launch,) = pa.launch_rotary_decode(qkv, pos, inv_freq, kv, slots, tables, ctx, starts, out, **kw,
-                                            prefetch=prefetch)
-        assert launch[2][10:] == [0.125, 0, tables.stride(0), *tail]
+    assert args[10:] == [0.125, 0, tables.stride(0)]
     consts["decode_rotary_cluster"]["max_seqs"] = 2       # more sequences than it takes: Triton's kernel
     launches = pa.launch_rotary_decode(qkv, pos, inv_freq, kv, slots, tables, ctx, starts, out, **kw)
     assert [v for v, _, _ in launches] == ["decode_rotary"]
@@ -120,8 +114,6 @@ def test_compiles_for_sm90_with_its_parameters_and_shared_memory(t, shape):
     ptx = result.files[record["ptx"]].decode()
     assert ".reqnctapercluster 1, 1, 8" in ptx or ".explicitcluster" in ptx
     assert f"mma.sync.aligned.m16n8k16.row.col.f32.{cuda.MMA_TYPE[t]}.{cuda.MMA_TYPE[t]}.f32" in ptx
-    assert "cp.async.bulk.prefetch.L2.global" in ptx and "l2_prefetch_mb" in record["launch"]
-    assert [a["name"] for a in record["args"]][-2:] == ["prefetch_ptr", "prefetch_ranges"]
 
 
 @pytest.mark.skipif(not gpu_ready() or sm_arch() != "sm90", reason="needs an sm90 GPU and engc._native")
@@ -141,10 +133,6 @@ def test_matches_the_reference_on_the_gpu(tmp_path, heads, kv_heads, head_dim):
     kernel = load_record(result.files[record["cubin"]], record, pdl=False)
     # every batch and context here to the cluster kernel (the table keeps it to one sequence and short contexts)
     consts = {"decode_rotary_cluster": {**record["launch"], "max_seqs": 1 << 20, "max_context": 1 << 30}}
-    # an L2 prefetch table as a layer's (runtime/l2_prefetch.py): ranges of other buffers, the last ragged
-    spare = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
-    prefetch = torch.tensor([[spare.data_ptr(), 1 << 20], [spare.data_ptr() + (1 << 20), (2 << 20) - 48],
-                             [spare.data_ptr() + (3 << 20) - 4096, 4096]], dtype=torch.int64, device="cuda")
     for contexts, window in (([1], 0), ([17], 0), ([192], 0), ([5000, 33, 130, 1000], 0), ([600, 31], 100)):
         qkv, pos, inv_freq, kv, slots, tables, ctx, starts = _inputs(contexts, heads, kv_heads, head_dim,
                                                                      seed=len(contexts) + window)
@@ -156,8 +144,7 @@ def test_matches_the_reference_on_the_gpu(tmp_path, heads, kv_heads, head_dim):
         out = torch.full((len(ctx), heads * head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
         for variant, grid, args in pa.launch_rotary_decode(*g, out, num_heads=heads, num_kv_heads=kv_heads,
                                                            head_dim=head_dim, scale=head_dim ** -0.5,
-                                                           sliding_window=window, consts=consts,
-                                                           prefetch=prefetch):
+                                                           sliding_window=window, consts=consts):
             assert variant == "decode_rotary_cluster"
             kernel.launch(grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args],
                           current_stream())

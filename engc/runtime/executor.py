@@ -31,11 +31,9 @@ class TokenFill:
 
 class Executor:
     def __init__(self, program: Program, weights: dict[str, torch.Tensor],
-                 ops: dict[tuple[str, str], Callable], before_forward: Callable[[], None] | None = None,
-                 node_attrs: dict[int, dict] | None = None):
+                 ops: dict[tuple[str, str], Callable], before_forward: Callable[[], None] | None = None):
         """before_forward: called first in every forward (a GPU model's StepFacts.take: the batch's facts
-        must have been set for it). node_attrs: keyword arguments the runtime adds to a node's call, by node
-        index (the GPU's L2 prefetch tables of the attention nodes, runtime/l2_prefetch.py)."""
+        must have been set for it)."""
         self.program = program
         self.weights = weights
         self.before_forward = before_forward
@@ -55,8 +53,7 @@ class Executor:
                 raise BundleError(f"program node {node.op} reads unknown value '{missing[0]}'")
             drop = tuple(n for n in node.inputs if last_use.get(n) == i and n not in weights
                          and n not in program.inputs)
-            attrs = dict(node.attrs) | (node_attrs or {}).get(i, {})
-            self.steps.append((impl, node.inputs, node.outputs, attrs, drop))
+            self.steps.append((impl, node.inputs, node.outputs, dict(node.attrs), drop))
         self.decode_steps, self.decode_output = self._decode_tail()
 
     def _decode_tail(self) -> tuple[list, str]:

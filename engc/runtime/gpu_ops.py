@@ -240,18 +240,16 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         return (out,)
 
     # RotaryPagedAttention (passes/fuse_rotary_attention): one launch on a decode-only step where the bundle
-    # has the fused kernel; otherwise the rotary kernel, then attention, as for the unfused pair. l2_prefetch:
-    # the node's table of weights to ask L2 for (runtime/l2_prefetch.py; the cluster kernel issues it)
+    # has the fused kernel; otherwise the rotary kernel, then attention, as for the unfused pair.
     def rope_attention(qkv, positions, inv_freq, kv, slots, tables, ctx, starts, kv_scale=None, *, num_heads,
-                       num_kv_heads, head_dim, scale, sliding_window=0, l2_prefetch=None):
+                       num_kv_heads, head_dim, scale, sliding_window=0):
         consts = k.consts["paged_attention"]
         if facts.max_query_len == 1 and paged_attention.fuses_rotary(consts, positions, slots):
             out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
             k.run("paged_attention", paged_attention.launch_rotary_decode(
                 qkv, positions, inv_freq, kv, slots, tables, ctx, starts, out, num_heads=num_heads,
                 num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, sliding_window=sliding_window,
-                max_context_len=facts.max_context_len, consts=consts, kv_scale=kv_scale, counters=counters,
-                prefetch=l2_prefetch))
+                max_context_len=facts.max_context_len, consts=consts, kv_scale=kv_scale, counters=counters))
             return (out,)
         (q,) = rope(qkv, positions, inv_freq, kv, slots, kv_scale, num_heads=num_heads, num_kv_heads=num_kv_heads,
                     head_dim=head_dim)

@@ -71,13 +71,10 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
         raise BundleError(f"{bundle.path}: program needs weight '{missing[0]}' missing from the weights")
     facts = sampler = None
     if dev.type == "cuda":
-        from engc.runtime import l2_prefetch
         from engc.runtime.gpu_ops import BundleKernels, StepFacts, device_arch, gpu_ops
         facts = StepFacts()
         kernels = BundleKernels(bundle, device_arch(dev))
-        budget = l2_prefetch.budget_bytes(kernels.consts.get("paged_attention", {}).get("decode_rotary_cluster"))
-        executor = Executor(program, weights, gpu_ops(kernels, facts), before_forward=facts.take,
-                            node_attrs=l2_prefetch.node_tables(program, weights, budget, dev))
+        executor = Executor(program, weights, gpu_ops(kernels, facts), before_forward=facts.take)
         if "sampling" in kernels.consts:
             from engc.runtime.gpu_sampler import GpuSampler
             sampler = GpuSampler(kernels, dev)

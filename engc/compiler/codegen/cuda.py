@@ -137,11 +137,9 @@ def decode_cluster_spec(cfg: ModelConfig, t: str, arch: str, block_size: int) ->
     types = {"qkv_ptr": f"*{t}", "positions_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_mapping_ptr": "*i64",
              "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}", "block_tables_ptr": "*i32",
              "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "out_ptr": f"*{t}", "scale": "fp32",
-             "sliding_window": "i32", "block_table_stride": "i32", "prefetch_ptr": "*i64", "prefetch_ranges": "i32"}
-    # l2_prefetch_mb: the budget of the runtime's L2 prefetch table (runtime/l2_prefetch.py); its presence also
-    # tells the launch rule that the kernel takes the table (bundles before it have no such parameters)
+             "sliding_window": "i32", "block_table_stride": "i32"}
     launch = {"cluster": cluster, "max_seqs": entry["max_seqs"], "max_context": entry["max_context"],
-              "PDL": int(entry.get("PDL", tune.PDL[arch])), "l2_prefetch_mb": entry["l2_prefetch_mb"]}
+              "PDL": int(entry.get("PDL", tune.PDL[arch]))}
     return CudaKernelSpec(op="paged_attention", variant="decode_rotary_cluster", arch=arch,
                           template="paged_decode_cluster.cu.j2", entry=entry_name, render=values, arg_types=types,
                           num_warps=warps, tune_key=key, tune=entry, launch=launch, shared_mem=shared), ""

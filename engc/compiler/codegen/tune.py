@@ -94,7 +94,7 @@ for _arch in ("sm80", "sm90"):
 # ran slower than without the kernel (2.07 against 1.98 ms) and with one (~64 KB) faster (1.91).
 for _bucket in ("d<=64", "d<=128"):
     _put("sm90", "paged_attention", "decode_cluster", _bucket, enabled=True, cluster=8, num_warps=4, stages=1,
-         max_seqs=1, max_context=1024, l2_prefetch_mb=0)
+         max_seqs=1, max_context=1024)
 
 # fp8_quant (per-token activation quantization) holds a whole row in registers: warps grow with the row.
 for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 16)):

@@ -223,7 +223,7 @@ def fuses_rotary(consts: dict, positions, slot_mapping) -> bool:
 def launch_rotary_decode(qkv, positions, inv_freq, kv_cache, slot_mapping, block_tables, context_lens,
                          query_start_loc, out, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                          sliding_window: int = 0, max_context_len: int | None = None, workspace=None, consts,
-                         kv_scale=None, counters=None, prefetch=None):
+                         kv_scale=None, counters=None):
     """Launch rule of 'decode_rotary' (paged_decode_rotary_kernel): RotaryPagedAttention on a step where
     every sequence has one query token (else: rotary.launch, then launch). Inputs as RotaryKVWrite's
     (qkv contiguous [T, (H + 2 KV) * D], int64 positions and slot_mapping [T]) and PagedAttention's; out
@@ -237,10 +237,7 @@ def launch_rotary_decode(qkv, positions, inv_freq, kv_cache, slot_mapping, block
     max_context (a decode graph of the short-context bucket; the capacity-sized one runs Triton's):
     grid (B, KV, cluster), args
         qkv, positions, inv_freq, slot_mapping, k_cache, v_cache, block_tables, context_lens,
-        query_start_loc, out, scale (fp32), sliding_window (i32), block_table_stride (i32),
-        prefetch (int64 [R, 2] of (address, bytes), or 0), R (i32)
-    where its launch has l2_prefetch_mb (bundles before that kernel parameter lack both). prefetch: the L2
-    prefetch table of this layer (runtime/l2_prefetch.py), which only the cluster kernel issues.
+        query_start_loc, out, scale (fp32), sliding_window (i32), block_table_stride (i32)
     """
     assert qkv.is_contiguous() and out.is_contiguous() and kv_cache.is_contiguous()
     assert positions.dtype == slot_mapping.dtype == torch.int64 and inv_freq.dtype == torch.float32
@@ -255,11 +252,9 @@ def launch_rotary_decode(qkv, positions, inv_freq, kv_cache, slot_mapping, block
     cluster = consts.get("decode_rotary_cluster")
     if (cluster is not None and kv_scale is None and num_seqs <= cluster["max_seqs"]
             and max_context_len <= cluster["max_context"]):
-        table = [] if "l2_prefetch_mb" not in cluster else \
-            [prefetch, prefetch.shape[0]] if prefetch is not None else [0, 0]
         return [("decode_rotary_cluster", (num_seqs, num_kv_heads, cluster["cluster"]),
                  [qkv, positions, inv_freq, slot_mapping, kv_cache[0], kv_cache[1], block_tables, context_lens,
-                  query_start_loc, out, float(scale), int(sliding_window), block_tables.stride(0), *table])]
+                  query_start_loc, out, float(scale), int(sliding_window), block_tables.stride(0)])]
     splits, part_acc, part_ml, counters = _split_buffers(num_seqs, num_heads, num_kv_heads, head_dim,
                                                          max_context_len, consts["decode_rotary"], True,
                                                          workspace, counters, qkv.device)
