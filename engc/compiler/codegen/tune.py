@@ -96,6 +96,14 @@ for _bucket in ("d<=64", "d<=128"):
     _put("sm90", "paged_attention", "decode_cluster", _bucket, enabled=True, cluster=8, num_warps=4, stages=1,
          max_seqs=1, max_context=1024)
 
+# smem_carveout 25 for the norms and the decode attention (every decode variant) on sm90. A 10-40% split for
+# every kernel took the int4 8B batch-1 step from 1.92 to 1.89 ms but the bf16 8B step from 4.14 to 4.33
+# (bench/results/h200_a5e314b_carveout_sweep.json); given to these kernels alone (bench/ab/norms_attn_carveout25.json,
+# one lease each, h200_a70445a_carveout_ab.json): int4 + int4 head b1 1.895 ms against 1.920-1.923 (528.7
+# against 522.7-523.7 tok/s), b32 5,447 against 5,461; bf16 8B b1 4.077 against 4.093 ms, b32 5,865 against 5,842.
+for _key in [k for k in TUNE if k.startswith(("sm90/rms_norm/", "sm90/paged_attention/decode"))]:
+    TUNE[_key]["smem_carveout"] = 25
+
 # fp8_quant (per-token activation quantization) holds a whole row in registers: warps grow with the row.
 for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 16)):
     _put("sm90", "fp8_quant", "*", _bucket, num_warps=_warps, num_stages=1)
@@ -363,7 +371,8 @@ for _arch, _stages in (("sm80", 3), ("sm90", 4)):
 # bundle at batch 32 (128/128, this class's GEMMs) ran 5,472 / 5,480 tok/s with 40% against 5,147-5,158
 # with the driver's choice, the same cubins in another lease of the session (bench/results/
 # h200_c60ec85_int4_carveout.json). A split for the whole bundle showed the range: 25% 4,316, 40-50% 5,451-5,463,
-# 60% 5,168. The other classes were not measured with it.
+# 60% 5,168. The 33-256-row classes at 40% lost a fifth (b64 6,703 against 8,500, b256 9,634 against 11,854 in
+# one lease: h200_a70445a_carveout_ab.json): driver's choice there.
 TUNE["sm90/int4_gemm/*/m<=32"]["smem_carveout"] = 40
 
 _put("sm90", "paged_attention", "prefill", "d<=64", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
