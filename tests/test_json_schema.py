@@ -10,6 +10,7 @@ import torch
 
 from engc.runtime.json_mode import DONE, JsonConstraint, JsonVocab, walk
 from engc.runtime.json_schema import SchemaError, compile_schema
+from test_gpu import gpu_bundle, gpu_ready  # noqa: F401 - a fixture, used by the engine test below
 
 # pydantic's shape for nested models and Optional fields ($defs + $ref, anyOf with null), and the rest of
 # what the automaton enforces
@@ -242,13 +243,17 @@ def test_the_same_schema_compiles_once():
     assert a is compile_schema(PERSON) and a is not compile_schema(TREE)
 
 
-def test_engine_outputs_follow_the_schema(tiny_bundle):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not gpu_ready(), reason="needs a CUDA device and engc._native"))])
+def test_engine_outputs_follow_the_schema(device, request):
     """A random tiny model under a schema: every output is a prefix the automaton accepts, and those that
-    stop are valid instances."""
+    stop are valid instances. On the GPU (tests/test_gpu.py's bundle) beside unconstrained greedy rows, so
+    steps mix the host-sampled constrained rows with rows the CUDA graphs sample."""
     from engc.runtime.engine import Engine, EngineConfig
     from engc.runtime.loader import load
     from engc.runtime.sampling import SamplingParams
-    model = load(tiny_bundle("llama"), device="cpu")
+    bundle = request.getfixturevalue("tiny_bundle")("llama") if device == "cpu" else request.getfixturevalue("gpu_bundle")
+    model = load(bundle, device=device)
     engine = Engine(model, EngineConfig(num_blocks=256, max_num_seqs=16))
     prompt = model.tokenizer.encode("Hello, world!")
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
@@ -257,10 +262,13 @@ def test_engine_outputs_follow_the_schema(tiny_bundle):
     seqs = [engine.add_request(prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=s, json_object=True,
                                                       json_schema=g)) for s in range(12)]
     seqs.append(engine.add_request(prompt, SamplingParams(max_tokens=64, json_schema=schema)))   # a dict will do
+    free = [engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+            for _ in range(2)]
     with pytest.raises(ValueError, match="'pattern' is not supported"):
         engine.check_request(prompt, SamplingParams(json_schema={"type": "object", "properties": {
             "a": {"type": "string", "pattern": "x"}}}))
     engine.run_to_completion()
+    assert all(len(s.output_ids) == 40 for s in free) and free[0].output_ids == free[1].output_ids
     for s in seqs:
         assert walk(g.start, s.output_text, g) is not None, s.output_text
     stopped = [s for s in seqs if s.finish_reason == "stop"]
