@@ -60,6 +60,25 @@ def test_a_function_whose_parameters_cannot_be_enforced_is_a_400_when_required()
     ('{"city": "Paris"}', '{"city": "Paris"}', []),
     ('It is sunny.', 'It is sunny.', []),
     ('<tool_call>{"name": broken}</tool_call>', '<tool_call>{"name": broken}</tool_call>', []),
+    # Llama 3.1: after <|python_tag|> (kept where a tokenizer does not mark it special), ';' between calls
+    ('<|python_tag|>{"name": "get_time", "parameters": {"zone": 4}}; {"name": "ping", "parameters": {}}', None,
+     [("get_time", {"zone": 4}), ("ping", {})]),
+    ('Sure. <|python_tag|>{"name": "ping", "parameters": {}}', "Sure.", [("ping", {})]),
+    ('<function=get_time>{"zone": 5}</function>', None, [("get_time", {"zone": 5})]),   # Llama 3.1 custom
+    # Mistral: a JSON list after [TOOL_CALLS], or name[ARGS]{...} (v11 tokenizers)
+    ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": 6}}]', None, [("get_time", {"zone": 6})]),
+    ('[TOOL_CALLS]get_time[ARGS]{"zone": 7}[TOOL_CALLS]ping[ARGS]{}', None, [("get_time", {"zone": 7}), ("ping", {})]),
+    ('[TOOL_CALLS]get_time[ARGS]{"zone": 8} ping[ARGS]{}', None, [("get_time", {"zone": 8}), ("ping", {})]),
+    # pythonic (Llama 3.2 / 4): literal keyword arguments only, nothing evaluated
+    ('[get_weather(city="Paris", unit="c"), ping()]', None, [("get_weather", {"city": "Paris", "unit": "c"}), ("ping", {})]),
+    ('get_time(zone=-2)', None, [("get_time", {"zone": -2})]),
+    ('[get_time(zone=__import__("os").getpid())]', '[get_time(zone=__import__("os").getpid())]', []),
+    ('[get_time(3)]', '[get_time(3)]', []),                                   # positional: not a call
+    ('[get_time(zone={1, 2})]', '[get_time(zone={1, 2})]', []),               # a set is no JSON value
+    ('[ping(), unknown()]', '[ping(), unknown()]', []),                       # a whole answer: all or none
+    ('<tool_call>{"name": "ping", "arguments": {}}</tool_call><tool_call>{"name": "nope", "arguments": {}}'
+     '</tool_call>', None, [("ping", {})]),                                   # tagged: the declared ones
+    ('print("hi")', 'print("hi")', []),
 ])
 def test_calls_are_read_from_the_formats_models_write(text, content, calls):
     got_content, got = ToolSpec([WEATHER, TIME, NOARGS], "auto").calls(text)
@@ -76,6 +95,10 @@ def test_calls_are_read_from_the_formats_models_write(text, content, calls):
     ('{"weather": "sunny"}', "", '{"weather": "sunny"}', []),                     # held, then it is content
     ("a < b <tool_ca", "a < b ", "<tool_ca", []),          # a tail that could begin a call waits to the end
     ("x <tool_call>{broken</tool_call> y", "x ", "<tool_call>{broken</tool_call> y", []),
+    ('Sure. <|python_tag|>{"name": "ping", "parameters": {}}', "Sure. ", "", ["ping"]),
+    ('[TOOL_CALLS]ping[ARGS]{}', "", "", ["ping"]),                             # held whole: it opens with '['
+    ('Use <function=ping>{}</function>', "Use ", "", ["ping"]),
+    ("a <|pyth", "a ", "<|pyth", []),
 ])
 def test_streamed_text_is_held_only_where_it_could_be_a_call(text, sent, content, names):
     """Whatever the chunking, CallWatch sends the same text early and reads the same calls at the end."""

@@ -9,8 +9,10 @@ engc's own instructions in the system message: the functions' JSON specs and "re
 The answer: with tool_choice "required" or a named function the output is constrained to a call (the
 json_schema automaton: {"name": <a function>, "arguments": <its parameters>}, a tagged union over the
 functions), so it always parses and its arguments follow the schema. With "auto" the model decides, and
-its text is read for calls afterwards: `<tool_call>{...}</tool_call>` blocks (Hermes, Qwen) or an answer
-that is only a call object or a list of them (Llama 3, engc's instructions), naming a declared function.
+its text is read for calls afterwards in the formats models write (call_formats.py: Hermes/Qwen
+`<tool_call>` blocks, Llama 3.x's JSON, `<|python_tag|>`, `<function=...>` and pythonic lists, Mistral's
+`[TOOL_CALLS]`, an answer that is only a call object or list as engc's instructions ask), naming a declared
+function.
 """
 from __future__ import annotations
 
@@ -19,11 +21,11 @@ import re
 import uuid
 
 from engc.runtime.json_schema import SchemaError, compile_schema
+from engc.runtime.server import call_formats
 from engc.runtime.server.app import APIError
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+LONGEST_MARK = max(map(len, call_formats.MARKS))
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -92,36 +94,27 @@ class ToolSpec:
         return out, None
 
     def calls(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, tool_calls) of an answer; no calls where none names a declared function."""
-        if not self.active:
+        """(content, tool_calls) of an answer (call_formats.py reads the formats models write): the tagged
+        calls that name declared functions, or the whole answer's calls if every one does; else no calls."""
+        read = call_formats.read_calls(text) if self.active else None
+        if read is None:
             return text, []
-        found = [c for c in (_call(b) for b in HERMES.findall(text)) if c and c[0] in self.functions]
-        if found:
-            rest = HERMES.sub("", text).strip()
-            return rest or None, [_tool_call(*c) for c in found]
-        body = text.strip()
-        fenced = FENCE.match(body)
-        try:
-            value = json.loads(fenced.group(1) if fenced else body)
-        except ValueError:
+        content, found, whole = read
+        known = [c for c in found if c[0] in self.functions]
+        if not known or (whole and len(known) < len(found)):
             return text, []
-        items = value if isinstance(value, list) else [value]
-        parsed = [_call_of(v) for v in items]
-        if items and all(c and c[0] in self.functions for c in parsed):
-            return None, [_tool_call(*c) for c in parsed]
-        return text, []
+        return content, [_tool_call(*c) for c in known]
 
 
 class CallWatch:
     """One streamed answer of a request with tools: the text that can be sent now, and the rest held to be
     read for calls at the end. A required call is held whole; under "auto" an answer whose first character
-    opens a call object, list or code fence is held whole, and any other streams until a `<tool_call>`
-    (a tail that could begin one waits for the next text)."""
-    MARK = "<tool_call>"
+    opens a call object, list or code fence is held whole, and any other streams until a call marker
+    (call_formats.MARKS: `<tool_call>`, `<|python_tag|>`, ...; a tail that could begin one waits)."""
 
     def __init__(self, spec: ToolSpec):
         self.spec, self.held, self.sent = spec, "", False
-        self.mode = "whole" if spec.mode == "required" else "open"   # or "marked": held from a <tool_call> on
+        self.mode = "whole" if spec.mode == "required" else "open"   # or "marked": held from a marker on
 
     def feed(self, text: str) -> str:
         self.held += text
@@ -133,12 +126,12 @@ class CallWatch:
         if not self.sent and head[0] in "{[`":
             self.mode = "whole"
             return ""
-        at = self.held.find(self.MARK)
+        at = min((i for i in (self.held.find(m) for m in call_formats.MARKS) if i >= 0), default=-1)
         if at >= 0:
             out, self.held, self.mode = self.held[:at], self.held[at:], "marked"
         else:
-            keep = next((k for k in range(min(len(self.held), len(self.MARK) - 1), 0, -1)
-                         if self.MARK.startswith(self.held[-k:])), 0)
+            keep = next((k for k in range(min(len(self.held), LONGEST_MARK - 1), 0, -1)
+                         if any(m.startswith(self.held[-k:]) for m in call_formats.MARKS)), 0)
             out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         self.sent = self.sent or bool(out)
         return out
@@ -149,25 +142,6 @@ class CallWatch:
             content, calls = self.spec.calls(self.held)
             return content or "", calls
         return self.held, []
-
-
-def _call(block: str):
-    try:
-        return _call_of(json.loads(block))
-    except ValueError:
-        return None
-
-
-def _call_of(value):
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    args = value.get("arguments", value.get("parameters", {}))
-    if isinstance(args, str):   # some models write the arguments as a JSON string, as OpenAI's API does
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    return (value["name"], args) if isinstance(args, dict) else None
 
 
 def _tool_call(name: str, args: dict) -> dict:
