@@ -52,7 +52,15 @@ PETS = {"$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "ca
                                            "required": ["v"]},
                                           {"type": "object", "properties": {"v": {"const": 12}}, "required": ["v"]}]}},
         "required": ["pets"]}
-SCHEMAS = [PERSON, TREE, PETS, {"type": "object", "properties": {}}, {"type": "array", "items": {"enum": [1, 12, 123, "x"]}}]
+# keys, enum values and tags outside ASCII: written as they are or escaped (write() picks at random)
+UNICODE = {"type": "object", "properties": {
+    "名前": {"type": "string"}, "ville": {"enum": ["東京", "Zürich", "Paris", "é", 7]},
+    "pet": {"oneOf": [{"type": "object", "properties": {"種": {"const": "猫"}, "n": {"type": "integer"}},
+                       "required": ["種"]},
+                      {"type": "object", "properties": {"種": {"const": "犬"}}, "required": ["種"]}]}},
+    "required": ["名前", "ville"]}
+SCHEMAS = [PERSON, TREE, PETS, {"type": "object", "properties": {}}, {"type": "array", "items": {"enum": [1, 12, 123, "x"]}},
+           UNICODE]
 
 
 def instance(schema, rng, root, depth=0):
@@ -236,6 +244,25 @@ def test_constraint_takes_tokens_to_the_end():
 def test_unenforceable_schemas_are_refused(schema, message):
     with pytest.raises(SchemaError, match=message.replace("$", r"\$").replace("(", r"\(")):
         compile_schema(schema)
+
+
+def test_a_vocabulary_without_whole_characters_can_still_write_keys_and_values_outside_ascii():
+    """Byte-split characters read as U+FFFD, which no key or constant matches: the escaped spelling is the
+    way through, token by token (a greedy walk over an ASCII vocabulary completes a valid instance)."""
+    schema = {"type": "object", "properties": {"名前": {"enum": ["東京"]}}, "required": ["名前"]}
+    g = compile_schema(schema)
+    texts = [chr(c) for c in range(32, 127)] + ["\ufffd", '{"', '":']
+    vocab = JsonVocab(texts)
+    c = JsonConstraint(vocab, g)
+    out = ""
+    for _ in range(40):
+        allowed = c.allowed()
+        assert not allowed[texts.index("\ufffd")]
+        token = int(torch.nonzero(allowed)[-1])          # the last allowed: never the one a test expects
+        out += texts[token]
+        if c.take(token) == "done":
+            break
+    assert c.done and json.loads(out) == {"名前": "東京"} and "\\u540d" in out, out
 
 
 def test_the_same_schema_compiles_once():

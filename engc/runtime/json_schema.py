@@ -14,6 +14,10 @@ their properties in declared order, optional ones skippable, and no others (addi
 to be used: a document without extra keys is valid either way). Keywords that would constrain what this
 automaton cannot enforce (pattern, format, minimum, minLength, ...) are refused with SchemaError, not
 ignored: an output that breaks the user's schema silently would be worse than a 400.
+
+Keys and literals with characters outside ASCII have two spellings: as they are, and escaped (\\uXXXX, as
+json.dumps writes them by default): a tokenizer without a whole token for a character (its bytes split over
+tokens, which read as U+FFFD here) can still write every key and enum value, in ASCII.
 """
 from __future__ import annotations
 
@@ -120,7 +124,7 @@ class SchemaGrammar:
             if not isinstance(values, list) or not values:
                 raise SchemaError(f"{where}: enum must be a non-empty list")
             self._merge(node, Node(literals=tuple(dict.fromkeys(
-                json.dumps(v, ensure_ascii=False, separators=(",", ":")) for v in values))), where)
+                text for v in values for text in spellings(v)))), where)
             return
         types = schema.get("type")
         if types is None:
@@ -171,14 +175,16 @@ class SchemaGrammar:
         problem = f"{where}: object alternatives must share a first property, required, with a constant value"
         if len(keys) != 1 or None in keys:
             raise SchemaError(problem)
-        key, tags = keys.pop(), []
+        key, tags, values = keys.pop(), [], set()
         for i in objects:
             value = self.nodes[self.nodes[i].props[0][1]]
-            if key not in self.nodes[i].required or len(value.literals) != 1 or set(value.starts.values()) != {"literal"}:
+            one = {_canonical(t) for t in value.literals}    # one constant (in either spelling)
+            if key not in self.nodes[i].required or len(one) != 1 or set(value.starts.values()) != {"literal"}:
                 raise SchemaError(problem)
-            tags.append((value.literals[0], i))
-        if len({t for t, _ in tags}) < len(tags):
-            raise SchemaError(f"{where}: two object alternatives have the same '{key}'")
+            if one & values:
+                raise SchemaError(f"{where}: two object alternatives have the same '{key}'")
+            values |= one
+            tags += [(t, i) for t in value.literals]
         self.nodes.append(Node(tags=tuple(tags), starts={t[0]: "tag" for t, _ in tags}))
         self.nodes.append(Node(props=((key, len(self.nodes) - 1),), required=frozenset({key})))
         return len(self.nodes) - 1
@@ -229,7 +235,7 @@ class SchemaGrammar:
         mode, aux, stack = state
         if mode == "key_text":
             cands = self._candidates(stack[-1])
-            keys = [k for _, (k, _) in cands if k.startswith(aux)]
+            keys = [t for _, (k, _) in cands for t in key_spellings(k) if t.startswith(aux)]
             return keys[0][len(aux):] + '"' if len(keys) == 1 else None
         if mode == "literal" and len(aux) == 1:
             return aux[0] or None
@@ -286,12 +292,13 @@ class SchemaGrammar:
             frame = stack[-1]
             cands = self._candidates(frame)
             if ch == '"':
-                hit = next((j for j, (k, _) in cands if k == aux), None)
+                hit = next((j for j, (k, _) in cands if aux in key_spellings(k)), None)
                 if hit is None:
                     return None
                 return ("colon", self.nodes[frame[1]].props[hit][1], stack[:-1] + (("o", frame[1], hit + 1),))
             text = aux + ch
-            return ("key_text", text, stack) if any(k.startswith(text) for _, (k, _) in cands) else None
+            return ("key_text", text, stack) if any(t.startswith(text) for _, (k, _) in cands
+                                                    for t in key_spellings(k)) else None
         if mode == "colon":
             return ("value", aux, stack) if ch == ":" else None
         if mode == "comma_or_close":
@@ -353,6 +360,21 @@ class SchemaGrammar:
     @staticmethod
     def _after_value(stack: tuple) -> tuple:
         return (jm.DONE, None, ()) if not stack else ("comma_or_close", None, stack)
+
+
+def spellings(value) -> tuple[str, ...]:
+    """A constant's JSON texts: compact, as it is, and with non-ASCII characters escaped where that differs."""
+    return tuple(dict.fromkeys(json.dumps(value, ensure_ascii=a, separators=(",", ":")) for a in (False, True)))
+
+
+@lru_cache(maxsize=4096)
+def key_spellings(key: str) -> tuple[str, ...]:
+    """A property name's texts between its quotes (it has no character that needs escaping otherwise)."""
+    return tuple(text[1:-1] for text in spellings(key))
+
+
+def _canonical(text: str) -> str:
+    return json.dumps(json.loads(text), sort_keys=True)
 
 
 @lru_cache(maxsize=64)
