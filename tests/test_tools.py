@@ -79,6 +79,9 @@ def test_a_function_whose_parameters_cannot_be_enforced_is_a_400_when_required()
     ('<tool_call>{"name": "ping", "arguments": {}}</tool_call><tool_call>{"name": "nope", "arguments": {}}'
      '</tool_call>', None, [("ping", {})]),                                   # tagged: the declared ones
     ('print("hi")', 'print("hi")', []),
+    ("[" * 5000, "[" * 5000, []),                                           # too deep to parse: content, no 500
+    ('<tool_call>' + '[' * 5000, '<tool_call>' + '[' * 5000, []),
+    ("[f(a=" + "[" * 3000 + "]" * 3000 + ")]", "[f(a=" + "[" * 3000 + "]" * 3000 + ")]", []),
 ])
 def test_calls_are_read_from_the_formats_models_write(text, content, calls):
     got_content, got = ToolSpec([WEATHER, TIME, NOARGS], "auto").calls(text)

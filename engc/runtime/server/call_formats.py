@@ -27,6 +27,9 @@ FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
 MISTRAL = re.compile(r"\s*(?:\[TOOL_CALLS\]\s*)?([A-Za-z0-9_-]+)\[ARGS\]")
 
 Call = tuple[str, dict]
+# what parsing a model's text may raise: deep nesting ("[[[[...") is a RecursionError in json and ast, not a
+# ValueError, and must not turn an answer into a 500
+BAD = (ValueError, RecursionError, MemoryError)
 
 
 def read_calls(text: str) -> tuple[str | None, list[Call], bool] | None:
@@ -54,7 +57,7 @@ def whole_answer(body: str) -> list[Call] | None:
     body = fenced.group(1) if fenced else body
     try:
         value = json.loads(body)
-    except ValueError:
+    except BAD:
         return _joined_objects(body) or _mistral(body) or _pythonic(body)
     items = value if isinstance(value, list) else [value]
     calls = [_call_of(v) for v in items]
@@ -71,7 +74,7 @@ def _named(name: str, args) -> Call | None:
     if isinstance(args, str):   # arguments as JSON text, as OpenAI's API writes them (and the tags hold)
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError:
+        except BAD:
             return None
     return (name, args) if isinstance(args, dict) else None
 
@@ -79,7 +82,7 @@ def _named(name: str, args) -> Call | None:
 def _object(text: str) -> Call | None:
     try:
         return _call_of(json.loads(text))
-    except ValueError:
+    except BAD:
         return None
 
 
@@ -89,7 +92,7 @@ def _joined_objects(body: str) -> list[Call] | None:
     while at < len(body):
         try:
             value, at = decoder.raw_decode(body, at)
-        except ValueError:
+        except BAD:
             return None
         calls.append(_call_of(value))
         at = len(body) - len(body[at:].lstrip(" \t\r\n;"))
@@ -105,7 +108,7 @@ def _mistral(body: str) -> list[Call] | None:
             return None
         try:
             args, at = decoder.raw_decode(body, head.end())
-        except ValueError:
+        except BAD:
             return None
         calls.append(_named(head.group(1), args))
         at = len(body) - len(body[at:].lstrip())
@@ -116,7 +119,7 @@ def _pythonic(body: str) -> list[Call] | None:
     """[f(a=1, b="x"), g()] or f(a=1): keyword arguments with literal values (ast.literal_eval), nothing run."""
     try:
         tree = ast.parse(body, mode="eval").body
-    except (SyntaxError, ValueError):
+    except (SyntaxError, *BAD):
         return None
     nodes = tree.elts if isinstance(tree, ast.List) else [tree]
     calls = []
@@ -126,9 +129,9 @@ def _pythonic(body: str) -> list[Call] | None:
             return None
         try:
             args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            return None
-        if not _json_like(args):
+            if not _json_like(args):
+                return None
+        except (TypeError, SyntaxError, *BAD):
             return None
         calls.append((node.func.id, args))
     return calls or None
