@@ -198,6 +198,19 @@ def test_auto_and_none_answer_text_and_conversations_with_results_render(client)
     with pytest.raises(openai.BadRequestError, match="response_format"):
         c.chat.completions.create(model=srv.model, messages=convo, tools=[WEATHER], tool_choice="required",
                                   response_format={"type": "json_object"}, max_tokens=8)
+    # strict functions under "auto" (tests/test_triggered.py has the constraint): answered, streamed too,
+    # and refused beside response_format
+    strict = dict(WEATHER, function=dict(WEATHER["function"], strict=True))
+    r = c.chat.completions.create(model=srv.model, messages=convo, tools=[strict, TIME], max_tokens=12,
+                                  temperature=1.0, seed=3)
+    for call in r.choices[0].message.tool_calls or []:
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    streamed = list(c.chat.completions.create(model=srv.model, messages=convo, tools=[strict], max_tokens=12,
+                                              temperature=1.0, seed=3, stream=True))
+    assert streamed[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError, match="strict functions"):
+        c.chat.completions.create(model=srv.model, messages=convo, tools=[strict], max_tokens=8,
+                                  response_format={"type": "json_object"})
 
 
 def test_anthropic_tools_any_named_and_streamed(client):
@@ -228,6 +241,15 @@ def test_anthropic_tools_any_named_and_streamed(client):
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use" and final.content[-1].type == "tool_use"
     assert final.content[-1].name == "ping" and final.content[-1].input == {}
+    # a strict tool under "auto": answered (any tool_use block valid), refused beside output_config.format
+    strict = [dict(tools[0], strict=True)]
+    m = a.messages.create(model=srv.model, max_tokens=16, messages=msgs, tools=strict, extra_body={"temperature": 1.0})
+    for block in m.content:
+        if block.type == "tool_use":
+            jsonschema.validate(block.input, schemas[block.name])
+    with pytest.raises(anthropic.BadRequestError, match="strict tools"):
+        a.messages.create(model=srv.model, max_tokens=8, messages=msgs, tools=strict,
+                          extra_body={"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}})
 
 
 def test_anthropic_conversations_with_tool_blocks(client):

@@ -22,6 +22,7 @@ import torch
 from engc.runtime.executor import TokenFill
 from engc.runtime.json_mode import JsonConstraint, JsonVocab
 from engc.runtime.json_schema import grammar_of
+from engc.runtime.triggered import TriggeredConstraint
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import LoadedModel
 from engc.runtime.sampling import Sampled, SamplingParams, sample_row
@@ -156,7 +157,10 @@ class Engine:
             seq.request_id = request_id
         self.sequences[seq.request_id] = seq
         self.decoders[seq] = IncrementalDecoder(self.model.tokenizer, seq.prompt_ids)
-        if params.json_object or params.json_schema is not None:
+        if params.json_triggers or params.json_at_start:
+            seq.constraint = TriggeredConstraint(self.json_vocab, grammar_of(params.json_schema),
+                                                 params.json_triggers, params.json_at_start)
+        elif params.json_object or params.json_schema is not None:
             seq.constraint = JsonConstraint(self.json_vocab, grammar_of(params.json_schema))
         self.scheduler.add(seq)
         return seq

@@ -199,10 +199,13 @@ class JsonVocab:
 
     def mask(self, state: tuple, grammar=OBJECT) -> torch.Tensor:
         """The tokens allowed in `state` of `grammar` (a bool tensor over the vocabulary), cached per state."""
-        key = (grammar, state)
+        return self.cached((grammar, state), lambda: self._compute(state, grammar))
+
+    def cached(self, key, compute) -> torch.Tensor:
+        """The mask cached under `key`, computed by compute() at its first use (the last CACHE_STATES kept)."""
         m = self._masks.get(key)
         if m is None:
-            m = self._compute(state, grammar)
+            m = compute()
             self._masks[key] = m
             if len(self._masks) > CACHE_STATES:
                 self._masks.popitem(last=False)

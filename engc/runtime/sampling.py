@@ -23,6 +23,10 @@ class SamplingParams:
     logprobs: int | None = None       # None: none; k: the chosen token's logprob and the top k
     json_object: bool = False         # JSON mode: the output is one JSON object (runtime/json_mode.py)
     json_schema: object = None        # a JSON Schema (dict) or json_schema.SchemaGrammar: the output is one instance
+    # ... or, with these, only the parts that start where the output reaches a trigger text, or (at_start) an
+    # answer that opens with '{' or '[' (runtime/triggered.py: strict function calls under tool_choice auto)
+    json_triggers: tuple[str, ...] = ()
+    json_at_start: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
     def validate(self) -> None:
@@ -35,7 +39,9 @@ class SamplingParams:
                   (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
                   (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
                   # an empty stop string matches before the first token: the answer would always be empty
-                  (all(self.stop), "stop strings must not be empty")]
+                  (all(self.stop), "stop strings must not be empty"),
+                  (self.json_schema is not None or not (self.json_triggers or self.json_at_start),
+                   "json_triggers and json_at_start need json_schema")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)

@@ -41,7 +41,7 @@ class Sequence:
     logprobs: list[Sampled] = field(default_factory=list)
     generator: torch.Generator | None = None
     arrival: int = field(default_factory=lambda: next(_ids))
-    constraint: object | None = None          # JSON mode's state (runtime/json_mode.JsonConstraint)
+    constraint: object | None = None          # json_mode.JsonConstraint or triggered.TriggeredConstraint
 
     def __post_init__(self):
         self.generator = make_generator(self.params.seed)

@@ -29,9 +29,12 @@ async def messages(req: MessagesRequest, request: Request):
     if schema is not None and tools.mode == "required":
         raise APIError(400, "output_config.format cannot be combined with a required tool call")
     grammar = tools.grammar() or schema   # a required call, or a schema: the answer is constrained
+    strict = tools.auto_constraint(s.tokenizer)   # strict tools under "auto": calls constrained where they start
+    if strict and schema is not None:
+        raise APIError(400, "strict tools under tool_choice auto cannot be combined with output_config.format")
     params = s.params(len(prompt_ids), req.max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                       top_p=req.top_p, top_k=req.top_k, stop=tuple(req.stop_sequences or ()),
-                      json_object=grammar is not None, json_schema=grammar)
+                      json_object=grammar is not None, **({"json_schema": grammar} | strict))
     stream = s.stream([(prompt_ids, params)], 0, req.session_id)
     msg_id = f"msg_{uuid.uuid4().hex}"
     if req.stream:
@@ -131,8 +134,9 @@ def _encode(s: ServerState, req) -> tuple[list[int], ToolSpec]:
     messages = ([{"role": "system", "content": system}] if system else []) + turns
     messages, tool_list = tools.prompt_messages(messages, s.tokenizer.reads_tools)
     continued = turns[-1]["role"] == "assistant"
-    if continued and tools.mode == "required":
-        raise APIError(400, "a final assistant message (prefill) cannot be combined with a required tool call")
+    if continued and (tools.mode == "required" or tools.auto_constraint(s.tokenizer)):
+        raise APIError(400, "a final assistant message (prefill) cannot be combined with a required tool call "
+                       "or strict tools")
     return s.tokenizer.encode_chat(messages, continue_final=continued, tools=tool_list), tools
 
 
@@ -146,7 +150,8 @@ def _openai_tools(tools, choice) -> tuple[list | None, object]:
                 raise APIError(400, f"tools.{i}: a tool needs a name and an input_schema object")
             converted.append({"type": "function", "function": {
                 "name": t.get("name"), "parameters": t["input_schema"],
-                **({"description": t["description"]} if t.get("description") else {})}})
+                **({"description": t["description"]} if t.get("description") else {}),
+                **({"strict": t["strict"]} if "strict" in t else {})}})
     if choice is None:
         return converted, None
     kind = choice.get("type")

@@ -44,7 +44,12 @@ class ToolSpec:
             params = f.get("parameters", NO_PARAMETERS)
             if not isinstance(params, dict):
                 raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
+            if "strict" in f and not isinstance(f["strict"], bool):
+                raise APIError(400, f"tools[{i}].function.strict must be true or false", "tools")
             self.functions[f["name"]] = dict(f, parameters=params)
+        # strict (OpenAI's function.strict, Anthropic's tool strict): its calls' arguments follow the schema,
+        # under "auto" too (triggered.py)
+        self.strict = any(f.get("strict") is True for f in self.functions.values())
         if choice is None:
             choice = "auto" if self.functions else "none"
         if isinstance(choice, dict):
@@ -68,13 +73,29 @@ class ToolSpec:
         """The call's grammar where a call is required, else None."""
         if self.mode != "required":
             return None
-        alternatives = [{"type": "object", "properties": {"name": {"const": n},
-                                                          "arguments": self.functions[n]["parameters"]},
-                         "required": ["name", "arguments"]} for n in self.forced]
-        try:
-            return compile_schema(alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives})
-        except SchemaError as e:
-            raise APIError(400, f"tools: a function's parameters cannot be enforced: {e}", "tools") from None
+        return _compile(self._calls(self.forced, enforce_all=True))
+
+    def auto_constraint(self, tokenizer) -> dict:
+        """SamplingParams fields for strict functions under "auto" ({} otherwise): the calls constrained
+        where they start (triggered.py), at a `<tool_call>` where the chat template writes calls that way,
+        else at the start of the answer (Llama 3.x's and engc's own instructions: the call is the answer, an
+        object or a list of them). A non-strict function's arguments may be any object."""
+        if self.mode != "auto" or not self.strict:
+            return {}
+        call = self._calls(list(self.functions), enforce_all=False)
+        template = tokenizer.chat_template or ""
+        if tokenizer.reads_tools and "<tool_call>" in template:
+            return {"json_schema": _compile(call), "json_triggers": ("<tool_call>",)}
+        return {"json_schema": _compile({"anyOf": [call, {"type": "array", "items": call, "minItems": 1}]}),
+                "json_at_start": True}
+
+    def _calls(self, names: list[str], enforce_all: bool) -> dict:
+        """The schema of one call of the named functions: {"name": <const>, "arguments": <parameters>}."""
+        alternatives = [{"type": "object", "properties": {"name": {"const": n}, "arguments": (
+                            self.functions[n]["parameters"] if enforce_all or self.functions[n].get("strict") is True
+                            else {"type": "object"})},
+                         "required": ["name", "arguments"]} for n in names]
+        return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
 
     def prompt_messages(self, messages: list[dict], template_reads_tools: bool) -> tuple[list[dict], list | None]:
         """(messages, tools) for the chat template: HF shapes where it reads tools, engc's text otherwise."""
@@ -142,6 +163,13 @@ class CallWatch:
             content, calls = self.spec.calls(self.held)
             return content or "", calls
         return self.held, []
+
+
+def _compile(schema: dict):
+    try:
+        return compile_schema(schema)
+    except SchemaError as e:
+        raise APIError(400, f"tools: a function's parameters cannot be enforced: {e}", "tools") from None
 
 
 def _tool_call(name: str, args: dict) -> dict:
