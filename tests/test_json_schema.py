@@ -265,6 +265,25 @@ def test_a_vocabulary_without_whole_characters_can_still_write_keys_and_values_o
     assert c.done and json.loads(out) == {"名前": "東京"} and "\\u540d" in out, out
 
 
+def test_each_character_outside_ascii_may_be_written_either_way():
+    """A tokenizer with a whole token for one character of a value but not the next (SmolLM2 wrote '"大' and
+    then had no token for 阪): the rest is escaped character by character, and the two may mix."""
+    schema = {"type": "object", "properties": {"都市": {"enum": ["大阪", "東京"]}}, "required": ["都市"]}
+    g = compile_schema(schema)
+    for text in ('{"都市":"大\\u962a"}', '{"\\u90fd市":"\\u6771京"}', '{"都\\u5e02":"大阪"}'):
+        assert completes(g, text) and json.loads(text) == {"都市": json.loads(text)["都市"]}, text
+    for text in ('{"都市":"大"}', '{"都市":"\\u5927\\u962b"}', '{"都市":"\\u5927\\U962A"}', '{"\\u90fd":"大阪"}'):
+        assert not completes(g, text), text
+    texts = [chr(c) for c in range(32, 127)] + ["大"]      # 大 whole, 阪 only escaped
+    vocab = JsonVocab(texts)
+    c = JsonConstraint(vocab, g)
+    for ch in '{"\\u90fd\\u5e02":"大':
+        assert c.allowed()[texts.index(ch)], ch
+        c.take(texts.index(ch))
+    allowed = [texts[i] for i in torch.nonzero(c.allowed()).flatten().tolist()]
+    assert allowed == ["\\"]                              # the only way on: 阪 escaped
+
+
 def test_the_same_schema_compiles_once():
     a = compile_schema(json.loads(json.dumps(PERSON)))
     assert a is compile_schema(PERSON) and a is not compile_schema(TREE)

@@ -15,9 +15,9 @@ to be used: a document without extra keys is valid either way). Keywords that wo
 automaton cannot enforce (pattern, format, minimum, minLength, ...) are refused with SchemaError, not
 ignored: an output that breaks the user's schema silently would be worse than a 400.
 
-Keys and literals with characters outside ASCII have two spellings: as they are, and escaped (\\uXXXX, as
-json.dumps writes them by default): a tokenizer without a whole token for a character (its bytes split over
-tokens, which read as U+FFFD here) can still write every key and enum value, in ASCII.
+In keys and constants, each character outside ASCII may be written as it is or as its JSON escape (\\uXXXX,
+as json.dumps writes it; a surrogate pair past U+FFFF), character by character: a tokenizer without a whole
+token for some character (its bytes split over tokens, which read as U+FFFD here) can still write it.
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ class SchemaGrammar:
             if not isinstance(values, list) or not values:
                 raise SchemaError(f"{where}: enum must be a non-empty list")
             self._merge(node, Node(literals=tuple(dict.fromkeys(
-                text for v in values for text in spellings(v)))), where)
+                json.dumps(v, ensure_ascii=False, separators=(",", ":")) for v in values))), where)
             return
         types = schema.get("type")
         if types is None:
@@ -175,16 +175,14 @@ class SchemaGrammar:
         problem = f"{where}: object alternatives must share a first property, required, with a constant value"
         if len(keys) != 1 or None in keys:
             raise SchemaError(problem)
-        key, tags, values = keys.pop(), [], set()
+        key, tags = keys.pop(), []
         for i in objects:
             value = self.nodes[self.nodes[i].props[0][1]]
-            one = {_canonical(t) for t in value.literals}    # one constant (in either spelling)
-            if key not in self.nodes[i].required or len(one) != 1 or set(value.starts.values()) != {"literal"}:
+            if key not in self.nodes[i].required or len(value.literals) != 1 or set(value.starts.values()) != {"literal"}:
                 raise SchemaError(problem)
-            if one & values:
-                raise SchemaError(f"{where}: two object alternatives have the same '{key}'")
-            values |= one
-            tags += [(t, i) for t in value.literals]
+            tags.append((value.literals[0], i))
+        if len({t for t, _ in tags}) < len(tags):
+            raise SchemaError(f"{where}: two object alternatives have the same '{key}'")
         self.nodes.append(Node(tags=tuple(tags), starts={t[0]: "tag" for t, _ in tags}))
         self.nodes.append(Node(props=((key, len(self.nodes) - 1),), required=frozenset({key})))
         return len(self.nodes) - 1
@@ -234,13 +232,15 @@ class SchemaGrammar:
         tokens up instead of walking the vocabulary."""
         mode, aux, stack = state
         if mode == "key_text":
-            cands = self._candidates(stack[-1])
-            keys = [t for _, (k, _) in cands for t in key_spellings(k) if t.startswith(aux)]
-            return keys[0][len(aux):] + '"' if len(keys) == 1 else None
+            rests = [r for _, (k, _) in self._candidates(stack[-1]) if (r := key_rest(k, aux)) is not None]
+            if len(rests) != 1:
+                return None
+            fixed = forced_prefix(rests[0])
+            return (fixed + '"' if fixed == rests[0] else fixed) or None
         if mode == "literal" and len(aux) == 1:
-            return aux[0] or None
+            return forced_prefix(aux[0]) or None
         if mode == "tag" and len(aux) == 1:
-            return aux[0][0] or None
+            return forced_prefix(aux[0][0]) or None
         return None
 
     def depth(self, state: tuple) -> int:
@@ -270,7 +270,7 @@ class SchemaGrammar:
                 return ("number", (nxt, integer), stack)
             return self.step(self._after_value(stack), ch) if sub in jm.NUMBER_ENDS else None
         if mode == "tag":   # a discriminator's value: once it is known, its branch replaces the union
-            rest = tuple(sorted((t[1:], b) for t, b in aux if t and t[0] == ch))
+            rest = tuple(sorted((r, b) for t, b in aux if (r := advance(t, ch)) is not None))
             if rest and any(t for t, _ in rest):
                 return ("tag", rest, stack)
             chosen = rest[0][1] if rest else next((b for t, b in aux if not t), None)
@@ -279,7 +279,7 @@ class SchemaGrammar:
             after = ("comma_or_close", None, stack[:-1] + (("o", chosen, 1),))
             return after if rest else self.step(after, ch)
         if mode == "literal":
-            rest = tuple(sorted({t[1:] for t in aux if t and t[0] == ch}))
+            rest = tuple(sorted({r for t in aux if (r := advance(t, ch)) is not None}))
             if rest:
                 return ("literal", rest, stack) if rest != ("",) else self._after_value(stack)
             return self.step(self._after_value(stack), ch) if "" in aux else None
@@ -292,13 +292,12 @@ class SchemaGrammar:
             frame = stack[-1]
             cands = self._candidates(frame)
             if ch == '"':
-                hit = next((j for j, (k, _) in cands if aux in key_spellings(k)), None)
+                hit = next((j for j, (k, _) in cands if key_rest(k, aux) == ""), None)
                 if hit is None:
                     return None
                 return ("colon", self.nodes[frame[1]].props[hit][1], stack[:-1] + (("o", frame[1], hit + 1),))
             text = aux + ch
-            return ("key_text", text, stack) if any(t.startswith(text) for _, (k, _) in cands
-                                                    for t in key_spellings(k)) else None
+            return ("key_text", text, stack) if any(key_rest(k, text) is not None for _, (k, _) in cands) else None
         if mode == "colon":
             return ("value", aux, stack) if ch == ":" else None
         if mode == "comma_or_close":
@@ -362,19 +361,33 @@ class SchemaGrammar:
         return (jm.DONE, None, ()) if not stack else ("comma_or_close", None, stack)
 
 
-def spellings(value) -> tuple[str, ...]:
-    """A constant's JSON texts: compact, as it is, and with non-ASCII characters escaped where that differs."""
-    return tuple(dict.fromkeys(json.dumps(value, ensure_ascii=a, separators=(",", ":")) for a in (False, True)))
+def advance(rest: str, ch: str) -> str | None:
+    """What is left of a constant text (a key, a literal) after the character ch, or None where ch does not
+    continue it: a character outside ASCII may also come as its JSON escape, whose backslash expands it."""
+    if not rest:
+        return None
+    if rest[0] == ch:
+        return rest[1:]
+    if ch == "\\" and ord(rest[0]) > 127:
+        return json.dumps(rest[0])[2:-1] + rest[1:]   # '"\\u5927"' -> 'u5927' (a surrogate pair past U+FFFF)
+    return None
 
 
 @lru_cache(maxsize=4096)
-def key_spellings(key: str) -> tuple[str, ...]:
-    """A property name's texts between its quotes (it has no character that needs escaping otherwise)."""
-    return tuple(text[1:-1] for text in spellings(key))
+def key_rest(key: str, typed: str) -> str | None:
+    """What is left of a property name after the text typed so far inside its quotes (advance, character by
+    character), or None where the text is not a start of it."""
+    rest = key
+    for ch in typed:
+        rest = advance(rest, ch)
+        if rest is None:
+            return None
+    return rest
 
 
-def _canonical(text: str) -> str:
-    return json.dumps(json.loads(text), sort_keys=True)
+def forced_prefix(rest: str) -> str:
+    """The part of a constant's rest that can only be written one way: up to its first character outside ASCII."""
+    return next((rest[:i] for i, c in enumerate(rest) if ord(c) > 127), rest)
 
 
 @lru_cache(maxsize=64)
