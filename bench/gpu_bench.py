@@ -312,6 +312,10 @@ def bench_shape(shape: str, args) -> dict:
         res[f"b{n}_128_128_first_run_out_tok_s"] = round(n * 128 / total, 1)
         seqs, total, first = run_batch(engine, prompts(n, 128, cfg.vocab_size, n), 128)
         res[f"b{n}_128_128_out_tok_s"] = round(n * 128 / total, 1)
+        # where the time goes: until every sequence has its first token (the prefill of n x 128 tokens, in
+        # max_batched_tokens chunks), then the decode steps (the 8B b32 target is 6,500 tok/s end to end)
+        res[f"b{n}_128_128_first_tokens_s"] = round(first, 4)
+        res[f"b{n}_128_128_after_first_ms_per_token"] = round(1000 * (total - first) / 127, 3)
         if LMDEPLOY.get(base, {}).get("N") == n:
             res[f"b{n}_vs_lmdeploy"] = round(n * 128 / total / LMDEPLOY[base]["bN"], 3)
     if args.quick:
