@@ -22,13 +22,13 @@ import torch
 from engc.runtime.executor import TokenFill
 from engc.runtime.json_mode import JsonConstraint, JsonVocab
 from engc.runtime.json_schema import grammar_of
-from engc.runtime.triggered import TriggeredConstraint
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import LoadedModel
 from engc.runtime.sampling import Sampled, SamplingParams, sample_row
 from engc.runtime.scheduler import Scheduler
 from engc.runtime.sequence import Sequence
 from engc.runtime.tokenizer import IncrementalDecoder
+from engc.runtime.triggered import TriggeredConstraint
 
 
 @dataclass(frozen=True)

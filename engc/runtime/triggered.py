@@ -27,6 +27,7 @@ class TriggeredConstraint:
         self.whole = False                               # the value is the whole answer (at_start)
         self.inner: JsonConstraint | None = None
         self.tail = ""                                   # free text a trigger may still end in
+        self.keep = max((len(t) for t in self.triggers), default=1) - 1   # how much of it: one short of a trigger
         self.blanks = 0
 
     def allowed(self) -> torch.Tensor | None:
@@ -66,8 +67,7 @@ class TriggeredConstraint:
         seen = self.tail + text
         hits = [(seen.find(t), t) for t in self.triggers if t in seen]
         if not hits:
-            keep = max((len(t) for t in self.triggers), default=1) - 1
-            self.tail = seen[-keep:] if keep else ""
+            self.tail = seen[-self.keep:] if self.keep else ""
             return None
         at, trigger = min(hits)
         self.phase, self.blanks, self.tail = "lead", 0, ""
