@@ -13,6 +13,7 @@ from engc.runtime.json_schema import compile_schema
 from engc.runtime.server.app import APIError
 from engc.runtime.server.tools import ToolSpec
 from engc.runtime.triggered import LEAD_BLANKS, TriggeredConstraint
+from test_gpu import gpu_bundle, gpu_ready  # noqa: F401 - a fixture, used by the engine test below
 
 CALL = {"type": "object", "properties": {"name": {"const": "f"}, "arguments": {
     "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}, "required": ["name", "arguments"]}
@@ -146,13 +147,17 @@ def test_toolspec_picks_the_trigger_from_the_template_and_refuses_bad_strict():
         ToolSpec([{"type": "function", "function": {"name": "f", "strict": "yes"}}], "auto")
 
 
-def test_engine_rows_with_strict_auto_tools(tiny_bundle):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not gpu_ready(), reason="needs a CUDA device and engc._native"))])
+def test_engine_rows_with_strict_auto_tools(device, request):
     """The engine path (SamplingParams from ToolSpec) on a random tiny model: answers are prose or calls, and
-    every call read back follows its function's schema."""
+    every call read back follows its function's schema. On the GPU beside unconstrained greedy rows, so
+    steps mix the host-sampled triggered rows with rows the CUDA graphs sample."""
     from engc.runtime.engine import Engine, EngineConfig
     from engc.runtime.loader import load
     from engc.runtime.sampling import SamplingParams
-    model = load(tiny_bundle("llama"), device="cpu")
+    bundle = request.getfixturevalue("tiny_bundle")("llama") if device == "cpu" else request.getfixturevalue("gpu_bundle")
+    model = load(bundle, device=device)
     engine = Engine(model, EngineConfig(num_blocks=256, max_num_seqs=16))
     args = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     spec = ToolSpec([{"type": "function", "function": {"name": "f", "strict": True, "parameters": args}}], "auto")
@@ -161,9 +166,12 @@ def test_engine_rows_with_strict_auto_tools(tiny_bundle):
     prompt = model.tokenizer.encode("Hello, world!")
     seqs = [engine.add_request(prompt, SamplingParams(max_tokens=48, temperature=1.0, seed=s, **strict))
             for s in range(16)]
+    free = [engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+            for _ in range(2)]
     with pytest.raises(ValueError, match="need json_schema"):
         engine.check_request(prompt, SamplingParams(json_at_start=True))
     engine.run_to_completion()
+    assert all(len(s.output_ids) == 40 for s in free) and free[0].output_ids == free[1].output_ids
     for s in seqs:
         _, calls = spec.calls(s.output_text)
         for call in calls:
