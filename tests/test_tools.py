@@ -46,6 +46,29 @@ def test_a_function_whose_parameters_cannot_be_enforced_is_a_400_when_required()
         ToolSpec(tools, "required").grammar()
 
 
+def test_one_constraint_rule_for_both_apis():
+    """ToolSpec.constraint: a required call's grammar, strict calls under auto, else the request's format; a
+    constrained call meeting a format or a continued answer is a 400 in the API's words."""
+    class Tok:
+        chat_template, reads_tools = None, False
+    strict = {"type": "function", "function": dict(WEATHER["function"], strict=True)}
+    fmt = (True, object())
+    plain = ToolSpec([WEATHER], "auto").constraint(Tok(), fmt, "response_format", None)
+    assert plain == {"json_object": True, "json_schema": fmt[1]}                 # not constrained: the format
+    assert ToolSpec(None, None).constraint(Tok(), (False, None), "f", "c") == {"json_object": False, "json_schema": None}
+    required = ToolSpec([WEATHER], "required").constraint(Tok(), (False, None), "response_format", None)
+    assert required["json_object"] and required["json_schema"] is not None
+    auto = ToolSpec([strict], "auto").constraint(Tok(), (False, None), "output_config.format", None)
+    assert auto["json_at_start"] and not auto.get("json_object")
+    for tools, choice, what, param in (([WEATHER], "required", "a required tool call", "tool_choice"),
+                                       ([strict], "auto", "strict tools under tool_choice auto", "tools")):
+        for answer, continued, clash in ((fmt, None, "response_format"),
+                                         ((False, None), "continue_final_message", "continue_final_message")):
+            with pytest.raises(APIError, match=f"^{clash} cannot be combined with {what}$") as e:
+                ToolSpec(tools, choice).constraint(Tok(), answer, "response_format", continued)
+            assert e.value.status == 400 and e.value.param == param
+
+
 @pytest.mark.parametrize("text,content,calls", [
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>',
      None, [("get_weather", {"city": "Paris", "unit": "c"})]),
@@ -208,7 +231,7 @@ def test_auto_and_none_answer_text_and_conversations_with_results_render(client)
     streamed = list(c.chat.completions.create(model=srv.model, messages=convo, tools=[strict], max_tokens=12,
                                               temperature=1.0, seed=3, stream=True))
     assert streamed[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
-    with pytest.raises(openai.BadRequestError, match="strict functions"):
+    with pytest.raises(openai.BadRequestError, match="cannot be combined with strict tools"):
         c.chat.completions.create(model=srv.model, messages=convo, tools=[strict], max_tokens=8,
                                   response_format={"type": "json_object"})
 

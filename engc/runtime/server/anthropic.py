@@ -24,17 +24,12 @@ router = APIRouter()
 async def messages(req: MessagesRequest, request: Request):
     s: ServerState = request.app.state.engc
     s.check_model(req.model)
-    prompt_ids, tools = _encode(s, req)
+    prompt_ids, tools, continued = _encode(s, req)
     schema = _output_format(req)
-    if schema is not None and tools.mode == "required":
-        raise APIError(400, "output_config.format cannot be combined with a required tool call")
-    grammar = tools.grammar() or schema   # a required call, or a schema: the answer is constrained
-    strict = tools.auto_constraint(s.tokenizer)   # strict tools under "auto": calls constrained where they start
-    if strict and schema is not None:
-        raise APIError(400, "strict tools under tool_choice auto cannot be combined with output_config.format")
+    constraint = tools.constraint(s.tokenizer, (schema is not None, schema), "output_config.format",
+                                  "a final assistant message (prefill)" if continued else None)
     params = s.params(len(prompt_ids), req.max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                      top_p=req.top_p, top_k=req.top_k, stop=tuple(req.stop_sequences or ()),
-                      json_object=grammar is not None, **({"json_schema": grammar} | strict))
+                      top_p=req.top_p, top_k=req.top_k, stop=tuple(req.stop_sequences or ()), **constraint)
     stream = s.stream([(prompt_ids, params)], 0, req.session_id)
     msg_id = f"msg_{uuid.uuid4().hex}"
     if req.stream:
@@ -95,7 +90,7 @@ async def count_tokens(req: CountTokensRequest, request: Request):
     return {"input_tokens": len(_encode(s, req)[0])}
 
 
-def _encode(s: ServerState, req) -> tuple[list[int], ToolSpec]:
+def _encode(s: ServerState, req) -> tuple[list[int], ToolSpec, bool]:
     """The prompt as Anthropic's API reads a conversation: it starts with a user turn; consecutive messages
     of one role are one turn; a final assistant message is the start of the reply, which the model continues
     (the response holds only the new text). tool_use blocks are the assistant turn's calls, tool_result
@@ -134,10 +129,7 @@ def _encode(s: ServerState, req) -> tuple[list[int], ToolSpec]:
     messages = ([{"role": "system", "content": system}] if system else []) + turns
     messages, tool_list = tools.prompt_messages(messages, s.tokenizer.reads_tools)
     continued = turns[-1]["role"] == "assistant"
-    if continued and (tools.mode == "required" or tools.auto_constraint(s.tokenizer)):
-        raise APIError(400, "a final assistant message (prefill) cannot be combined with a required tool call "
-                       "or strict tools")
-    return s.tokenizer.encode_chat(messages, continue_final=continued, tools=tool_list), tools
+    return s.tokenizer.encode_chat(messages, continue_final=continued, tools=tool_list), tools, continued
 
 
 def _openai_tools(tools, choice) -> tuple[list | None, object]:

@@ -42,20 +42,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if json_object and req.continue_final_message:   # the object would have to start inside the given text
         raise APIError(400, f"response_format {req.response_format.type} cannot be combined with "
                        "continue_final_message", "response_format")
-    if tools.mode == "required":   # the answer is a call: constrained as a schema
-        if json_object or req.continue_final_message:
-            raise APIError(400, "a required tool call cannot be combined with response_format or "
-                           "continue_final_message", "tool_choice")
-        json_object, grammar = True, tools.grammar()
-    strict = tools.auto_constraint(s.tokenizer)   # strict functions under "auto": calls constrained where they start
-    if strict and (json_object or req.continue_final_message):
-        raise APIError(400, "strict functions under tool_choice auto cannot be combined with response_format or "
-                       "continue_final_message", "tools")
+    constraint = tools.constraint(s.tokenizer, (json_object, grammar), "response_format",
+                                  "continue_final_message" if req.continue_final_message else None)
     messages, tool_list = tools.prompt_messages(messages, s.tokenizer.reads_tools)
     prompt_ids = s.tokenizer.encode_chat(messages, continue_final=req.continue_final_message, tools=tool_list)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    prompts = _prompts(s, [prompt_ids], req, max_tokens, logprobs, json_object, grammar, strict)
+    prompts = _prompts(s, [prompt_ids], req, max_tokens, logprobs, constraint)
     out = _Output(s, req, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", [len(prompt_ids)], tools)
     stream = s.stream(prompts, req.priority, req.session_id)
     if req.stream:
@@ -114,7 +107,7 @@ def _json_format(fmt) -> tuple[bool, object]:
         raise APIError(400, f"response_format json_schema: {e}", "response_format") from None
 
 
-def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs, json_object=False, grammar=None, strict=None):
+def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs, constraint=None):
     if (req.model_extra or {}).get("logit_bias"):   # an OpenAI field that changes the answer: refused, not ignored
         raise APIError(400, "logit_bias is not supported by engc", "logit_bias")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -124,7 +117,7 @@ def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs, json_object=Fa
                         top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop,
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                         repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs,
-                        json_object=json_object, **({"json_schema": grammar} | (strict or {})))
+                        **(constraint or {}))
         for j in range(req.n):
             prompts.append((ids, base if req.seed is None or j == 0 else replace(base, seed=req.seed + j)))
     return prompts

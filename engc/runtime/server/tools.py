@@ -75,6 +75,24 @@ class ToolSpec:
             return None
         return _compile(self._calls(self.forced, enforce_all=True))
 
+    def constraint(self, tokenizer, answer_format: tuple[bool, object], fmt: str, continued: str | None) -> dict:
+        """The SamplingParams fields that constrain the answer, one rule for both APIs: a required call's
+        grammar, else strict functions' calls under "auto" (auto_constraint), else the request's own format
+        (answer_format: (JSON mode on, its grammar or None)). A constrained call can neither meet a format
+        nor start inside a continued answer: a 400 in the API's words (fmt: its format field; continued: its
+        continued-answer field, None when the answer is not continued)."""
+        json_object, grammar = answer_format
+        if self.mode == "required":
+            fields, what, param = {"json_object": True, "json_schema": self.grammar()}, "a required tool call", "tool_choice"
+        else:
+            fields, what, param = self.auto_constraint(tokenizer), "strict tools under tool_choice auto", "tools"
+        if not fields:
+            return {"json_object": json_object, "json_schema": grammar}
+        clash = fmt if json_object else continued
+        if clash:
+            raise APIError(400, f"{clash} cannot be combined with {what}", param)
+        return fields
+
     def auto_constraint(self, tokenizer) -> dict:
         """SamplingParams fields for strict functions under "auto" ({} otherwise): the calls constrained
         where they start (triggered.py), at a `<tool_call>` where the chat template writes calls that way,
