@@ -88,6 +88,8 @@ for _arch in ("sm80", "sm90"):
 # 1B b1 ctx 256 3.64 (7.04); but 8B b1 ctx 4096 15.13 (13.19): 8 CTAs a sequence stream long contexts
 # slower than Triton's 33 splits, so max_context keeps them on Triton (1024: between 256 and 4096, not
 # measured); 8B b4 ctx 192 9.92 (6.87; cluster 4: 6.42), so max_seqs 1; at b32 cluster 8 is 2-3x slower.
+# max_seqs 4 end to end (bench/ab/cluster_max_seqs4.json, eighteenth session): b4 slower, int4 8B 2.174 against
+# 2.014 ms a token, 1B 1.059 against 1.029.
 # One cp.async stage, not two (bench/results/h200_af7148e_cluster_ab_int4.json, _stages_bf16.json): the kernel
 # alone is as fast (cl8s1 4.46/4.79/5.29 us above), the bf16 steps are unchanged (8B graph 4.136/4.143 against
 # 4.135/4.132 ms, 1B 0.876 both), but the int4 8B step with two stages (~99 KB of shared memory a CTA at 8B)
