@@ -306,6 +306,13 @@ for _arch in ("sm80", "sm90"):
     # an SM (min_blocks 5/6/8 capping 96/80/64 registers) or 8 warps were no faster on any 8B projection
     # (h200_4e0a94b_int4_occupancy.txt): more warps waiting the same way do not fill the gap. Nor more W bytes in
     # flight a warp (UNROLL 2-4 or TILES 4 at 2-4 CTAs an SM: 60-64 us a layer against 57, h200_8498b70_int4_inflight).
+    # Nor a W stash (3706234, reverted): each CTA copying its W rows over its first K tiles into shared memory
+    # by cp.async before the PDL wait, so the o GEMV loads during the decode attention and qkv during a norm
+    # (the latency-bound kernels' DRAM-idle time the persistent_chain skeleton measured): int4 8B b1 2.073 ms
+    # with o's stash (4 tiles, 35 KB a CTA), 2.144 with o's and qkv's, against 1.896 stock in one lease
+    # (bench/results/h200_3706234_*); outputs correct. Likely the same cost as the two-stage cluster decode's:
+    # a GEMV CTA that needs that much shared memory cannot share an SM with the attention's until the SM's
+    # L1/shared split changes, which waits for the SM to drain.
     # ACC_SPLIT (twelfth session): a step's 8 dependent mmas split over 2 accumulators, on the 18% of fixed-latency
     # waits: the 8B's projection GEMVs of a layer at M=1 took 53.4 us against 55.5 (gate_up 23.5 against 24.9,
     # down 15.0 / 15.6, o 6.9 / 7.1), at M=8 60.5 against 63.0 (bench/results/h200_3b3b03d_int4_split.txt).
