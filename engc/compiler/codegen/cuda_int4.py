@@ -63,16 +63,12 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     acc_split = entry.get("ACC_SPLIT", 1)
     if silu_out and kind != "gemv":
         return None, f"only the 'gemv' build has a SiLU-out twin, not '{kind}'"
-    stash = entry.get("W_SMEM_TILES", 0)   # K tiles of the CTA's W copied to shared memory before the PDL wait
     name = (f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}x{x_tiles}"
-            f"{'z' if entry['ZERO_SUM'] else ''}{f's{acc_split}' if acc_split > 1 else ''}{f'm{stash}' if stash else ''}"
-            f"{'_silu' if silu_out else ''}")
+            f"{'z' if entry['ZERO_SUM'] else ''}{f's{acc_split}' if acc_split > 1 else ''}{'_silu' if silu_out else ''}")
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
               "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
               "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "acc_split": acc_split, "x_tiles": x_tiles,
-              "silu_out": silu_out, "w_smem_tiles": stash, "entry": name}
-    chunks = stash * block_k // 32                     # the template's STASH_CHUNKS and STASH_STRIDE
-    shared = 16 * block_n * (chunks + (12 - chunks % 8) % 8) if stash else 0
+              "silu_out": silu_out, "entry": name}
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"
@@ -82,7 +78,7 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
                else op.cuda_variant(group) if kind == "gemv" else op.cuda_wide_variant(group, rows))
     return CudaKernelSpec(op="int4_linear", variant=variant, arch=arch, template="int4_gemv.cu.j2",
                           entry=name, render=values, arg_types=types, num_warps=warps, tune_key=key, tune=entry,
-                          launch=launch, shared_mem=shared), ""
+                          launch=launch), ""
 
 
 def shape_kind(n: int, k: int) -> str:

@@ -319,14 +319,9 @@ for _arch in ("sm80", "sm90"):
     # silu_out: also build its twin that writes silu(gate) * up of a fused gate_up (QLinearSiluMul), so a decode
     # step of at most max_m rows has no silu_mul launch: 8B int4 b1 509.2-509.6 tok/s against 507.3 without it,
     # A-B-A in one lease (graph 2.010 against 2.024 ms; bench/results/h200_a3feda7_*silu*).
-    # W_SMEM_TILES: K tiles of each CTA's W copied into shared memory before the PDL wait (the template says
-    # why); 0 = off. Eighteenth session: bench/persistent_chain_device.py found a step's latency-bound kernels
-    # (attention, norms) leave DRAM idle ~0.27 ms of the int4 8B step, and a GEMV loading its share during them
-    # hid 37-64 us of that on the step's skeleton; on for no entry until an engine A/B says so
-    # (bench/ab/int4_w_smem*.json).
     _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * _SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1, silu_out=True, W_SMEM_TILES=0)
+         min_split_k_tiles=1, silu_out=True)
     # ... and, per projection shape [N, K] where one config beat it, a build of its own (gemv_n{N}_k{K}, variant
     # cuda_g{G}_n{N}_k{K}, made where a model has that shape; the runtime prefers it up to its max_m). H200
     # (bench/int4_cuda_device.py; h200_5b7e245_int4_cuda.txt, h200_b1c505b_int4_cuda.txt): the 8B's qkv
@@ -336,12 +331,7 @@ for _arch in ("sm80", "sm90"):
     if _arch == "sm90":
         _put(_arch, "int4_linear", "cuda", "gemv_n6144_k4096", enabled=True, max_m=8, num_warps=4, TILES=1,
              UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=1, target_programs=2 * _SM_COUNT[_arch],
-             max_splits=16, min_split_k_tiles=1, W_SMEM_TILES=0)   # ACC_SPLIT 2: 8.08 us against 7.98 (its two K steps: two chains)
-        # o [4096, 4096], the GEMV behind the decode attention: the table's generic config, an entry of its own
-        # so that W_SMEM_TILES can be set for it alone
-        _put(_arch, "int4_linear", "cuda", "gemv_n4096_k4096", enabled=True, max_m=8, num_warps=4, TILES=2,
-             UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * _SM_COUNT[_arch],
-             max_splits=16, min_split_k_tiles=1, W_SMEM_TILES=0)
+             max_splits=16, min_split_k_tiles=1)   # ACC_SPLIT 2: 8.08 us against 7.98 (its two K steps: two chains)
     # ... and built for up to 16 and 32 rows (X_TILES = max_m / 8 n8 tiles of x share each dequantized W
     # fragment), serving M 9-16 and 17-32 in place of dequant + cuBLAS. H200, the 8B projections of a decode
     # step (bench/int4_cuda_device.py, bench/results/h200_5b7e245_int4_cuda.txt): M=16 3.19 ms, M=32 5.66 ms,
