@@ -14,12 +14,12 @@ for 0 or 5 us, then `stream_read` (132 x 4 CTAs, the GEMV's load instruction) re
 CUDA events (each ~3 us over the kernels), L2 flushed before each, median of 15.
 """
 import json
-import statistics
 import sys
 
 import torch
 
 from engc.runtime import cubin
+from event_timing import median_us
 
 
 def main(path: str, out: str) -> None:
@@ -33,16 +33,7 @@ def main(path: str, out: str) -> None:
     buf = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8, device="cuda")
 
     def timed(fn, reps=15):
-        times = []
-        for _ in range(reps):
-            flush.launch((132 * 8, 1, 1), [junk, junk.numel() // 16], stream)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) * 1000)
-        return round(statistics.median(times), 2)
+        return median_us(fn, reps, before=lambda: flush.launch((132 * 8, 1, 1), [junk, junk.numel() // 16], stream))
 
     rows = []
     for mb in (8, 24):

@@ -33,12 +33,12 @@ sep_pdl_smem24 took 37-64 us off sep_pdl: the waits stay mostly serialized.
     there:  python3 bench/persistent_chain_device.py .kc/persistent_chain.cubin OUT.json
 """
 import json
-import statistics
 import sys
 
 import torch
 
 from engc.runtime import cubin
+from event_timing import median_us
 
 LAYERS = 32
 SHAPE = dict(hidden=4096, inter=14336, q=4096, kv=1024, vocab=128256)
@@ -68,16 +68,7 @@ def main(path: str, out: str) -> None:
     rows, epoch = [], [0]
 
     def timed(fn, reps=12):
-        fn()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) * 1000)
-        return round(statistics.median(times), 1)
+        return median_us(fn, reps, digits=1, warm=True)
 
     for u in (4, 8):
         plain = cubin.load_kernel(image, f"phase_u{u}", "plilpii", block_x=128)
