@@ -198,6 +198,31 @@ def test_masks_equal_a_brute_force_walk():
             assert torch.equal(vocab.mask(s, g), brute), s
 
 
+def test_masks_of_several_constant_texts_equal_a_brute_force_walk():
+    """States where one of several constants must come next (optional keys sharing prefixes, enum values one
+    a prefix of another, keys and values outside ASCII) take the choices path (JsonVocab._compute_choices);
+    their masks must still be exactly the brute-force walk's."""
+    schema = {"type": "object", "properties": {
+        "a": {"enum": [1, 12, "x", "xy"]}, "ab": {"type": "boolean"}, "abc": {"enum": ["大阪", "大x"]},
+        "都": {"const": "b"}, "b": {"type": "integer"}}, "required": ["b"]}
+    texts = ["{", "}", '"', "a", "ab", "abc", '"a', '"ab', '":', ":", " ", "1", "12", "2", ",", '"x', 'x"', "xy",
+             '"xy"', "\\", "u", "\\u", "5927", "\\u5927", "大", "阪", "x", '"大', "都", '"都', "\\u90fd", '"b"',
+             "b", '": ', "true", "tr", '", "', "}}", "\\u962a", '962a"', "", "\\u90"]
+    vocab = JsonVocab(texts)
+    g = compile_schema(schema)
+    for doc in ('{"a": 12, "ab": true, "abc": "\\u5927\\u962a", "\\u90fd": "b", "b": 1}',
+                '{"abc": "大x", "都": "b", "b": 2}', '{"a": "xy", "b": 1}', '{"a": 1, "b": 1}'):
+        state, states = g.start, [g.start]
+        for ch in doc:
+            state = g.step(state, ch)
+            states.append(state)
+        assert state[0] == DONE, doc
+        assert any(g.choices(s) and len(g.choices(s)) > 1 for s in states[:-1]), doc
+        for s in states[:-1]:
+            brute = torch.tensor([bool(t) and walk(s, t, g) is not None for t in texts])
+            assert torch.equal(vocab.mask(s, g), brute), (doc, s)
+
+
 def test_constraint_takes_tokens_to_the_end():
     texts = ["{", "}", '"v"', ":", "1", "2", ",", '"kids"', "[", "]", " ", "]}"]
     schema = {"type": "object", "properties": {"v": {"type": "integer"}}, "required": ["v"]}

@@ -40,22 +40,23 @@ class SchemaGrammar:
             return jm.OBJECT.kind(state[1])
         return "string" if mode == "string" else "between" if mode in BETWEEN else "other"
 
-    def forced(self, state: tuple) -> str | None:
-        """The characters that must come next where only one text can: the rest of the one key that may come
-        (with its closing quote), of the one literal or tag left. JsonVocab's masks of such states look
-        tokens up instead of walking the vocabulary."""
+    def choices(self, state: tuple) -> tuple[str, ...] | None:
+        """Where the next characters must be one of a few constant texts — the keys that may come, the
+        literals or tags left — the part of each that can only be written one way (up to its first character
+        outside ASCII; a whole key with its closing quote). JsonVocab's masks of such states look tokens up
+        by these texts instead of walking the vocabulary. None where one of them has no such part (it may
+        end here, or starts with a character outside ASCII)."""
         mode, aux, stack = state
         if mode == "key_text":
             rests = [r for _, (k, _) in self._candidates(stack[-1]) if (r := key_rest(k, aux)) is not None]
-            if len(rests) != 1:
-                return None
-            fixed = forced_prefix(rests[0])
-            return (fixed + '"' if fixed == rests[0] else fixed) or None
-        if mode == "literal" and len(aux) == 1:
-            return forced_prefix(aux[0]) or None
-        if mode == "tag" and len(aux) == 1:
-            return forced_prefix(aux[0][0]) or None
-        return None
+            texts = [fixed + '"' if (fixed := forced_prefix(r)) == r else fixed for r in rests]
+        elif mode == "literal":
+            texts = [forced_prefix(t) for t in aux]
+        elif mode == "tag":
+            texts = [forced_prefix(t) for t, _ in aux]
+        else:
+            return None
+        return tuple(texts) if texts and all(texts) else None
 
     def depth(self, state: tuple) -> int:
         return len(state[2]) + (len(state[1][2]) if state[0] == "any" else 0)
