@@ -76,6 +76,13 @@ def _after_value(stack: tuple) -> tuple:
     return (DONE, None, ()) if not stack else ("comma_or_close", None, stack)
 
 
+def _after_first_special(text: str) -> str | None:
+    """The text after its first quote, backslash or control character where that character is a quote
+    (inside a string it closes it), else None."""
+    at = next(i for i, c in enumerate(text) if c in '"\\' or ord(c) < 0x20)
+    return text[at + 1:] if text[at] == '"' else None
+
+
 def step(state: tuple, ch: str) -> tuple | None:
     """The state after one more character, or None if no JSON object text continues that way."""
     mode, aux, stack = state
@@ -182,6 +189,9 @@ class JsonVocab:
         is_plain = [bool(t) and plain(t) for t in texts]
         self.plain = torch.tensor(is_plain, dtype=torch.bool)
         self.not_plain = [i for i, t in enumerate(texts) if t and not is_plain[i]]
+        # what follows the first special character of each, where that character is a quote (it closes a
+        # string): tokens sharing it share their validity in a string state
+        self.after_quote = [_after_first_special(texts[i]) for i in self.not_plain]
         self.blank_only = torch.tensor([bool(t) and not t.strip(BLANKS) for t in texts], dtype=torch.bool)
         self.blank_led = torch.tensor([bool(t) and t[0] in BLANKS for t in texts], dtype=torch.bool)
         self.by_first: dict[str, list[int]] = defaultdict(list)       # first character
@@ -219,8 +229,8 @@ class JsonVocab:
             return self._compute_choices(state, grammar, choices)
         kind, go = grammar.kind(state), grammar.step
         if kind == "string":
-            allowed, candidates = self.plain.clone(), self.not_plain
-        elif kind == "between":
+            return self._compute_string(state, grammar)
+        if kind == "between":
             allowed = self.blank_only.clone()
             candidates = [i for ch, ids in self.by_first_solid.items() if go(state, ch) is not None for i in ids]
         else:
@@ -236,6 +246,26 @@ class JsonVocab:
         for i in candidates:
             if walk(state, self.texts[i], grammar) is not None:
                 allowed[i] = True
+        return allowed
+
+    def _compute_string(self, state: tuple, grammar) -> torch.Tensor:
+        """Inside a string: plain tokens keep it; a token whose first special character is the closing quote
+        is valid if what follows the quote is valid after it, decided once per distinct rest (most such
+        tokens end in '",' or '":' and the like); the others (escapes, control characters) are walked."""
+        allowed = self.plain.clone()
+        closed = grammar.step(state, '"')
+        seen: dict[str, bool] = {}
+        ok = []
+        for i, rest in zip(self.not_plain, self.after_quote):
+            if rest is None:
+                good = walk(state, self.texts[i], grammar) is not None
+            else:
+                good = seen.get(rest)
+                if good is None:
+                    good = seen[rest] = closed is not None and (not rest or walk(closed, rest, grammar) is not None)
+            if good:
+                ok.append(i)
+        allowed[ok] = True
         return allowed
 
     def _compute_choices(self, state: tuple, grammar, choices: tuple[str, ...]) -> torch.Tensor:
