@@ -45,12 +45,7 @@ class TriggeredConstraint:
         text = self.vocab.texts[token] if 0 <= token < self.vocab.size else ""
         if self.phase == "value":
             result = self.inner.take(token)
-            if result == "done":
-                if self.whole:
-                    return "done"
-                self.phase, self.inner, self.tail = "free", None, ""
-                return None
-            return result
+            return self._closed() if result == "done" else result
         if self.phase == "start":
             solid = text.lstrip(BLANKS)
             if not solid:
@@ -89,19 +84,22 @@ class TriggeredConstraint:
             return None
         self.inner.state = state
         if state[0] == DONE:
-            if self.whole:
-                return "done"
-            self.phase, self.inner = "free", None
-            return None
+            return self._closed()
         self.phase = "value"
+        return None
+
+    def _closed(self) -> str | None:
+        """The value just closed: the answer ends if it was the whole answer, else the text is free again."""
+        if self.whole:
+            return "done"
+        self.phase, self.inner, self.tail = "free", None, ""
         return None
 
     def _start_mask(self) -> torch.Tensor:
         """Every token but those whose first visible character opens a value the grammar cannot start with."""
         def compute():
             m = torch.ones(self.vocab.size, dtype=torch.bool)
-            for ch in "{[":
-                for i in self.vocab.by_first_solid.get(ch, []):
-                    m[i] = walk(self.grammar.start, self.vocab.texts[i].lstrip(BLANKS), self.grammar) is not None
+            m[[i for ch in "{[" for i in self.vocab.by_first_solid.get(ch, [])
+               if walk(self.grammar.start, self.vocab.texts[i].lstrip(BLANKS), self.grammar) is None]] = False
             return m
         return self.vocab.cached((self.grammar, "triggered-start"), compute)
