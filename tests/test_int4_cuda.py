@@ -150,6 +150,20 @@ def test_render_specializes_group_and_tiles():
     assert cuda_int4.int4_gemv_spec(128, "fp32", "sm90")[0] is None
 
 
+def test_early_w_requests_the_first_tile_before_the_pdl_wait():
+    """EARLY_W: the CTA's first K tile of W (and its scales and zeros: the bundle's, not the step's) is loaded
+    before griddepcontrol.wait, and x only after it; the stock build waits first."""
+    early = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"EARLY_W": True})[0]
+    stock = cuda_int4.int4_gemv_spec(128, "bf16", "sm90")[0]
+    assert early.entry == stock.entry + "e"
+    src = cuda.render(early.template, **early.render).split("extern \"C\" __global__")[1]
+    wait = src.index("griddepcontrol.wait")
+    assert src.index("w_first[u][t][h] = in_k ? load_w(") < wait < src.index("__ldg(reinterpret_cast<const uint4*>(x_row")
+    assert src.count("griddepcontrol.wait") == 1
+    plain = cuda.render(stock.template, **stock.render).split("extern \"C\" __global__")[1]
+    assert "w_first" not in plain and plain.index("griddepcontrol.wait") < plain.index("load_w(")
+
+
 def test_selected_only_where_enabled():
     from engc.compiler.codegen.specs import int4_linear_specs
     triton_specs = int4_linear_specs("bf16", "sm90", (128, 32))
@@ -204,13 +218,15 @@ def records():
              for make in (cuda_int4.int4_gemv_spec, cuda_int4.int4_dequant_spec)]
     specs += [cuda_int4.int4_gemv_spec(128, "bf16", arch, ON, "gemv_wide32")[0] for arch in ("sm80", "sm90")]
     specs += [cuda_int4.int4_gemv_spec(128, "bf16", arch, ON, silu_out=True)[0] for arch in ("sm80", "sm90")]
+    specs.append(cuda_int4.int4_gemv_spec(128, "bf16", "sm90", ON, "gemv_n4096_k4096")[0])   # EARLY_W
     return cuda.compile_cuda(specs).records
 
 
 def test_compiles_for_sm80_and_sm90(records):
     assert {(r["arch"], r["variant"]) for r in records} == {
         (a, v) for a in ("sm80", "sm90")
-        for v in ("cuda_g128", "cuda_dequant_g128", "cuda_wide32_g128", "cuda_silu_g128")}
+        for v in ("cuda_g128", "cuda_dequant_g128", "cuda_wide32_g128", "cuda_silu_g128")} | {
+        ("sm90", "cuda_g128_n4096_k4096")}
     for r in records:
         assert r["scratch_params"] == 0 and r["launch"]["impl"] == "cuda" and r["launch"]["GROUP"] == 128
 
