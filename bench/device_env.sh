@@ -14,7 +14,9 @@
 set -u
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
-rm -rf /tmp/engc_work /tmp/gb
+# KEEP_WORK=1: keep the last command's checkpoints and bundles (a warm machine; --quick reuses a bundle by name)
+[ "${KEEP_WORK:-0}" = 1 ] || rm -rf /tmp/engc_work
+rm -rf /tmp/gb
 mkdir -p "$OUT" /tmp/gb
 el() { echo $(( $(date +%s) - T0 ))s; }
 python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic gguf > /tmp/gb/pip.log 2>&1 \
