@@ -164,6 +164,16 @@ def test_early_w_requests_the_first_tile_before_the_pdl_wait():
     assert "w_first" not in plain and plain.index("griddepcontrol.wait") < plain.index("load_w(")
 
 
+def test_l2_prefetch_is_a_render_switch():
+    """PREFETCH_TILES: W rows that many K tiles ahead asked of L2 by one bulk prefetch a row (sm90)."""
+    on = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"PREFETCH_TILES": 2})[0]
+    off = cuda_int4.int4_gemv_spec(128, "bf16", "sm90")[0]
+    assert on.entry == off.entry + "p2"
+    assert "constexpr int PREFETCH_TILES = 2;" in cuda.render(on.template, **on.render)
+    assert "constexpr int PREFETCH_TILES = 0;" in cuda.render(off.template, **off.render)
+    assert "cp.async.bulk.prefetch.L2.global" in cuda.render(on.template, **on.render)
+
+
 def test_selected_only_where_enabled():
     from engc.compiler.codegen.specs import int4_linear_specs
     triton_specs = int4_linear_specs("bf16", "sm90", (128, 32))
@@ -193,16 +203,19 @@ def test_a_projection_shape_gets_its_own_build_where_the_table_has_one():
     specs, notes = cuda_int4.selected_int4_specs(triton_specs, no_dq, shapes={(6144, 4096), (4096, 4096)})
     own = [s for s in specs if s.variant == "cuda_g128_n6144_k4096"]
     assert len(own) == 1 and notes == [] and (own[0].render["tiles"], own[0].render["unroll"]) == (1, 2)
-    assert own[0].launch["BLOCK_N"] == 16 and not any("n4096" in s.variant for s in specs)
+    assert own[0].launch["BLOCK_N"] == 16
+    o_own = [s for s in specs if s.variant == "cuda_g128_n4096_k4096"]   # EARLY_W: behind the decode attention
+    assert len(o_own) == 1 and o_own[0].render["early_w"] and o_own[0].entry.endswith("e")
     assert not any("_n" in s.variant for s in cuda_int4.selected_int4_specs(triton_specs, no_dq)[0])
     sm80 = cuda_int4.selected_int4_specs(int4_linear_specs("bf16", "sm80", (128,)), no_dq, shapes={(6144, 4096)})
     assert not any("_n" in s.variant for s in sm80[0])   # measured on sm90 only
     consts = {s.variant: s.launch for s in specs}
     qkv, o = (6144, 4096), (4096, 4096)
     assert [op.cuda_variant_for(m, 128, consts, qkv) for m in (1, 8, 9)] == [own[0].variant] * 2 + ["cuda_wide16_g128"]
-    assert op.cuda_variant_for(1, 128, consts, o) == op.cuda_variant_for(1, 128, consts) == "cuda_g128"
+    assert op.cuda_variant_for(1, 128, consts, o) == o_own[0].variant
+    assert op.cuda_variant_for(1, 128, consts) == "cuda_g128"
     counters = torch.zeros(1 << 16, dtype=torch.int32)
-    for (n, k), variant, block_n in ((qkv, own[0].variant, 16), (o, "cuda_g128", 32)):
+    for (n, k), variant, block_n in ((qkv, own[0].variant, 16), (o, o_own[0].variant, 32)):
         x, y = torch.zeros(2, k, dtype=torch.bfloat16), torch.empty(2, n, dtype=torch.bfloat16)
         qw = torch.zeros(n, k // 8, dtype=torch.int32)
         s, z = torch.ones(n, k // 128, dtype=torch.bfloat16), torch.zeros(n, k // 128, dtype=torch.uint8)
@@ -218,7 +231,8 @@ def records():
              for make in (cuda_int4.int4_gemv_spec, cuda_int4.int4_dequant_spec)]
     specs += [cuda_int4.int4_gemv_spec(128, "bf16", arch, ON, "gemv_wide32")[0] for arch in ("sm80", "sm90")]
     specs += [cuda_int4.int4_gemv_spec(128, "bf16", arch, ON, silu_out=True)[0] for arch in ("sm80", "sm90")]
-    specs.append(cuda_int4.int4_gemv_spec(128, "bf16", "sm90", ON, "gemv_n4096_k4096")[0])   # EARLY_W
+    # the o build: EARLY_W, and here the L2 prefetch too
+    specs.append(cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"PREFETCH_TILES": 2}, "gemv_n4096_k4096")[0])
     return cuda.compile_cuda(specs).records
 
 

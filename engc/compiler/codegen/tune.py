@@ -321,10 +321,13 @@ for _arch in ("sm80", "sm90"):
     # A-B-A in one lease (graph 2.010 against 2.024 ms; bench/results/h200_a3feda7_*silu*).
     # EARLY_W (nineteenth session): the CTA's first K tile of W, scales and zeros loaded before the PDL wait,
     # in registers (the stash above used shared memory), so a GEMV behind a latency-bound kernel streams
-    # some of its weights during it; off here, on where an entry below says so.
+    # some of its weights during it. H200, int4 + int4 head 8B b1, one lease (bench/ab/int4_early_w_*.json,
+    # bench/results/h200_aaf65f2_int4_early_w.json): on every int4 GEMV 1.972 ms a step against 1.889-1.890
+    # stock; on o alone (behind the decode attention) 1.878: on for o's shape only (below).
+    # PREFETCH_TILES: see the template (L2 bulk prefetch that many K tiles ahead; 0 = off).
     _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * _SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1, silu_out=True, EARLY_W=False)
+         min_split_k_tiles=1, silu_out=True, EARLY_W=False, PREFETCH_TILES=0)
     # ... and, per projection shape [N, K] where one config beat it, a build of its own (gemv_n{N}_k{K}, variant
     # cuda_g{G}_n{N}_k{K}, made where a model has that shape; the runtime prefers it up to its max_m). H200
     # (bench/int4_cuda_device.py; h200_5b7e245_int4_cuda.txt, h200_b1c505b_int4_cuda.txt): the 8B's qkv
@@ -334,12 +337,12 @@ for _arch in ("sm80", "sm90"):
     if _arch == "sm90":
         _put(_arch, "int4_linear", "cuda", "gemv_n6144_k4096", enabled=True, max_m=8, num_warps=4, TILES=1,
              UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=1, target_programs=2 * _SM_COUNT[_arch],
-             max_splits=16, min_split_k_tiles=1, EARLY_W=False)   # ACC_SPLIT 2: 8.08 us against 7.98 (its two K steps: two chains)
-        # the 8B's o [4096, 4096], which runs behind the decode attention: the generic config with EARLY_W, off
-        # until measured (bench/ab/int4_early_w_o.json)
-        _put(_arch, "int4_linear", "cuda", "gemv_n4096_k4096", enabled=False, max_m=8, num_warps=4, TILES=2,
+             max_splits=16, min_split_k_tiles=1, EARLY_W=False, PREFETCH_TILES=0)   # ACC_SPLIT 2: 8.08 us against 7.98 (its two K steps: two chains)
+        # the 8B's o [4096, 4096], which runs behind the decode attention: the generic config with EARLY_W
+        # (1.878 ms a step against 1.889 / 1.890 in an A-B-A lease, b4 2.006 against 2.021 / 2.022 a token)
+        _put(_arch, "int4_linear", "cuda", "gemv_n4096_k4096", enabled=True, max_m=8, num_warps=4, TILES=2,
              UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * _SM_COUNT[_arch],
-             max_splits=16, min_split_k_tiles=1, EARLY_W=True)
+             max_splits=16, min_split_k_tiles=1, EARLY_W=True, PREFETCH_TILES=0)
     # ... and built for up to 16 and 32 rows (X_TILES = max_m / 8 n8 tiles of x share each dequantized W
     # fragment), serving M 9-16 and 17-32 in place of dequant + cuBLAS. H200, the 8B projections of a decode
     # step (bench/int4_cuda_device.py, bench/results/h200_5b7e245_int4_cuda.txt): M=16 3.19 ms, M=32 5.66 ms,
