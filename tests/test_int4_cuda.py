@@ -164,15 +164,6 @@ def test_early_w_requests_the_first_tile_before_the_pdl_wait():
     assert "w_first" not in plain and plain.index("griddepcontrol.wait") < plain.index("load_w(")
 
 
-def test_l2_prefetch_is_a_render_switch():
-    """PREFETCH_TILES: W rows that many K tiles ahead asked of L2 by one bulk prefetch a row (sm90)."""
-    on = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"PREFETCH_TILES": 2})[0]
-    off = cuda_int4.int4_gemv_spec(128, "bf16", "sm90")[0]
-    assert on.entry == off.entry + "p2"
-    assert "constexpr int PREFETCH_TILES = 2;" in cuda.render(on.template, **on.render)
-    assert "constexpr int PREFETCH_TILES = 0;" in cuda.render(off.template, **off.render)
-    assert "cp.async.bulk.prefetch.L2.global" in cuda.render(on.template, **on.render)
-
 
 def test_selected_only_where_enabled():
     from engc.compiler.codegen.specs import int4_linear_specs
@@ -231,8 +222,7 @@ def records():
              for make in (cuda_int4.int4_gemv_spec, cuda_int4.int4_dequant_spec)]
     specs += [cuda_int4.int4_gemv_spec(128, "bf16", arch, ON, "gemv_wide32")[0] for arch in ("sm80", "sm90")]
     specs += [cuda_int4.int4_gemv_spec(128, "bf16", arch, ON, silu_out=True)[0] for arch in ("sm80", "sm90")]
-    # the o build: EARLY_W, and here the L2 prefetch too
-    specs.append(cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"PREFETCH_TILES": 2}, "gemv_n4096_k4096")[0])
+    specs.append(cuda_int4.int4_gemv_spec(128, "bf16", "sm90", None, "gemv_n4096_k4096")[0])   # o: EARLY_W
     return cuda.compile_cuda(specs).records
 
 

@@ -324,10 +324,12 @@ for _arch in ("sm80", "sm90"):
     # some of its weights during it. H200, int4 + int4 head 8B b1, one lease (bench/ab/int4_early_w_*.json,
     # bench/results/h200_aaf65f2_int4_early_w.json): on every int4 GEMV 1.972 ms a step against 1.889-1.890
     # stock; on o alone (behind the decode attention) 1.878: on for o's shape only (below).
-    # PREFETCH_TILES: see the template (L2 bulk prefetch that many K tiles ahead; 0 = off).
+    # Nor an L2 bulk prefetch of the CTA's W rows one or two K tiles ahead (cp.async.bulk.prefetch.L2 a row at
+    # the top of each tile, 625d0db, reverted): 2.514 / 2.571 ms a step against 1.878-1.881, the int4 GEMVs
+    # 34-37% slower (bench/results/h200_625d0db_int4_l2_prefetch.json), as the L2 prefetch before the wait was.
     _put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * _SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1, silu_out=True, EARLY_W=False, PREFETCH_TILES=0)
+         min_split_k_tiles=1, silu_out=True, EARLY_W=False)
     # ... and, per projection shape [N, K] where one config beat it, a build of its own (gemv_n{N}_k{K}, variant
     # cuda_g{G}_n{N}_k{K}, made where a model has that shape; the runtime prefers it up to its max_m). H200
     # (bench/int4_cuda_device.py; h200_5b7e245_int4_cuda.txt, h200_b1c505b_int4_cuda.txt): the 8B's qkv
@@ -337,12 +339,14 @@ for _arch in ("sm80", "sm90"):
     if _arch == "sm90":
         _put(_arch, "int4_linear", "cuda", "gemv_n6144_k4096", enabled=True, max_m=8, num_warps=4, TILES=1,
              UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=1, target_programs=2 * _SM_COUNT[_arch],
-             max_splits=16, min_split_k_tiles=1, EARLY_W=False, PREFETCH_TILES=0)   # ACC_SPLIT 2: 8.08 us against 7.98 (its two K steps: two chains)
+             max_splits=16, min_split_k_tiles=1, EARLY_W=False)   # ACC_SPLIT 2: 8.08 us against 7.98 (its two K steps: two chains)
         # the 8B's o [4096, 4096], which runs behind the decode attention: the generic config with EARLY_W
-        # (1.878 ms a step against 1.889 / 1.890 in an A-B-A lease, b4 2.006 against 2.021 / 2.022 a token)
+        # (1.878 ms a step against 1.889 / 1.890 in an A-B-A lease, b4 2.006 against 2.021 / 2.022 a token).
+        # Four splits (target_programs 528, so the CTAs' first tiles cover half of W): 1.878 against 1.878-1.881
+        # with these: not taken (bench/results/h200_625d0db_int4_l2_prefetch.json)
         _put(_arch, "int4_linear", "cuda", "gemv_n4096_k4096", enabled=True, max_m=8, num_warps=4, TILES=2,
              UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * _SM_COUNT[_arch],
-             max_splits=16, min_split_k_tiles=1, EARLY_W=True, PREFETCH_TILES=0)
+             max_splits=16, min_split_k_tiles=1, EARLY_W=True)
     # ... and built for up to 16 and 32 rows (X_TILES = max_m / 8 n8 tiles of x share each dequantized W
     # fragment), serving M 9-16 and 17-32 in place of dequant + cuBLAS. H200, the 8B projections of a decode
     # step (bench/int4_cuda_device.py, bench/results/h200_5b7e245_int4_cuda.txt): M=16 3.19 ms, M=32 5.66 ms,
