@@ -16,7 +16,7 @@ The sweep: fp8_linear alone at M=32 and M=64 over BLOCK_N 32/64/128 x BLOCK_K 12
 warps 4/8 (the compiled variants '<table variant>@n..k..s..w..', those whose shared memory fits an SM)
 x target_programs 1/2/3/4 x SMs (a launch constant: no recompile; a target giving a grid already timed is
 skipped), each variant checked against the reference first. It prints the best per projection and per
-(K, M class) (the sum over the projections of that K, as a layer runs them) with the tune.py line.
+(K, M class) (the sum over the projections of that K, as a layer runs them) with the tune table line.
 Writes fp8_kernels.json under --out ($OUT); prints a short table last.
 """
 from __future__ import annotations
@@ -182,13 +182,13 @@ def best_per_k_class(sweeps: dict) -> dict:
 
 
 def tune_line(kdim: int, m: int, config: str) -> str:
-    """The tune.py entry for a sweep winner 'n128k128s4w8/t2' (per K: variant k<K>_m<M> wins over '*')."""
+    """The tune table entry for a sweep winner 'n128k128s4w8/t2' (per K: variant k<K>_m<M> wins over '*')."""
     tag, target = config.split("/")
     if tag == "table":
         return f"# k{kdim}_m{m}: the table's own entry with target_programs={target[1:]} x SMs"
     bn, bk, st, wp = (int(x) for x in tag[1:].replace("k", " ").replace("s", " ").replace("w", " ").split())
-    return (f'_put("sm90", "fp8_linear", "k{kdim}_m{m}", "m<={m}", max_m={m}, BLOCK_M={m}, BLOCK_N={bn}, '
-            f'BLOCK_K={bk}, num_warps={wp}, num_stages={st}, target_programs={target[1:]} * _SM_COUNT["sm90"], '
+    return (f'put("sm90", "fp8_linear", "k{kdim}_m{m}", "m<={m}", max_m={m}, BLOCK_M={m}, BLOCK_N={bn}, '
+            f'BLOCK_K={bk}, num_warps={wp}, num_stages={st}, target_programs={target[1:]} * SM_COUNT["sm90"], '
             f'max_splits=16, min_split_k_tiles=4)')
 
 
@@ -344,7 +344,7 @@ def run(folder: Path, out_dir: Path):
         print(f"  {key:12} best {b:18} {ok[b]['us']:6.1f} ({n * kdim / ok[b]['us'] / 1e6:4.2f} TB/s, "
               f"{ok[b]['programs']} programs)  table {table:6.1f}, again {v['table(again)']['us']:6.1f}"
               + (f"  FAILED {failed}" if failed else ""))
-    print("best per (K, M class), summed over that K's projections -> tune.py:")
+    print("best per (K, M class), summed over that K's projections -> the tune table:")
     for key, b in res["best_per_k_class"].items():
         print(f"  {key}: {b['config']} {b['sum_us']:.1f} us (table {b['table_sum_us']:.1f}) "
               + ", ".join(f"{p} {u:.1f}" for p, u in b["per_projection"].items()))

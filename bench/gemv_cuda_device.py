@@ -11,7 +11,7 @@ situation), so a figure is per launch with launch gaps; TB/s counts the weight b
 F.linear on the ready activation (the runtime's fallback also runs silu_mul, ~1-1.4 us). Each CUDA config
 runs at 2x, 4x and 8x SMs of target_programs (a launch constant: no recompile); every launch is checked
 against torch (rel err < 1e-2, split counters back to zero) before it is timed and again after the graph
-replays. results.json and log.txt go under $OUT; the table is printed last, with the tune.py entry to use.
+replays. results.json and log.txt go under $OUT; the table is printed last, with the tune table entry to use.
 """
 from __future__ import annotations
 
@@ -221,7 +221,7 @@ def table(results, say):
             rival = min(c["cublas_us"], tri["us"] if tri else math.inf)
             wins.setdefault(("silu" if _kind(shape) == "down" else "plain", m), []).append(
                 (shape, c["N"], rival / c["us"]))
-    say("== for tune.py (sm90/gemv/cuda/m<=8): CUDA wins where it beats both cuBLAS and Triton ==")
+    say("== for the tune table (sm90/gemv/cuda/m<=8): CUDA wins where it beats both cuBLAS and Triton ==")
     for kind in ("plain", "silu"):
         won = [m for m in MS if all(r > 1.0 for s, _, r in wins.get((kind, m), []) if _kind(s) in TARGET_SHAPES)]
         max_m = next((m for m in reversed(MS) if all(x in won for x in MS if x <= m)), 0)
@@ -232,7 +232,7 @@ def table(results, say):
             + (f"; loses at N >= {min(losers)} -> max_n={max_n}" if losers else ""))
     cfg = SWEEP[chosen.split("/")[-1]]
     say(f"  entry: {', '.join(f'{k}={v}' for k, v in cfg.items())}, target_programs={target} "
-        f"({target // SMS} * _SM_COUNT[_arch])")
+        f"({target // SMS} * SM_COUNT[_arch])")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ M = 1, 2, 4, 8, 16 (the pick run: M = 1). Each config is timed inside one CUDA g
 to miss L2 (like a real step), so a figure is per launch, launch gaps included; TB/s counts the weight
 bytes. For the SiLU-fused down, the cuBLAS figure is F.linear on the ready activation (the fallback
 also runs the silu_mul kernel, 1-1.4 us). The table at the end says, per shape and M, cuBLAS, the default config and the best config, and
-per (K, M class) which config and target_programs to put in tune.py. results.json goes under $OUT.
+per (K, M class) which config and target_programs to put in the tune table. results.json goes under $OUT.
 """
 from __future__ import annotations
 
@@ -321,7 +321,7 @@ def table(results, say):
             say(f"  {shape:<12} {m:>2} {ts[0]['cublas_us']:7.2f} ({ts[0]['cublas_tbs']:4.2f}) "
                 f"{de['us']:7.2f} ({de['tbs']:4.2f}) {best['us']:7.2f} ({best['tbs']:4.2f})  "
                 f"{best['config']} t={best['target']} splits={best['splits']} ({best['vs_cublas']:.2f}x cuBLAS)")
-    say("== for tune.py: per M class, the config with the least total us over all shapes and M of the class ==")
+    say("== for the tune table: per M class, the config with the least total us over all shapes and M of the class ==")
     for m_class, ms in (("m<=4", (1, 2, 4)), ("m<=16", (8, 16))):
         totals = {}
         for t in results["timings"]:

@@ -14,7 +14,7 @@ each a CUDA graph cycling through enough weight copies to miss L2; TB/s counts p
 zeros. Each CUDA config runs at 2x, 4x and 8x SMs of target_programs (a launch constant). The prefill
 dequant (templates/int4_dequant.cu.j2, a few configs, and the Triton one) must equal the reference bit for bit
 and is timed per shape (TB/s of bf16 written). The table (last) gives bf16, Triton int4 and the chosen CUDA
-config per case, the 8B's GEMV time per decode step (32 layers) at each M, the dequant, and the tune.py entry. results.json and log.txt go under $OUT.
+config per case, the 8B's GEMV time per decode step (32 layers) at each M, the dequant, and the tune table entry. results.json and log.txt go under $OUT.
 """
 from __future__ import annotations
 
@@ -340,7 +340,7 @@ def table(results, say):
                 if n != "triton" and sum(1 for t in dq if t["set"] == n) == len(SHAPES)}
         if full:
             best = min(full, key=full.get)
-            say(f"  for tune.py (sm90/int4_linear/cuda/dequant): enabled=True, "
+            say(f"  for the tune table (sm90/int4_linear/cuda/dequant): enabled=True, "
                 f"{', '.join(f'{k}={v}' for k, v in DEQUANT_SWEEP[best.split('/')[-1]].items())}")
     if wide:
         say("== M 16/32: the wide CUDA GEMV (best config per case) against dequant + cuBLAS (today's path) and bf16, "
@@ -371,8 +371,8 @@ def table(results, say):
                          key=lambda t: t["us"]) for sh in SHAPES]
             say(f"  {name[5:]:<16} " + " ".join(f"{sh} {c['us']:6.2f} ({c['tbs']:4.2f})" for sh, c in zip(SHAPES, cells)))
     cfg = sweep_config(chosen)
-    say(f"== for tune.py (sm90/int4_linear/cuda/gemv): enabled=True, max_m=8, "
-        f"{', '.join(f'{k}={v}' for k, v in cfg.items())}, target_programs={target // SMS} * _SM_COUNT[_arch] ==")
+    say(f"== for the tune table (sm90/int4_linear/cuda/gemv): enabled=True, max_m=8, "
+        f"{', '.join(f'{k}={v}' for k, v in cfg.items())}, target_programs={target // SMS} * SM_COUNT[_arch] ==")
 
 
 if __name__ == "__main__":

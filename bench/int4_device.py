@@ -186,7 +186,7 @@ def run(aot: Path, out: Path):
     results["best"] = best
     (out / "int4_results.json").write_text(json.dumps(results, indent=1))
     (out / "int4_log.txt").write_text("\n".join(log_lines))
-    print(f"\n===== sweep: best config per shape (tune.py), {results['seconds']:.0f} s =====")
+    print(f"\n===== sweep: best config per shape (the tune table), {results['seconds']:.0f} s =====")
     for key, r in best.items():
         print(f"  {key:18} {r['config']:12} target={r.get('target_programs', '-')!s:5} {r['us']:8.1f} us "
               f"{r['gbs']:6.0f} GB/s")

@@ -12,7 +12,7 @@ rel err < 1e-2, split counters back to zero), again after the graph replays. The
 projections (qkv, o, gate_up, down; group 128) at M = 9..256, each a CUDA graph cycling through enough
 weight copies to miss L2, each config at 1x, 2x and 4x SMs of target_programs. The table (last) gives per M
 the 8B's projections of one decode step (32 layers) for bf16, today's int4 path and the best GEMM config,
-and the tune.py entry per M class. results.json and log.txt go under $OUT.
+and the tune table entry per M class. results.json and log.txt go under $OUT.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ SHAPES = ({k: {**SHAPES, "lm_head": (128256, 4096)}[k] for k in _env["SHAPES"].s
 MS = tuple(int(m) for m in _env["MS"].split(",")) if _env["MS"] else MS
 # earlier sweeps' configs (bench/results/h200_int4_gemm_pairs.txt): float32 dequant n64k64w4s4 / n64k128w4s4,
 # PERM_X (x gathered in the interleaved order: slower, removed), PAIRS at n64k64w4s4 / n128k64w8s4 / n128k128w8s3
-# today's int4 paths at these rows: the CUDA GEMV builds (kind, max_m) as tune.py has them
+# today's int4 paths at these rows: the CUDA GEMV builds (kind, max_m) as the tune table has them
 CUDA_BUILDS = {"gemv_wide16": 16, "gemv_wide32": 32}
 EDGE = [(11, 200, 1056, 64), (40, 72, 4096 + 32, 128), (100, 257, 2080, 128)]   # (M, N, K, group)
 
@@ -240,7 +240,7 @@ def table(results, say):
             g = sum(t["us"] for t in ts if t["set"] == name and t["target"] == target and t["M"] == m)
             say(f"  M={m:<3} bf16 {step[m]['bf16']:.3f}  int4 today {step[m]['today']:.3f}  gemm {LAYERS * g / 1e3:.3f}"
                 f"  ({name[5:]} t{target})")
-        say(f"  for tune.py (sm90/int4_gemm/*/{bucket}): {SWEEP[name[5:]]}, target_programs={target // SMS} * SMs")
+        say(f"  for the tune table (sm90/int4_gemm/*/{bucket}): {SWEEP[name[5:]]}, target_programs={target // SMS} * SMs")
 
 
 if __name__ == "__main__":

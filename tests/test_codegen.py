@@ -233,7 +233,7 @@ def test_sources_recorded_with_the_helpers_they_import(runs):
 
 
 def test_cache_key_ignores_comments_in_codegen_but_not_in_kernels(tmp_path):
-    """The kernel cache's key covers codegen's Python without its comments (a comment in tune.py keeps
+    """The kernel cache's key covers codegen's Python without its comments (a comment in the tune table keeps
     prepared caches), kernel modules and templates by their bytes (the bundle records them as they read)."""
     from engc.compiler.kernel_cache import digested_form
     forms = {}
@@ -257,7 +257,7 @@ def test_cache_key_of_codegen_is_the_same_under_every_python(tmp_path):
 
 
 def test_decode_split_rule_of_the_sm90_table():
-    """The decode's split rule with the table's sm90 entries (H200 measurements in tune.py): a lone sequence
+    """The decode's split rule with the table's sm90 entries (H200 measurements in the tune table): a lone sequence
     splits down to one tile a program; a busy batch (8B batch 32: 256 (sequence, KV head) pairs) takes the
     two splits it wants from two tiles of context, in an eager step as in a graph sized for the block table;
     batch 64 fills the GPU with one."""

@@ -92,7 +92,7 @@ def test_records_follow_the_kernel_table_schema(built):
             "q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "context_lens_ptr", "query_start_loc_ptr",
             "out_ptr", "part_acc_ptr", "part_ml_ptr", "scale", "sliding_window", "block_table_stride", "num_splits"]
         assert r["tune_key"] == f"{r['arch']}/paged_attention/decode_cuda/d<=64"
-        # sm90's decode entries prefer a 25% shared-memory split (tune.py)
+        # sm90's decode entries prefer a 25% shared-memory split (the tune table)
         assert set(r["launch"]) == {"BLOCK_N", "target_programs", "max_splits", "min_split_tokens",
                                     "min_split_tokens_busy"} | ({"smem_carveout"} if r["arch"] == "sm90" else set())
         assert r["launch"].get("smem_carveout", 25) == 25

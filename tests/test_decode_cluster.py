@@ -54,7 +54,7 @@ def _decode_rotary_spec(overrides=None):
 
 
 def test_selected_only_where_the_table_enables_it():
-    assert tune.TUNE[KEY]["enabled"]               # on for sm90 (tune.py: what the H200 measured)
+    assert tune.TUNE[KEY]["enabled"]               # on for sm90 (the tune table: what the H200 measured)
     specs, notes = cuda.selected_specs(_decode_rotary_spec(), cfg())
     assert [s.variant for s in specs] == ["decode_rotary_cluster"] and notes == []
     off = {KEY: {"enabled": False}}

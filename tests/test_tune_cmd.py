@@ -84,7 +84,7 @@ def test_shapes_and_current_choices_come_from_the_build(config_only):
         "qkv": (2048, 3072, 16), "o": (2048, 2048, 16), "gate_up": (2048, 16384, 16),
         "lm_head": (2048, 128256, 1), "down": (8192, 2048, 16)}
     cur = {n: tp.current_choice(cfg, torch.bfloat16, "sm90", s) for n, s in shapes.items()}
-    # the table as commented in tune.py: o and lm_head on their classes, qkv and gate_up on cuBLAS,
+    # the table as commented in the tune table: o and lm_head on their classes, qkv and gate_up on cuBLAS,
     # the down on the m<=1 entry with its silu_by_n BLOCK_N 4 for N 2048
     assert [cur[n].bucket for n in ("qkv", "o", "gate_up", "lm_head")] == [
         None, "m<=1/n4k1024w4", None, "m<=1/n8k512w2"]

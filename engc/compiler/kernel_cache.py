@@ -22,18 +22,18 @@ def source_files() -> list[Path]:
     """Every file a compiled kernel's bytes can depend on: the kernels (with kernels/pdl.py and any helper
     module a triton.py imports, at any depth), codegen and the CUDA templates."""
     root = Path(engc.__file__).parent
-    return sorted([*root.glob("kernels/**/*.py"), *root.glob("compiler/codegen/*.py"), *root.glob("templates/*.j2")])
+    return sorted([*root.glob("kernels/**/*.py"), *root.glob("compiler/codegen/**/*.py"), *root.glob("templates/*.j2")])
 
 
 def digested_form(f: Path) -> bytes:
     """What of a source file the key covers. Kernel modules and templates: their bytes (the bundle records
     the kernels' sources as they read, and Triton's line info follows their lines). Codegen's Python: its
-    code without comments, blank lines or trailing blanks, so notes there (tune.py's on measurements, say)
-    leave prepared caches valid; an edit of a comment in tune.py had made a device run compile every kernel
+    code without comments, blank lines or trailing blanks, so notes there (the tune table's on measurements, say)
+    leave prepared caches valid; an edit of a comment in the tune table had made a device run compile every kernel
     again. Not its syntax tree: ast.dump differs between Python versions (3.12 adds type_params), and a cache
     filled under one version must serve another (this machine's 3.11, the GPU machine's 3.12)."""
     text = f.read_bytes()
-    if f.parent.name == "codegen" and f.suffix == ".py":
+    if f.suffix == ".py" and "codegen" in f.parent.parts[-2:]:   # codegen/*.py and codegen/tune/*.py
         return code_without_comments(text.decode()).encode()
     return text
 

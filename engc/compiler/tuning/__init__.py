@@ -1,5 +1,5 @@
 """engc tune: measure kernel configs for one model on the GPU it will serve on; write the ones that beat the
-tune table (engc/compiler/codegen/tune.py) as a file `engc build --tune` takes.
+tune table (engc/compiler/codegen/tune/) as a file `engc build --tune` takes.
 
 A config's speed depends on the compiler that made it (the same GEMV tile took 15.2 us compiled by the
 H200's Triton 3.6 and 11.9 us compiled by the build's 3.9), so the candidates are compiled where bundles are

@@ -5,7 +5,7 @@ the plain projections, the SiLU-fused down at K = intermediate, N = hidden); eac
 plus the fields it sets, turned into a KernelSpec by decode_gemm_specs.gemv_specs exactly as a build under
 that override would make it.
 
-How a winner becomes an override (tune.py's structure decides):
+How a winner becomes an override (the tune table's structure decides):
 - silu_gemv, the SiLU-fused down at M=1: its entry ("m<=1") names no tile, so any tile may win; the
   winner is written as a rule for exactly N = hidden prepended to the entry's `silu_by_n` (first match
   wins), so the entry's other rules and fields stay as they are.

@@ -67,7 +67,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, decode
     for a kernel without the in-kernel reduce, a share of the reduce launch). The minimum is
     min_split_tokens while (sequence, KV head) pairs alone fill less than half of target_programs, else
     min_split_tokens_busy. The tune table gives the in-kernel-reducing decode one BLOCK_N tile as
-    min_split_tokens and two as min_split_tokens_busy (tune.py says what was measured)."""
+    min_split_tokens and two as min_split_tokens_busy (the tune table says what was measured)."""
     ctx = max(max_context_len, 1)
     pairs = max(num_seqs, 1) * num_kv_heads
     busy = 2 * pairs >= decode_consts["target_programs"]

@@ -1,0 +1,105 @@
+"""The per-arch tune table: block shapes, warps, pipeline depth and launch constants per kernel.
+
+One module per op family fills it (small_ops, attention, dense, fp8, int4: each entry with the
+measurements that chose it); this one looks entries up and applies overrides.
+
+Keys are "arch/op/variant/bucket"; the bucket names the shape class the entry was chosen for. The chosen
+key and entry go into every kernel record of the manifest; `engc build --tune FILE` and bench/ab's A/B
+files override entries (check_overrides, overridden). sm80 entries are carried over from the H200's by
+analogy (no A100 was measured).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from engc.compiler.codegen.tune.table import ARCHS, PDL, SM_COUNT, TUNE  # noqa: F401  (the package's API)
+# registration order: attention's shared-memory split also covers the norms of small_ops
+from engc.compiler.codegen.tune import small_ops, attention, dense, fp8, int4  # noqa: E402,F401
+from engc.compiler.codegen.tune.dense import GEMV_CUDA_M_CLASSES, GEMV_M_CLASSES, GEMV_PLAIN_CLASSES, SKINNY_GEMM_M_CLASSES  # noqa: E402,F401
+from engc.compiler.codegen.tune.fp8 import FP8_LINEAR_M_CLASSES  # noqa: E402,F401
+from engc.compiler.codegen.tune.int4 import INT4_GEMM_M_CLASSES  # noqa: E402,F401
+
+
+def sm_count(arch: str) -> int:
+    """The multiprocessors of the GPU the table's split targets (target_programs) assume for arch: A100 108,
+    H100/H200 132 (engc tune --prepare plans for it unless --sms says otherwise)."""
+    return SM_COUNT[arch]
+
+
+def block_bucket(block: int) -> str:
+    return "block<=1024" if block <= 1024 else "block<=4096" if block <= 4096 else "block>4096"
+
+
+def head_dim_bucket(head_dim: int) -> str:
+    return "d<=64" if head_dim <= 64 else "d<=128" if head_dim <= 128 else "d>128"
+
+
+def lookup(arch: str, op: str, variant: str, bucket: str, overrides: dict | None = None) -> tuple[str, dict]:
+    """The tune entry for a kernel: exact variant first, then the op's '*' entry."""
+    for key in (f"{arch}/{op}/{variant}/{bucket}", f"{arch}/{op}/*/{bucket}"):
+        if key in TUNE:
+            entry = dict(TUNE[key])
+            if overrides:
+                entry.update(overrides)
+                key += "+override"
+            return key, entry
+    raise KeyError(f"no tune-table entry for {arch}/{op}/{variant}/{bucket}")
+
+
+# Fields an override may add to an entry that does not spell them out (PDL: read with a per-arch default;
+# smem_carveout: absent means the driver's choice).
+OPTIONAL_FIELDS = ("PDL", "smem_carveout")
+
+
+def launch_carveout(entry: dict) -> dict:
+    """An entry's preferred L1/shared-memory split (percent of the most shared memory an SM can have; -1 no
+    preference) as the launch constant its records carry, {} where the entry names none (the driver picks).
+    A launch constant, not a compile one: the runtime sets it on the loaded kernel, the cubin is the same."""
+    if "smem_carveout" not in entry:
+        return {}
+    value = entry["smem_carveout"]
+    if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value <= 100:
+        raise ValueError(f"smem_carveout {value!r}: expected a percent 0..100 or -1 (no preference)")
+    return {"smem_carveout": value}
+
+
+# The key of a tune file's provenance (`engc tune` writes GPU, versions, date, measurements there): skipped
+# and dropped by check_overrides, so it reaches neither the kernels, the kernel cache nor the manifest, and
+# two tune files with the same entries build the same bundle.
+META_KEY = "_meta"
+
+
+def check_overrides(entries, where: str = "--tune") -> dict:
+    """A tune-table override ({"arch/op/variant/bucket": {field: value}}, e.g. from `engc build --tune
+    FILE`), checked: every key an entry of the table, every field one that entry has (or PDL), every value
+    a number, string, bool or list of them. Typos would otherwise be ignored silently. Returns the entries
+    without META_KEY."""
+    from engc.errors import UserError
+    if not isinstance(entries, dict):
+        raise UserError(f"{where}: expected a JSON object of tune entries, got {type(entries).__name__}")
+    entries = {key: fields for key, fields in entries.items() if key != META_KEY}
+    for key, fields in entries.items():
+        if key not in TUNE:
+            near = sorted(k for k in TUNE if k.split("/")[1:2] == key.split("/")[1:2])[:6]
+            raise UserError(f"{where}: no tune entry '{key}'" + (f"; that op has {', '.join(near)}" if near else ""))
+        if not isinstance(fields, dict) or not fields:
+            raise UserError(f"{where}: '{key}' must map to an object of fields")
+        for name, value in fields.items():
+            if name not in TUNE[key] and name not in OPTIONAL_FIELDS:
+                raise UserError(f"{where}: '{key}' has no field '{name}'; it has {', '.join(sorted(TUNE[key]))}")
+            if not isinstance(value, (int, float, str, bool, list)):
+                raise UserError(f"{where}: '{key}'.{name} must be a number, string, bool or list")
+    return entries
+
+
+@contextmanager
+def overridden(entries: dict | None):
+    """The table with `entries` (check_overrides' form) merged over it, for the duration of one build."""
+    saved = {key: TUNE.get(key) for key in entries or {}}
+    try:
+        for key, fields in (entries or {}).items():
+            TUNE[key] = {**TUNE[key], **fields}
+        yield
+    finally:
+        for key, entry in saved.items():
+            TUNE[key] = entry
