@@ -62,7 +62,8 @@ for _arch in ("sm80", "sm90"):
     # in registers (the stash above used shared memory), so a GEMV behind a latency-bound kernel streams
     # some of its weights during it. H200, int4 + int4 head 8B b1, one lease (bench/ab/int4_early_w_*.json,
     # bench/results/h200_aaf65f2_int4_early_w.json): on every int4 GEMV 1.972 ms a step against 1.889-1.890
-    # stock; on o alone (behind the decode attention) 1.878: on for o's shape only (below).
+    # stock; on o alone (behind the decode attention) 1.878: on for o's shape only (below). On qkv as well (behind
+    # its norm): 1.904 against 1.885-1.890 (bench/results/h200_2c302a9_engc_8b-int4-qhead.json).
     # Nor an L2 bulk prefetch of the CTA's W rows one or two K tiles ahead (cp.async.bulk.prefetch.L2 a row at
     # the top of each tile, 625d0db, reverted): 2.514 / 2.571 ms a step against 1.878-1.881, the int4 GEMVs
     # 34-37% slower (bench/results/h200_625d0db_int4_l2_prefetch.json), as the L2 prefetch before the wait was.
