@@ -456,17 +456,26 @@ def step_timeline(engine, cfg, out_dir: Path, shape: str, n: int = 1, steps: int
     events.sort(key=lambda e: e["ts"])
     busy, idle, end, prev = 0.0, 0.0, None, None
     gaps = collections.Counter()
+    # in-chain cost: how far each kernel pushes the end of the busy time (with PDL kernels overlap, and a
+    # kernel's own duration includes its wait for the one before; this is what it adds to the step)
+    pushed, launches = collections.Counter(), collections.Counter()
     for e in events:
         ts, te = e["ts"], e["ts"] + e["dur"]
+        launches[e["name"][:60]] += 1
         if end is not None and ts > end:
             idle += ts - end
             gaps[(prev[:40], e["name"][:40])] += ts - end
         if end is None or te > end:
-            busy += te - max(ts, end) if end is not None else te - ts
+            step = te - max(ts, end) if end is not None else te - ts
+            busy += step
+            pushed[e["name"][:60]] += step
             end, prev = te, e["name"]
     lines = [f"{shape} b{n}: {steps} overlapped engine steps, GPU busy {busy / steps:.1f} us a step, "
              f"idle {idle / steps:.1f} us a step", "idle us a step  after -> before"]
     lines += [f"{v / steps:10.2f}  {a} -> {b}" for (a, b), v in gaps.most_common(15)]
+    lines += ["", "busy us a step each kernel adds (in-chain), launches a step, us a launch"]
+    lines += [f"{v / steps:10.2f}  {launches[k] / steps:6.1f}  {v / launches[k]:8.2f}  {k}"
+              for k, v in pushed.most_common(20)]
     (out_dir / f"timeline_{shape}_b{n}.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     return {f"b{n}_timeline_busy_us": round(busy / steps, 1), f"b{n}_timeline_idle_us": round(idle / steps, 1)}
