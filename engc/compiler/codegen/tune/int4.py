@@ -64,6 +64,9 @@ for _arch in ("sm80", "sm90"):
     # bench/results/h200_aaf65f2_int4_early_w.json): on every int4 GEMV 1.972 ms a step against 1.889-1.890
     # stock; on o alone (behind the decode attention) 1.878: on for o's shape only (below). On qkv as well (behind
     # its norm): 1.904 against 1.885-1.890 (bench/results/h200_2c302a9_engc_8b-int4-qhead.json).
+    # gate_up's SiLU-out build split in two (1,792 CTAs instead of 896 over 528 slots, target_programs 1000 with
+    # max_splits 4, which leaves down and the head as they are): 27.2 us a layer in the chain against 23.0
+    # (bench/results/h200_2c302a9_gate_up_split2_*): its 1.7 waves are not what it loses.
     # Nor an L2 bulk prefetch of the CTA's W rows one or two K tiles ahead (cp.async.bulk.prefetch.L2 a row at
     # the top of each tile, 625d0db, reverted): 2.514 / 2.571 ms a step against 1.878-1.881, the int4 GEMVs
     # 34-37% slower (bench/results/h200_625d0db_int4_l2_prefetch.json), as the L2 prefetch before the wait was.
