@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from engc.compiler.codegen.tune.table import ARCHS, PDL, SM_COUNT, TUNE  # noqa: F401  (the package's API)
 # registration order: attention's shared-memory split also covers the norms of small_ops
 from engc.compiler.codegen.tune import small_ops, attention, dense, fp8, int4  # noqa: E402,F401
-from engc.compiler.codegen.tune.dense import GEMV_CUDA_M_CLASSES, GEMV_M_CLASSES, GEMV_PLAIN_CLASSES, SKINNY_GEMM_M_CLASSES  # noqa: E402,F401
+from engc.compiler.codegen.tune.dense import (  # noqa: E402,F401
+    GEMV_CUDA_M_CLASSES, GEMV_M_CLASSES, GEMV_PLAIN_CLASSES, SKINNY_GEMM_M_CLASSES)
 from engc.compiler.codegen.tune.fp8 import FP8_LINEAR_M_CLASSES  # noqa: E402,F401
 from engc.compiler.codegen.tune.int4 import INT4_GEMM_M_CLASSES  # noqa: E402,F401
 

@@ -87,9 +87,9 @@ for _arch in ("sm80", "sm90"):
         # (1.878 ms a step against 1.889 / 1.890 in an A-B-A lease, b4 2.006 against 2.021 / 2.022 a token).
         # Four splits (target_programs 528, so the CTAs' first tiles cover half of W): 1.878 against 1.878-1.881
         # with these: not taken (bench/results/h200_625d0db_int4_l2_prefetch.json)
-        put(_arch, "int4_linear", "cuda", "gemv_n4096_k4096", enabled=True, max_m=8, num_warps=4, TILES=2,
-             UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * SM_COUNT[_arch],
-             max_splits=16, min_split_k_tiles=1, EARLY_W=True)
+        # (silu_out is the generic build's alone: a per-shape build has no SiLU-out twin)
+        put(_arch, "int4_linear", "cuda", "gemv_n4096_k4096",
+            **{**{k: v for k, v in TUNE[f"{_arch}/int4_linear/cuda/gemv"].items() if k != "silu_out"}, "EARLY_W": True})
     # ... and built for up to 16 and 32 rows (X_TILES = max_m / 8 n8 tiles of x share each dequantized W
     # fragment), serving M 9-16 and 17-32 in place of dequant + cuBLAS. H200, the 8B projections of a decode
     # step (bench/int4_cuda_device.py, bench/results/h200_5b7e245_int4_cuda.txt): M=16 3.19 ms, M=32 5.66 ms,
