@@ -77,23 +77,6 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "w8t2u1b3z_s2": dict(num_warps=8, TILES=2, UNROLL=1, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2),
          "w4t2u2b3z_s2": dict(num_warps=4, TILES=2, UNROLL=2, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2),
          "w4t4u1b3z_s2": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2),
-         # STAGES (twentieth session): W, x, scales and zeros through a per-lane cp.async ring in shared memory,
-         # STAGES - 1 K tiles ahead, so the loads stay in flight while the lane computes (the register path loads,
-         # waits, then computes); shared memory wants the whole carveout (smem_carveout 100) at 2-5 CTAs an SM
-         "w4t2u1b4z_s2p2": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                STAGES=2, smem_carveout=100),
-         "w4t2u1b4z_s2p2d": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                 STAGES=2),   # the driver's carveout
-         "w4t2u1b3z_s2p3": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
-                                STAGES=3, smem_carveout=100),
-         "w4t2u1b2z_s2p4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=2, ZERO_SUM=True, ACC_SPLIT=2,
-                                STAGES=4, smem_carveout=100),
-         "w4t1u1b5z_s2p3": dict(num_warps=4, TILES=1, UNROLL=1, min_blocks=5, ZERO_SUM=True, ACC_SPLIT=2,
-                                STAGES=3, smem_carveout=100),
-         "w4t1u2b4z_s2p2": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                STAGES=2, smem_carveout=100),
-         "w4t2u1b3z_s2p3_a": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
-                                  STAGES=3, smem_carveout=100, ABLATE=True),
          # the tune table's 'gemv_wide{16,32}' entries: max_m / 8 n8 tiles of x on each dequantized W fragment
          "wide_m32_w4t2u1b2": dict(kind="gemv_wide32", max_m=32, num_warps=4, TILES=2, UNROLL=1, min_blocks=2),
          "wide_m32_w4t1u2b2": dict(kind="gemv_wide32", max_m=32, num_warps=4, TILES=1, UNROLL=2, min_blocks=2),
@@ -143,7 +126,7 @@ def prepare(out_dir: Path):
         # one accumulator unless the config names more (the table's gemv entry has 2)
         ov = {"ACC_SPLIT": 1, **{k: v for k, v in ov.items() if k not in ("ABLATE", "kind")}}
         specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov, kind)[0]]
-        if name == next(iter(SWEEP)) or kind.startswith("gemv_wide") or ov.get("STAGES"):   # g64: scaled per weight
+        if name == next(iter(SWEEP)) or kind.startswith("gemv_wide"):
             specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov, kind)[0])
         if ablate:
             def patched(*a, **kw):

@@ -165,25 +165,6 @@ def test_early_w_requests_the_first_tile_before_the_pdl_wait():
 
 
 
-def test_stages_copy_each_tile_ahead_into_shared_memory():
-    """STAGES: every lane copies tile i + STAGES - 1 by cp.async while it computes tile i, from a ring in dynamic
-    shared memory sized in the launch record; the register build has no ring; a one-stage or EARLY_W ring is
-    refused with a reason."""
-    piped = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"STAGES": 3, "min_blocks": 3})[0]
-    stock = cuda_int4.int4_gemv_spec(128, "bf16", "sm90")[0]
-    assert piped.entry.endswith("p3") and stock.shared_mem == 0
-    # per lane and stage: 4 W pieces, 4 x pieces (one n8 tile of x), 8 scale / zero words (2 pieces), 128 lanes
-    assert piped.shared_mem == 3 * (4 + 4 + 2) * 128 * 16 == piped.render["shared_bytes"]
-    src = cuda.render(piped.template, **piped.render).split("extern \"C\" __global__")[1]
-    assert src.index("griddepcontrol.wait") < src.index("issue(t_begin + i, i)") < src.index("wait_stage();")
-    assert "load_w(" not in src and "__ldg(" not in src   # W and x come only through the ring
-    plain = cuda.render(stock.template, **stock.render).split("extern \"C\" __global__")[1]
-    assert "ring" not in plain and "cp.async" not in plain
-    for bad in ({"STAGES": 1}, {"STAGES": 2, "EARLY_W": True}):
-        spec, why = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", bad)
-        assert spec is None and "STAGES" in why
-
-
 def test_selected_only_where_enabled():
     from engc.compiler.codegen.specs import int4_linear_specs
     triton_specs = int4_linear_specs("bf16", "sm90", (128, 32))

@@ -64,19 +64,13 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     if silu_out and kind != "gemv":
         return None, f"only the 'gemv' build has a SiLU-out twin, not '{kind}'"
     early_w = bool(entry.get("EARLY_W", False))
-    # STAGES: W, x, scales and zeros through a cp.async ring in dynamic shared memory (0: registers)
-    stages = int(entry.get("STAGES", 0))
-    if stages and (stages < 2 or early_w):
-        return None, f"STAGES {stages}: a pipeline needs 2 stages or more, and no EARLY_W"
-    pieces = 2 * unroll * tiles + 4 * unroll * x_tiles + (4 * unroll * tiles + 3) // 4   # 16-byte, a lane a stage
-    shared = stages * pieces * 32 * warps * 16
     name = (f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}x{x_tiles}"
-            f"{'z' if entry['ZERO_SUM'] else ''}{f's{acc_split}' if acc_split > 1 else ''}{'e' if early_w else ''}{f'p{stages}' if stages else ''}"
+            f"{'z' if entry['ZERO_SUM'] else ''}{f's{acc_split}' if acc_split > 1 else ''}{'e' if early_w else ''}"
             f"{'_silu' if silu_out else ''}")
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
               "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
               "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "acc_split": acc_split, "x_tiles": x_tiles,
-              "silu_out": silu_out, "early_w": early_w, "stages": stages, "shared_bytes": shared, "entry": name}
+              "silu_out": silu_out, "early_w": early_w, "entry": name}
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"
@@ -86,7 +80,7 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
                else op.cuda_variant(group) if kind == "gemv" else op.cuda_wide_variant(group, rows))
     return CudaKernelSpec(op="int4_linear", variant=variant, arch=arch, template="int4_gemv.cu.j2",
                           entry=name, render=values, arg_types=types, num_warps=warps, tune_key=key, tune=entry,
-                          launch=launch, shared_mem=shared), ""
+                          launch=launch), ""
 
 
 def shape_kind(n: int, k: int) -> str:

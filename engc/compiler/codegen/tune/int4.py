@@ -70,9 +70,16 @@ for _arch in ("sm80", "sm90"):
     # Nor an L2 bulk prefetch of the CTA's W rows one or two K tiles ahead (cp.async.bulk.prefetch.L2 a row at
     # the top of each tile, 625d0db, reverted): 2.514 / 2.571 ms a step against 1.878-1.881, the int4 GEMVs
     # 34-37% slower (bench/results/h200_625d0db_int4_l2_prefetch.json), as the L2 prefetch before the wait was.
+    # Nor W, x, scales and zeros through a per-lane cp.async ring in shared memory STAGES - 1 K tiles ahead
+    # (909dc24, reverted: each lane copied what it would read, so wait_group was the only synchronization):
+    # at M=1 gate_up 47.9 us (3 stages, 3 CTAs an SM) / 52.3 (2 stages, 4 CTAs) against 24.6 stock, and its
+    # copies alone (ABLATE) 46.7 us; with only W's copies left (no x, no scale / zero words) 24.8, against the
+    # register loads alone at 18.0 (3.4 TB/s): cp.async into shared memory streams this GEMV's W at ~2.5 TB/s,
+    # about what the whole register kernel does, so no overlap of the math could win. The 8B int4 b1 step:
+    # 2.90-3.00 ms against 1.885 (bench/results/h200_909dc24_int4_stages.json).
     put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1, silu_out=True, EARLY_W=False, STAGES=0, smem_carveout=-1)
+         min_split_k_tiles=1, silu_out=True, EARLY_W=False)
     # ... and, per projection shape [N, K] where one config beat it, a build of its own (gemv_n{N}_k{K}, variant
     # cuda_g{G}_n{N}_k{K}, made where a model has that shape; the runtime prefers it up to its max_m). H200
     # (bench/int4_cuda_device.py; h200_5b7e245_int4_cuda.txt, h200_b1c505b_int4_cuda.txt): the 8B's qkv
@@ -82,7 +89,7 @@ for _arch in ("sm80", "sm90"):
     if _arch == "sm90":
         put(_arch, "int4_linear", "cuda", "gemv_n6144_k4096", enabled=True, max_m=8, num_warps=4, TILES=1,
              UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=1, target_programs=2 * SM_COUNT[_arch],
-             max_splits=16, min_split_k_tiles=1, EARLY_W=False, STAGES=0, smem_carveout=-1)   # ACC_SPLIT 2: 8.08 us against 7.98 (its two K steps: two chains)
+             max_splits=16, min_split_k_tiles=1, EARLY_W=False)   # ACC_SPLIT 2: 8.08 us against 7.98 (its two K steps: two chains)
         # the 8B's o [4096, 4096], which runs behind the decode attention: the generic config with EARLY_W
         # (1.878 ms a step against 1.889 / 1.890 in an A-B-A lease, b4 2.006 against 2.021 / 2.022 a token).
         # Four splits (target_programs 528, so the CTAs' first tiles cover half of W): 1.878 against 1.878-1.881
