@@ -12,16 +12,11 @@ F.linear on the ready activation (the runtime's fallback also runs silu_mul, ~1-
 runs at 2x, 4x and 8x SMs of target_programs (a launch constant: no recompile); every launch is checked
 against torch (rel err < 1e-2, split counters back to zero) before it is timed and again after the graph
 replays. results.json and log.txt go under $OUT; the table is printed last, with the tune table entry to use.
-
-GEMV_CUDA_WIDE=1 (both steps): the 'm<=32' class instead (X_TILES n8 tiles of x on each W fragment), its own
-sweep (WIDE_SWEEP), at M = 16, 24, 32 against cuBLAS (the skinny GEMM that runs there today was even with
-cuBLAS per GEMM), no Triton set.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,10 +27,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gemv_device import SHAPES, time_graph  # noqa: E402  (shapes of the Triton GEMV sweep, graph timing)
 
 SMS = 132
-WIDE = os.environ.get("GEMV_CUDA_WIDE") == "1"
-MS = (16, 24, 32) if WIDE else (1, 2, 4, 8)
+MS = (1, 2, 4, 8)
 TARGETS = (2, 4, 8)                     # target_programs = this x SMs
-CUDA_CLASS = "m<=32" if WIDE else "m<=8"
+CUDA_CLASS = "m<=8"
 # config name -> template constants (w warps, t 16-row tiles per warp, u 32-wide K steps, b CTAs per SM)
 SWEEP = {"w4t2u4b4": dict(num_warps=4, TILES=2, UNROLL=4, min_blocks=4),
          "w4t1u8b3": dict(num_warps=4, TILES=1, UNROLL=8, min_blocks=3),
@@ -43,15 +37,6 @@ SWEEP = {"w4t2u4b4": dict(num_warps=4, TILES=2, UNROLL=4, min_blocks=4),
          "w4t2u2b6": dict(num_warps=4, TILES=2, UNROLL=2, min_blocks=6),
          "w8t2u4b2": dict(num_warps=8, TILES=2, UNROLL=4, min_blocks=2),
          "w2t2u8b4": dict(num_warps=2, TILES=2, UNROLL=8, min_blocks=4)}
-# the 'm<=32' class (max_n 0 here: every shape is timed; the entry's max_n keeps gate_up and the head off)
-WIDE_SWEEP = {"w4t2u2b3": dict(num_warps=4, TILES=2, UNROLL=2, min_blocks=3),
-              "w4t2u1b4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4),
-              "w4t4u1b3": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=3),
-              "w4t4u1b2": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=2),
-              "w4t1u4b3": dict(num_warps=4, TILES=1, UNROLL=4, min_blocks=3),
-              "w8t2u1b2": dict(num_warps=8, TILES=2, UNROLL=1, min_blocks=2)}
-if WIDE:
-    SWEEP = {name: dict(cfg, max_m=32, max_n=0) for name, cfg in WIDE_SWEEP.items()}
 TRITON_CLASSES = {1: "m<=1", 2: "m<=4", 4: "m<=4", 8: "m<=16"}   # the tune table's Triton GEMV per M
 TARGET_SHAPES = ("qkv", "o", "down")    # the brief: >= 1.15x cuBLAS there at M 1..4
 
@@ -81,13 +66,12 @@ def prepare(out_dir: Path):
         specs = [cuda_gemv.gemv_spec(k, silu, "bf16", "sm90", CUDA_CLASS, ov)[0] for k, silu in _pairs()]
         sets[f"cuda/{name}"] = cuda.compile_cuda(specs)
         print(f"cuda/{name}: {len(specs)} kernels ({time.time() - t0:.0f}s)", flush=True)
-    if not WIDE:   # the wide sweep has no Triton set (the Triton GEMV's classes end at 16 rows)
-        classes = tuple(sorted(set(TRITON_CLASSES.values())))
-        plain_on = {c: {"plain": True} for c in classes}
-        specs = [s for k, silu in _pairs() for s in gemv_specs(_cfg(k), "bf16", "sm90", plain_on, classes=classes)
-                 if s.constexprs["K"] == k and s.constexprs["SILU"] == silu]
-        sets["triton"] = compile_specs(specs, jobs=1)
-        print(f"triton: {len(specs)} kernels ({time.time() - t0:.0f}s)", flush=True)
+    classes = tuple(sorted(set(TRITON_CLASSES.values())))
+    plain_on = {c: {"plain": True} for c in classes}
+    specs = [s for k, silu in _pairs() for s in gemv_specs(_cfg(k), "bf16", "sm90", plain_on, classes=classes)
+             if s.constexprs["K"] == k and s.constexprs["SILU"] == silu]
+    sets["triton"] = compile_specs(specs, jobs=1)
+    print(f"triton: {len(specs)} kernels ({time.time() - t0:.0f}s)", flush=True)
     for set_name, res in sets.items():
         for path, data in res.files.items():
             dst = out_dir / set_name / path
@@ -159,8 +143,6 @@ def run(aot: Path, out: Path):
     bf = torch.bfloat16
     torch.manual_seed(0)
     for shape, (n, k, silu) in SHAPES.items():
-        if WIDE and shape.endswith("lm_head"):   # past any max_n the wide class would take
-            continue
         w_bytes = n * k * 2
         copies = max(1, min(48, math.ceil(400e6 / w_bytes)))
         ws = [torch.randn(n, k, dtype=bf, device="cuda") / k ** 0.5 for _ in range(copies)]
@@ -171,8 +153,7 @@ def run(aot: Path, out: Path):
             act = silu_mul(x) if silu else x
             us_cublas = time_graph(lambda i: F.linear(act, ws[i]), copies)
             row = dict(shape=shape, N=n, K=k, M=m, cublas_us=us_cublas)
-            runs = [("triton", None)] * ("triton" in sets) + [(name, mult * SMS) for name in sets if name != "triton"
-                                                              for mult in TARGETS]
+            runs = [("triton", None)] + [(name, mult * SMS) for name in sets if name != "triton" for mult in TARGETS]
             for set_name, target in runs:
                 plans = [sets[set_name].plan(x, ws[i], outs[i], silu, counters, target) for i in range(copies)]
                 if plans[0] is None:
@@ -240,7 +221,7 @@ def table(results, say):
             rival = min(c["cublas_us"], tri["us"] if tri else math.inf)
             wins.setdefault(("silu" if _kind(shape) == "down" else "plain", m), []).append(
                 (shape, c["N"], rival / c["us"]))
-    say(f"== for the tune table (sm90/gemv/cuda/{CUDA_CLASS}): CUDA wins where it beats both cuBLAS and Triton ==")
+    say("== for the tune table (sm90/gemv/cuda/m<=8): CUDA wins where it beats both cuBLAS and Triton ==")
     for kind in ("plain", "silu"):
         won = [m for m in MS if all(r > 1.0 for s, _, r in wins.get((kind, m), []) if _kind(s) in TARGET_SHAPES)]
         max_m = next((m for m in reversed(MS) if all(x in won for x in MS if x <= m)), 0)

@@ -22,7 +22,7 @@ ARCHS = ["sm80", "sm90"]
 SHAPE = ModelConfig(family="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=1,
                     num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4,
                     max_position_embeddings=256, tie_word_embeddings=True, qk_norm=False)
-CLASS = tune.GEMV_CUDA_M_CLASSES[0]   # m<=8 (the m<=32 class: test_wide_class_*)
+CLASS = tune.GEMV_CUDA_M_CLASSES[-1]
 TURN_ON = {CLASS: {"plain": True, "silu": True}}
 needs_nvcc = pytest.mark.skipif(cuda.nvcc_path() is None, reason="nvcc is not installed")
 
@@ -75,29 +75,13 @@ def test_what_the_template_does_not_cover_is_refused_with_a_reason():
     assert cuda_gemv.gemv_spec(100, False, "bf16", "sm90", CLASS)[1] == \
         "K 100 is not a multiple of 8 (the kernel reads W in 16-byte pieces)"
     assert "bf16 or fp16" in cuda_gemv.gemv_spec(256, False, "fp32", "sm90", CLASS)[1]
-    assert "outside 1..32" in cuda_gemv.gemv_spec(256, False, "bf16", "sm90", CLASS, {"max_m": 40})[1]
+    assert "outside 1..8" in cuda_gemv.gemv_spec(256, False, "bf16", "sm90", CLASS, {"max_m": 16})[1]
     odd = ModelConfig(**{**SHAPE.to_dict(), "intermediate_size": 500})
     specs, notes = cuda_gemv.gemv_specs(odd, "bf16", "sm90", TURN_ON)
     assert [(s.render["k"], s.render["silu"]) for s in specs] == [(256, False), (512, False)]
     assert notes == ["sm90: no CUDA GEMV for K=500 (K 500 is not a multiple of 8 (the kernel reads W in "
                      "16-byte pieces)); the Triton GEMV or cuBLAS runs"]
     assert cuda_gemv.gemv_specs(SHAPE, "fp32", "sm90", TURN_ON) == ([], [])
-
-
-def test_wide_class_runs_each_w_fragment_on_every_n8_tile_of_x():
-    """The m<=32 class: X_TILES = max_m / 8 n8 tiles of x, each with its own accumulators and its own rows of
-    the shared-memory sums; the variant says its class, and 9-32 rows pick it (up to its max_n)."""
-    wide = cuda_gemv.gemv_spec(4096, False, "bf16", "sm90", "m<=32")[0]
-    narrow = cuda_gemv.gemv_spec(4096, False, "bf16", "sm90", "m<=8")[0]
-    assert wide.variant == "cuda_k4096_m32" and narrow.variant == "cuda_k4096_m8"
-    src = cuda.render(wide.template, **wide.render)
-    assert "constexpr int MAX_M = 32;" in src and "constexpr int X_TILES = (MAX_M + 7) / 8;" in src
-    assert "warp_sums[NUM_WARPS][8 * X_TILES][ROWS + 1]" in src and "xv[u][j].x, xv[u][j].y" in src
-    consts = {s.variant: dict(s.launch) for s in (wide, narrow)}
-    table = gemv.variant_table(consts)
-    assert [gemv.pick(table, 4096, False, m, 6144) for m in (1, 8, 9, 32, 33)] == \
-        ["cuda_k4096_m8"] * 2 + ["cuda_k4096_m32"] * 2 + [None]
-    assert gemv.pick(table, 4096, False, 32, 28672) is None           # gate_up: past the class's max_n
 
 
 def test_the_tune_table_builds_it_only_where_turned_on():

@@ -28,8 +28,8 @@ def gemv_spec(k: int, silu: bool, t: str, arch: str, bucket: str, overrides=None
     if k % 8:
         return None, f"K {k} is not a multiple of 8 (the kernel reads W in 16-byte pieces)"
     key, entry = tune.lookup(arch, "gemv", "cuda", bucket, overrides)
-    if not 1 <= entry["max_m"] <= 32:
-        return None, f"max_m {entry['max_m']} is outside 1..32 (up to four n8 mma tiles of x)"
+    if not 1 <= entry["max_m"] <= 8:
+        return None, f"max_m {entry['max_m']} is outside 1..8 (one n8 mma tile)"
     warps, tiles, unroll = entry["num_warps"], entry["TILES"], entry["UNROLL"]
     block_n, block_k = 16 * tiles, 32 * warps * unroll
     variant = variant_name(k, silu, entry["max_m"])

@@ -63,16 +63,14 @@ for _arch in ("sm80", "sm90"):
 # Off (plain and silu False): bench/gemv_cuda_device.py found it even with the Triton GEMV per call at best; as
 # a whole 8B b1 step (thirteenth session, with PDL, config w4t1u8b3) it ran 223.6 tok/s with one accumulator
 # and 229.3 with ACC_SPLIT 2 against 239.3 for the Triton GEMV (bench/results/h200_38c6765_cuda_gemv_s*).
-# m<=32 (twentieth session): the same kernel with max_m / 8 n8 tiles of x on each W fragment, for the decode
-# batches of 9-32 rows whose qkv and o (N <= max_n) the skinny GEMM streams at ~70% of copy bandwidth
-# (cuBLAS's the same: 16.4 and 11.4 us at 8B b32, bench/results/h200_84ffabc_*); off until measured.
-GEMV_CUDA_M_CLASSES = ("m<=8", "m<=32")
+# Nor a class for 9-32 rows (968dbb5, reverted: max_m / 8 n8 tiles of x on every W fragment, in place of the
+# skinny GEMM): at 16-32 rows it lost to cuBLAS on every 8B and 1B projection at its best config (8B qkv
+# 16.5-18.0 us against 16.4-16.6, o 15.1-18.2 against 13.2-13.8, down with SiLU 75-111 against 33-34), and
+# the 8B b32 step ran 5.68 ms a token against 4.80 (bench/results/h200_968dbb5_gemv_cuda_m32.json).
+GEMV_CUDA_M_CLASSES = ("m<=8",)
 for _arch in ("sm80", "sm90"):
     put(_arch, "gemv", "cuda", "m<=8", max_m=8, plain=False, silu=False, max_n=0, num_warps=4, TILES=2,
          UNROLL=4, min_blocks=4, ACC_SPLIT=1, target_programs=4 * SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1)
-    put(_arch, "gemv", "cuda", "m<=32", max_m=32, plain=False, silu=False, max_n=6144, num_warps=4, TILES=2,
-         UNROLL=2, min_blocks=3, ACC_SPLIT=1, target_programs=2 * SM_COUNT[_arch], max_splits=16,
          min_split_k_tiles=1)
 
 # Skinny bf16/fp16 GEMM (kernels/skinny_gemm) for dense projections of decode batches, one entry per M class
