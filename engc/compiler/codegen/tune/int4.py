@@ -97,6 +97,13 @@ for _arch in ("sm80", "sm90"):
         # (silu_out is the generic build's alone: a per-shape build has no SiLU-out twin)
         put(_arch, "int4_linear", "cuda", "gemv_n4096_k4096",
             **{**{k: v for k, v in TUNE[f"{_arch}/int4_linear/cuda/gemv"].items() if k != "silu_out"}, "EARLY_W": True})
+        # down [4096, 14336] and the head [128256, 4096] on builds of their own (off: the generic build serves
+        # them), so that an A/B can give EARLY_W to gate_up's SiLU-out build alone (the generic entry) or to
+        # down alone (behind gate_up's last partial wave); bench/ab/int4_early_w_{down,gate_up}.json
+        for _n, _k in ((4096, 14336), (128256, 4096)):
+            put(_arch, "int4_linear", "cuda", f"gemv_n{_n}_k{_k}",
+                **{**{k: v for k, v in TUNE[f"{_arch}/int4_linear/cuda/gemv"].items() if k != "silu_out"},
+                   "enabled": False})
     # ... and built for up to 16 and 32 rows (X_TILES = max_m / 8 n8 tiles of x share each dequantized W
     # fragment), serving M 9-16 and 17-32 in place of dequant + cuBLAS. H200, the 8B projections of a decode
     # step (bench/int4_cuda_device.py, bench/results/h200_5b7e245_int4_cuda.txt): M=16 3.19 ms, M=32 5.66 ms,
