@@ -94,16 +94,13 @@ for _arch in ("sm80", "sm90"):
         # (1.878 ms a step against 1.889 / 1.890 in an A-B-A lease, b4 2.006 against 2.021 / 2.022 a token).
         # Four splits (target_programs 528, so the CTAs' first tiles cover half of W): 1.878 against 1.878-1.881
         # with these: not taken (bench/results/h200_625d0db_int4_l2_prefetch.json)
+        # Which GEMV lost under EARLY_W on all of them (twentieth session, down and the head on builds of their
+        # own for the A/B, a9f7ec7): gate_up's SiLU-out build, 1.944 ms a step against 1.882 stock (twice);
+        # down alone (behind gate_up's last partial wave) 1.883, no gain; neither taken
+        # (bench/results/h200_a9f7ec7_int4_early_w_split.json).
         # (silu_out is the generic build's alone: a per-shape build has no SiLU-out twin)
         put(_arch, "int4_linear", "cuda", "gemv_n4096_k4096",
             **{**{k: v for k, v in TUNE[f"{_arch}/int4_linear/cuda/gemv"].items() if k != "silu_out"}, "EARLY_W": True})
-        # down [4096, 14336] and the head [128256, 4096] on builds of their own (off: the generic build serves
-        # them), so that an A/B can give EARLY_W to gate_up's SiLU-out build alone (the generic entry) or to
-        # down alone (behind gate_up's last partial wave); bench/ab/int4_early_w_{down,gate_up}.json
-        for _n, _k in ((4096, 14336), (128256, 4096)):
-            put(_arch, "int4_linear", "cuda", f"gemv_n{_n}_k{_k}",
-                **{**{k: v for k, v in TUNE[f"{_arch}/int4_linear/cuda/gemv"].items() if k != "silu_out"},
-                   "enabled": False})
     # ... and built for up to 16 and 32 rows (X_TILES = max_m / 8 n8 tiles of x share each dequantized W
     # fragment), serving M 9-16 and 17-32 in place of dequant + cuBLAS. H200, the 8B projections of a decode
     # step (bench/int4_cuda_device.py, bench/results/h200_5b7e245_int4_cuda.txt): M=16 3.19 ms, M=32 5.66 ms,
