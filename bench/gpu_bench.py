@@ -458,17 +458,20 @@ def step_timeline(engine, cfg, out_dir: Path, shape: str, n: int = 1, steps: int
     gaps = collections.Counter()
     # in-chain cost: how far each kernel pushes the end of the busy time (with PDL kernels overlap, and a
     # kernel's own duration includes its wait for the one before; this is what it adds to the step)
+    # Rows are kernel and grid: one kernel serving several shapes (the int4 GEMV's down and its lm_head) splits.
     pushed, launches = collections.Counter(), collections.Counter()
     for e in events:
         ts, te = e["ts"], e["ts"] + e["dur"]
-        launches[e["name"][:60]] += 1
+        grid = e.get("args", {}).get("grid")
+        row = e["name"][:60] + (f" grid {tuple(grid)}" if grid else "")
+        launches[row] += 1
         if end is not None and ts > end:
             idle += ts - end
             gaps[(prev[:40], e["name"][:40])] += ts - end
         if end is None or te > end:
             step = te - max(ts, end) if end is not None else te - ts
             busy += step
-            pushed[e["name"][:60]] += step
+            pushed[row] += step
             end, prev = te, e["name"]
     lines = [f"{shape} b{n}: {steps} overlapped engine steps, GPU busy {busy / steps:.1f} us a step, "
              f"idle {idle / steps:.1f} us a step", "idle us a step  after -> before"]
