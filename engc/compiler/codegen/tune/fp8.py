@@ -46,7 +46,8 @@ put("sm90", "fp8_linear", "*", "m<=256", max_m=256, BLOCK_M=256, BLOCK_N=128, BL
 # 2026-11-30, bench/results/h200_fp8_kernels_v3.txt; the lookup takes an exact variant before '*'): the
 # table above gave qkv+o+gate_up 69.7 us and down 28.6 us at M=64; these 57.3 and 21.0 us. Other widths
 # keep the '*' entries (not measured).
-put("sm90", "fp8_linear", "k4096_m32", "m<=32", max_m=32, BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, target_programs=1 * SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
-put("sm90", "fp8_linear", "k14336_m32", "m<=32", max_m=32, BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=5, target_programs=1 * SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
-put("sm90", "fp8_linear", "k4096_m64", "m<=64", max_m=64, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=6, target_programs=1 * SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
-put("sm90", "fp8_linear", "k14336_m64", "m<=64", max_m=64, BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=6, target_programs=1 * SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
+_fp8_per_k = dict(target_programs=1 * SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
+for _k, _m, _block_k, _warps, _stages in ((4096, 32, 256, 4, 4), (14336, 32, 256, 8, 5), (4096, 64, 128, 8, 6),
+                                         (14336, 64, 256, 4, 6)):   # BLOCK_M = max_m, BLOCK_N 64
+    put("sm90", "fp8_linear", f"k{_k}_m{_m}", f"m<={_m}", max_m=_m, BLOCK_M=_m, BLOCK_N=64, BLOCK_K=_block_k,
+        num_warps=_warps, num_stages=_stages, **_fp8_per_k)
