@@ -64,6 +64,9 @@ for _arch in ("sm80", "sm90"):
     # bench/results/h200_aaf65f2_int4_early_w.json): on every int4 GEMV 1.972 ms a step against 1.889-1.890
     # stock; on o alone (behind the decode attention) 1.878: on for o's shape only (below). On qkv as well (behind
     # its norm): 1.904 against 1.885-1.890 (bench/results/h200_2c302a9_engc_8b-int4-qhead.json).
+    # What lost when every GEMV had it (twentieth session; down and the head on builds of their own for the A/B,
+    # a9f7ec7): gate_up's SiLU-out build, 1.944 ms a step against 1.882 stock (twice); down alone (behind
+    # gate_up's last partial wave) 1.883, no gain; neither taken (bench/results/h200_a9f7ec7_int4_early_w_split.json).
     # gate_up's SiLU-out build split in two (1,792 CTAs instead of 896 over 528 slots, target_programs 1000 with
     # max_splits 4, which leaves down and the head as they are): 27.2 us a layer in the chain against 23.0
     # (bench/results/h200_2c302a9_gate_up_split2_*): its 1.7 waves are not what it loses.
@@ -95,10 +98,6 @@ for _arch in ("sm80", "sm90"):
         # (1.878 ms a step against 1.889 / 1.890 in an A-B-A lease, b4 2.006 against 2.021 / 2.022 a token).
         # Four splits (target_programs 528, so the CTAs' first tiles cover half of W): 1.878 against 1.878-1.881
         # with these: not taken (bench/results/h200_625d0db_int4_l2_prefetch.json)
-        # Which GEMV lost under EARLY_W on all of them (twentieth session, down and the head on builds of their
-        # own for the A/B, a9f7ec7): gate_up's SiLU-out build, 1.944 ms a step against 1.882 stock (twice);
-        # down alone (behind gate_up's last partial wave) 1.883, no gain; neither taken
-        # (bench/results/h200_a9f7ec7_int4_early_w_split.json).
         # (silu_out is the generic build's alone: a per-shape build has no SiLU-out twin)
         put(_arch, "int4_linear", "cuda", "gemv_n4096_k4096",
             **{**{k: v for k, v in TUNE[f"{_arch}/int4_linear/cuda/gemv"].items() if k != "silu_out"}, "EARLY_W": True})
