@@ -8,7 +8,7 @@ nothing; larger steps (prefill) run as usual. The outputs are garbage: only timi
 samplers turn the NaN logits into valid ids, so the engine keeps running). Families:
   norm  RMSNorm, AddRMSNorm            attn  RotaryPagedAttention, PagedAttention
   silu  SiluMul                        gemm  Gemm (the lm_head too), SiluMulLinear, QLinear, QLinearSiluMul,
-                                             FP8Linear
+                                             FP8Linear, QLinearAddRMSNorm (its norm goes with it)
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 ROWS = 64
 FAMILIES = {"RMSNorm": "norm", "AddRMSNorm": "norm", "RotaryPagedAttention": "attn", "PagedAttention": "attn",
             "SiluMul": "silu", "Gemm": "gemm", "SiluMulLinear": "gemm", "QLinear": "gemm",
-            "QLinearSiluMul": "gemm", "FP8Linear": "gemm"}
+            "QLinearSiluMul": "gemm", "FP8Linear": "gemm", "QLinearAddRMSNorm": "gemm"}
 
 
 def _empty(x: torch.Tensor, cols: int) -> tuple[torch.Tensor]:
@@ -41,6 +41,8 @@ def _removed(name: str, xs: tuple, attrs: dict) -> tuple:
         return _empty(x, xs[1].shape[0] if attrs.get("transB") else xs[1].shape[1])
     if name == "QLinearSiluMul":
         return _empty(x, xs[1].shape[0] // 2)
+    if name == "QLinearAddRMSNorm":   # no projection, no norm: (an unwritten y, the residual as it was)
+        return _empty(xs[4], xs[4].shape[1])[0], xs[4]
     return _empty(x, xs[1].shape[0])   # SiluMulLinear, QLinear, FP8Linear: weight [N, ...]
 
 

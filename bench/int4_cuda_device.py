@@ -68,6 +68,11 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          # session), for the table's tile and the qkv build's
          "w4t2u1b4z_s2": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2),
          "w4t2u1b4z_s4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=4),
+         # DEFER (a launch mode, not a kernel): the table's config timed with its split-K partials left
+         # unreduced (no counter: each split stores its partial and exits; an AddRMSNorm sums them), against
+         # w4t2u1b4z_s2 itself: what the in-launch reduce (fence, ticket, the last split's re-read) costs
+         "w4t2u1b4z_s2_d": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                DEFER=True),
          "w4t1u2b4z_s2": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2),
          # ... and the occupancy / bytes-in-flight configs above again with two accumulators
          "w4t2u1b5z_s2": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=5, ZERO_SUM=True, ACC_SPLIT=2),
@@ -124,7 +129,7 @@ def prepare(out_dir: Path):
             continue
         ablate, kind = ov.get("ABLATE", False), ov.get("kind", "gemv")
         # one accumulator unless the config names more (the table's gemv entry has 2)
-        ov = {"ACC_SPLIT": 1, **{k: v for k, v in ov.items() if k not in ("ABLATE", "kind")}}
+        ov = {"ACC_SPLIT": 1, **{k: v for k, v in ov.items() if k not in ("ABLATE", "kind", "DEFER")}}
         specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov, kind)[0]]
         if name == next(iter(SWEEP)) or kind.startswith("gemv_wide"):
             specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov, kind)[0])
@@ -181,12 +186,17 @@ def run(aot: Path, out: Path):
     counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "timings": []}
 
-    def cuda_linear(name, target, x, w, group, bias=None):
+    def cuda_linear(name, target, x, w, group, bias=None, timed=False):
         ks = sets[name]
         consts = {v: dict(c, target_programs=target) if target else c for v, c in ks.consts("int4_linear").items()}
         y = torch.empty(x.shape[0], w[0].shape[0], dtype=x.dtype, device="cuda")
-        ks.run("int4_linear", op.cuda_launch(x, *w, bias, y, group_size=group, consts=consts, counters=counters))
-        return y
+        m, (n, k) = x.shape[0], (w[0].shape[0], x.shape[1])
+        splits = op.cuda_splits(m, n, k, group, consts, counters)
+        partials = (torch.empty(splits, m, n, dtype=torch.float32, device="cuda")
+                    if sweep_config(name).get("DEFER") and splits > 1 and bias is None else None)
+        ks.run("int4_linear", op.cuda_launch(x, *w, bias, y, group_size=group, consts=consts, counters=counters,
+                                             partials=partials))
+        return y if partials is None or timed else partials.sum(0).to(x.dtype)   # timed: the launch alone
 
     def triton_linear(x, w, group, bias=None):
         ks = sets["triton"]
@@ -272,7 +282,7 @@ def run(aot: Path, out: Path):
                     ablate = sweep_config(name).get("ABLATE", False)
                     if not ablate and not check(tag, cuda_linear(name, target, x, ws[0], GROUP), ref):
                         continue
-                    us = time_graph(lambda i: cuda_linear(name, target, x, ws[i], GROUP), copies)
+                    us = time_graph(lambda i: cuda_linear(name, target, x, ws[i], GROUP, timed=True), copies)
                     if ablate or check(dict(tag, after="graph"), cuda_linear(name, target, x, ws[0], GROUP), ref):
                         results["timings"].append(dict(tag, us=us, tbs=wbytes / us / 1e6))
         say(f"{shape}: done ({run_log.elapsed():.0f}s)")
@@ -289,7 +299,7 @@ def table(results, say):
     all_ts = results["timings"]
     ablated = [t for t in all_ts if sweep_config(t["set"]).get("ABLATE")]
     wide = [t for t in all_ts if t["M"] in WIDE_MS]
-    ts = [t for t in all_ts if t["M"] in MS and t not in ablated
+    ts = [t for t in all_ts if t["M"] in MS and t not in ablated and not sweep_config(t["set"]).get("DEFER")
           and not sweep_config(t["set"]).get("kind", "").startswith("gemv_wide")]
     say("")
     say(f"== checks: {len(results['checks']) - len(bad)}/{len(results['checks'])} ok (rel err < 1e-2 vs the float64 "
@@ -364,6 +374,14 @@ def table(results, say):
                 (name, target), us = min(full.items(), key=lambda kv: kv[1])
                 say(f"  M={m} step ({LAYERS} layers), ms: bf16 {LAYERS * base['bf16'] / 1e3:.3f}  dequant+cuBLAS "
                     f"{LAYERS * base['triton'] / 1e3:.3f}  wide {LAYERS * us / 1e3:.3f} ({name[5:]} t{target})")
+    deferred = [t for t in all_ts if sweep_config(t["set"]).get("DEFER") and t["M"] in MS]
+    if deferred:
+        say("== split-K partials left to the reader (DEFER) against the in-launch reduce, us ==")
+        for t in deferred:
+            base = next((b for b in all_ts if b["set"] == t["set"][:-2] and b["shape"] == t["shape"]
+                         and b["M"] == t["M"] and b.get("target") == t.get("target")), None)
+            if base:
+                say(f"  {t['shape']:<8} M={t['M']} t{t['target']}: {t['us']:6.2f} against {base['us']:6.2f}")
     if ablated:
         say("== W loads alone (ABLATE: the loop's memory ceiling), M=1, us (TB/s) ==")
         for name in sorted({t["set"] for t in ablated}):

@@ -177,6 +177,33 @@ def test_skinny_gemm_of_the_8b_widths_matches_reference(tmp_path):
 
 
 @pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA device and engc._native")
+def test_int4_add_norm_fusion_changes_no_token(tiny_dir, tmp_path, monkeypatch):
+    """A bf16 int4 bundle decodes the same tokens on the GPU with QLinearAddRMSNorm (down's split-K partials
+    summed by the norm) as without the pass (the GEMV's own reduce, then AddRMSNorm): the same bits."""
+    from engc.bundle.reader import open_bundle
+    from engc.compiler import build as build_mod
+    from engc.compiler.passes.fuse_qlinear_add_norm import fuse_qlinear_add_norm
+    from engc.compiler.quantize import QuantOptions
+    from engc.compiler.quantize.stream import quantize_checkpoint
+    from engc.kernels import int4_linear, rms_norm
+    from engc.runtime.gpu_ops import BundleKernels
+    # intermediate 1024: down's K is two of the GEMV's K tiles, so its launch splits (o's K of 64 cannot)
+    quantize_checkpoint(str(tiny_dir("llama", intermediate_size=1024)), tmp_path / "q",
+                        QuantOptions(method="rtn", group_size=32))
+    opts = BuildOptions(archs=(sm_arch(),), dtype="bfloat16", kernel_cache=os.environ.get("ENGC_KERNEL_CACHE"))
+    build_mod.build(str(tmp_path / "q"), tmp_path / "fused", opts)
+    kernels = BundleKernels(open_bundle(tmp_path / "fused"), sm_arch())
+    assert rms_norm.PARTIALS_VARIANT in kernels.consts["rms_norm"]
+    assert int4_linear.cuda_splits(len(PROMPTS), 64, 1024, 32, kernels.consts["int4_linear"],
+                                   torch.zeros(64, dtype=torch.int32)) > 1
+    monkeypatch.setattr(build_mod, "PASSES", [p for p in build_mod.PASSES if p is not fuse_qlinear_add_norm])
+    build_mod.build(str(tmp_path / "q"), tmp_path / "plain", opts)
+    fused = greedy(tmp_path / "fused", "cuda")
+    assert fused == greedy(tmp_path / "plain", "cuda")
+    assert greedy(tmp_path / "fused", "cuda", graphs=False) == fused
+
+
+@pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA device and engc._native")
 def test_int4_linear_matches_reference_at_every_row_count(tiny_dir, tmp_path):
     """A bf16 int4 bundle's QLinear kernels, through the runtime's own launch rule, against the dequantized
     weight in float64 at row counts of each path: the CUDA GEMV (M <= 8), its 16- and 32-row builds, two
@@ -239,6 +266,29 @@ def test_int4_linear_matches_reference_at_every_row_count(tiny_dir, tmp_path):
             assert counters.eq(0).all(), rows
         assert op.run_quantized_silu(torch.zeros(12, k, dtype=torch.bfloat16, device="cuda"), *gate_up,
                                      gate_up_bias, group_size=32, consts=consts, run=run, counters=counters) is None
+    # QLinearAddRMSNorm (o, down): where the GEMV splits K its partials go unreduced to the norm, which sums
+    # them: the same bits as QLinear then AddRMSNorm on the GPU (the norm is built for the model's hidden 64)
+    from engc.bundle.program import ENGC_DOMAIN
+    from engc.kernels import rms_norm
+    from engc.runtime.gpu_ops import StepFacts, gpu_ops
+    if rms_norm.PARTIALS_VARIANT in kernels.consts["rms_norm"]:
+        ops = gpu_ops(kernels, StepFacts())
+        hidden = 64
+        q = torch.randint(0, 16, (hidden, k), generator=gen)
+        scales = (torch.rand(hidden, k // 32, generator=gen) * 0.02 + 0.005).to(torch.bfloat16)
+        zeros = torch.randint(0, 16, (hidden, k // 32), generator=gen).to(torch.uint8)
+        o_w = [t.cuda() for t in (op.pack_int4(q), scales, zeros)]
+        norm_w = torch.randn(hidden, generator=gen).to(torch.bfloat16).cuda()
+        for rows in (1, 5, 8, 12, 24):
+            x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
+            residual = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16).cuda()
+            splits = op.cuda_splits(rows, hidden, k, 32, consts, counters)
+            fused = ops[(ENGC_DOMAIN, "QLinearAddRMSNorm")](x, *o_w, residual, norm_w, group_size=32, eps=1e-5)
+            y = ops[(ENGC_DOMAIN, "QLinear")](x, *o_w, group_size=32)[0]
+            plain = ops[(ENGC_DOMAIN, "AddRMSNorm")](y, residual, norm_w, eps=1e-5)
+            assert splits > 1 or rows > 8, (rows, splits)   # the partials path ran at least at M <= 8
+            assert all(torch.equal(a, b) for a, b in zip(fused, plain)), (rows, splits)
+            assert counters.eq(0).all(), rows
     # the int4 GEMM of decode batches (kernels/int4_gemm), where the bundle has it: its variants are per K
     # of the model (tiny: hidden 64, intermediate 128), so a weight of the model's intermediate width
     gemm_consts = kernels.consts.get("int4_gemm", {})

@@ -99,8 +99,10 @@ def test_quantized_program_fuses_qkv_and_gate_up(tiny_dir, tmp_path):
     build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())
     program = parse_program((tmp_path / "b" / "program.onnx").read_bytes())
     ops = [n.op for n in program.nodes]
-    # qkv, o, down per layer; gate_up with its SiLU-and-mul (passes/fuse_qlinear_silu_mul); the lm_head a Gemm
-    assert ops.count("QLinear") == 3 * 2 and ops.count("QLinearSiluMul") == 2 and "SiluMul" not in ops
+    # qkv per layer; gate_up with its SiLU-and-mul (passes/fuse_qlinear_silu_mul); o and down with the residual
+    # add and norm after each (passes/fuse_qlinear_add_norm); the lm_head a Gemm
+    assert ops.count("QLinear") == 2 and ops.count("QLinearSiluMul") == 2 and "SiluMul" not in ops
+    assert ops.count("QLinearAddRMSNorm") == 2 * 2 and "AddRMSNorm" not in ops
     assert "Gemm" in ops and "Concat" not in ops
 
 

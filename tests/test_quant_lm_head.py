@@ -69,9 +69,11 @@ def test_quantized_lm_head_bundle_matches_dequantized_hf(family, method, extra, 
     assert manifest["quantization"]["lm_head"] is True and manifest["model"]["tie_word_embeddings"] is False
     program = parse_program((tmp_path / "b" / "program.onnx").read_bytes())
     ops = [n.op for n in program.nodes]
-    # act-order: nothing fused (7 a layer); else qkv, o, down, and gate_up with its SiLU (QLinearSiluMul)
-    assert "Gemm" not in ops and ops.count("QLinear") == (7 if extra else 3) * 2 + 1
+    # act-order: nothing fused (7 a layer); else qkv, gate_up with its SiLU (QLinearSiluMul), and o and down
+    # with the norm after each (QLinearAddRMSNorm)
+    assert "Gemm" not in ops and ops.count("QLinear") == (7 if extra else 1) * 2 + 1
     assert ops.count("QLinearSiluMul") == (0 if extra else 2)
+    assert ops.count("QLinearAddRMSNorm") == (0 if extra else 2 * 2)
     last = next(n for n in program.nodes if n.op == "QLinear" and n.inputs[1] == "lm_head.qweight")
     assert last.inputs[0] == "h.sampled"
     ids = list(range(3, 40))

@@ -349,6 +349,24 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         return act(qlinear(x, qweight, scales, zeros, *extra, group_size=group_size, has_bias=has_bias,
                            act_order=act_order)[0])
 
+    # QLinearAddRMSNorm (passes/fuse_qlinear_add_norm): where the CUDA GEMV serves M rows in one launch that
+    # splits K and the bundle has the norm's partials build, the GEMV leaves its fp32 partials unreduced and
+    # the norm sums them (same bits, no fence, ticket or re-read in the GEMV); else QLinear, then AddRMSNorm
+    def qlinear_add_norm(x, qweight, scales, zeros, residual, weight, *, group_size, eps):
+        x = x.contiguous()
+        partials = None
+        if rms_norm.PARTIALS_VARIANT in k.consts["rms_norm"]:
+            partials = int4_linear.run_quantized_partials(x, qweight, scales, zeros, group_size=group_size,
+                                                          consts=k.consts["int4_linear"],
+                                                          run=lambda launches: k.run("int4_linear", launches),
+                                                          counters=counters, gemm_consts=k.consts.get("int4_gemm"))
+        if partials is None:
+            return add_norm(qlinear(x, qweight, scales, zeros, group_size=group_size)[0], residual, weight, eps)
+        out, r_out = torch.empty_like(residual), torch.empty_like(residual)
+        k.run("rms_norm", rms_norm.launch(partials, weight, eps, out, residual=residual, residual_out=r_out,
+                                          partials=True))
+        return out, r_out
+
     ops = dict(REFERENCE_OPS)
     ops.update({
         ("", "Gather"): gather,
@@ -365,6 +383,7 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
     if "int4_linear" in k.consts:  # a bundle built from an AWQ/GPTQ checkpoint
         ops[(ENGC_DOMAIN, "QLinear")] = qlinear
         ops[(ENGC_DOMAIN, "QLinearSiluMul")] = qlinear_silu
+        ops[(ENGC_DOMAIN, "QLinearAddRMSNorm")] = qlinear_add_norm
     if "fp8_quant" in k.consts:  # an fp8 bundle (engc build --quant fp8)
         ops[(ENGC_DOMAIN, "FP8Linear")] = fp8_linear
     return ops

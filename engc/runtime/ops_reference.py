@@ -50,5 +50,7 @@ REFERENCE_OPS = {
     (ENGC_DOMAIN, "SiluMulLinear"): lambda x, w: (silu_mul_linear(x, w),),
     (ENGC_DOMAIN, "QLinear"): lambda *xs, **a: (int4_linear(*xs, **a),),
     (ENGC_DOMAIN, "QLinearSiluMul"): lambda *xs, **a: (silu_mul(int4_linear(*xs, **a)),),
+    (ENGC_DOMAIN, "QLinearAddRMSNorm"): lambda x, qw, s, z, r, w, group_size, eps: add_rms_norm(
+        int4_linear(x, qw, s, z, group_size=group_size), r, w, eps),
     (ENGC_DOMAIN, "FP8Linear"): lambda *xs, **a: (fp8_linear(*xs, **a),),
 }

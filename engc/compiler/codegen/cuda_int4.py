@@ -75,6 +75,8 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"
     launch["PDL"] = int(entry.get("PDL", tune.PDL[arch]))   # the template waits first on sm90 (kernels/pdl.py)
+    # partials_out: a split launch may leave its partials to the AddRMSNorm after it (QLinearAddRMSNorm)
+    launch["partials_out"] = int(bool(entry.get("partials_out", False)))
     types = {name_: ty.format(t=t) for name_, ty in ARG_TYPES.items()}
     variant = (op.cuda_shape_variant(group, *shape) if shape else op.cuda_silu_variant(group) if silu_out
                else op.cuda_variant(group) if kind == "gemv" else op.cuda_wide_variant(group, rows))

@@ -14,20 +14,24 @@ from engc.compiler.codegen import tune
 from engc.compiler.codegen.decode_gemm_specs import dense_projections, fp8_linear_specs, gemv_specs, skinny_gemm_specs
 from engc.compiler.codegen.kernel_spec import TRITON_DTYPE, make_spec, pow2
 from engc.errors import UserError
-from engc.kernels import kv_quant
+from engc.kernels import kv_quant, rms_norm
 from engc.kernels.fp8_quant import FP8_ARCHS, FP8_MAX, MIN_AMAX
 
 KV_TRITON_DTYPE = {torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv"}
 
 
-def rms_norm_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
+def rms_norm_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, partials: bool = False):
+    """The norm and the residual-add norm; with partials also the residual-add norm that sums an int4
+    split-K GEMV's fp32 partials (rms_norm.PARTIALS_VARIANT, for QLinearAddRMSNorm)."""
     block = pow2(cfg.hidden_size)
     types = {"x_ptr": f"*{t}", "residual_ptr": f"*{t}", "weight_ptr": f"*{t}", "out_ptr": f"*{t}",
-             "residual_out_ptr": f"*{t}", "eps": "fp32"}
-    return [make_spec("rms_norm", variant, arch, "rms_norm_kernel", types,
-                      {"HIDDEN": cfg.hidden_size, "BLOCK": block, "HAS_RESIDUAL": has_res},
+             "residual_out_ptr": f"*{t}", "eps": "fp32", "splits": "i32"}
+    variants = [("rms_norm", False, False), ("add_rms_norm", True, False)]
+    variants += [(rms_norm.PARTIALS_VARIANT, True, True)] if partials else []
+    return [make_spec("rms_norm", variant, arch, "rms_norm_kernel", dict(types, x_ptr="*fp32") if part else types,
+                      {"HIDDEN": cfg.hidden_size, "BLOCK": block, "HAS_RESIDUAL": has_res, "PARTIALS": part},
                       tune.block_bucket(block), overrides=overrides)
-            for variant, has_res in (("rms_norm", False), ("add_rms_norm", True))]
+            for variant, has_res, part in variants]
 
 
 def silu_mul_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
@@ -239,7 +243,8 @@ def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int
         raise UserError(f"--kv-cache fp8 needs sm89 or newer (e4m3 conversions); {arch} has none: "
                         "use --kv-cache int8")
     ov = overrides or {}
-    specs = rms_norm_specs(cfg, t, arch, ov.get("rms_norm")) + silu_mul_specs(cfg, t, arch, ov.get("silu_mul"))
+    specs = rms_norm_specs(cfg, t, arch, ov.get("rms_norm"), partials=bool(int4_group_sizes))
+    specs += silu_mul_specs(cfg, t, arch, ov.get("silu_mul"))
     if cfg.qk_norm:
         specs += qk_norm_specs(cfg, t, arch, ov.get("qk_norm"))
     specs += rotary_specs(cfg, t, arch, ov.get("rotary"), kv)

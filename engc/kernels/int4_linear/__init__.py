@@ -261,18 +261,21 @@ def uses_cuda_gemv(m: int, group_size: int, consts: dict) -> bool:
     return bool(cuda_row_slices(m, group_size, consts))
 
 
-def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: dict, counters, variant=None):
+def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: dict, counters, variant=None,
+                partials=None):
     """Launch rule of the CUDA GEMV (uses_cuda_gemv(M) true): [(variant, grid, args)].
 
     grid (cdiv(N, BLOCK_N), splits); K splits as kernels/gemv's split_count says (toward target_programs
     CTAs), whole BLOCK_K tiles each; the last split to arrive reduces. counters: int32, zero, at least one
     per N tile for a split launch (left zero again). args: x, qweight, scales, zeros, bias, y, partial
-    (fp32 [splits, M, N] or 0), counter (or 0), M, N, K, k_tiles_per_split, splits, has_bias.
-    variant: the build to launch (default: cuda_variant_for M); for cuda_silu_g{G}, y is [M, N / 2]."""
-    from engc.kernels.gemv import split_count
+    (fp32 [splits, M, N] or 0), counter (or 0: no reduce), M, N, K, k_tiles_per_split, splits, has_bias.
+    variant: the build to launch (default: cuda_variant_for M); for cuda_silu_g{G}, y is [M, N / 2].
+    partials: where a split launch's output goes instead of y (then None), left unreduced (no counter): fp32
+    [splits, M, N] as cuda_splits says, summed in split order by the kernel that reads it (rms_norm's
+    add_rms_norm_partials); the launch then has no bias and is not the SiLU-out build."""
     m, k = x.shape
     n = qweight.shape[0]
-    assert x.is_contiguous() and y.is_contiguous() and qweight.shape[1] * PACK == k and k % CHUNK == 0
+    assert x.is_contiguous() and (y is None or y.is_contiguous()) and qweight.shape[1] * PACK == k and k % CHUNK == 0
     if m == 0:
         return []
     variant = variant or cuda_variant_for(m, group_size, consts, (n, k))
@@ -280,14 +283,33 @@ def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: 
     assert m <= c["max_m"] and c["GROUP"] == group_size
     if variant == cuda_silu_variant(group_size):   # a CTA pairs BLOCK_N / 2 gate rows with their up rows
         assert n % c["BLOCK_N"] == 0 and y.shape == (m, n // 2), (n, c["BLOCK_N"], tuple(y.shape))
-    n_tiles, k_tiles = _cdiv(n, c["BLOCK_N"]), _cdiv(k, c["BLOCK_K"])
-    splits, per = split_count(n_tiles, k_tiles, c)
-    if splits > 1 and n_tiles > counters.numel():
-        splits, per = 1, k_tiles
+    n_tiles = _cdiv(n, c["BLOCK_N"])
+    splits, per = _cuda_split(n, k, c, counters)
     has_bias, b = (1, bias) if bias is not None else (0, 0)
+    if partials is not None:
+        assert splits > 1 and bias is None and variant != cuda_silu_variant(group_size)
+        assert partials.shape == (splits, m, n) and partials.dtype == torch.float32 and partials.is_contiguous()
+        return [(variant, (n_tiles, splits, 1), [x, qweight, scales, zeros, 0, 0, partials, 0, m, n, k, per,
+                                                  splits, 0])]
     partial = torch.empty(splits * m * n, dtype=torch.float32, device=x.device) if splits > 1 else 0
     return [(variant, (n_tiles, splits, 1), [x, qweight, scales, zeros, b, y, partial,
                                               counters if splits > 1 else 0, m, n, k, per, splits, has_bias])]
+
+
+def _cuda_split(n: int, k: int, c: dict, counters) -> tuple[int, int]:
+    """(splits, K tiles a split) of a CUDA GEMV launch with constants c: kernels/gemv's split_count, one
+    split where the counters could not hold the N tiles."""
+    from engc.kernels.gemv import split_count
+    n_tiles, k_tiles = _cdiv(n, c["BLOCK_N"]), _cdiv(k, c["BLOCK_K"])
+    splits, per = split_count(n_tiles, k_tiles, c)
+    return (1, k_tiles) if splits > 1 and n_tiles > counters.numel() else (splits, per)
+
+
+def cuda_splits(m: int, n: int, k: int, group_size: int, consts: dict, counters) -> int:
+    """The K splits of the CUDA GEMV launch that serves M rows of a [N, K] weight in one pass (0 where
+    none does in one launch): more than one means its output can be left as partials (cuda_launch)."""
+    variant = cuda_variant_for(m, group_size, consts, (n, k))
+    return _cuda_split(n, k, consts[variant], counters)[0] if variant and counters is not None else 0
 
 
 def silu_out_fits(m: int, n: int, group_size: int, consts: dict) -> bool:
@@ -306,6 +328,31 @@ def run_quantized_silu(x, qweight, scales, zeros, bias, *, group_size: int, cons
     run(cuda_launch(x, qweight, scales, zeros, bias, act, group_size=group_size, consts=consts, counters=counters,
                     variant=cuda_silu_variant(group_size)))
     return act
+
+
+def run_quantized_partials(x, qweight, scales, zeros, *, group_size: int, consts: dict, run, counters,
+                           gemm_consts=None):
+    """x @ dequant(W)^T left as the CUDA GEMV's unreduced split-K partials, fp32 [splits, M, N] (no bias),
+    where run_quantized_linear would run that GEMV in one launch that splits K and its build's launch
+    constant partials_out is on; None elsewhere (the caller runs run_quantized_linear). Their reader sums them in split order (kernels/rms_norm, partials)."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    if counters is None or m == 0:
+        return None
+    if gemm_consts:
+        from engc.kernels import int4_gemm
+        if int4_gemm.pick(gemm_consts, k, group_size, m) is not None:
+            return None
+    variant = cuda_variant_for(m, group_size, consts, (n, k))
+    if variant is None or not consts[variant].get("partials_out"):   # the tune entry's switch
+        return None
+    splits = cuda_splits(m, n, k, group_size, consts, counters)
+    if splits < 2:
+        return None
+    partials = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    run(cuda_launch(x, qweight, scales, zeros, None, None, group_size=group_size, consts=consts, counters=counters,
+                    partials=partials))
+    return partials
 
 
 def run_quantized_linear(x, qweight, scales, zeros, bias, *, group_size: int, consts: dict, run, counters=None,

@@ -18,23 +18,35 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return rms_norm(s, weight, eps), s
 
 
-def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=None):
+# The AddRMSNorm that sums a split-K GEMV's fp32 partials itself (launch's partials), built for int4 bundles
+# (ai.engc::QLinearAddRMSNorm, passes/fuse_qlinear_add_norm)
+PARTIALS_VARIANT = "add_rms_norm_partials"
+
+
+def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=None, partials: bool = False):
     """Launch rule of the AOT kernel rms_norm_kernel: [(variant, grid, args)], nothing to launch for 0 rows.
 
     x, out (and residual, residual_out): contiguous [..., hidden]; weight [hidden]. Without residual the
     variant is 'rms_norm', else 'add_rms_norm', which writes x + residual to residual_out (default: the
-    residual buffer itself, in place). args, in the kernel's order:
-        x, residual, weight, out, residual_out, eps (fp32), global_scratch=0, profile_scratch=0
-    (the 'rms_norm' variant ignores the residual slots; they carry x and out). consts is unused.
+    residual buffer itself, in place). With partials, x is a split-K GEMV's unreduced output, fp32 [splits,
+    rows, hidden], and a residual comes too: variant 'add_rms_norm_partials', which sums the splits in
+    order first and rounds to out's dtype. args, in the kernel's order:
+        x, residual, weight, out, residual_out, eps (fp32), splits, global_scratch=0, profile_scratch=0
+    (the 'rms_norm' variant ignores the residual slots; they carry x and out; splits is read by the
+    partials variant alone). consts is unused.
     """
-    rows = x.numel() // x.shape[-1]
+    assert not partials or (x.dtype == torch.float32 and x.dim() == 3)
+    splits = x.shape[0] if partials else 1
+    rows = x.numel() // x.shape[-1] // splits
     if residual is None:
+        assert not partials, "partials come with a residual (AddRMSNorm)"
         variant, residual, residual_out = "rms_norm", x, out
     else:
-        variant = "add_rms_norm"
+        variant = PARTIALS_VARIANT if partials else "add_rms_norm"
         residual_out = residual if residual_out is None else residual_out
     for t in (x, residual, out, residual_out):
         assert t.is_contiguous() and t.shape[-1] == x.shape[-1]
+    assert out.numel() == rows * x.shape[-1]
     if rows == 0:
         return []
-    return [(variant, (rows, 1, 1), [x, residual, weight, out, residual_out, float(eps), 0, 0])]
+    return [(variant, (rows, 1, 1), [x, residual, weight, out, residual_out, float(eps), splits, 0, 0])]

@@ -4,6 +4,9 @@ Residual: the sum x + residual is written to residual_out, which may be the resi
 place: each program reads its row completely before it writes it) or a separate buffer.
 Rounding follows the torch reference: the sum is rounded to the storage dtype before it is normalized,
 the normalized value is rounded before the weight multiply.
+PARTIALS: x is a split-K GEMV's unreduced output, fp32 [splits, rows, HIDDEN] (kernels/int4_linear's
+cuda_launch with partials): summed in split order and rounded to the dtype, as that GEMV's own last split
+would have written it, so the result is the same bits; the GEMV then skips its fence, ticket and re-read.
 """
 import triton
 import triton.language as tl
@@ -12,21 +15,29 @@ from engc.kernels import pdl
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
-                    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps, splits,
+                    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PARTIALS: tl.constexpr,
+                    PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)   # a constant: before the wait
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
-    x = tl.load(x_ptr + row * HIDDEN + offs, mask=mask, other=0.0)
+    if PARTIALS:
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        plane = tl.num_programs(0).to(tl.int64) * HIDDEN
+        for s in range(0, splits):
+            total += tl.load(x_ptr + s * plane + row * HIDDEN + offs, mask=mask, other=0.0)
+        x = total.to(out_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * HIDDEN + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * HIDDEN + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * HIDDEN + offs, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / HIDDEN
     rstd = 1.0 / tl.sqrt(var + eps)
-    y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * HIDDEN + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)

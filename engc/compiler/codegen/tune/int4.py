@@ -80,9 +80,14 @@ for _arch in ("sm80", "sm90"):
     # register loads alone at 18.0 (3.4 TB/s): cp.async into shared memory streams this GEMV's W at ~2.5 TB/s,
     # about what the whole register kernel does, so no overlap of the math could win. The 8B int4 b1 step:
     # 2.90-3.00 ms against 1.885 (bench/results/h200_909dc24_int4_stages.json).
+    # partials_out (twenty-first session): a launch that splits K and feeds an AddRMSNorm (o, down:
+    # QLinearAddRMSNorm) stores its fp32 partials and exits; the norm sums them in split order (the same
+    # bits). H200, M=1, the table's config alone (bench/int4_cuda_device.py DEFER, h200_..._int4_defer.txt):
+    # o 5.46 us against 6.82 with the in-launch reduce, down 13.96 against 15.22: the fence, the ticket and
+    # the last split's re-read of the partials are ~1.3 us of each launch.
     put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1, silu_out=True, EARLY_W=False)
+         min_split_k_tiles=1, silu_out=True, EARLY_W=False, partials_out=True)
     # ... and, per projection shape [N, K] where one config beat it, a build of its own (gemv_n{N}_k{K}, variant
     # cuda_g{G}_n{N}_k{K}, made where a model has that shape; the runtime prefers it up to its max_m). H200
     # (bench/int4_cuda_device.py; h200_5b7e245_int4_cuda.txt, h200_b1c505b_int4_cuda.txt): the 8B's qkv
@@ -93,7 +98,7 @@ for _arch in ("sm80", "sm90"):
         # (ACC_SPLIT 2: 8.08 us against 7.98; its two K steps are already two chains)
         put(_arch, "int4_linear", "cuda", "gemv_n6144_k4096", enabled=True, max_m=8, num_warps=4, TILES=1,
              UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=1, target_programs=2 * SM_COUNT[_arch],
-             max_splits=16, min_split_k_tiles=1, EARLY_W=False)
+             max_splits=16, min_split_k_tiles=1, EARLY_W=False, partials_out=True)
         # the 8B's o [4096, 4096], which runs behind the decode attention: the generic config with EARLY_W
         # (1.878 ms a step against 1.889 / 1.890 in an A-B-A lease, b4 2.006 against 2.021 / 2.022 a token).
         # Four splits (target_programs 528, so the CTAs' first tiles cover half of W): 1.878 against 1.878-1.881
@@ -109,10 +114,10 @@ for _arch in ("sm80", "sm90"):
     # (ACC_SPLIT 1: their X_TILES n8 tiles of x are already that many independent chains; not measured split)
     put(_arch, "int4_linear", "cuda", "gemv_wide16", enabled=True, max_m=16, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=3, ZERO_SUM=True, ACC_SPLIT=1, target_programs=2 * SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1)
+         min_split_k_tiles=1, partials_out=True)
     put(_arch, "int4_linear", "cuda", "gemv_wide32", enabled=True, max_m=32, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=2, ZERO_SUM=True, ACC_SPLIT=1, target_programs=2 * SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1)
+         min_split_k_tiles=1, partials_out=True)
     # ... and its prefill dequant (templates/int4_dequant.cu.j2): CHUNKS 16-byte chunks per thread, all
     # loaded before the first is written. H200: 1.3-1.45 TB/s written, about twice the Triton dequant.
     put(_arch, "int4_linear", "cuda", "dequant", enabled=True, num_warps=8, CHUNKS=2)
