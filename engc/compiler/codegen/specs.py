@@ -29,7 +29,8 @@ def rms_norm_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, partials
     variants = [("rms_norm", False, False), ("add_rms_norm", True, False)]
     variants += [(rms_norm.PARTIALS_VARIANT, True, True)] if partials else []
     return [make_spec("rms_norm", variant, arch, "rms_norm_kernel", dict(types, x_ptr="*fp32") if part else types,
-                      {"HIDDEN": cfg.hidden_size, "BLOCK": block, "HAS_RESIDUAL": has_res, "PARTIALS": part},
+                      {"HIDDEN": cfg.hidden_size, "BLOCK": block, "HAS_RESIDUAL": has_res, "PARTIALS": part,
+                       "MAX_SPLITS": rms_norm.MAX_SPLITS if part else 1},
                       tune.block_bucket(block), overrides=overrides)
             for variant, has_res, part in variants]
 

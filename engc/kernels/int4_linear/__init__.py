@@ -347,7 +347,8 @@ def run_quantized_partials(x, qweight, scales, zeros, *, group_size: int, consts
     if variant is None or not consts[variant].get("partials_out"):   # the tune entry's switch
         return None
     splits = cuda_splits(m, n, k, group_size, consts, counters)
-    if splits < 2:
+    from engc.kernels.rms_norm import MAX_SPLITS
+    if not 2 <= splits <= MAX_SPLITS:
         return None
     partials = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     run(cuda_launch(x, qweight, scales, zeros, None, None, group_size=group_size, consts=consts, counters=counters,

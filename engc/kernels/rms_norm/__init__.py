@@ -21,6 +21,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 # The AddRMSNorm that sums a split-K GEMV's fp32 partials itself (launch's partials), built for int4 bundles
 # (ai.engc::QLinearAddRMSNorm, passes/fuse_qlinear_add_norm)
 PARTIALS_VARIANT = "add_rms_norm_partials"
+MAX_SPLITS = 16   # the most partials it sums (the int4 GEMV's tune entries split K at most 16 ways)
 
 
 def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=None, partials: bool = False):
@@ -35,7 +36,7 @@ def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=
     (the 'rms_norm' variant ignores the residual slots; they carry x and out; splits is read by the
     partials variant alone). consts is unused.
     """
-    assert not partials or (x.dtype == torch.float32 and x.dim() == 3)
+    assert not partials or (x.dtype == torch.float32 and x.dim() == 3 and x.shape[0] <= MAX_SPLITS)
     splits = x.shape[0] if partials else 1
     rows = x.numel() // x.shape[-1] // splits
     if residual is None:

@@ -4,8 +4,8 @@ Residual: the sum x + residual is written to residual_out, which may be the resi
 place: each program reads its row completely before it writes it) or a separate buffer.
 Rounding follows the torch reference: the sum is rounded to the storage dtype before it is normalized,
 the normalized value is rounded before the weight multiply.
-PARTIALS: x is a split-K GEMV's unreduced output, fp32 [splits, rows, HIDDEN] (kernels/int4_linear's
-cuda_launch with partials): summed in split order and rounded to the dtype, as that GEMV's own last split
+PARTIALS: x is a split-K GEMV's unreduced output, fp32 [splits, rows, HIDDEN], splits <= MAX_SPLITS
+(kernels/int4_linear's cuda_launch with partials): summed in split order and rounded to the dtype, as that GEMV's own last split
 would have written it, so the result is the same bits; the GEMV then skips its fence, ticket and re-read.
 """
 import triton
@@ -17,7 +17,7 @@ from engc.kernels import pdl
 @triton.jit
 def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps, splits,
                     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PARTIALS: tl.constexpr,
-                    PDL: tl.constexpr):
+                    MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -25,10 +25,14 @@ def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     if PARTIALS:
+        # unrolled to MAX_SPLITS, the absent splits' loads masked off: every load is issued before the first
+        # add (a loop to `splits` waited out one round trip a split), and adding their zeros to a sum that
+        # started at +0 changes no bit
         total = tl.zeros([BLOCK], dtype=tl.float32)
         plane = tl.num_programs(0).to(tl.int64) * HIDDEN
-        for s in range(0, splits):
-            total += tl.load(x_ptr + s * plane + row * HIDDEN + offs, mask=mask, other=0.0)
+        for s in tl.static_range(MAX_SPLITS):
+            live = mask & (offs * 0 + s < splits)
+            total += tl.load(x_ptr + s * plane + row * HIDDEN + offs, mask=live, other=0.0)
         x = total.to(out_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + row * HIDDEN + offs, mask=mask, other=0.0)
