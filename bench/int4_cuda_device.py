@@ -73,10 +73,6 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          # w4t2u1b4z_s2 itself: what the in-launch reduce (fence, ticket, the last split's re-read) costs
          "w4t2u1b4z_s2_d": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
                                 DEFER=True),
-         # ... and the reduce through a thread-block cluster's shared memory, 4 splits a cluster (cluster_k;
-         # every launch then has 4 splits, whatever target_programs says)
-         "w4t2u1b4z_s2_c4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                 cluster_k=4),
          "w4t1u2b4z_s2": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2),
          # ... and the occupancy / bytes-in-flight configs above again with two accumulators
          "w4t2u1b5z_s2": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=5, ZERO_SUM=True, ACC_SPLIT=2),

@@ -196,7 +196,7 @@ def test_a_projection_shape_gets_its_own_build_where_the_table_has_one():
     assert len(own) == 1 and notes == [] and (own[0].render["tiles"], own[0].render["unroll"]) == (1, 2)
     assert own[0].launch["BLOCK_N"] == 16
     o_own = [s for s in specs if s.variant == "cuda_g128_n4096_k4096"]   # EARLY_W: behind the decode attention
-    assert len(o_own) == 1 and o_own[0].render["early_w"] and o_own[0].entry.endswith("ec4")   # cluster_k 4
+    assert len(o_own) == 1 and o_own[0].render["early_w"] and o_own[0].entry.endswith("e")
     assert not any("_n" in s.variant for s in cuda_int4.selected_int4_specs(triton_specs, no_dq)[0])
     sm80 = cuda_int4.selected_int4_specs(int4_linear_specs("bf16", "sm80", (128,)), no_dq, shapes={(6144, 4096)})
     assert not any("_n" in s.variant for s in sm80[0])   # measured on sm90 only
@@ -273,35 +273,6 @@ def test_launch_rule_matches_records(records, rows, n, k, bias):
         else:
             assert isinstance(value, int) and not isinstance(value, bool), spec
     assert args[13] == int(bias)
-
-
-def test_cluster_build_reduces_its_splits_in_the_cluster(records):
-    """cluster_k (the 8B's o and down on sm90): a build whose launch has exactly cluster_k splits, one thread-block
-    cluster of them a tile (__cluster_dims__), rank 0 summing the others' shared memory in split order; so its
-    launch passes no partials and no counter, whatever target_programs says; sm80 and SiLU-out get none."""
-    rec = next(r for r in records if r["variant"] == "cuda_g128_n4096_k4096")
-    spec = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", None, "gemv_n4096_k4096")[0]
-    src = cuda.render(spec.template, **spec.render)
-    assert "__cluster_dims__(1, CLUSTER_K, 1)" in src and "constexpr int CLUSTER_K = 4;" in src
-    stock = cuda_int4.int4_gemv_spec(128, "bf16", "sm90")[0]
-    plain = cuda.render(stock.template, **stock.render)
-    assert "__cluster_dims__" not in plain and "ld.shared::cluster" not in plain
-    consts = {rec["variant"]: rec["launch"]}
-    counters = torch.zeros(1 << 16, dtype=torch.int32)
-    n = k = 4096
-    for rows, target in ((1, 264), (8, 10_000), (3, 1)):
-        c = {rec["variant"]: dict(rec["launch"], target_programs=target)}
-        x, y = torch.zeros(rows, k, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
-        qw = torch.zeros(n, k // 8, dtype=torch.int32)
-        s, z = torch.ones(n, k // 128, dtype=torch.bfloat16), torch.zeros(n, k // 128, dtype=torch.uint8)
-        (variant, grid, args), = op.cuda_launch(x, qw, s, z, None, y, group_size=128, consts=c, counters=counters)
-        assert variant == rec["variant"] and grid == (n // 32, 4, 1) and args[12] == 4 and args[11] == 2
-        assert args[6] == 0 and args[7] == 0   # no partials, no counter
-    assert op.cuda_splits(1, n, k, 128, consts, counters) == 4
-    assert op.run_quantized_partials(torch.zeros(1, k, dtype=torch.bfloat16), qw, s, z, group_size=128,
-                                     consts=consts, run=None, counters=counters) is None   # reduces itself
-    assert cuda_int4.int4_gemv_spec(128, "bf16", "sm80", {"cluster_k": 4})[0] is None
-    assert cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"cluster_k": 4}, silu_out=True)[0] is None
 
 
 def test_silu_out_build_and_launch_rule(records):

@@ -64,24 +64,19 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     if silu_out and kind != "gemv":
         return None, f"only the 'gemv' build has a SiLU-out twin, not '{kind}'"
     early_w = bool(entry.get("EARLY_W", False))
-    cluster_k = int(entry.get("cluster_k", 1))   # splits reduced through a thread-block cluster (sm90)
-    if cluster_k > 1 and (int(arch[2:]) < 90 or silu_out or not 2 <= cluster_k <= 8):
-        return None, f"cluster_k {cluster_k}: thread-block clusters of 2-8 split CTAs need sm90, not the SiLU-out build"
     name = (f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}x{x_tiles}"
             f"{'z' if entry['ZERO_SUM'] else ''}{f's{acc_split}' if acc_split > 1 else ''}{'e' if early_w else ''}"
-            f"{f'c{cluster_k}' if cluster_k > 1 else ''}"
             f"{'_silu' if silu_out else ''}")
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
               "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
               "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "acc_split": acc_split, "x_tiles": x_tiles,
-              "silu_out": silu_out, "early_w": early_w, "cluster_k": cluster_k, "entry": name}
+              "silu_out": silu_out, "early_w": early_w, "entry": name}
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"
     launch["PDL"] = int(entry.get("PDL", tune.PDL[arch]))   # the template waits first on sm90 (kernels/pdl.py)
     # partials_out: a split launch may leave its partials to the AddRMSNorm after it (QLinearAddRMSNorm)
     launch["partials_out"] = int(bool(entry.get("partials_out", False)))
-    launch["cluster_k"] = cluster_k   # the launch rule gives it exactly this many splits
     types = {name_: ty.format(t=t) for name_, ty in ARG_TYPES.items()}
     variant = (op.cuda_shape_variant(group, *shape) if shape else op.cuda_silu_variant(group) if silu_out
                else op.cuda_variant(group) if kind == "gemv" else op.cuda_wide_variant(group, rows))

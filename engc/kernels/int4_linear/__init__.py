@@ -287,24 +287,20 @@ def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: 
     splits, per = _cuda_split(n, k, c, counters)
     has_bias, b = (1, bias) if bias is not None else (0, 0)
     if partials is not None:
-        assert splits > 1 and bias is None and variant != cuda_silu_variant(group_size) and c.get("cluster_k", 1) == 1
+        assert splits > 1 and bias is None and variant != cuda_silu_variant(group_size)
         assert partials.shape == (splits, m, n) and partials.dtype == torch.float32 and partials.is_contiguous()
         return [(variant, (n_tiles, splits, 1), [x, qweight, scales, zeros, 0, 0, partials, 0, m, n, k, per,
                                                   splits, 0])]
-    global_reduce = splits > 1 and c.get("cluster_k", 1) == 1   # a cluster build needs no partials or counters
-    partial = torch.empty(splits * m * n, dtype=torch.float32, device=x.device) if global_reduce else 0
+    partial = torch.empty(splits * m * n, dtype=torch.float32, device=x.device) if splits > 1 else 0
     return [(variant, (n_tiles, splits, 1), [x, qweight, scales, zeros, b, y, partial,
-                                              counters if global_reduce else 0, m, n, k, per, splits, has_bias])]
+                                              counters if splits > 1 else 0, m, n, k, per, splits, has_bias])]
 
 
 def _cuda_split(n: int, k: int, c: dict, counters) -> tuple[int, int]:
-    """(splits, K tiles a split) of a CUDA GEMV launch with constants c: a cluster build's cluster_k (its
-    splits reduce through the cluster's shared memory), else kernels/gemv's split_count, one split where
-    the counters could not hold the N tiles."""
+    """(splits, K tiles a split) of a CUDA GEMV launch with constants c: kernels/gemv's split_count, one
+    split where the counters could not hold the N tiles."""
     from engc.kernels.gemv import split_count
     n_tiles, k_tiles = _cdiv(n, c["BLOCK_N"]), _cdiv(k, c["BLOCK_K"])
-    if c.get("cluster_k", 1) > 1:
-        return c["cluster_k"], _cdiv(k_tiles, c["cluster_k"])
     splits, per = split_count(n_tiles, k_tiles, c)
     return (1, k_tiles) if splits > 1 and n_tiles > counters.numel() else (splits, per)
 
@@ -348,8 +344,8 @@ def run_quantized_partials(x, qweight, scales, zeros, *, group_size: int, consts
         if int4_gemm.pick(gemm_consts, k, group_size, m) is not None:
             return None
     variant = cuda_variant_for(m, group_size, consts, (n, k))
-    if variant is None or not consts[variant].get("partials_out") or consts[variant].get("cluster_k", 1) > 1:
-        return None   # the tune entry's switch; a cluster build reduces its splits itself, cheaply
+    if variant is None or not consts[variant].get("partials_out"):   # the tune entry's switch
+        return None
     splits = cuda_splits(m, n, k, group_size, consts, counters)
     from engc.kernels.rms_norm import MAX_SPLITS
     if not 2 <= splits <= MAX_SPLITS:

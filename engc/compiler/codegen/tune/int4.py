@@ -87,7 +87,7 @@ for _arch in ("sm80", "sm90"):
     # the last split's re-read of the partials are ~1.3 us of each launch.
     put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1, silu_out=True, EARLY_W=False, partials_out=True, cluster_k=1)
+         min_split_k_tiles=1, silu_out=True, EARLY_W=False, partials_out=True)
     # ... and, per projection shape [N, K] where one config beat it, a build of its own (gemv_n{N}_k{K}, variant
     # cuda_g{G}_n{N}_k{K}, made where a model has that shape; the runtime prefers it up to its max_m). H200
     # (bench/int4_cuda_device.py; h200_5b7e245_int4_cuda.txt, h200_b1c505b_int4_cuda.txt): the 8B's qkv
@@ -98,19 +98,14 @@ for _arch in ("sm80", "sm90"):
         # (ACC_SPLIT 2: 8.08 us against 7.98; its two K steps are already two chains)
         put(_arch, "int4_linear", "cuda", "gemv_n6144_k4096", enabled=True, max_m=8, num_warps=4, TILES=1,
              UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=1, target_programs=2 * SM_COUNT[_arch],
-             max_splits=16, min_split_k_tiles=1, EARLY_W=False, partials_out=True, cluster_k=1)
+             max_splits=16, min_split_k_tiles=1, EARLY_W=False, partials_out=True)
         # the 8B's o [4096, 4096], which runs behind the decode attention: the generic config with EARLY_W
         # (1.878 ms a step against 1.889 / 1.890 in an A-B-A lease, b4 2.006 against 2.021 / 2.022 a token).
         # Four splits (target_programs 528, so the CTAs' first tiles cover half of W): 1.878 against 1.878-1.881
         # with these: not taken (bench/results/h200_625d0db_int4_l2_prefetch.json)
         # (silu_out is the generic build's alone: a per-shape build has no SiLU-out twin)
-        # cluster_k (twenty-first session): o and down (4 splits each at M <= 8) reduce their splits through a
-        # thread-block cluster's shared memory instead of global partials, a fence and a ticket
         put(_arch, "int4_linear", "cuda", "gemv_n4096_k4096",
-            **{**{k: v for k, v in TUNE[f"{_arch}/int4_linear/cuda/gemv"].items() if k != "silu_out"}, "EARLY_W": True,
-               "cluster_k": 4})
-        put(_arch, "int4_linear", "cuda", "gemv_n4096_k14336",
-            **{**{k: v for k, v in TUNE[f"{_arch}/int4_linear/cuda/gemv"].items() if k != "silu_out"}, "cluster_k": 4})
+            **{**{k: v for k, v in TUNE[f"{_arch}/int4_linear/cuda/gemv"].items() if k != "silu_out"}, "EARLY_W": True})
     # ... and built for up to 16 and 32 rows (X_TILES = max_m / 8 n8 tiles of x share each dequantized W
     # fragment), serving M 9-16 and 17-32 in place of dequant + cuBLAS. H200, the 8B projections of a decode
     # step (bench/int4_cuda_device.py, bench/results/h200_5b7e245_int4_cuda.txt): M=16 3.19 ms, M=32 5.66 ms,
