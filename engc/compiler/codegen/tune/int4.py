@@ -82,9 +82,15 @@ for _arch in ("sm80", "sm90"):
     # 2.90-3.00 ms against 1.885 (bench/results/h200_909dc24_int4_stages.json).
     # partials_out (twenty-first session): a launch that splits K and feeds an AddRMSNorm (o, down:
     # QLinearAddRMSNorm) stores its fp32 partials and exits; the norm sums them in split order (the same
-    # bits). H200, M=1, the table's config alone (bench/int4_cuda_device.py DEFER, h200_..._int4_defer.txt):
+    # bits). H200, M=1, the table's config alone (bench/int4_cuda_device.py DEFER, h200_4d1cde1_int4_defer.txt):
     # o 5.46 us against 6.82 with the in-launch reduce, down 13.96 against 15.22: the fence, the ticket and
-    # the last split's re-read of the partials are ~1.3 us of each launch.
+    # the last split's re-read of the partials are ~1.3 us of each launch. In the 8B int4 b1 step the norm, one
+    # CTA at M=1, then takes 2.30 us instead of 1.13 (four fp32 partials, 64 KB, where it read 8 KB), so the
+    # step gains only 6-10 us: 1.874-1.876 ms against 1.881-1.884 in two leases (h200_e79a72b_int4_partials_ab.json,
+    # h200_9d73c08_int4_cluster_ab.json). Not kept from the same lease: the splits reduced through a
+    # thread-block cluster's shared memory (cluster_k 4 on o and down, 9d73c08, reverted): o 8.66 us against
+    # 6.88 alone, down 19.64 against 15.67, the step 2.12 ms (h200_9d73c08_int4_cluster_micro.txt): clusters of
+    # four split CTAs cost far more than the global reduce they replace.
     put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * SM_COUNT[_arch], max_splits=16,
          min_split_k_tiles=1, silu_out=True, EARLY_W=False, partials_out=True)
