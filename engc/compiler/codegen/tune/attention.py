@@ -75,6 +75,8 @@ for _bucket in ("d<=64", "d<=128"):
 # (bench/results/h200_a5e314b_carveout_sweep.json); given to these kernels alone (bench/ab/norms_attn_carveout25.json,
 # one lease each, h200_a70445a_carveout_ab.json): int4 + int4 head b1 1.895 ms against 1.920-1.923 (528.7
 # against 522.7-523.7 tok/s), b32 5,447 against 5,461; bf16 8B b1 4.077 against 4.093 ms, b32 5,865 against 5,842.
+# The Triton decode alone at 100% (twenty-first session, bench/ab/decode_carveout100.json): bf16 8B b32 5,737 against
+# 5,786 stock, graph 4.929 against 4.897 ms (bench/results/h200_3511e75_decode_carveout100.json): not taken.
 for _key in [k for k in TUNE if k.startswith(("sm90/rms_norm/", "sm90/paged_attention/decode"))]:
     TUNE[_key]["smem_carveout"] = 25
 put("sm90", "paged_attention", "prefill", "d<=64", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
