@@ -3,14 +3,9 @@ nodes, and the CPU path computes the same tokens and logprobs as a bundle built 
 path, the GEMV's partials summed by the norm: tests/test_gpu.py)."""
 from __future__ import annotations
 
-import torch
-
-from engc.bundle.program import ENGC_DOMAIN
 from engc.compiler.ir import Graph
 from engc.compiler.passes.fuse_qlinear_add_norm import fuse_qlinear_add_norm
-from engc.compiler.quantize import QuantOptions
-from engc.compiler.quantize.stream import quantize_checkpoint
-from test_fuse_silu_mul_linear import _greedy
+from test_fuse_qlinear_silu_mul import check_int4_pass_replaces
 
 
 def test_pass_fuses_the_projection_into_the_norm_after_it():
@@ -42,14 +37,5 @@ def test_pass_leaves_bias_act_order_shared_and_residual_side_alone():
 
 
 def test_bundle_with_the_pass_decodes_as_without(tiny_dir, tmp_path, monkeypatch):
-    from engc.compiler import build as build_mod
-    quantize_checkpoint(str(tiny_dir("llama")), tmp_path / "q", QuantOptions(method="rtn", group_size=32))
-    build_mod.build(str(tmp_path / "q"), tmp_path / "fused", build_mod.BuildOptions())
-    monkeypatch.setattr(build_mod, "PASSES", [p for p in build_mod.PASSES if p is not fuse_qlinear_add_norm])
-    build_mod.build(str(tmp_path / "q"), tmp_path / "plain", build_mod.BuildOptions())
-    fused_ops, fused_ids, fused_lp = _greedy(tmp_path / "fused", "The quick brown fox")
-    plain_ops, plain_ids, plain_lp = _greedy(tmp_path / "plain", "The quick brown fox")
-    norms = plain_ops.count((ENGC_DOMAIN, "AddRMSNorm"))
-    assert norms >= 2 and fused_ops.count((ENGC_DOMAIN, "QLinearAddRMSNorm")) == norms
-    assert (ENGC_DOMAIN, "AddRMSNorm") not in fused_ops
-    assert fused_ids == plain_ids and torch.equal(fused_lp, plain_lp)
+    # o and down in each of the two layers
+    check_int4_pass_replaces(tiny_dir, tmp_path, monkeypatch, fuse_qlinear_add_norm, "AddRMSNorm", "QLinearAddRMSNorm", 4)

@@ -35,15 +35,22 @@ def test_pass_leaves_a_shared_or_dense_projection_alone():
     assert [n.op for n in g.nodes] == ["QLinear", "SiluMul", "Identity", "Gemm", "SiluMul"]
 
 
-def test_bundle_with_the_pass_decodes_as_without(tiny_dir, tmp_path, monkeypatch):
+def check_int4_pass_replaces(tiny_dir, tmp_path, monkeypatch, graph_pass, replaced: str, by: str, at_least: int):
+    """A tiny int4 (RTN g32) llama bundle built with every pass has as many `by` nodes as one built without
+    graph_pass has `replaced` ones (at least at_least), none of those left, and on the CPU the same greedy
+    tokens and logprobs."""
     from engc.compiler import build as build_mod
     quantize_checkpoint(str(tiny_dir("llama")), tmp_path / "q", QuantOptions(method="rtn", group_size=32))
     build_mod.build(str(tmp_path / "q"), tmp_path / "fused", build_mod.BuildOptions())
-    monkeypatch.setattr(build_mod, "PASSES", [p for p in build_mod.PASSES if p is not fuse_qlinear_silu_mul])
+    monkeypatch.setattr(build_mod, "PASSES", [p for p in build_mod.PASSES if p is not graph_pass])
     build_mod.build(str(tmp_path / "q"), tmp_path / "plain", build_mod.BuildOptions())
     fused_ops, fused_ids, fused_lp = _greedy(tmp_path / "fused", "The quick brown fox")
     plain_ops, plain_ids, plain_lp = _greedy(tmp_path / "plain", "The quick brown fox")
-    layers = plain_ops.count((ENGC_DOMAIN, "SiluMul"))
-    assert layers >= 1 and fused_ops.count((ENGC_DOMAIN, "QLinearSiluMul")) == layers
-    assert (ENGC_DOMAIN, "SiluMul") not in fused_ops
+    count = plain_ops.count((ENGC_DOMAIN, replaced))
+    assert count >= at_least and fused_ops.count((ENGC_DOMAIN, by)) == count
+    assert (ENGC_DOMAIN, replaced) not in fused_ops
     assert fused_ids == plain_ids and torch.equal(fused_lp, plain_lp)
+
+
+def test_bundle_with_the_pass_decodes_as_without(tiny_dir, tmp_path, monkeypatch):
+    check_int4_pass_replaces(tiny_dir, tmp_path, monkeypatch, fuse_qlinear_silu_mul, "SiluMul", "QLinearSiluMul", 1)
