@@ -33,6 +33,8 @@ SiLU-and-mul (ai.engc::QLinearSiluMul, passes/fuse_qlinear_silu_mul) runs the Si
 """
 import torch
 
+from engc.kernels.rms_norm import MAX_SPLITS as MAX_PARTIALS   # the most split partials its reader sums
+
 # The layout's name in the manifest (quantization.layout). Bumped whenever the packing changes, so a
 # runtime never reads a bundle packed another way (the K-major layout of before was "engc-int4").
 LAYOUT = "engc-int4-nmajor"
@@ -286,14 +288,15 @@ def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: 
     n_tiles = _cdiv(n, c["BLOCK_N"])
     splits, per = _cuda_split(n, k, c, counters)
     has_bias, b = (1, bias) if bias is not None else (0, 0)
-    if partials is not None:
+    if partials is not None:   # the output: no y, no counter (the kernel stores its partial and exits)
         assert splits > 1 and bias is None and variant != cuda_silu_variant(group_size)
         assert partials.shape == (splits, m, n) and partials.dtype == torch.float32 and partials.is_contiguous()
-        return [(variant, (n_tiles, splits, 1), [x, qweight, scales, zeros, 0, 0, partials, 0, m, n, k, per,
-                                                  splits, 0])]
-    partial = torch.empty(splits * m * n, dtype=torch.float32, device=x.device) if splits > 1 else 0
-    return [(variant, (n_tiles, splits, 1), [x, qweight, scales, zeros, b, y, partial,
-                                              counters if splits > 1 else 0, m, n, k, per, splits, has_bias])]
+        partial, counter, y = partials, 0, 0
+    else:
+        partial = torch.empty(splits * m * n, dtype=torch.float32, device=x.device) if splits > 1 else 0
+        counter = counters if splits > 1 else 0
+    return [(variant, (n_tiles, splits, 1), [x, qweight, scales, zeros, b, y, partial, counter, m, n, k, per,
+                                              splits, has_bias])]
 
 
 def _cuda_split(n: int, k: int, c: dict, counters) -> tuple[int, int]:
@@ -334,7 +337,8 @@ def run_quantized_partials(x, qweight, scales, zeros, *, group_size: int, consts
                            gemm_consts=None):
     """x @ dequant(W)^T left as the CUDA GEMV's unreduced split-K partials, fp32 [splits, M, N] (no bias),
     where run_quantized_linear would run that GEMV in one launch that splits K and its build's launch
-    constant partials_out is on; None elsewhere (the caller runs run_quantized_linear). Their reader sums them in split order (kernels/rms_norm, partials)."""
+    constant partials_out is on; None elsewhere (the caller runs run_quantized_linear). Their reader sums
+    them in split order (kernels/rms_norm, partials)."""
     m, k = x.shape
     n = qweight.shape[0]
     if counters is None or m == 0:
@@ -346,9 +350,8 @@ def run_quantized_partials(x, qweight, scales, zeros, *, group_size: int, consts
     variant = cuda_variant_for(m, group_size, consts, (n, k))
     if variant is None or not consts[variant].get("partials_out"):   # the tune entry's switch
         return None
-    splits = cuda_splits(m, n, k, group_size, consts, counters)
-    from engc.kernels.rms_norm import MAX_SPLITS
-    if not 2 <= splits <= MAX_SPLITS:
+    splits = _cuda_split(n, k, consts[variant], counters)[0]
+    if not 2 <= splits <= MAX_PARTIALS:
         return None
     partials = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     run(cuda_launch(x, qweight, scales, zeros, None, None, group_size=group_size, consts=consts, counters=counters,

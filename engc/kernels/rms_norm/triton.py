@@ -5,8 +5,9 @@ place: each program reads its row completely before it writes it) or a separate 
 Rounding follows the torch reference: the sum is rounded to the storage dtype before it is normalized,
 the normalized value is rounded before the weight multiply.
 PARTIALS: x is a split-K GEMV's unreduced output, fp32 [splits, rows, HIDDEN], splits <= MAX_SPLITS
-(kernels/int4_linear's cuda_launch with partials): summed in split order and rounded to the dtype, as that GEMV's own last split
-would have written it, so the result is the same bits; the GEMV then skips its fence, ticket and re-read.
+(kernels/int4_linear's cuda_launch with partials): summed in split order and rounded to the dtype, as that
+GEMV's own last split would have written it, so the result is the same bits; the GEMV then skips its fence,
+ticket and re-read.
 """
 import triton
 import triton.language as tl
