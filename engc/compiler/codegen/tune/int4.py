@@ -89,7 +89,7 @@ for _arch in ("sm80", "sm90"):
     # step gains only 6-10 us: 1.874-1.876 ms against 1.881-1.884 in two leases (h200_e79a72b_int4_partials_ab.json,
     # h200_9d73c08_int4_cluster_ab.json). Not kept from the same lease: the splits reduced through a
     # thread-block cluster's shared memory (cluster_k 4 on o and down, 9d73c08, reverted): o 8.66 us against
-    # 6.88 alone, down 19.64 against 15.67, the step 2.12 ms (h200_9d73c08_int4_cluster_micro.txt): clusters of
+    # 6.88 alone, down 19.64 against 15.67, the step 2.12 ms (h200_9d73c08_int4_cluster_micro.json): clusters of
     # four split CTAs cost far more than the global reduce they replace.
     put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * SM_COUNT[_arch], max_splits=16,
