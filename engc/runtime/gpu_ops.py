@@ -364,7 +364,7 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
             return add_norm(qlinear(x, qweight, scales, zeros, group_size=group_size)[0], residual, weight, eps)
         out, r_out = torch.empty_like(residual), torch.empty_like(residual)
         k.run("rms_norm", rms_norm.launch(partials, weight, eps, out, residual=residual, residual_out=r_out,
-                                          partials=True, consts=k.consts["rms_norm"]))
+                                          partials=True))
         return out, r_out
 
     ops = dict(REFERENCE_OPS)

@@ -328,20 +328,17 @@ def add_selected(result, triton_specs: list, cfg: ModelConfig, progress=None, ge
     one line: the Triton kernels they replace are in the bundle anyway, and the launch rule falls back
     (the GEMV to the Triton GEMV where the bundle has one, else cuBLAS; the int4 GEMV to the Triton one)."""
     from engc.compiler.codegen.cuda_int4 import int4_shapes, selected_int4_specs
-    from engc.compiler.codegen.cuda_norm import selected_norm_specs
     specs, notes = selected_specs(triton_specs, cfg)
     gemv_specs, gemv_notes = selected_gemv_specs(triton_specs, cfg, gemv_overrides)
     int4_specs, int4_notes = selected_int4_specs(triton_specs, shapes=int4_shapes(cfg))
-    norm_specs, norm_notes = selected_norm_specs(triton_specs, cfg)
-    int4_specs += norm_specs      # built for int4 programs alone (their QLinearAddRMSNorm), skipped with them
-    notes += gemv_notes + int4_notes + norm_notes
+    notes += gemv_notes + int4_notes
     if (specs or gemv_specs or int4_specs) and nvcc_path() is None:
         if specs:
             notes.append("nvcc not found: the CUDA decode kernel is skipped, Triton's decode is used")
         if gemv_specs:
             notes.append("nvcc not found: the CUDA GEMV is skipped, the Triton GEMV or cuBLAS runs")
         if int4_specs:
-            notes.append("nvcc not found: the CUDA int4 kernels are skipped, the Triton ones run")
+            notes.append("nvcc not found: the CUDA int4 GEMV is skipped, the Triton int4 GEMV runs")
         specs, gemv_specs, int4_specs = [], [], []
     specs += gemv_specs + int4_specs
     for note in notes:

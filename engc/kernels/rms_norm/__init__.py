@@ -22,8 +22,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 # (ai.engc::QLinearAddRMSNorm, passes/fuse_qlinear_add_norm)
 PARTIALS_VARIANT = "add_rms_norm_partials"
 MAX_SPLITS = 16   # the most partials it sums (the int4 GEMV's tune entries split K at most 16 ways)
-# Its CUDA twin on sm90, one thread-block cluster a row (templates/add_rms_norm_cluster.cu.j2), where built
-CLUSTER_VARIANT = "add_rms_norm_partials_cluster"
 
 
 def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=None, partials: bool = False):
@@ -36,8 +34,7 @@ def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=
     order first and rounds to out's dtype. args, in the kernel's order:
         x, residual, weight, out, residual_out, eps (fp32), splits, global_scratch=0, profile_scratch=0
     (the 'rms_norm' variant ignores the residual slots; they carry x and out; splits is read by the
-    partials variant alone). With partials and a CLUSTER_VARIANT in consts (the op's launch constants by
-    variant), that kernel instead: grid (rows, 1, cluster), the same args less the two scratch pointers.
+    partials variant alone). consts is unused.
     """
     assert not partials or (x.dtype == torch.float32 and x.dim() == 3 and x.shape[0] <= MAX_SPLITS)
     splits = x.shape[0] if partials else 1
@@ -53,8 +50,4 @@ def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=
     assert out.numel() == rows * x.shape[-1]
     if rows == 0:
         return []
-    cluster = (consts or {}).get(CLUSTER_VARIANT) if partials else None
-    if cluster is not None:
-        return [(CLUSTER_VARIANT, (rows, 1, cluster["cluster"]), [x, residual, weight, out, residual_out, float(eps),
-                                                                   splits])]
     return [(variant, (rows, 1, 1), [x, residual, weight, out, residual_out, float(eps), splits, 0, 0])]
