@@ -31,6 +31,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 GROUP = 128
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
+# INT4_CUDA_SHAPES=head (run): only those shapes, 'head' being the 8B's int4 lm_head [128256, 4096] (one a
+# step, not one a layer: the per-step sums below then read as 32 heads)
+ALL_SHAPES = dict(SHAPES, head=(128256, 4096))
+if os.environ.get("INT4_CUDA_SHAPES"):
+    SHAPES = {name: ALL_SHAPES[name] for name in os.environ["INT4_CUDA_SHAPES"].split(",")}
 MS = (1, 2, 4, 8)
 WIDE_MS = (16, 32)        # the 'gemv_wide' builds (several n8 tiles of x) against dequant + cuBLAS and bf16
 SMS = 132
