@@ -429,3 +429,53 @@ def test_build_adds_the_cuda_gemv_where_enabled(monkeypatch):
     result = cuda.add_selected(CodegenResult(), triton_specs, TINY)
     assert [(r["arch"], r["variant"]) for r in result.records] == [("sm90", "cuda_g128"), ("sm90", "cuda_silu_g128")]
     assert "kernels/sm90/int4_linear.cuda_g128.cubin" in result.files
+
+
+
+@pytest.mark.skipif(cuda.nvcc_path() is None or not torch.cuda.is_available() or
+                    torch.cuda.get_device_capability() != (9, 0), reason="needs nvcc and an sm90 GPU")
+def test_shape_constant_builds_match_the_reference_on_the_gpu():
+    """The table's SHAPE_CONST builds of the 8B shapes (o, down, gate_up and its SiLU-out twin), loaded as a
+    bundle loads them, against the dequantized weight in float64 at 1, 5 and 8 rows."""
+    from engc.compiler.codegen.specs import int4_linear_specs
+    from engc.kernels import gemv
+    from engc.kernels.silu_mul import silu_mul
+    from engc.runtime.cubin import current_stream
+    from engc.runtime.gpu_ops import load_record
+    shapes = {(4096, 4096), (4096, 14336), (28672, 4096)}
+    specs, _ = cuda_int4.selected_int4_specs(int4_linear_specs("bf16", "sm90", (128,)),
+                                             {"dequant": {"enabled": False}}, shapes=shapes)
+    specs = [s for s in specs if s.render["shape_k"]]
+    assert len(specs) == 4
+    result = cuda.compile_cuda(specs)
+    kernels = {r["variant"]: load_record(result.files[r["cubin"]], r, pdl=False) for r in result.records}
+    consts = {r["variant"]: r["launch"] for r in result.records}
+    counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
+
+    def run(launches):
+        for variant, grid, args in launches:
+            kernels[variant].launch(grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args],
+                                    current_stream())
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in sorted(shapes):
+        qw = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda", generator=gen)
+        s = (torch.rand(n, k // 128, device="cuda", generator=gen) * 0.01 + 0.001).to(torch.bfloat16)
+        z = torch.randint(0, 16, (n, k // 128), dtype=torch.uint8, device="cuda", generator=gen)
+        w = op.dequantize(qw, s, z, 128).double()
+        for rows in (1, 5, 8):
+            x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda", generator=gen)
+            ref = x.double() @ w.t()
+            if n == 28672:   # gate_up: the SiLU-out twin, against the projection rounded, then silu_mul
+                got = op.run_quantized_silu(x, qw, s, z, None, group_size=128, consts=consts, run=run,
+                                            counters=counters)
+                ref = silu_mul(ref.to(torch.bfloat16)).double()
+            y = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+            launches = op.cuda_launch(x, qw, s, z, None, y, group_size=128, consts=consts, counters=counters)
+            assert launches[0][0] == op.cuda_shape_variant(128, n, k)
+            run(launches)
+            torch.cuda.synchronize()
+            for out, expect in ((y, x.double() @ w.t()),) + (((got, ref),) if n == 28672 else ()):
+                err = ((out.double() - expect).abs().max() / expect.abs().max()).item()
+                assert err < 1e-2, (n, k, rows, err)
+            assert counters.eq(0).all(), (n, k, rows)
