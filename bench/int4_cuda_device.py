@@ -23,7 +23,6 @@ import math
 import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,15 +79,6 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "w4t2u1b4z_s2_d": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
                                 DEFER=True),
          "w4t1u2b4z_s2": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2),
-         # SHAPED (a set, not a kernel): besides the generic build, one per 8B shape with SHAPE_CONST (N and K
-         # as constants, rows unclamped: one base address a step), as the tune table's gemv_n{N}_k{K} entries
-         # would build them; the launch rule picks the shape's own build (306 -> 264 SASS instructions a loop)
-         "w4t2u1b4z_s2_k": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                SHAPED=True),
-         "w4t1u2b4z_s2_k": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                SHAPED=True),
-         "w4t4u1b3z_s2_k": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
-                                SHAPED=True),
          # ... and the occupancy / bytes-in-flight configs above again with two accumulators
          "w4t2u1b5z_s2": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=5, ZERO_SUM=True, ACC_SPLIT=2),
          "w4t2u1b6z_s2": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=6, ZERO_SUM=True, ACC_SPLIT=2),
@@ -128,23 +118,6 @@ EDGE = [(3, 1000, 1056, True), (8, 48, 4096 + 32, False), (1, 257, 2080, True), 
 
 # ------------------------------------------------------------------------------------------ prepare (CPU)
 
-@contextmanager
-def _shape_entry(kind: str):
-    """The tune table with an int4_linear/cuda/<kind> entry (a shape's own build; a copy of the generic
-    'gemv' entry, which the sweep's overrides then change) for the duration."""
-    from engc.compiler.codegen import tune
-    key = f"sm90/int4_linear/cuda/{kind}"
-    had = tune.TUNE.get(key)
-    tune.TUNE[key] = dict(tune.TUNE["sm90/int4_linear/cuda/gemv"])
-    try:
-        yield
-    finally:
-        if had is None:
-            del tune.TUNE[key]
-        else:
-            tune.TUNE[key] = had
-
-
 def prepare(out_dir: Path):
     from engc.compiler.codegen import cuda, cuda_int4
     from engc.compiler.codegen.record import compile_specs
@@ -161,15 +134,8 @@ def prepare(out_dir: Path):
             continue
         ablate, kind = ov.get("ABLATE", False), ov.get("kind", "gemv")
         # one accumulator unless the config names more (the table's gemv entry has 2)
-        shaped = ov.get("SHAPED", False)
-        ov = {"ACC_SPLIT": 1, **{k: v for k, v in ov.items() if k not in ("ABLATE", "kind", "DEFER", "SHAPED")}}
+        ov = {"ACC_SPLIT": 1, **{k: v for k, v in ov.items() if k not in ("ABLATE", "kind", "DEFER")}}
         specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov, kind)[0]]
-        for n, k in (ALL_SHAPES.values() if shaped else ()):
-            shape_kind = cuda_int4.shape_kind(n, k)
-            with _shape_entry(shape_kind):
-                spec, why = cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", dict(ov, SHAPE_CONST=True), shape_kind)
-            assert spec is not None, why
-            specs.append(spec)
         if name == next(iter(SWEEP)) or kind.startswith("gemv_wide"):
             specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov, kind)[0])
         if ablate:

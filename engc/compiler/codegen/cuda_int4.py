@@ -5,8 +5,7 @@ One kernel per int4 group size of the program (K and N are run-time arguments), 
 'int4_linear/cuda/gemv' entry is on and nvcc is there; the bundle keeps the Triton int4 kernels anyway (the
 GEMV for M the CUDA one does not take, dequant + cuBLAS for prefill, the fallback without nvcc). Records are
 op "int4_linear", variant `cuda_g{G}` (`cuda_wide{R}_g{G}`: the builds for up to R = 16, 32 rows; `cuda_silu_g{G}`:
-the up-to-8-rows build that writes silu(gate) * up of a fused gate_up, where the entry says silu_out; the per-shape
-builds `cuda_g{G}_n{N}_k{K}` and `cuda_silu_g{G}_n{N}_k{K}`, N and K constants where SHAPE_CONST); their launch
+the up-to-8-rows build that writes silu(gate) * up of a fused gate_up, where the entry says silu_out); their launch
 constants (impl "cuda", GROUP, max_m, BLOCK_N, BLOCK_K and the split rule of kernels/gemv) drive
 kernels/int4_linear's cuda_launch. The dequant kernel, where its
 own entry ('int4_linear/cuda/dequant') is on: variant `cuda_dequant_g{G}` (launch: impl, GROUP, BLOCK chunks
@@ -48,8 +47,7 @@ def int4_dequant_spec(group: int, t: str, arch: str, overrides=None) -> tuple:
 def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "gemv", silu_out: bool = False) -> tuple:
     """(spec, '') for the template at this group size, or (None, why it does not apply). kind: the tune
     entry, 'gemv' (up to 8 rows) or 'gemv_wide{R}' for R in int4_linear.CUDA_WIDE_ROWS (max_m / 8 n8 tiles of x).
-    silu_out: the build that writes silu(gate) * up of a fused gate_up (variant cuda_silu_g{G}; for a shape kind
-    cuda_silu_g{G}_n{N}_k{K}). A shape kind's entry may say SHAPE_CONST: N and K become the build's constants."""
+    silu_out: the build that writes silu(gate) * up of a fused gate_up (variant cuda_silu_g{G}, 'gemv' only)."""
     if t not in MMA_TYPE:
         return None, f"the CUDA int4 GEMV multiplies bf16 or fp16, not {t}"
     if group % 32:
@@ -63,19 +61,13 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     warps, tiles, unroll, x_tiles = entry["num_warps"], entry["TILES"], entry["UNROLL"], -(-entry["max_m"] // 8)
     block_n, block_k = 16 * tiles, 128 * warps * unroll
     acc_split = entry.get("ACC_SPLIT", 1)
-    if silu_out and kind != "gemv" and not shape:
-        return None, f"only the 'gemv' build and the per-shape ones have a SiLU-out twin, not '{kind}'"
+    if silu_out and kind != "gemv":
+        return None, f"only the 'gemv' build has a SiLU-out twin, not '{kind}'"
     early_w = bool(entry.get("EARLY_W", False))
     name = (f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}x{x_tiles}"
             f"{'z' if entry['ZERO_SUM'] else ''}{f's{acc_split}' if acc_split > 1 else ''}{'e' if early_w else ''}"
             f"{'_silu' if silu_out else ''}")
-    shape_const = bool(shape and entry.get("SHAPE_CONST", False))
-    if shape_const and shape[0] % block_n:
-        return None, f"SHAPE_CONST needs N {shape[0]} a multiple of the CTA's {block_n} rows"
-    if shape_const:
-        name += f"_n{shape[0]}k{shape[1]}"
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
-              "shape_n": shape[0] if shape_const else 0, "shape_k": shape[1] if shape_const else 0,
               "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
               "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "acc_split": acc_split, "x_tiles": x_tiles,
               "silu_out": silu_out, "early_w": early_w, "entry": name}
@@ -86,8 +78,8 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     # partials_out: a split launch may leave its partials to the AddRMSNorm after it (QLinearAddRMSNorm)
     launch["partials_out"] = int(bool(entry.get("partials_out", False)))
     types = {name_: ty.format(t=t) for name_, ty in ARG_TYPES.items()}
-    variant = (op.cuda_silu_variant(group, *(shape or ())) if silu_out else op.cuda_shape_variant(group, *shape)
-               if shape else op.cuda_variant(group) if kind == "gemv" else op.cuda_wide_variant(group, rows))
+    variant = (op.cuda_shape_variant(group, *shape) if shape else op.cuda_silu_variant(group) if silu_out
+               else op.cuda_variant(group) if kind == "gemv" else op.cuda_wide_variant(group, rows))
     return CudaKernelSpec(op="int4_linear", variant=variant, arch=arch, template="int4_gemv.cu.j2",
                           entry=name, render=values, arg_types=types, num_warps=warps, tune_key=key, tune=entry,
                           launch=launch), ""
@@ -133,7 +125,7 @@ def selected_int4_specs(triton_specs: list, overrides=None, shapes=()) -> tuple[
                 made = [int4_dequant_spec(group, t, s.arch, ov)]
             else:
                 made = [int4_gemv_spec(group, t, s.arch, ov, kind)]
-                if (kind == "gemv" or _shape_of(kind)) and entry.get("silu_out"):
+                if kind == "gemv" and entry.get("silu_out"):
                     made.append(int4_gemv_spec(group, t, s.arch, ov, kind, silu_out=True))
             for spec, why in made:
                 if spec is None:

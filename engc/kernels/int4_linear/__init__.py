@@ -198,15 +198,10 @@ def cuda_variant(group_size: int) -> str:
     return f"cuda_g{group_size}"
 
 
-def cuda_silu_variant(group_size: int, n: int | None = None, k: int | None = None) -> str:
+def cuda_silu_variant(group_size: int) -> str:
     """The up-to-8-rows CUDA GEMV that writes silu(gate) * up of a fused gate_up [gate; up] (SILU_OUT in
-    templates/int4_gemv.cu.j2), where the bundle has it: QLinearSiluMul then needs no silu_mul launch. With
-    n and k: its build for that gate_up shape [N, K] (a gemv_n{N}_k{K} tune entry that says silu_out)."""
-    return f"cuda_silu_g{group_size}" + (f"_n{n}_k{k}" if n is not None else "")
-
-
-def is_silu_variant(variant: str) -> bool:
-    return variant.startswith("cuda_silu_g")
+    templates/int4_gemv.cu.j2), where the bundle has it: QLinearSiluMul then needs no silu_mul launch."""
+    return f"cuda_silu_g{group_size}"
 
 
 def cuda_dequant_variant(group_size: int) -> str:
@@ -288,13 +283,13 @@ def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: 
     variant = variant or cuda_variant_for(m, group_size, consts, (n, k))
     c = consts[variant]
     assert m <= c["max_m"] and c["GROUP"] == group_size
-    if is_silu_variant(variant):   # a CTA pairs BLOCK_N / 2 gate rows with their up rows
+    if variant == cuda_silu_variant(group_size):   # a CTA pairs BLOCK_N / 2 gate rows with their up rows
         assert n % c["BLOCK_N"] == 0 and y.shape == (m, n // 2), (n, c["BLOCK_N"], tuple(y.shape))
     n_tiles = _cdiv(n, c["BLOCK_N"])
     splits, per = _cuda_split(n, k, c, counters)
     has_bias, b = (1, bias) if bias is not None else (0, 0)
     if partials is not None:   # the output: no y, no counter (the kernel stores its partial and exits)
-        assert splits > 1 and bias is None and not is_silu_variant(variant)
+        assert splits > 1 and bias is None and variant != cuda_silu_variant(group_size)
         assert partials.shape == (splits, m, n) and partials.dtype == torch.float32 and partials.is_contiguous()
         partial, counter, y = partials, 0, 0
     else:
@@ -320,32 +315,21 @@ def cuda_splits(m: int, n: int, k: int, group_size: int, consts: dict, counters)
     return _cuda_split(n, k, consts[variant], counters)[0] if variant and counters is not None else 0
 
 
-def silu_variant_for(m: int, n: int, k: int, group_size: int, consts: dict) -> str | None:
-    """The bundle's SiLU-out GEMV for M rows of a fused gate_up [N = 2I, K]: the build for that shape where
-    there is one that takes them, else the generic one where it does; None where neither does."""
-    for variant in (cuda_silu_variant(group_size, n, k), cuda_silu_variant(group_size)):
-        c = consts.get(variant)
-        if c is not None and 1 <= m <= c["max_m"] and n % c["BLOCK_N"] == 0:
-            return variant
-    return None
-
-
-def silu_out_fits(m: int, n: int, group_size: int, consts: dict, k: int | None = None) -> bool:
-    """Whether the bundle's SiLU-out GEMV takes M rows of a fused gate_up with N = 2I outputs (and K inputs:
-    its shape's own build counts too)."""
-    return silu_variant_for(m, n, k if k is not None else -1, group_size, consts) is not None
+def silu_out_fits(m: int, n: int, group_size: int, consts: dict) -> bool:
+    """Whether the bundle's SiLU-out GEMV takes M rows of a fused gate_up with N = 2I outputs."""
+    c = consts.get(cuda_silu_variant(group_size))
+    return c is not None and 1 <= m <= c["max_m"] and n % c["BLOCK_N"] == 0
 
 
 def run_quantized_silu(x, qweight, scales, zeros, bias, *, group_size: int, consts: dict, run, counters):
     """silu(gate) * up of a fused gate_up, act [M, N / 2], by the SiLU-out CUDA GEMV where it takes M rows
     (silu_out_fits); None where it does not (the caller runs the projection, then silu_mul)."""
-    (m, k), n = x.shape, qweight.shape[0]
-    variant = silu_variant_for(m, n, k, group_size, consts) if counters is not None else None
-    if variant is None:
+    m, n = x.shape[0], qweight.shape[0]
+    if counters is None or not silu_out_fits(m, n, group_size, consts):
         return None
     act = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
     run(cuda_launch(x, qweight, scales, zeros, bias, act, group_size=group_size, consts=consts, counters=counters,
-                    variant=variant))
+                    variant=cuda_silu_variant(group_size)))
     return act
 
 

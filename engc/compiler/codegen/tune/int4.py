@@ -110,17 +110,8 @@ for _arch in ("sm80", "sm90"):
         # Four splits (target_programs 528, so the CTAs' first tiles cover half of W): 1.878 against 1.878-1.881
         # with these: not taken (bench/results/h200_625d0db_int4_l2_prefetch.json)
         # (silu_out is the generic build's alone: a per-shape build has no SiLU-out twin)
-        _generic = {k: v for k, v in TUNE[f"{_arch}/int4_linear/cuda/gemv"].items() if k != "silu_out"}
-        put(_arch, "int4_linear", "cuda", "gemv_n4096_k4096", **{**_generic, "EARLY_W": True, "SHAPE_CONST": True})
-        # SHAPE_CONST: N and K as the build's constants (rows unclamped: one base address a step, 306 -> 264 SASS
-        # instructions in the loop). H200, alone at M=1 (bench/int4_cuda_device.py, the '_k' sets,
-        # h200_93b22f8_int4_shape_const.json): o 6.65 us against 6.81, down [4096, 14336] 15.07 against 15.42,
-        # and gate_up [28672, 4096] with 64-row CTAs (TILES 4, 3 CTAs an SM) 23.31 against 24.42 for the generic
-        # config (28.07 for TILES 4 without the constants: its address arithmetic cost more than its saved x work);
-        # qkv's entry above kept (7.99 against 7.93 without them)
-        put(_arch, "int4_linear", "cuda", "gemv_n4096_k14336", **{**_generic, "SHAPE_CONST": True})
-        put(_arch, "int4_linear", "cuda", "gemv_n28672_k4096",
-            **{**_generic, "TILES": 4, "min_blocks": 3, "SHAPE_CONST": True, "silu_out": True})
+        put(_arch, "int4_linear", "cuda", "gemv_n4096_k4096",
+            **{**{k: v for k, v in TUNE[f"{_arch}/int4_linear/cuda/gemv"].items() if k != "silu_out"}, "EARLY_W": True})
     # ... and built for up to 16 and 32 rows (X_TILES = max_m / 8 n8 tiles of x share each dequantized W
     # fragment), serving M 9-16 and 17-32 in place of dequant + cuBLAS. H200, the 8B projections of a decode
     # step (bench/int4_cuda_device.py, bench/results/h200_5b7e245_int4_cuda.txt): M=16 3.19 ms, M=32 5.66 ms,
