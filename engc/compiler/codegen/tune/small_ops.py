@@ -16,7 +16,6 @@ for _arch in ("sm80", "sm90"):
     # order than the plain add_rms_norm's 8 warps (a last-bit difference in rstd where the fp32 sums differ)
     for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 16), ("block>4096", 16)):
         put(_arch, "rms_norm", "add_rms_norm_partials", _bucket, num_warps=_warps, num_stages=1)
-for _arch in ("sm80", "sm90"):
     put(_arch, "silu_mul", "*", "any", BLOCK=1024, num_warps=4, num_stages=1)
     put(_arch, "sampling", "*", "any", BLOCK_V=4096, num_warps=8, num_stages=1)
     put(_arch, "argmax", "*", "any", block=1024, max_splits=64, num_warps=4, num_stages=1)
