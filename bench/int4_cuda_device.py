@@ -34,7 +34,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 # INT4_CUDA_SHAPES=head (run): only those shapes, 'head' being the 8B's int4 lm_head [128256, 4096] (one a
 # step, not one a layer: the per-step sums below then read as 32 heads)
 # 'wave1' / 'wave2': gate_up's K with N for exactly one / two waves of the table's 32-row CTAs at 4 an SM (528
-# slots): against gate_up's 896 CTAs (1.7 waves), what the last partial wave costs
+# slots): against gate_up's 896 CTAs (1.7 waves), what the last partial wave costs (nothing a byte:
+# bench/results/h200_096a359_int4_waves.txt)
 ALL_SHAPES = dict(SHAPES, head=(128256, 4096), wave1=(16896, 4096), wave2=(33792, 4096))
 if os.environ.get("INT4_CUDA_SHAPES"):
     SHAPES = {name: ALL_SHAPES[name] for name in os.environ["INT4_CUDA_SHAPES"].split(",")}
@@ -81,20 +82,6 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "w4t2u1b4z_s2_d": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
                                 DEFER=True),
          "w4t1u2b4z_s2": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2),
-         # PREFETCH: the next K tile's W, scales and zeros loaded before this one's math (x just before it);
-         # at 4 CTAs an SM the table's tile fits 128 registers (ptxas: 8 bytes of stack with ACC_SPLIT 2, none
-         # with 1); _a: its loads alone
-         "w4t2u1b4z_s2_p": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                PREFETCH=True),
-         "w4t2u1b4z_p": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, PREFETCH=True),
-         "w4t2u1b3z_s2_p": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
-                                PREFETCH=True),
-         "w4t1u2b4z_p": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, PREFETCH=True),
-         "w4t1u1b4z_p": dict(num_warps=4, TILES=1, UNROLL=1, min_blocks=4, ZERO_SUM=True, PREFETCH=True),
-         "w4t1u1b5z_p": dict(num_warps=4, TILES=1, UNROLL=1, min_blocks=5, ZERO_SUM=True, PREFETCH=True),
-         "w4t1u1b6z_p": dict(num_warps=4, TILES=1, UNROLL=1, min_blocks=6, ZERO_SUM=True, PREFETCH=True),
-         "w4t2u1b4z_p_a": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, PREFETCH=True,
-                               ABLATE=True),
          # ... and the occupancy / bytes-in-flight configs above again with two accumulators
          "w4t2u1b5z_s2": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=5, ZERO_SUM=True, ACC_SPLIT=2),
          "w4t2u1b6z_s2": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=6, ZERO_SUM=True, ACC_SPLIT=2),

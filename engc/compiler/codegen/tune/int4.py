@@ -80,6 +80,12 @@ for _arch in ("sm80", "sm90"):
     # register loads alone at 18.0 (3.4 TB/s): cp.async into shared memory streams this GEMV's W at ~2.5 TB/s,
     # about what the whole register kernel does, so no overlap of the math could win. The 8B int4 b1 step:
     # 2.90-3.00 ms against 1.885 (bench/results/h200_909dc24_int4_stages.json).
+    # Nor PREFETCH again (096a359, reverted; the fourteenth session's was at 3 CTAs an SM): the next K tile's W,
+    # scales and zeros in a second register set before this tile's math, at 4 CTAs an SM (128 registers):
+    # the 8B's four projections at M=1 61.3 us against 56.7 (ACC_SPLIT 1: 60.3; 16-row tiles at 4-6 CTAs an SM
+    # 64-69), its loads alone as fast as the loop's (bench/results/h200_096a359_int4_prefetch.txt). By one- and
+    # two-wave shapes (h200_096a359_int4_waves.txt) the GEMV costs ~3.4 us a launch plus 2.77 TB/s, its loads
+    # alone 1.9 us plus 3.73 TB/s; an exact wave is no faster a byte than gate_up's 1.7, so no stream-K either.
     # partials_out (twenty-first session): a launch that splits K and feeds an AddRMSNorm (o, down:
     # QLinearAddRMSNorm) stores its fp32 partials and exits; the norm sums them in split order (the same
     # bits). H200, M=1, the table's config alone (bench/int4_cuda_device.py DEFER, h200_4d1cde1_int4_defer.txt):
