@@ -13,6 +13,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 from engc.errors import UserError
 
@@ -35,6 +36,10 @@ class Tokenizer:
             eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
         self.eos_token_ids = frozenset(eos)
         self._template = None
+        # A byte-level BPE decoder (GPT-2, Llama 3, Qwen, SmolLM2) reads each token's bytes, joins them and
+        # decodes UTF-8, so a token after text that ends in a whole character adds exactly its own text
+        self.joins_bytes = isinstance(self.tok.decoder, decoders.ByteLevel)
+        self._pieces: dict[int, str] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -45,6 +50,13 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def piece(self, token: int) -> str:
+        """decode([token]), cached: what the token adds after whole characters where joins_bytes."""
+        text = self._pieces.get(token)
+        if text is None:
+            text = self._pieces[token] = self.tok.decode([token], skip_special_tokens=True)
+        return text
 
     def token_texts(self) -> list[str]:
         """Each token's text as it reads inside a sequence ("" for special tokens): decoded after an anchor
@@ -119,17 +131,28 @@ class IncrementalDecoder:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
         self.decode = tokenizer.decode   # bound once: step calls it twice per token
+        # Byte-level tokenizers: one cached lookup for a token that follows a whole character, in place of the
+        # two decodes (~3 us each: at batch 64 about 40% of a decode step's host work); the same text
+        self.piece = tokenizer.piece if tokenizer.joins_bytes else None
         self.ids = list(prompt_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        self.whole = False   # whether the text read so far ends in a whole character (known after a delta)
 
     def step(self, new_ids: list[int]) -> str:
+        if self.whole and self.piece is not None and len(new_ids) == 1 and self.read_offset == len(self.ids):
+            text = self.piece(new_ids[0])
+            if text and "\ufffd" not in text:   # the token's bytes are whole characters themselves
+                self.ids.append(new_ids[0])
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                return text
         self.ids.extend(new_ids)
         prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
         full = self.decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.whole = True
             return delta
         return ""
 
