@@ -233,7 +233,7 @@ def kernel_record(spec: CudaKernelSpec, ptx: str, cubin_path: str, ptx_path: str
         "num_warps": spec.num_warps, "num_ctas": 1, "shared_mem": spec.shared_mem, "static_shared": static_shared,
         "args": [{"name": name, "type": ty} for name, ty in spec.arg_types.items()], "scratch_params": 0,
         "align": 16, "constexprs": dict(sorted(spec.render.items())),
-        "launch": dict(sorted({**spec.launch, **tune.launch_carveout(spec.tune)}.items())),
+        "launch": tune.record_launch(spec.launch, spec.tune),
         "tune_key": spec.tune_key, "tune": dict(sorted(spec.tune.items())), "nvcc_version": version,
     }
 

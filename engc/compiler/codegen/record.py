@@ -61,7 +61,7 @@ def kernel_record(spec: KernelSpec, meta: dict, cubin_path: str, ptx_path: str, 
         "num_warps": meta["num_warps"], "num_ctas": meta["num_ctas"], "shared_mem": meta["shared"],
         "args": args + SCRATCH_ARGS, "scratch_params": len(SCRATCH_ARGS), "align": 16,
         "constexprs": {k: spec.constexprs[k] for k in sorted(spec.constexprs)},
-        "launch": dict(sorted({**spec.launch, **tune.launch_carveout(spec.tune)}.items())),
+        "launch": tune.record_launch(spec.launch, spec.tune),
         "tune_key": spec.tune_key, "tune": dict(sorted(spec.tune.items())),
         "triton_version": meta["triton_version"],
     }

@@ -52,16 +52,17 @@ def lookup(arch: str, op: str, variant: str, bucket: str, overrides: dict | None
 OPTIONAL_FIELDS = ("PDL", "smem_carveout")
 
 
-def launch_carveout(entry: dict) -> dict:
-    """An entry's preferred L1/shared-memory split (percent of the most shared memory an SM can have; -1 no
-    preference) as the launch constant its records carry, {} where the entry names none (the driver picks).
-    A launch constant, not a compile one: the runtime sets it on the loaded kernel, the cubin is the same."""
+def record_launch(launch: dict, entry: dict) -> dict:
+    """A kernel record's launch constants: the spec's, plus the entry's preferred L1/shared-memory split where it
+    names one (smem_carveout: percent of the most shared memory an SM can have; -1 no preference; absent, the
+    driver picks), sorted. The split is a launch constant, not a compile one: the runtime sets it on the loaded
+    kernel, the cubin is the same."""
     if "smem_carveout" not in entry:
-        return {}
+        return dict(sorted(launch.items()))
     value = entry["smem_carveout"]
     if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value <= 100:
         raise ValueError(f"smem_carveout {value!r}: expected a percent 0..100 or -1 (no preference)")
-    return {"smem_carveout": value}
+    return dict(sorted({**launch, "smem_carveout": value}.items()))
 
 
 # The key of a tune file's provenance (`engc tune` writes GPU, versions, date, measurements there): skipped
