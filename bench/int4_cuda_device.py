@@ -14,7 +14,10 @@ each a CUDA graph cycling through enough weight copies to miss L2; TB/s counts p
 zeros. Each CUDA config runs at 2x, 4x and 8x SMs of target_programs (a launch constant). The prefill
 dequant (templates/int4_dequant.cu.j2, a few configs, and the Triton one) must equal the reference bit for bit
 and is timed per shape (TB/s of bf16 written). The table (last) gives bf16, Triton int4 and the chosen CUDA
-config per case, the 8B's GEMV time per decode step (32 layers) at each M, the dequant, and the tune table entry. results.json and log.txt go under $OUT.
+config per case, the 8B's GEMV time per decode step (32 layers) at each M, the dequant, and the tune table
+entry. results.json and log.txt go under $OUT. INT4_CUDA_SHAPES (run) picks shapes: the 8B's int4 lm_head and
+the one- and two-wave gate_up shapes are there besides the four projections.
+"""
 """
 from __future__ import annotations
 
