@@ -18,7 +18,6 @@ config per case, the 8B's GEMV time per decode step (32 layers) at each M, the d
 entry. results.json and log.txt go under $OUT. INT4_CUDA_SHAPES (run) picks shapes: the 8B's int4 lm_head and
 the one- and two-wave gate_up shapes are there besides the four projections.
 """
-"""
 from __future__ import annotations
 
 import json
