@@ -74,6 +74,13 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          # ABLATE (a measurement, not a kernel): the compute replaced by an XOR of the W words, so only the
          # W loads remain (the compiler drops the scale, zero and x loads): the loop's memory ceiling
          "w4t2u1b4z_a": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True),
+         # ... at the table config's occupancy: the ablated build has few registers (8 CTAs an SM, ncu's 50%
+         # theoretical occupancy against the full kernel's 25%), so PAD bytes of static shared memory cap it at
+         # 4 or 6 CTAs an SM (48 or 36 KB with the warp sums): is the full kernel's gap to its loads the math or the occupancy?
+         "w4t2u1b4z_a4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True,
+                              PAD=49152 - 4224 - 16),
+         "w4t2u1b4z_a6": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True,
+                              PAD=36864 - 4224),
          # a step's mmas over 2 or 4 accumulators (ACC_SPLIT; the table's gemv entry takes 2 since the twelfth
          # session), for the table's tile and the qkv build's
          "w4t2u1b4z_s2": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2),
@@ -99,6 +106,11 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "wide_m16_w4t2u1b3": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=2, UNROLL=1, min_blocks=3),
          "wide_m16_w4t1u2b3": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=1, UNROLL=2, min_blocks=3)}
 ABLATE_AT = "        for (int u = 0; u < UNROLL; ++u) {        // ... then dequantize and multiply\n"
+PAD_AT = "    __shared__ float warp_sums[NUM_WARPS][MAX_M][ROWS + 1];"
+PAD_BODY = """
+    volatile __shared__ float occupancy_pad[{words}];   // PAD: caps CTAs an SM (volatile: M < 0 never holds)
+    if (M < 0) occupancy_pad[threadIdx.x] = acc[0][0][0];
+"""
 ABLATE_BODY = """            uint32_t v = 0;   // inside the loop over u: this step's W words only
 #pragma unroll
             for (int t = 0; t < TILES; ++t)
@@ -137,17 +149,18 @@ def prepare(out_dir: Path):
     for name, ov in SWEEP.items():
         if only and name not in only:
             continue
-        ablate, kind = ov.get("ABLATE", False), ov.get("kind", "gemv")
+        ablate, kind, pad = ov.get("ABLATE", False), ov.get("kind", "gemv"), ov.get("PAD", 0)
         # one accumulator unless the config names more (the table's gemv entry has 2)
-        ov = {"ACC_SPLIT": 1, **{k: v for k, v in ov.items() if k not in ("ABLATE", "kind", "DEFER")}}
+        ov = {"ACC_SPLIT": 1, **{k: v for k, v in ov.items() if k not in ("ABLATE", "kind", "DEFER", "PAD")}}
         specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov, kind)[0]]
         if name == next(iter(SWEEP)) or kind.startswith("gemv_wide"):
             specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov, kind)[0])
         if ablate:
             def patched(*a, **kw):
                 src = render(*a, **kw)
-                assert ABLATE_AT in src
-                return src.replace(ABLATE_AT, ABLATE_AT + ABLATE_BODY)
+                assert ABLATE_AT in src and PAD_AT in src
+                src = src.replace(ABLATE_AT, ABLATE_AT + ABLATE_BODY)
+                return src.replace(PAD_AT, PAD_AT + PAD_BODY.format(words=pad // 4)) if pad else src
             cuda.render = patched
         try:
             sets[f"cuda/{name}"] = cuda.compile_cuda(specs)
