@@ -81,6 +81,15 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
                               PAD=49152 - 4224 - 16),
          "w4t2u1b4z_a6": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True,
                               PAD=36864 - 4224),
+         # NO_MMA (with ABLATE's no-checks treatment, but the whole loop kept): each mma replaced by an integer
+         # fold of its operands into the accumulator, so the dequant and every load stay and no tensor-core op
+         # runs: the full kernel's SMs clock at ~1.78 GHz under ncu where the ablated build's hold 1.97
+         # _a4all: as _a4 with the scale, zero and x loads folded in too (ABLATE drops them as dead): the loop's
+         # loads, all of them, at the full kernel's occupancy
+         "w4t2u1b4z_a4all": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True,
+                                 PAD=49152 - 4224 - 16, ALL_LOADS=True),
+         "w4t2u1b4z_s2_nomma": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                    ABLATE=True, NO_MMA=True),
          # a step's mmas over 2 or 4 accumulators (ACC_SPLIT; the table's gemv entry takes 2 since the twelfth
          # session), for the table's tile and the qkv build's
          "w4t2u1b4z_s2": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2),
@@ -111,11 +120,30 @@ PAD_BODY = """
     volatile __shared__ float occupancy_pad[{words}];   // PAD: caps CTAs an SM (volatile: M < 0 never holds)
     if (M < 0) occupancy_pad[threadIdx.x] = acc[0][0][0];
 """
+MMA_AT = """    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{ %0, %1, %2, %3 }, { %4, %5, %6, %7 }, { %8, %9 }, { %0, %1, %2, %3 };"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+"""
+MMA_FOLD = "    d[0] += __uint_as_float((a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1) & 0x007fffffu);\n"
 ABLATE_BODY = """            uint32_t v = 0;   // inside the loop over u: this step's W words only
 #pragma unroll
             for (int t = 0; t < TILES; ++t)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) v ^= wv[u][t][h].x ^ wv[u][t][h].y ^ wv[u][t][h].z ^ wv[u][t][h].w;
+            acc[0][0][0] += __uint_as_float(v & 0x007fffffu);
+            continue;
+"""
+ALL_LOADS_BODY = """            uint32_t v = 0;   // this step's W words, scales, zeros and x words
+#pragma unroll
+            for (int t = 0; t < TILES; ++t)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) v ^= wv[u][t][h].x ^ wv[u][t][h].y ^ wv[u][t][h].z ^ wv[u][t][h].w
+                                                ^ bits(sv[u][t][h]) ^ zv[u][t][h];
+#pragma unroll
+            for (int j = 0; j < X_TILES; ++j)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) v ^= xv[u][j][q].x ^ xv[u][j][q].y ^ xv[u][j][q].z ^ xv[u][j][q].w;
             acc[0][0][0] += __uint_as_float(v & 0x007fffffu);
             continue;
 """
@@ -150,16 +178,18 @@ def prepare(out_dir: Path):
         if only and name not in only:
             continue
         ablate, kind, pad = ov.get("ABLATE", False), ov.get("kind", "gemv"), ov.get("PAD", 0)
+        no_mma, body = ov.get("NO_MMA", False), ALL_LOADS_BODY if ov.get("ALL_LOADS") else ABLATE_BODY
         # one accumulator unless the config names more (the table's gemv entry has 2)
-        ov = {"ACC_SPLIT": 1, **{k: v for k, v in ov.items() if k not in ("ABLATE", "kind", "DEFER", "PAD")}}
+        ov = {"ACC_SPLIT": 1,
+              **{k: v for k, v in ov.items() if k not in ("ABLATE", "kind", "DEFER", "PAD", "NO_MMA", "ALL_LOADS")}}
         specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov, kind)[0]]
         if name == next(iter(SWEEP)) or kind.startswith("gemv_wide"):
             specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov, kind)[0])
         if ablate:
             def patched(*a, **kw):
                 src = render(*a, **kw)
-                assert ABLATE_AT in src and PAD_AT in src
-                src = src.replace(ABLATE_AT, ABLATE_AT + ABLATE_BODY)
+                assert ABLATE_AT in src and PAD_AT in src and MMA_AT in src
+                src = src.replace(MMA_AT, MMA_FOLD) if no_mma else src.replace(ABLATE_AT, ABLATE_AT + body)
                 return src.replace(PAD_AT, PAD_AT + PAD_BODY.format(words=pad // 4)) if pad else src
             cuda.render = patched
         try:
