@@ -484,34 +484,47 @@ def step_timeline(engine, cfg, out_dir: Path, shape: str, n: int = 1, steps: int
     return {f"b{n}_timeline_busy_us": round(busy / steps, 1), f"b{n}_timeline_idle_us": round(idle / steps, 1)}
 
 
+def _timed_steps(engine, ids_list, prof=None) -> float:
+    """ms an engine step over 100 decode steps of a fresh batch (its prefill first), under prof when given."""
+    import torch
+    from engc.runtime.sampling import SamplingParams
+    for ids in ids_list:
+        engine.add_request(ids, SamplingParams(max_tokens=101, temperature=0, ignore_eos=True))
+    engine.step()  # prefill
+    torch.cuda.synchronize()
+    if prof is not None:
+        prof.enable()
+    t0 = time.perf_counter()
+    for _ in range(100):
+        engine.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter() - t0
+    if prof is not None:
+        prof.disable()
+    engine.run_to_completion()
+    return round(t * 10, 3)
+
+
 def decode_breakdown(engine, ids_list, profile_path: Path) -> dict:
     """Where a decode step's time goes at batch n = len(ids_list): graph replay alone (GPU) against the
-    whole engine step, synchronous and overlapped (a gap is host work the overlap does not hide)."""
+    whole engine step, synchronous and overlapped (a gap is host work the overlap does not hide). The steps
+    are timed without the profiler (cProfile alone slowed the host 2-3x: at 1B b64 it made the overlapped
+    step 1.95-2.75 ms where the 128/128 run took 1.42, so the batch looked host-bound); a third, profiled run
+    writes profile_path."""
     import cProfile
     import pstats
     import torch
     n = len(ids_list)
     out = {}
     from dataclasses import replace
-    from engc.runtime.sampling import SamplingParams
     overlap = engine.config.overlap
     # synchronous steps (host work in series with the GPU) and overlapped ones (the default)
     for key, on in ((f"b{n}_engine_step_sync_ms", False), (f"b{n}_engine_step_ms", True)):
         engine.config = replace(engine.config, overlap=on)
-        for ids in ids_list:
-            engine.add_request(ids, SamplingParams(max_tokens=101, temperature=0, ignore_eos=True))
-        engine.step()  # prefill
-        torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        t0 = time.perf_counter()
-        prof.enable()
-        for _ in range(100):
-            engine.step()
-        prof.disable()
-        torch.cuda.synchronize()
-        out[key] = round((time.perf_counter() - t0) * 10, 3)
-        engine.run_to_completion()
+        out[key] = _timed_steps(engine, ids_list)
     engine.config = replace(engine.config, overlap=overlap)
+    prof = cProfile.Profile()
+    _timed_steps(engine, ids_list, prof)
     # The graph replayed alone, after the runs above: its staged inputs are then their last step's (n real
     # rows, contexts ~228). Before any step of this batch, rows past the last batch's held context 1 (no
     # attention): at 8B b32 that replay took 4.51 ms against an engine step of 4.75.
