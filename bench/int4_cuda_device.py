@@ -84,12 +84,6 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          # NO_MMA (with ABLATE's no-checks treatment, but the whole loop kept): each mma replaced by an integer
          # fold of its operands into the accumulator, so the dequant and every load stay and no tensor-core op
          # runs: the full kernel's SMs clock at ~1.78 GHz under ncu where the ablated build's hold 1.97
-         # PACKED_SZ (_k): scales and zeros read as one 8-byte word a row pair of a 16-row tile (pack_sz below), one
-         # load a tile and K step where the [N, groups] arrays take four (the small loads cost the loop ~15%:
-         # h200_f7ad27e_int4_gemv_parts_ncu.json); the table's config and the qkv build's
-         "w4t2u1b4z_s2_k": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                PACKED_SZ=True),
-         "w4t1u2b4z_k": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, PACKED_SZ=True),
          # _a4all: as _a4 with the scale, zero and x loads folded in too (ABLATE drops them as dead): the loop's
          # loads, all of them, at the full kernel's occupancy
          "w4t2u1b4z_a4all": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True,
@@ -221,22 +215,6 @@ def prepare(out_dir: Path):
 
 # ------------------------------------------------------------------------------------------ run (GPU)
 
-def pack_sz(s, z):
-    """PACKED_SZ's operand: [cdiv(N, 16), groups, 8, 2] int32 from scales [N, groups] and zeros [N, groups], word
-    (s[16i + g] | s[16i + g + 8] << 16, z[16i + g] | z[16i + g + 8] << 8) at [i, group, g] (rows past N repeat
-    row N - 1, as the kernel's clamped rows do)."""
-    import torch
-    n, groups = s.shape
-    pad = -n % 16
-    if pad:
-        s, z = torch.cat([s, s[-1:].expand(pad, -1)]), torch.cat([z, z[-1:].expand(pad, -1)])
-    sb = s.contiguous().view(torch.int16).to(torch.int32).bitwise_and(0xFFFF).view(-1, 2, 8, groups)
-    zb = z.to(torch.int32).view(-1, 2, 8, groups)
-    lo = sb[:, 0] | (sb[:, 1] << 16)
-    hi = zb[:, 0] | (zb[:, 1] << 8)
-    return torch.stack([lo, hi], -1).permute(0, 2, 1, 3).contiguous()   # [tiles, groups, 8, 2]
-
-
 def make_weights(n, k, group, copies, gen):
     import torch
     g = -(-k // group)
@@ -261,16 +239,9 @@ def run(aot: Path, out: Path):
     counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "timings": []}
 
-    packed = {}   # PACKED_SZ: (scales, zeros) pointers -> their packed words
-
     def cuda_linear(name, target, x, w, group, bias=None, timed=False):
         ks = sets[name]
         consts = {v: dict(c, target_programs=target) if target else c for v, c in ks.consts("int4_linear").items()}
-        if sweep_config(name).get("PACKED_SZ"):   # packed once a weight (the timed copies: before the graph)
-            key = (w[1].data_ptr(), w[2].data_ptr())
-            if key not in packed:   # the sources are kept with it: their addresses cannot be reused meanwhile
-                packed[key] = (w[1], w[2], pack_sz(w[1], w[2]))
-            w = (w[0], packed[key][2], w[2])
         y = torch.empty(x.shape[0], w[0].shape[0], dtype=x.dtype, device="cuda")
         m, (n, k) = x.shape[0], (w[0].shape[0], x.shape[1])
         splits = op.cuda_splits(m, n, k, group, consts, counters)
@@ -369,7 +340,6 @@ def run(aot: Path, out: Path):
                         results["timings"].append(dict(tag, us=us, tbs=wbytes / us / 1e6))
         say(f"{shape}: done ({run_log.elapsed():.0f}s)")
         ws = dense = None
-        packed.clear()
         torch.cuda.empty_cache()
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -64,16 +64,13 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     if silu_out and kind != "gemv":
         return None, f"only the 'gemv' build has a SiLU-out twin, not '{kind}'"
     early_w = bool(entry.get("EARLY_W", False))
-    packed_sz = bool(entry.get("PACKED_SZ", False))   # a measurement build: bench/int4_cuda_device.py packs
-    if packed_sz and (silu_out or early_w):
-        return None, "PACKED_SZ is a plain build (not SiLU-out, not EARLY_W)"
     name = (f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}x{x_tiles}"
-            f"{'z' if entry['ZERO_SUM'] else ''}{f's{acc_split}' if acc_split > 1 else ''}{'e' if early_w else ''}{'k' if packed_sz else ''}"
+            f"{'z' if entry['ZERO_SUM'] else ''}{f's{acc_split}' if acc_split > 1 else ''}{'e' if early_w else ''}"
             f"{'_silu' if silu_out else ''}")
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
               "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
               "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "acc_split": acc_split, "x_tiles": x_tiles,
-              "silu_out": silu_out, "early_w": early_w, "packed_sz": packed_sz, "entry": name}
+              "silu_out": silu_out, "early_w": early_w, "entry": name}
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"

@@ -86,6 +86,10 @@ for _arch in ("sm80", "sm90"):
     # 64-69), its loads alone as fast as the loop's (bench/results/h200_096a359_int4_prefetch.txt). By one- and
     # two-wave shapes (h200_096a359_int4_waves.txt) the GEMV costs ~3.4 us a launch plus 2.77 TB/s, its loads
     # alone 1.9 us plus 3.73 TB/s; an exact wave is no faster a byte than gate_up's 1.7, so no stream-K either.
+    # PACKED_SZ (d0a44c6, a measurement build, reverted): a 16-row tile's scales and zeros as one 8-byte word a row
+    # pair, one load a tile and K step instead of four: M=1 alone gate_up 23.48 us against 24.13, down 14.58 / 15.13,
+    # head 85.36 / 88.21 (bench/results/h200_d0a44c6_int4_packed_sz.txt): ~2.3% of a b1 step, to be integrated
+    # (packing at load, SiLU-out order for gate_up, the EARLY_W path).
     # partials_out (twenty-first session): a launch that splits K and feeds an AddRMSNorm (o, down:
     # QLinearAddRMSNorm) stores its fp32 partials and exits; the norm sums them in split order (the same
     # bits). H200, M=1, the table's config alone (bench/int4_cuda_device.py DEFER, h200_4d1cde1_int4_defer.txt):
