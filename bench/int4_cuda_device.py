@@ -76,18 +76,19 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "w4t2u1b4z_a": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True),
          # ... at the table config's occupancy: the ablated build has few registers (8 CTAs an SM, ncu's 50%
          # theoretical occupancy against the full kernel's 25%), so PAD bytes of static shared memory cap it at
-         # 4 or 6 CTAs an SM (48 or 36 KB with the warp sums): is the full kernel's gap to its loads the math or the occupancy?
+         # 4 or 6 CTAs an SM (48 or 36 KB with the warp sums): is the full kernel's gap to its loads the math or
+         # the occupancy?
          "w4t2u1b4z_a4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True,
                               PAD=49152 - 4224 - 16),
          "w4t2u1b4z_a6": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True,
                               PAD=36864 - 4224),
-         # NO_MMA (with ABLATE's no-checks treatment, but the whole loop kept): each mma replaced by an integer
-         # fold of its operands into the accumulator, so the dequant and every load stay and no tensor-core op
-         # runs: the full kernel's SMs clock at ~1.78 GHz under ncu where the ablated build's hold 1.97
          # _a4all: as _a4 with the scale, zero and x loads folded in too (ABLATE drops them as dead): the loop's
          # loads, all of them, at the full kernel's occupancy
          "w4t2u1b4z_a4all": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True,
                                  PAD=49152 - 4224 - 16, ALL_LOADS=True),
+         # NO_MMA (with ABLATE's no-checks treatment, but the whole loop kept): each mma replaced by an integer
+         # fold of its operands into the accumulator, so the dequant and every load stay and no tensor-core op
+         # runs: the full kernel's SMs clock at ~1.78 GHz under ncu where the ablated build's hold 1.97
          "w4t2u1b4z_s2_nomma": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
                                     ABLATE=True, NO_MMA=True),
          # a step's mmas over 2 or 4 accumulators (ACC_SPLIT; the table's gemv entry takes 2 since the twelfth
@@ -126,7 +127,7 @@ MMA_AT = """    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 """
 MMA_FOLD = "    d[0] += __uint_as_float((a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1) & 0x007fffffu);\n"
-ABLATE_BODY = """            uint32_t v = 0;   // inside the loop over u: this step's W words only
+ABLATE_BODY = """            uint32_t v = 0;   // inside the loop over u: a fold of this step's W words
 #pragma unroll
             for (int t = 0; t < TILES; ++t)
 #pragma unroll
@@ -134,19 +135,20 @@ ABLATE_BODY = """            uint32_t v = 0;   // inside the loop over u: this s
             acc[0][0][0] += __uint_as_float(v & 0x007fffffu);
             continue;
 """
-ALL_LOADS_BODY = """            uint32_t v = 0;   // this step's W words, scales, zeros and x words
-#pragma unroll
+# ALL_LOADS: ABLATE's body with the step's scales, zeros and x words folded in as well
+ALL_LOADS_BODY = ABLATE_BODY.replace("            acc[0][0][0] +=", """#pragma unroll
             for (int t = 0; t < TILES; ++t)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) v ^= wv[u][t][h].x ^ wv[u][t][h].y ^ wv[u][t][h].z ^ wv[u][t][h].w
-                                                ^ bits(sv[u][t][h]) ^ zv[u][t][h];
+                for (int h = 0; h < 2; ++h) v ^= bits(sv[u][t][h]) ^ zv[u][t][h];
 #pragma unroll
             for (int j = 0; j < X_TILES; ++j)
 #pragma unroll
                 for (int q = 0; q < 4; ++q) v ^= xv[u][j][q].x ^ xv[u][j][q].y ^ xv[u][j][q].z ^ xv[u][j][q].w;
-            acc[0][0][0] += __uint_as_float(v & 0x007fffffu);
-            continue;
-"""
+            acc[0][0][0] +=""")
+
+
+# a SWEEP entry's keys that steer this script (the build's patches, the launch mode), not the tune entry
+BENCH_KEYS = ("ABLATE", "kind", "DEFER", "PAD", "NO_MMA", "ALL_LOADS")
 
 
 def sweep_config(set_name: str) -> dict:
@@ -180,8 +182,7 @@ def prepare(out_dir: Path):
         ablate, kind, pad = ov.get("ABLATE", False), ov.get("kind", "gemv"), ov.get("PAD", 0)
         no_mma, body = ov.get("NO_MMA", False), ALL_LOADS_BODY if ov.get("ALL_LOADS") else ABLATE_BODY
         # one accumulator unless the config names more (the table's gemv entry has 2)
-        ov = {"ACC_SPLIT": 1,
-              **{k: v for k, v in ov.items() if k not in ("ABLATE", "kind", "DEFER", "PAD", "NO_MMA", "ALL_LOADS")}}
+        ov = {"ACC_SPLIT": 1, **{k: v for k, v in ov.items() if k not in BENCH_KEYS}}
         specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov, kind)[0]]
         if name == next(iter(SWEEP)) or kind.startswith("gemv_wide"):
             specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov, kind)[0])
