@@ -94,6 +94,12 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          # a step's mmas over 2 or 4 accumulators (ACC_SPLIT; the table's gemv entry takes 2 since the twelfth
          # session), for the table's tile and the qkv build's
          "w4t2u1b4z_s2": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2),
+         # PACKED_SZ (_k): a tile's scales and zeros as one 8-byte word a row pair (kernels/int4_linear
+         # pack_scales_zeros), one load a tile and K step where the [N, groups] arrays take four: the table's
+         # config (on there since the twenty-fourth session) and the qkv build's (off there)
+         "w4t2u1b4z_s2_k": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                PACKED_SZ=True),
+         "w4t1u2b4z_k": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, PACKED_SZ=True),
          "w4t2u1b4z_s4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=4),
          # DEFER (a launch mode, not a kernel): the table's config timed with its split-K partials left
          # unreduced (no counter: each split stores its partial and exits; an AddRMSNorm sums them), against
@@ -181,8 +187,9 @@ def prepare(out_dir: Path):
             continue
         ablate, kind, pad = ov.get("ABLATE", False), ov.get("kind", "gemv"), ov.get("PAD", 0)
         no_mma, body = ov.get("NO_MMA", False), ALL_LOADS_BODY if ov.get("ALL_LOADS") else ABLATE_BODY
-        # one accumulator unless the config names more (the table's gemv entry has 2)
-        ov = {"ACC_SPLIT": 1, **{k: v for k, v in ov.items() if k not in BENCH_KEYS}}
+        # one accumulator and the layout's scale / zero arrays unless the config says otherwise (the table's gemv
+        # entry has 2 and PACKED_SZ)
+        ov = {"ACC_SPLIT": 1, "PACKED_SZ": False, **{k: v for k, v in ov.items() if k not in BENCH_KEYS}}
         specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov, kind)[0]]
         if name == next(iter(SWEEP)) or kind.startswith("gemv_wide"):
             specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov, kind)[0])
@@ -239,6 +246,7 @@ def run(aot: Path, out: Path):
     sets = load_sets(aot)
     counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "timings": []}
+    packed = op.PackedScales()   # the packed_sz builds' scale / zero words, made once a weight as the runtime does
 
     def cuda_linear(name, target, x, w, group, bias=None, timed=False):
         ks = sets[name]
@@ -249,7 +257,7 @@ def run(aot: Path, out: Path):
         partials = (torch.empty(splits, m, n, dtype=torch.float32, device="cuda")
                     if sweep_config(name).get("DEFER") and splits > 1 and bias is None else None)
         ks.run("int4_linear", op.cuda_launch(x, *w, bias, y, group_size=group, consts=consts, counters=counters,
-                                             partials=partials))
+                                             partials=partials, packed=packed))
         return y if partials is None or timed else partials.sum(0).to(x.dtype)   # timed: the launch alone
 
     def triton_linear(x, w, group, bias=None):
@@ -341,6 +349,7 @@ def run(aot: Path, out: Path):
                         results["timings"].append(dict(tag, us=us, tbs=wbytes / us / 1e6))
         say(f"{shape}: done ({run_log.elapsed():.0f}s)")
         ws = dense = None
+        packed = op.PackedScales()   # let this shape's weights go
         torch.cuda.empty_cache()
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))

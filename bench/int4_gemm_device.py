@@ -112,6 +112,7 @@ def run(aot: Path, out: Path):
     say = run_log.say
     sets = load_sets(aot)
     counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
+    packed = op.PackedScales()   # the packed_sz builds' scale / zero words, once a weight
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "timings": []}
 
     def gemm(name, target, x, w, group):
@@ -133,7 +134,7 @@ def run(aot: Path, out: Path):
             v = op.cuda_variant_for(b - a, group, consts)
             sets[next(f"cuda/{k}" for k in CUDA_BUILDS if v in sets[f"cuda/{k}"].consts("int4_linear"))].run(
                 "int4_linear", op.cuda_launch(x[a:b], *w, None, y[a:b], group_size=group, consts=consts,
-                                              counters=counters))
+                                              counters=counters, packed=packed))
         return y
 
     def check(tag, got, ref):

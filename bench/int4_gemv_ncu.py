@@ -35,6 +35,7 @@ def main(aot: Path, out: Path):
     from engc.kernels import int4_linear as op
     sets = load_sets(aot)
     counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32, device="cuda")
+    packed = op.PackedScales()   # the packed_sz builds' scale / zero words, once a weight
     gen = torch.Generator(device="cuda").manual_seed(0)
     order = []
     for shape, (n, k) in SHAPES.items():
@@ -48,7 +49,7 @@ def main(aot: Path, out: Path):
 
             def launch(w):
                 ks.run("int4_linear", op.cuda_launch(x, *w, None, y, group_size=GROUP, consts=consts,
-                                                     counters=counters))
+                                                     counters=counters, packed=packed))
             launch(ws[0])
             torch.cuda.synchronize()
             err = rel_err(y, ref)

@@ -138,10 +138,11 @@ def test_render_specializes_group_and_tiles():
     fp16 = cuda.render(spec.template, **cuda_int4.int4_gemv_spec(128, "fp16", "sm90")[0].render)
     assert "0x64006400u" in fp16 and "f16x2" in fp16
     # ZERO_SUM is a render switch, and the kernel keeps it off for fp16 itself (MAGIC 1024 would cancel bits)
-    on, off = (cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"ZERO_SUM": z, "ACC_SPLIT": 1})[0] for z in (True, False))
+    on, off = (cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"ZERO_SUM": z, "ACC_SPLIT": 1, "PACKED_SZ": False})[0]
+               for z in (True, False))
     assert on.entry.endswith("z") and not off.entry.endswith("z")
     # ACC_SPLIT: a step's mmas over that many accumulators (the table's M <= 8 entry takes 2), named in the entry
-    split = cuda_int4.int4_gemv_spec(128, "bf16", "sm90")[0]
+    split = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"PACKED_SZ": False})[0]
     assert split.entry.endswith("zs2") and "constexpr int ACC_SPLIT = 2;" in cuda.render(split.template, **split.render)
     assert "constexpr int ACC_SPLIT = 1;" in cuda.render(on.template, **on.render)
     assert "constexpr bool ZERO_SUM = true &&" in cuda.render(on.template, **on.render)
@@ -153,8 +154,8 @@ def test_render_specializes_group_and_tiles():
 def test_early_w_requests_the_first_tile_before_the_pdl_wait():
     """EARLY_W: the CTA's first K tile of W (and its scales and zeros: the bundle's, not the step's) is loaded
     before griddepcontrol.wait, and x only after it; the stock build waits first."""
-    early = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"EARLY_W": True})[0]
-    stock = cuda_int4.int4_gemv_spec(128, "bf16", "sm90")[0]
+    early = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"EARLY_W": True, "PACKED_SZ": False})[0]
+    stock = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"PACKED_SZ": False})[0]
     assert early.entry == stock.entry + "e"
     src = cuda.render(early.template, **early.render).split("extern \"C\" __global__")[1]
     wait = src.index("griddepcontrol.wait")
@@ -196,7 +197,7 @@ def test_a_projection_shape_gets_its_own_build_where_the_table_has_one():
     assert len(own) == 1 and notes == [] and (own[0].render["tiles"], own[0].render["unroll"]) == (1, 2)
     assert own[0].launch["BLOCK_N"] == 16
     o_own = [s for s in specs if s.variant == "cuda_g128_n4096_k4096"]   # EARLY_W: behind the decode attention
-    assert len(o_own) == 1 and o_own[0].render["early_w"] and o_own[0].entry.endswith("e")
+    assert len(o_own) == 1 and o_own[0].render["early_w"] and o_own[0].entry.endswith("ek")   # and PACKED_SZ
     assert not any("_n" in s.variant for s in cuda_int4.selected_int4_specs(triton_specs, no_dq)[0])
     sm80 = cuda_int4.selected_int4_specs(int4_linear_specs("bf16", "sm80", (128,)), no_dq, shapes={(6144, 4096)})
     assert not any("_n" in s.variant for s in sm80[0])   # measured on sm90 only
@@ -265,14 +266,80 @@ def test_launch_rule_matches_records(records, rows, n, k, bias):
     assert grid == (n_tiles, splits, 1) and args[12] == splits and -(-k_tiles // per) == splits
     assert (n_tiles * splits >= c["target_programs"] or splits == 1 or per == 1) if n_tiles < 600 else splits == 1
     for value, spec in zip(args, rec["args"]):
-        if spec["type"].startswith("*") and isinstance(value, int):
-            assert value == 0 and (spec["name"] == "bias_ptr" or splits == 1)
+        if spec["type"].startswith("*") and isinstance(value, int):   # packed_sz: the words replace the zeros
+            assert value == 0 and (spec["name"] == "bias_ptr" or splits == 1 or spec["name"] == "z_ptr" and c["packed_sz"])
         elif spec["type"].startswith("*"):
             want = {"bf16": torch.bfloat16, "fp32": torch.float32, "i32": torch.int32, "u8": torch.uint8}
             assert value.dtype == want[spec["type"][1:]], spec
         else:
             assert isinstance(value, int) and not isinstance(value, bool), spec
     assert args[13] == int(bias)
+    if c["packed_sz"]:   # the table's M <= 8 build reads the packed words
+        assert torch.equal(args[2], op.pack_scales_zeros(s, z)) and args[3] == 0
+
+
+def _kernel_reads(words, n, groups, tiles_per_cta, silu):
+    """What templates/int4_gemv.cu.j2 reads, by its own index arithmetic, for every (CTA, tile, lane row g, group):
+    {(weight row lo, weight row hi, group): (s[lo] bits, s[hi] bits, z[lo], z[hi])} from the packed words, the
+    rows being the ones its W loads read (w_row: clamped to N - 1; SILU_OUT: gate row a, up row I + a)."""
+    rows, inter = 16 * tiles_per_cta, n // 2
+    sz_tiles = inter // 8 if silu else -(-n // 16)
+    flat = words.reshape(-1, 2)
+    got = {}
+    for cta in range(-(-(inter if silu else n) // (rows // 2 if silu else rows))):
+        for t in range(tiles_per_cta):
+            for g in range(8):
+                if silu:
+                    a = min(cta * (rows // 2) + 8 * t + g, inter - 1)
+                    lo, hi = a, inter + a
+                else:
+                    lo, hi = (min(cta * rows + 16 * t + 8 * h + g, n - 1) for h in (0, 1))
+                tile = min(cta * tiles_per_cta + t, sz_tiles - 1)
+                for grp in range(groups):
+                    w0, w1 = (int(v) & 0xFFFFFFFF for v in flat[(tile * groups + grp) * 8 + g])
+                    got[lo, hi, grp] = (w0 & 0xFFFF, w0 >> 16, w1 & 0xFF, (w1 >> 8) & 0xFF)
+    return got
+
+
+@pytest.mark.parametrize("n,silu", [(40, False), (64, False), (64, True), (96, True)])
+def test_packed_scales_zeros_are_what_the_kernel_reads(n, silu):
+    """PACKED_SZ: the words pack_scales_zeros makes, read at the template's indices, give every lane the scales and
+    zeros of exactly the two W rows it reads (plain: rows g, g + 8 of a 16-row tile, N not a multiple of 16 included;
+    SiLU-out: a gate row and its up row), for one and two tiles a CTA."""
+    gen = torch.Generator().manual_seed(n)
+    groups = 3
+    s = (torch.rand(n, groups, generator=gen) + 0.5).to(torch.bfloat16)
+    z = torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8)
+    words = op.pack_scales_zeros(s, z, silu)
+    assert words.dtype == torch.int32 and words.shape == ((n // 16 if silu else -(-n // 16)), groups, 8, 2)
+    bits = s.view(torch.int16).to(torch.int32) & 0xFFFF
+    for tiles_per_cta in (1, 2):
+        got = _kernel_reads(words, n, groups, tiles_per_cta, silu)
+        pairs = ({(a, n // 2 + a) for a in range(n // 2)} if silu else
+                 {(16 * (r // 16) + r % 8, min(16 * (r // 16) + r % 8 + 8, n - 1)) for r in range(n) if r % 16 < 8})
+        assert {(lo, hi) for lo, hi, _ in got} == pairs
+        for (lo, hi, grp), value in got.items():
+            assert value == (bits[lo, grp], bits[hi, grp], z[lo, grp], z[hi, grp]), (lo, hi, grp)
+
+
+def test_packed_scales_are_made_once_a_weight_and_flavour():
+    """PackedScales: one pack a (weight, plain or SiLU-out) kept for later launches; cuda_launch without one packs
+    for that launch alone."""
+    s, z = (torch.arange(64).view(32, 2) / 64 + 1).to(torch.bfloat16), torch.arange(64).view(32, 2).to(torch.uint8) % 16
+    packed = op.PackedScales()
+    plain = packed(s, z, silu=False)
+    assert packed(s, z, silu=False) is plain and torch.equal(plain, op.pack_scales_zeros(s, z))
+    assert torch.equal(packed(s, z, silu=True), op.pack_scales_zeros(s, z, silu=True))
+    assert not torch.equal(packed(s, z, silu=True), plain)
+    x, y = torch.zeros(1, 128, dtype=torch.bfloat16), torch.empty(1, 32, dtype=torch.bfloat16)
+    qw = torch.zeros(32, 16, dtype=torch.int32)
+    consts = {"cuda_g64": dict(GROUP=64, max_m=8, BLOCK_N=32, BLOCK_K=512, target_programs=1, max_splits=1,
+                               min_split_k_tiles=1, impl="cuda", PDL=1, partials_out=0, packed_sz=1)}
+    counters = torch.zeros(4, dtype=torch.int32)
+    (_, _, args), = op.cuda_launch(x, qw, s, z, None, y, group_size=64, consts=consts, counters=counters, packed=packed)
+    assert args[2] is plain and args[3] == 0
+    (_, _, args), = op.cuda_launch(x, qw, s, z, None, y, group_size=64, consts=consts, counters=counters)
+    assert args[2] is not plain and torch.equal(args[2], plain)
 
 
 def test_silu_out_build_and_launch_rule(records):

@@ -323,7 +323,9 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
         return (y + bias if has_bias else y,)
 
     # W4A16: the int4 GEMM for the decode batches its M classes hold, the CUDA C++ GEMV where built, else
-    # the Triton GEMV up to gemv_max_rows rows; above, dequantize into a scratch W and cuBLAS
+    # the Triton GEMV up to gemv_max_rows rows; above, dequantize into a scratch W and cuBLAS. packed: the
+    # scale / zero words of the GEMV builds that read them so (int4_linear.PackedScales), one set per model
+    packed = int4_linear.PackedScales()
 
     def qlinear(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0):
         if act_order:  # GPTQ desc_act: rows were sorted by group at build time, x follows them
@@ -333,7 +335,8 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
                                                  consts=k.consts["int4_linear"],
                                                  run=lambda launches: k.run("int4_linear", launches),
                                                  counters=counters, gemm_consts=k.consts.get("int4_gemm"),
-                                                 run_gemm=lambda launches: k.run("int4_gemm", launches)),)
+                                                 run_gemm=lambda launches: k.run("int4_gemm", launches),
+                                                 packed=packed),)
 
     # QLinearSiluMul (passes/fuse_qlinear_silu_mul): the SiLU-out CUDA GEMV where the bundle has it and M fits;
     # else the projection as QLinear runs it, then the silu_mul kernel
@@ -343,7 +346,7 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
                                                      extra[0] if has_bias else None, group_size=group_size,
                                                      consts=k.consts["int4_linear"],
                                                      run=lambda launches: k.run("int4_linear", launches),
-                                                     counters=counters)
+                                                     counters=counters, packed=packed)
             if act_out is not None:
                 return (act_out,)
         return act(qlinear(x, qweight, scales, zeros, *extra, group_size=group_size, has_bias=has_bias,
@@ -359,7 +362,8 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
             partials = int4_linear.run_quantized_partials(x, qweight, scales, zeros, group_size=group_size,
                                                           consts=k.consts["int4_linear"],
                                                           run=lambda launches: k.run("int4_linear", launches),
-                                                          counters=counters, gemm_consts=k.consts.get("int4_gemm"))
+                                                          counters=counters, gemm_consts=k.consts.get("int4_gemm"),
+                                                          packed=packed)
         if partials is None:
             return add_norm(qlinear(x, qweight, scales, zeros, group_size=group_size)[0], residual, weight, eps)
         out, r_out = torch.empty_like(residual), torch.empty_like(residual)

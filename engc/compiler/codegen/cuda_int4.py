@@ -64,20 +64,25 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     if silu_out and kind != "gemv":
         return None, f"only the 'gemv' build has a SiLU-out twin, not '{kind}'"
     early_w = bool(entry.get("EARLY_W", False))
+    packed_sz = bool(entry.get("PACKED_SZ", False))   # scales and zeros as kernels/int4_linear pack_scales_zeros
     name = (f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}x{x_tiles}"
             f"{'z' if entry['ZERO_SUM'] else ''}{f's{acc_split}' if acc_split > 1 else ''}{'e' if early_w else ''}"
-            f"{'_silu' if silu_out else ''}")
+            f"{'k' if packed_sz else ''}{'_silu' if silu_out else ''}")
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
               "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
               "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "acc_split": acc_split, "x_tiles": x_tiles,
-              "silu_out": silu_out, "early_w": early_w, "entry": name}
+              "silu_out": silu_out, "early_w": early_w, "packed_sz": packed_sz, "entry": name}
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"
     launch["PDL"] = int(entry.get("PDL", tune.PDL[arch]))   # the template waits first on sm90 (kernels/pdl.py)
     # partials_out: a split launch may leave its partials to the AddRMSNorm after it (QLinearAddRMSNorm)
     launch["partials_out"] = int(bool(entry.get("partials_out", False)))
+    # packed_sz: its `scales` argument is the weight's packed scale / zero words, `zeros` unused (cuda_launch)
+    launch["packed_sz"] = int(packed_sz)
     types = {name_: ty.format(t=t) for name_, ty in ARG_TYPES.items()}
+    if packed_sz:   # s_ptr: the packed words, int32 [tiles, groups, 8, 2]; z_ptr: null
+        types["s_ptr"] = "*i32"
     variant = (op.cuda_shape_variant(group, *shape) if shape else op.cuda_silu_variant(group) if silu_out
                else op.cuda_variant(group) if kind == "gemv" else op.cuda_wide_variant(group, rows))
     return CudaKernelSpec(op="int4_linear", variant=variant, arch=arch, template="int4_gemv.cu.j2",

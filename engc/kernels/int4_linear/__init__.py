@@ -30,6 +30,9 @@ n8 tiles of x on each dequantized W fragment) serve the M the first one does not
 up to twice the widest one's rows run it once per slice of rows (cuda_row_slices). A fused gate_up followed by
 SiLU-and-mul (ai.engc::QLinearSiluMul, passes/fuse_qlinear_silu_mul) runs the SiLU-out twin of the first one
 (cuda_silu_g{G}) where built and M fits: it writes silu(gate) * up itself (run_quantized_silu).
+CUDA GEMV builds whose launch constant packed_sz is on read a weight's scales and zeros as one 8-byte word a
+pair of rows (pack_scales_zeros), made at the weight's first such launch and kept by the runtime's
+PackedScales: a second copy, 4 bytes a row and group, where the layout's arrays take 3.
 """
 import torch
 
@@ -194,6 +197,50 @@ def dequant_launch(qweight, scales, zeros, w, *, group_size: int, consts: dict):
     return [(variant, grid, [qweight, scales, zeros, w, n, k, 0, 0])]
 
 
+def pack_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor, silu: bool = False) -> torch.Tensor:
+    """The packed scale / zero words a packed_sz build of the CUDA GEMV reads (templates/int4_gemv.cu.j2 PACKED_SZ)
+    for one weight: int32 [tiles, groups, 8, 2]; [tile, group, g] = (s[lo] | s[hi] << 16, z[lo] | z[hi] << 8) for
+    the two rows a lane reads together, lo = 16 tile + g and hi = lo + 8 (rows past N repeat row N - 1, as the
+    kernel's clamped rows do); silu (the SiLU-out build of a fused [gate; up], N = 2I): lo = 8 tile + g, a gate
+    row, and hi = I + lo, its up row. scales: 2-byte floats [N, groups]; zeros: uint8 [N, groups]."""
+    n, groups = scales.shape
+    assert scales.element_size() == 2 and zeros.shape == scales.shape, (scales.dtype, tuple(zeros.shape))
+    s = scales.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    z = zeros.to(torch.int32)
+    if silu:
+        assert n % 16 == 0, n
+        lo, hi = slice(0, n // 2), slice(n // 2, n)
+        s_lo, s_hi, z_lo, z_hi = (a[r].reshape(-1, 8, groups) for a, r in ((s, lo), (s, hi), (z, lo), (z, hi)))
+    else:
+        pad = -n % 16
+        if pad:
+            s, z = torch.cat([s, s[-1:].expand(pad, -1)]), torch.cat([z, z[-1:].expand(pad, -1)])
+        s, z = s.view(-1, 2, 8, groups), z.view(-1, 2, 8, groups)
+        s_lo, s_hi, z_lo, z_hi = s[:, 0], s[:, 1], z[:, 0], z[:, 1]
+    words = torch.stack([s_lo | (s_hi << 16), z_lo | (z_hi << 8)], -1)   # [tiles, 8, groups, 2]
+    return words.permute(0, 2, 1, 3).contiguous()
+
+
+class PackedScales:
+    """pack_scales_zeros of each weight a packed_sz build launches on, made at its first such launch and kept
+    with the weight (the runtime keeps one per model). The engine's first launches of a decode shape are eager:
+    the warm-up before each CUDA graph capture runs the step first, so no packing is captured."""
+
+    def __init__(self):
+        self._words = {}
+
+    def __call__(self, scales: torch.Tensor, zeros: torch.Tensor, silu: bool) -> torch.Tensor:
+        key = (scales.data_ptr(), zeros.data_ptr(), silu)
+        hit = self._words.get(key)
+        if hit is None:
+            if scales.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("an int4 weight's scales were first packed inside a CUDA graph capture: run the "
+                                   "step eagerly before capturing it")
+            # the sources are kept with their words: their addresses cannot be reused by another weight meanwhile
+            hit = self._words[key] = (scales, zeros, pack_scales_zeros(scales, zeros, silu))
+        return hit[2]
+
+
 def cuda_variant(group_size: int) -> str:
     return f"cuda_g{group_size}"
 
@@ -264,7 +311,7 @@ def uses_cuda_gemv(m: int, group_size: int, consts: dict) -> bool:
 
 
 def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: dict, counters, variant=None,
-                partials=None):
+                partials=None, packed: PackedScales | None = None):
     """Launch rule of the CUDA GEMV (uses_cuda_gemv(M) true): [(variant, grid, args)].
 
     grid (cdiv(N, BLOCK_N), splits); K splits as kernels/gemv's split_count says (toward target_programs
@@ -274,7 +321,9 @@ def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: 
     variant: the build to launch (default: cuda_variant_for M); for cuda_silu_g{G}, y is [M, N / 2].
     partials: where a split launch's output goes instead of y (then None), left unreduced (no counter): fp32
     [splits, M, N] as cuda_splits says, summed in split order by the kernel that reads it (rms_norm's
-    add_rms_norm_partials); the launch then has no bias and is not the SiLU-out build."""
+    add_rms_norm_partials); the launch then has no bias and is not the SiLU-out build.
+    packed: where a packed_sz build gets the weight's packed words (its `scales`; `zeros` is then 0); without
+    one they are packed for this launch alone (not inside a graph capture)."""
     m, k = x.shape
     n = qweight.shape[0]
     assert x.is_contiguous() and (y is None or y.is_contiguous()) and qweight.shape[1] * PACK == k and k % CHUNK == 0
@@ -288,6 +337,8 @@ def cuda_launch(x, qweight, scales, zeros, bias, y, *, group_size: int, consts: 
     n_tiles = _cdiv(n, c["BLOCK_N"])
     splits, per = _cuda_split(n, k, c, counters)
     has_bias, b = (1, bias) if bias is not None else (0, 0)
+    if c.get("packed_sz"):
+        scales, zeros = (packed or PackedScales())(scales, zeros, silu=variant == cuda_silu_variant(group_size)), 0
     if partials is not None:   # the output: no y, no counter (the kernel stores its partial and exits)
         assert splits > 1 and bias is None and variant != cuda_silu_variant(group_size)
         assert partials.shape == (splits, m, n) and partials.dtype == torch.float32 and partials.is_contiguous()
@@ -321,7 +372,8 @@ def silu_out_fits(m: int, n: int, group_size: int, consts: dict) -> bool:
     return c is not None and 1 <= m <= c["max_m"] and n % c["BLOCK_N"] == 0
 
 
-def run_quantized_silu(x, qweight, scales, zeros, bias, *, group_size: int, consts: dict, run, counters):
+def run_quantized_silu(x, qweight, scales, zeros, bias, *, group_size: int, consts: dict, run, counters,
+                       packed: PackedScales | None = None):
     """silu(gate) * up of a fused gate_up, act [M, N / 2], by the SiLU-out CUDA GEMV where it takes M rows
     (silu_out_fits); None where it does not (the caller runs the projection, then silu_mul)."""
     m, n = x.shape[0], qweight.shape[0]
@@ -329,12 +381,12 @@ def run_quantized_silu(x, qweight, scales, zeros, bias, *, group_size: int, cons
         return None
     act = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
     run(cuda_launch(x, qweight, scales, zeros, bias, act, group_size=group_size, consts=consts, counters=counters,
-                    variant=cuda_silu_variant(group_size)))
+                    variant=cuda_silu_variant(group_size), packed=packed))
     return act
 
 
 def run_quantized_partials(x, qweight, scales, zeros, *, group_size: int, consts: dict, run, counters,
-                           gemm_consts=None):
+                           gemm_consts=None, packed: PackedScales | None = None):
     """x @ dequant(W)^T left as the CUDA GEMV's unreduced split-K partials, fp32 [splits, M, N] (no bias),
     where run_quantized_linear would run that GEMV in one launch that splits K and its build's launch
     constant partials_out is on; None elsewhere (the caller runs run_quantized_linear). Their reader sums
@@ -355,18 +407,18 @@ def run_quantized_partials(x, qweight, scales, zeros, *, group_size: int, consts
         return None
     partials = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     run(cuda_launch(x, qweight, scales, zeros, None, None, group_size=group_size, consts=consts, counters=counters,
-                    partials=partials))
+                    partials=partials, packed=packed))
     return partials
 
 
 def run_quantized_linear(x, qweight, scales, zeros, bias, *, group_size: int, consts: dict, run, counters=None,
-                         gemm_consts=None, run_gemm=None):
+                         gemm_consts=None, run_gemm=None, packed: PackedScales | None = None):
     """y = x @ dequant(W)^T (+ bias) on the GPU: the int4 GEMM of decode batches where the bundle has a
     variant for M rows of this K (kernels/int4_gemm: gemm_consts, run_gemm), else the CUDA GEMV where the
     bundle has one (counters: the runtime's zeroed split counters), else the Triton GEMV for decode-sized
     M, else the dequant kernel into a scratch [N, K] from torch's allocator (graph-safe: a captured graph
     keeps it in its pool) and cuBLAS. run(launches) launches the bundle's int4_linear kernels.
-    x contiguous [M, K]."""
+    x contiguous [M, K]. packed: the runtime's PackedScales (cuda_launch)."""
     m, k = x.shape
     n = qweight.shape[0]
     if gemm_consts and counters is not None:
@@ -381,7 +433,7 @@ def run_quantized_linear(x, qweight, scales, zeros, bias, *, group_size: int, co
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
         for a, b in slices:   # row slices of contiguous x and y stay contiguous and 16-byte aligned
             run(cuda_launch(x[a:b], qweight, scales, zeros, bias, y[a:b], group_size=group_size, consts=consts,
-                            counters=counters))
+                            counters=counters, packed=packed))
         return y
     if uses_gemv(m, group_size, consts):
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)

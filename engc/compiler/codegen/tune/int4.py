@@ -86,10 +86,11 @@ for _arch in ("sm80", "sm90"):
     # 64-69), its loads alone as fast as the loop's (bench/results/h200_096a359_int4_prefetch.txt). By one- and
     # two-wave shapes (h200_096a359_int4_waves.txt) the GEMV costs ~3.4 us a launch plus 2.77 TB/s, its loads
     # alone 1.9 us plus 3.73 TB/s; an exact wave is no faster a byte than gate_up's 1.7, so no stream-K either.
-    # PACKED_SZ (d0a44c6, a measurement build, reverted): a 16-row tile's scales and zeros as one 8-byte word a row
+    # PACKED_SZ (d0a44c6 measured it as a plain build): a 16-row tile's scales and zeros as one 8-byte word a row
     # pair, one load a tile and K step instead of four: M=1 alone gate_up 23.48 us against 24.13, down 14.58 / 15.13,
-    # head 85.36 / 88.21 (bench/results/h200_d0a44c6_int4_packed_sz.txt): ~2.3% of a b1 step, to be integrated
-    # (packing at load, SiLU-out order for gate_up, the EARLY_W path).
+    # head 85.36 / 88.21 (bench/results/h200_d0a44c6_int4_packed_sz.txt): ~2.3% of a b1 step predicted. On for this
+    # build, its SiLU-out twin (gate and up rows paired) and o's EARLY_W build (kernels/int4_linear
+    # pack_scales_zeros, made at a weight's first launch); off for qkv's (7.85 against 7.83 us) and the wide builds.
     # partials_out (twenty-first session): a launch that splits K and feeds an AddRMSNorm (o, down:
     # QLinearAddRMSNorm) stores its fp32 partials and exits; the norm sums them in split order (the same
     # bits). H200, M=1, the table's config alone (bench/int4_cuda_device.py DEFER, h200_4d1cde1_int4_defer.txt):
@@ -103,7 +104,7 @@ for _arch in ("sm80", "sm90"):
     # four split CTAs cost far more than the global reduce they replace.
     put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1, silu_out=True, EARLY_W=False, partials_out=True)
+         min_split_k_tiles=1, silu_out=True, EARLY_W=False, partials_out=True, PACKED_SZ=True)
     # ... and, per projection shape [N, K] where one config beat it, a build of its own (gemv_n{N}_k{K}, variant
     # cuda_g{G}_n{N}_k{K}, made where a model has that shape; the runtime prefers it up to its max_m). H200
     # (bench/int4_cuda_device.py; h200_5b7e245_int4_cuda.txt, h200_b1c505b_int4_cuda.txt): the 8B's qkv
