@@ -38,7 +38,11 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 # 'wave1' / 'wave2': gate_up's K with N for exactly one / two waves of the table's 32-row CTAs at 4 an SM (528
 # slots): against gate_up's 896 CTAs (1.7 waves), what the last partial wave costs (nothing a byte:
 # bench/results/h200_096a359_int4_waves.txt)
-ALL_SHAPES = dict(SHAPES, head=(128256, 4096), wave1=(16896, 4096), wave2=(33792, 4096))
+# 'mlp_1launch' / 'layer_1launch': as many W bytes as a layer's gate_up + down (88 MB) / qkv + o + gate_up + down
+# (109 MB), in one K-4096 launch: what one stream of them would cost against the launches' sum (the bound of a
+# persistent dataflow kernel that runs the layer's GEMVs back to back, before its dependency waits)
+ALL_SHAPES = dict(SHAPES, head=(128256, 4096), wave1=(16896, 4096), wave2=(33792, 4096),
+                  mlp_1launch=(28672 + 14336, 4096), layer_1launch=(6144 + 4096 + 28672 + 14336, 4096))
 if os.environ.get("INT4_CUDA_SHAPES"):
     SHAPES = {name: ALL_SHAPES[name] for name in os.environ["INT4_CUDA_SHAPES"].split(",")}
 MS = (1, 2, 4, 8)
