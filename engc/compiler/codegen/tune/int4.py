@@ -115,7 +115,7 @@ for _arch in ("sm80", "sm90"):
         # (ACC_SPLIT 2: 8.08 us against 7.98; its two K steps are already two chains)
         put(_arch, "int4_linear", "cuda", "gemv_n6144_k4096", enabled=True, max_m=8, num_warps=4, TILES=1,
              UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=1, target_programs=2 * SM_COUNT[_arch],
-             max_splits=16, min_split_k_tiles=1, EARLY_W=False, partials_out=True)
+             max_splits=16, min_split_k_tiles=1, EARLY_W=False, partials_out=True, PACKED_SZ=False)
         # the 8B's o [4096, 4096], which runs behind the decode attention: the generic config with EARLY_W
         # (1.878 ms a step against 1.889 / 1.890 in an A-B-A lease, b4 2.006 against 2.021 / 2.022 a token).
         # Four splits (target_programs 528, so the CTAs' first tiles cover half of W): 1.878 against 1.878-1.881
