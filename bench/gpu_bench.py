@@ -261,7 +261,8 @@ def bench_shape(shape: str, args) -> dict:
             res["generate_error"] = r.stderr[-2000:]
     if args.serve and not args.profile_only and not args.quick:
         res.update(serve_first_token(bundle))
-    if base != "tiny" and shape == base and not args.profile_only and not args.no_hf and not args.quick:  # once per checkpoint
+    # once per checkpoint
+    if base != "tiny" and shape == base and not args.profile_only and not args.no_hf and not args.quick:
         try:
             res.update(hf_floor(ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"]))
         except Exception as e:  # the floor is context, not a gate
