@@ -104,6 +104,13 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "w4t2u1b4z_s2_k": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
                                 PACKED_SZ=True),
          "w4t1u2b4z_k": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, PACKED_SZ=True),
+         # STAGGER (a measurement build): each warp sleeps STAGGER ns (a C expression of warp and blockIdx) before its
+         # first load, so the warps of an SM do not all load, then all compute, in step: is the GEMV's slow marginal
+         # rate (2.77 TB/s over one and two waves, 3.2 over the head's 7.6) its warps' phases in lockstep?
+         "w4t2u1b4z_s2_k_st300": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                      PACKED_SZ=True, STAGGER="warp * 300"),
+         "w4t2u1b4z_s2_k_stc": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                    PACKED_SZ=True, STAGGER="((blockIdx.x & 3) * 4 + warp) * 80"),
          "w4t2u1b4z_s4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=4),
          # DEFER (a launch mode, not a kernel): the table's config timed with its split-K partials left
          # unreduced (no counter: each split stores its partial and exits; an AddRMSNorm sums them), against
@@ -126,6 +133,7 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "wide_m16_w4t2u1b3": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=2, UNROLL=1, min_blocks=3),
          "wide_m16_w4t1u2b3": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=1, UNROLL=2, min_blocks=3)}
 ABLATE_AT = "        for (int u = 0; u < UNROLL; ++u) {        // ... then dequantize and multiply\n"
+STAGGER_AT = "    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n"
 PAD_AT = "    __shared__ float warp_sums[NUM_WARPS][MAX_M][ROWS + 1];"
 PAD_BODY = """
     volatile __shared__ float occupancy_pad[{words}];   // PAD: caps CTAs an SM (volatile: M < 0 never holds)
@@ -158,7 +166,7 @@ ALL_LOADS_BODY = ABLATE_BODY.replace("            acc[0][0][0] +=", """#pragma u
 
 
 # a SWEEP entry's keys that steer this script (the build's patches, the launch mode), not the tune entry
-BENCH_KEYS = ("ABLATE", "kind", "DEFER", "PAD", "NO_MMA", "ALL_LOADS")
+BENCH_KEYS = ("ABLATE", "kind", "DEFER", "PAD", "NO_MMA", "ALL_LOADS", "STAGGER")
 
 
 def sweep_config(set_name: str) -> dict:
@@ -197,10 +205,15 @@ def prepare(out_dir: Path):
         specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov, kind)[0]]
         if name == next(iter(SWEEP)) or kind.startswith("gemv_wide"):
             specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov, kind)[0])
-        if ablate:
+        stagger = SWEEP[name].get("STAGGER")
+        if ablate or stagger:
             def patched(*a, **kw):
                 src = render(*a, **kw)
-                assert ABLATE_AT in src and PAD_AT in src and MMA_AT in src
+                assert ABLATE_AT in src and PAD_AT in src and MMA_AT in src and STAGGER_AT in src
+                if stagger:
+                    src = src.replace(STAGGER_AT, STAGGER_AT + f"    __nanosleep({stagger});\n")
+                if not ablate:
+                    return src
                 src = src.replace(MMA_AT, MMA_FOLD) if no_mma else src.replace(ABLATE_AT, ABLATE_AT + body)
                 return src.replace(PAD_AT, PAD_AT + PAD_BODY.format(words=pad // 4)) if pad else src
             cuda.render = patched
