@@ -91,6 +91,13 @@ for _arch in ("sm80", "sm90"):
     # head 85.36 / 88.21 (bench/results/h200_d0a44c6_int4_packed_sz.txt): ~2.3% of a b1 step predicted. On for this
     # build, its SiLU-out twin (gate and up rows paired) and o's EARLY_W build (kernels/int4_linear
     # pack_scales_zeros, made at a weight's first launch); off for qkv's (7.85 against 7.83 us) and the wide builds.
+    # In the engine (h200_4cc272f_packed_sz_ab.json): b1 1.859-1.866 ms a step against 1.870, b4 -1.5% a token.
+    # Twenty-fourth session, not kept: EARLY_W on qkv's build packed (no spills now) still 11 us a step slower
+    # (h200_4335c28_qkv_early_w_packed_ab.json); warps' first loads staggered by a sleep (no lockstep-phase loss:
+    # h200_4335c28_int4_stagger.txt); loads at constant offsets of stepped pointers, 8% fewer loop instructions
+    # and 11 fewer registers, no faster (c2f0790, h200_step_ptrs_int4.txt): this GEMV's time is its loads' latency,
+    # not its issue slots. One launch over a layer's four projections' bytes would take 40.1 us against 46.4 for
+    # the four in the engine's chain (h200_c707157_int4_one_launch.txt): the bound of a dataflow kernel.
     # partials_out (twenty-first session): a launch that splits K and feeds an AddRMSNorm (o, down:
     # QLinearAddRMSNorm) stores its fp32 partials and exits; the norm sums them in split order (the same
     # bits). H200, M=1, the table's config alone (bench/int4_cuda_device.py DEFER, h200_4d1cde1_int4_defer.txt):
