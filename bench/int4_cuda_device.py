@@ -104,6 +104,9 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "w4t2u1b4z_s2_k": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
                                 PACKED_SZ=True),
          "w4t1u2b4z_k": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, PACKED_SZ=True),
+         # ... and o's build (the table's gemv_n4096_k4096: EARLY_W, its first tile's packed words before the PDL wait)
+         "w4t2u1b4z_s2_ke": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                 PACKED_SZ=True, EARLY_W=True),
          # STAGGER (a measurement build): each warp sleeps STAGGER ns (a C expression of warp and blockIdx) before its
          # first load, so the warps of an SM do not all load, then all compute, in step: is the GEMV's slow marginal
          # rate (2.77 TB/s over one and two waves, 3.2 over the head's 7.6) its warps' phases in lockstep?
@@ -203,7 +206,7 @@ def prepare(out_dir: Path):
         # entry has 2 and PACKED_SZ)
         ov = {"ACC_SPLIT": 1, "PACKED_SZ": False, **{k: v for k, v in ov.items() if k not in BENCH_KEYS}}
         specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov, kind)[0]]
-        if name == next(iter(SWEEP)) or kind.startswith("gemv_wide"):
+        if name == next(iter(SWEEP)) or kind.startswith("gemv_wide") or ov["PACKED_SZ"]:   # + group 64's checks
             specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov, kind)[0])
         stagger = SWEEP[name].get("STAGGER")
         if ablate or stagger:
