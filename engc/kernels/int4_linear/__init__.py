@@ -238,6 +238,8 @@ class PackedScales:
                                    "step eagerly before capturing it")
             # the sources are kept with their words: their addresses cannot be reused by another weight meanwhile
             hit = self._words[key] = (scales, zeros, pack_scales_zeros(scales, zeros, silu))
+            if scales.is_cuda:   # an EARLY_W build reads them before its PDL wait, which is what makes the
+                torch.cuda.current_stream().synchronize()   # kernels before it visible: finish them now (once)
         return hit[2]
 
 
