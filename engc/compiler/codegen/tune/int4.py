@@ -89,8 +89,8 @@ for _arch in ("sm80", "sm90"):
     # PACKED_SZ (d0a44c6 measured it as a plain build): a 16-row tile's scales and zeros as one 8-byte word a row
     # pair, one load a tile and K step instead of four: M=1 alone gate_up 23.48 us against 24.13, down 14.58 / 15.13,
     # head 85.36 / 88.21 (bench/results/h200_d0a44c6_int4_packed_sz.txt): ~2.3% of a b1 step predicted. On for this
-    # build, its SiLU-out twin (gate and up rows paired) and o's EARLY_W build (kernels/int4_linear
-    # pack_scales_zeros, made at a weight's first launch); off for qkv's (7.85 against 7.83 us) and the wide builds.
+    # build and its SiLU-out twin (gate and up rows paired; kernels/int4_linear pack_scales_zeros, made at a weight's
+    # first launch); off for qkv's (7.85 against 7.83 us), the wide builds and, until checked, o's EARLY_W build.
     # In the engine (h200_4cc272f_packed_sz_ab.json): b1 1.859-1.866 ms a step against 1.870, b4 -1.5% a token.
     # Twenty-fourth session, not kept: EARLY_W on qkv's build packed (no spills now) still 11 us a step slower
     # (h200_4335c28_qkv_early_w_packed_ab.json); warps' first loads staggered by a sleep (no lockstep-phase loss:
@@ -128,8 +128,12 @@ for _arch in ("sm80", "sm90"):
         # Four splits (target_programs 528, so the CTAs' first tiles cover half of W): 1.878 against 1.878-1.881
         # with these: not taken (bench/results/h200_625d0db_int4_l2_prefetch.json)
         # (silu_out is the generic build's alone: a per-shape build has no SiLU-out twin)
+        # PACKED_SZ off here until its EARLY_W form is checked on a GPU (no test builds o's 8B shape, and the session
+        # that packed the rest ran out of device time first): bench/int4_cuda_device.py's w4t2u1b4z_s2_ke checks it.
+        # With it on, the A/B of h200_4cc272f_packed_sz_ab.json measured -4 to -11 us a b1 step in all
         put(_arch, "int4_linear", "cuda", "gemv_n4096_k4096",
-            **{**{k: v for k, v in TUNE[f"{_arch}/int4_linear/cuda/gemv"].items() if k != "silu_out"}, "EARLY_W": True})
+            **{**{k: v for k, v in TUNE[f"{_arch}/int4_linear/cuda/gemv"].items() if k != "silu_out"}, "EARLY_W": True,
+               "PACKED_SZ": False})
     # ... and built for up to 16 and 32 rows (X_TILES = max_m / 8 n8 tiles of x share each dequantized W
     # fragment), serving M 9-16 and 17-32 in place of dequant + cuBLAS. H200, the 8B projections of a decode
     # step (bench/int4_cuda_device.py, bench/results/h200_5b7e245_int4_cuda.txt): M=16 3.19 ms, M=32 5.66 ms,
