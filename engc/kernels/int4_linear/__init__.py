@@ -238,8 +238,10 @@ class PackedScales:
                                    "step eagerly before capturing it")
             # the sources are kept with their words: their addresses cannot be reused by another weight meanwhile
             hit = self._words[key] = (scales, zeros, pack_scales_zeros(scales, zeros, silu))
-            if scales.is_cuda:   # an EARLY_W build reads them before its PDL wait, which is what makes the
-                torch.cuda.current_stream().synchronize()   # kernels before it visible: finish them now (once)
+            if scales.is_cuda:
+                # an EARLY_W build reads the words before its PDL wait, the only thing that would make the packing
+                # kernels' writes visible to it: finish them now (once a weight)
+                torch.cuda.current_stream().synchronize()
         return hit[2]
 
 
