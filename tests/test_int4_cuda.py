@@ -342,6 +342,59 @@ def test_packed_scales_are_made_once_a_weight_and_flavour():
     assert args[2] is not plain and torch.equal(args[2], plain)
 
 
+def test_packed_words_are_made_at_load_for_what_the_builds_will_read():
+    """packed_flavours follows the launch rule over every row count (the table's sm90 builds at the 8B's shapes:
+    gate_up's SiLU-out build and the plain one are packed, qkv's own build is not, o's EARLY_W build as the table
+    says); prepack_int4 packs exactly those for a program's int4 nodes, so the engine's KV sizing sees them."""
+    from engc.bundle.program import ENGC_DOMAIN, Program, ProgramNode
+    from engc.compiler.codegen.specs import int4_linear_specs
+    from engc.runtime.gpu_ops import prepack_int4
+    shapes = {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
+    specs, _ = cuda_int4.selected_int4_specs(int4_linear_specs("bf16", "sm90", (128,)),
+                                             {"dequant": {"enabled": False}}, shapes=shapes)
+    consts = {s.variant: s.launch for s in specs}
+    assert consts["cuda_g128"]["packed_sz"] and consts["cuda_silu_g128"]["packed_sz"]
+    assert op.packed_flavours(28672, 4096, 128, consts, silu_node=True) == {True}
+    assert op.packed_flavours(28672, 4096, 128, consts, silu_node=False) == {False}
+    assert op.packed_flavours(4096, 14336, 128, consts, silu_node=False) == {False}
+    assert op.packed_flavours(6144, 4096, 128, consts, silu_node=False) == set()   # qkv: its own, unpacked build
+    o_packed = bool(consts["cuda_g128_n4096_k4096"].get("packed_sz"))
+    assert op.packed_flavours(4096, 4096, 128, consts, silu_node=False) == ({False} if o_packed else set())
+    assert op.packed_flavours(28672, 4096, 128, {}, silu_node=True) == set()
+    # a gate_up whose I the SiLU-out tiles do not divide: the plain build serves it
+    assert op.packed_flavours(2 * 8200, 4096, 128, consts, silu_node=True) == {False}
+
+    def weight(n, k, name):
+        return {f"{name}.qweight": torch.zeros(n, k // 8, dtype=torch.int32),
+                f"{name}.scales": torch.rand(n, k // 128).to(torch.bfloat16),
+                f"{name}.zeros": torch.randint(0, 16, (n, k // 128), dtype=torch.uint8)}
+
+    def node(kind, name, **attrs):
+        return ProgramNode(kind, ENGC_DOMAIN, (f"{name}.qweight", f"{name}.scales", f"{name}.zeros"), (f"{name}.y",),
+                           dict(group_size=128, **attrs))
+
+    weights = {**weight(6144, 4096, "qkv"), **weight(28672, 4096, "gate_up"), **weight(4096, 14336, "down")}
+    program = Program((node("QLinear", "qkv"), node("QLinearSiluMul", "gate_up"), node("QLinearAddRMSNorm", "down")),
+                      (), (), tuple(weights))
+
+    class Kernels:
+        pass
+
+    kernels = Kernels()
+    kernels.consts = {"int4_linear": consts}
+    packed = op.PackedScales()
+    prepack_int4(program, weights, kernels, packed)
+    made = {(scales.data_ptr(), silu) for scales, _z, silu in
+            ((weights[f"{n}.scales"], weights[f"{n}.zeros"], f) for n, f in (("gate_up", True), ("down", False)))}
+    assert {(key[0], key[2]) for key in packed._words} == made
+    got = packed(weights["gate_up.scales"], weights["gate_up.zeros"], silu=True)
+    assert torch.equal(got, op.pack_scales_zeros(weights["gate_up.scales"], weights["gate_up.zeros"], silu=True))
+    kernels.consts = {"int4_linear": {v: dict(c, packed_sz=0) for v, c in consts.items()}}
+    untouched = op.PackedScales()
+    prepack_int4(program, weights, kernels, untouched)
+    assert untouched._words == {}
+
+
 def test_silu_out_build_and_launch_rule(records):
     """cuda_silu_g{G}: the 'gemv' entry's config with SILU_OUT, launched over the fused gate_up's N = 2I rows
     in BLOCK_N tiles (each CTA's BLOCK_N / 2 outputs pair gate and up rows), writing act [M, I]; it serves the

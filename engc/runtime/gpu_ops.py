@@ -197,8 +197,9 @@ class BundleKernels:
                          f"tensor, e.g. .clone())")
 
 
-def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
-    """The op table for the executor; `facts` is updated by the caller before each step."""
+def gpu_ops(k: BundleKernels, facts: StepFacts, packed: int4_linear.PackedScales | None = None) -> dict:
+    """The op table for the executor; `facts` is updated by the caller before each step. packed: the
+    model's packed int4 scale / zero words (prepack_int4 fills it at load; a fresh one by default)."""
 
     # Split-K arrival counters of the GEMV, FP8 GEMM, CUDA int4 GEMV and split-KV decode: each launch's
     # last program leaves its counters zero again and launches follow one another on the stream, so one
@@ -325,7 +326,7 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
     # W4A16: the int4 GEMM for the decode batches its M classes hold, the CUDA C++ GEMV where built, else
     # the Triton GEMV up to gemv_max_rows rows; above, dequantize into a scratch W and cuBLAS. packed: the
     # scale / zero words of the GEMV builds that read them so (int4_linear.PackedScales), one set per model
-    packed = int4_linear.PackedScales()
+    packed = packed if packed is not None else int4_linear.PackedScales()
 
     def qlinear(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0):
         if act_order:  # GPTQ desc_act: rows were sorted by group at build time, x follows them
@@ -391,3 +392,23 @@ def gpu_ops(k: BundleKernels, facts: StepFacts) -> dict:
     if "fp8_quant" in k.consts:  # an fp8 bundle (engc build --quant fp8)
         ops[(ENGC_DOMAIN, "FP8Linear")] = fp8_linear
     return ops
+
+
+def prepack_int4(program, weights: dict, k: BundleKernels, packed: int4_linear.PackedScales) -> None:
+    """Packs every int4 weight's scale / zero words that the bundle's packed_sz GEMV builds will read
+    (int4_linear.packed_flavours), now rather than at the weight's first launch: the engine sizes the KV cache
+    from the GPU memory free after loading, so the words (~0.2 GB for an 8B model) must exist by then."""
+    consts = k.consts.get("int4_linear")
+    if not consts or not any(c.get("packed_sz") for c in consts.values()):
+        return
+    for node in program.nodes:
+        if node.domain != ENGC_DOMAIN or node.op not in ("QLinear", "QLinearSiluMul", "QLinearAddRMSNorm"):
+            continue
+        qweight, scales, zeros = (weights.get(name) for name in node.inputs[:3])
+        if qweight is None or scales is None or zeros is None:   # computed inputs: not this program's shape
+            continue
+        n, kdim = qweight.shape[0], qweight.shape[1] * int4_linear.PACK
+        silu_node = node.op == "QLinearSiluMul" and not node.attrs.get("act_order")
+        for silu in int4_linear.packed_flavours(n, kdim, node.attrs["group_size"], consts, silu_node):
+            packed(scales, zeros, silu)
+

@@ -71,10 +71,12 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
         raise BundleError(f"{bundle.path}: program needs weight '{missing[0]}' missing from the weights")
     facts = sampler = None
     if dev.type == "cuda":
-        from engc.runtime.gpu_ops import BundleKernels, StepFacts, device_arch, gpu_ops
-        facts = StepFacts()
+        from engc.kernels.int4_linear import PackedScales
+        from engc.runtime.gpu_ops import BundleKernels, StepFacts, device_arch, gpu_ops, prepack_int4
+        facts, packed = StepFacts(), PackedScales()
         kernels = BundleKernels(bundle, device_arch(dev))
-        executor = Executor(program, weights, gpu_ops(kernels, facts), before_forward=facts.take)
+        executor = Executor(program, weights, gpu_ops(kernels, facts, packed), before_forward=facts.take)
+        prepack_int4(program, weights, kernels, packed)   # before the engine sizes the KV cache
         if "sampling" in kernels.consts:
             from engc.runtime.gpu_sampler import GpuSampler
             sampler = GpuSampler(kernels, dev)

@@ -245,6 +245,21 @@ class PackedScales:
         return hit[2]
 
 
+def packed_flavours(n: int, k: int, group_size: int, consts: dict, silu_node: bool) -> set[bool]:
+    """Which packed words (True: SiLU-out, False: plain) the packed_sz CUDA GEMV builds would ask of a [N, K]
+    weight at any row count their launch rule gives them: a fused gate_up (silu_node) takes the SiLU-out build
+    where silu_out_fits, every weight cuda_variant_for's build elsewhere. The runtime packs these at load
+    (gpu_ops.prepack_int4), before the KV cache is sized from the memory left."""
+    rows = max((c.get("max_m", 0) for c in consts.values()), default=0)
+    flavours = set()
+    for m in range(1, rows + 1):
+        silu = silu_node and silu_out_fits(m, n, group_size, consts)
+        variant = cuda_silu_variant(group_size) if silu else cuda_variant_for(m, group_size, consts, (n, k))
+        if variant is not None and consts[variant].get("packed_sz"):
+            flavours.add(silu)
+    return flavours
+
+
 def cuda_variant(group_size: int) -> str:
     return f"cuda_g{group_size}"
 
