@@ -129,6 +129,19 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "w8t2u1b3z_s2": dict(num_warps=8, TILES=2, UNROLL=1, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2),
          "w4t2u2b3z_s2": dict(num_warps=4, TILES=2, UNROLL=2, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2),
          "w4t4u1b3z_s2": dict(num_warps=4, TILES=4, UNROLL=1, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2),
+         # 16 W loads a lane in flight an iteration, as the bf16 CUDA GEMV's w4t1u8b3 keeps (3.2-4.3 TB/s on the 8B
+         # shapes, h200_gemv_cuda_sweep.txt): the int4 sweeps above stopped at 8; qkv and o then take one or two
+         # K iterations a CTA, i.e. one or two round trips a warp instead of four
+         "w4t1u8b3z_s2_k": dict(num_warps=4, TILES=1, UNROLL=8, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
+                                PACKED_SZ=True),
+         "w4t1u8b2z_s2_k": dict(num_warps=4, TILES=1, UNROLL=8, min_blocks=2, ZERO_SUM=True, ACC_SPLIT=2,
+                                PACKED_SZ=True),
+         "w4t2u4b3z_s2_k": dict(num_warps=4, TILES=2, UNROLL=4, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
+                                PACKED_SZ=True),
+         "w4t2u4b2z_s2_k": dict(num_warps=4, TILES=2, UNROLL=4, min_blocks=2, ZERO_SUM=True, ACC_SPLIT=2,
+                                PACKED_SZ=True),
+         "w4t1u4b4z_s2_k": dict(num_warps=4, TILES=1, UNROLL=4, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                PACKED_SZ=True),
          # the tune table's 'gemv_wide{16,32}' entries: max_m / 8 n8 tiles of x on each dequantized W fragment
          "wide_m32_w4t2u1b2": dict(kind="gemv_wide32", max_m=32, num_warps=4, TILES=2, UNROLL=1, min_blocks=2),
          "wide_m32_w4t1u2b2": dict(kind="gemv_wide32", max_m=32, num_warps=4, TILES=1, UNROLL=2, min_blocks=2),
