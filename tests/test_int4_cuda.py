@@ -215,7 +215,7 @@ def test_a_projection_shape_gets_its_own_build_where_the_table_has_one():
     assert len(own) == 1 and notes == [] and (own[0].render["tiles"], own[0].render["unroll"]) == (1, 2)
     assert own[0].launch["BLOCK_N"] == 16
     o_own = [s for s in specs if s.variant == "cuda_g128_n4096_k4096"]   # EARLY_W: behind the decode attention
-    assert len(o_own) == 1 and o_own[0].render["early_w"] and o_own[0].entry.endswith("e")   # PACKED_SZ off until checked
+    assert len(o_own) == 1 and o_own[0].render["early_w"] and o_own[0].entry.endswith("e")   # PACKED_SZ off: no gain
     assert not any("_n" in s.variant for s in cuda_int4.selected_int4_specs(triton_specs, no_dq)[0])
     sm80 = cuda_int4.selected_int4_specs(int4_linear_specs("bf16", "sm80", (128,)), no_dq, shapes={(6144, 4096)})
     assert not any("_n" in s.variant for s in sm80[0])   # measured on sm90 only

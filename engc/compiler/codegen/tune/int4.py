@@ -130,9 +130,9 @@ for _arch in ("sm80", "sm90"):
         # Four splits (target_programs 528, so the CTAs' first tiles cover half of W): 1.878 against 1.878-1.881
         # with these: not taken (bench/results/h200_625d0db_int4_l2_prefetch.json)
         # (silu_out is the generic build's alone: a per-shape build has no SiLU-out twin)
-        # PACKED_SZ off here until its EARLY_W form is checked on a GPU (no test builds o's 8B shape, and the session
-        # that packed the rest ran out of device time first): bench/int4_cuda_device.py's w4t2u1b4z_s2_ke checks it.
-        # With it on, the A/B of h200_4cc272f_packed_sz_ab.json measured -4 to -11 us a b1 step in all
+        # PACKED_SZ off: its EARLY_W form is correct (bench/int4_cuda_device.py's w4t2u1b4z_s2_ke, 1716/1716 checks,
+        # h200_fbe6334_int4_roll_u8_micro.txt) but gained nothing in the step (1.858 ms against 1.853 in one lease,
+        # h200_fbe6334_int4_roll_ab.json; the twenty-fourth session's A/B, all builds packed, had -4 to -11 us)
         put(_arch, "int4_linear", "cuda", "gemv_n4096_k4096",
             **{**{k: v for k, v in TUNE[f"{_arch}/int4_linear/cuda/gemv"].items() if k != "silu_out"}, "EARLY_W": True,
                "PACKED_SZ": False})
