@@ -360,15 +360,21 @@ def test_packed_scales_are_made_once_a_weight_and_flavour():
     assert args[2] is not plain and torch.equal(args[2], plain)
 
 
-def test_packed_words_are_made_at_load_for_what_the_builds_will_read():
+def test_packed_words_are_made_at_load_for_what_the_builds_will_read(tiny_dir, tmp_path):
     """packed_flavours follows the launch rule over every row count (the table's sm90 builds at the 8B's shapes:
     gate_up's SiLU-out build and the plain one are packed, qkv's own build is not, o's EARLY_W build as the table
-    says); prepack_int4 packs exactly those for a program's int4 nodes, so the engine's KV sizing sees them."""
-    from engc.bundle.program import ENGC_DOMAIN, Program, ProgramNode
+    says); prepack_int4 packs exactly those for the int4 nodes of a real int4 bundle's program (its inputs: x,
+    then qweight, scales, zeros), so the engine's KV sizing sees them."""
+    from engc.bundle.program import parse_program
+    from engc.bundle.reader import open_bundle
+    from engc.compiler.build import BuildOptions, build
     from engc.compiler.codegen.specs import int4_linear_specs
+    from engc.compiler.quantize import QuantOptions
+    from engc.compiler.quantize.stream import quantize_checkpoint
     from engc.runtime.gpu_ops import prepack_int4
+    from engc.runtime.loader import read_weights
     shapes = {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
-    specs, _ = cuda_int4.selected_int4_specs(int4_linear_specs("bf16", "sm90", (128,)),
+    specs, _ = cuda_int4.selected_int4_specs(int4_linear_specs("bf16", "sm90", (128, 32)),
                                              {"dequant": {"enabled": False}}, shapes=shapes)
     consts = {s.variant: s.launch for s in specs}
     assert consts["cuda_g128"]["packed_sz"] and consts["cuda_silu_g128"]["packed_sz"]
@@ -382,18 +388,16 @@ def test_packed_words_are_made_at_load_for_what_the_builds_will_read():
     # a gate_up whose I the SiLU-out tiles do not divide: the plain build serves it
     assert op.packed_flavours(2 * 8200, 4096, 128, consts, silu_node=True) == {False}
 
-    def weight(n, k, name):
-        return {f"{name}.qweight": torch.zeros(n, k // 8, dtype=torch.int32),
-                f"{name}.scales": torch.rand(n, k // 128).to(torch.bfloat16),
-                f"{name}.zeros": torch.randint(0, 16, (n, k // 128), dtype=torch.uint8)}
-
-    def node(kind, name, **attrs):
-        return ProgramNode(kind, ENGC_DOMAIN, (f"{name}.qweight", f"{name}.scales", f"{name}.zeros"), (f"{name}.y",),
-                           dict(group_size=128, **attrs))
-
-    weights = {**weight(6144, 4096, "qkv"), **weight(28672, 4096, "gate_up"), **weight(4096, 14336, "down")}
-    program = Program((node("QLinear", "qkv"), node("QLinearSiluMul", "gate_up"), node("QLinearAddRMSNorm", "down")),
-                      (), (), tuple(weights))
+    quantize_checkpoint(str(tiny_dir("llama", intermediate_size=1024)), tmp_path / "q",
+                        QuantOptions(method="rtn", group_size=32))
+    build(str(tmp_path / "q"), tmp_path / "b", BuildOptions(dtype="bfloat16"))
+    bundle = open_bundle(tmp_path / "b")
+    program = parse_program(bundle.read(bundle.manifest["program"]))
+    weights = {}
+    for rel in bundle.manifest["weights"]:
+        weights.update(read_weights(bundle.file(rel), torch.device("cpu")))
+    nodes = [n for n in program.nodes if n.op in ("QLinear", "QLinearSiluMul", "QLinearAddRMSNorm")]
+    assert {n.op for n in nodes} == {"QLinear", "QLinearSiluMul", "QLinearAddRMSNorm"}
 
     class Kernels:
         pass
@@ -402,11 +406,12 @@ def test_packed_words_are_made_at_load_for_what_the_builds_will_read():
     kernels.consts = {"int4_linear": consts}
     packed = op.PackedScales()
     prepack_int4(program, weights, kernels, packed)
-    made = {(scales.data_ptr(), silu) for scales, _z, silu in
-            ((weights[f"{n}.scales"], weights[f"{n}.zeros"], f) for n, f in (("gate_up", True), ("down", False)))}
-    assert {(key[0], key[2]) for key in packed._words} == made
-    got = packed(weights["gate_up.scales"], weights["gate_up.zeros"], silu=True)
-    assert torch.equal(got, op.pack_scales_zeros(weights["gate_up.scales"], weights["gate_up.zeros"], silu=True))
+    # at these tiny shapes every node runs the generic g32 build (packed), gate_up its SiLU-out twin
+    want = {(weights[n.inputs[2]].data_ptr(), n.op == "QLinearSiluMul") for n in nodes}
+    assert {(key[0], key[2]) for key in packed._words} == want
+    gate_up = next(n for n in nodes if n.op == "QLinearSiluMul")
+    s, z = weights[gate_up.inputs[2]], weights[gate_up.inputs[3]]
+    assert torch.equal(packed(s, z, silu=True), op.pack_scales_zeros(s, z, silu=True))
     kernels.consts = {"int4_linear": {v: dict(c, packed_sz=0) for v, c in consts.items()}}
     untouched = op.PackedScales()
     prepack_int4(program, weights, kernels, untouched)

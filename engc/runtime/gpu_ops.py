@@ -404,8 +404,8 @@ def prepack_int4(program, weights: dict, k: BundleKernels, packed: int4_linear.P
     for node in program.nodes:
         if node.domain != ENGC_DOMAIN or node.op not in ("QLinear", "QLinearSiluMul", "QLinearAddRMSNorm"):
             continue
-        qweight, scales, zeros = (weights.get(name) for name in node.inputs[:3])
-        if qweight is None or scales is None or zeros is None:   # computed inputs: not this program's shape
+        qweight, scales, zeros = (weights.get(name) for name in node.inputs[1:4])   # inputs: x, then these
+        if qweight is None or scales is None or zeros is None:   # not the bundle's weights: nothing to pack ahead
             continue
         n, kdim = qweight.shape[0], qweight.shape[1] * int4_linear.PACK
         silu_node = node.op == "QLinearSiluMul" and not node.attrs.get("act_order")
