@@ -142,20 +142,6 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
                                 PACKED_SZ=True),
          "w4t1u4b4z_s2_k": dict(num_warps=4, TILES=1, UNROLL=4, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
                                 PACKED_SZ=True),
-         # ROLL (r): one set of W registers refilled slot by slot, K tile i + 1's (step u, tile t) requested once K
-         # tile i's is multiplied, so a warp keeps loads in flight through its math (the plain loop has none in flight
-         # while it computes; PREFETCH of 59ba135 kept a second set of registers and lost 5-7%)
-         "w4t2u1b4z_s2_kr": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                 PACKED_SZ=True, ROLL=True),
-         "w4t2u2b4z_s2_kr": dict(num_warps=4, TILES=2, UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                 PACKED_SZ=True, ROLL=True),
-         "w4t2u2b3z_s2_kr": dict(num_warps=4, TILES=2, UNROLL=2, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
-                                 PACKED_SZ=True, ROLL=True),
-         "w4t1u2b4z_kr": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, PACKED_SZ=True, ROLL=True),
-         "w4t1u4b4z_s2_kr": dict(num_warps=4, TILES=1, UNROLL=4, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                 PACKED_SZ=True, ROLL=True),
-         "w4t2u1b4z_s2_ker": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                  PACKED_SZ=True, EARLY_W=True, ROLL=True),
          # the tune table's 'gemv_wide{16,32}' entries: max_m / 8 n8 tiles of x on each dequantized W fragment
          "wide_m32_w4t2u1b2": dict(kind="gemv_wide32", max_m=32, num_warps=4, TILES=2, UNROLL=1, min_blocks=2),
          "wide_m32_w4t1u2b2": dict(kind="gemv_wide32", max_m=32, num_warps=4, TILES=1, UNROLL=2, min_blocks=2),

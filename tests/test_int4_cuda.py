@@ -166,24 +166,6 @@ def test_early_w_requests_the_first_tile_before_the_pdl_wait():
 
 
 
-def test_roll_refills_each_slot_after_its_multiply():
-    """ROLL: one register set, the first K tile requested up front (before the PDL wait with EARLY_W, after it
-    without) and each (step, tile) slot refilled with the next K tile's right after its own mmas; the plain loop
-    is the stock one (no fetch lambda)."""
-    roll = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"ROLL": True})[0]
-    stock = cuda_int4.int4_gemv_spec(128, "bf16", "sm90")[0]
-    assert roll.entry == stock.entry + "r"
-    body = cuda.render(roll.template, **roll.render).split("extern \"C\" __global__")[1]
-    assert "{{" not in body and "w_first" not in body and body.count("fetch(tile + 1, u, t)") == 1
-    first, refill = body.index("fetch(t_begin, u, t)"), body.index("fetch(tile + 1, u, t)")
-    assert body.index("griddepcontrol.wait") < first < body.rindex("mma(part[j]", 0, refill) < refill
-    assert "fetch(" not in cuda.render(stock.template, **stock.render)
-    early = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"ROLL": True, "EARLY_W": True})[0]
-    body = cuda.render(early.template, **early.render).split("extern \"C\" __global__")[1]
-    assert early.entry == stock.entry[:-1] + "ekr" and body.count("griddepcontrol.wait") == 1
-    assert body.index("fetch(t_begin, u, t)") < body.index("griddepcontrol.wait") < body.index("x_row[j] + k")
-
-
 def test_selected_only_where_enabled():
     from engc.compiler.codegen.specs import int4_linear_specs
     triton_specs = int4_linear_specs("bf16", "sm90", (128, 32))

@@ -109,11 +109,9 @@ for _arch in ("sm80", "sm90"):
     # thread-block cluster's shared memory (cluster_k 4 on o and down, 9d73c08, reverted): o 8.66 us against
     # 6.88 alone, down 19.64 against 15.67, the step 2.12 ms (h200_9d73c08_int4_cluster_micro.json): clusters of
     # four split CTAs cost far more than the global reduce they replace.
-    # ROLL (templates/int4_gemv.cu.j2: W registers refilled slot by slot with the next K tile's, loads in flight
-    # through the math): off until measured (bench/int4_cuda_device.py's _kr configs, bench/ab/int4_roll.json).
     put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1, silu_out=True, EARLY_W=False, partials_out=True, PACKED_SZ=True, ROLL=False)
+         min_split_k_tiles=1, silu_out=True, EARLY_W=False, partials_out=True, PACKED_SZ=True)
     # ... and, per projection shape [N, K] where one config beat it, a build of its own (gemv_n{N}_k{K}, variant
     # cuda_g{G}_n{N}_k{K}, made where a model has that shape; the runtime prefers it up to its max_m). H200
     # (bench/int4_cuda_device.py; h200_5b7e245_int4_cuda.txt, h200_b1c505b_int4_cuda.txt): the 8B's qkv
@@ -124,7 +122,7 @@ for _arch in ("sm80", "sm90"):
         # (ACC_SPLIT 2: 8.08 us against 7.98; its two K steps are already two chains)
         put(_arch, "int4_linear", "cuda", "gemv_n6144_k4096", enabled=True, max_m=8, num_warps=4, TILES=1,
              UNROLL=2, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=1, target_programs=2 * SM_COUNT[_arch],
-             max_splits=16, min_split_k_tiles=1, EARLY_W=False, partials_out=True, PACKED_SZ=False, ROLL=False)
+             max_splits=16, min_split_k_tiles=1, EARLY_W=False, partials_out=True, PACKED_SZ=False)
         # the 8B's o [4096, 4096], which runs behind the decode attention: the generic config with EARLY_W
         # (1.878 ms a step against 1.889 / 1.890 in an A-B-A lease, b4 2.006 against 2.021 / 2.022 a token).
         # Four splits (target_programs 528, so the CTAs' first tiles cover half of W): 1.878 against 1.878-1.881
