@@ -90,6 +90,15 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          # loads, all of them, at the full kernel's occupancy
          "w4t2u1b4z_a4all": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ABLATE=True,
                                  PAD=49152 - 4224 - 16, ALL_LOADS=True),
+         # ... and the W loads alone at 8 and 4 K steps an iteration (16 loads a lane in flight): the twenty-fifth
+         # session's u8 / t2u4 builds were slower than u1 on gate_up, down and the head; do their loads alone slow
+         # down too (the memory side) or not (the math's interplay with the loads)?
+         "w4t1u8b3z_s2_k_a": dict(num_warps=4, TILES=1, UNROLL=8, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
+                                  PACKED_SZ=True, ABLATE=True),
+         "w4t2u4b3z_s2_k_a": dict(num_warps=4, TILES=2, UNROLL=4, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
+                                  PACKED_SZ=True, ABLATE=True),
+         "w4t2u1b4z_s2_k_a": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                  PACKED_SZ=True, ABLATE=True),
          # NO_MMA (with ABLATE's no-checks treatment, but the whole loop kept): each mma replaced by an integer
          # fold of its operands into the accumulator, so the dequant and every load stay and no tensor-core op
          # runs: the full kernel's SMs clock at ~1.78 GHz under ncu where the ablated build's hold 1.97
