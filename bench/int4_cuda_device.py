@@ -47,6 +47,8 @@ if os.environ.get("INT4_CUDA_SHAPES"):
     SHAPES = {name: ALL_SHAPES[name] for name in os.environ["INT4_CUDA_SHAPES"].split(",")}
 MS = (1, 2, 4, 8)
 WIDE_MS = (16, 32)        # the 'gemv_wide' builds (several n8 tiles of x) against dequant + cuBLAS and bf16
+if os.environ.get("INT4_CUDA_MS"):   # run: only these M (no wide ones), e.g. 1 for a quick M=1 question
+    MS, WIDE_MS = tuple(int(m) for m in os.environ["INT4_CUDA_MS"].split(",")), ()
 SMS = 132
 TARGETS = (2, 4, 8)       # target_programs = this x SMs
 LAYERS = 32
@@ -99,6 +101,26 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
                                   PACKED_SZ=True, ABLATE=True),
          "w4t2u1b4z_s2_k_a": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
                                   PACKED_SZ=True, ABLATE=True),
+         # TILED (a measurement: no checks, the results are wrong): W read as if laid out so that a CTA's K tile is one
+# contiguous run (K step by K step, each ROWS x 64 bytes, every warp load 512 contiguous bytes) instead of the
+# N-major layout's 64-byte row pieces K / 2 bytes apart; only the load addresses change. Are the GEMV's loads
+# (alone: _aT; in the full loop: _T) limited by that pattern, at 1 and at 8 K steps a warp in flight?
+         "w4t2u1b4z_s2_k_aT": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                   PACKED_SZ=True, ABLATE=True, TILED=True),
+         "w4t1u8b3z_s2_k_aT": dict(num_warps=4, TILES=1, UNROLL=8, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
+                                   PACKED_SZ=True, ABLATE=True, TILED=True),
+         "w4t2u4b3z_s2_k_aT": dict(num_warps=4, TILES=2, UNROLL=4, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
+                                   PACKED_SZ=True, ABLATE=True, TILED=True),
+         "w4t2u1b4z_s2_k_T": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                  PACKED_SZ=True, TILED=True),
+         "w4t1u2b4z_k_T": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, PACKED_SZ=True,
+                               TILED=True),
+         "w4t1u4b4z_s2_k_T": dict(num_warps=4, TILES=1, UNROLL=4, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                  PACKED_SZ=True, TILED=True),
+         "w4t1u8b3z_s2_k_T": dict(num_warps=4, TILES=1, UNROLL=8, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
+                                  PACKED_SZ=True, TILED=True),
+         "w4t2u4b3z_s2_k_T": dict(num_warps=4, TILES=2, UNROLL=4, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
+                                  PACKED_SZ=True, TILED=True),
          # NO_MMA (with ABLATE's no-checks treatment, but the whole loop kept): each mma replaced by an integer
          # fold of its operands into the accumulator, so the dequant and every load stay and no tensor-core op
          # runs: the full kernel's SMs clock at ~1.78 GHz under ncu where the ablated build's hold 1.97
@@ -158,6 +180,9 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "wide_m16_w4t2u1b3": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=2, UNROLL=1, min_blocks=3),
          "wide_m16_w4t1u2b3": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=1, UNROLL=2, min_blocks=3)}
 ABLATE_AT = "        for (int u = 0; u < UNROLL; ++u) {        // ... then dequantize and multiply\n"
+TILED_AT = "load_w(w_row[t][h] + k / 8)"
+TILED_LOAD = ("load_w(qweight + (int64_t)blockIdx.x * ROWS * (K / 8) + (int64_t)(k / STEP) * (ROWS * 16)"
+              " + ((t * 2 + h) * 32 + lane) * 4)")
 STAGGER_AT = "    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n"
 PAD_AT = "    __shared__ float warp_sums[NUM_WARPS][MAX_M][ROWS + 1];"
 PAD_BODY = """
@@ -191,7 +216,13 @@ ALL_LOADS_BODY = ABLATE_BODY.replace("            acc[0][0][0] +=", """#pragma u
 
 
 # a SWEEP entry's keys that steer this script (the build's patches, the launch mode), not the tune entry
-BENCH_KEYS = ("ABLATE", "kind", "DEFER", "PAD", "NO_MMA", "ALL_LOADS", "STAGGER")
+BENCH_KEYS = ("ABLATE", "kind", "DEFER", "PAD", "NO_MMA", "ALL_LOADS", "STAGGER", "TILED")
+
+
+def unchecked(set_name: str) -> bool:
+    """Builds whose results are not the GEMV's (ABLATE, TILED): timed, never checked."""
+    cfg = sweep_config(set_name)
+    return bool(cfg.get("ABLATE") or cfg.get("TILED"))
 
 
 def sweep_config(set_name: str) -> dict:
@@ -230,11 +261,14 @@ def prepare(out_dir: Path):
         specs = [cuda_int4.int4_gemv_spec(GROUP, "bf16", "sm90", ov, kind)[0]]
         if name == next(iter(SWEEP)) or kind.startswith("gemv_wide") or ov["PACKED_SZ"]:   # + group 64's checks
             specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov, kind)[0])
-        stagger = SWEEP[name].get("STAGGER")
-        if ablate or stagger:
+        stagger, tiled = SWEEP[name].get("STAGGER"), SWEEP[name].get("TILED")
+        if ablate or stagger or tiled:
             def patched(*a, **kw):
                 src = render(*a, **kw)
                 assert ABLATE_AT in src and PAD_AT in src and MMA_AT in src and STAGGER_AT in src
+                if tiled:
+                    assert TILED_AT in src
+                    src = src.replace(TILED_AT, TILED_LOAD)
                 if stagger:
                     src = src.replace(STAGGER_AT, STAGGER_AT + f"    __nanosleep({stagger});\n")
                 if not ablate:
@@ -339,7 +373,7 @@ def run(aot: Path, out: Path):
             b = torch.randn(n, dtype=torch.bfloat16, device="cuda", generator=gen) if with_bias else None
             ref = x.double() @ op.dequantize(*w, group).double().t() + (b.double() if with_bias else 0)
             for name in cuda_sets:
-                if sweep_config(name).get("ABLATE"):
+                if unchecked(name):
                     continue
                 if op.cuda_variant_for(m, group, sets[name].consts("int4_linear")):   # one launch holds M
                     for target in (None, 8 * SMS):
@@ -383,7 +417,7 @@ def run(aot: Path, out: Path):
                 for mult in TARGETS:
                     target = mult * SMS
                     tag = dict(row, set=name, target=target)
-                    ablate = sweep_config(name).get("ABLATE", False)
+                    ablate = unchecked(name)
                     if not ablate and not check(tag, cuda_linear(name, target, x, ws[0], GROUP), ref):
                         continue
                     us = time_graph(lambda i: cuda_linear(name, target, x, ws[i], GROUP, timed=True), copies)
@@ -404,7 +438,7 @@ def table(results, say):
     all_ts = results["timings"]
     ablated = [t for t in all_ts if sweep_config(t["set"]).get("ABLATE")]
     wide = [t for t in all_ts if t["M"] in WIDE_MS]
-    ts = [t for t in all_ts if t["M"] in MS and t not in ablated and not sweep_config(t["set"]).get("DEFER")
+    ts = [t for t in all_ts if t["M"] in MS and not unchecked(t["set"]) and not sweep_config(t["set"]).get("DEFER")
           and not sweep_config(t["set"]).get("kind", "").startswith("gemv_wide")]
     say("")
     say(f"== checks: {len(results['checks']) - len(bad)}/{len(results['checks'])} ok (rel err < 1e-2 vs the float64 "
@@ -493,6 +527,12 @@ def table(results, say):
             cells = [min((t for t in ablated if t["set"] == name and t["shape"] == sh and t["M"] == 1),
                          key=lambda t: t["us"]) for sh in SHAPES]
             say(f"  {name[5:]:<16} " + " ".join(f"{sh} {c['us']:6.2f} ({c['tbs']:4.2f})" for sh, c in zip(SHAPES, cells)))
+    say("== every build, M=1, best target, us (TB/s); _T / _aT: TILED, no checks ==")
+    for name in sorted({t["set"] for t in all_ts if t["set"].startswith("cuda/") and t["M"] == 1}):
+        cells = [min((t for t in all_ts if t["set"] == name and t["shape"] == sh and t["M"] == 1),
+                     key=lambda t: t["us"], default=None) for sh in SHAPES]
+        say(f"  {name[5:]:<20} " + " ".join(f"{sh} {c['us']:6.2f} ({c['tbs']:4.2f})" if c else f"{sh} -"
+                                            for sh, c in zip(SHAPES, cells)))
     cfg = sweep_config(chosen)
     say(f"== for the tune table (sm90/int4_linear/cuda/gemv): enabled=True, max_m=8, "
         f"{', '.join(f'{k}={v}' for k, v in cfg.items())}, target_programs={target // SMS} * SM_COUNT[_arch] ==")
