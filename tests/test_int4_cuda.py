@@ -353,7 +353,7 @@ def test_packed_words_are_made_at_load_for_what_the_builds_will_read(tiny_dir, t
     from engc.compiler.codegen.specs import int4_linear_specs
     from engc.compiler.quantize import QuantOptions
     from engc.compiler.quantize.stream import quantize_checkpoint
-    from engc.runtime.gpu_ops import prepack_int4
+    from engc.runtime.quant_ops import prepack_int4
     from engc.runtime.loader import read_weights
     shapes = {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
     specs, _ = cuda_int4.selected_int4_specs(int4_linear_specs("bf16", "sm90", (128, 32)),

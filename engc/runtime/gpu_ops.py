@@ -17,11 +17,10 @@ import torch.nn.functional as F
 from engc.bundle.program import ENGC_DOMAIN
 from engc.bundle.reader import Bundle
 from engc.errors import BundleError, UserError
-from engc.kernels import fp8_quant, gemv, paged_attention, qk_norm, rms_norm, rotary, silu_mul
-from engc.kernels import fp8_linear as fp8_gemm
-from engc.kernels import int4_linear, skinny_gemm
+from engc.kernels import gemv, int4_linear, paged_attention, qk_norm, rms_norm, rotary, silu_mul, skinny_gemm
 from engc.runtime.cubin import Kernel, current_stream, load_kernel, require_cuda, signature_from_triton
 from engc.runtime.ops_reference import REFERENCE_OPS
+from engc.runtime.quant_ops import quant_ops
 
 SCRATCH = 2  # Triton's trailing global/profile scratch pointers (records older than 'scratch_params' mean 2)
 
@@ -293,85 +292,6 @@ def gpu_ops(k: BundleKernels, facts: StepFacts, packed: int4_linear.PackedScales
     def gather(data, indices, axis=0):
         return (F.embedding(indices, data) if axis == 0 else torch.index_select(data, axis, indices),)
 
-    # FP8Linear: the bundle's W8A8 GEMM (kernels/fp8_linear) for decode/small-prefill rows, quantizing x
-    # itself for a few rows or taking it from the fp8_quant kernel; above its M classes, fp8_quant then
-    # cuBLASLt FP8 with row-wise scales (weight [N, K] row-major: weight.t() is the column-major operand).
-    fp8_consts = k.consts.get("fp8_linear", {})
-    fp8_table = fp8_gemm.variant_table(fp8_consts)
-
-    def fp8_linear(x, weight, weight_scale, bias=None, has_bias=0):
-        rows, kdim = x.shape
-        bias = bias if has_bias else None
-        if rows == 0:
-            return (x.new_empty(0, weight.shape[0]),)
-        fused = fp8_gemm.pick(fp8_table, kdim, rows, quant_x=True)
-        if fused and x.is_contiguous():
-            out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
-            k.run("fp8_linear", fp8_gemm.launch(x, None, weight, weight_scale, bias, out, fused,
-                                                fp8_consts[fused], counters))
-            return (out,)
-        xq = torch.empty(x.shape, dtype=fp8_quant.FP8, device=x.device)
-        x_scale = torch.empty(rows, dtype=torch.float32, device=x.device)
-        k.run("fp8_quant", fp8_quant.launch(x, xq, x_scale))
-        plain = fp8_gemm.pick(fp8_table, kdim, rows, quant_x=False)
-        if plain:
-            out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
-            k.run("fp8_linear", fp8_gemm.launch(xq, x_scale, weight, weight_scale, bias, out, plain,
-                                                fp8_consts[plain], counters))
-            return (out,)
-        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],
-                             out_dtype=x.dtype)
-        return (y + bias if has_bias else y,)
-
-    # W4A16: the int4 GEMM for the decode batches its M classes hold, the CUDA C++ GEMV where built, else
-    # the Triton GEMV up to gemv_max_rows rows; above, dequantize into a scratch W and cuBLAS. packed: the
-    # scale / zero words of the GEMV builds that read them so (int4_linear.PackedScales), one set per model
-    packed = packed if packed is not None else int4_linear.PackedScales()
-
-    def qlinear(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0):
-        if act_order:  # GPTQ desc_act: rows were sorted by group at build time, x follows them
-            x = x.index_select(-1, extra[int(bool(has_bias))])
-        return (int4_linear.run_quantized_linear(x.contiguous(), qweight, scales, zeros,
-                                                 extra[0] if has_bias else None, group_size=group_size,
-                                                 consts=k.consts["int4_linear"],
-                                                 run=lambda launches: k.run("int4_linear", launches),
-                                                 counters=counters, gemm_consts=k.consts.get("int4_gemm"),
-                                                 run_gemm=lambda launches: k.run("int4_gemm", launches),
-                                                 packed=packed),)
-
-    # QLinearSiluMul (passes/fuse_qlinear_silu_mul): the SiLU-out CUDA GEMV where the bundle has it and M fits;
-    # else the projection as QLinear runs it, then the silu_mul kernel
-    def qlinear_silu(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0):
-        if not act_order:
-            act_out = int4_linear.run_quantized_silu(x.contiguous(), qweight, scales, zeros,
-                                                     extra[0] if has_bias else None, group_size=group_size,
-                                                     consts=k.consts["int4_linear"],
-                                                     run=lambda launches: k.run("int4_linear", launches),
-                                                     counters=counters, packed=packed)
-            if act_out is not None:
-                return (act_out,)
-        return act(qlinear(x, qweight, scales, zeros, *extra, group_size=group_size, has_bias=has_bias,
-                           act_order=act_order)[0])
-
-    # QLinearAddRMSNorm (passes/fuse_qlinear_add_norm): where the CUDA GEMV serves M rows in one launch that
-    # splits K and the bundle has the norm's partials build, the GEMV leaves its fp32 partials unreduced and
-    # the norm sums them (same bits, no fence, ticket or re-read in the GEMV); else QLinear, then AddRMSNorm
-    def qlinear_add_norm(x, qweight, scales, zeros, residual, weight, *, group_size, eps):
-        x = x.contiguous()
-        partials = None
-        if rms_norm.PARTIALS_VARIANT in k.consts["rms_norm"]:
-            partials = int4_linear.run_quantized_partials(x, qweight, scales, zeros, group_size=group_size,
-                                                          consts=k.consts["int4_linear"],
-                                                          run=lambda launches: k.run("int4_linear", launches),
-                                                          counters=counters, gemm_consts=k.consts.get("int4_gemm"),
-                                                          packed=packed)
-        if partials is None:
-            return add_norm(qlinear(x, qweight, scales, zeros, group_size=group_size)[0], residual, weight, eps)
-        out, r_out = torch.empty_like(residual), torch.empty_like(residual)
-        k.run("rms_norm", rms_norm.launch(partials, weight, eps, out, residual=residual, residual_out=r_out,
-                                          partials=True))
-        return out, r_out
-
     ops = dict(REFERENCE_OPS)
     ops.update({
         ("", "Gather"): gather,
@@ -385,30 +305,7 @@ def gpu_ops(k: BundleKernels, facts: StepFacts, packed: int4_linear.PackedScales
         (ENGC_DOMAIN, "SiluMulLinear"): silu_linear,
         ("", "Gemm"): gemm,
     })
-    if "int4_linear" in k.consts:  # a bundle built from an AWQ/GPTQ checkpoint
-        ops[(ENGC_DOMAIN, "QLinear")] = qlinear
-        ops[(ENGC_DOMAIN, "QLinearSiluMul")] = qlinear_silu
-        ops[(ENGC_DOMAIN, "QLinearAddRMSNorm")] = qlinear_add_norm
-    if "fp8_quant" in k.consts:  # an fp8 bundle (engc build --quant fp8)
-        ops[(ENGC_DOMAIN, "FP8Linear")] = fp8_linear
+    # the quantized projections (QLinear and its fusions, FP8Linear), where the bundle has their kernels
+    packed = packed if packed is not None else int4_linear.PackedScales()
+    ops.update(quant_ops(k, counters, packed, act=act, add_norm=add_norm))
     return ops
-
-
-def prepack_int4(program, weights: dict, k: BundleKernels, packed: int4_linear.PackedScales) -> None:
-    """Packs every int4 weight's scale / zero words that the bundle's packed_sz GEMV builds will read
-    (int4_linear.packed_flavours), now rather than at the weight's first launch: the engine sizes the KV cache
-    from the GPU memory free after loading, so the words (~0.2 GB for an 8B model) must exist by then."""
-    consts = k.consts.get("int4_linear")
-    if not consts or not any(c.get("packed_sz") for c in consts.values()):
-        return
-    for node in program.nodes:
-        if node.domain != ENGC_DOMAIN or node.op not in ("QLinear", "QLinearSiluMul", "QLinearAddRMSNorm"):
-            continue
-        qweight, scales, zeros = (weights.get(name) for name in node.inputs[1:4])   # inputs: x, then these
-        if qweight is None or scales is None or zeros is None:   # not the bundle's weights: nothing to pack ahead
-            continue
-        n, kdim = qweight.shape[0], qweight.shape[1] * int4_linear.PACK
-        silu_node = node.op == "QLinearSiluMul" and not node.attrs.get("act_order")
-        for silu in int4_linear.packed_flavours(n, kdim, node.attrs["group_size"], consts, silu_node):
-            packed(scales, zeros, silu)
-

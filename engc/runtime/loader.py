@@ -72,7 +72,8 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
     facts = sampler = None
     if dev.type == "cuda":
         from engc.kernels.int4_linear import PackedScales
-        from engc.runtime.gpu_ops import BundleKernels, StepFacts, device_arch, gpu_ops, prepack_int4
+        from engc.runtime.gpu_ops import BundleKernels, StepFacts, device_arch, gpu_ops
+        from engc.runtime.quant_ops import prepack_int4
         facts, packed = StepFacts(), PackedScales()
         kernels = BundleKernels(bundle, device_arch(dev))
         executor = Executor(program, weights, gpu_ops(kernels, facts, packed), before_forward=facts.take)

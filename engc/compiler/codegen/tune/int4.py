@@ -89,8 +89,8 @@ for _arch in ("sm80", "sm90"):
     # PACKED_SZ (d0a44c6 measured it as a plain build): a 16-row tile's scales and zeros as one 8-byte word a row
     # pair, one load a tile and K step instead of four: M=1 alone gate_up 23.48 us against 24.13, down 14.58 / 15.13,
     # head 85.36 / 88.21 (bench/results/h200_d0a44c6_int4_packed_sz.txt): ~2.3% of a b1 step predicted. On for this
-    # build and its SiLU-out twin (gate and up rows paired; kernels/int4_linear pack_scales_zeros, made at a weight's
-    # first launch); off for qkv's (7.85 against 7.83 us), the wide builds and, until checked, o's EARLY_W build.
+    # build and its SiLU-out twin (gate and up rows paired; int4_linear.pack_scales_zeros, made at load by
+    # runtime/quant_ops.prepack_int4); off for qkv's (7.85 against 7.83 us), the wide builds and, until checked, o's EARLY_W build.
     # In the engine (h200_4cc272f_packed_sz_ab.json): b1 1.859-1.866 ms a step against 1.870, b4 -1.5% a token.
     # Twenty-fourth session, not kept: EARLY_W on qkv's build packed (no spills now) still 11 us a step slower
     # (h200_4335c28_qkv_early_w_packed_ab.json); warps' first loads staggered by a sleep (no lockstep-phase loss:
@@ -98,6 +98,11 @@ for _arch in ("sm80", "sm90"):
     # and 11 fewer registers, no faster (c2f0790, h200_step_ptrs_int4.txt): this GEMV's time is its loads' latency,
     # not its issue slots. One launch over a layer's four projections' bytes would take 40.1 us against 46.4 for
     # the four in the engine's chain (h200_c707157_int4_one_launch.txt): the bound of a dataflow kernel.
+    # Twenty-sixth session (h200_2e521a4_int4_tiled_micro.txt): the W loads alone take as long at 8 K steps a warp
+    # in flight as at 1 (gate_up 18.0-18.6 us, the head 65 us: 4.2 TB/s), where the full loop loses 5-20% with
+    # them: the loss is the math's interplay with the loads, not the memory side. Read as if a CTA's K tile were
+    # one contiguous run (TILED, addresses only), this build gains 2-3.5% (gate_up 23.41 against 23.95 us, the
+    # head 82.38 / 85.39): too little for a layout every int4 reader would have to follow.
     # partials_out (twenty-first session): a launch that splits K and feeds an AddRMSNorm (o, down:
     # QLinearAddRMSNorm) stores its fp32 partials and exits; the norm sums them in split order (the same
     # bits). H200, M=1, the table's config alone (bench/int4_cuda_device.py DEFER, h200_4d1cde1_int4_defer.txt):

@@ -1,0 +1,69 @@
+"""The engc int4 layout (what every AWQ/GPTQ checkpoint is repacked into), its packing and its CPU reference
+(dequantize: what the GPU dequant kernels write, bit for bit). For a K-in, N-out projection,
+N-major like a torch Linear weight, so a decode GEMV reads each output row as one contiguous stream:
+  qweight int32 [N, K // 8]   chunk c (inputs 32c .. 32c+31) is words 4c .. 4c+3 (16 bytes); nibble j
+                              (bits 4j..4j+3) of word 4c+i holds q[n, 32c + 4j + i]
+  scales  float [N, ceil(K / group_size)]   (the last group may be short: K need not divide)
+  zeros   uint8 [N, ceil(K / group_size)]   zero points in [0, 15]
+  W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]
+Why the interleave: one 16-byte load gives a thread 32 weights of one row, and nibble j of its four words
+holds 4 consecutive inputs, so the matching x is one 8-byte load per nibble position. K % 32 == 0 and
+a group size that is a multiple of 32 (or covers all of K) keep every chunk inside one group.
+Fused projections (qkv, gate_up) concatenate along N (dim 0 of every tensor). act_order checkpoints
+(GPTQ desc_act) have their input channels sorted by group at build time; perm (int64 [K]) then says
+which input channel each sorted column reads: y = x[:, perm] @ W^T.
+"""
+import torch
+
+# The layout's name in the manifest (quantization.layout). Bumped whenever the packing changes, so a
+# runtime never reads a bundle packed another way (the K-major layout of before was "engc-int4").
+LAYOUT = "engc-int4-nmajor"
+
+PACK = 8    # nibbles per int32 word
+CHUNK = 32  # inputs per 16-byte chunk (4 words)
+
+
+def _chunk_order(k: int) -> torch.Tensor:
+    """Input index held by each (word, nibble) slot, in storage order: [K // 8, 8]."""
+    w = torch.arange(k // PACK).view(-1, 1)
+    j = torch.arange(PACK).view(1, -1)
+    return (w // 4) * CHUNK + 4 * j + w % 4
+
+
+def check_shape(k: int, group_size: int) -> str | None:
+    """Why the engc int4 layout cannot hold a K-in projection in groups of group_size, or None."""
+    if k % CHUNK:
+        return f"{k} inputs are not a multiple of {CHUNK}, which the engc int4 layout needs"
+    if group_size % CHUNK and group_size < k:
+        return f"int4 group size {group_size} is not a multiple of {CHUNK}, which the engc int4 layout needs"
+    return None
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q uint8-valued [N, K] (values 0..15), K % 32 == 0 -> int32 [N, K // 8] in the engc layout."""
+    n, k = q.shape
+    assert k % CHUNK == 0, k
+    slots = q[:, _chunk_order(k).to(q.device)].to(torch.int32)   # [N, K // 8, 8]
+    words = torch.zeros(n, k // PACK, dtype=torch.int32, device=q.device)
+    for j in range(PACK):  # int32 shifts wrap in two's complement: nibble 7 lands in the sign bit
+        words |= slots[..., j] << (4 * j)
+    return words
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 [N, K // 8] -> uint8 [N, K]."""
+    n, kw = qweight.shape
+    shifts = (torch.arange(PACK, dtype=torch.int32, device=qweight.device) * 4)
+    slots = (qweight.unsqueeze(-1) >> shifts) & 0xF                 # [N, K // 8, 8]
+    q = torch.empty(n, kw * PACK, dtype=torch.uint8, device=qweight.device)
+    q[:, _chunk_order(kw * PACK).to(qweight.device)] = slots.to(torch.uint8)
+    return q
+
+
+def dequantize(qweight, scales, zeros, group_size: int) -> torch.Tensor:
+    """-> W [N, K] in scales' dtype (what the GPU dequant kernel writes, bit for bit)."""
+    q = unpack_int4(qweight)
+    k = q.shape[1]
+    s = scales.repeat_interleave(group_size, dim=1)[:, :k]
+    z = zeros.repeat_interleave(group_size, dim=1)[:, :k]
+    return (q.to(torch.int16) - z.to(torch.int16)).to(scales.dtype) * s
