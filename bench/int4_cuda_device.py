@@ -121,6 +121,16 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
                                   PACKED_SZ=True, TILED=True),
          "w4t2u4b3z_s2_k_T": dict(num_warps=4, TILES=2, UNROLL=4, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
                                   PACKED_SZ=True, TILED=True),
+# NO_XSUM / NO_XPERM (measurements: no checks, the results are wrong): the table's build without ZERO_SUM's
+# per-step x sums (8 mmas a warp and K step, a third of its mmas at TILES 2; they depend on x alone, so a producer
+# could hand them over) and / or without the byte permutes that regroup x to the W pairs' order (16 a lane and
+# step; x could arrive in that order): what the loop's x-only work costs, the part no W layout can remove
+         "w4t2u1b4z_s2_k_nxs": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                    PACKED_SZ=True, NO_XSUM=True),
+         "w4t2u1b4z_s2_k_nxp": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                    PACKED_SZ=True, NO_XPERM=True),
+         "w4t2u1b4z_s2_k_nx": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                   PACKED_SZ=True, NO_XSUM=True, NO_XPERM=True),
          # NO_MMA (with ABLATE's no-checks treatment, but the whole loop kept): each mma replaced by an integer
          # fold of its operands into the accumulator, so the dequant and every load stay and no tensor-core op
          # runs: the full kernel's SMs clock at ~1.78 GHz under ncu where the ablated build's hold 1.97
@@ -180,6 +190,8 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          "wide_m16_w4t2u1b3": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=2, UNROLL=1, min_blocks=3),
          "wide_m16_w4t1u2b3": dict(kind="gemv_wide16", max_m=16, num_warps=4, TILES=1, UNROLL=2, min_blocks=3)}
 ABLATE_AT = "        for (int u = 0; u < UNROLL; ++u) {        // ... then dequantize and multiply\n"
+XSUM_AT = "                if (ZERO_SUM) {\n"
+XPERM_AT = "xp[j][i][s] = __byte_perm(xr[e / 2], xr[e / 2 + 8], (i & 1) ? 0x7632 : 0x5410);"
 TILED_AT = "load_w(w_row[t][h] + k / 8)"
 TILED_LOAD = ("load_w(qweight + (int64_t)blockIdx.x * ROWS * (K / 8) + (int64_t)(k / STEP) * (ROWS * 16)"
               " + ((t * 2 + h) * 32 + lane) * 4)")
@@ -216,13 +228,13 @@ ALL_LOADS_BODY = ABLATE_BODY.replace("            acc[0][0][0] +=", """#pragma u
 
 
 # a SWEEP entry's keys that steer this script (the build's patches, the launch mode), not the tune entry
-BENCH_KEYS = ("ABLATE", "kind", "DEFER", "PAD", "NO_MMA", "ALL_LOADS", "STAGGER", "TILED")
+BENCH_KEYS = ("ABLATE", "kind", "DEFER", "PAD", "NO_MMA", "ALL_LOADS", "STAGGER", "TILED", "NO_XSUM", "NO_XPERM")
 
 
 def unchecked(set_name: str) -> bool:
-    """Builds whose results are not the GEMV's (ABLATE, TILED): timed, never checked."""
+    """Builds whose results are not the GEMV's (ABLATE, TILED, NO_XSUM, NO_XPERM): timed, never checked."""
     cfg = sweep_config(set_name)
-    return bool(cfg.get("ABLATE") or cfg.get("TILED"))
+    return any(cfg.get(key) for key in ("ABLATE", "TILED", "NO_XSUM", "NO_XPERM"))
 
 
 def sweep_config(set_name: str) -> dict:
@@ -262,10 +274,17 @@ def prepare(out_dir: Path):
         if name == next(iter(SWEEP)) or kind.startswith("gemv_wide") or ov["PACKED_SZ"]:   # + group 64's checks
             specs.append(cuda_int4.int4_gemv_spec(64, "bf16", "sm90", ov, kind)[0])
         stagger, tiled = SWEEP[name].get("STAGGER"), SWEEP[name].get("TILED")
-        if ablate or stagger or tiled:
+        no_xsum, no_xperm = SWEEP[name].get("NO_XSUM"), SWEEP[name].get("NO_XPERM")
+        if ablate or stagger or tiled or no_xsum or no_xperm:
             def patched(*a, **kw):
                 src = render(*a, **kw)
                 assert ABLATE_AT in src and PAD_AT in src and MMA_AT in src and STAGGER_AT in src
+                if no_xsum:
+                    assert src.count(XSUM_AT) == 1
+                    src = src.replace(XSUM_AT, "                if (false) {\n")
+                if no_xperm:
+                    assert src.count(XPERM_AT) == 1
+                    src = src.replace(XPERM_AT, "xp[j][i][s] = xr[e / 2 + 8 * (i & 1)];")
                 if tiled:
                     assert TILED_AT in src
                     src = src.replace(TILED_AT, TILED_LOAD)
