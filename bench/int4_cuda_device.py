@@ -131,6 +131,18 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
                                     PACKED_SZ=True, NO_XPERM=True),
          "w4t2u1b4z_s2_k_nx": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
                                    PACKED_SZ=True, NO_XSUM=True, NO_XPERM=True),
+# MAXNREG (a real, checked build; the tune entry's key since the twenty-sixth session): the table's loop held to
+# that many registers (__maxnreg__ in place of the launch bounds' CTA count). The NO_X builds above gained only where
+# both were off (h200_7f4c310_int4_xwork_*): at 96 registers, where ncu shows 5 CTAs an SM (Block Limit Registers 5,
+# achieved occupancy 29.5% against 23.8% on the head) instead of 4. min_blocks 5 never got there: ptxas took 102
+# registers, which the 8-register allocation unit rounds to 104, four CTAs' worth. Does the real loop gain as much
+# at 96 (no spills; 88 spills 8 bytes)?
+         "w4t2u1b4z_s2_k_r96": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                    PACKED_SZ=True, MAXNREG=96),
+         "w4t2u1b4z_k_r96": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=1,
+                                 PACKED_SZ=True, MAXNREG=96),
+         "w4t2u1b4z_s2_k_r88": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
+                                    PACKED_SZ=True, MAXNREG=88),
          # NO_MMA (with ABLATE's no-checks treatment, but the whole loop kept): each mma replaced by an integer
          # fold of its operands into the accumulator, so the dequant and every load stay and no tensor-core op
          # runs: the full kernel's SMs clock at ~1.78 GHz under ncu where the ablated build's hold 1.97

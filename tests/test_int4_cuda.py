@@ -215,6 +215,22 @@ def test_a_projection_shape_gets_its_own_build_where_the_table_has_one():
         assert got == variant and grid[0] == n // block_n
 
 
+def test_maxnreg_caps_the_registers_in_place_of_the_launch_bounds():
+    """MAXNREG (the tune entry's key, 0 = off): the kernel is declared __maxnreg__(N) instead of
+    __launch_bounds__(THREADS, MIN_BLOCKS) (nvcc refuses both on one kernel) and its entry name says so; the stock
+    build is unchanged. Where nvcc is, the capped build compiles."""
+    capped = cuda_int4.int4_gemv_spec(128, "bf16", "sm90", {"MAXNREG": 96})[0]
+    stock = cuda_int4.int4_gemv_spec(128, "bf16", "sm90")[0]
+    assert capped.entry == stock.entry + "r96" and stock.render["maxnreg"] == 0
+    head = cuda.render(capped.template, **capped.render).split("extern \"C\" __global__")[1].split(capped.entry)[0]
+    assert head.split() == ["void", "__maxnreg__(96)"]
+    plain = cuda.render(stock.template, **stock.render).split("extern \"C\" __global__")[1].split(stock.entry)[0]
+    assert plain.split() == ["void", "__launch_bounds__(THREADS,", "MIN_BLOCKS)"]
+    if cuda.nvcc_path() is not None:
+        (record,) = cuda.compile_cuda([capped]).records
+        assert record["variant"] == "cuda_g128" and record["arch"] == "sm90"
+
+
 @pytest.fixture(scope="module")
 def records():
     if cuda.nvcc_path() is None:

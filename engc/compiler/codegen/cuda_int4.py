@@ -64,14 +64,16 @@ def int4_gemv_spec(group: int, t: str, arch: str, overrides=None, kind: str = "g
     if silu_out and kind != "gemv":
         return None, f"only the 'gemv' build has a SiLU-out twin, not '{kind}'"
     early_w = bool(entry.get("EARLY_W", False))
-    packed_sz = bool(entry.get("PACKED_SZ", False))   # scales and zeros as kernels/int4_linear pack_scales_zeros
+    packed_sz = bool(entry.get("PACKED_SZ", False))   # scales and zeros as int4_linear.pack_scales_zeros
+    # MAXNREG: registers a thread at most (__maxnreg__ in place of the launch bounds' CTAs an SM); 0: min_blocks
+    maxnreg = int(entry.get("MAXNREG", 0))
     name = (f"int4_gemv_{t}_g{group}_w{warps}t{tiles}u{unroll}b{entry['min_blocks']}x{x_tiles}"
             f"{'z' if entry['ZERO_SUM'] else ''}{f's{acc_split}' if acc_split > 1 else ''}{'e' if early_w else ''}"
-            f"{'k' if packed_sz else ''}{'_silu' if silu_out else ''}")
+            f"{'k' if packed_sz else ''}{f'r{maxnreg}' if maxnreg else ''}{'_silu' if silu_out else ''}")
     values = {"dtype": t, "ctype": C_TYPE[t], "mma_type": MMA_TYPE[t], "group": group, "num_warps": warps,
               "tiles": tiles, "unroll": unroll, "min_blocks": entry["min_blocks"], "block_n": block_n,
               "block_k": block_k, "zero_sum": entry["ZERO_SUM"], "acc_split": acc_split, "x_tiles": x_tiles,
-              "silu_out": silu_out, "early_w": early_w, "packed_sz": packed_sz, "entry": name}
+              "silu_out": silu_out, "early_w": early_w, "packed_sz": packed_sz, "maxnreg": maxnreg, "entry": name}
     consts = dict(entry, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     launch = {k: consts[k] for k in LAUNCH_KEYS}
     launch["impl"] = "cuda"

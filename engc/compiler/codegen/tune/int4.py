@@ -103,6 +103,13 @@ for _arch in ("sm80", "sm90"):
     # them: the loss is the math's interplay with the loads, not the memory side. Read as if a CTA's K tile were
     # one contiguous run (TILED, addresses only), this build gains 2-3.5% (gate_up 23.41 against 23.95 us, the
     # head 82.38 / 85.39): too little for a layout every int4 reader would have to follow.
+    # MAXNREG (0: off, min_blocks rules): the registers a thread at most. Bench builds without the loop's x-only
+    # work (NO_XSUM + NO_XPERM, wrong results) came out at 96 registers, where ncu shows 5 CTAs an SM instead of 4
+    # (achieved occupancy 29.5% against 23.8%), and took the head 84.94 -> 76.74 us, gate_up 23.38 -> 22.74, down
+    # 14.50 -> 13.95; with only one of the two off (106 / 110 registers, 4 CTAs) they were slower
+    # (h200_7f4c310_int4_xwork_micro.txt, _ncu.json). min_blocks 5 never gave 5 CTAs: ptxas took 102 registers,
+    # rounded up to 104 by the 8-a-thread allocation unit. This build at MAXNREG 96 compiles without spills; not
+    # yet timed (bench/ab/int4_maxnreg96.json waits).
     # partials_out (twenty-first session): a launch that splits K and feeds an AddRMSNorm (o, down:
     # QLinearAddRMSNorm) stores its fp32 partials and exits; the norm sums them in split order (the same
     # bits). H200, M=1, the table's config alone (bench/int4_cuda_device.py DEFER, h200_4d1cde1_int4_defer.txt):
@@ -116,7 +123,7 @@ for _arch in ("sm80", "sm90"):
     # four split CTAs cost far more than the global reduce they replace.
     put(_arch, "int4_linear", "cuda", "gemv", enabled=True, max_m=8, num_warps=4, TILES=2, UNROLL=1,
          min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2, target_programs=2 * SM_COUNT[_arch], max_splits=16,
-         min_split_k_tiles=1, silu_out=True, EARLY_W=False, partials_out=True, PACKED_SZ=True)
+         min_split_k_tiles=1, silu_out=True, EARLY_W=False, partials_out=True, PACKED_SZ=True, MAXNREG=0)
     # ... and, per projection shape [N, K] where one config beat it, a build of its own (gemv_n{N}_k{K}, variant
     # cuda_g{G}_n{N}_k{K}, made where a model has that shape; the runtime prefers it up to its max_m). H200
     # (bench/int4_cuda_device.py; h200_5b7e245_int4_cuda.txt, h200_b1c505b_int4_cuda.txt): the 8B's qkv
