@@ -49,7 +49,6 @@ def quant_ops(k, counters: torch.Tensor, packed: int4_linear.PackedScales, *, ac
     # W4A16: the int4 GEMM for the decode batches its M classes hold, the CUDA C++ GEMV where built, else
     # the Triton GEMV up to gemv_max_rows rows; above, dequantize into a scratch W and cuBLAS. packed: the
     # scale / zero words of the GEMV builds that read them so (int4_linear.PackedScales), one set per model
-
     def qlinear(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0):
         if act_order:  # GPTQ desc_act: rows were sorted by group at build time, x follows them
             x = x.index_select(-1, extra[int(bool(has_bias))])
@@ -106,10 +105,10 @@ def quant_ops(k, counters: torch.Tensor, packed: int4_linear.PackedScales, *, ac
 
 def prepack_int4(program, weights: dict, k, packed: int4_linear.PackedScales) -> None:
     """Packs every int4 weight's scale / zero words that the bundle's packed_sz GEMV builds will read
-    (int4_linear.packed_flavours) for the program's int4 nodes (k: gpu_ops.BundleKernels), now rather than at
-    the weight's first launch: the engine sizes the KV cache
-    from the GPU memory free after loading, so the words (~0.2 GB for an 8B model) must exist by then. One
-    synchronize at the end, not one a weight: an EARLY_W build reads the words before its PDL wait."""
+    (int4_linear.packed_flavours) for the program's int4 nodes (k: gpu_ops.BundleKernels), now rather than at the
+    weight's first launch: the engine sizes the KV cache from the GPU memory free after loading, so the words
+    (~0.2 GB for an 8B model) must exist by then. One synchronize at the end, not one a weight (an EARLY_W build
+    reads the words before its PDL wait, so they must be written before any launch)."""
     consts = k.consts.get("int4_linear")
     if not consts or not any(c.get("packed_sz") for c in consts.values()):
         return
