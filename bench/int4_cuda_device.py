@@ -56,6 +56,8 @@ LAYERS = 32
 # z: ZERO_SUM, the zero taken off each step's sum; s: ACC_SPLIT accumulators a step sum, 1 where not named).
 # 59ba135's sweep also had PREFETCH and a tiled W layout with packed scale|zero words
 # (bench/results/h200_59ba135_int4_variants.txt).
+# the packed build family of the later sweeps: 4 warps, ZERO_SUM, two accumulators a step sum, PACKED_SZ
+PACKED_S2 = dict(num_warps=4, ZERO_SUM=True, ACC_SPLIT=2, PACKED_SZ=True)
 SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True),
          "w4t2u1b4": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=False),
          "w4t1u2b4z": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True),
@@ -95,54 +97,37 @@ SWEEP = {"w4t2u1b4z": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SU
          # ... and the W loads alone at 8 and 4 K steps an iteration (16 loads a lane in flight): the twenty-fifth
          # session's u8 / t2u4 builds were slower than u1 on gate_up, down and the head; do their loads alone slow
          # down too (the memory side) or not (the math's interplay with the loads)?
-         "w4t1u8b3z_s2_k_a": dict(num_warps=4, TILES=1, UNROLL=8, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
-                                  PACKED_SZ=True, ABLATE=True),
-         "w4t2u4b3z_s2_k_a": dict(num_warps=4, TILES=2, UNROLL=4, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
-                                  PACKED_SZ=True, ABLATE=True),
-         "w4t2u1b4z_s2_k_a": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                  PACKED_SZ=True, ABLATE=True),
+         "w4t1u8b3z_s2_k_a": dict(PACKED_S2, TILES=1, UNROLL=8, min_blocks=3, ABLATE=True),
+         "w4t2u4b3z_s2_k_a": dict(PACKED_S2, TILES=2, UNROLL=4, min_blocks=3, ABLATE=True),
+         "w4t2u1b4z_s2_k_a": dict(PACKED_S2, TILES=2, UNROLL=1, min_blocks=4, ABLATE=True),
          # TILED (a measurement: no checks, the results are wrong): W read as if laid out so that a CTA's K tile is one
          # contiguous run (K step by K step, each ROWS x 64 bytes, every warp load 512 contiguous bytes) instead of the
          # N-major layout's 64-byte row pieces K / 2 bytes apart; only the load addresses change. Are the GEMV's loads
          # (alone: _aT; in the full loop: _T) limited by that pattern, at 1 and at 8 K steps a warp in flight?
-         "w4t2u1b4z_s2_k_aT": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                   PACKED_SZ=True, ABLATE=True, TILED=True),
-         "w4t1u8b3z_s2_k_aT": dict(num_warps=4, TILES=1, UNROLL=8, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
-                                   PACKED_SZ=True, ABLATE=True, TILED=True),
-         "w4t2u4b3z_s2_k_aT": dict(num_warps=4, TILES=2, UNROLL=4, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
-                                   PACKED_SZ=True, ABLATE=True, TILED=True),
-         "w4t2u1b4z_s2_k_T": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                  PACKED_SZ=True, TILED=True),
-         "w4t1u2b4z_k_T": dict(num_warps=4, TILES=1, UNROLL=2, min_blocks=4, ZERO_SUM=True, PACKED_SZ=True,
-                               TILED=True),
-         "w4t1u4b4z_s2_k_T": dict(num_warps=4, TILES=1, UNROLL=4, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                  PACKED_SZ=True, TILED=True),
-         "w4t1u8b3z_s2_k_T": dict(num_warps=4, TILES=1, UNROLL=8, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
-                                  PACKED_SZ=True, TILED=True),
-         "w4t2u4b3z_s2_k_T": dict(num_warps=4, TILES=2, UNROLL=4, min_blocks=3, ZERO_SUM=True, ACC_SPLIT=2,
-                                  PACKED_SZ=True, TILED=True),
+         "w4t2u1b4z_s2_k_aT": dict(PACKED_S2, TILES=2, UNROLL=1, min_blocks=4, ABLATE=True, TILED=True),
+         "w4t1u8b3z_s2_k_aT": dict(PACKED_S2, TILES=1, UNROLL=8, min_blocks=3, ABLATE=True, TILED=True),
+         "w4t2u4b3z_s2_k_aT": dict(PACKED_S2, TILES=2, UNROLL=4, min_blocks=3, ABLATE=True, TILED=True),
+         "w4t2u1b4z_s2_k_T": dict(PACKED_S2, TILES=2, UNROLL=1, min_blocks=4, TILED=True),
+         "w4t1u2b4z_k_T": dict(PACKED_S2, TILES=1, UNROLL=2, min_blocks=4, TILED=True, ACC_SPLIT=1),
+         "w4t1u4b4z_s2_k_T": dict(PACKED_S2, TILES=1, UNROLL=4, min_blocks=4, TILED=True),
+         "w4t1u8b3z_s2_k_T": dict(PACKED_S2, TILES=1, UNROLL=8, min_blocks=3, TILED=True),
+         "w4t2u4b3z_s2_k_T": dict(PACKED_S2, TILES=2, UNROLL=4, min_blocks=3, TILED=True),
          # NO_XSUM / NO_XPERM (measurements: no checks, the results are wrong): the table's build without ZERO_SUM's per-step
          # x sums (8 mmas a warp and K step, a third of its mmas at TILES 2; they depend on x alone, so a producer could hand
          # them over) and / or without the byte permutes that regroup x to the W pairs' order (16 a lane and step; x could
          # arrive in that order): what the loop's x-only work costs, the part no W layout can remove
-         "w4t2u1b4z_s2_k_nxs": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                    PACKED_SZ=True, NO_XSUM=True),
-         "w4t2u1b4z_s2_k_nxp": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                    PACKED_SZ=True, NO_XPERM=True),
-         "w4t2u1b4z_s2_k_nx": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                   PACKED_SZ=True, NO_XSUM=True, NO_XPERM=True),
+         "w4t2u1b4z_s2_k_nxs": dict(PACKED_S2, TILES=2, UNROLL=1, min_blocks=4, NO_XSUM=True),
+         "w4t2u1b4z_s2_k_nxp": dict(PACKED_S2, TILES=2, UNROLL=1, min_blocks=4, NO_XPERM=True),
+         "w4t2u1b4z_s2_k_nx": dict(PACKED_S2, TILES=2, UNROLL=1, min_blocks=4, NO_XSUM=True, NO_XPERM=True),
          # MAXNREG (a real, checked build; the tune entry's key since the twenty-sixth session): the table's loop held to
          # that many registers (__maxnreg__ in place of the launch bounds' CTA count). The NO_X builds above gained only
          # where both were off (h200_7f4c310_int4_xwork_*): at 96 registers, where ncu shows 5 CTAs an SM (Block Limit
          # Registers 5, achieved occupancy 29.5% against 23.8% on the head) instead of 4. min_blocks 5 never got there: ptxas
          # took 102 registers, which the 8-register allocation unit rounds to 104, four CTAs' worth. Does the real loop gain
          # as much at 96 (no spills; 88 spills 8 bytes)?
-         "w4t2u1b4z_s2_k_r96": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                    PACKED_SZ=True, MAXNREG=96),
-         "w4t2u1b4z_k_r96": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=1,
-                                 PACKED_SZ=True, MAXNREG=96),
-         "w4t2u1b4z_s2_k_r88": dict(num_warps=4, TILES=2, UNROLL=1, min_blocks=4, ZERO_SUM=True, ACC_SPLIT=2,
-                                    PACKED_SZ=True, MAXNREG=88),
+         "w4t2u1b4z_s2_k_r96": dict(PACKED_S2, TILES=2, UNROLL=1, min_blocks=4, MAXNREG=96),
+         "w4t2u1b4z_k_r96": dict(PACKED_S2, TILES=2, UNROLL=1, min_blocks=4, MAXNREG=96, ACC_SPLIT=1),
+         "w4t2u1b4z_s2_k_r88": dict(PACKED_S2, TILES=2, UNROLL=1, min_blocks=4, MAXNREG=88),
          # NO_MMA (with ABLATE's no-checks treatment, but the whole loop kept): each mma replaced by an integer
          # fold of its operands into the accumulator, so the dequant and every load stay and no tensor-core op
          # runs: the full kernel's SMs clock at ~1.78 GHz under ncu where the ablated build's hold 1.97

@@ -16,7 +16,7 @@ rule and packed scale / zero words are in cuda.py (re-exported here). run_quanti
 import torch
 
 from engc.kernels.int4_linear.cuda import (  # noqa: F401  (the op's API: callers use int4_linear.<name>)
-    CUDA_MAX_PASSES, CUDA_WIDE_ROWS, PackedScales, cuda_dequant_variant, cuda_launch, cuda_row_slices,
+    _cdiv, CUDA_MAX_PASSES, CUDA_WIDE_ROWS, PackedScales, cuda_dequant_variant, cuda_launch, cuda_row_slices,
     cuda_shape_variant, cuda_silu_variant, cuda_splits, cuda_variant, cuda_variant_for, cuda_wide_variant,
     pack_scales_zeros, packed_flavours, run_quantized_partials, run_quantized_silu, silu_out_fits, uses_cuda_gemv)
 from engc.kernels.int4_linear.layout import (  # noqa: F401
@@ -34,10 +34,6 @@ def int4_linear(x, qweight, scales, zeros, *extra, group_size: int, has_bias: in
         x = x.index_select(-1, extra[int(bool(has_bias))])
     w = dequantize(qweight, scales, zeros, group_size).to(x.dtype)
     return torch.nn.functional.linear(x, w, bias)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def gemv_variant(rows: int, group_size: int) -> str:

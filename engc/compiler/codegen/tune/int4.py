@@ -90,7 +90,8 @@ for _arch in ("sm80", "sm90"):
     # pair, one load a tile and K step instead of four: M=1 alone gate_up 23.48 us against 24.13, down 14.58 / 15.13,
     # head 85.36 / 88.21 (bench/results/h200_d0a44c6_int4_packed_sz.txt): ~2.3% of a b1 step predicted. On for this
     # build and its SiLU-out twin (gate and up rows paired; int4_linear.pack_scales_zeros, made at load by
-    # runtime/quant_ops.prepack_int4); off for qkv's (7.85 against 7.83 us), the wide builds and, until checked, o's EARLY_W build.
+    # runtime/quant_ops.prepack_int4); off for qkv's (7.85 against 7.83 us), the wide builds and o's EARLY_W build
+    # (checked since, no gain: its entry below says).
     # In the engine (h200_4cc272f_packed_sz_ab.json): b1 1.859-1.866 ms a step against 1.870, b4 -1.5% a token.
     # Twenty-fourth session, not kept: EARLY_W on qkv's build packed (no spills now) still 11 us a step slower
     # (h200_4335c28_qkv_early_w_packed_ab.json); warps' first loads staggered by a sleep (no lockstep-phase loss:
