@@ -56,6 +56,19 @@ def phases(bytes_per_weight: float, waits: bool) -> list[tuple[int, int, int]]:
     return layer * LAYERS + wait(NORM) + [gemv(v, h)]
 
 
+def chain_graph(kernel, waiter, ph, offs, buf, sink, grid: int, mode: int, kb: int = 0):
+    """The step as one phase_u* launch a phase (`kernel` for a GEMV, `waiter` for a wait phase), in a graph."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        s = cubin.current_stream()
+        for (b, c, t), o in zip(ph, offs):
+            if b:
+                kernel.launch((grid, 1, 1), [buf[o * 16:], b // 16, 0, 0, sink, mode, (kb << 10) // 16], s)
+            else:   # a wait phase (of no CTA busy: an empty kernel of one CTA)
+                waiter.launch((max(c, 1), 1, 1), [buf, 0, c, t, sink, mode, 0], s)
+    return g
+
+
 def main(path: str, out: str) -> None:
     image = open(path, "rb").read()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -102,22 +115,11 @@ def main(path: str, out: str) -> None:
                 res["ref"] = timed(lambda: plain.launch((grid, 1, 1), [buf, max(gemv_bytes // 16, 1), 0, 0, sink, 0, 0],
                                                         stream))
 
-                def graph_of(kernel, mode, kb=0):
-                    g = torch.cuda.CUDAGraph()
-                    waiter = plain if kernel is plain else pdl   # wait phases: no shared memory
-                    with torch.cuda.graph(g):
-                        s = cubin.current_stream()
-                        for (b, c, t), o in zip(ph, offs):
-                            if b:
-                                kernel.launch((grid, 1, 1), [buf[o * 16:], b // 16, 0, 0, sink, mode,
-                                                             (kb << 10) // 16], s)
-                            else:   # a wait phase (of no CTA busy: an empty kernel of one CTA)
-                                waiter.launch((max(c, 1), 1, 1), [buf, 0, c, t, sink, mode, 0], s)
-                    return g
                 for form, kernel, mode, kb in (("sep_plain", plain, 0, 0), ("sep_pdl", pdl, 1, 0),
                                                ("sep_pdl_early", pdl, 2, 0), ("sep_pdl_smem24", pdl_smem[24], 3, 24),
                                                ("sep_pdl_smem48", pdl_smem[48], 3, 48)):
-                    g = graph_of(kernel, mode, kb)
+                    waiter = plain if kernel is plain else pdl   # wait phases: no shared memory
+                    g = chain_graph(kernel, waiter, ph, offs, buf, sink, grid, mode, kb)
                     res[form] = timed(g.replay)
                     del g
 
