@@ -124,10 +124,10 @@ def main(aot: str, out: str) -> None:
             if waits:
                 res["df_rnorm"] = run_df(ph, rnorm_t, 1)
             if sizes == "int4" and waits:   # the sweep, around the default c8 s8x24 w0 p0
-                for cw, skb, st, work, poll in ((4, 8, 24, 0, 0), (8, 16, 12, 0, 0), (8, 4, 48, 0, 0),
-                                                (8, 8, 12, 0, 0), (8, 4, 24, 0, 0), (8, 8, 24, 0, 64),
-                                                (8, 8, 24, 12, 0), (4, 8, 24, 12, 0), (8, 8, 24, 24, 0),
-                                                (8, 16, 12, 12, 0)):
+                for cw, skb, st, work, poll in ((4, 8, 24, 0, 0), (12, 8, 24, 0, 0), (8, 16, 12, 0, 0),
+                                                (8, 4, 48, 0, 0), (8, 8, 12, 0, 0), (8, 32, 6, 0, 0),
+                                                (8, 8, 24, 0, 64), (8, 8, 24, 4, 0), (8, 8, 24, 8, 0),
+                                                (12, 8, 24, 8, 0), (8, 8, 24, 12, 0), (12, 8, 24, 12, 0)):
                     tag = f"c{cw}_s{skb}x{st}_w{work}_p{poll}"
                     res["ring_" + tag] = run_df(ph, plain_t, 0, cw, skb, st, work, poll)
                     res["df_rnorm_" + tag] = run_df(ph, rnorm_t, 1, cw, skb, st, work, poll)
