@@ -15,6 +15,7 @@ from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.decoder import lower
 from engc.compiler.ir import to_onnx
 from engc.compiler.passes import PASSES
+from engc.compiler.passes.fuse_fp8_input_quant import fuse_fp8_input_quant
 from engc.compiler.passes.quantize_kv_cache import KV_CACHE_PASSES
 from engc.compiler.passes.quantize_fp8 import FP8_MANIFEST, check_fp8_shapes, check_fp8_targets, quantize_fp8
 from engc.errors import UserError
@@ -82,7 +83,8 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
                         "--quant fp8 needs a float checkpoint")
     passes = list(PASSES)
     if fp8:  # right after the qkv/gate_up fusion, before any pass that claims a plain Gemm (silu_mul+down)
-        passes.insert([p.__name__ for p in passes].index("fuse_parallel_gemms") + 1, quantize_fp8)
+        at = [p.__name__ for p in passes].index("fuse_parallel_gemms") + 1
+        passes[at:at] = [quantize_fp8, fuse_fp8_input_quant]
     if opts.kv_cache != "auto":
         passes = [*passes, KV_CACHE_PASSES[opts.kv_cache]]
     with progress.step("lower to engine program"):

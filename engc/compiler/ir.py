@@ -34,6 +34,7 @@ class Graph:
     outputs: list[str] = field(default_factory=lambda: ["logits"])
     num_layers: int = 0
     kv_cache: str = "auto"      # int8/fp8: a quantized cache, kv_scale.{i} inputs (passes/quantize_kv_cache)
+    dtype: str = "float32"      # the activations' (torch name): what a pass that changes a value's type restores
 
     def add(self, op: str, inputs: list[str], outputs: list[str] | str, domain: str = ENGC_DOMAIN,
             **attrs) -> str | list[str]:

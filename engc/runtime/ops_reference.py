@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engc.bundle.program import ENGC_DOMAIN
-from engc.kernels.fp8_quant import fp8_linear
+from engc.kernels.fp8_quant import fp8_linear, fp8_linear_q, quantize_rows, silu_quant_rows
 from engc.kernels.gemv import silu_mul_linear
 from engc.kernels.int4_linear import int4_linear
 from engc.kernels.paged_attention import paged_attention, rotary_paged_attention
@@ -18,7 +18,7 @@ from engc.kernels.rms_norm import add_rms_norm, rms_norm
 from engc.kernels.rotary import rotary_kv_write
 from engc.kernels.silu_mul import silu_mul
 
-_ONNX_TO_TORCH = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
+ONNX_TO_TORCH = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
 
 
 def _gather(data, indices, axis=0):
@@ -31,11 +31,15 @@ def _gemm(a, b, c=None, transB=0, transA=0, alpha=1.0, beta=1.0):
     return (F.linear(a, b, c) if transB else a @ b + (c if c is not None else 0),)
 
 
+def _quantized_first(y, *rest):
+    return (*quantize_rows(y), *rest)
+
+
 REFERENCE_OPS = {
     ("", "Gather"): _gather,
     ("", "Gemm"): _gemm,
     ("", "Concat"): lambda *xs, axis: (torch.cat(xs, dim=axis),),
-    ("", "Cast"): lambda x, to: (x.to(_ONNX_TO_TORCH[to]),),
+    ("", "Cast"): lambda x, to: (x.to(ONNX_TO_TORCH[to]),),
     (ENGC_DOMAIN, "RMSNorm"): lambda x, w, eps: (rms_norm(x, w, eps),),
     (ENGC_DOMAIN, "AddRMSNorm"): lambda x, r, w, eps: add_rms_norm(x, r, w, eps),
     (ENGC_DOMAIN, "QKNorm"): lambda qkv, qw, kw, **a: (qk_norm(qkv, qw, kw, **a),),
@@ -53,4 +57,10 @@ REFERENCE_OPS = {
     (ENGC_DOMAIN, "QLinearAddRMSNorm"): lambda x, qw, s, z, r, w, group_size, eps: add_rms_norm(
         int4_linear(x, qw, s, z, group_size=group_size), r, w, eps),
     (ENGC_DOMAIN, "FP8Linear"): lambda *xs, **a: (fp8_linear(*xs, **a),),
+    # an fp8 program's FP8Linear inputs quantized by their producers (passes/fuse_fp8_input_quant)
+    (ENGC_DOMAIN, "RMSNormFP8"): lambda x, w, eps: quantize_rows(rms_norm(x, w, eps)),
+    (ENGC_DOMAIN, "AddRMSNormFP8"): lambda x, r, w, eps: _quantized_first(*add_rms_norm(x, r, w, eps)),
+    (ENGC_DOMAIN, "SiluMulFP8"): lambda x: silu_quant_rows(x),
+    (ENGC_DOMAIN, "FP8LinearQ"): lambda xq, xs, w, ws, bias=None, has_bias=0, dtype=1: (
+        fp8_linear_q(xq, xs, w, ws, bias, has_bias, ONNX_TO_TORCH[dtype]),),
 }

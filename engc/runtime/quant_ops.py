@@ -11,6 +11,7 @@ import torch
 from engc.bundle.program import ENGC_DOMAIN
 from engc.kernels import fp8_quant, int4_linear, rms_norm
 from engc.kernels import fp8_linear as fp8_gemm
+from engc.runtime.ops_reference import ONNX_TO_TORCH
 
 
 def quant_ops(k, counters: torch.Tensor, packed: int4_linear.PackedScales, *, act, add_norm) -> dict:
@@ -36,15 +37,47 @@ def quant_ops(k, counters: torch.Tensor, packed: int4_linear.PackedScales, *, ac
         xq = torch.empty(x.shape, dtype=fp8_quant.FP8, device=x.device)
         x_scale = torch.empty(rows, dtype=torch.float32, device=x.device)
         k.run("fp8_quant", fp8_quant.launch(x, xq, x_scale))
-        plain = fp8_gemm.pick(fp8_table, kdim, rows, quant_x=False)
+        return (fp8_matmul(xq, x_scale, weight, weight_scale, bias, x.dtype),)
+
+    def fp8_matmul(xq, x_scale, weight, weight_scale, bias, dtype):
+        """y = xq * x_scale @ (weight * weight_scale).t() (+ bias) in dtype: the bundle's GEMM for its M
+        classes, else cuBLASLt."""
+        plain = fp8_gemm.pick(fp8_table, xq.shape[1], xq.shape[0], quant_x=False)
         if plain:
-            out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+            out = torch.empty(xq.shape[0], weight.shape[0], dtype=dtype, device=xq.device)
             k.run("fp8_linear", fp8_gemm.launch(xq, x_scale, weight, weight_scale, bias, out, plain,
                                                 fp8_consts[plain], counters))
-            return (out,)
+            return out
         y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],
-                             out_dtype=x.dtype)
-        return (y + bias if has_bias else y,)
+                             out_dtype=dtype)
+        return y + bias if bias is not None else y
+
+    # The fp8 program's producers of FP8LinearQ inputs (passes/fuse_fp8_input_quant): the norms write float8
+    # codes and a scale a row (rms_norm's fp8 variants), the SiLU-and-mul is the quant kernel's SILU variant.
+    def quantized_rows(rows, width, device):
+        return (torch.empty(rows, width, dtype=fp8_quant.FP8, device=device),
+                torch.empty(rows, dtype=torch.float32, device=device))
+
+    def norm_fp8(x, w, eps):
+        xq, scale = quantized_rows(x.shape[0], x.shape[1], x.device)
+        k.run("rms_norm", rms_norm.launch(x, w, eps, xq, scale=scale))
+        return xq, scale
+
+    def add_norm_fp8(x, r, w, eps):
+        (xq, scale), r_out = quantized_rows(x.shape[0], x.shape[1], x.device), torch.empty_like(r)
+        k.run("rms_norm", rms_norm.launch(x, w, eps, xq, residual=r, residual_out=r_out, scale=scale))
+        return xq, scale, r_out
+
+    def silu_fp8(gate_up):
+        xq, scale = quantized_rows(gate_up.shape[0], gate_up.shape[1] // 2, gate_up.device)
+        k.run("fp8_quant", fp8_quant.launch(gate_up.contiguous(), xq, scale, silu=True))
+        return xq, scale
+
+    def fp8_linear_q(xq, x_scale, weight, weight_scale, bias=None, has_bias=0, dtype=1):
+        out_dtype = ONNX_TO_TORCH[dtype]
+        if xq.shape[0] == 0:
+            return (torch.empty(0, weight.shape[0], dtype=out_dtype, device=xq.device),)
+        return (fp8_matmul(xq, x_scale, weight, weight_scale, bias if has_bias else None, out_dtype),)
 
     # W4A16: the int4 GEMM for the decode batches its M classes hold, the CUDA C++ GEMV where built, else
     # the Triton GEMV up to gemv_max_rows rows; above, dequantize into a scratch W and cuBLAS. packed: the
@@ -100,6 +133,10 @@ def quant_ops(k, counters: torch.Tensor, packed: int4_linear.PackedScales, *, ac
         ops[(ENGC_DOMAIN, "QLinearAddRMSNorm")] = qlinear_add_norm
     if "fp8_quant" in k.consts:  # an fp8 bundle (engc build --quant fp8)
         ops[(ENGC_DOMAIN, "FP8Linear")] = fp8_linear
+        ops[(ENGC_DOMAIN, "FP8LinearQ")] = fp8_linear_q
+        ops[(ENGC_DOMAIN, "RMSNormFP8")] = norm_fp8
+        ops[(ENGC_DOMAIN, "AddRMSNormFP8")] = add_norm_fp8
+        ops[(ENGC_DOMAIN, "SiluMulFP8")] = silu_fp8
     return ops
 
 

@@ -20,19 +20,24 @@ from engc.kernels.fp8_quant import FP8_ARCHS, FP8_MAX, MIN_AMAX
 KV_TRITON_DTYPE = {torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv"}
 
 
-def rms_norm_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, partials: bool = False):
+def rms_norm_specs(cfg: ModelConfig, t: str, arch: str, overrides=None, partials: bool = False, fp8: bool = False):
     """The norm and the residual-add norm; with partials also the residual-add norm that sums an int4
-    split-K GEMV's fp32 partials (rms_norm.PARTIALS_VARIANT, for QLinearAddRMSNorm)."""
+    split-K GEMV's fp32 partials (rms_norm.PARTIALS_VARIANT, for QLinearAddRMSNorm); with fp8 also both norms
+    writing float8 codes and a scale a row (rms_norm.FP8_VARIANTS, for RMSNormFP8 / AddRMSNormFP8)."""
     block = pow2(cfg.hidden_size)
     types = {"x_ptr": f"*{t}", "residual_ptr": f"*{t}", "weight_ptr": f"*{t}", "out_ptr": f"*{t}",
-             "residual_out_ptr": f"*{t}", "eps": "fp32", "splits": "i32"}
-    variants = [("rms_norm", False, False), ("add_rms_norm", True, False)]
-    variants += [(rms_norm.PARTIALS_VARIANT, True, True)] if partials else []
-    return [make_spec("rms_norm", variant, arch, "rms_norm_kernel", dict(types, x_ptr="*fp32") if part else types,
+             "residual_out_ptr": f"*{t}", "scale_ptr": f"*{t}", "eps": "fp32", "splits": "i32"}
+    variants = [("rms_norm", False, False, False), ("add_rms_norm", True, False, False)]
+    variants += [(rms_norm.PARTIALS_VARIANT, True, True, False)] if partials else []
+    variants += [(rms_norm.FP8_VARIANTS[v], res, False, True) for v, res, _, _ in variants[:2]] if fp8 else []
+    return [make_spec("rms_norm", variant, arch, "rms_norm_kernel",
+                      dict(types, **({"x_ptr": "*fp32"} if part else {}),
+                           **({"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"} if q else {})),
                       {"HIDDEN": cfg.hidden_size, "BLOCK": block, "HAS_RESIDUAL": has_res, "PARTIALS": part,
-                       "MAX_SPLITS": rms_norm.MAX_SPLITS if part else 1},
+                       "MAX_SPLITS": rms_norm.MAX_SPLITS if part else 1, "FP8_OUT": q, "FP8_MAX": FP8_MAX,
+                       "MIN_AMAX": MIN_AMAX},
                       tune.block_bucket(block), overrides=overrides)
-            for variant, has_res, part in variants]
+            for variant, has_res, part, q in variants]
 
 
 def silu_mul_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
@@ -130,16 +135,16 @@ def sampling_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
 
 
 def fp8_quant_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
-    """Per-token FP8 activation quantization, one variant per projection input width (hidden, q, inter)."""
+    """Per-token FP8 activation quantization, one variant per projection input width (hidden, q, inter), and
+    the one of silu(gate) * up from a fused gate_up (silu_k<inter>, for SiluMulFP8)."""
     if arch not in FP8_ARCHS:
         raise UserError(f"--quant fp8 needs FP8 tensor cores (sm89 or newer); {arch} has none")
-    specs = []
-    for k in sorted({cfg.hidden_size, cfg.q_size, cfg.intermediate_size}):
-        types = {"x_ptr": f"*{t}", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
-        consts = {"K": k, "BLOCK": pow2(k), "FP8_MAX": FP8_MAX, "MIN_AMAX": MIN_AMAX}
-        specs.append(make_spec("fp8_quant", f"k{k}", arch, "fp8_quant_kernel", types, consts,
-                               tune.block_bucket(pow2(k)), overrides=overrides))
-    return specs
+    types = {"x_ptr": f"*{t}", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    widths = [(f"k{k}", k, False) for k in sorted({cfg.hidden_size, cfg.q_size, cfg.intermediate_size})]
+    return [make_spec("fp8_quant", variant, arch, "fp8_quant_kernel", types,
+                      {"K": k, "BLOCK": pow2(k), "FP8_MAX": FP8_MAX, "MIN_AMAX": MIN_AMAX, "SILU": silu},
+                      tune.block_bucket(pow2(k)), overrides=overrides)
+            for variant, k, silu in widths + [(f"silu_k{cfg.intermediate_size}", cfg.intermediate_size, True)]]
 
 
 def int4_linear_specs(t: str, arch: str, group_sizes, overrides=None):
@@ -225,8 +230,8 @@ def argmax_specs(cfg: ModelConfig, t: str, arch: str, overrides=None):
 def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int, overrides=None,
                 quant: str = "none", kv_cache: str = "auto", int4_group_sizes=(), int4_lm_head: bool = False) -> list:
     """Every kernel the model needs on one arch. overrides: op -> tune overrides (bench sweeps).
-    quant: the build's --quant ('none' for float or int4-from-checkpoint; 'fp8' adds fp8_quant and
-    fp8_linear).
+    quant: the build's --quant ('none' for float or int4-from-checkpoint; 'fp8' adds fp8_quant, fp8_linear
+    and the norms' fp8-out variants).
     kv_cache: the build's --kv-cache ('auto': the model dtype; 'int8'/'fp8': rotary and paged attention
     specialized on that quantized cache). int4_group_sizes: group sizes of the program's int4 QLinears.
     int4_lm_head: the lm_head is a QLinear too (`engc quantize --lm-head`): no dense Gemm is left, so no
@@ -244,7 +249,7 @@ def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int
         raise UserError(f"--kv-cache fp8 needs sm89 or newer (e4m3 conversions); {arch} has none: "
                         "use --kv-cache int8")
     ov = overrides or {}
-    specs = rms_norm_specs(cfg, t, arch, ov.get("rms_norm"), partials=bool(int4_group_sizes))
+    specs = rms_norm_specs(cfg, t, arch, ov.get("rms_norm"), partials=bool(int4_group_sizes), fp8=quant == "fp8")
     specs += silu_mul_specs(cfg, t, arch, ov.get("silu_mul"))
     if cfg.qk_norm:
         specs += qk_norm_specs(cfg, t, arch, ov.get("qk_norm"))

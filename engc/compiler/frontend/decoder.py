@@ -55,7 +55,7 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
     if cfg.num_heads % cfg.num_kv_heads:
         raise UserError(f"num_attention_heads {cfg.num_heads} is not a multiple of "
                         f"num_key_value_heads {cfg.num_kv_heads}")
-    g = Graph(num_layers=cfg.num_layers)
+    g = Graph(num_layers=cfg.num_layers, dtype=str(dtype).removeprefix("torch."))
     weight = _weight_binder(ckpt, g, dtype)
     rope = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     g.weights["rope.inv_freq"] = lambda: rope

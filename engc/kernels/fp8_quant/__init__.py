@@ -17,6 +17,8 @@ element can be scaled); the variant is the row width, 'k<K>', one per distinct p
 """
 import torch
 
+from engc.kernels.silu_mul import silu_mul
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0        # largest finite float8_e4m3fn
 MIN_AMAX = 1e-12       # an all-zero row still gets a finite scale (its values quantize to 0)
@@ -48,19 +50,32 @@ def fp8_linear(x, weight, weight_scale, bias=None, has_bias: int = 0) -> torch.T
 
     weight may be the float8 tensor or an upcast copy of it (a float32 oracle): values are the same."""
     xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
-    y = dequantize_rows(xq, xs) @ dequantize_rows(weight, weight_scale).t()
-    y = y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+    y = fp8_linear_q(xq, xs, weight, weight_scale, bias, has_bias, x.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear_q(xq, x_scale, weight, weight_scale, bias=None, has_bias: int = 0, dtype=torch.float32):
+    """The reference of FP8LinearQ, FP8Linear on an input that comes quantized (xq [M, K] float8, x_scale
+    [M]; passes/fuse_fp8_input_quant): the product in float32, then rounded to dtype (the model's)."""
+    y = (dequantize_rows(xq, x_scale) @ dequantize_rows(weight, weight_scale).t()).to(dtype)
     return y + bias if has_bias else y
 
 
-def launch(x, out, scale, consts=None):
+def launch(x, out, scale, consts=None, silu: bool = False):
     """Launch rule of fp8_quant_kernel: [(variant, grid, args)], nothing to launch for 0 rows.
 
-    x contiguous [M, K] (bf16/fp16/fp32), out float8_e4m3fn [M, K], scale float32 [M].
+    x contiguous [M, K] (bf16/fp16/fp32), out float8_e4m3fn [M, K], scale float32 [M]: variant 'k<K>'.
+    silu: x is a fused gate_up [M, 2K] and out / scale take silu(gate) * up quantized: variant 'silu_k<K>'.
     args: x, out, scale, global_scratch=0, profile_scratch=0. consts is unused.
     """
-    rows, k = x.shape
-    assert x.is_contiguous() and out.is_contiguous() and out.shape == x.shape and scale.shape == (rows,)
+    rows, k = out.shape
+    assert x.is_contiguous() and out.is_contiguous() and scale.shape == (rows,)
+    assert x.shape == (rows, 2 * k if silu else k)
     if rows == 0:
         return []
-    return [(f"k{k}", (rows, 1, 1), [x, out, scale, 0, 0])]
+    return [(f"silu_k{k}" if silu else f"k{k}", (rows, 1, 1), [x, out, scale, 0, 0])]
+
+
+def silu_quant_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of the SILU variant (ai.engc::SiluMulFP8): silu_mul, then quantize_rows."""
+    return quantize_rows(silu_mul(gate_up))

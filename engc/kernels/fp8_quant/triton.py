@@ -4,6 +4,9 @@ One program per row, the whole row (BLOCK = next power of two of K) in registers
 the loads vectorize. Arithmetic as the reference (kernels/fp8_quant): divisions correctly rounded
 (Triton's plain '/' is div.full, off by up to 2 ulp), x / scale clamped to +-448, then rounded to
 nearest-even by the float8 conversion (cvt.rn.satfinite), so GPU and reference agree bit for bit.
+SILU: x is a fused gate_up [M, 2K] and the row quantized is silu(gate) * up, rounded as kernels/silu_mul
+rounds it to x's dtype (the down projection's input of an fp8 bundle: passes/fuse_fp8_input_quant, one
+launch where silu_mul and fp8_quant were two).
 """
 import triton
 import triton.language as tl
@@ -11,11 +14,17 @@ import triton.language as tl
 
 @triton.jit
 def fp8_quant_kernel(x_ptr, out_ptr, scale_ptr, K: tl.constexpr, BLOCK: tl.constexpr,
-                     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+                     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, SILU: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
-    x = tl.load(x_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
+    if SILU:
+        dt = x_ptr.dtype.element_ty
+        g = tl.load(x_ptr + row * (2 * K) + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * (2 * K) + K + offs, mask=mask, other=0.0).to(tl.float32)
+        x = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX), FP8_MAX)
     q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
     tl.store(out_ptr + row * K + offs, q.to(out_ptr.dtype.element_ty), mask=mask)

@@ -22,19 +22,25 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 # (ai.engc::QLinearAddRMSNorm, passes/fuse_qlinear_add_norm)
 PARTIALS_VARIANT = "add_rms_norm_partials"
 MAX_SPLITS = 16   # the most partials it sums (the int4 GEMV's tune entries split K at most 16 ways)
+# The norms that write their output as float8 codes plus a scale a row, for the FP8 GEMM after them (fp8
+# bundles: ai.engc::RMSNormFP8 / AddRMSNormFP8, passes/fuse_fp8_input_quant)
+FP8_VARIANTS = {"rms_norm": "rms_norm_fp8", "add_rms_norm": "add_rms_norm_fp8"}
 
 
-def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=None, partials: bool = False):
+def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=None, partials: bool = False,
+           scale=None):
     """Launch rule of the AOT kernel rms_norm_kernel: [(variant, grid, args)], nothing to launch for 0 rows.
 
     x, out (and residual, residual_out): contiguous [..., hidden]; weight [hidden]. Without residual the
     variant is 'rms_norm', else 'add_rms_norm', which writes x + residual to residual_out (default: the
     residual buffer itself, in place). With partials, x is a split-K GEMV's unreduced output, fp32 [splits,
     rows, hidden], and a residual comes too: variant 'add_rms_norm_partials', which sums the splits in
-    order first and rounds to out's dtype. args, in the kernel's order:
-        x, residual, weight, out, residual_out, eps (fp32), splits, global_scratch=0, profile_scratch=0
+    order first and rounds to out's dtype. With scale (float32 [rows]), out is float8_e4m3fn and takes the
+    output quantized a row (FP8_VARIANTS; not with partials). args, in the kernel's order:
+        x, residual, weight, out, residual_out, eps (fp32), splits, scale, global_scratch=0, profile_scratch=0
     (the 'rms_norm' variant ignores the residual slots; they carry x and out; splits is read by the
-    partials variant alone). consts is unused.
+    partials variant alone; scale by the fp8 variants alone: the others take the weight there, their
+    scale_ptr typed as it is). consts is unused.
     """
     assert not partials or (x.dtype == torch.float32 and x.dim() == 3 and x.shape[0] <= MAX_SPLITS)
     splits = x.shape[0] if partials else 1
@@ -48,6 +54,10 @@ def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=
     for t in (x, residual, out, residual_out):
         assert t.is_contiguous() and t.shape[-1] == x.shape[-1]
     assert out.numel() == rows * x.shape[-1]
+    if scale is not None:
+        assert not partials and scale.shape == (rows,) and scale.dtype == torch.float32
+        variant = FP8_VARIANTS[variant]
     if rows == 0:
         return []
-    return [(variant, (rows, 1, 1), [x, residual, weight, out, residual_out, float(eps), splits, 0, 0])]
+    return [(variant, (rows, 1, 1), [x, residual, weight, out, residual_out, float(eps), splits,
+                                     weight if scale is None else scale, 0, 0])]

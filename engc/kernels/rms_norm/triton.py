@@ -8,6 +8,11 @@ PARTIALS: x is a split-K GEMV's unreduced output, fp32 [splits, rows, HIDDEN], s
 (kernels/int4_linear's cuda_launch with partials): summed in split order and rounded to the dtype, as that
 GEMV's own last split would have written it, so the result is the same bits; the GEMV then skips its fence,
 ticket and re-read.
+FP8_OUT: the output is quantized for the FP8 GEMM after the norm (passes/fuse_fp8_input_quant): each row
+rounded to the storage dtype as before, then to float8_e4m3fn with its own scale (row absmax / FP8_MAX, to
+scale_ptr), in kernels/fp8_quant's arithmetic, so the bits are what the norm then fp8_quant would give.
+scale_ptr is the last runtime parameter so that a bundle built before it still launches with these args (a
+launch passes the first len(signature) of them).
 """
 import triton
 import triton.language as tl
@@ -16,9 +21,13 @@ from engc.kernels import pdl
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps, splits,
+def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps, splits, scale_ptr,
                     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PARTIALS: tl.constexpr,
-                    MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                    MAX_SPLITS: tl.constexpr, FP8_OUT: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+                    PDL: tl.constexpr):
+    # the storage dtype every intermediate is rounded to: out's, unless out holds float8 codes (then the
+    # residual's, which the plain norm variant points at x)
+    dt = residual_ptr.dtype.element_ty if FP8_OUT else out_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -34,15 +43,22 @@ def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
         for s in tl.static_range(MAX_SPLITS):
             live = mask & (offs * 0 + s < splits)
             total += tl.load(x_ptr + s * plane + row * HIDDEN + offs, mask=live, other=0.0)
-        x = total.to(out_ptr.dtype.element_ty)
+        x = total.to(dt)
     else:
         x = tl.load(x_ptr + row * HIDDEN + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * HIDDEN + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
         tl.store(residual_out_ptr + row * HIDDEN + offs, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / HIDDEN
     rstd = 1.0 / tl.sqrt(var + eps)
-    y = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * HIDDEN + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (w * (xf * rstd).to(dt).to(tl.float32)).to(dt)
+    if FP8_OUT:
+        yf = y.to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(yf), axis=0), MIN_AMAX), FP8_MAX)
+        q = tl.clamp(tl.math.div_rn(yf, scale), -FP8_MAX, FP8_MAX)
+        tl.store(out_ptr + row * HIDDEN + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * HIDDEN + offs, y, mask=mask)
