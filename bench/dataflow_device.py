@@ -22,6 +22,10 @@ Prediction (before running): ring within 5% of ref (0.94-1.0 ms); df 1.05-1.15 m
 (against sep_pdl 1.375-1.426 in the eighteenth session): the ring (192 KB ~ 6 us of an SM's stream) covers a
 layer's ~5 us attention and hops; w12 with 8 consumer warps within 5% of w0, with 4 slower. If df lands near
 1.1 ms, a real dataflow int4 step would be ~1.55 ms (2.65x bf16) and worth building; if near sep_pdl, not.
+Measured (H200, bench/results/h200_b7343be_dataflow_micro.json; README, twenty-seventh session): neither.
+The ring alone missed copy speed by far, its time growing with the number of stages rather than the bytes
+(~0.3 us a stage: 8 KB stages 1,882 us, 32 KB 1,097, ref 971), so the dependency forms (df_rnorm 1,522 at
+best) say little yet; sep_pdl 1,389. First find why a CTA's bulk copies do not overlap.
 
     here:   nvcc -cubin -arch=sm_90a -O3 -o DIR/dataflow.cubin bench/dataflow_micro.cu
             nvcc -cubin -arch=sm_90a -O3 -o DIR/persistent_chain.cubin bench/persistent_chain_micro.cu
