@@ -15,8 +15,9 @@ anything but a free stage, while the consumer warps wait a phase only for the co
               is its own phase on its busy CTAs (one more counter hop)
   df_rnorm    the same, with every CTA recomputing the norm itself (a spin, no hop): the real kernel's choice
   *_nowaits   the phases without the latency phases (hops between GEMVs only)
-  cN, sK xS, wW, pP: N consumer warps, a ring of S stages of K KB, W rounds of integer math a 16-byte word
-              (~4 instructions a round: W 12 ~ a real int4 GEMV's dequant and FMAs), counter polls P ns apart
+  sKxS_iI_pP_gG: a ring of S stages of K KB, I producer lanes taking turns at the stages, P bulk copies a
+              stage, G CTAs an SM (8 consumer warps). The first lease also swept consumer warps, integer work a
+              word and poll intervals (h200_b7343be_dataflow_micro.json)
 
 Prediction (before running): ring within 5% of ref (0.94-1.0 ms); df 1.05-1.15 ms and df_rnorm a little less
 (against sep_pdl 1.375-1.426 in the eighteenth session): the ring (192 KB ~ 6 us of an SM's stream) covers a
@@ -81,16 +82,17 @@ def main(aot: str, out: str) -> None:
     kernels = {}
     rows = []
 
-    def df_kernel(cw, stage_kb, stages):
-        key = (cw, stage_kb * stages)
+    def df_kernel(cw, kb, per_sm):   # the shared-memory split fits per_sm CTAs of a kb ring (+ barriers)
+        key = (cw, kb, per_sm)
         if key not in kernels:
-            kb = stage_kb * stages
-            kernels[key] = cubin.load_kernel(df_image, f"dataflow_c{cw}", "ppppppppipIpiiiii", block_x=32 * (cw + 1),
-                                             shared_mem=kb << 10, carveout=min(100, -(-(kb + 3) * 100 // 228)))
+            kernels[key] = cubin.load_kernel(df_image, f"dataflow_c{cw}", "ppppppppipIpiiiiiii", block_x=32 * (cw + 1),
+                                             shared_mem=kb << 10, carveout=min(100, -(-per_sm * (kb + 3) * 100 // 228)))
         return kernels[key]
 
-    def run_df(ph, t, deps, cw=8, stage_kb=8, stages=24, work=0, poll=0):
-        k = df_kernel(cw, stage_kb, stages)
+    def run_df(ph, rnorm, deps, cw=8, stage_kb=8, stages=24, work=0, poll=0, issuers=1, pieces=1, per_sm=1):
+        grid = per_sm * sms
+        t = plan(ph, grid, rnorm)
+        k = df_kernel(cw, stage_kb * stages, per_sm)
         dev = lambda xs, ty: torch.tensor(xs, dtype=ty, device="cuda")
         args = [dev(t["off16"], torch.int64), dev(t["len16"], torch.int64), dev(t["kind"], torch.int32),
                 dev(t["busy"], torch.int32), dev(t["wait"], torch.int64), dev(t["dep"], torch.int32),
@@ -99,8 +101,8 @@ def main(aot: str, out: str) -> None:
 
         def go():
             epoch[0] += 1
-            k.launch((sms, 1, 1), [buf, *args, len(ph), counters, epoch[0], sink, stages, (stage_kb << 10) // 16,
-                                   deps, work, poll], stream)
+            k.launch((grid, 1, 1), [buf, *args, len(ph), counters, epoch[0], sink, stages, (stage_kb << 10) // 16,
+                                    deps, work, poll, issuers, pieces], stream)
         counters.zero_()
         us = median_us(go, 12, digits=1, warm=True)
         sink.zero_()
@@ -122,19 +124,18 @@ def main(aot: str, out: str) -> None:
             g = chain_graph(pdl, pdl, ph, offs, buf, sink, 4 * sms, 1)
             res["sep_pdl"] = (median_us(g.replay, 12, digits=1, warm=True), True, 0)
             del g
-            plain_t, rnorm_t = plan(ph, sms, False), plan(ph, sms, True)
-            res["ring"] = run_df(ph, plain_t, 0)
-            res["df"] = run_df(ph, plain_t, 1)
+            res["ring"] = run_df(ph, False, 0)
+            res["df"] = run_df(ph, False, 1)
             if waits:
-                res["df_rnorm"] = run_df(ph, rnorm_t, 1)
-            if sizes == "int4" and waits:   # the sweep, around the default c8 s8x24 w0 p0
-                for cw, skb, st, work, poll in ((4, 8, 24, 0, 0), (12, 8, 24, 0, 0), (8, 16, 12, 0, 0),
-                                                (8, 4, 48, 0, 0), (8, 8, 12, 0, 0), (8, 32, 6, 0, 0),
-                                                (8, 8, 24, 0, 64), (8, 8, 24, 4, 0), (8, 8, 24, 8, 0),
-                                                (12, 8, 24, 8, 0), (8, 8, 24, 12, 0), (12, 8, 24, 12, 0)):
-                    tag = f"c{cw}_s{skb}x{st}_w{work}_p{poll}"
-                    res["ring_" + tag] = run_df(ph, plain_t, 0, cw, skb, st, work, poll)
-                    res["df_rnorm_" + tag] = run_df(ph, rnorm_t, 1, cw, skb, st, work, poll)
+                res["df_rnorm"] = run_df(ph, True, 1)
+            if sizes == "int4" and waits:   # do an SM's bulk copies overlap? more issuing lanes, pieces, CTAs
+                for skb, st, iss, pcs, per_sm in ((8, 24, 2, 1, 1), (8, 24, 4, 1, 1), (8, 24, 1, 4, 1),
+                                                  (16, 12, 4, 1, 1), (16, 12, 1, 4, 1), (32, 6, 4, 1, 1),
+                                                  (32, 6, 1, 8, 1), (8, 12, 1, 1, 2), (16, 6, 1, 1, 2),
+                                                  (8, 12, 4, 1, 2), (4, 24, 1, 1, 2)):
+                    tag = f"s{skb}x{st}_i{iss}_p{pcs}_g{per_sm}"
+                    res["ring_" + tag] = run_df(ph, False, 0, 8, skb, st, 0, 0, iss, pcs, per_sm)
+                    res["df_rnorm_" + tag] = run_df(ph, True, 1, 8, skb, st, 0, 0, iss, pcs, per_sm)
             ref = res["ref"][0]
             for form, (us, ok, err) in res.items():
                 rows.append({"sizes": sizes, "waits": waits, "form": form, "us": us, "ok": ok, "err": err,

@@ -113,12 +113,14 @@ __device__ __forceinline__ void share(long long n16, int cta, int ctas, long lon
 // consumers first wait for counters[dep[p]] to reach epoch * need[p] (skipped if this CTA last waited on that
 // same counter). deps = 0: no waits at all (the ring's streaming alone). sink[0] += the checksum of every word
 // consumed, sink[1] the work's result (kept), sink[2] error flags (1 a stage wait, 2 a counter wait gave up).
+// issuers: producer lanes taking turns at the stages (stage i: lane i % issuers); pieces: bulk copies a stage
+// (16-byte multiples). Both probe the first run's finding that an SM's copies did not overlap.
 template <int CW>
 __device__ __forceinline__ void dataflow_body(const uint4* w, const long long* off16, const long long* len16,
                                               const int* kind, const int* busy, const long long* wait_ns,
                                               const int* dep, const unsigned* need, int phases, unsigned* counters,
                                               unsigned epoch, unsigned* sink, int stages, int stage16, int deps,
-                                              int work, int poll_ns) {
+                                              int work, int poll_ns, int issuers, int pieces) {
     extern __shared__ __align__(128) uint4 ring[];
     __shared__ __align__(8) uint64_t full[MAX_STAGES], empty[MAX_STAGES];
     if (threadIdx.x == 0) {
@@ -131,20 +133,25 @@ __device__ __forceinline__ void dataflow_body(const uint4* w, const long long* o
     __syncthreads();
     unsigned* err = sink + 2;
     long long it = 0;   // stages issued (producer) or taken (consumers) so far, across phases
-    if (threadIdx.x < 32) {   // the producer warp: one thread issues every copy
-        if (threadIdx.x == 0) {
+    if (threadIdx.x < 32) {   // the producer warp: lanes below `issuers` take turns at the stages
+        if ((int)threadIdx.x < issuers) {
             for (int p = 0; p < phases; ++p) {
                 if (kind[p] != 0) continue;
                 long long lo, hi;
                 share(len16[p], blockIdx.x, gridDim.x, lo, hi);
                 const uint4* src = w + off16[p];
                 for (long long b = lo; b < hi; b += stage16, ++it) {
+                    if ((int)(it % issuers) != (int)threadIdx.x) continue;
                     const int s = (int)(it % stages);
                     const long long round = it / stages;
                     if (round > 0 && !mbar_wait(&empty[s], (unsigned)((round - 1) & 1), err)) return;
-                    const unsigned bytes = (unsigned)(min((long long)stage16, hi - b) * 16);
-                    mbar_expect(&full[s], bytes);
-                    bulk_load(ring + (long long)s * stage16, src + b, bytes, &full[s]);
+                    const long long n16 = min((long long)stage16, hi - b);
+                    mbar_expect(&full[s], (unsigned)(n16 * 16));
+                    // the stage in `pieces` copies (all completing on its barrier)
+                    const long long step = (n16 + pieces - 1) / pieces;
+                    for (long long o = 0; o < n16; o += step)
+                        bulk_load(ring + (long long)s * stage16 + o, src + b + o,
+                                  (unsigned)(min(step, n16 - o) * 16), &full[s]);
                 }
             }
         }
@@ -196,9 +203,10 @@ __device__ __forceinline__ void dataflow_body(const uint4* w, const long long* o
     extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) dataflow_c##CW(                                \
             const uint4* w, const long long* off16, const long long* len16, const int* kind, const int* busy,     \
             const long long* wait_ns, const int* dep, const unsigned* need, int phases, unsigned* counters,     \
-            unsigned epoch, unsigned* sink, int stages, int stage16, int deps, int work, int poll_ns) {         \
+            unsigned epoch, unsigned* sink, int stages, int stage16, int deps, int work, int poll_ns,           \
+            int issuers, int pieces) {                                                                            \
         dataflow_body<CW>(w, off16, len16, kind, busy, wait_ns, dep, need, phases, counters, epoch, sink,         \
-                          stages, stage16, deps, work, poll_ns);                                                 \
+                          stages, stage16, deps, work, poll_ns, issuers, pieces);                                \
     }
 
 DATAFLOW(4)
