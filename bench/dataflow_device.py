@@ -16,7 +16,8 @@ anything but a free stage, while the consumer warps wait a phase only for the co
   df_rnorm    the same, with every CTA recomputing the norm itself (a spin, no hop): the real kernel's choice
   *_nowaits   the phases without the latency phases (hops between GEMVs only)
   sKxS_iI_pP_gG: a ring of S stages of K KB, I producer lanes taking turns at the stages, P bulk copies a
-              stage, G CTAs an SM (8 consumer warps). The first lease also swept consumer warps, integer work a
+              stage (I 0: no bulk copies, the producer warp's 32 lanes cp.async 16 bytes each an instruction),
+              G CTAs an SM (8 consumer warps). The first lease also swept consumer warps, integer work a
               word and poll intervals (h200_b7343be_dataflow_micro.json)
 
 Prediction (before running): ring within 5% of ref (0.94-1.0 ms); df 1.05-1.15 ms and df_rnorm a little less
@@ -132,7 +133,8 @@ def main(aot: str, out: str) -> None:
                 for skb, st, iss, pcs, per_sm in ((8, 24, 2, 1, 1), (8, 24, 4, 1, 1), (8, 24, 1, 4, 1),
                                                   (16, 12, 4, 1, 1), (16, 12, 1, 4, 1), (32, 6, 4, 1, 1),
                                                   (32, 6, 1, 8, 1), (8, 12, 1, 1, 2), (16, 6, 1, 1, 2),
-                                                  (8, 12, 4, 1, 2), (4, 24, 1, 1, 2)):
+                                                  (8, 12, 4, 1, 2), (4, 24, 1, 1, 2), (8, 24, 0, 1, 1),
+                                                  (16, 12, 0, 1, 1), (4, 48, 0, 1, 1), (8, 12, 0, 1, 2)):
                     tag = f"s{skb}x{st}_i{iss}_p{pcs}_g{per_sm}"
                     res["ring_" + tag] = run_df(ph, False, 0, 8, skb, st, 0, 0, iss, pcs, per_sm)
                     res["df_rnorm_" + tag] = run_df(ph, True, 1, 8, skb, st, 0, 0, iss, pcs, per_sm)

@@ -69,6 +69,11 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
                  :: "r"(smem(dst)), "l"(src), "r"(bytes), "r"(smem(bar)) : "memory");
 }
 
+// 16 bytes global -> shared by the LSU (cp.async, L2 only: the weights are read once).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem(dst)), "l"(src) : "memory");
+}
+
 // The consumer warps' own barrier (the producer warp never joins it).
 __device__ __forceinline__ void consumers_sync(int threads) {
     asm volatile("bar.sync 1, %0;" :: "r"(threads) : "memory");
@@ -114,7 +119,8 @@ __device__ __forceinline__ void share(long long n16, int cta, int ctas, long lon
 // same counter). deps = 0: no waits at all (the ring's streaming alone). sink[0] += the checksum of every word
 // consumed, sink[1] the work's result (kept), sink[2] error flags (1 a stage wait, 2 a counter wait gave up).
 // issuers: producer lanes taking turns at the stages (stage i: lane i % issuers); pieces: bulk copies a stage
-// (16-byte multiples). Both probe the first run's finding that an SM's copies did not overlap.
+// (16-byte multiples). Both probe the first run's finding that an SM's copies did not overlap. issuers 0: no
+// bulk copies, the whole producer warp copies each stage with cp.async, 16 bytes a lane an instruction.
 template <int CW>
 __device__ __forceinline__ void dataflow_body(const uint4* w, const long long* off16, const long long* len16,
                                               const int* kind, const int* busy, const long long* wait_ns,
@@ -125,7 +131,8 @@ __device__ __forceinline__ void dataflow_body(const uint4* w, const long long* o
     __shared__ __align__(8) uint64_t full[MAX_STAGES], empty[MAX_STAGES];
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) {
-            mbar_init(&full[s], 1);     // the producer's expect_tx arrival (plus the copy's bytes)
+            // the producer's expect_tx arrival (plus the copy's bytes), or each producer lane's cp.async arrival
+            mbar_init(&full[s], issuers ? 1 : 32);
             mbar_init(&empty[s], CW);   // one arrival a consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -133,6 +140,25 @@ __device__ __forceinline__ void dataflow_body(const uint4* w, const long long* o
     __syncthreads();
     unsigned* err = sink + 2;
     long long it = 0;   // stages issued (producer) or taken (consumers) so far, across phases
+    if (threadIdx.x < 32 && issuers == 0) {   // the producer warp by cp.async: 16 bytes a lane an instruction
+        for (int p = 0; p < phases; ++p) {
+            if (kind[p] != 0) continue;
+            long long lo, hi;
+            share(len16[p], blockIdx.x, gridDim.x, lo, hi);
+            const uint4* src = w + off16[p];
+            for (long long b = lo; b < hi; b += stage16, ++it) {
+                const int s = (int)(it % stages);
+                const long long round = it / stages;
+                if (round > 0 && !mbar_wait(&empty[s], (unsigned)((round - 1) & 1), err)) return;
+                const long long n16 = min((long long)stage16, hi - b);
+                for (long long i = threadIdx.x; i < n16; i += 32)
+                    cp_async16(ring + (long long)s * stage16 + i, src + b + i);
+                // the barrier's arrival of this lane, once its copies so far have landed
+                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem(&full[s])) : "memory");
+            }
+        }
+        return;
+    }
     if (threadIdx.x < 32) {   // the producer warp: lanes below `issuers` take turns at the stages
         if ((int)threadIdx.x < issuers) {
             for (int p = 0; p < phases; ++p) {
