@@ -6,14 +6,19 @@ ONNX: ai.engc::FP8Linear(x, weight, weight_scale[, bias]) -> y, attribute has_bi
   W[n, k] = weight[n, k] * weight_scale[n]
 At run time each token's row of x gets its own scale (row absmax / 448): x ~= x_fp8 * x_scale[:, None].
 Then y = (x_fp8 @ weight.t()) * x_scale[:, None] * weight_scale[None, :] (+ bias), accumulated in fp32.
+ai.engc::FP8LinearQ(x_fp8, x_scale, weight, weight_scale[, bias]) -> y, attributes has_bias and dtype (ONNX
+code of y's): the same GEMM on an input its producer quantized (passes/fuse_fp8_input_quant; the norms'
+fp8 variants in kernels/rms_norm, this kernel's SILU variant for SiluMulFP8).
 
-The kernel here is the activation quantization (triton.py, fp8_quant_kernel); the GEMM is cuBLASLt
-through torch._scaled_mm with row-wise scales (runtime/gpu_ops.py). fp8_linear below is the op's
+The kernel here is the activation quantization (triton.py, fp8_quant_kernel); the GEMM is kernels/fp8_linear
+for decode batches, else cuBLASLt through torch._scaled_mm with row-wise scales (runtime/quant_ops.py).
+fp8_linear below is the op's
 reference: the same quantization, the matmul in float32 on the dequantized operands, which is what the
 GPU computes up to accumulation order.
 
 Launch rule: one program per row (the whole row in registers: the absmax needs all of it before any
-element can be scaled); the variant is the row width, 'k<K>', one per distinct projection input width.
+element can be scaled); the variant is the row width, 'k<K>', one per distinct projection input width, and
+'silu_k<I>' for silu(gate) * up of a fused gate_up [M, 2I].
 """
 import torch
 
