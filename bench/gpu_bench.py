@@ -98,6 +98,22 @@ def tune_overrides(args) -> dict | None:
     return check_overrides(json.loads(args.tune)) if args.tune else None
 
 
+def skip_pass(name: str) -> None:
+    """--skip-pass: build without the graph pass `name` (an A/B of a fusion in one lease; bench only). The
+    build's pass list and its module's names both point at an identity named skipped_<name>."""
+    from engc.compiler import build as build_module, passes
+    known = [p.__name__ for p in passes.PASSES] + [n for n in vars(build_module) if n.startswith(("fuse_", "quantize_"))]
+    if name not in known:
+        raise SystemExit(f"--skip-pass {name}: not a pass of engc build ({', '.join(sorted(set(known)))})")
+
+    def skipped(g):
+        return g
+    skipped.__name__ = "skipped_" + name
+    passes.PASSES[:] = [skipped if p.__name__ == name else p for p in passes.PASSES]
+    if hasattr(build_module, name):
+        setattr(build_module, name, skipped)
+
+
 def prepare(args):
     from engc.compiler.codegen import tune
     with tune.overridden(tune_overrides(args)):
@@ -229,7 +245,11 @@ def bench_shape(shape: str, args) -> dict:
     if args.tune:   # a tune-table variant: its own bundle, one per table (--quick reuses a bundle by name)
         import hashlib
         bundle = bundle.with_name(bundle.name + "-tuned-" + hashlib.sha256(args.tune.encode()).hexdigest()[:8])
+    if args.skip_pass:   # likewise a bundle of its own
+        skip_pass(args.skip_pass)
+        bundle = bundle.with_name(bundle.name + "-skip-" + args.skip_pass)
     res = {"shape": shape, "gpu": torch.cuda.get_device_name(), "commit": args.commit, "tune": args.tune,
+           "skip_pass": args.skip_pass,
            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d")}
     if not (ckpt / "config.json").exists():
         _, res["make_checkpoint_s"] = timed(lambda: make_checkpoint(base, ckpt, int4=is_int4(shape),
@@ -630,7 +650,8 @@ def run(args):
             + (["--no-hf"] if args.no_hf else []) + (["--quick"] if args.quick else []) \
             + (["--tune", args.tune] if args.tune else []) + (["--check-only"] if args.check_only else []) \
             + (["--batch-sizes", args.batch_sizes] if args.batch_sizes else []) \
-            + (["--ablate", args.ablate] if args.ablate else [])
+            + (["--ablate", args.ablate] if args.ablate else []) \
+            + (["--skip-pass", args.skip_pass] if args.skip_pass else [])
         subprocess.run(cmd, timeout=args.timeout)
         f = out / f"engc_{shape}.json"
         results.append(json.loads(f.read_text()) if f.exists() else {"shape": shape, "error": "no result"})
@@ -685,6 +706,9 @@ def main():
     ap.add_argument("--batch-sizes", default="",
                     help="comma-separated batch sizes of the 128 in / 128 out throughput runs, for every shape "
                          "(default: 1b 64,256; 8b 32,64,256; --quick keeps the first two)")
+    ap.add_argument("--skip-pass", default="",
+                    help="build without this graph pass (e.g. fuse_fp8_input_quant): a same-lease A/B of a fusion; "
+                         "the bundle gets a -skip-<pass> suffix")
     ap.add_argument("--ablate", default="",
                     help="comma-separated kernel families (norm, attn, silu, gemm) removed from decode steps: an "
                          "upper bound on what fusing them away can give; outputs are garbage (bench/ablate.py)")
