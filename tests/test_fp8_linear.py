@@ -174,7 +174,7 @@ def _run_cases() -> dict:
         launches = launch(x if quant_x else xq, xs, wq, ws, bias, y, "v", consts, counters)
         for _variant, grid, args in launches:
             fp8_linear_kernel[grid](*args[:-2], K=k, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, QUANT_X=quant_x,
-                                    FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX)
+                                    FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, PDL=0)
         # the reference rounds to the output dtype, then adds the bias, as the kernel does
         ref = fp8_linear(x.to(dtype), wq, ws, bias, has_bias=int(has_bias)).float()
         err = float((y.float() - ref).norm() / ref.norm())

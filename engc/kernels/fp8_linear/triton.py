@@ -19,11 +19,14 @@ into the MMA, with the arithmetic of kernels/fp8_quant (correctly rounded divisi
 the codes are the reference's bit for bit. The price is that every program reads all of x [M, K] from L2
 once more: cheap for a few rows, not at M=64 (each program would read 512 KB for K=4096), so the launch
 rule uses it up to `fuse_quant_max_m` rows only. Otherwise x is already float8 with its x_scale.
+
+PDL (kernels/pdl.py; the tune entry's PDL, off in the table until an H200 A/B): the program waits for the
+previous kernel before it touches x, its scales, the partials or the counters, and lets the next start.
 """
 import triton
 import triton.language as tl
 
-from engc.kernels import gemm_tiles
+from engc.kernels import gemm_tiles, pdl
 
 
 @triton.jit
@@ -56,10 +59,12 @@ def _store_tile(acc, w_scale_ptr, x_scale, bias_ptr, out_ptr, offs_n, rows, row_
 def fp8_linear_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
                       M, N, k_tiles_per_split, splits, has_bias,
                       K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+                      QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n, w_rows = gemm_tiles.w_tile_rows(w_ptr, pid_n, N, K, BLOCK_N)
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     x_rows = x_ptr + rows[:, None] * K

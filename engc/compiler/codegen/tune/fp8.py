@@ -4,8 +4,10 @@ from __future__ import annotations
 from engc.compiler.codegen.tune.table import SM_COUNT, put
 
 # fp8_quant (per-token activation quantization) holds a whole row in registers: warps grow with the row.
+# PDL 0 here and in every fp8_linear entry below: both kernels take it (wait first, kernels/pdl.py) since the
+# twenty-seventh session, but it stays off until an H200 step A/B (bench/ab/fp8_pdl.json turns it on).
 for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 16)):
-    put("sm90", "fp8_quant", "*", _bucket, num_warps=_warps, num_stages=1)
+    put("sm90", "fp8_quant", "*", _bucket, num_warps=_warps, num_stages=1, PDL=0)
 # fp8_linear (W8A8 GEMM, kernels/fp8_linear) for --quant fp8 bundles, one entry per M class; prefill above
 # the last class stays with fp8_quant + torch._scaled_mm. Not yet measured: bench/fp8_device.py times these
 # against _scaled_mm and sweeps BLOCK_N/BLOCK_K/stages/target_programs at M=64. Chosen for bandwidth: W
@@ -30,7 +32,7 @@ for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 1
 # target_programs 1x-4x SMs at M=32 and 64 and prints the best per K class. target_programs is the grid cap
 # (2 x SMs for the m<=16 entry gives the same splits on the 8B shapes as the old doubling rule at 1 x SMs).
 FP8_LINEAR_M_CLASSES = ("m<=16", "m<=32", "m<=64")
-_fp8_split = dict(target_programs=2 * SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
+_fp8_split = dict(target_programs=2 * SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4, PDL=0)
 put("sm90", "fp8_linear", "*", "m<=16", max_m=16, fuse_quant=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
      num_warps=4, num_stages=4, **_fp8_split)
 put("sm90", "fp8_linear", "*", "m<=32", max_m=32, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=8,
@@ -46,7 +48,7 @@ put("sm90", "fp8_linear", "*", "m<=256", max_m=256, BLOCK_M=256, BLOCK_N=128, BL
 # 2026-11-30, bench/results/h200_fp8_kernels_v3.txt; the lookup takes an exact variant before '*'): the
 # table above gave qkv+o+gate_up 69.7 us and down 28.6 us at M=64; these 57.3 and 21.0 us. Other widths
 # keep the '*' entries (not measured).
-_fp8_per_k = dict(target_programs=1 * SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4)
+_fp8_per_k = dict(target_programs=1 * SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4, PDL=0)
 for _k, _m, _block_k, _warps, _stages in ((4096, 32, 256, 4, 4), (14336, 32, 256, 8, 5), (4096, 64, 128, 8, 6),
                                          (14336, 64, 256, 4, 6)):   # BLOCK_M = max_m, BLOCK_N 64
     put("sm90", "fp8_linear", f"k{_k}_m{_m}", f"m<={_m}", max_m=_m, BLOCK_M=_m, BLOCK_N=64, BLOCK_K=_block_k,
