@@ -140,46 +140,36 @@ __device__ __forceinline__ void dataflow_body(const uint4* w, const long long* o
     __syncthreads();
     unsigned* err = sink + 2;
     long long it = 0;   // stages issued (producer) or taken (consumers) so far, across phases
-    if (threadIdx.x < 32 && issuers == 0) {   // the producer warp by cp.async: 16 bytes a lane an instruction
-        for (int p = 0; p < phases; ++p) {
-            if (kind[p] != 0) continue;
-            long long lo, hi;
-            share(len16[p], blockIdx.x, gridDim.x, lo, hi);
-            const uint4* src = w + off16[p];
-            for (long long b = lo; b < hi; b += stage16, ++it) {
-                const int s = (int)(it % stages);
-                const long long round = it / stages;
-                if (round > 0 && !mbar_wait(&empty[s], (unsigned)((round - 1) & 1), err)) return;
-                const long long n16 = min((long long)stage16, hi - b);
-                for (long long i = threadIdx.x; i < n16; i += 32)
-                    cp_async16(ring + (long long)s * stage16 + i, src + b + i);
-                // the barrier's arrival of this lane, once its copies so far have landed
-                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem(&full[s])) : "memory");
-            }
-        }
-        return;
-    }
-    if (threadIdx.x < 32) {   // the producer warp: lanes below `issuers` take turns at the stages
-        if ((int)threadIdx.x < issuers) {
+    if (threadIdx.x < 32) {   // the producer warp
+        // every stage of this CTA's share of each GEMV phase, in order: f(stage, its ring slot, its source,
+        // its 16-byte words) once the slot is free; a wait that gives up ends the walk
+        auto each_stage = [&](auto f) {
             for (int p = 0; p < phases; ++p) {
                 if (kind[p] != 0) continue;
                 long long lo, hi;
                 share(len16[p], blockIdx.x, gridDim.x, lo, hi);
-                const uint4* src = w + off16[p];
                 for (long long b = lo; b < hi; b += stage16, ++it) {
-                    if ((int)(it % issuers) != (int)threadIdx.x) continue;
+                    if (issuers && (int)(it % issuers) != (int)threadIdx.x) continue;   // another lane's turn
                     const int s = (int)(it % stages);
                     const long long round = it / stages;
                     if (round > 0 && !mbar_wait(&empty[s], (unsigned)((round - 1) & 1), err)) return;
-                    const long long n16 = min((long long)stage16, hi - b);
-                    mbar_expect(&full[s], (unsigned)(n16 * 16));
-                    // the stage in `pieces` copies (all completing on its barrier)
-                    const long long step = (n16 + pieces - 1) / pieces;
-                    for (long long o = 0; o < n16; o += step)
-                        bulk_load(ring + (long long)s * stage16 + o, src + b + o,
-                                  (unsigned)(min(step, n16 - o) * 16), &full[s]);
+                    f(s, ring + (long long)s * stage16, w + off16[p] + b, min((long long)stage16, hi - b));
                 }
             }
+        };
+        if (issuers == 0) {   // by cp.async, the whole warp: 16 bytes a lane an instruction
+            each_stage([&](int s, uint4* dst, const uint4* src, long long n16) {
+                for (long long i = threadIdx.x; i < n16; i += 32) cp_async16(dst + i, src + i);
+                // the barrier's arrival of this lane, once its copies so far have landed
+                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem(&full[s])) : "memory");
+            });
+        } else if ((int)threadIdx.x < issuers) {   // by bulk copies, lanes below `issuers` taking turns
+            each_stage([&](int s, uint4* dst, const uint4* src, long long n16) {
+                mbar_expect(&full[s], (unsigned)(n16 * 16));
+                const long long step = (n16 + pieces - 1) / pieces;   // `pieces` copies, one barrier
+                for (long long o = 0; o < n16; o += step)
+                    bulk_load(dst + o, src + o, (unsigned)(min(step, n16 - o) * 16), &full[s]);
+            });
         }
         return;
     }
