@@ -1,7 +1,7 @@
 """Per-token dynamic FP8 quantization: x [M, K] -> x_fp8 [M, K] e4m3 and scale [M] = row absmax / 448.
 
 One program per row, the whole row (BLOCK = next power of two of K) in registers; K is a constexpr so
-the loads vectorize. Arithmetic as the reference (kernels/fp8_quant): divisions correctly rounded
+the loads vectorize. Arithmetic as the reference (kernels/fp8_quant; in kernels/fp8_rows.py): divisions correctly rounded
 (Triton's plain '/' is div.full, off by up to 2 ulp), x / scale clamped to +-448, then rounded to
 nearest-even by the float8 conversion (cvt.rn.satfinite), so GPU and reference agree bit for bit.
 SILU: x is a fused gate_up [M, 2K] and the row quantized is silu(gate) * up, rounded as kernels/silu_mul
@@ -11,7 +11,7 @@ launch where silu_mul and fp8_quant were two).
 import triton
 import triton.language as tl
 
-from engc.kernels import pdl
+from engc.kernels import fp8_rows, pdl
 
 
 @triton.jit
@@ -29,7 +29,6 @@ def fp8_quant_kernel(x_ptr, out_ptr, scale_ptr, K: tl.constexpr, BLOCK: tl.const
         x = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
     else:
         x = tl.load(x_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX), FP8_MAX)
-    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    q, scale = fp8_rows.quantize_row(x, FP8_MAX, MIN_AMAX)
     tl.store(out_ptr + row * K + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)

@@ -10,14 +10,14 @@ GEMV's own last split would have written it, so the result is the same bits; the
 ticket and re-read.
 FP8_OUT: the output is quantized for the FP8 GEMM after the norm (passes/fuse_fp8_input_quant): each row
 rounded to the storage dtype as before, then to float8_e4m3fn with its own scale (row absmax / FP8_MAX, to
-scale_ptr), in kernels/fp8_quant's arithmetic, so the bits are what the norm then fp8_quant would give.
+scale_ptr), by kernels/fp8_rows.py as fp8_quant_kernel, so the bits are what the norm then fp8_quant would give.
 scale_ptr is the last runtime parameter so that a bundle built before it still launches with these args (a
 launch passes the first len(signature) of them).
 """
 import triton
 import triton.language as tl
 
-from engc.kernels import pdl
+from engc.kernels import fp8_rows, pdl
 
 
 @triton.jit
@@ -55,9 +55,7 @@ def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
     rstd = 1.0 / tl.sqrt(var + eps)
     y = (w * (xf * rstd).to(dt).to(tl.float32)).to(dt)
     if FP8_OUT:
-        yf = y.to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(yf), axis=0), MIN_AMAX), FP8_MAX)
-        q = tl.clamp(tl.math.div_rn(yf, scale), -FP8_MAX, FP8_MAX)
+        q, scale = fp8_rows.quantize_row(y.to(tl.float32), FP8_MAX, MIN_AMAX)
         tl.store(out_ptr + row * HIDDEN + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + row, scale)
     else:
