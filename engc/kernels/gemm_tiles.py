@@ -15,6 +15,8 @@ every kernel (the cubins were compared byte for byte when they moved here).
 import triton
 import triton.language as tl
 
+from engc.kernels.silu_mul.triton import silu_times_up
+
 
 @triton.jit
 def w_tile_rows(w_ptr, pid_n, N, K: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -56,8 +58,7 @@ def act_tile(x_ptr, rows, offs_k, row_mask, k_mask, K: tl.constexpr, SILU: tl.co
     if SILU:
         g = x.to(tl.float32)
         u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
-        x = (s * u).to(x.dtype)
+        x = silu_times_up(g, u, x.dtype)
     return x
 
 

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from engc.kernels import fp8_rows, pdl
+from engc.kernels.silu_mul.triton import silu_times_up
 
 
 @triton.jit
@@ -26,7 +27,7 @@ def fp8_quant_kernel(x_ptr, out_ptr, scale_ptr, K: tl.constexpr, BLOCK: tl.const
         dt = x_ptr.dtype.element_ty
         g = tl.load(x_ptr + row * (2 * K) + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + row * (2 * K) + K + offs, mask=mask, other=0.0).to(tl.float32)
-        x = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        x = silu_times_up(g, u, dt).to(tl.float32)
     else:
         x = tl.load(x_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
     q, scale = fp8_rows.quantize_row(x, FP8_MAX, MIN_AMAX)
