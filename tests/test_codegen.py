@@ -207,7 +207,7 @@ def test_smem_carveout_is_a_launch_constant_where_an_entry_names_one():
 
 def test_sources_recorded_with_the_helpers_they_import(runs):
     """A cubin is compiled from its triton.py and from the modules whose @triton.jit helpers it calls
-    (kernels/pdl.py; paged_attention/tiles.py; gemm_tiles.py): the bundle records each of them beside the kernel's
+    (kernels/pdl.py; paged_attention/tiles.py; gemm_tiles.py and the silu_rows.py it imports): the bundle records each of them beside the kernel's
     source, as the file reads, and the kernel cache's key covers every one."""
     from pathlib import Path
 
@@ -219,7 +219,7 @@ def test_sources_recorded_with_the_helpers_they_import(runs):
     attention = next(r for r in result.records if r["op"] == "paged_attention")
     assert attention["imports"] == ["kernels/src/paged_attention/tiles.py", "kernels/src/pdl.py"]
     gemv = next(r for r in result.records if r["op"] == "gemv")
-    assert gemv["imports"] == ["kernels/src/gemm_tiles.py", "kernels/src/pdl.py"]
+    assert gemv["imports"] == ["kernels/src/gemm_tiles.py", "kernels/src/pdl.py", "kernels/src/silu_rows.py"]
     for r in result.records:
         if "nvcc_version" in r:     # a CUDA C++ kernel: its source is the rendered template (test_cuda_codegen)
             continue

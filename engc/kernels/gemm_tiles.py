@@ -15,7 +15,7 @@ every kernel (the cubins were compared byte for byte when they moved here).
 import triton
 import triton.language as tl
 
-from engc.kernels.silu_mul.triton import silu_times_up
+from engc.kernels.silu_rows import silu_times_up
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from engc.kernels import fp8_rows, pdl
-from engc.kernels.silu_mul.triton import silu_times_up
+from engc.kernels.silu_rows import silu_times_up
 
 
 @triton.jit

@@ -1,20 +1,13 @@
 """SiLU-and-mul over [T, 2I] -> [T, I]; grid (T, cdiv(I, BLOCK)).
 
 Rounds silu(gate) to the storage dtype before the multiply, as torch does for bf16/fp16 tensors.
-silu_times_up is that arithmetic alone, shared with the kernels that fuse SiLU-and-mul into their input
-(gemm_tiles.act_tile, fp8_quant's SILU variant): one piece of code, so their bits are silu_mul's.
+The arithmetic is kernels/silu_rows.py's, shared with the kernels that fuse SiLU-and-mul into their input.
 """
 import triton
 import triton.language as tl
 
 from engc.kernels import pdl
-
-
-@triton.jit
-def silu_times_up(g, u, dt: tl.constexpr):
-    """silu(g) * u for float32 g and u, rounded to dt after the silu and after the product (as torch's)."""
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    return (s * u).to(dt)
+from engc.kernels.silu_rows import silu_times_up
 
 
 @triton.jit
