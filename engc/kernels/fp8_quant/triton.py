@@ -18,7 +18,7 @@ from engc.kernels.silu_rows import silu_times_up
 @triton.jit
 def fp8_quant_kernel(x_ptr, out_ptr, scale_ptr, K: tl.constexpr, BLOCK: tl.constexpr,
                      FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)   # PDL (kernels/pdl.py): x is the step's; the tune entry's PDL, off until an H200 A/B
+    pdl.wait(PDL)   # PDL (kernels/pdl.py): x is the step's; the tune entry's PDL (on)
     pdl.launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)

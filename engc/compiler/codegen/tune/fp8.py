@@ -4,10 +4,14 @@ from __future__ import annotations
 from engc.compiler.codegen.tune.table import SM_COUNT, put
 
 # fp8_quant (per-token activation quantization) holds a whole row in registers: warps grow with the row.
-# PDL 0 here and in every fp8_linear entry below: both kernels take it (wait first, kernels/pdl.py) since the
-# twenty-seventh session, but it stays off until an H200 step A/B (bench/ab/fp8_pdl.json turns it on).
+# PDL (wait first, kernels/pdl.py) on here and in fp8_linear's m<=16 entry, off in its wider entries. H200, 8B
+# fp8, same lease (bench/results/h200_3b0b224_fp8_fusion_pdl_ab.json): on in every fp8 entry
+# (bench/ab/fp8_pdl.json) b1 362.8 tok/s against 343.1 (graph 2.757 against 2.917 ms), but b32 7,897 against
+# 7,975 and b64 12,343 against 12,637; on for b1 only (bench/ab/fp8_pdl_m16.json, h200_2bd89e5_fp8_pdl_b1.json)
+# b1 362.0 / 362.2 against 342.5 / 342.6, b32 7,971 against 7,993 (graph 3.618 against 3.631 ms), b64
+# 12,563 / 12,639 against 12,608 / 12,643: the b1 gain, nothing lost above.
 for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 16)):
-    put("sm90", "fp8_quant", "*", _bucket, num_warps=_warps, num_stages=1, PDL=0)
+    put("sm90", "fp8_quant", "*", _bucket, num_warps=_warps, num_stages=1, PDL=1)
 # fp8_linear (W8A8 GEMM, kernels/fp8_linear) for --quant fp8 bundles, one entry per M class; prefill above
 # the last class stays with fp8_quant + torch._scaled_mm. Not yet measured: bench/fp8_device.py times these
 # against _scaled_mm and sweeps BLOCK_N/BLOCK_K/stages/target_programs at M=64. Chosen for bandwidth: W
@@ -34,7 +38,7 @@ for _bucket, _warps in (("block<=1024", 4), ("block<=4096", 8), ("block>4096", 1
 FP8_LINEAR_M_CLASSES = ("m<=16", "m<=32", "m<=64")
 _fp8_split = dict(target_programs=2 * SM_COUNT["sm90"], max_splits=16, min_split_k_tiles=4, PDL=0)
 put("sm90", "fp8_linear", "*", "m<=16", max_m=16, fuse_quant=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
-     num_warps=4, num_stages=4, **_fp8_split)
+     num_warps=4, num_stages=4, **dict(_fp8_split, PDL=1))
 put("sm90", "fp8_linear", "*", "m<=32", max_m=32, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=8,
      num_stages=4, **_fp8_split)
 put("sm90", "fp8_linear", "*", "m<=64", max_m=64, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8,
