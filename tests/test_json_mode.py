@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from engc.runtime.json_mode import DONE, START, JsonConstraint, JsonVocab, blank_limit, walk
+from engc.runtime.json_mode import DONE, OBJECT, START, JsonConstraint, JsonVocab, blank_limit, walk
+from engc.runtime.json_schema import compile_schema
 
 VALID = ['{}', '{ }', '{"a":1}', '{"a": [1, -2.5e-3, 0, 0.0, 1E+9, true, false, null]}',
          '{"k": {"x": [], "y": {}, "z": [[{}]]}}', '{"s": "a\\"b\\\\c\\/d\\b\\f\\n\\r\\t\\u00e9\\uFFFF"}',
@@ -77,6 +78,36 @@ def test_bucketed_masks_equal_a_brute_force_walk():
     for s in states[:-1]:
         brute = torch.tensor([bool(t) and walk(s, t) is not None for t in texts])
         assert torch.equal(vocab.mask(s), brute), s
+
+
+def test_masks_of_a_large_vocabulary_with_shared_prefixes_equal_a_brute_force_walk():
+    """The mask shortcuts at scale: thousands of texts built from JSON's pieces (many sharing a prefix, blank-led,
+    quote-led or a prefix of a constant), one text under two ids, empty texts, characters outside ASCII (the
+    last code point too), over every state of a document in JSON mode and in a schema's grammar (its
+    constant-choice states looked up by bisection, its strings by the text after the closing quote)."""
+    rng = random.Random(0)
+    pieces = ["{", "}", "[", "]", '"', ":", ",", " ", "\n", "\\", "u", "true", "tr", "false", "null", "nu", "1", "0",
+              ".", "e", "-", "a", "r", "ue", "alse", "l", "s", "name", "role", "user", "admin", "\u00e9", "\U0010ffff", "\ufffd",
+              "x"]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 5))) for _ in range(3000)]
+    texts += ["", "true", "true", '", "', "\U0010ffff"]
+    vocab = JsonVocab(texts)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "role": {"enum": ["admin", "user", 1]},
+                                                "ok": {"type": "boolean"}, "n": {"type": "array", "items": {"type": "number"}}},
+              "required": ["name", "role"], "additionalProperties": False}
+    for grammar, doc in ((OBJECT, '{"a": [1.5e-3, true, null, "x\\n\\u00e9"], "b": {}, "c": -0}'),
+                         (compile_schema(schema), '{"name": "x\\"y", "role": "user", "ok": false, "n": [1, -2.5e3]}')):
+        state, states = grammar.start, [grammar.start]
+        for ch in doc:
+            state = grammar.step(state, ch)
+            states.append(state)
+        assert state[0] == DONE
+        nonempty = 0
+        for s in states[:-1]:
+            brute = torch.tensor([bool(t) and walk(s, t, grammar) is not None for t in texts])
+            assert torch.equal(vocab.mask(s, grammar), brute), s
+            nonempty += bool(brute.any())
+        assert nonempty > 0.6 * len(states), (nonempty, len(states))   # most states had tokens to allow
 
 
 def test_constraint_ends_at_the_close_and_stops_blank_loops():
