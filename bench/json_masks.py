@@ -1,7 +1,7 @@
 """Host time of structured-output masks (runtime/json_mode.py): what a tool call's grammar states cost the engine
 thread, which computes a state's mask (a bool over the vocabulary) the first time a sequence reaches it.
 
-A two-function tool call (the schema tools.py builds for tool_choice "required") is written in six styles and
+A two-function tool call (the grammar the server's ToolSpec builds for tool_choice "required") is written in six styles and
 tokenized by a real tokenizer; the distinct states the token-by-token walk reaches are each timed computing
 their mask (the best of --repeat, so a busy machine's stalls do not count), then summed per document (its
 cost on a cold cache) and per kind of state. --vocab 128k pads the real vocabulary to Llama 3's 128,256
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engc.runtime.json_mode import JsonConstraint, JsonVocab
-from engc.runtime.json_schema import compile_schema
+from engc.runtime.server.tools import ToolSpec
 from engc.runtime.tokenizer import Tokenizer
 
 FUNCTIONS = {
@@ -40,9 +40,10 @@ CALLS = [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius
 LLAMA3_VOCAB = 128256
 
 
-def call_schema() -> dict:
-    return {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
-                       "required": ["name", "arguments"]} for n, p in FUNCTIONS.items()]}
+def call_grammar():
+    """The grammar of one call of FUNCTIONS, as a request with tool_choice "required" gets it."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in FUNCTIONS.items()]
+    return ToolSpec(tools, "required").grammar()
 
 
 def documents() -> list[str]:
@@ -97,7 +98,7 @@ def main() -> None:
     texts = tokenizer.token_texts()
     if args.vocab == "128k":
         texts = padded(texts, LLAMA3_VOCAB)
-    grammar, vocab = compile_schema(call_schema()), JsonVocab(texts)
+    grammar, vocab = call_grammar(), JsonVocab(texts)
     docs = {doc: states_of(vocab, tokenizer, grammar, doc) for doc in documents()}
     cost = {s: best_ms(vocab, grammar, s, args.repeat) for states in docs.values() for s in states}
     print(f"vocabulary {len(texts)} tokens, torch threads {torch.get_num_threads()}, {len(cost)} distinct states")

@@ -207,8 +207,8 @@ def test_smem_carveout_is_a_launch_constant_where_an_entry_names_one():
 
 def test_sources_recorded_with_the_helpers_they_import(runs):
     """A cubin is compiled from its triton.py and from the modules whose @triton.jit helpers it calls
-    (kernels/pdl.py; paged_attention/tiles.py; gemm_tiles.py and the silu_rows.py it imports): the bundle records each of them beside the kernel's
-    source, as the file reads, and the kernel cache's key covers every one."""
+    (kernels/pdl.py; paged_attention/tiles.py; gemm_tiles.py and the silu_rows.py it imports): the bundle records
+    each of them beside the kernel's source, as the file reads, and the kernel cache's key covers every one."""
     from pathlib import Path
 
     import engc

@@ -1,5 +1,6 @@
-"""JSON mode (runtime/json_mode.py): the automaton against Python's json module, the bucketed masks against
-a brute-force walk of every token, and the engine and server ending outputs at the object's close."""
+"""JSON mode (runtime/json_mode.py): the automaton against Python's json module, the masks (the sorted token texts
+walked as a trie) against a brute-force walk of every token, and the engine and server ending outputs at the
+object's close."""
 import json
 import random
 
@@ -64,7 +65,7 @@ def test_agrees_with_json_module_on_random_texts():
     assert min(counts) > 3000, counts   # both answers were exercised
 
 
-def test_bucketed_masks_equal_a_brute_force_walk():
+def test_masks_equal_a_brute_force_walk():
     texts = ["{", "}", '"', "a", '":', " ", "\n", "  ", "1", ".5", "e-3", "true", " true", "tr", "ue", ",", '"}',
              'x"', "", "[", "]", '"]', "\\", "\\n", "\\u", "00", "e9", "}}", "], ", '{"', "-", "0", " {", "\t\n",
              "null", "n", ": ", '", "', "\x01", "caf\u00e9", "\ufffd", " ,", " }", "  ]", " 5", "\n}"]
@@ -81,19 +82,20 @@ def test_bucketed_masks_equal_a_brute_force_walk():
 
 
 def test_masks_of_a_large_vocabulary_with_shared_prefixes_equal_a_brute_force_walk():
-    """The mask shortcuts at scale: thousands of texts built from JSON's pieces (many sharing a prefix, blank-led,
+    """The trie walk at scale: thousands of texts built from JSON's pieces (many sharing a prefix, blank-led,
     quote-led or a prefix of a constant), one text under two ids, empty texts, characters outside ASCII (the
     last code point too), over every state of a document in JSON mode and in a schema's grammar (its
-    constant-choice states looked up by bisection, its strings by the text after the closing quote)."""
+    constant-choice states walk only their first characters' runs, its strings judge the text after the quote)."""
     rng = random.Random(0)
     pieces = ["{", "}", "[", "]", '"', ":", ",", " ", "\n", "\\", "u", "true", "tr", "false", "null", "nu", "1", "0",
-              ".", "e", "-", "a", "r", "ue", "alse", "l", "s", "name", "role", "user", "admin", "\u00e9", "\U0010ffff", "\ufffd",
-              "x"]
+              ".", "e", "-", "a", "r", "ue", "alse", "l", "s", "name", "role", "user", "admin", "\u00e9", "\U0010ffff",
+              "\ufffd", "x"]
     texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 5))) for _ in range(3000)]
     texts += ["", "true", "true", '", "', "\U0010ffff"]
     vocab = JsonVocab(texts)
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "role": {"enum": ["admin", "user", 1]},
-                                                "ok": {"type": "boolean"}, "n": {"type": "array", "items": {"type": "number"}}},
+                                                "ok": {"type": "boolean"},
+                                                "n": {"type": "array", "items": {"type": "number"}}},
               "required": ["name", "role"], "additionalProperties": False}
     for grammar, doc in ((OBJECT, '{"a": [1.5e-3, true, null, "x\\n\\u00e9"], "b": {}, "c": -0}'),
                          (compile_schema(schema), '{"name": "x\\"y", "role": "user", "ok": false, "n": [1, -2.5e3]}')):
