@@ -386,6 +386,29 @@ def test_host_sampled_rows_fall_back_and_match(with_sampler):
     assert len(results[0][5]) == 14 and all(len(top) == 3 for _, _, top in results[0][5])
 
 
+def test_a_host_sampled_row_moves_only_itself_to_the_host(with_sampler, monkeypatch):
+    """A row that needs the host sampler (logprobs here) makes its step read at once, but only its own
+    logits go to the host: the seeded temperature row beside it draws on the device path, the tokens it
+    draws when that row is a plain greedy one instead (the same logits each step: the host row is greedy
+    too), and the host sampler runs once a step, not once a row."""
+    from engc.runtime import engine as engine_module
+    model = with_sampler
+    ids = prompts(model, 3)
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    host_rows = []
+    real = engine_module.sample_row
+    monkeypatch.setattr(engine_module, "sample_row", lambda row, p, *a: host_rows.append(p) or real(row, p, *a))
+    plain, _, _ = assert_same(model, [(ids[0], seeded, None), (ids[1], greedy, None), (ids[2], greedy, None)])
+    assert host_rows == []
+    mixed, _, _ = assert_same(model, [(ids[0], seeded, None), (ids[1], greedy, None),
+                                      (ids[2], SamplingParams(max_tokens=12, temperature=0, logprobs=2,
+                                                              ignore_eos=True), None)])
+    assert [r[0] for r in mixed] == [r[0] for r in plain]
+    assert len(host_rows) == 2 * 12 and all(p.logprobs == 2 for p in host_rows)   # sync and overlapped runs
+    assert len(mixed[2][5]) == 12 and all(len(top) == 2 for _, _, top in mixed[2][5])
+
+
 def test_preemption_chunked_prefill_and_prefix_hits_match(model):
     ids = prompts(model, 6, length=30)
     shared = model.tokenizer.encode(TEXT * 2)

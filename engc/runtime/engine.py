@@ -8,8 +8,10 @@ GPU the host's scheduling, input building, stop checks and detokenizing run whil
 Meanwhile each sampled sequence counts one token in flight (Sequence.num_in_flight): the scheduler
 plans with it, the next step's executor takes its id from the device (TokenFill), and only known
 tokens are ever hashed, appended or returned. A sequence that finished in the step being read may
-already be in the launched one: that row's token is dropped. A step that needs the host sampler
-(penalties, logprobs) is read at once, after the step before it: _sample_on_device is that rule.
+already be in the launched one: that row's token is dropped. A step with a row that needs the host
+sampler (penalties, logprobs, JSON masks) is read at once, after the step before it: _sample_on_device
+is that rule. Only such rows' logits go to the host; the step's other rows are still sampled where
+the logits are (_sample_mixed), so one such request does not move a whole batch's logits to the host.
 """
 from __future__ import annotations
 
@@ -216,13 +218,39 @@ class Engine:
     def _sample_on_device(self, logits: torch.Tensor, sampled: list[Sequence]) -> torch.Tensor | None:
         """One token a row, left where the logits are: one argmax for plain greedy batches, the GPU
         sampler for temperature/top-k/top-p ones. None when a row needs the host sampler (penalties,
-        logprobs, or any non-greedy row on a CPU): such a step is read at once, never overlapped."""
+        logprobs, JSON masks, or any non-greedy row on a CPU): such a step is read at once, never
+        overlapped (_sample_mixed)."""
         if all(s.params.plain_greedy for s in sampled):
             sampler = self.model.sampler
             return sampler.greedy(logits) if sampler is not None else logits.argmax(-1)
-        if self.model.sampler is not None and all(s.params.device_sampleable for s in sampled):
+        if all(self._device_samples(s) for s in sampled):
             return self.model.sampler(logits, sampled)
         return None
+
+    def _device_samples(self, seq: Sequence) -> bool:
+        return seq.params.plain_greedy or (self.model.sampler is not None and seq.params.device_sampleable)
+
+    def _sample_mixed(self, logits: torch.Tensor, sampled: list[Sequence]) -> list[Sampled | None]:
+        """A step with rows only the host sampler takes: those rows' logits are copied to the host and
+        sampled there; the other rows are sampled where the logits are, as they would be in a step without
+        such rows (so a seeded row draws the same tokens whatever shares its batch, and a batch of 64
+        copies one row of logits, not 64). None for rows that finished meanwhile."""
+        samples: list[Sampled | None] = [None] * len(sampled)
+        live = [i for i, s in enumerate(sampled) if not s.finished]
+        on_device = [i for i in live if self._device_samples(sampled[i])]
+        on_host = [i for i in live if not self._device_samples(sampled[i])]
+        if on_device:
+            rows = logits.index_select(0, torch.tensor(on_device, device=logits.device))
+            tokens = self._sample_on_device(rows, [sampled[i] for i in on_device])
+            for i, token in zip(on_device, tokens.tolist()):
+                samples[i] = Sampled(token)
+        if on_host:
+            rows = logits.index_select(0, torch.tensor(on_host, device=logits.device)).float().cpu()
+            for row, i in zip(rows, on_host):
+                s = sampled[i]
+                samples[i] = sample_row(row, s.params, s.prompt_ids, s.output_ids, s.generator,
+                                        s.constraint.allowed() if s.constraint else None)
+        return samples
 
     def _commit(self, step: InFlight) -> None:
         """The step's K/V count as cached and its samples as in flight. Runs after the step before it
@@ -238,7 +266,7 @@ class Engine:
         if step is None or not step.sampled:
             return []
         if step.tokens is None:
-            samples = self._sample_on_host(step.logits, step.sampled)
+            samples = self._sample_mixed(step.logits, step.sampled)
         else:
             if step.ready is not None:
                 step.ready.synchronize()
@@ -290,12 +318,6 @@ class Engine:
         if fill_rows:
             fill = TokenFill(_host(fill_rows, np.int64), _host(fill_src, np.int64), self.in_flight.tokens)
         return inputs, sampled, fill
-
-    def _sample_on_host(self, logits: torch.Tensor, sampled: list[Sequence]) -> list[Sampled | None]:
-        rows = logits.float().cpu()
-        return [None if s.finished else sample_row(rows[i], s.params, s.prompt_ids, s.output_ids, s.generator,
-                                                   s.constraint.allowed() if s.constraint else None)
-                for i, s in enumerate(sampled)]
 
     def _append(self, seq: Sequence, s: Sampled) -> StepOutput:
         p, token = seq.params, s.token
