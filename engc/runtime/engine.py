@@ -131,8 +131,11 @@ class Engine:
     @cached_property
     def json_vocab(self) -> JsonVocab:
         """The token texts JSON-mode masks read, made at the first constrained request (0.3-0.5 s for
-        SmolLM2's 49,152 tokens on the CPU)."""
-        return JsonVocab(self.model.tokenizer.token_texts())
+        SmolLM2's 49,152 tokens on the CPU), one per logit: ids past the tokenizer's (Qwen2.5's and Phi-3's
+        heads are wider than their tokenizers) have no text, so, like special tokens, no mask allows them."""
+        texts = self.model.tokenizer.token_texts()
+        width = self.model.config.vocab_size
+        return JsonVocab((texts + [""] * (width - len(texts)))[:width])
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError with a one-line reason if the engine would refuse this request.
