@@ -4,7 +4,7 @@ On the H200 a decode step's GPU work is one CUDA graph replay, so everything els
 (schedule, build inputs, stage them, sample, detokenize, stop checks) is lost throughput. This times
 exactly that: a real bundle's tokenizer and config, the real GraphedExecutor decode path (staging into
 the host buffer) with the graph replay a no-op, and a logits tensor that looks like a GPU one, so
-Engine._sample_on_device takes its GPU greedy path (argmax(-1)) on eager steps. The fake's argmax, and
+Engine._draw takes its GPU greedy path (argmax(-1)) on eager steps. The fake's argmax, and
 the tokens a graphed step leaves, are precomputed tokens of real text, so detokenizing does
 representative work.
 

@@ -1,19 +1,25 @@
 #!/usr/bin/env python3
-"""What one request that needs the host sampler (logprobs, penalties, JSON masks) costs a batch.
+"""What one request that needs more than the plain sampler (logprobs, penalties, a JSON mask) costs a batch.
 
-Such a row makes its step read at once (no overlap). Before 2026-12-03 it also sent the whole batch's
-logits to the host, float32, and sampled every row there (engine._sample_on_host); now only its own row
-goes (engine._sample_mixed) and the other rows are sampled where the logits are. Prediction, 1B at b32:
-plain ~1.2 ms a token, the old mixed step ~5-7 ms (16 MB of logits copied, 32 host samples of a 128k row),
-the new ~2-2.5 ms (the lost overlap and one row); 8B b32: 4.85 -> ~9 (old) / ~6 (new).
+Before 2026-12-03 such a row made its step read at once (no overlap), sent the whole batch's logits to
+the host, float32, and sampled every row there (engine._sample_on_host). Now a logprobs or penalty row
+sends only its own row (engine._sample_mixed; the step is still read at once) and a JSON-mode row is
+masked and sampled on the device once the step before is read (engine._sample_masked; the step stays
+overlapped). Prediction, 1B at b32: plain ~1.2 ms a token; old ~5-7 ms (16 MB of logits copied, 32 host
+samples of a 128k row); a logprobs row now ~2-2.5 ms (the lost overlap, one row); a JSON row ~1.3 ms (a
+mask upload, the masking; its host work hidden behind the forward). 8B b32: 4.85 -> ~9 (old) / ~6
+(logprobs) / ~4.9 (JSON).
 
 Here (CPU):    python bench/gpu_bench.py prepare --shapes 1b,8b --cache .kc
 On the device: python bench/mixed_sampling_device.py --shapes 1b,8b --cache .kc --out $OUT/mixed
 
 Per shape and batch B (random-weight checkpoint and bundle as bench/gpu_bench.py makes them, 128 prompt
-tokens, 128 greedy tokens a row): B plain greedy rows; B-1 of them plus one greedy row asking for
-logprobs, with the old whole-batch host sampler patched in; the same with the engine as it is. Prints
-tok/s and ms a token after the first, checks the two mixed runs give the same tokens; JSON under --out.
+tokens, 128 greedy tokens a row): B plain greedy rows, then B-1 of them plus one greedy row asking for
+logprobs, and plus one greedy json_object row, each with the old whole-batch host sampler patched in and
+with the engine as it is. The random checkpoints' tokens are words 't<id>' (no JSON punctuation), so the
+JSON masks read a vocabulary of as many texts whose first 95 are the printable ASCII characters (the
+engine's json_vocab replaced; only the masks read it). Prints tok/s and ms a token after the first,
+checks old and new give the same tokens; JSON under --out.
 """
 from __future__ import annotations
 
@@ -37,12 +43,12 @@ def old_sample_mixed(self, logits, sampled):
             for i, s in enumerate(sampled)]
 
 
-def timed_run(engine, ids_list, host_row: bool, out_len: int) -> tuple[list, float, float]:
+def timed_run(engine, ids_list, last, out_len: int) -> tuple[list, float, float]:
+    """ids_list greedy, the last row with SamplingParams `last` (None: plain too): (tokens, s, ms a token)."""
     import torch
     from engc.runtime.sampling import SamplingParams
     plain = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0)
-    asks = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0, logprobs=1)
-    seqs = [engine.add_request(ids, asks if host_row and i == len(ids_list) - 1 else plain)
+    seqs = [engine.add_request(ids, last if last is not None and i == len(ids_list) - 1 else plain)
             for i, ids in enumerate(ids_list)]
     torch.cuda.synchronize()
     t0, first = time.perf_counter(), None
@@ -80,32 +86,40 @@ def main():
             build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="bfloat16", kernel_cache=args.cache))
         vocab = gpu_bench.model_config(shape).vocab_size
         engine = Engine(load(bundle, device="cuda"), EngineConfig(max_num_seqs=256, max_batched_tokens=8192))
-        new_sampler = Engine._sample_mixed
+        from engc.runtime.json_mode import JsonVocab
+        from engc.runtime.sampling import SamplingParams
+        engine.__dict__["json_vocab"] = JsonVocab([chr(32 + i) if i < 95 else f"t{i}" for i in range(vocab)])
+        new_mixed, new_maskable = Engine._sample_mixed, Engine._maskable
+        logprobs = SamplingParams(max_tokens=128, ignore_eos=True, temperature=0, logprobs=1)
+        json_row = SamplingParams(max_tokens=128, temperature=0, json_object=True)
+        variants = (("plain", None, False), ("logprobs_old", logprobs, True), ("logprobs_new", logprobs, False),
+                    ("json_old", json_row, True), ("json_new", json_row, False), ("plain_again", None, False))
         for b in batches[shape]:
             ids = gpu_bench.prompts(b, 128, vocab, 7)
-            timed_run(engine, ids[:4], True, 8)    # warm: graphs, the host path's first copies
+            timed_run(engine, ids[:4], json_row, 8)    # warm: graphs, the JSON vocabulary's first masks
             r = {"shape": shape, "batch": b, "commit": args.commit, "gpu": torch.cuda.get_device_name()}
             toks = {}
-            for name, host_row, sampler in (("plain", False, new_sampler), ("mixed_old", True, old_sample_mixed),
-                                            ("mixed_new", True, new_sampler), ("plain_again", False, new_sampler)):
-                Engine._sample_mixed = sampler
-                toks[name], total, step_ms = timed_run(engine, ids, host_row, 128)
+            for name, last, old in variants:
+                Engine._sample_mixed = old_sample_mixed if old else new_mixed
+                Engine._maskable = (lambda self, seq: False) if old else new_maskable
+                toks[name], total, step_ms = timed_run(engine, ids, last, 128)
                 r[f"{name}_tok_s"] = round(b * 128 / total, 1)
                 r[f"{name}_ms_per_token"] = round(step_ms, 3)
-            Engine._sample_mixed = new_sampler
-            r["mixed_old_vs_new_tokens_identical"] = toks["mixed_old"] == toks["mixed_new"]
-            r["plain_rows_as_in_plain_batch"] = sum(a == c for a, c in zip(toks["mixed_new"][:-1], toks["plain"][:-1]))
+            Engine._sample_mixed, Engine._maskable = new_mixed, new_maskable
+            for kind in ("logprobs", "json"):
+                r[f"{kind}_old_new_tokens_identical"] = toks[f"{kind}_old"] == toks[f"{kind}_new"]
+            r["json_row_tokens"] = len(toks["json_new"][-1])
             results.append(r)
             print(json.dumps(r), flush=True)
         del engine
         torch.cuda.empty_cache()
     (out / "mixed_sampling.json").write_text(json.dumps(results, indent=1))
-    print("\n== one host-sampled row (logprobs) in a greedy batch: tok/s (ms a token after the first) ==")
+    print("\n== one logprobs / JSON row in a greedy batch: tok/s (ms a token after the first) ==")
     for r in results:
-        cells = [f"{n} {r[n + '_tok_s']:,.0f} ({r[n + '_ms_per_token']})" for n in
-                 ("plain", "mixed_old", "mixed_new", "plain_again")]
-        print(f"  {r['shape']:4} b{r['batch']:<3} " + "  ".join(cells)
-              + f"  same tokens old/new: {r['mixed_old_vs_new_tokens_identical']}")
+        cells = [f"{n} {r[n + '_tok_s']:,.0f} ({r[n + '_ms_per_token']})" for n, _, _ in variants]
+        print(f"  {r['shape']:4} b{r['batch']:<3} " + "  ".join(cells))
+        print(f"            same tokens old/new: logprobs {r['logprobs_old_new_tokens_identical']}, "
+              f"json {r['json_old_new_tokens_identical']} (JSON row: {r['json_row_tokens']} tokens)")
 
 
 if __name__ == "__main__":

@@ -205,8 +205,8 @@ def test_graphed_greedy_steps_take_the_graphs_tokens(model, monkeypatch):
     engine = Engine(model, EngineConfig(max_num_seqs=4))
     cpu_graphed(engine)
     calls, turns = [], []
-    sample = engine._sample_on_device
-    monkeypatch.setattr(engine, "_sample_on_device", lambda logits, seqs: calls.append(len(seqs)) or
+    sample = engine._draw
+    monkeypatch.setattr(engine, "_draw", lambda logits, seqs: calls.append(len(seqs)) or
                         sample(logits, seqs))
     send = engine.executor.staged.send
     monkeypatch.setattr(engine.executor.staged, "send", lambda *a: turns.append(send(*a)) or turns[-1])
@@ -240,8 +240,8 @@ def test_large_buckets_sample_outside_their_graphs(model, monkeypatch):
     engine = Engine(model, EngineConfig(**{**config.__dict__, "overlap": True}))
     cpu_graphed(engine)
     calls = []
-    sample = engine._sample_on_device
-    monkeypatch.setattr(engine, "_sample_on_device", lambda logits, seqs: calls.append(len(seqs)) or
+    sample = engine._draw
+    monkeypatch.setattr(engine, "_draw", lambda logits, seqs: calls.append(len(seqs)) or
                         sample(logits, seqs))
     seqs = [engine.add_request(i, greedy) for i in ids]
     engine.run_to_completion()
@@ -409,6 +409,36 @@ def test_a_host_sampled_row_moves_only_itself_to_the_host(with_sampler, monkeypa
     assert len(mixed[2][5]) == 12 and all(len(top) == 2 for _, _, top in mixed[2][5])
 
 
+@pytest.mark.parametrize("graphed", [False, True])
+def test_json_rows_are_masked_where_the_logits_are_and_stay_overlapped(with_sampler, graphed, monkeypatch):
+    """JSON-mode rows (json_object, json_schema) are sampled by the device path once the step before is
+    read and their masks applied: no step goes to the host sampler, outputs equal synchronous steps', the
+    outputs are JSON, and a greedy JSON row takes the tokens the host sampler gives the same request
+    when it also asks for logprobs (which sends it there)."""
+    from engc.runtime.json_mode import START, walk
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+    model = with_sampler
+    ids = prompts(model, 4)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["a", "b"]}
+    params = [SamplingParams(max_tokens=24, temperature=0, json_object=True),
+              SamplingParams(max_tokens=24, temperature=0.9, seed=5, json_object=True),
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=7, json_schema=schema)]
+    kinds = []
+    for name in ("_sample_masked", "_sample_mixed"):
+        real = getattr(Engine, name)
+        monkeypatch.setattr(Engine, name, lambda self, *a, real=real, name=name: kinds.append(name) or real(self, *a))
+    results, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, params)], graphed=graphed)
+    assert "_sample_masked" in kinds and "_sample_mixed" not in kinds
+    for r in (results[0], results[1], results[3]):
+        assert walk(START, r[1]) is not None, r[1]
+    alone = run(model, True, [(ids[0], params[0], None)], graphed=graphed)[0][0]
+    on_host = run(model, True, [(ids[0], SamplingParams(max_tokens=24, temperature=0, json_object=True,
+                                                        logprobs=0), None)], graphed=graphed)[0][0]
+    assert alone[:5] == on_host[:5] and "_sample_mixed" in kinds   # tokens, texts, finish
+
+
 def test_preemption_chunked_prefill_and_prefix_hits_match(model):
     ids = prompts(model, 6, length=30)
     shared = model.tokenizer.encode(TEXT * 2)
@@ -479,6 +509,31 @@ def test_gpu_overlap_matches_sync(gpu_bundle, graphs):  # noqa: F811
         assert a[:5] == b[:5] and [x[0] for x in a[5]] == [x[0] for x in b[5]]
         assert torch.allclose(torch.tensor([x[1] for x in a[5]]), torch.tensor([x[1] for x in b[5]]))
     assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
+
+
+@pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA device and engc._native")
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_json_rows_masked_on_the_device(gpu_bundle, graphs):  # noqa: F811
+    """On the GPU: JSON-mode rows beside plain and sampled ones, masked and sampled on the device once the
+    step before is read: overlapped steps give what synchronous ones give, the outputs are JSON, and a
+    greedy JSON row takes the tokens the host sampler gives it (the same request asking for logprobs)."""
+    from engc.runtime.json_mode import START, walk
+    model = load(gpu_bundle, device="cuda")
+    ids = prompts(model, 4)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["a", "b"]}
+    params = [SamplingParams(max_tokens=24, temperature=0, json_object=True),
+              SamplingParams(max_tokens=24, temperature=0.9, seed=5, json_object=True),
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=7, json_schema=schema)]
+    config = EngineConfig(num_blocks=64, max_num_seqs=8, cuda_graphs=graphs)
+    results, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, params)], config=config)
+    for r in (results[0], results[1], results[3]):
+        assert walk(START, r[1]) is not None, r[1]
+    alone = run(model, True, [(ids[0], params[0], None)], config=config)[0][0]
+    on_host = run(model, True, [(ids[0], SamplingParams(max_tokens=24, temperature=0, json_object=True,
+                                                        logprobs=0), None)], config=config)[0][0]
+    assert alone[:5] == on_host[:5]
 
 
 @pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA device and engc._native")

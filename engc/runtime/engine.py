@@ -8,10 +8,14 @@ GPU the host's scheduling, input building, stop checks and detokenizing run whil
 Meanwhile each sampled sequence counts one token in flight (Sequence.num_in_flight): the scheduler
 plans with it, the next step's executor takes its id from the device (TokenFill), and only known
 tokens are ever hashed, appended or returned. A sequence that finished in the step being read may
-already be in the launched one: that row's token is dropped. A step with a row that needs the host
-sampler (penalties, logprobs, JSON masks) is read at once, after the step before it: _sample_on_device
-is that rule. Only such rows' logits go to the host; the step's other rows are still sampled where
-the logits are (_sample_mixed), so one such request does not move a whole batch's logits to the host.
+already be in the launched one: that row's token is dropped.
+JSON-mode rows (a mask of allowed tokens per grammar state, runtime/json_mode.py) are sampled where the
+logits are too, but only after the step before is read: the mask follows the token just read. So such a
+step is launched, the previous one read, the masks made and applied while the GPU still runs the
+forward, and then sampled (_sample_masked); it stays overlapped.
+A step with a row that needs the host sampler (logprobs, penalties) is read at once, after the step
+before it: _launch's rule. Only such rows' logits go to the host; the step's other rows are still
+sampled where the logits are (_sample_mixed), so one such request does not move a whole batch's logits.
 """
 from __future__ import annotations
 
@@ -72,6 +76,7 @@ class InFlight:
     host: torch.Tensor | None = None         # their pinned copy on the host, valid once `ready` passed
     ready: torch.cuda.Event | None = None
     row_of: dict[Sequence, int] = field(default_factory=dict)   # seq -> its row of tokens
+    masked: bool = False                     # JSON-mode rows: sampled once the step before is read
 
 
 class Readback:
@@ -190,6 +195,8 @@ class Engine:
         outputs = self._read(self.in_flight)
         self.in_flight = None
         if launched is not None:
+            if launched.masked:
+                self._sample_masked(launched)
             self._commit(launched)
             if self.config.overlap and launched.tokens is not None:
                 self.in_flight = launched
@@ -199,39 +206,65 @@ class Engine:
 
     def _launch(self, batch: list[tuple[Sequence, int]]) -> InFlight:
         inputs, sampled, fill = self._inputs(batch)
-        host = None
         with torch.inference_mode():
             logits = self.executor.forward(inputs, self.kv.layers, fill)
             # a graphed decode step took its greedy tokens itself, on their way to pinned memory already
             graphed = getattr(self.executor, "step_tokens", None)
+            step = InFlight(batch, sampled, logits)
             if sampled and graphed is not None and all(s.params.plain_greedy for s in sampled):
-                tokens, host = graphed
-            else:
-                tokens = self._sample_on_device(logits, sampled) if sampled else None
-                if hasattr(self.executor, "keep_tokens"):
-                    self.executor.keep_tokens(tokens)   # where the next graphed step's fills read them
-        step = InFlight(batch, sampled, logits)
+                self._keep(step, graphed[0], graphed[1])
+            elif all(self._device_samples(s) for s in sampled):
+                self._keep(step, self._draw(logits, sampled) if sampled else None)
+            else:   # JSON-mode rows: sampled after the step before is read (step()); host rows: at this one's read
+                step.masked = all(self._device_samples(s) or self._maskable(s) for s in sampled)
+                if not step.masked:
+                    self._keep(step, None)
+        return step
+
+    def _keep(self, step: InFlight, tokens: torch.Tensor | None, host: torch.Tensor | None = None) -> None:
+        """The step's tokens, sampled on the device: their copy to the host started (or, host given, the
+        graph's own), and kept where the next graphed step's fills read them (None: no tokens to keep)."""
+        if host is None and hasattr(self.executor, "keep_tokens"):
+            self.executor.keep_tokens(tokens)
         if tokens is not None:
             step.tokens = tokens
             step.host, step.ready = (host, self.readback.event(tokens)) if host is not None \
                 else self.readback.start(tokens)
-            step.row_of = {seq: i for i, seq in enumerate(sampled)}
-        return step
+            step.row_of = {seq: i for i, seq in enumerate(step.sampled)}
 
-    def _sample_on_device(self, logits: torch.Tensor, sampled: list[Sequence]) -> torch.Tensor | None:
-        """One token a row, left where the logits are: one argmax for plain greedy batches, the GPU
-        sampler for temperature/top-k/top-p ones. None when a row needs the host sampler (penalties,
-        logprobs, JSON masks, or any non-greedy row on a CPU): such a step is read at once, never
-        overlapped (_sample_mixed)."""
-        if all(s.params.plain_greedy for s in sampled):
+    def _draw(self, logits: torch.Tensor, sampled: list[Sequence]) -> torch.Tensor:
+        """One token a row, left where the logits are: one argmax when every row is greedy, else the GPU
+        sampler (temperature, top-k, top-p; one uniform draw a row)."""
+        if all(s.params.greedy for s in sampled):
             sampler = self.model.sampler
             return sampler.greedy(logits) if sampler is not None else logits.argmax(-1)
-        if all(self._device_samples(s) for s in sampled):
-            return self.model.sampler(logits, sampled)
-        return None
+        return self.model.sampler(logits, sampled)
 
     def _device_samples(self, seq: Sequence) -> bool:
+        """The row is sampled where the logits are, at launch: greedy, or the GPU sampler's parameters only."""
         return seq.params.plain_greedy or (self.model.sampler is not None and seq.params.device_sampleable)
+
+    def _maskable(self, seq: Sequence) -> bool:
+        """A JSON-mode row the device samples once its mask is applied (no logprobs, no penalties)."""
+        p = seq.params
+        return seq.constraint is not None and not p.host_logits and (p.greedy or self.model.sampler is not None)
+
+    def _sample_masked(self, step: InFlight) -> None:
+        """Samples a launched step with JSON-mode rows, where its logits are, now that the step before is
+        read and each row's constraint has taken its last token. A row whose mask is empty (or that finished
+        in that read) is sampled unmasked: its token ends or is dropped, as on the host sampler."""
+        masks = [s.constraint.allowed() if s.constraint is not None and not s.finished else None
+                 for s in step.sampled]
+        rows = [i for i, m in enumerate(masks) if m is not None and bool(m.any())]
+        logits = step.logits
+        with torch.inference_mode():
+            if rows:
+                device = logits.device
+                index = torch.tensor(rows, device=device)
+                allowed = torch.stack([masks[i] for i in rows])
+                allowed = allowed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else allowed
+                logits = logits.index_copy(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
+            self._keep(step, self._draw(logits, step.sampled))
 
     def _sample_mixed(self, logits: torch.Tensor, sampled: list[Sequence]) -> list[Sampled | None]:
         """A step with rows only the host sampler takes: those rows' logits are copied to the host and
@@ -244,7 +277,7 @@ class Engine:
         on_host = [i for i in live if not self._device_samples(sampled[i])]
         if on_device:
             rows = logits.index_select(0, torch.tensor(on_device, device=logits.device))
-            tokens = self._sample_on_device(rows, [sampled[i] for i in on_device])
+            tokens = self._draw(rows, [sampled[i] for i in on_device])
             for i, token in zip(on_device, tokens.tolist()):
                 samples[i] = Sampled(token)
         if on_host:

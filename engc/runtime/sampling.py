@@ -58,9 +58,13 @@ class SamplingParams:
     @cached_property
     def device_sampleable(self) -> bool:
         """Only temperature, top-k and top-p: what the GPU sampling kernel does, no host-side logits."""
-        return (self.logprobs is None and self.repetition_penalty == 1.0
-                and not self.presence_penalty and not self.frequency_penalty and not self.json_object
-                and self.json_schema is None)
+        return not self.host_logits and not self.json_object and self.json_schema is None
+
+    @cached_property
+    def host_logits(self) -> bool:
+        """Logprobs or penalties: the row's logits must reach the host (a JSON mask alone need not)."""
+        return (self.logprobs is not None or self.repetition_penalty != 1.0 or self.presence_penalty != 0
+                or self.frequency_penalty != 0)
 
 
 @dataclass
