@@ -15,11 +15,11 @@ On the device: python bench/mixed_sampling_device.py --shapes 1b,8b --cache .kc 
 
 Per shape and batch B (random-weight checkpoint and bundle as bench/gpu_bench.py makes them, 128 prompt
 tokens, 128 greedy tokens a row): B plain greedy rows, then B-1 of them plus one greedy row asking for
-logprobs, and plus one greedy json_object row, each with the old whole-batch host sampler patched in and
-with the engine as it is. The random checkpoints' tokens are words 't<id>' (no JSON punctuation), so the
-JSON masks read a vocabulary of as many texts whose first 95 are the printable ASCII characters (the
-engine's json_vocab replaced; only the masks read it). Prints tok/s and ms a token after the first,
-checks old and new give the same tokens; JSON under --out.
+logprobs, and plus one greedy JSON row (json_schema: an object of one string), each with the old
+whole-batch host sampler patched in and with the engine as it is. The random checkpoints' tokens are
+words 't<id>' (no JSON punctuation), so the JSON masks read a vocabulary of as many texts whose first 95
+are the printable ASCII characters (the engine's json_vocab replaced; only the masks read it). Prints
+tok/s and ms a token after the first, checks old and new give the same tokens; JSON under --out.
 """
 from __future__ import annotations
 
@@ -91,7 +91,10 @@ def main():
         engine.__dict__["json_vocab"] = JsonVocab([chr(32 + i) if i < 95 else f"t{i}" for i in range(vocab)])
         new_mixed, new_maskable = Engine._sample_mixed, Engine._maskable
         logprobs = SamplingParams(max_tokens=128, ignore_eos=True, temperature=0, logprobs=1)
-        json_row = SamplingParams(max_tokens=128, temperature=0, json_object=True)
+        # an object whose one string value takes every 't<id>' text: the row runs its 128 tokens (under a
+        # bare json_object a greedy random model may close the object at its second token)
+        json_row = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True, json_schema={
+            "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
         variants = (("plain", None, False), ("logprobs_old", logprobs, True), ("logprobs_new", logprobs, False),
                     ("json_old", json_row, True), ("json_new", json_row, False), ("plain_again", None, False))
         for b in batches[shape]:
