@@ -49,6 +49,12 @@ class EngineConfig:
     overlap: bool = True                # launch step N+1 before reading step N's tokens (same outputs)
 
 
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without waiting for the GPU: through pinned memory. (A plain copy of
+    pageable memory waits for the stream, here the forward just launched, and the overlap is lost.)"""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def default_num_blocks(model: LoadedModel, fraction: float) -> int:
     if model.device.type != "cuda":
         return 512
@@ -259,10 +265,8 @@ class Engine:
         logits = step.logits
         with torch.inference_mode():
             if rows:
-                device = logits.device
-                index = torch.tensor(rows, device=device)
-                allowed = torch.stack([masks[i] for i in rows])
-                allowed = allowed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else allowed
+                index = _upload(torch.tensor(rows), logits.device)
+                allowed = _upload(torch.stack([masks[i] for i in rows]), logits.device)
                 logits = logits.index_copy(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
             self._keep(step, self._draw(logits, step.sampled))
 
