@@ -373,7 +373,8 @@ def test_seeded_sampling_on_the_device_path_matches(with_sampler, graphed, monke
 
 
 def test_host_sampled_rows_fall_back_and_match(with_sampler):
-    """Logprobs and penalties need the host sampler: those steps are read at once, in order."""
+    """Logprobs and penalty rows, joining while others decode: overlapped steps give what synchronous
+    ones give (penalties read the last token, so their steps are sampled after the step before is read)."""
     model = with_sampler
     ids = prompts(model, 5)
     params = [SamplingParams(max_tokens=14, temperature=0, logprobs=3, ignore_eos=True),
@@ -386,57 +387,59 @@ def test_host_sampled_rows_fall_back_and_match(with_sampler):
     assert len(results[0][5]) == 14 and all(len(top) == 3 for _, _, top in results[0][5])
 
 
-def test_a_host_sampled_row_moves_only_itself_to_the_host(with_sampler, monkeypatch):
-    """A row that needs the host sampler (logprobs here) makes its step read at once, but only its own
-    logits go to the host: the seeded temperature row beside it draws on the device path, the tokens it
-    draws when that row is a plain greedy one instead (the same logits each step: the host row is greedy
-    too), and the host sampler runs once a step, not once a row."""
+def test_a_host_sampled_row_moves_only_itself_to_the_host(model, monkeypatch):
+    """Without a GPU sampler a non-greedy row needs the host sampler: its step is read at once, but only
+    that row goes there (the host sampler runs once a step, not once a row); the greedy rows beside it,
+    one asking for logprobs, take the tokens they take beside a greedy row in its place."""
     from engc.runtime import engine as engine_module
-    model = with_sampler
     ids = prompts(model, 3)
-    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with_logprobs = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
     host_rows = []
     real = engine_module.sample_row
     monkeypatch.setattr(engine_module, "sample_row", lambda row, p, *a: host_rows.append(p) or real(row, p, *a))
-    plain, _, _ = assert_same(model, [(ids[0], seeded, None), (ids[1], greedy, None), (ids[2], greedy, None)])
+    plain, _, _ = assert_same(model, [(ids[0], greedy, None), (ids[1], greedy, None), (ids[2], greedy, None)])
     assert host_rows == []
-    mixed, _, _ = assert_same(model, [(ids[0], seeded, None), (ids[1], greedy, None),
-                                      (ids[2], SamplingParams(max_tokens=12, temperature=0, logprobs=2,
-                                                              ignore_eos=True), None)])
-    assert [r[0] for r in mixed] == [r[0] for r in plain]
-    assert len(host_rows) == 2 * 12 and all(p.logprobs == 2 for p in host_rows)   # sync and overlapped runs
-    assert len(mixed[2][5]) == 12 and all(len(top) == 2 for _, _, top in mixed[2][5])
+    mixed, _, _ = assert_same(model, [(ids[0], greedy, None), (ids[1], with_logprobs, None), (ids[2], seeded, None)])
+    assert [r[0] for r in mixed[:2]] == [r[0] for r in plain[:2]]
+    assert len(host_rows) == 2 * 12 and all(p is seeded for p in host_rows)   # sync and overlapped runs
+    assert len(mixed[1][5]) == 12 and all(len(top) == 2 for _, _, top in mixed[1][5])
 
 
 @pytest.mark.parametrize("graphed", [False, True])
-def test_json_rows_are_masked_where_the_logits_are_and_stay_overlapped(with_sampler, graphed, monkeypatch):
-    """JSON-mode rows (json_object, json_schema) are sampled by the device path once the step before is
-    read and their masks applied: no step goes to the host sampler, outputs equal synchronous steps', the
-    outputs are JSON, and a greedy JSON row takes the tokens the host sampler gives the same request
-    when it also asks for logprobs (which sends it there)."""
+def test_penalty_logprobs_and_json_rows_are_sampled_where_the_logits_are(with_sampler, graphed, monkeypatch):
+    """Rows with penalties, logprobs or a JSON mask take the device path (penalties and masks once the
+    step before is read): no step goes to the host sampler, overlapped steps give what synchronous ones
+    give, the JSON rows' outputs are JSON, and greedy rows take the tokens and logprobs the host sampler
+    gives them (every row sent there)."""
     from engc.runtime.json_mode import START, walk
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
     model = with_sampler
-    ids = prompts(model, 4)
+    ids = prompts(model, 7)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
               "required": ["a", "b"]}
-    params = [SamplingParams(max_tokens=24, temperature=0, json_object=True),
-              SamplingParams(max_tokens=24, temperature=0.9, seed=5, json_object=True),
+    greedy = [SamplingParams(max_tokens=24, temperature=0, json_object=True, logprobs=1),
               SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0.8, seed=7, json_schema=schema)]
-    kinds = []
-    for name in ("_sample_masked", "_sample_mixed"):
+              SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.3, logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0, presence_penalty=0.5, frequency_penalty=0.3,
+                             ignore_eos=True)]
+    sampled = [SamplingParams(max_tokens=24, temperature=0.9, seed=5, json_object=True),
+               SamplingParams(max_tokens=24, temperature=0.8, seed=7, json_schema=schema),
+               SamplingParams(max_tokens=24, temperature=0.8, seed=8, frequency_penalty=0.4, logprobs=0)]
+    calls = []
+    for name in ("_sample", "_sample_mixed"):
         real = getattr(Engine, name)
-        monkeypatch.setattr(Engine, name, lambda self, *a, real=real, name=name: kinds.append(name) or real(self, *a))
-    results, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, params)], graphed=graphed)
-    assert "_sample_masked" in kinds and "_sample_mixed" not in kinds
-    for r in (results[0], results[1], results[3]):
+        monkeypatch.setattr(Engine, name, lambda self, *a, real=real, name=name: calls.append(name) or real(self, *a))
+    results, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, greedy + sampled)], graphed=graphed)
+    assert "_sample" in calls and "_sample_mixed" not in calls
+    for r in (results[0], results[4], results[5]):
         assert walk(START, r[1]) is not None, r[1]
-    alone = run(model, True, [(ids[0], params[0], None)], graphed=graphed)[0][0]
-    on_host = run(model, True, [(ids[0], SamplingParams(max_tokens=24, temperature=0, json_object=True,
-                                                        logprobs=0), None)], graphed=graphed)[0][0]
-    assert alone[:5] == on_host[:5] and "_sample_mixed" in kinds   # tokens, texts, finish
+    assert [len(r[5]) for r in results] == [len(results[0][0]), 0, 24, 0, 0, 0, 24]
+    device = run(model, True, [(i, p, None) for i, p in zip(ids, greedy)], graphed=graphed)[0]
+    monkeypatch.setattr(Engine, "_device_samples", lambda self, seq: False)
+    host = run(model, True, [(i, p, None) for i, p in zip(ids, greedy)], graphed=graphed)[0]
+    assert device == host and "_sample_mixed" in calls
 
 
 def test_preemption_chunked_prefill_and_prefix_hits_match(model):
@@ -513,27 +516,36 @@ def test_gpu_overlap_matches_sync(gpu_bundle, graphs):  # noqa: F811
 
 @pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA device and engc._native")
 @pytest.mark.parametrize("graphs", [True, False])
-def test_gpu_json_rows_masked_on_the_device(gpu_bundle, graphs):  # noqa: F811
-    """On the GPU: JSON-mode rows beside plain and sampled ones, masked and sampled on the device once the
-    step before is read: overlapped steps give what synchronous ones give, the outputs are JSON, and a
-    greedy JSON row takes the tokens the host sampler gives it (the same request asking for logprobs)."""
+def test_gpu_rows_with_penalties_logprobs_and_masks_sampled_on_the_device(gpu_bundle, graphs, monkeypatch):  # noqa: F811
+    """On the GPU: JSON-mode, penalty and logprobs rows beside plain and sampled ones take the device
+    path (penalties and masks once the step before is read): overlapped steps give what synchronous ones
+    give, the JSON outputs are JSON, and greedy rows take the tokens the host sampler gives them (every
+    row sent there), with logprobs within float tolerance of its CPU ones."""
     from engc.runtime.json_mode import START, walk
     model = load(gpu_bundle, device="cuda")
-    ids = prompts(model, 4)
+    ids = prompts(model, 7)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
               "required": ["a", "b"]}
-    params = [SamplingParams(max_tokens=24, temperature=0, json_object=True),
-              SamplingParams(max_tokens=24, temperature=0.9, seed=5, json_object=True),
+    greedy = [SamplingParams(max_tokens=24, temperature=0, json_object=True, logprobs=1),
               SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0.8, seed=7, json_schema=schema)]
+              SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.3, logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0, presence_penalty=0.5, frequency_penalty=0.3,
+                             ignore_eos=True)]
+    sampled = [SamplingParams(max_tokens=24, temperature=0.9, seed=5, json_object=True),
+               SamplingParams(max_tokens=24, temperature=0.8, seed=7, json_schema=schema),
+               SamplingParams(max_tokens=24, temperature=0.8, seed=8, frequency_penalty=0.4, logprobs=0)]
     config = EngineConfig(num_blocks=64, max_num_seqs=8, cuda_graphs=graphs)
-    results, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, params)], config=config)
-    for r in (results[0], results[1], results[3]):
+    results, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, greedy + sampled)], config=config)
+    for r in (results[0], results[4], results[5]):
         assert walk(START, r[1]) is not None, r[1]
-    alone = run(model, True, [(ids[0], params[0], None)], config=config)[0][0]
-    on_host = run(model, True, [(ids[0], SamplingParams(max_tokens=24, temperature=0, json_object=True,
-                                                        logprobs=0), None)], config=config)[0][0]
-    assert alone[:5] == on_host[:5]
+    device = run(model, True, [(i, p, None) for i, p in zip(ids, greedy)], config=config)[0]
+    monkeypatch.setattr(Engine, "_device_samples", lambda self, seq: False)
+    host = run(model, True, [(i, p, None) for i, p in zip(ids, greedy)], config=config)[0]
+    for a, b in zip(device, host):
+        assert a[:5] == b[:5] and [x[0] for x in a[5]] == [x[0] for x in b[5]]
+        for x, y in zip(a[5], b[5]):
+            assert abs(x[1] - y[1]) < 1e-4 and torch.allclose(torch.tensor([v for _, v in x[2]]),
+                                                             torch.tensor([v for _, v in y[2]]), atol=1e-4)
 
 
 @pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA device and engc._native")

@@ -9,13 +9,12 @@ Meanwhile each sampled sequence counts one token in flight (Sequence.num_in_flig
 plans with it, the next step's executor takes its id from the device (TokenFill), and only known
 tokens are ever hashed, appended or returned. A sequence that finished in the step being read may
 already be in the launched one: that row's token is dropped.
-JSON-mode rows (a mask of allowed tokens per grammar state, runtime/json_mode.py) are sampled where the
-logits are too, but only after the step before is read: the mask follows the token just read. So such a
-step is launched, the previous one read, the masks made and applied while the GPU still runs the
-forward, and then sampled (_sample_masked); it stays overlapped.
-A step with a row that needs the host sampler (logprobs, penalties) is read at once, after the step
-before it: _launch's rule. Only such rows' logits go to the host; the step's other rows are still
-sampled where the logits are (_sample_mixed), so one such request does not move a whole batch's logits.
+Rows are sampled where the logits are (runtime/step_sampling.py), logprobs, penalties and JSON-mode masks
+included. Penalties and masks follow the token just read, so a step with such a row is launched, the
+step before it read, and only then sampled (the masks made and applied while the GPU still runs the
+forward); it stays overlapped. Only a row that needs a sampler the engine lacks (a non-greedy row on a
+CPU engine) goes to the host sampler: its step is read at once, after the step before it, and only that
+row's logits go to the host (_sample_mixed). _launch holds these rules.
 """
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from engc.runtime import step_sampling
 from engc.runtime.executor import TokenFill
 from engc.runtime.json_mode import JsonConstraint, JsonVocab
 from engc.runtime.json_schema import grammar_of
@@ -33,6 +33,7 @@ from engc.runtime.loader import LoadedModel
 from engc.runtime.sampling import Sampled, SamplingParams, sample_row
 from engc.runtime.scheduler import Scheduler
 from engc.runtime.sequence import Sequence
+from engc.runtime.step_sampling import Logprobs, follows_last_token
 from engc.runtime.tokenizer import IncrementalDecoder
 from engc.runtime.triggered import TriggeredConstraint
 
@@ -82,7 +83,8 @@ class InFlight:
     host: torch.Tensor | None = None         # their pinned copy on the host, valid once `ready` passed
     ready: torch.cuda.Event | None = None
     row_of: dict[Sequence, int] = field(default_factory=dict)   # seq -> its row of tokens
-    masked: bool = False                     # JSON-mode rows: sampled once the step before is read
+    logprobs: Logprobs | None = None          # host copies (valid once `ready` passed), where rows asked
+    after_read: bool = False                 # penalty or JSON rows: sampled once the step before is read
 
 
 class Readback:
@@ -95,10 +97,20 @@ class Readback:
         self.turn = 0
 
     def start(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Queues the copy of tokens; the event passes once it, and all copies queued before, are done."""
         host = self.buffers[self.turn][:len(tokens)]
         self.turn ^= 1
         host.copy_(tokens, non_blocking=True)
         return host, self.event(tokens)
+
+    @staticmethod
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        """t's copy to (pinned) host memory, queued."""
+        if not t.is_cuda:
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
 
     @staticmethod
     def event(tokens: torch.Tensor) -> torch.cuda.Event | None:
@@ -201,8 +213,9 @@ class Engine:
         outputs = self._read(self.in_flight)
         self.in_flight = None
         if launched is not None:
-            if launched.masked:
-                self._sample_masked(launched)
+            if launched.after_read:
+                with torch.inference_mode():
+                    self._keep(launched, *self._sample(launched.logits, launched.sampled))
             self._commit(launched)
             if self.config.overlap and launched.tokens is not None:
                 self.in_flight = launched
@@ -218,25 +231,30 @@ class Engine:
             graphed = getattr(self.executor, "step_tokens", None)
             step = InFlight(batch, sampled, logits)
             if sampled and graphed is not None and all(s.params.plain_greedy for s in sampled):
-                self._keep(step, graphed[0], graphed[1])
-            elif all(self._device_samples(s) for s in sampled):
-                self._keep(step, self._draw(logits, sampled) if sampled else None)
-            else:   # JSON-mode rows: sampled after the step before is read (step()); host rows: at this one's read
-                step.masked = all(self._device_samples(s) or self._maskable(s) for s in sampled)
-                if not step.masked:
-                    self._keep(step, None)
+                self._keep(step, graphed[0], None, graphed[1])
+            elif not all(self._device_samples(s) for s in sampled):
+                self._keep(step, None)    # sampled when read (_sample_mixed), at once
+            elif any(follows_last_token(s) for s in sampled):
+                step.after_read = True    # sampled once the step before is read (step())
+            else:
+                self._keep(step, *self._sample(logits, sampled) if sampled else (None, None))
         return step
 
-    def _keep(self, step: InFlight, tokens: torch.Tensor | None, host: torch.Tensor | None = None) -> None:
+    def _keep(self, step: InFlight, tokens: torch.Tensor | None, logprobs: Logprobs | None = None,
+              host: torch.Tensor | None = None) -> None:
         """The step's tokens, sampled on the device: their copy to the host started (or, host given, the
         graph's own), and kept where the next graphed step's fills read them (None: no tokens to keep)."""
         if host is None and hasattr(self.executor, "keep_tokens"):
             self.executor.keep_tokens(tokens)
         if tokens is not None:
             step.tokens = tokens
+            step.logprobs = logprobs.copied(self.readback.copy) if logprobs is not None else None
             step.host, step.ready = (host, self.readback.event(tokens)) if host is not None \
-                else self.readback.start(tokens)
+                else self.readback.start(tokens)    # its event follows the logprobs' copies too
             step.row_of = {seq: i for i, seq in enumerate(step.sampled)}
+
+    def _sample(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, Logprobs | None]:
+        return step_sampling.sample(logits, sampled, self._draw, lambda t: _upload(t, logits.device))
 
     def _draw(self, logits: torch.Tensor, sampled: list[Sequence]) -> torch.Tensor:
         """One token a row, left where the logits are: one argmax when every row is greedy, else the GPU
@@ -247,43 +265,26 @@ class Engine:
         return self.model.sampler(logits, sampled)
 
     def _device_samples(self, seq: Sequence) -> bool:
-        """The row is sampled where the logits are, at launch: greedy, or the GPU sampler's parameters only."""
-        return seq.params.plain_greedy or (self.model.sampler is not None and seq.params.device_sampleable)
-
-    def _maskable(self, seq: Sequence) -> bool:
-        """A JSON-mode row the device samples once its mask is applied (no logprobs, no penalties)."""
-        p = seq.params
-        return seq.constraint is not None and not p.host_logits and (p.greedy or self.model.sampler is not None)
-
-    def _sample_masked(self, step: InFlight) -> None:
-        """Samples a launched step with JSON-mode rows, where its logits are, now that the step before is
-        read and each row's constraint has taken its last token. A row whose mask is empty (or that finished
-        in that read) is sampled unmasked: its token ends or is dropped, as on the host sampler."""
-        masks = [s.constraint.allowed() if s.constraint is not None and not s.finished else None
-                 for s in step.sampled]
-        rows = [i for i, m in enumerate(masks) if m is not None and bool(m.any())]
-        logits = step.logits
-        with torch.inference_mode():
-            if rows:
-                index = _upload(torch.tensor(rows), logits.device)
-                allowed = _upload(torch.stack([masks[i] for i in rows]), logits.device)
-                logits = logits.index_copy(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
-            self._keep(step, self._draw(logits, step.sampled))
+        """The row is sampled where the logits are: greedy, or the engine has a GPU sampler."""
+        return seq.params.greedy or self.model.sampler is not None
 
     def _sample_mixed(self, logits: torch.Tensor, sampled: list[Sequence]) -> list[Sampled | None]:
-        """A step with rows only the host sampler takes: those rows' logits are copied to the host and
-        sampled there; the other rows are sampled where the logits are, as they would be in a step without
-        such rows (so a seeded row draws the same tokens whatever shares its batch, and a batch of 64
-        copies one row of logits, not 64). None for rows that finished meanwhile."""
+        """A step with rows only the host sampler takes (non-greedy rows on an engine without a GPU
+        sampler): those rows' logits are copied to the host and sampled there; the other rows are sampled
+        where the logits are, as they would be in a step without such rows. None for rows that finished
+        meanwhile."""
         samples: list[Sampled | None] = [None] * len(sampled)
         live = [i for i, s in enumerate(sampled) if not s.finished]
         on_device = [i for i in live if self._device_samples(sampled[i])]
         on_host = [i for i in live if not self._device_samples(sampled[i])]
         if on_device:
-            rows = logits.index_select(0, torch.tensor(on_device, device=logits.device))
-            tokens = self._draw(rows, [sampled[i] for i in on_device])
-            for i, token in zip(on_device, tokens.tolist()):
-                samples[i] = Sampled(token)
+            seqs = [sampled[i] for i in on_device]
+            tokens, logprobs = self._sample(logits.index_select(0, torch.tensor(on_device, device=logits.device)), seqs)
+            device_samples = [Sampled(t) for t in tokens.tolist()]
+            if logprobs is not None:
+                logprobs.copied(torch.Tensor.cpu).fill(device_samples, seqs)
+            for i, s in zip(on_device, device_samples):
+                samples[i] = s
         if on_host:
             rows = logits.index_select(0, torch.tensor(on_host, device=logits.device)).float().cpu()
             for row, i in zip(rows, on_host):
@@ -311,6 +312,8 @@ class Engine:
             if step.ready is not None:
                 step.ready.synchronize()
             samples = [Sampled(t) for t in step.host.tolist()]
+            if step.logprobs is not None:
+                step.logprobs.fill(samples, step.sampled)
         outputs = []
         for seq, s in zip(step.sampled, samples):
             seq.num_in_flight = 0

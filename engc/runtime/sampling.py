@@ -57,14 +57,14 @@ class SamplingParams:
 
     @cached_property
     def device_sampleable(self) -> bool:
-        """Only temperature, top-k and top-p: what the GPU sampling kernel does, no host-side logits."""
-        return not self.host_logits and not self.json_object and self.json_schema is None
+        """Only temperature, top-k and top-p: what the plain draw (the GPU sampling kernel) does, with no
+        penalties, mask or logprobs to add (runtime/step_sampling.py adds those)."""
+        return (self.logprobs is None and not self.penalized and not self.json_object
+                and self.json_schema is None)
 
     @cached_property
-    def host_logits(self) -> bool:
-        """Logprobs or penalties: the row's logits must reach the host (a JSON mask alone need not)."""
-        return (self.logprobs is not None or self.repetition_penalty != 1.0 or self.presence_penalty != 0
-                or self.frequency_penalty != 0)
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 @dataclass
