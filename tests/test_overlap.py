@@ -387,6 +387,21 @@ def test_host_sampled_rows_fall_back_and_match(with_sampler):
     assert len(results[0][5]) == 14 and all(len(top) == 3 for _, _, top in results[0][5])
 
 
+def rows_with_extras():
+    """(greedy, sampled) SamplingParams with penalties, logprobs and JSON masks, alone and together."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["a", "b"]}
+    greedy = [SamplingParams(max_tokens=24, temperature=0, json_object=True, logprobs=1),
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.3, logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0, presence_penalty=0.5, frequency_penalty=0.3,
+                             ignore_eos=True)]
+    sampled = [SamplingParams(max_tokens=24, temperature=0.9, seed=5, json_object=True),
+               SamplingParams(max_tokens=24, temperature=0.8, seed=7, json_schema=schema),
+               SamplingParams(max_tokens=24, temperature=0.8, seed=8, frequency_penalty=0.4, logprobs=0)]
+    return greedy, sampled
+
+
 def test_a_host_sampled_row_moves_only_itself_to_the_host(model, monkeypatch):
     """Without a GPU sampler a non-greedy row needs the host sampler: its step is read at once, but only
     that row goes there (the host sampler runs once a step, not once a row); the greedy rows beside it,
@@ -417,16 +432,7 @@ def test_penalty_logprobs_and_json_rows_are_sampled_where_the_logits_are(with_sa
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
     model = with_sampler
     ids = prompts(model, 7)
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
-              "required": ["a", "b"]}
-    greedy = [SamplingParams(max_tokens=24, temperature=0, json_object=True, logprobs=1),
-              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.3, logprobs=3, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0, presence_penalty=0.5, frequency_penalty=0.3,
-                             ignore_eos=True)]
-    sampled = [SamplingParams(max_tokens=24, temperature=0.9, seed=5, json_object=True),
-               SamplingParams(max_tokens=24, temperature=0.8, seed=7, json_schema=schema),
-               SamplingParams(max_tokens=24, temperature=0.8, seed=8, frequency_penalty=0.4, logprobs=0)]
+    greedy, sampled = rows_with_extras()
     calls = []
     for name in ("_sample", "_sample_mixed"):
         real = getattr(Engine, name)
@@ -524,16 +530,7 @@ def test_gpu_rows_with_penalties_logprobs_and_masks_sampled_on_the_device(gpu_bu
     from engc.runtime.json_mode import START, walk
     model = load(gpu_bundle, device="cuda")
     ids = prompts(model, 7)
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
-              "required": ["a", "b"]}
-    greedy = [SamplingParams(max_tokens=24, temperature=0, json_object=True, logprobs=1),
-              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.3, logprobs=3, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0, presence_penalty=0.5, frequency_penalty=0.3,
-                             ignore_eos=True)]
-    sampled = [SamplingParams(max_tokens=24, temperature=0.9, seed=5, json_object=True),
-               SamplingParams(max_tokens=24, temperature=0.8, seed=7, json_schema=schema),
-               SamplingParams(max_tokens=24, temperature=0.8, seed=8, frequency_penalty=0.4, logprobs=0)]
+    greedy, sampled = rows_with_extras()
     config = EngineConfig(num_blocks=64, max_num_seqs=8, cuda_graphs=graphs)
     results, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, greedy + sampled)], config=config)
     for r in (results[0], results[4], results[5]):
