@@ -7,6 +7,7 @@ import torch
 
 from engc.runtime import step_sampling
 from engc.runtime.sampling import SamplingParams, apply_penalties, sample_row
+from engc.runtime.sequence import Sequence, Status
 
 V = 300
 
@@ -20,8 +21,11 @@ class Mask:
 
 
 def seq(params, prompt, output, mask=None, finished=False):
-    return SimpleNamespace(params=params, prompt_ids=prompt, output_ids=output, finished=finished,
-                           constraint=None if mask is None else Mask(mask), generator=torch.Generator())
+    s = Sequence(list(prompt), params)
+    s.output_ids, s.constraint = list(output), None if mask is None else Mask(mask)
+    if finished:
+        s.status = Status.FINISHED
+    return s
 
 
 def rows_of_every_kind():
@@ -71,3 +75,10 @@ def test_rows_without_extras_leave_the_logits_alone():
     assert step_sampling._penalized_and_masked(logits, seqs, lambda t: t) is logits
     assert not any(step_sampling.follows_last_token(s) for s in seqs)
     assert step_sampling.follows_last_token(rows_of_every_kind()[2])
+
+
+def test_seen_ids_follow_the_output():
+    s = seq(SamplingParams(temperature=0, repetition_penalty=1.2), [1, 2, 2, 3], [4])
+    assert s.seen_ids() == {1, 2, 3, 4}
+    s.output_ids += [9, 1]
+    assert s.seen_ids() == {1, 2, 3, 4, 9}

@@ -42,9 +42,18 @@ class Sequence:
     generator: torch.Generator | None = None
     arrival: int = field(default_factory=lambda: next(_ids))
     constraint: object | None = None          # json_mode.JsonConstraint or triggered.TriggeredConstraint
+    _seen: tuple[set[int], int] | None = field(default=None, repr=False)   # seen_ids and the outputs in it
 
     def __post_init__(self):
         self.generator = make_generator(self.params.seed)
+
+    def seen_ids(self) -> set[int]:
+        """The distinct ids of the prompt and the output (a repetition penalty's), kept as outputs arrive:
+        a 4k-token prompt's set is not rebuilt every step."""
+        seen, n = self._seen or (set(self.prompt_ids), 0)
+        seen.update(self.output_ids[n:])
+        self._seen = (seen, len(self.output_ids))
+        return seen
 
     def tokens(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without building the whole list (a decode step needs one token).

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from engc.runtime.sampling import Sampled
@@ -92,9 +93,9 @@ def _apply_penalties(out: torch.Tensor, penalized: list[tuple[int, Sequence]], u
     for i, s in penalized:
         p = s.params
         if p.repetition_penalty != 1.0:
-            seen = sorted(set(s.prompt_ids) | set(s.output_ids))
+            seen = s.seen_ids()   # any order: each id once
             rep_rows += [i] * len(seen)
-            rep_ids += seen
+            rep_ids.append(torch.from_numpy(np.fromiter(seen, dtype=np.int64, count=len(seen))))
             rep_by.append(torch.full((len(seen),), p.repetition_penalty, dtype=torch.float32))
         if s.output_ids and (p.presence_penalty or p.frequency_penalty):
             ids, counts = torch.tensor(s.output_ids, dtype=torch.long).unique(return_counts=True)
@@ -102,7 +103,7 @@ def _apply_penalties(out: torch.Tensor, penalized: list[tuple[int, Sequence]], u
             sub_ids.append(ids)
             sub_by.append(p.presence_penalty + p.frequency_penalty * counts.float())
     if rep_rows:
-        where = (upload(torch.tensor(rep_rows)), upload(torch.tensor(rep_ids)))
+        where = (upload(torch.tensor(rep_rows)), upload(torch.cat(rep_ids)))
         by = upload(torch.cat(rep_by))
         vals = out[where]
         out[where] = torch.where(vals > 0, vals / by, vals * by)
