@@ -35,6 +35,7 @@ from engc.runtime.scheduler import Scheduler
 from engc.runtime.sequence import Sequence
 from engc.runtime.step_sampling import Logprobs, follows_last_token
 from engc.runtime.tokenizer import IncrementalDecoder
+from engc.runtime.transfers import Readback, upload
 from engc.runtime.triggered import TriggeredConstraint
 
 
@@ -48,12 +49,6 @@ class EngineConfig:
     kv_memory_fraction: float = 0.85    # of the GPU memory free after weights, when num_blocks is 0
     cuda_graphs: bool = True            # capture decode graphs at start (GPU only)
     overlap: bool = True                # launch step N+1 before reading step N's tokens (same outputs)
-
-
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on the device without waiting for the GPU: through pinned memory. (A plain copy of
-    pageable memory waits for the stream, here the forward just launched, and the overlap is lost.)"""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def default_num_blocks(model: LoadedModel, fraction: float) -> int:
@@ -78,48 +73,13 @@ class InFlight:
     """A launched step whose sampled tokens the host has not read yet."""
     batch: list[tuple[Sequence, int]]
     sampled: list[Sequence]                  # one row each of logits (and tokens), in order
-    logits: torch.Tensor                     # for the host sampler, when a row needs it
+    logits: torch.Tensor                     # sampled after the launch (after_read, the host sampler)
     tokens: torch.Tensor | None = None       # [len(sampled)] ids where the logits are, when sampled there
     host: torch.Tensor | None = None         # their pinned copy on the host, valid once `ready` passed
     ready: torch.cuda.Event | None = None
     row_of: dict[Sequence, int] = field(default_factory=dict)   # seq -> its row of tokens
-    logprobs: Logprobs | None = None          # host copies (valid once `ready` passed), where rows asked
+    logprobs: Logprobs | None = None         # host copies (valid once `ready` passed), where rows asked
     after_read: bool = False                 # penalty or JSON rows: sampled once the step before is read
-
-
-class Readback:
-    """Sampled ids copied to pinned host memory without waiting. Two buffers used in turn: one step's
-    buffer is still to be read while the next step's copy is queued."""
-
-    def __init__(self, size: int, device: torch.device):
-        self.buffers = [torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
-                        for _ in range(2)]
-        self.turn = 0
-
-    def start(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Queues the copy of tokens; the event passes once it, and all copies queued before, are done."""
-        host = self.buffers[self.turn][:len(tokens)]
-        self.turn ^= 1
-        host.copy_(tokens, non_blocking=True)
-        return host, self.event(tokens)
-
-    @staticmethod
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        """t's copy to (pinned) host memory, queued."""
-        if not t.is_cuda:
-            return t
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t, non_blocking=True)
-        return out
-
-    @staticmethod
-    def event(tokens: torch.Tensor) -> torch.cuda.Event | None:
-        """An event after the work queued so far (tokens on a GPU), else None."""
-        if not tokens.is_cuda:
-            return None
-        ready = torch.cuda.Event()
-        ready.record()
-        return ready
 
 
 class Engine:
@@ -254,7 +214,7 @@ class Engine:
             step.row_of = {seq: i for i, seq in enumerate(step.sampled)}
 
     def _sample(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, Logprobs | None]:
-        return step_sampling.sample(logits, sampled, self._draw, lambda t: _upload(t, logits.device))
+        return step_sampling.sample(logits, sampled, self._draw, lambda t: upload(t, logits.device))
 
     def _draw(self, logits: torch.Tensor, sampled: list[Sequence]) -> torch.Tensor:
         """One token a row, left where the logits are: one argmax when every row is greedy, else the GPU
