@@ -464,6 +464,29 @@ def test_preemption_chunked_prefill_and_prefix_hits_match(model):
             assert results[-1][6] > 0 and results[-2][6] > 0
 
 
+@pytest.mark.parametrize("graphed", [False, True])
+def test_rows_with_extras_through_preemption_chunks_and_aborts(with_sampler, graphed, monkeypatch):
+    """Penalty, logprobs and JSON rows (sampled after the step before is read) through preemption by
+    recompute, chunked prefill, joins and an abort: overlapped steps give the tokens, texts and ends
+    synchronous ones give. Their logprobs agree to float rounding only: with preemption the two modes
+    batch rows differently (the lookahead plans with tokens in flight), and a CPU matmul's rounding
+    depends on its row count."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+    model = with_sampler
+    ids = prompts(model, 7, length=30)
+    greedy, sampled = rows_with_extras()
+    requests = [(i, p, None) for i, p in zip(ids, greedy + sampled)]
+    kw = dict(config=EngineConfig(num_blocks=14, max_batched_tokens=24), graphed=graphed, abort_at={2: 5},
+              add_later=[(4, ids[1], sampled[2]), (7, ids[3], greedy[0])])
+    sync, _, _ = run(model, False, requests, **kw)
+    overlapped, engine, _ = run(model, True, requests, **kw)
+    for a, b in zip(sync, overlapped):
+        assert a[:5] == b[:5] and [(x[0], len(x[2])) for x in a[5]] == [(x[0], len(x[2])) for x in b[5]]
+        assert torch.allclose(torch.tensor([x[1] for x in a[5]]), torch.tensor([x[1] for x in b[5]]), atol=1e-5)
+    assert engine.scheduler.num_preemptions > 0 and engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
+    assert [len(r[5]) for r in sync[:7]] == [len(sync[0][0]), 0, 5, 0, 0, 0, len(sync[6][0])]
+
+
 def test_aborts_mid_stream_match(model):
     ids = prompts(model, 5)
     greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
