@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from engc.runtime.json_mode import walk
+from engc.runtime.json_schema import compile_schema
 from engc.runtime.server.app import APIError
 from engc.runtime.server.tools import CallWatch, ToolSpec
 
@@ -132,11 +133,38 @@ def test_streamed_text_is_held_only_where_it_could_be_a_call(text, sent, content
     for size in (1, 2, 3, 7, len(text)):
         watch = CallWatch(spec)
         early = "".join(watch.feed(text[i:i + size]) for i in range(0, len(text), size))
-        rest, calls = watch.finish()
-        assert early == sent and rest == content and [c["function"]["name"] for c in calls] == names, size
+        rest, calls, whole = watch.finish()
+        assert early == sent and rest == content and whole and [c["function"]["name"] for c in calls] == names, size
         assert early + rest == text or calls
     required = CallWatch(ToolSpec([NOARGS], "required"))
-    assert required.feed("It is") == "" and required.finish() == ("It is", [])
+    assert required.feed("It is") == "" and required.finish() == ("It is", [], True)
+
+
+@pytest.mark.parametrize("text, name, arguments, members", [
+    ('{"name": "get_weather", "arguments": {"city": "Par', "get_weather", '{"city": "Par', {}),
+    ('{ "name" : "get_weather",\n "arguments":{"city": "Paris", "unit": "c', "get_weather",
+     '{"city": "Paris", "unit": "c', {"city": "Paris"}),
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}', "get_weather", '{"city": "Paris"}', {"city": "Paris"}),
+    ('{"name": "get_wea', None, None, None),              # two functions, the name unfinished: text
+    ('{"name": "ping", "argu', "ping", "", {}),
+])
+def test_a_required_call_cut_by_max_tokens(text, name, arguments, members):
+    """Where max_tokens cuts a required call short, the call comes back with its arguments as written
+    (unterminated JSON, OpenAI's finish_reason length), Anthropic's input with the members written whole;
+    uncut, or under auto, the same text is content."""
+    from engc.runtime.server.tools import call_input
+    spec = ToolSpec([WEATHER, NOARGS], "required")
+    content, calls, whole = spec.calls_or_cut(text, cut=True)
+    if name is None:
+        assert (content, calls, whole) == (text, [], True)
+    else:
+        (call,) = calls
+        assert content is None and not whole and call["function"] == {"name": name, "arguments": arguments}
+        assert call["id"].startswith("call_") and call_input(arguments) == members
+    assert spec.calls_or_cut(text, cut=False) == (text, [], True)
+    assert ToolSpec([WEATHER, NOARGS], "auto").calls_or_cut(text, cut=True) == (text, [], True)
+    named = ToolSpec([WEATHER, NOARGS], {"type": "function", "function": {"name": "get_weather"}})
+    assert named.calls_or_cut('{"name": "get_wea', cut=True)[1][0]["function"]["name"] == "get_weather"
 
 
 def test_prompt_for_templates_with_and_without_tools(tiny_bundle):
@@ -187,9 +215,10 @@ def test_required_and_named_calls_are_valid_calls(client):
         r = c.chat.completions.create(model=srv.model, messages=msgs, tools=[WEATHER, TIME, NOARGS],
                                       tool_choice=choice, max_tokens=120, temperature=1.0, seed=1, n=6)
         for ch in r.choices:
-            if ch.finish_reason == "length":   # a random model's string or number ran past max_tokens
-                g = spec.grammar()
-                assert walk(g.start, ch.message.content, g) is not None and not ch.message.tool_calls
+            if ch.finish_reason == "length":   # a random model's string or number ran past max_tokens: the
+                (call,) = ch.message.tool_calls   # call as far as it was written
+                g = compile_schema(schemas[call.function.name] or {"type": "object"})
+                assert ch.message.content is None and walk(g.start, call.function.arguments, g) is not None
                 continue
             assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
             (call,) = ch.message.tool_calls
@@ -203,6 +232,38 @@ def test_required_and_named_calls_are_valid_calls(client):
     assert len(calls) == 1 and calls[0].function.name == "ping" and calls[0].index == 0
     assert isinstance(json.loads(calls[0].function.arguments), dict)
     assert deltas[-1].finish_reason == "tool_calls"
+
+
+def test_a_forced_call_cut_by_max_tokens_is_still_a_call(client):
+    """max_tokens 6 ends a required / forced call early: OpenAI gets it in tool_calls with its arguments as
+    far as written and finish_reason length (streamed too); Anthropic a tool_use block with the members
+    written whole and stop_reason max_tokens."""
+    srv, c = client
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = c.chat.completions.create(model=srv.model, messages=msgs, tools=[WEATHER], tool_choice="required",
+                                  max_tokens=6, temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and ch.message.content is None
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    chunks = [x.choices[0] for x in c.chat.completions.create(
+        model=srv.model, messages=msgs, tools=[WEATHER], tool_choice="required", max_tokens=6, temperature=0,
+        stream=True) if x.choices]
+    streamed = [tc for x in chunks for tc in x.delta.tool_calls or []]
+    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [("get_weather", call.function.arguments)]
+    assert chunks[-1].finish_reason == "length"
+    a = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    m = a.messages.create(model=srv.model, max_tokens=6, messages=msgs, tools=[tool],
+                          tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0})
+    (block,) = m.content
+    assert m.stop_reason == "max_tokens" and block.type == "tool_use" and block.name == "get_weather"
+    assert isinstance(block.input, dict)
+    with a.messages.stream(model=srv.model, max_tokens=6, messages=msgs, tools=[tool],
+                           tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0}) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "max_tokens" and [b.type for b in final.content] == ["tool_use"]
+    assert final.content[0].input == block.input
 
 
 def test_auto_and_none_answer_text_and_conversations_with_results_render(client):

@@ -15,7 +15,7 @@ from engc.runtime.async_engine import Delta, EngineError
 from engc.runtime.json_schema import SchemaError, compile_schema
 from engc.runtime.server.app import APIError, ServerState
 from engc.runtime.server.protocol import CountTokensRequest, MessagesRequest
-from engc.runtime.server.tools import CallWatch, ToolSpec
+from engc.runtime.server.tools import CallWatch, ToolSpec, call_input
 
 router = APIRouter()
 
@@ -72,15 +72,16 @@ async def _whole(stream) -> tuple[str, Delta]:
 
 def _answer(text: str, last: Delta, tools: ToolSpec) -> tuple[list[dict], str, str | None]:
     """The reply's content blocks and stop reason: with tools, its calls as tool_use blocks."""
-    content, calls = tools.calls(text)
+    stop = _stop(last)
+    content, calls, whole = tools.calls_or_cut(text, stop[0] == "max_tokens")
     blocks = [{"type": "text", "text": content or ""}] if content or not calls else []
     blocks += _tool_use_blocks(calls)
-    return (blocks, "tool_use", None) if calls else (blocks, *_stop(last))
+    return (blocks, "tool_use", None) if calls and whole else (blocks, *stop)
 
 
 def _tool_use_blocks(calls: list[dict]) -> list[dict]:
     return [{"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"), "name": c["function"]["name"],
-             "input": json.loads(c["function"]["arguments"])} for c in calls]
+             "input": call_input(c["function"]["arguments"])} for c in calls]
 
 
 @router.post("/v1/messages/count_tokens")
@@ -204,7 +205,7 @@ async def _tool_events(stream, msg_id: str, model: str, prompt_len: int, tools: 
         except EngineError as e:
             yield event("error", {"error": {"type": "api_error", "message": str(e)}})
             return
-    content, calls = watch.finish()
+    content, calls, whole = watch.finish(_stop(last)[0] == "max_tokens")
     if content or not (calls or text_open):
         for e in text_delta(content):
             yield e
@@ -216,7 +217,7 @@ async def _tool_events(stream, msg_id: str, model: str, prompt_len: int, tools: 
         yield event("content_block_delta", {"index": i, "delta": {
             "type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)}})
         yield event("content_block_stop", {"index": i})
-    stop_reason, stop_sequence = ("tool_use", None) if calls else _stop(last)
+    stop_reason, stop_sequence = ("tool_use", None) if calls and whole else _stop(last)
     yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                   "usage": {"output_tokens": last.completion_tokens}})
     yield event("message_stop", {})

@@ -206,8 +206,9 @@ async def _collect(stream, out: _Output) -> dict:
     want_logprobs = bool(out.req.logprobs) if out.chat else out.req.logprobs is not None
     choices = []
     for i in range(out.num_choices):
-        text, calls = out.tools.calls(texts[i]) if out.tools else (texts[i], [])
-        choices.append(out.choice(i, text, "tool_calls" if calls else reasons[i],
+        text, calls, whole = out.tools.calls_or_cut(texts[i], reasons[i] == "length") if out.tools \
+            else (texts[i], [], True)
+        choices.append(out.choice(i, text, "tool_calls" if calls and whole else reasons[i],
                                   out.logprobs(sampled[i]) if want_logprobs else None, delta=False, calls=calls))
     return out.obj(choices, chunk=False, usage=out.usage())
 
@@ -248,12 +249,13 @@ async def _events(stream, out: _Output):
 
 def _tool_chunks(out: _Output, d: Delta, watch: CallWatch):
     """The end of a streamed choice of a request with tools: the text it held, its calls, its finish."""
-    content, calls = watch.finish()
+    content, calls, whole = watch.finish(_reason(d) == "length")
     if content:
         yield out.obj([out.choice(d.index, content, None, None, delta=True)], chunk=True)
     if calls:
         yield out.obj([out.choice(d.index, None, None, None, delta=True, calls=calls)], chunk=True)
-    yield out.obj([out.choice(d.index, None, "tool_calls" if calls else _reason(d), None, delta=True)], chunk=True)
+    yield out.obj([out.choice(d.index, None, "tool_calls" if calls and whole else _reason(d), None, delta=True)],
+                  chunk=True)
 
 
 def _reason(d: Delta) -> str:

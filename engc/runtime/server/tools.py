@@ -27,6 +27,9 @@ from engc.runtime.server.app import APIError
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 LONGEST_MARK = max(map(len, call_formats.MARKS))
 NO_PARAMETERS = {"type": "object", "properties": {}}
+# a required call as its grammar writes it, {"name": ..., "arguments": ...}: the name, and where the arguments start
+CALL_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+CALL_ARGUMENTS = re.compile(r'"arguments"\s*:\s*')
 
 
 class ToolSpec:
@@ -132,6 +135,23 @@ class ToolSpec:
                 out.insert(0, {"role": "system", "content": text})
         return out, None
 
+    def calls_or_cut(self, text: str, cut: bool) -> tuple[str | None, list[dict], bool]:
+        """(content, calls, complete): calls(text); or, where max_tokens cut a required call short (cut
+        and no whole call read), that call with its arguments as written so far, unterminated JSON, as
+        OpenAI returns one (finish_reason stays "length"). A cut call that names no declared function (its
+        name unfinished, among several) stays text."""
+        content, calls = self.calls(text)
+        if calls or not cut or self.mode != "required":
+            return content, calls, True
+        named = CALL_NAME.search(text)
+        name = json.loads(f'"{named.group(1)}"') if named else (self.forced[0] if len(self.forced) == 1 else None)
+        if name not in self.forced:
+            return content, calls, True
+        arguments = CALL_ARGUMENTS.search(text, named.end() if named else 0)
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": name, "arguments": text[arguments.end():] if arguments else ""}}
+        return None, [call], False
+
     def calls(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool_calls) of an answer (call_formats.py reads the formats models write): the tagged
         calls that name declared functions, or the whole answer's calls if every one does; else no calls."""
@@ -175,12 +195,13 @@ class CallWatch:
         self.sent = self.sent or bool(out)
         return out
 
-    def finish(self) -> tuple[str, list[dict]]:
-        """The text still to send and the calls (no calls: the held text is content)."""
+    def finish(self, cut: bool = False) -> tuple[str, list[dict], bool]:
+        """The text still to send, the calls (no calls: the held text is content) and whether they are
+        whole (ToolSpec.calls_or_cut; cut: max_tokens ended the answer)."""
         if self.mode != "open":
-            content, calls = self.spec.calls(self.held)
-            return content or "", calls
-        return self.held, []
+            content, calls, whole = self.spec.calls_or_cut(self.held, cut)
+            return content or "", calls, whole
+        return self.held, [], True
 
 
 def _compile(schema: dict):
@@ -188,6 +209,36 @@ def _compile(schema: dict):
         return compile_schema(schema)
     except SchemaError as e:
         raise APIError(400, f"tools: a function's parameters cannot be enforced: {e}", "tools") from None
+
+
+def call_input(arguments: str) -> dict:
+    """A call's arguments as an object (Anthropic's tool_use input): all of them, or of a call max_tokens
+    cut short, the top-level members written whole ({} if none)."""
+    try:
+        value = json.loads(arguments)
+        return value if isinstance(value, dict) else {}
+    except ValueError:
+        pass
+    depth, in_string, escaped, cuts = 0, False, False, []
+    for i, ch in enumerate(arguments):
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == "," and depth == 1:
+            cuts.append(i)
+    for cut in reversed(cuts):
+        try:
+            value = json.loads(arguments[:cut] + "}")
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return {}
 
 
 def _tool_call(name: str, args: dict) -> dict:
