@@ -2,8 +2,8 @@
 
 Only the row parameters and one uniform draw per row cross to the device, and one token id per row
 comes back, instead of a [batch, vocab] float32 block (32 MB a step at batch 64 for a 128k vocab).
-The draw comes from each sequence's own generator, so a seeded request stays reproducible. Rows that
-need penalties or logprobs go through the host sampler instead (engine._launch decides).
+The draw comes from each sequence's own generator, so a seeded request stays reproducible. Penalties,
+JSON masks and logprobs are applied around this draw on the device (runtime/step_sampling.py).
 """
 from __future__ import annotations
 

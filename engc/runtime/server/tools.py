@@ -148,9 +148,7 @@ class ToolSpec:
         if name not in self.forced:
             return content, calls, True
         arguments = CALL_ARGUMENTS.search(text, named.end() if named else 0)
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": name, "arguments": text[arguments.end():] if arguments else ""}}
-        return None, [call], False
+        return None, [_tool_call(name, text[arguments.end():] if arguments else "")], False
 
     def calls(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool_calls) of an answer (call_formats.py reads the formats models write): the tagged
@@ -162,7 +160,7 @@ class ToolSpec:
         known = [c for c in found if c[0] in self.functions]
         if not known or (whole and len(known) < len(found)):
             return text, []
-        return content, [_tool_call(*c) for c in known]
+        return content, [_tool_call(name, json.dumps(args, ensure_ascii=False)) for name, args in known]
 
 
 class CallWatch:
@@ -241,9 +239,10 @@ def call_input(arguments: str) -> dict:
     return {}
 
 
-def _tool_call(name: str, args: dict) -> dict:
+def _tool_call(name: str, arguments: str) -> dict:
+    """An OpenAI tool call; arguments: JSON text (of a call max_tokens cut short, as far as written)."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+            "function": {"name": name, "arguments": arguments}}
 
 
 def _arguments(call: dict):
