@@ -133,6 +133,20 @@ def _prepare(args):
 
 # ------------------------------------------------------------------------------------------ device
 
+def plain_bundle(shape: str, work: str, cache: str) -> Path:
+    """work/bundle-<shape>: the shape's random checkpoint (an int4 one for '-int4' shapes) built for sm90 with
+    the kernel cache, each made only where missing, so a device script reuses what this lease made (the
+    names bench_shape uses for the stock table)."""
+    from engc.compiler.build import BuildOptions, build
+    base, int4 = base_shape(shape), is_int4(shape)
+    ckpt, bundle = Path(work) / f"ckpt-{base}{'-int4' if int4 else ''}", Path(work) / f"bundle-{shape}"
+    if not (ckpt / "config.json").exists():
+        make_checkpoint(base, ckpt, int4=int4)
+    if not (bundle / "manifest.json").exists():
+        build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="bfloat16", kernel_cache=cache))
+    return bundle
+
+
 def make_checkpoint(shape: str, folder: Path, int4: bool = False, int4_head: bool = False) -> None:
     import torch
     from safetensors.torch import save_file

@@ -64,7 +64,6 @@ def timed_run(engine, ids_list, last, out_len: int) -> tuple[list, float, float]
 def main():
     import gpu_bench
     import torch
-    from engc.compiler.build import BuildOptions, build
     from engc.runtime.engine import Engine, EngineConfig
     from engc.runtime.loader import load
     ap = argparse.ArgumentParser()
@@ -80,11 +79,7 @@ def main():
     batches = {k: [int(b) for b in v.split(",")] for k, v in (x.split(":") for x in args.batches.split(";"))}
     results = []
     for shape in args.shapes.split(","):
-        ckpt, bundle = Path(args.work) / f"ckpt-{shape}", Path(args.work) / f"bundle-{shape}"
-        if not (ckpt / "config.json").exists():
-            gpu_bench.make_checkpoint(shape, ckpt)
-        if not (bundle / "manifest.json").exists():
-            build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="bfloat16", kernel_cache=args.cache))
+        bundle = gpu_bench.plain_bundle(shape, args.work, args.cache)
         vocab = gpu_bench.model_config(shape).vocab_size
         engine = Engine(load(bundle, device="cuda"), EngineConfig(max_num_seqs=256, max_batched_tokens=8192))
         from engc.runtime.json_mode import JsonVocab

@@ -46,7 +46,6 @@ def tokens(bundle: Path, pdl: bool, vocab: int) -> tuple[list, float]:
 
 def main():
     import gpu_bench
-    from engc.compiler.build import BuildOptions, build
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1b,1b-int4")
     ap.add_argument("--cache", default=str(ROOT / ".kcache"))
@@ -58,15 +57,9 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for shape in args.shapes.split(","):
-        base, int4 = gpu_bench.base_shape(shape), gpu_bench.is_int4(shape)
-        ckpt = Path(args.work) / f"ckpt-{base}{'-int4' if int4 else ''}"
-        bundle = Path(args.work) / f"bundle-{shape}"
         t = time.perf_counter()
-        if not (ckpt / "config.json").exists():
-            gpu_bench.make_checkpoint(base, ckpt, int4=int4)
-        if not (bundle / "manifest.json").exists():
-            build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="bfloat16", kernel_cache=args.cache))
-        vocab = gpu_bench.model_config(base).vocab_size
+        bundle = gpu_bench.plain_bundle(shape, args.work, args.cache)
+        vocab = gpu_bench.model_config(gpu_bench.base_shape(shape)).vocab_size
         on, on_ms = tokens(bundle, True, vocab)
         off, off_ms = tokens(bundle, False, vocab)
         same = [a == b for a, b in zip(on, off)]
