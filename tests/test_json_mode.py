@@ -133,22 +133,28 @@ def test_token_texts_keep_leading_spaces(tiny_bundle):
     assert "".join(texts[i] for i in ids) == ' {"a": true}'
 
 
+def json_mode_runs(model, sampled: int, max_tokens: int, max_num_seqs: int):
+    """(engine, seqs): `sampled` seeded JSON-mode requests and a greedy one, run to completion."""
+    from engc.runtime.engine import Engine, EngineConfig
+    from engc.runtime.sampling import SamplingParams
+    engine = Engine(model, EngineConfig(num_blocks=256, max_num_seqs=max_num_seqs))
+    prompt = model.tokenizer.encode("Hello, world!")
+    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=s, json_object=True) for s in range(sampled)]
+    params.append(SamplingParams(max_tokens=max_tokens, temperature=0, json_object=True))
+    seqs = [engine.add_request(prompt, p) for p in params]
+    engine.run_to_completion()
+    return engine, seqs
+
+
 def test_json_mode_with_a_head_wider_than_the_tokenizer(tiny_bundle):
     """Qwen2.5's head has 151,936 logits for 151,665 tokens: masks are as wide as the logits (ids past the
     tokenizer never allowed), where a mask of the tokenizer's width failed the step, and with it every
     request in flight."""
     model_vocab = 400
-    from engc.runtime.engine import Engine, EngineConfig
     from engc.runtime.loader import load
-    from engc.runtime.sampling import SamplingParams
     model = load(tiny_bundle("qwen2", vocab_size=model_vocab), device="cpu")
     assert model.tokenizer.vocab_size == 320
-    engine = Engine(model, EngineConfig(num_blocks=256, max_num_seqs=8))
-    prompt = model.tokenizer.encode("Hello, world!")
-    seqs = [engine.add_request(prompt, SamplingParams(max_tokens=32, temperature=1.0, seed=s, json_object=True))
-            for s in range(6)]
-    seqs.append(engine.add_request(prompt, SamplingParams(max_tokens=32, temperature=0, json_object=True)))
-    engine.run_to_completion()
+    engine, seqs = json_mode_runs(model, sampled=6, max_tokens=32, max_num_seqs=8)
     assert engine.json_vocab.size == model_vocab
     for s in seqs:
         assert s.finish_reason in ("stop", "length") and walk(START, s.output_text) is not None, s.output_text
@@ -158,16 +164,11 @@ def test_json_mode_with_a_head_wider_than_the_tokenizer(tiny_bundle):
 def test_engine_outputs_are_json_objects(tiny_bundle):
     """A random tiny model in JSON mode: every output is a prefix of an object, and those that stop are whole
     objects that json.loads reads (the stop is the object's close, whose text is kept)."""
-    from engc.runtime.engine import Engine, EngineConfig
     from engc.runtime.loader import load
     from engc.runtime.sampling import SamplingParams
     model = load(tiny_bundle("llama"), device="cpu")
-    engine = Engine(model, EngineConfig(num_blocks=256, max_num_seqs=16))
+    engine, seqs = json_mode_runs(model, sampled=16, max_tokens=48, max_num_seqs=16)
     prompt = model.tokenizer.encode("Hello, world!")
-    seqs = [engine.add_request(prompt, SamplingParams(max_tokens=48, temperature=1.0, seed=s, json_object=True))
-            for s in range(16)]
-    seqs.append(engine.add_request(prompt, SamplingParams(max_tokens=48, temperature=0, json_object=True)))
-    engine.run_to_completion()
     stopped = [s for s in seqs if s.finish_reason == "stop"]
     for s in seqs:
         assert walk(START, s.output_text) is not None, s.output_text
