@@ -7,4 +7,7 @@ def __getattr__(name):
     if name == "LLM":
         from engc.llm import LLM
         return LLM
+    if name == "SamplingParams":
+        from engc.runtime.sampling import SamplingParams
+        return SamplingParams
     raise AttributeError(name)

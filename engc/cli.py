@@ -10,18 +10,41 @@ import click
 from engc.errors import UserError
 
 
+# click 8.2+ asks for help on a bare `engc` by raising this usage error; help it stays
+_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class App(click.Group):
-    """Turns a UserError anywhere below into one line on stderr and exit code 1: never a traceback."""
+    """Turns a UserError anywhere below into one line on stderr and exit code 1, and a bad flag or value
+    (click's usage errors) into one line and exit code 2: never a traceback or a page of usage."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except _HELP:
+            raise
+        except click.UsageError as e:
+            _usage_error(e)
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except _HELP:
+            raise
+        except click.UsageError as e:
+            _usage_error(e)
         except UserError as e:
             click.echo(f"engc: error: {e}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
             click.echo("engc: interrupted", err=True)
             sys.exit(130)
+
+
+def _usage_error(e: click.UsageError):
+    where = e.ctx.command_path if e.ctx else "engc"
+    click.echo(f"engc: error: {e.format_message().rstrip('.')} (see '{where} --help')", err=True)
+    sys.exit(2)
 
 
 @click.group(cls=App, context_settings={"help_option_names": ["-h", "--help"]})
@@ -366,9 +389,13 @@ def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_pref
 def inspect(bundle, as_json):
     """Show a bundle's model, dtype, archs, kernels, sizes and hashes."""
     from engc.bundle.inspect import describe
-    from engc.bundle.reader import open_bundle
+    from engc.bundle.reader import open_bundle, size_problems
     b = open_bundle(bundle, verify_hashes=False)
     click.echo(json.dumps(b.manifest, indent=1, sort_keys=True) if as_json else describe(b))
+    # inspect reads no hashes (engc verify does), but a cut-short file is cheap to see and worth a failure
+    problems = size_problems(b)
+    if problems:
+        raise UserError(f"{bundle} is damaged: {'; '.join(problems)} (engc verify checks every byte)")
 
 
 @main.command()
@@ -378,12 +405,11 @@ def verify(bundle):
     from engc.bundle.reader import check_files, read_manifest
     manifest = read_manifest(Path(bundle))
     problems = check_files(Path(bundle), manifest, whole_files=True)
-    for p in problems:
-        click.echo(f"FAIL {p}", err=True)
     if problems:
-        sys.exit(1)
+        listed = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise UserError(f"{bundle} is damaged: {listed}")
     click.echo(f"OK {bundle}: {len(manifest['files'])} files verified")
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="engc")

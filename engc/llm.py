@@ -18,7 +18,11 @@ class Completion:
 
 
 class LLM:
-    def __init__(self, bundle: str, device: str = "cpu", engine: EngineConfig = EngineConfig()):
+    """A bundle loaded for batch generation. device: "auto" (the GPU when there is one, as the CLI),
+    "cuda" or "cpu". generate's default SamplingParams sample at temperature 1.0, as the OpenAI API
+    does; pass SamplingParams(temperature=0) for greedy, reproducible answers."""
+
+    def __init__(self, bundle: str, device: str = "auto", engine: EngineConfig = EngineConfig()):
         self.model = load(bundle, device=device)
         self.engine = Engine(self.model, engine)
         self.tokenizer = self.model.tokenizer

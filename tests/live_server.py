@@ -1,28 +1,26 @@
 """A live engc server in this process: uvicorn on a free loopback port, in a thread."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import uvicorn
 
 from engc.runtime.engine import EngineConfig
-from engc.runtime.server.app import build_server
+from engc.runtime.server.app import build_server, listening_socket
 
 
 class LiveServer:
     def __init__(self, bundle, config: EngineConfig = EngineConfig(), api_key: str | None = None,
                  model_name: str = "tiny"):
         self.app, self.engine = build_server(str(bundle), config, model_name, api_key)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.socket = listening_socket("127.0.0.1", 0)   # engc run --port 0's: bound here, no race for it
+        self.port = self.socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model_name
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                                     log_level="warning", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 
     def __enter__(self) -> "LiveServer":
         self.thread.start()
@@ -36,6 +34,7 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.engine.shutdown()
+        self.socket.close()
 
     def call(self, fn, timeout: float = 30):
         """fn(engine) run in the engine thread between steps."""

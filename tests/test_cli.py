@@ -128,3 +128,63 @@ def test_tune_overrides_reach_the_kernels_and_the_manifest(tiny_dir, tmp_path):
     assert block()["BLOCK"] == stock != 512                        # the table is restored after the build
     build(str(tiny_dir("llama")), tmp_path / "b", BuildOptions(tune=entries))
     assert open_bundle(tmp_path / "b").manifest["tune_overrides"] == entries
+
+
+def test_bad_values_are_one_line(tiny_bundle):
+    """click's own refusals (a value out of range, a missing argument, an unknown command) are one
+    `engc: error:` line too, not a page of usage."""
+    b = tiny_bundle("llama")
+    assert_one_line_error(engc("generate", b, "--prompt", "hi", "--max-tokens", "-5"), "--max-tokens", "-5")
+    assert_one_line_error(engc("build", "-o", "x"), "SRC")
+    assert_one_line_error(engc("frobnicate"), "frobnicate")
+    assert engc("--help", check=True).stdout.startswith("Usage:")
+
+
+def test_verify_and_inspect_of_a_cut_short_weight_file(tiny_bundle, tmp_path):
+    b = tmp_path / "b"
+    shutil.copytree(tiny_bundle("llama"), b)
+    w = b / "weights/rank0.safetensors"
+    w.write_bytes(w.read_bytes()[:-100])
+    assert_one_line_error(engc("verify", b), "weights/rank0.safetensors", "damaged")
+    r = engc("inspect", b)
+    assert "llama" in r.stdout   # still described, then refused
+    assert_one_line_error(r, "weights/rank0.safetensors", "cut short")
+
+
+def test_run_on_a_busy_port_refuses_before_loading(tmp_path):
+    """The port is checked first: a damaged bundle behind a busy port is refused for the port."""
+    import socket
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        assert_one_line_error(engc("run", tmp_path / "no-bundle", "--port", port), f"port {port}", "in use",
+                              "--port 0")
+    finally:
+        busy.close()
+
+
+def test_run_on_port_0_says_which_port_it_took(tiny_bundle):
+    import time
+    import urllib.request
+    proc = subprocess.Popen([sys.executable, "-m", "engc.cli", "run", str(tiny_bundle("llama")), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("engc: serving ") and "http://127.0.0.1:" in line, line
+        url = line.split()[-1]
+        for _ in range(600):   # the socket is bound at once; it answers once the app has started
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                assert proc.poll() is None, "the server exited"
+                time.sleep(0.1)
+        else:
+            raise AssertionError("no answer from the server")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

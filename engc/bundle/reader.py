@@ -123,3 +123,39 @@ def _intact(p: Path, digest: str, chunked: dict | None, whole_file: bool) -> boo
         size = chunked.get("size")
         return isinstance(size, int) and size > 0 and chunk_digests(p, size) == chunked.get("sha256")
     return True
+
+
+def size_problems(bundle: Bundle) -> list[str]:
+    """Files whose length says they were cut short or grew, found without hashing: a safetensors file's
+    length is fixed by its header, and a chunk-hashed file's lies within its last chunk."""
+    problems = []
+    for rel in sorted(bundle.manifest["files"]):
+        p = bundle.path / rel
+        if not p.is_file():
+            continue
+        size, expected = p.stat().st_size, None
+        if rel.endswith(".safetensors"):
+            expected = _safetensors_length(p)
+        chunked = bundle.manifest.get("chunks", {}).get(rel)
+        if expected is None and isinstance(chunked, dict) and isinstance(chunked.get("sha256"), list):
+            n, step = len(chunked["sha256"]), chunked.get("size", 0)
+            if not (n - 1) * step < size <= n * step:
+                problems.append(f"{rel} is {size:,} bytes, not the {(n - 1) * step:,}-{n * step:,} it was written with")
+        elif expected is not None and size != expected:
+            problems.append(f"{rel} is {size:,} bytes where its header says {expected:,} (cut short or altered)")
+    return problems
+
+
+def _safetensors_length(p: Path) -> int | None:
+    """8 + header + the end of the last tensor's data; None where the header cannot be read."""
+    try:
+        with open(p, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if 0 < n < 1 << 30 else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
+            and isinstance(v.get("data_offsets"), list) and len(v["data_offsets"]) == 2]
+    return 8 + n + max(ends, default=0)

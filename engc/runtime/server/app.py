@@ -6,8 +6,10 @@ and the server keeps serving.
 """
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
+import socket
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -206,9 +208,38 @@ def build_server(bundle: str, config: EngineConfig, model_name: str | None = Non
 
 def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int = 23333,
           model_name: str | None = None, api_key: str | None = None, device: str = "auto") -> None:
+    """Serves until interrupted. The address is taken before the model loads, so a port in use is one
+    line at once, not an error after the load; port 0 takes a free port and says which."""
     import uvicorn
+    sock = listening_socket(host, port)
+    port = sock.getsockname()[1]
     app, engine = build_server(bundle, config, model_name, api_key, device)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"engc: serving {app.state.engc.model_name} on http://{shown}:{port}", flush=True)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run(sockets=[sock])
     finally:
         engine.shutdown()
+        sock.close()
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound socket for (host, port), as uvicorn would bind it (SO_REUSEADDR, so a port in TIME_WAIT
+    is free); UserError if the address is taken or not this machine's."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise UserError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise UserError(f"port {port} on {host} is in use: give another with --port, or --port 0 "
+                            "for a free one") from None
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror})") from None
+    sock.set_inheritable(True)
+    return sock
