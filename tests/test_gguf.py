@@ -189,8 +189,9 @@ _GGUF_STEMS = {
 }
 
 
-def _write_tiny_gguf(path, arch: str, state_dict: dict, cfg: dict):
-    """A float32 GGUF laid out as llama.cpp's converter writes one (q/k rows permuted for llama)."""
+def _write_tiny_gguf(path, arch: str, state_dict: dict, cfg: dict, encode=None):
+    """A float32 GGUF laid out as llama.cpp's converter writes one (q/k rows permuted for llama).
+    encode(gguf_name, array) -> (data, GGML type or None for float32): how each tensor is stored."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -222,7 +223,8 @@ def _write_tiny_gguf(path, arch: str, state_dict: dict, cfg: dict):
         if arch == "llama" and module.endswith(("q_proj", "k_proj")):
             heads = cfg["num_attention_heads"] if module.endswith("q_proj") else cfg["num_key_value_heads"]
             array = array.reshape(heads, 2, array.shape[0] // heads // 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
-        w.add_tensor(gguf_name, np.ascontiguousarray(array))
+        data, raw_dtype = encode(gguf_name, np.ascontiguousarray(array)) if encode else (array, None)
+        w.add_tensor(gguf_name, np.ascontiguousarray(data), raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

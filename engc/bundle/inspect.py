@@ -11,7 +11,8 @@ def describe(b: Bundle) -> str:
         f"bundle     {b.path}  (format {'.'.join(map(str, m['format_version']))})",
         f"model      {m['source']['name']}  family {c['family']}, {c['num_layers']} layers, "
         f"hidden {c['hidden_size']}, heads {c['num_heads']}/{c['num_kv_heads']}, vocab {c['vocab_size']}",
-        f"dtype      {m['dtype']}   quantization {m['quantization'] or 'none'}   tp {m['tp']}",
+        f"dtype      {m['dtype']}   quantization {_short(m['quantization']) or 'none'}   tp {m['tp']}",
+        *_gguf_kept(m['quantization']),
         f"archs      {', '.join(m['archs'])}   kv block {m['kv_block_size']} tokens   "
         f"kv cache {m.get('kv_cache', 'auto')}",
         f"kernels    {len(m['kernels'])}",
@@ -22,3 +23,22 @@ def describe(b: Bundle) -> str:
     for rel, digest in sorted(m["files"].items()):
         lines.append(f"  {sizes.get(rel, 0):>12,}  {digest[:16]}  {rel}")
     return "\n".join(lines)
+
+
+def _short(quantization: dict | None) -> dict | None:
+    return quantization and {k: v for k, v in quantization.items() if k not in ("kept", "dequantized")}
+
+
+def _gguf_kept(quantization: dict | None) -> list[str]:
+    """A GGUF built with --quant keep: which types stayed 4-bit, which tensors were dequantized to float."""
+    if not quantization or "kept" not in quantization:
+        return []
+    kept = ", ".join(f"{t} x{n}" for t, n in sorted(quantization["kept"].items()))
+    lines = [f"kept       {kept} (4-bit, groups of {quantization['group_size']})"]
+    by_type: dict[str, list[str]] = {}
+    for name, gguf_type in quantization["dequantized"].items():
+        by_type.setdefault(gguf_type, []).append(name)
+    for gguf_type, names in sorted(by_type.items()):
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        lines.append(f"dequantized {gguf_type} to the bundle dtype: {shown}")
+    return lines

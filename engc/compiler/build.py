@@ -32,7 +32,8 @@ class BuildOptions:
     kv_block_size: int = KV_BLOCK_SIZE
     kernel_cache: str | None = None   # folder of compiled kernels to reuse (see kernel_cache.py)
     kv_cache: str = "auto"       # auto: the model dtype; int8 / fp8 (e4m3): codes + per-token scales
-    quant: str = "auto"          # auto: as the checkpoint is (float, or AWQ/GPTQ int4 repacked); fp8: W8A8
+    quant: str = "auto"          # auto: as the checkpoint is (float, or AWQ/GPTQ int4 repacked); fp8: W8A8;
+                                 # keep: a GGUF's 4-bit projections stay 4-bit (frontend/gguf_quant.py)
     tune: dict | None = None     # tune-table entries merged over the table for this build (--tune FILE)
 
     def resolved_dtype(self) -> str:
@@ -43,7 +44,7 @@ class BuildOptions:
         return "float32" if self.archs == ("cpu",) else "bfloat16"
 
 
-def read_source(src: str) -> Checkpoint:
+def read_source(src: str, keep_quant: bool = False) -> Checkpoint:
     if src == "default":
         from engc.compiler.frontend.default_model import default_gguf_path
         path = default_gguf_path()
@@ -60,7 +61,7 @@ def read_source(src: str) -> Checkpoint:
         return read_hf_folder(path)
     if path.suffix.lower() == ".gguf":
         from engc.compiler.frontend.gguf import read_gguf
-        return read_gguf(path)
+        return read_gguf(path, keep_quant)
     raise UserError(f"{src}: expected a Hugging Face model folder, a .gguf file or 'default'")
 
 
@@ -68,16 +69,16 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
     progress = progress or Progress(enabled=False)
     started = time.monotonic()
     dtype_name = opts.resolved_dtype()
-    if opts.quant not in ("auto", "fp8"):
-        raise UserError(f"unknown --quant '{opts.quant}'; known: auto, fp8 (int4 comes from AWQ/GPTQ "
-                        "checkpoints: see engc quantize)")
+    if opts.quant not in ("auto", "fp8", "keep"):
+        raise UserError(f"unknown --quant '{opts.quant}'; known: auto, fp8, keep (int4 comes from AWQ/GPTQ "
+                        "checkpoints, see engc quantize, or from a GGUF's 4-bit weights with keep)")
     fp8 = opts.quant == "fp8"
     if opts.kv_cache != "auto" and opts.kv_cache not in KV_CACHE_PASSES:
         raise UserError(f"unknown --kv-cache '{opts.kv_cache}'; known: auto, {', '.join(KV_CACHE_PASSES)}")
     if fp8:
         check_fp8_targets(opts.archs, dtype_name)
     with progress.step("read checkpoint"):
-        ckpt = read_source(src)
+        ckpt = read_source(src, keep_quant=opts.quant == "keep")
     if fp8 and _quantization(ckpt):
         raise UserError(f"{ckpt.name} is already quantized ({_quantization(ckpt)['method']} int4); "
                         "--quant fp8 needs a float checkpoint")
@@ -161,5 +162,8 @@ def _quantization(ckpt: Checkpoint) -> dict | None:
     qc = ckpt.hf_config.get("quantization_config")
     if not qc:
         return None
+    if qc.get("quant_method") == "gguf":
+        from engc.compiler.frontend.gguf_quant import describe as describe_gguf
+        return describe_gguf(qc, lm_head=ckpt.has("lm_head.qweight"))
     from engc.compiler.frontend.quantized import describe
     return describe(qc, lm_head=ckpt.has("lm_head.qweight"))

@@ -82,21 +82,24 @@ def quant_ops(k, counters: torch.Tensor, packed: int4_linear.PackedScales, *, ac
     # W4A16: the int4 GEMM for the decode batches its M classes hold, the CUDA C++ GEMV where built, else
     # the Triton GEMV up to gemv_max_rows rows; above, dequantize into a scratch W and cuBLAS. packed: the
     # scale / zero words of the GEMV builds that read them so (int4_linear.PackedScales), one set per model
-    def qlinear(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0):
+    # (a GGUF weight's offsets: their term is added to the kernels' product, int4_linear.offset_term)
+    def qlinear(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0, has_offsets=0):
         if act_order:  # GPTQ desc_act: rows were sorted by group at build time, x follows them
             x = x.index_select(-1, extra[int(bool(has_bias))])
-        return (int4_linear.run_quantized_linear(x.contiguous(), qweight, scales, zeros,
-                                                 extra[0] if has_bias else None, group_size=group_size,
-                                                 consts=k.consts["int4_linear"],
-                                                 run=lambda launches: k.run("int4_linear", launches),
-                                                 counters=counters, gemm_consts=k.consts.get("int4_gemm"),
-                                                 run_gemm=lambda launches: k.run("int4_gemm", launches),
-                                                 packed=packed),)
+        x = x.contiguous()
+        y = int4_linear.run_quantized_linear(x, qweight, scales, zeros,
+                                             extra[0] if has_bias else None, group_size=group_size,
+                                             consts=k.consts["int4_linear"],
+                                             run=lambda launches: k.run("int4_linear", launches),
+                                             counters=counters, gemm_consts=k.consts.get("int4_gemm"),
+                                             run_gemm=lambda launches: k.run("int4_gemm", launches),
+                                             packed=packed)
+        return (y + int4_linear.offset_term(x, extra[-1], group_size) if has_offsets else y,)
 
     # QLinearSiluMul (passes/fuse_qlinear_silu_mul): the SiLU-out CUDA GEMV where the bundle has it and M fits;
     # else the projection as QLinear runs it, then the silu_mul kernel
-    def qlinear_silu(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0):
-        if not act_order:
+    def qlinear_silu(x, qweight, scales, zeros, *extra, group_size, has_bias=0, act_order=0, has_offsets=0):
+        if not act_order and not has_offsets:
             act_out = int4_linear.run_quantized_silu(x.contiguous(), qweight, scales, zeros,
                                                      extra[0] if has_bias else None, group_size=group_size,
                                                      consts=k.consts["int4_linear"],
@@ -105,7 +108,7 @@ def quant_ops(k, counters: torch.Tensor, packed: int4_linear.PackedScales, *, ac
             if act_out is not None:
                 return (act_out,)
         return act(qlinear(x, qweight, scales, zeros, *extra, group_size=group_size, has_bias=has_bias,
-                           act_order=act_order)[0])
+                           act_order=act_order, has_offsets=has_offsets)[0])
 
     # QLinearAddRMSNorm (passes/fuse_qlinear_add_norm): where the CUDA GEMV serves M rows in one launch that
     # splits K and the bundle has the norm's partials build, the GEMV leaves its fp32 partials unreduced and

@@ -148,8 +148,13 @@ def _qlinear(g: Graph, x: str, weight, name: str, hf_prefix: str, bias: bool, in
     act_order = weight.has(hf_prefix + ".perm")
     if act_order:
         inputs.append(weight(name + ".perm", hf_prefix + ".perm", cast=False))
+    # a GGUF Q4_1 / Q4_K weight's float group minimums (frontend/gguf_quant.py); the attribute exists only
+    # where they do, so AWQ/GPTQ programs carry none
+    offsets = {"has_offsets": 1} if weight.has(hf_prefix + ".offsets") else {}
+    if offsets:
+        inputs.append(weight(name + ".offsets", hf_prefix + ".offsets"))
     return g.add("QLinear", inputs, name + ".out", has_bias=bias, act_order=act_order,
-                 group_size=group_size(weight.quant_config, in_features))
+                 group_size=group_size(weight.quant_config, in_features), **offsets)
 
 
 def _concat(g: Graph, parts: list[str], name: str) -> str:

@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from engc.compiler.frontend import gguf_quant
 from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.errors import UserError
 
@@ -58,7 +59,8 @@ _LLAMA3_ROPE_CANDIDATES = [
 ]
 
 
-def read_gguf(path: Path) -> Checkpoint:
+def read_gguf(path: Path, keep_quant: bool = False) -> Checkpoint:
+    """keep_quant: 4-bit projections stay 4-bit (gguf_quant.py); else every tensor is dequantized."""
     path = Path(path)
     reader = _open(path)
     meta = _Metadata(reader, path.name)
@@ -68,7 +70,7 @@ def read_gguf(path: Path) -> Checkpoint:
                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     tensors = {t.name: t for t in reader.tensors}
     hf_config = _hf_config(meta, arch, tensors)
-    loaders = _loaders(arch, tensors, hf_config, path.name)
+    loaders = _loaders(arch, tensors, hf_config, path.name, keep_quant)
     return Checkpoint(
         name=path.stem,
         hf_config=hf_config,
@@ -215,9 +217,10 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _loaders(arch: str, tensors: dict, config: dict, file_name: str) -> dict[str, Callable[[], torch.Tensor]]:
+def _loaders(arch: str, tensors: dict, config: dict, file_name: str,
+             keep_quant: bool) -> dict[str, Callable[[], torch.Tensor]]:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    loaders = {}
+    loaders, kept, dequantized = {}, {}, {}
     for gguf_name, tensor in tensors.items():
         if gguf_name == "rope_freqs.weight":  # folded into config["rope_scaling"]
             continue
@@ -227,7 +230,16 @@ def _loaders(arch: str, tensors: dict, config: dict, file_name: str) -> dict[str
         row_groups = None
         if arch in PERMUTED_QK and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             row_groups = heads if ".attn_q." in gguf_name else kv_heads
+        if keep_quant and gguf_quant.keeps(tensor, hf_name):
+            reorder = (lambda a, groups=row_groups: _unpermute_rows(a, groups)) if row_groups else None
+            loaders.update(gguf_quant.kept_loaders(tensor, hf_name.removesuffix(".weight"), reorder))
+            kept[gguf_name] = tensor.tensor_type.name
+            continue
+        if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+            dequantized[gguf_name] = tensor.tensor_type.name
         loaders[hf_name] = _loader(tensor, row_groups)
+    if kept:
+        config["quantization_config"] = gguf_quant.quantization_config(kept, dequantized)
     return loaders
 
 

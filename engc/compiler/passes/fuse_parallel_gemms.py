@@ -2,7 +2,7 @@
 
 One wide GEMM reads the activation once and launches once; the fused weight is the concatenation of
 the parts along the output dimension (rows of a Gemm's transposed weight; rows of the N-major engc
-int4 layout's qweight, scales and zeros), so the Concat's output is unchanged and downstream ops never
+int4 layout's qweight, scales, zeros and offsets), so the Concat's output is unchanged and downstream ops never
 notice. act-order QLinears are left alone: each part may order its inputs differently.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from engc.compiler.ir import Graph, Node
 
 # op -> the output-dimension axis of each weight input (after the activation), by position
-_OUT_AXIS = {"Gemm": (0, 0), "QLinear": (0, 0, 0, 0)}
+_OUT_AXIS = {"Gemm": (0, 0), "QLinear": (0, 0, 0, 0, 0)}   # QLinear: qweight, scales, zeros[, bias][, offsets]
 
 
 def fuse_parallel_gemms(g: Graph) -> Graph:

@@ -1,7 +1,9 @@
 """W4A16 linear: y = x @ dequant(W)^T (+ bias), W stored as asymmetric uint4 with per-group scale and zero.
 
-ONNX: ai.engc::QLinear(x, qweight, scales, zeros[, bias][, perm]) -> y, attributes group_size,
-has_bias, act_order (flags for the optional inputs, so the input list never holds empty names).
+ONNX: ai.engc::QLinear(x, qweight, scales, zeros[, bias][, perm][, offsets]) -> y, attributes group_size,
+has_bias, act_order, has_offsets (flags for the optional inputs, so the input list never holds empty names).
+offsets (a GGUF Q4_1 / Q4_K group's float minimum, layout.py) are no kernel's argument: the GPU adds their
+term, the inputs' group sums times the offsets (offset_term), to what the kernels compute from the rest.
 W is in the engc int4 layout (layout.py: the format, pack / unpack and the CPU reference dequantize;
 re-exported here, as the CUDA GEMV's names below are).
 
@@ -28,12 +30,21 @@ POINTER_ARGS = {"gemv": 7, "gemv_reduce": 3, "dequant": 4}
 
 
 def int4_linear(x, qweight, scales, zeros, *extra, group_size: int, has_bias: int = 0,
-                act_order: int = 0) -> torch.Tensor:
+                act_order: int = 0, has_offsets: int = 0) -> torch.Tensor:
     bias = extra[0] if has_bias else None
     if act_order:
         x = x.index_select(-1, extra[int(bool(has_bias))])
-    w = dequantize(qweight, scales, zeros, group_size).to(x.dtype)
+    offsets = extra[-1] if has_offsets else None
+    w = dequantize(qweight, scales, zeros, group_size, offsets).to(x.dtype)
     return torch.nn.functional.linear(x, w, bias)
+
+
+def offset_term(x, offsets, group_size: int) -> torch.Tensor:
+    """What a projection's offsets add to x @ W^T: each input group's sum times its offset, summed over
+    groups ([M, K] x [N, G] -> [M, N], fp32 sums). K % group_size == 0 wherever offsets exist (GGUF blocks)."""
+    m, k = x.shape
+    sums = x.reshape(m, k // group_size, group_size).float().sum(-1)
+    return (sums @ offsets.float().t()).to(x.dtype)
 
 
 def gemv_variant(rows: int, group_size: int) -> str:

@@ -5,7 +5,9 @@ N-major like a torch Linear weight, so a decode GEMV reads each output row as on
                               (bits 4j..4j+3) of word 4c+i holds q[n, 32c + 4j + i]
   scales  float [N, ceil(K / group_size)]   (the last group may be short: K need not divide)
   zeros   uint8 [N, ceil(K / group_size)]   zero points in [0, 15]
-  W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]
+  offsets float [N, ceil(K / group_size)]   optional: a group's float minimum (GGUF Q4_1 / Q4_K), which no
+                                            integer zero point can hold exactly
+  W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g] (+ offsets[n, k // g])
 Why the interleave: one 16-byte load gives a thread 32 weights of one row, and nibble j of its four words
 holds 4 consecutive inputs, so the matching x is one 8-byte load per nibble position. K % 32 == 0 and
 a group size that is a multiple of 32 (or covers all of K) keep every chunk inside one group.
@@ -43,11 +45,11 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q uint8-valued [N, K] (values 0..15), K % 32 == 0 -> int32 [N, K // 8] in the engc layout."""
     n, k = q.shape
     assert k % CHUNK == 0, k
-    slots = q[:, _chunk_order(k).to(q.device)].to(torch.int32)   # [N, K // 8, 8]
-    words = torch.zeros(n, k // PACK, dtype=torch.int32, device=q.device)
+    slots = q.reshape(n, k // CHUNK, PACK, 4).to(torch.int32)   # [N, chunk, j, i] = q[n, 32c + 4j + i]
+    words = torch.zeros(n, k // CHUNK, 4, dtype=torch.int32, device=q.device)
     for j in range(PACK):  # int32 shifts wrap in two's complement: nibble 7 lands in the sign bit
-        words |= slots[..., j] << (4 * j)
-    return words
+        words |= slots[:, :, j] << (4 * j)
+    return words.reshape(n, k // PACK)
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
@@ -60,10 +62,14 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     return q
 
 
-def dequantize(qweight, scales, zeros, group_size: int) -> torch.Tensor:
-    """-> W [N, K] in scales' dtype (what the GPU dequant kernel writes, bit for bit)."""
+def dequantize(qweight, scales, zeros, group_size: int, offsets=None) -> torch.Tensor:
+    """-> W [N, K] in scales' dtype (without offsets: what the GPU dequant kernel writes, bit for bit; with
+    them, what llama.cpp's reference dequantizes, d * q + m, bit for bit in float32)."""
     q = unpack_int4(qweight)
     k = q.shape[1]
     s = scales.repeat_interleave(group_size, dim=1)[:, :k]
     z = zeros.repeat_interleave(group_size, dim=1)[:, :k]
-    return (q.to(torch.int16) - z.to(torch.int16)).to(scales.dtype) * s
+    w = (q.to(torch.int16) - z.to(torch.int16)).to(scales.dtype) * s
+    if offsets is not None:
+        w += offsets.to(scales.dtype).repeat_interleave(group_size, dim=1)[:, :k]
+    return w
