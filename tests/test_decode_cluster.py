@@ -122,8 +122,8 @@ def test_matches_the_reference_on_the_gpu(tmp_path, heads, kv_heads, head_dim):
     """Contexts from 1 token to several rounds of every warp of the cluster, a sliding window, a padded row
     (slot -1: writes nothing), through the bundle loader's own kernel path; the output and the new cache rows
     against rotary_paged_attention in float64 on the same inputs."""
-    from engc.runtime.cubin import current_stream
-    from engc.runtime.gpu_ops import load_record
+    from engc.cuda.cubin import current_stream
+    from engc.cuda.records import load_record
     c = cfg(heads, kv_heads, head_dim)
     with tune.overridden({f"sm90/paged_attention/decode_cluster/{tune.head_dim_bucket(head_dim)}": {"enabled": True}}):
         spec, why = cuda.decode_cluster_spec(c, "bf16", "sm90", 16)

@@ -185,7 +185,7 @@ def test_fp8_cli_build_and_inspect(tiny_dir, tmp_path):
 
 
 def _sm90_ready() -> bool:
-    from engc.runtime.cubin import cuda_available
+    from engc.cuda.cubin import cuda_available
     return torch.cuda.is_available() and cuda_available() and torch.cuda.get_device_capability() == (9, 0)
 
 

@@ -18,7 +18,7 @@ PROMPTS = ["The quick brown fox", "Paris is", "Hello, world! How", "0123", "Ã¼nÃ
 
 
 def gpu_ready() -> bool:
-    from engc.runtime.cubin import cuda_available
+    from engc.cuda.cubin import cuda_available
     return torch.cuda.is_available() and cuda_available()
 
 
@@ -96,7 +96,7 @@ def test_kernel_selection_by_arch():
                                             ("max", "error"), ("-2", "error")])
 def test_carveout_switch_reads_a_percent(monkeypatch, value, expected):
     from engc.errors import UserError
-    from engc.runtime.gpu_ops import shared_carveout
+    from engc.cuda.records import shared_carveout
     monkeypatch.setenv("ENGC_SMEM_CARVEOUT", value)
     if expected == "error":
         with pytest.raises(UserError, match="ENGC_SMEM_CARVEOUT"):
@@ -109,13 +109,13 @@ def test_carveout_switch_reads_a_percent(monkeypatch, value, expected):
 def test_a_record_carveout_is_set_unless_the_switch_overrides_it(monkeypatch, env, record, expected):
     """load_record gives a kernel its record's smem_carveout (the tune table's); ENGC_SMEM_CARVEOUT, where set,
     overrides every kernel's."""
-    from engc.runtime import gpu_ops
+    from engc.cuda import records
     seen = {}
-    monkeypatch.setattr(gpu_ops, "load_kernel", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(records, "load_kernel", lambda *a, **kw: seen.update(kw))
     monkeypatch.setenv("ENGC_SMEM_CARVEOUT", env)
     r = {"args": [{"name": "x", "type": "*bf16"}], "scratch_params": 0, "entry": "k", "num_warps": 4,
          "shared_mem": 0, "launch": {"PDL": 1, **({"smem_carveout": record} if record is not None else {})}}
-    gpu_ops.load_record(b"", r, pdl=True)
+    records.load_record(b"", r, pdl=True)
     assert seen["carveout"] == expected and seen["pdl"] is True
 
 

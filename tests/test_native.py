@@ -6,7 +6,7 @@ import struct
 import pytest
 
 from engc import _native  # a missing build must fail the suite, not skip it
-from engc.runtime import cubin
+from engc.cuda import cubin
 
 ON_GPU = _native.available()
 gpu = pytest.mark.skipif(not ON_GPU, reason=f"CUDA unavailable: {_native.error()}")

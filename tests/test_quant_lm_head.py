@@ -177,7 +177,7 @@ def test_calibrated_head_is_gptq_and_beats_rtn_on_its_inputs():
 
 
 def _gpu_ready() -> bool:
-    from engc.runtime.cubin import cuda_available
+    from engc.cuda.cubin import cuda_available
     return torch.cuda.is_available() and cuda_available()
 
 

@@ -200,7 +200,7 @@ def test_refusals_are_one_line(tiny_dir, tmp_path, monkeypatch):
     assert not out.exists() and not (tmp_path / "p").exists()
     # a GPU whose arch engc does not build for
     from engc.compiler.tuning import gpu
-    from engc.runtime import cubin
+    from engc.cuda import cubin
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cubin, "cuda_available", lambda: True)
@@ -243,11 +243,11 @@ def test_from_refuses_a_folder_it_cannot_trust(prepared_1b, tmp_path):
 
 def test_from_loads_each_cubin_once_and_checks_it(prepared_1b, monkeypatch):
     from engc.compiler.tuning import gpu
-    from engc.runtime import gpu_ops
+    from engc.cuda import records
     prep = prepared.load(prepared_1b)
     calls = []
-    # the loader a bundle's kernels go through too (gpu_ops.load_record)
-    monkeypatch.setattr(gpu_ops, "load_kernel", lambda image, name, sig, **kw: calls.append((image, name, sig, kw))
+    # the loader a bundle's kernels go through too (engc.cuda.records.load_record)
+    monkeypatch.setattr(records, "load_kernel", lambda image, name, sig, **kw: calls.append((image, name, sig, kw))
                         or f"kernel{len(calls)}")
     kernels = gpu.load_candidates(prep, say=lambda m: None)
     # cuBLAS has no kernel; every other candidate has one, and each distinct cubin file was loaded once
@@ -272,7 +272,7 @@ def test_from_loads_each_cubin_once_and_checks_it(prepared_1b, monkeypatch):
         gpu.load_candidates(prepared.load(prepared_1b), say=lambda m: None)
     # the driver refusing one image fails its candidates only
     path.write_bytes(path.read_bytes()[:-1])
-    monkeypatch.setattr(gpu_ops, "load_kernel", lambda image, *a, **kw: (_ for _ in ()).throw(RuntimeError("bad image"))
+    monkeypatch.setattr(records, "load_kernel", lambda image, *a, **kw: (_ for _ in ()).throw(RuntimeError("bad image"))
                         if image == path.read_bytes() else "k")
     said = []
     kernels = gpu.load_candidates(prepared.load(prepared_1b), say=said.append)

@@ -204,7 +204,7 @@ def check_params(spec: CudaKernelSpec, ptx: str) -> None:
     """The entry's parameters in the PTX must be the spec's arg_types, one for one and of the same size in
     bytes as the launcher packs them: a template parameter it does not know of would read what lies past
     the arguments (a kernel whose flag read garbage did exactly that)."""
-    from engc.runtime.cubin import PARAM_BYTES, signature_from_triton
+    from engc.cuda.cubin import PARAM_BYTES, signature_from_triton
     found = re.search(rf"\.entry\s+{re.escape(spec.entry)}\s*\((.*?)\)", ptx, re.DOTALL)
     params = ([int(bits) // 8 * int(count or 1) for bits, count in _PTX_PARAM.findall(found.group(1))]
               if found else None)
@@ -216,7 +216,7 @@ def check_params(spec: CudaKernelSpec, ptx: str) -> None:
 
 def check_shared_fits(spec: CudaKernelSpec, static: int) -> None:
     """Static + dynamic shared memory must fit one CTA of the arch; launches that pass 48 KiB in total
-    need the loader to raise the function's dynamic limit (runtime/cubin.load_kernel does)."""
+    need the loader to raise the function's dynamic limit (engc.cuda.cubin.load_kernel does)."""
     if static + spec.shared_mem > DYNAMIC_SHARED_LIMIT[spec.arch]:
         raise ValueError(f"{spec.entry}: {static} bytes of static + {spec.shared_mem} of dynamic shared memory "
                          f"exceed the {DYNAMIC_SHARED_LIMIT[spec.arch]} a {spec.arch} CTA may take")

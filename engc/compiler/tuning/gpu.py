@@ -1,5 +1,5 @@
 """`engc tune --from DIR` on this machine's GPU: load the candidates' cubins (compiled by `engc tune --prepare`
-where bundles are built) through the runtime's launcher (engc.runtime.cubin; no Triton compile here),
+where bundles are built) through engc.cuda, the launcher bundles load through too (no Triton compile here),
 check each against the torch reference, time it over cold L2.
 
 Timing: each shape cycles through enough copies of its weight to overflow L2 (3x its size), as a decode
@@ -29,7 +29,7 @@ REPLAYS = 7
 def local_gpu() -> tuple[str, str, int]:
     """(arch, name, multiprocessors) of the GPU this process would time on, or one clear line why not."""
     from engc.compiler.codegen import tune
-    from engc.runtime import cubin
+    from engc.cuda import cubin
     if not torch.cuda.is_available():
         raise UserError("engc tune times kernels on this machine's GPU, and torch sees no CUDA GPU here "
                         "(run it on the GPU you will serve on, then build anywhere with --tune)")
@@ -44,11 +44,11 @@ def local_gpu() -> tuple[str, str, int]:
 
 
 def load_record(image: bytes, r: dict, say):
-    """One kernel record's cubin, loaded as runtime/gpu_ops.BundleKernels loads a bundle's (gpu_ops.load_record:
-    PDL where the record asks for it, unless ENGC_PDL=0); None, said, where the driver refuses it."""
-    from engc.runtime import gpu_ops
+    """One kernel record's cubin, loaded as a bundle's are (engc.cuda.records.load_record: PDL where the record
+    asks for it, unless ENGC_PDL=0); None, said, where the driver refuses it."""
+    from engc.cuda import records
     try:
-        return gpu_ops.load_record(image, r, gpu_ops.pdl_enabled())
+        return records.load_record(image, r, records.pdl_enabled())
     except Exception as e:  # noqa: BLE001 -- the driver's refusal of one image fails that candidate only
         say(f"LOAD FAILED {r['variant']} {r['tune']}: {str(e).splitlines()[0][:200]}")
         return None
@@ -108,7 +108,7 @@ class GpuBench:
     def _launches(self, shape, cand, i: int):
         """One launch function per weight copy i (the split partials allocated now, outside the graph)."""
         from engc.kernels import gemv
-        from engc.runtime.cubin import current_stream
+        from engc.cuda.cubin import current_stream
         b = self._buffers(shape)
         if cand.bucket is None:
             return lambda: F.linear(b["act"], b["ws"][i])
