@@ -8,7 +8,7 @@ num_warps, and the split rule's constants (launch-only: no new cubin).
 
 Two steps, two machines (< 90 s on the GPU):
   python bench/attn_b1_device.py prepare .aot_attn_b1   # here: sm90 cubins of each variant (Triton 3.9)
-  python bench/attn_b1_device.py run .aot_attn_b1       # on the GPU: engc.runtime.cubin launches, checked
+  python bench/attn_b1_device.py run .aot_attn_b1       # on the GPU: engc.cuda.cubin launches, checked
                                                         # against the torch references, then timed
 Timed as one CUDA graph over copies of the inputs spread over a 2.2 GB cache (cold L2 for K/V), without PDL
 (as bench/decode_device.py run-fused), and with PDL: each attention launched with the attribute behind a
@@ -115,7 +115,7 @@ class Kernels:
     records take two scratch zeros at the end of a launch rule's args; CUDA ones none (scratch_params)."""
 
     def __init__(self, base: Path, records: list[dict], pdl: bool):
-        from engc.runtime.gpu_ops import SCRATCH, load_record
+        from engc.cuda.records import SCRATCH, load_record
         self.kernels, self.consts, self.trailing = {}, {}, {}
         for r in records:
             self.kernels[(r["op"], r["variant"])] = load_record((base / r["cubin"]).read_bytes(), r, pdl)
@@ -124,7 +124,7 @@ class Kernels:
 
     def run(self, op, launches):
         import torch
-        from engc.runtime.cubin import current_stream
+        from engc.cuda.cubin import current_stream
         stream = current_stream()
         for variant, grid, args in launches:
             args = args[:len(args) - self.trailing[(op, variant)]]

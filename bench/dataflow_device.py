@@ -38,7 +38,7 @@ import sys
 
 import torch
 
-from engc.runtime import cubin
+from engc.cuda import cubin
 from event_timing import median_us
 from persistent_chain_device import NORM, chain_graph, phases
 

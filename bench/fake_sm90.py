@@ -11,7 +11,7 @@ Run it without -x: every fixture must build.
 """
 import torch
 
-import engc.runtime.cubin as cubin
+import engc.cuda.cubin as cubin
 
 torch.cuda.is_available = lambda: True
 torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)

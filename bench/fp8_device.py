@@ -89,7 +89,7 @@ class Kernels:
     ('...@tag') are kept out of consts, so the runtime binding sees the bundle's own table."""
 
     def __init__(self, folder: Path):
-        from engc.runtime.cubin import load_kernel, signature_from_triton
+        from engc.cuda.cubin import load_kernel, signature_from_triton
         self.kernels, self.consts, self.all_consts = {}, {}, {}
         for r in json.loads((folder / "records.json").read_text()):
             sig = signature_from_triton([a["type"] for a in r["args"][:-2]])
@@ -101,7 +101,7 @@ class Kernels:
                 self.consts.setdefault(r["op"], {})[r["variant"]] = r.get("launch", {})
 
     def run(self, op, launches):
-        from engc.runtime.cubin import current_stream
+        from engc.cuda.cubin import current_stream
         for variant, grid, args in launches:
             kernel = self.kernels[(op, variant)]
             kernel.launch(grid, [a.data_ptr() if hasattr(a, "data_ptr") else a for a in args[:len(kernel.signature)]],

@@ -84,11 +84,11 @@ def prepare(out_dir: Path):
 # ------------------------------------------------------------------------------------------ run (GPU)
 
 class KernelSet:
-    """One set's cubins, loaded through engc.runtime.cubin as BundleKernels does (CUDA: no scratch)."""
+    """One set's cubins, loaded through engc.cuda.cubin as BundleKernels does (CUDA: no scratch)."""
 
     def __init__(self, base: Path, records: list[dict]):
         from engc.kernels import gemv
-        from engc.runtime.cubin import load_kernel, signature_from_triton
+        from engc.cuda.cubin import load_kernel, signature_from_triton
         self.kernels, self.consts = {}, {}
         for r in records:
             scratch = r.get("scratch_params", 2)
@@ -120,7 +120,7 @@ def run(aot: Path, out: Path):
     import torch.nn.functional as F
     from engc.kernels import gemv
     from engc.kernels.silu_mul import silu_mul
-    from engc.runtime.cubin import current_stream
+    from engc.cuda.cubin import current_stream
     from kernels_device import RunLog, load_sets
     run_log = RunLog()
     say = run_log.say

@@ -117,10 +117,10 @@ def prepare_pick(out_dir: Path):
 # ------------------------------------------------------------------------------------------ run (GPU)
 
 class Kernels:
-    """One sweep config's cubins, loaded through engc.runtime.cubin like BundleKernels does."""
+    """One sweep config's cubins, loaded through engc.cuda.cubin like BundleKernels does."""
 
     def __init__(self, base: Path, records: list[dict]):
-        from engc.runtime.cubin import load_kernel, signature_from_triton
+        from engc.cuda.cubin import load_kernel, signature_from_triton
         self.kernels, self.consts = {}, {}
         for r in records:
             sig = signature_from_triton([a["type"] for a in r["args"][:-2]])
@@ -175,7 +175,7 @@ def run(aot: Path, out: Path):
     import torch.nn.functional as F
     from engc.kernels import gemv
     from engc.kernels.silu_mul import silu_mul
-    from engc.runtime.cubin import current_stream
+    from engc.cuda.cubin import current_stream
     from kernels_device import RunLog
     run_log = RunLog()
     say = run_log.say
@@ -242,7 +242,7 @@ def run_pick(aot: Path, out: Path):
     import torch.nn.functional as F
     from engc.kernels import gemv
     from engc.kernels.silu_mul import silu_mul
-    from engc.runtime.cubin import current_stream
+    from engc.cuda.cubin import current_stream
     started = time.time()
     index = json.loads((aot / "index.json").read_text())
     sets = {model: Kernels(aot / model, recs) for model, recs in index.items()}

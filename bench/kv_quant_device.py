@@ -61,10 +61,10 @@ def prepare(out_dir: Path):
 # ------------------------------------------------------------------------------------------ run (GPU)
 
 class Kernels:
-    """One set's cubins through engc.runtime.cubin (the runtime's launcher), on torch's current stream."""
+    """One set's cubins through engc.cuda.cubin (the runtime's launcher), on torch's current stream."""
 
     def __init__(self, base: Path, records: list[dict]):
-        from engc.runtime.cubin import load_kernel, signature_from_triton
+        from engc.cuda.cubin import load_kernel, signature_from_triton
         self.kernels, self.consts = {}, {}
         for r in records:
             sig = signature_from_triton([a["type"] for a in r["args"][:-2]])
@@ -75,7 +75,7 @@ class Kernels:
 
     def run(self, op, launches):
         import torch
-        from engc.runtime.cubin import current_stream
+        from engc.cuda.cubin import current_stream
         stream = current_stream()
         for variant, grid, args in launches:
             self.kernels[(op, variant)].launch(grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from engc import _native
-from engc.runtime import cubin
+from engc.cuda import cubin
 
 BLOCK = 1024
 BURST = 200

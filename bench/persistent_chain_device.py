@@ -37,7 +37,7 @@ import sys
 
 import torch
 
-from engc.runtime import cubin
+from engc.cuda import cubin
 from event_timing import median_us
 
 LAYERS = 32

@@ -8,7 +8,7 @@ Two steps, two machines:
 Shapes: the Llama-3-8B projections (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, SiLU-fused down
 14336->4096, lm_head 4096->128256) and the Llama-3.2-1B ones (qkv 2048->3072, o 2048->2048, gate_up
 2048->16384, down 8192->2048) at M = 16, 32, 64 (the classes m<=16, m<=32, m<=64). Kernels are loaded from
-their cubins through engc.runtime.cubin (engc._native), as the runtime does. Every config is first checked
+their cubins through engc.cuda.cubin (engc._native), as the runtime does. Every config is first checked
 against the fp32 torch reference at a ragged M (class max - 3) and at its deepest split-K (counters must
 come back zero); only configs that pass are timed. Each timing is a CUDA graph of 20 calls cycling over
 enough weight copies (> 400 MB) that no call finds its weight in L2, fastest of 5 replays, after a second
@@ -104,7 +104,7 @@ class Kernels:
     plainly and with PDL."""
 
     def __init__(self, folder: Path):
-        from engc.runtime.cubin import load_kernel, signature_from_triton
+        from engc.cuda.cubin import load_kernel, signature_from_triton
         self.kernels, self.consts = {}, {}
         for r in json.loads((folder / "records.json").read_text()):
             sig = signature_from_triton([a["type"] for a in r["args"][:-2]])
@@ -116,7 +116,7 @@ class Kernels:
             self.consts[r["variant"]] = r["launch"]
 
     def run(self, launches, pdl=False):
-        from engc.runtime.cubin import current_stream
+        from engc.cuda.cubin import current_stream
         for variant, grid, args in launches:
             kernel = self.kernels[(variant, pdl)]
             kernel.launch(grid, [a.data_ptr() if hasattr(a, "data_ptr") else a for a in args[:len(kernel.signature)]],
