@@ -240,12 +240,14 @@ def quantize(src, out, method, bits, group_size, calib, calib_samples, calib_seq
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 def eval_(bundle, ppl_file, window, stride, max_tokens, as_json):
     """Perplexity of BUNDLE on a text file (fixed windows and stride, the same for every bundle)."""
+    from engc.progress import Progress
     from engc.runtime.eval import EvalOptions, perplexity
     from engc.runtime.loader import load
     if not ppl_file.is_file():
         raise UserError(f"{ppl_file}: no such file")
     result = perplexity(load(bundle), ppl_file.read_text(encoding="utf-8", errors="replace"),
-                        EvalOptions(window=window, stride=stride, max_tokens=max_tokens))
+                        EvalOptions(window=window, stride=stride, max_tokens=max_tokens),
+                        Progress(enabled=not as_json))
     if as_json:
         click.echo(json.dumps(result, sort_keys=True))
     else:

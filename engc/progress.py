@@ -19,8 +19,8 @@ class Progress:
         yield
         self._line(f"{what}: done in {time.monotonic() - started:.1f}s", final=True)
 
-    def bar(self, what: str, total: int) -> "Bar":
-        return Bar(self, what, total)
+    def bar(self, what: str, total: int, unit: str = "", eta: bool = False) -> "Bar":
+        return Bar(self, what, total, unit, eta)
 
     def _line(self, text: str, final: bool):
         if not self.enabled:
@@ -33,16 +33,40 @@ class Progress:
 
 
 class Bar:
-    def __init__(self, progress: Progress, what: str, total: int):
-        self.p, self.what, self.total, self.done = progress, what, max(total, 1), 0
+    """A count towards a total. With eta, the live line also says how long the rest should take at the
+    rate so far, and the final line how long it all took; a note (advance) follows the count."""
 
-    def advance(self, n: int = 1):
+    def __init__(self, progress: Progress, what: str, total: int, unit: str = "", eta: bool = False):
+        self.p, self.what, self.total, self.done = progress, what, max(total, 1), 0
+        self.unit, self.eta, self.note = unit, eta, ""
+        self.started = time.monotonic()
+
+    def advance(self, n: int = 1, note: str | None = None):
         self.done += n
+        if note is not None:
+            self.note = note
         if self.p.live:
             width = 30
             fill = width * self.done // self.total
-            self.p._line(f"{self.what} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total}",
-                         final=False)
+            left = self._seconds_left()
+            self.p._line(f"{self.what} [{'#' * fill}{'.' * (width - fill)}] {self._count()}"
+                         f"{'' if left is None else ', ETA ' + clock(left)}", final=False)
 
     def close(self):
-        self.p._line(f"{self.what}: {self.done}/{self.total}", final=True)
+        took = f" in {time.monotonic() - self.started:.1f}s" if self.eta else ""
+        self.p._line(f"{self.what}: {self._count()}{took}", final=True)
+
+    def _count(self) -> str:
+        return f"{self.done}/{self.total}{self.unit}" + (f", {self.note}" if self.note else "")
+
+    def _seconds_left(self) -> float | None:
+        if not self.eta or not self.done:
+            return None
+        return (time.monotonic() - self.started) * max(self.total - self.done, 0) / self.done
+
+
+def clock(seconds: float) -> str:
+    """h:mm:ss, or m:ss under an hour."""
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
