@@ -28,7 +28,11 @@ SHAPES = [
     ("dequant_m300_g128_actorder", 300, 288, 64, 128, True, True, "float32", False),
     ("dequant_fp16_m70", 70, 128, 64, 32, False, False, "float16", False),
 ]
-CASES = [c[0] for c in SHAPES]
+# A GGUF Q4_1 / Q4_K projection's float offsets (frontend/gguf_quant.py) through the GPU binding
+# (runtime/quant_ops.py: the kernels' product plus the offsets' term): (name, M, K, N), on the GEMV and on
+# the dequant + matmul path, as QLinear and as QLinearSiluMul (which takes its unfused path for them)
+OFFSET_SHAPES = [("offsets_gemv_m3", 3, 128, 48), ("offsets_dequant_m40", 40, 96, 64)]
+CASES = [c[0] for c in SHAPES] + [c[0] for c in OFFSET_SHAPES]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +87,38 @@ def _run_cases() -> dict:
                                          num_warps=c["num_warps"])
             exact = torch.equal(w, dequantize(qweight, scales, zeros, g).to(dtype))
             out[name] = {"ok": out[name]["ok"] and exact, "rel_err": err, "dequant_exact": exact}
+    return {**out, **_offset_cases()}
+
+
+def _offset_cases() -> dict:
+    import torch
+    from engc.bundle.program import ENGC_DOMAIN
+    from engc.kernels.int4_linear import int4_linear, jit_consts, pack_int4
+    from engc.kernels.int4_linear.triton import JIT_CONSTS, jit_run
+    from engc.kernels.silu_mul import silu_mul
+    from engc.runtime.quant_ops import quant_ops
+
+    class JitKernels:  # gpu_ops.BundleKernels' face, the bundle's int4 kernels run through Triton's JIT
+        consts = {"int4_linear": jit_consts(32, JIT_CONSTS)}
+
+        def run(self, op, launches):
+            jit_run(launches, self.consts[op], 32)
+
+    ops = quant_ops(JitKernels(), None, None, act=lambda x: (silu_mul(x),), add_norm=None)
+    out = {}
+    for name, m, k, n in OFFSET_SHAPES:
+        gen = torch.Generator().manual_seed(m * 1000 + k)
+        qweight = pack_int4(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8))
+        scales = torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001
+        zeros = torch.zeros(n, k // 32, dtype=torch.uint8)
+        offsets = -torch.rand(n, k // 32, generator=gen) * 0.1
+        x = torch.randn(m, k, generator=gen)
+        ref = int4_linear(x, qweight, scales, zeros, offsets, group_size=32, has_offsets=1)
+        errs = []
+        for op, expected in (("QLinear", ref), ("QLinearSiluMul", silu_mul(ref))):
+            got = ops[(ENGC_DOMAIN, op)](x, qweight, scales, zeros, offsets, group_size=32, has_offsets=1)[0]
+            errs.append(float((got - expected).abs().max() / expected.abs().max()))
+        out[name] = {"ok": max(errs) < 1e-4, "rel_err": errs}
     return out
 
 

@@ -175,20 +175,22 @@ def int4_linear_triton(x, qweight, scales, zeros, *extra, group_size: int, has_b
         x = x.index_select(-1, extra[int(bool(has_bias))])
     if consts is None:
         consts = op.jit_consts(group_size, JIT_CONSTS)
-
-    def run(launches):
-        for variant, grid, args in launches:
-            kind = op.variant_kind(variant)
-            c = consts[variant]
-            meta = {k: v for k, v in c.items() if k.isupper()}
-            if kind in ("gemv", "dequant"):
-                meta["GROUP"] = group_size
-            if kind == "gemv":
-                meta["BLOCK_M"] = op.variant_rows(variant)
-            # null pointers (0) become the first tensor: the JIT needs a tensor there, the kernel never reads it
-            tensors = [args[0] if (i < op.POINTER_ARGS[kind] and isinstance(a, int)) else a
-                       for i, a in enumerate(args[:-2])]
-            KERNELS[kind][grid](*tensors, num_warps=c.get("num_warps", 4), **meta)
-
     return op.run_quantized_linear(x.contiguous(), qweight, scales, zeros, bias, group_size=group_size,
-                                   consts=consts, run=run)
+                                   consts=consts, run=lambda launches: jit_run(launches, consts, group_size))
+
+
+def jit_run(launches, consts: dict, group_size: int) -> None:
+    """Runs the launch rule's [(variant, grid, args)] through Triton's JIT, as a bundle's cubins would run."""
+    from engc.kernels import int4_linear as op
+    for variant, grid, args in launches:
+        kind = op.variant_kind(variant)
+        c = consts[variant]
+        meta = {k: v for k, v in c.items() if k.isupper()}
+        if kind in ("gemv", "dequant"):
+            meta["GROUP"] = group_size
+        if kind == "gemv":
+            meta["BLOCK_M"] = op.variant_rows(variant)
+        # null pointers (0) become the first tensor: the JIT needs a tensor there, the kernel never reads it
+        tensors = [args[0] if (i < op.POINTER_ARGS[kind] and isinstance(a, int)) else a
+                   for i, a in enumerate(args[:-2])]
+        KERNELS[kind][grid](*tensors, num_warps=c.get("num_warps", 4), **meta)
