@@ -1,8 +1,7 @@
 """Decode-step ablations for bench/gpu_bench.py --ablate: the GPU runtime with kernel families removed.
 
 What removing a family from the decode steps gives is an upper bound on what fusing it away or speeding it
-up can give (bench/results: the thirteenth session's ablations found the decode attention 7.5% of the 8B
-batch-32 step and 12% of the int4 batch-1 one, the norms 0.35% at batch 32). Each named family's ops return
+up can give (bench/results/HISTORY.md lists what it found). Each named family's ops return
 an unwritten buffer of the right shape (a norm: its input) for steps of at most ROWS rows, launching
 nothing; larger steps (prefill) run as usual. The outputs are garbage: only timings mean anything (the
 samplers turn the NaN logits into valid ids, so the engine keeps running). Families:

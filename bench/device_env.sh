@@ -9,7 +9,7 @@
 #          (carry [".kc", ".whl"]; everything comes back as $OUT/gb.tgz)
 #
 # The image's `pip` is not its python3's (python3 is /opt/torch/.venv): always `python3 -m pip`, or the
-# editable install fails and every GPU test skips. A warm machine keeps the last lease's /tmp: an 8B bundle
+# editable install fails and every GPU test skips. A warm machine keeps the last command's /tmp: an 8B bundle
 # is 16 GB of a 64 GB disk, so /tmp/engc_work goes first.
 set -u
 export PYTHONUNBUFFERED=1

@@ -1,0 +1,198 @@
+"""The benchmark's models: random-weight Llama-3.2-1B and Llama-3-8B shapes (and a tiny one), their HF
+checkpoints and the bundles built from them.
+
+A shape name may carry build variants after its base: "-kv8" / "-kvfp8" build with --kv-cache int8 / fp8,
+"-fp8" with --quant fp8 (W8A8 projections); these share the base shape's checkpoint. "-int4" is a random
+AutoAWQ-GEMM int4 g128 checkpoint of that shape (its own folder), which `engc build` repacks as it would a
+real one; "-int4-qhead" has its lm_head in int4 too (as `engc quantize --lm-head` writes it).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, vocab_size=512),
+}
+KV_VARIANTS = {"kv8": "int8", "kvfp8": "fp8"}   # shape suffix -> --kv-cache
+INT4_GROUP = 128
+
+
+def base_shape(shape: str) -> str:
+    return shape.split("-")[0]
+
+
+def _variants(shape: str) -> list[str]:
+    return shape.split("-")[1:]
+
+
+def kv_cache_of(shape: str) -> str:
+    return next((KV_VARIANTS[v] for v in _variants(shape) if v in KV_VARIANTS), "auto")
+
+
+def is_int4(shape: str) -> bool:
+    """An "-int4" variant: its checkpoint is AutoAWQ GEMM int4, group size INT4_GROUP."""
+    return "int4" in _variants(shape)
+
+
+def is_int4_head(shape: str) -> bool:
+    """An "-int4-qhead" variant: the int4 checkpoint's lm_head is int4 too (GPTQModel's lm_head quantization)."""
+    return is_int4(shape) and "qhead" in _variants(shape)
+
+
+def quant_of(shape: str) -> str:
+    """--quant of a shape: "fp8" for an "-fp8" variant (W8A8 projections), else "auto"."""
+    return "fp8" if "fp8" in _variants(shape) else "auto"
+
+
+def is_variant(shape: str) -> bool:
+    """Built differently from its base shape (another KV cache, quantization or checkpoint)."""
+    return kv_cache_of(shape) != "auto" or quant_of(shape) != "auto" or is_int4(shape)
+
+
+def hf_config(shape: str) -> dict:
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+               rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+               bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
+               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    cfg.update(SHAPES[base_shape(shape)])
+    return cfg
+
+
+def model_config(shape: str):
+    from engc.compiler.frontend.decoder import resolve_config
+    return resolve_config(hf_config(shape))
+
+
+def dtype_of(shape: str):
+    import torch
+    return torch.float32 if base_shape(shape) == "tiny" else torch.bfloat16
+
+
+def checkpoint_dir(work: Path, shape: str) -> Path:
+    """One checkpoint per base shape and weight format: '-int4' and '-int4-qhead' have their own."""
+    return work / f"ckpt-{base_shape(shape)}{'-int4' if is_int4(shape) else ''}{'-qhead' if is_int4_head(shape) else ''}"
+
+
+def plain_bundle(shape: str, work: str, cache: str) -> Path:
+    """work/bundle-<shape>: the shape's random checkpoint built for sm90 with the kernel cache, each made only
+    where missing, so a script run after gpu_bench on the same machine reuses its checkpoints and bundles."""
+    from engc.compiler.build import BuildOptions, build
+    ckpt, bundle = checkpoint_dir(Path(work), shape), Path(work) / f"bundle-{shape}"
+    if not (ckpt / "config.json").exists():
+        make_checkpoint(shape, ckpt)
+    if not (bundle / "manifest.json").exists():
+        build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="bfloat16", kernel_cache=cache,
+                                              kv_cache=kv_cache_of(shape), quant=quant_of(shape)))
+    return bundle
+
+
+def make_checkpoint(shape: str, folder: Path) -> None:
+    """A sharded HF folder of the shape: seed-0 random weights (on the GPU, for speed), unit norms, and a
+    word-level tokenizer whose tokens are 't<id>'."""
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config(shape)
+    if is_int4(shape):
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": INT4_GROUP,
+                                      "version": "gemm", "zero_point": True}
+    if is_int4_head(shape):   # an int4 head is its own tensor, tied or not (as engc quantize --lm-head writes it)
+        cfg["tie_word_embeddings"] = False
+        cfg["quantization_config"]["lm_head"] = True   # GPTQModel's key
+    (folder / "config.json").write_text(json.dumps(cfg))
+    _write_tokenizer(folder, cfg["vocab_size"])
+    weights = _RandomWeights(dtype_of(shape), is_int4(shape))
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    tensors = {"model.embed_tokens.weight": weights.rand(cfg["vocab_size"], h), "model.norm.weight": weights.ones(h)}
+    if is_int4_head(shape):
+        tensors.update(weights.proj("lm_head", cfg["vocab_size"], h))
+    elif not cfg["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = weights.rand(cfg["vocab_size"], h)
+    save_file(tensors, str(folder / "model-embed.safetensors"))
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        t = {p + "input_layernorm.weight": weights.ones(h), p + "post_attention_layernorm.weight": weights.ones(h),
+             **weights.proj(p + "self_attn.q_proj", q, h), **weights.proj(p + "self_attn.k_proj", kv, h),
+             **weights.proj(p + "self_attn.v_proj", kv, h), **weights.proj(p + "self_attn.o_proj", h, q),
+             **weights.proj(p + "mlp.gate_proj", i, h), **weights.proj(p + "mlp.up_proj", i, h),
+             **weights.proj(p + "mlp.down_proj", h, i)}
+        save_file(t, str(folder / f"model-layer{layer:03d}.safetensors"))
+    _write_index(folder)
+
+
+class _RandomWeights:
+    """Seeded random tensors of a checkpoint: bf16 (float32 for tiny) weights, or AutoAWQ GEMM int4
+    projections (random codes and zeros; scales that give weights about the float checkpoint's spread)."""
+
+    def __init__(self, dtype, int4: bool):
+        import torch
+        self.torch, self.dtype, self.int4 = torch, dtype, int4
+        self.g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(self, *shape, std=0.02):
+        t = self.torch
+        return (t.randn(*shape, generator=self.g, device="cuda", dtype=t.float32) * std).to(self.dtype).cpu()
+
+    def ones(self, n: int):
+        return self.torch.ones(n, dtype=self.dtype)
+
+    def proj(self, name: str, out_f: int, in_f: int) -> dict:
+        if not self.int4:
+            return {name + ".weight": self.rand(out_f, in_f)}
+        t = self.torch
+        scales = t.rand(in_f // INT4_GROUP, out_f, generator=self.g, device="cuda") * 0.002 + 0.002
+        return {name + ".qweight": self._words(in_f, out_f), name + ".qzeros": self._words(in_f // INT4_GROUP, out_f),
+                name + ".scales": scales.to(t.float16).cpu()}
+
+    def _words(self, rows: int, out_f: int):
+        t = self.torch
+        return t.randint(-2**31, 2**31 - 1, (rows, out_f // 8), generator=self.g, device="cuda", dtype=t.int32).cpu()
+
+
+def _write_tokenizer(folder: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t128001"}))
+
+
+def _write_index(folder: Path) -> None:
+    """The index HF transformers needs to read a sharded folder (engc reads any *.safetensors)."""
+    from safetensors import safe_open
+    weight_map = {}
+    for shard in sorted(folder.glob("model-*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            weight_map.update({name: shard.name for name in f.keys()})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(200, vocab - 200, (n, length), generator=g).tolist()
+
+
+def weight_bytes(cfg, projection_bytes: float = 2, head_bytes: float = 2) -> tuple[int, int]:
+    """(bytes a decode step reads, non-embedding parameter count): bf16 weights, or 1-byte projections (fp8),
+    or int4 ones (and an int4 lm_head: head_bytes)."""
+    h, i, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
+    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i
+    params = L * per_layer + V * h  # lm_head counts: it is read every step (tied or not)
+    return int(projection_bytes * L * per_layer + head_bytes * V * h), params
+
+
+INT4_BYTES = 0.5 + 3 / INT4_GROUP   # int4 bytes a weight: codes, and a bf16 scale and u8 zero a group
+
+
+def step_weight_bytes(shape: str, cfg) -> tuple[int, int]:
+    """weight_bytes for the shape's weight format."""
+    proj = 1 if quant_of(shape) == "fp8" else INT4_BYTES if is_int4(shape) else 2
+    return weight_bytes(cfg, proj, INT4_BYTES if is_int4_head(shape) else 2)
