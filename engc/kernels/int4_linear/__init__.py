@@ -11,7 +11,7 @@ Launch rule (GPU, triton.py): M <= gemv_max_rows rows (a launch constant) run th
 to a power of two (gemv_m{1,2,4,8}_g{G}), which reads each weight once for all rows, split over K only
 when N alone gives fewer than target_programs programs (then 'gemv_reduce' sums the fp32 partials).
 Larger M (prefill) dequantize the weight into a bf16/fp16 scratch [N, K] (dequant_g{G}, bandwidth-bound)
-and call cuBLAS: cheaper than any int4 tensor-core GEMM engc has, by far (bench/int4_device.py).
+and call cuBLAS: cheaper than any int4 tensor-core GEMM engc has, by far (bench/results/HISTORY.md).
 Where the build had nvcc and the tune table turns it on, the bundle also holds the CUDA C++ GEMV; its launch
 rule and packed scale / zero words are in cuda.py (re-exported here). run_quantized_linear picks among them.
 """
