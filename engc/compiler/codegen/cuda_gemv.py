@@ -2,8 +2,8 @@
 
 One kernel per (input width K, SILU) and CUDA M class of the tune table ('sm90/gemv/cuda/m<=8'), built
 only for the projection kinds its entry turns on (plain: K = hidden or q_size; silu: the fused down) --
-the tune table turns them on per arch where bench/gemv_cuda_device.py measured the kernel ahead of
-cuBLAS and the Triton GEMV. Records are op "gemv", variant `cuda_[silu_]k{K}_m{max_m}`; their launch
+the tune table turns them on per arch where the kernel measured ahead of cuBLAS and the Triton GEMV
+(bench/results/HISTORY.md). Records are op "gemv", variant `cuda_[silu_]k{K}_m{max_m}`; their launch
 constants are the Triton GEMV's (K, SILU, max_m, BLOCK_N, BLOCK_K, split rule) plus impl "cuda" and
 max_n, so kernels/gemv's pick and launch rule serve both.
 """
