@@ -55,21 +55,25 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     """int32 [N, K // 8] -> uint8 [N, K]."""
     n, kw = qweight.shape
-    shifts = (torch.arange(PACK, dtype=torch.int32, device=qweight.device) * 4)
-    slots = (qweight.unsqueeze(-1) >> shifts) & 0xF                 # [N, K // 8, 8]
-    q = torch.empty(n, kw * PACK, dtype=torch.uint8, device=qweight.device)
-    q[:, _chunk_order(kw * PACK).to(qweight.device)] = slots.to(torch.uint8)
-    return q
+    shifts = (torch.arange(PACK, dtype=torch.int32, device=qweight.device) * 4).view(1, 1, PACK, 1)
+    words = qweight.reshape(n, kw // 4, 1, 4)                        # [N, chunk, 1, i]
+    return ((words >> shifts) & 0xF).to(torch.uint8).reshape(n, kw * PACK)   # [N, chunk, j, i] = q[32c + 4j + i]
 
 
 def dequantize(qweight, scales, zeros, group_size: int, offsets=None) -> torch.Tensor:
     """-> W [N, K] in scales' dtype (without offsets: what the GPU dequant kernel writes, bit for bit; with
     them, what llama.cpp's reference dequantizes, d * q + m, bit for bit in float32)."""
     q = unpack_int4(qweight)
-    k = q.shape[1]
-    s = scales.repeat_interleave(group_size, dim=1)[:, :k]
-    z = zeros.repeat_interleave(group_size, dim=1)[:, :k]
+    n, k = q.shape
+    if k % group_size == 0:   # whole groups: per-group broadcasts, no [N, K] copies of scales and zeros
+        q = q.view(n, k // group_size, group_size)
+        s, z = scales[..., None], zeros[..., None]
+        o = None if offsets is None else offsets[..., None]
+    else:
+        s = scales.repeat_interleave(group_size, dim=1)[:, :k]
+        z = zeros.repeat_interleave(group_size, dim=1)[:, :k]
+        o = None if offsets is None else offsets.repeat_interleave(group_size, dim=1)[:, :k]
     w = (q.to(torch.int16) - z.to(torch.int16)).to(scales.dtype) * s
-    if offsets is not None:
-        w += offsets.to(scales.dtype).repeat_interleave(group_size, dim=1)[:, :k]
-    return w
+    if o is not None:
+        w += o.to(scales.dtype)
+    return w.reshape(n, k)
