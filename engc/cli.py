@@ -100,7 +100,7 @@ def build(src, out, arch, dtype, kernel_cache, quant, kv_cache, tune_file, as_js
 def read_tune(path: Path) -> dict:
     """--tune FILE: the JSON tune overrides, checked (one clear line for a missing file, bad JSON or a key
     or field the table does not have)."""
-    from engc.compiler.codegen.tune import check_overrides
+    from engc.compiler.tune import check_overrides
     try:
         entries = json.loads(path.read_text())
     except OSError as e:
@@ -157,7 +157,7 @@ def tune_(src, prepare_dir, from_dir, out, arch, sms, ops, dtype, budget_s, marg
 
     SRC as for build; of an HF folder only config.json is read. The times are per kernel (cold L2): time the
     bundle built with the file end to end before keeping it."""
-    from engc.compiler.tuning import TuneOptions, prepare, summary, tune, tune_from
+    from engc.compiler.tune.search import TuneOptions, prepare, summary, tune, tune_from
     opts = TuneOptions(ops=tuple(o.strip() for o in ops.split(",") if o.strip()), dtype=dtype,
                        budget_s=budget_s, margin=margin)
     given = click.get_current_context().get_parameter_source

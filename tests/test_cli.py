@@ -105,7 +105,7 @@ def test_tune_overrides_reach_the_kernels_and_the_manifest(tiny_dir, tmp_path):
     import torch
     from engc.bundle.reader import open_bundle
     from engc.compiler.build import BuildOptions, build
-    from engc.compiler.codegen import tune
+    from engc.compiler import tune
     from engc.compiler.codegen.specs import model_specs
     from engc.compiler.frontend.decoder import lower
     from engc.compiler.build import read_source

@@ -185,7 +185,8 @@ def test_pdl_kernels_wait_on_sm90_only(runs):
 def test_smem_carveout_is_a_launch_constant_where_an_entry_names_one():
     """An entry's smem_carveout reaches its kernels' records as a launch constant (Triton's and the CUDA
     templates'), never the compiled kernel's constants; entries without one record none (the driver picks)."""
-    from engc.compiler.codegen import cuda, model_specs, tune
+    from engc.compiler import tune
+    from engc.compiler.codegen import cuda, model_specs
     from engc.compiler.codegen.cuda_int4 import int4_gemv_spec
     from engc.compiler.codegen.record import kernel_record
     meta = {"name": "k", "ptx_target": "sm_90", "num_warps": 4, "num_ctas": 1, "shared": 0, "triton_version": "t"}
@@ -261,7 +262,7 @@ def test_decode_split_rule_of_the_sm90_table():
     splits down to one tile a program; a busy batch (8B batch 32: 256 (sequence, KV head) pairs) takes the
     two splits it wants from two tiles of context, in an eager step as in a graph sized for the block table;
     batch 64 fills the GPU with one."""
-    from engc.compiler.codegen import tune
+    from engc.compiler import tune
     from engc.kernels.paged_attention import decode_splits
     d128 = tune.lookup("sm90", "paged_attention", "decode", "d<=128")[1]
     assert d128["BLOCK_N"] == 32 and d128["min_split_tokens_busy"] == 64

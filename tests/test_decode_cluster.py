@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engc.bundle.model_config import ModelConfig
-from engc.compiler.codegen import cuda, tune
+from engc.compiler import tune
+from engc.compiler.codegen import cuda
 from engc.kernels import paged_attention as pa
 from test_gpu import gpu_ready, sm_arch
 

@@ -74,7 +74,7 @@ def _llama8b():
 
 
 def test_fp8_linear_specs_only_in_fp8_builds():
-    from engc.compiler.codegen import tune
+    from engc.compiler import tune
     from engc.compiler.codegen.specs import model_specs
     specs = [s for s in model_specs(_llama8b(), torch.bfloat16, "sm90", 16, quant="fp8") if s.op == "fp8_linear"]
     fused = {s.variant for s in specs if s.constexprs["QUANT_X"]}

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from engc.bundle.model_config import ModelConfig
-from engc.compiler.codegen import cuda, cuda_gemv, tune
+from engc.compiler import tune
+from engc.compiler.codegen import cuda, cuda_gemv
 from engc.compiler.codegen.record import CodegenResult
 from engc.compiler.codegen.specs import paged_attention_specs
 from engc.kernels import gemv

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engc.compiler.codegen import cuda, cuda_int4, tune
+from engc.compiler import tune
+from engc.compiler.codegen import cuda, cuda_int4
 from engc.kernels import int4_linear as op
 
 ON = {"enabled": True}

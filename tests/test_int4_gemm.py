@@ -109,7 +109,7 @@ def test_runtime_takes_the_gemm_for_the_rows_its_classes_hold():
 
 def test_int4_build_specs_follow_the_tune_table():
     from engc.compiler.codegen.specs import model_specs
-    from engc.compiler.codegen import tune
+    from engc.compiler import tune
 
     def gemm(arch, **kw):
         return {s.variant: s for s in model_specs(_llama8b(), torch.bfloat16, arch, 16, **kw) if s.op == "int4_gemm"}

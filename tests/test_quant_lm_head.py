@@ -124,8 +124,8 @@ def test_lm_head_cli_and_vocab_not_multiple_of_8(tiny_dir, tmp_path):
 def test_int4_lm_head_program_builds_no_dense_gemv(tiny_dir, tmp_path):
     """With the head int4 too, no dense Gemm is left: a GPU build (Triton AOT for sm90, no GPU needed)
     compiles int4_linear but no gemv / skinny_gemm, and engc tune has no GEMV to tune."""
-    from engc.compiler.tuning import plan
-    from engc.compiler.tuning.plan import model_config
+    from engc.compiler.tune import plan
+    from engc.compiler.tune.plan import model_config
     quantize_checkpoint(str(tiny_dir("llama")), tmp_path / "q", QuantOptions(method="rtn", group_size=32,
                                                                             lm_head=True))
     build(str(tmp_path / "q"), tmp_path / "b", BuildOptions(archs=("sm90",), dtype="bfloat16"))

@@ -82,12 +82,12 @@ def _llama8b(vocab=512):
 
 
 def _enable(*classes, arch="sm90"):
-    from engc.compiler.codegen import tune
+    from engc.compiler import tune
     return tune.overridden({f"{arch}/skinny_gemm/*/{c}": {"enabled": True} for c in classes})
 
 
 def test_specs_only_where_enabled():
-    from engc.compiler.codegen import tune
+    from engc.compiler import tune
     from engc.compiler.codegen.decode_gemm_specs import skinny_gemm_specs
     from engc.compiler.codegen.specs import model_specs
 

@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from engc.compiler.codegen import tune
+from engc.compiler import tune
 from engc.compiler.codegen.specs import model_specs
-from engc.compiler.tuning import TuneOptions, plan as tp, prepare, prepared, summary, tune_from
+from engc.compiler.tune import plan as tp, prepared
+from engc.compiler.tune.search import TuneOptions, prepare, summary, tune_from
 from engc.errors import UserError
 from test_cli import assert_one_line_error, engc
 
@@ -199,7 +200,7 @@ def test_refusals_are_one_line(tiny_dir, tmp_path, monkeypatch):
     assert_one_line_error(engc("tune", src, "-o", out, "--sms", "100"), "--sms", "--prepare")
     assert not out.exists() and not (tmp_path / "p").exists()
     # a GPU whose arch engc does not build for
-    from engc.compiler.tuning import gpu
+    from engc.compiler.tune import gpu
     from engc.cuda import cubin
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -242,7 +243,7 @@ def test_from_refuses_a_folder_it_cannot_trust(prepared_1b, tmp_path):
 
 
 def test_from_loads_each_cubin_once_and_checks_it(prepared_1b, monkeypatch):
-    from engc.compiler.tuning import gpu
+    from engc.compiler.tune import gpu
     from engc.cuda import records
     prep = prepared.load(prepared_1b)
     calls = []

@@ -100,7 +100,7 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
     gpu_archs = [a for a in opts.archs if a != "cpu"]
     if gpu_archs:
         with progress.step(f"compile kernels for {','.join(gpu_archs)}"):
-            from engc.compiler.codegen import tune
+            from engc.compiler import tune
             from engc.compiler.kernel_cache import compile_cached
             with tune.overridden(opts.tune):
                 result = compile_cached(cfg, DTYPES[dtype_name], gpu_archs, opts.kv_block_size,

@@ -33,7 +33,7 @@ def digested_form(f: Path) -> bytes:
     again. Not its syntax tree: ast.dump differs between Python versions (3.12 adds type_params), and a cache
     filled under one version must serve another (this machine's 3.11, the GPU machine's 3.12)."""
     text = f.read_bytes()
-    if f.suffix == ".py" and "codegen" in f.parent.parts[-2:]:   # codegen/*.py and codegen/tune/*.py
+    if f.suffix == ".py" and "codegen" in f.parent.parts[-2:]:   # codegen/*.py
         return code_without_comments(text.decode()).encode()
     return text
 
@@ -60,7 +60,8 @@ def compile_cached(cfg: ModelConfig, dtype: torch.dtype, archs: list[str], block
                    cache_dir: Path | None, quant: str = "none", kv_cache: str = "auto", int4_group_sizes=(),
                    int4_lm_head: bool = False):
     """compile_kernels, answered from cache_dir when it already holds this exact compilation."""
-    from engc.compiler.codegen import CodegenResult, compile_kernels, tune
+    from engc.compiler import tune
+    from engc.compiler.codegen import CodegenResult, compile_kernels
     if cache_dir is None:
         return compile_kernels(cfg, dtype, archs, block_size, quant=quant, kv_cache=kv_cache,
                                int4_group_sizes=int4_group_sizes, int4_lm_head=int4_lm_head)

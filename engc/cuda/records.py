@@ -42,7 +42,7 @@ def load_record(image: bytes, r: dict, pdl: bool) -> Kernel:
     """One kernel record's image (cubin or PTX), loaded as its record says: its runtime params (less the
     trailing scratch pointers, which the kernel appends itself), 32 * num_warps threads, its dynamic shared
     memory, and programmatic dependent launch where its launch constant PDL asks for it and pdl allows.
-    Shared with engc tune's loader (compiler/tuning/gpu.py), so the candidates it times load as bundles do."""
+    Shared with engc tune's loader (compiler/tune/gpu.py), so the candidates it times load as bundles do."""
     scratch = r.get("scratch_params", SCRATCH)   # CUDA C++ kernels take none
     sig = signature_from_triton([a["type"] for a in r["args"][:len(r["args"]) - scratch]])
     return load_kernel(image, r["entry"], sig, block_x=32 * r["num_warps"], shared_mem=r["shared_mem"],

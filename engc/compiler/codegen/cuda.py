@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engc.bundle.model_config import ModelConfig
-from engc.compiler.codegen import tune
+from engc.compiler import tune
 from engc.compiler.codegen.aot import ARCH_CAPABILITY, PTX_VERSION
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"

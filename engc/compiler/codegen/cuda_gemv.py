@@ -10,7 +10,7 @@ max_n, so kernels/gemv's pick and launch rule serve both.
 from __future__ import annotations
 
 from engc.bundle.model_config import ModelConfig
-from engc.compiler.codegen import tune
+from engc.compiler import tune
 from engc.compiler.codegen.cuda import C_TYPE, MMA_TYPE, CudaKernelSpec
 
 LAUNCH_KEYS = ("K", "SILU", "max_m", "max_n", "BLOCK_N", "BLOCK_K", "target_programs", "max_splits",

@@ -13,7 +13,7 @@ per CTA), run by kernels/int4_linear's dequant_launch in place of the Triton one
 """
 from __future__ import annotations
 
-from engc.compiler.codegen import tune
+from engc.compiler import tune
 from engc.compiler.codegen.cuda import C_TYPE, MMA_TYPE, CudaKernelSpec
 from engc.kernels import int4_linear as op   # the variant names its launch rules look up
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from engc.bundle.model_config import ModelConfig
-from engc.compiler.codegen import tune
+from engc.compiler import tune
 from engc.compiler.codegen.kernel_spec import make_spec
 from engc.errors import UserError
 from engc.kernels.fp8_quant import FP8_ARCHS, FP8_MAX, MIN_AMAX

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engc.compiler.codegen import tune
+from engc.compiler import tune
 
 TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 

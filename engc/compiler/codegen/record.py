@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from engc.bundle.model_config import ModelConfig
-from engc.compiler.codegen import tune
+from engc.compiler import tune
 from engc.compiler.codegen.aot import PTX_VERSION, compile_in_children, compile_spec
 from engc.compiler.codegen.cuda import add_selected as add_selected_cuda
 from engc.compiler.codegen.kernel_spec import KernelSpec

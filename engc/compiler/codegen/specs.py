@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from engc.bundle.model_config import ModelConfig
-from engc.compiler.codegen import tune
+from engc.compiler import tune
 from engc.compiler.codegen.decode_gemm_specs import dense_projections, fp8_linear_specs, gemv_specs, skinny_gemm_specs
 from engc.compiler.codegen.kernel_spec import TRITON_DTYPE, make_spec, pow2
 from engc.errors import UserError

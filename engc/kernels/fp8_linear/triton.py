@@ -20,7 +20,7 @@ the codes are the reference's bit for bit. The price is that every program reads
 once more: cheap for a few rows, not at M=64 (each program would read 512 KB for K=4096), so the launch
 rule uses it up to `fuse_quant_max_m` rows only. Otherwise x is already float8 with its x_scale.
 
-PDL (kernels/pdl.py; the tune entry's PDL: on for m<=16, compiler/codegen/tune/fp8.py): the program waits for the
+PDL (kernels/pdl.py; the tune entry's PDL: on for m<=16, compiler/tune/table_sm90.jsonl): the program waits for the
 previous kernel before it touches x, its scales, the partials or the counters, and lets the next start.
 """
 import triton

@@ -1,24 +1,26 @@
-"""The per-arch tune table: block shapes, warps, pipeline depth and launch constants per kernel.
+"""engc's tune package: the per-arch table of kernel configurations (block shapes, warps, pipeline depth,
+launch constants), kept as data in table_<arch>.jsonl, and the `engc tune` search that measures new
+entries on a user's GPU (search.py, plan.py, prepared.py, gpu.py).
 
-One module per op family fills it (small_ops, attention, dense, fp8, int4: each entry with the
-measurements that chose it); this one looks entries up and applies overrides.
-
-Keys are "arch/op/variant/bucket"; the bucket names the shape class the entry was chosen for. The chosen
-key and entry go into every kernel record of the manifest; `engc build --tune FILE` and bench/ab's A/B
-files override entries (check_overrides, overridden). sm80 entries are carried over from the H200's by
-analogy (no A100 was measured).
+Keys are "arch/op/variant/bucket"; the bucket names the shape class an entry serves. The chosen key and
+entry go into every kernel record of the manifest; `engc build --tune FILE` overrides entries for one
+build (check_overrides, overridden).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 
-from engc.compiler.codegen.tune.table import ARCHS, PDL, SM_COUNT, TUNE  # noqa: F401  (the package's API)
-# registration order: attention's shared-memory split also covers the norms of small_ops
-from engc.compiler.codegen.tune import small_ops, attention, dense, fp8, int4  # noqa: E402,F401
-from engc.compiler.codegen.tune.dense import (  # noqa: E402,F401
-    GEMV_CUDA_M_CLASSES, GEMV_M_CLASSES, GEMV_PLAIN_CLASSES, SKINNY_GEMM_M_CLASSES)
-from engc.compiler.codegen.tune.fp8 import FP8_LINEAR_M_CLASSES  # noqa: E402,F401
-from engc.compiler.codegen.tune.int4 import INT4_GEMM_M_CLASSES  # noqa: E402,F401
+from engc.compiler.tune.table import ARCHS, PDL, SM_COUNT, TUNE  # noqa: F401  (the package's API)
+
+# The row classes each op's builds compile (each a bucket of the table). Buckets of the table outside these
+# are kept for sweeps and tests, not built: the gemv's m<=4 and m<=16, fp8_linear's m<=128 and m<=256.
+GEMV_M_CLASSES = ("m<=1",)
+# plain projections at batch 1: the first class whose `serves` regions hold (K, N) serves it, else cuBLAS
+GEMV_PLAIN_CLASSES = ("m<=1/n4k1024w4", "m<=1/n8k512w2")
+GEMV_CUDA_M_CLASSES = ("m<=8",)
+SKINNY_GEMM_M_CLASSES = ("m<=16", "m<=32", "m<=64")
+FP8_LINEAR_M_CLASSES = ("m<=16", "m<=32", "m<=64")
+INT4_GEMM_M_CLASSES = ("m<=16", "m<=32", "m<=64", "m<=128", "m<=256")
 
 
 def sm_count(arch: str) -> int:

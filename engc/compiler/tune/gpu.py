@@ -8,7 +8,7 @@ gaps are as in serving) and the figure is the median over replays, in us per lau
 one-element kernel launched without PDL, so it starts from an idle GPU, as a projection starts after a norm
 or the attention in a step; that kernel's own time (timed alone the same way) is taken off. Back to back,
 one launch's ramp-up hid behind the tail of the one before: ranked that way, the 1B file made the H200
-step 1.9% slower (bench/results/h200_b12d3ed_engc_tune_from_1b.json).
+step 1.9% slower (bench/results/HISTORY.md).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engc.compiler.tuning import plan as tp
+from engc.compiler.tune import plan as tp
 from engc.errors import UserError
 from engc.kernels.silu_mul import silu_mul
 
@@ -28,7 +28,7 @@ REPLAYS = 7
 
 def local_gpu() -> tuple[str, str, int]:
     """(arch, name, multiprocessors) of the GPU this process would time on, or one clear line why not."""
-    from engc.compiler.codegen import tune
+    from engc.compiler import tune
     from engc.cuda import cubin
     if not torch.cuda.is_available():
         raise UserError("engc tune times kernels on this machine's GPU, and torch sees no CUDA GPU here "

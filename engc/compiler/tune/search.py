@@ -1,5 +1,5 @@
 """engc tune: measure kernel configs for one model on the GPU it will serve on; write the ones that beat the
-tune table (engc/compiler/codegen/tune/) as a file `engc build --tune` takes.
+tune table (engc/compiler/tune/table_<arch>.jsonl) as a file `engc build --tune` takes.
 
 A config's speed depends on the compiler that made it (the same GEMV tile took 15.2 us compiled by the
 H200's Triton 3.6 and 11.9 us compiled by the build's 3.9), so the candidates are compiled where bundles are
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from engc.compiler.codegen import tune as table
-from engc.compiler.tuning import plan as tp
-from engc.compiler.tuning import prepared
+from engc.compiler import tune as table
+from engc.compiler.tune import plan as tp
+from engc.compiler.tune import prepared
 from engc.errors import UserError
 
 CHECK_TOL = 1e-2   # relative error (Frobenius) of a candidate's output against the op's torch reference
@@ -93,7 +93,7 @@ def tune_from(folder: Path, out: Path, opts: TuneOptions, say=None, bench=None, 
     started = clock()
     prep = prepared.load(folder)
     if gpu is None:
-        from engc.compiler.tuning.gpu import local_gpu as gpu
+        from engc.compiler.tune.gpu import local_gpu as gpu
     arch, gpu_name, sms = gpu()
     plan = prep.plan
     if arch != plan.arch:
@@ -103,7 +103,7 @@ def tune_from(folder: Path, out: Path, opts: TuneOptions, say=None, bench=None, 
         raise UserError(f"--from {folder}: prepared for a GPU of {prep.info['sms']} multiprocessors; this one "
                         f"({gpu_name}) has {sms}: prepare it with --sms {sms}")
     if bench is None:
-        from engc.compiler.tuning.gpu import GpuBench as bench
+        from engc.compiler.tune.gpu import GpuBench as bench
     n = sum(len(c) for c in plan.candidates.values())
     say(f"engc tune: {prep.info['model']} on {gpu_name} ({arch}): {n} candidates of {len(plan.shapes)} shapes, "
         f"compiled by Triton {prep.info['triton']}")
@@ -124,7 +124,7 @@ def tune(src: str, out: Path, opts: TuneOptions, say=None, bench=None, gpu=None,
     """prepare + tune_from in one process, for a GPU machine that also builds: the candidates are compiled by
     this machine's Triton, so the file fits bundles built here (its _meta names that Triton)."""
     if gpu is None:
-        from engc.compiler.tuning.gpu import local_gpu as gpu
+        from engc.compiler.tune.gpu import local_gpu as gpu
     arch, gpu_name, sms = gpu()   # refuse before compiling where there is no GPU
     with tempfile.TemporaryDirectory(prefix="engc-tune-") as tmp:
         folder = Path(tmp) / "prepared"

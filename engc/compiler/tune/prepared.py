@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from engc.compiler.codegen import tune
-from engc.compiler.tuning import plan as tp
+from engc.compiler import tune
+from engc.compiler.tune import plan as tp
 from engc.errors import UserError
 
 FORMAT = "engc-tune-prepare"

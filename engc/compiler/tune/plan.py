@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from engc.compiler.codegen import tune
+from engc.compiler import tune
 from engc.errors import UserError
 
 OPS = ("gemv", "silu_gemv")
