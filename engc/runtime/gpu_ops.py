@@ -63,7 +63,7 @@ class StepFacts:
     def take(self) -> None:
         """The GPU executor's first act in each forward (Executor.before_forward): the facts were set for
         this forward. Without them the kernels would size their grids for the last batch described and
-        leave rows of this one unwritten, silently (eval on a GPU did so until b05da84); this stops it."""
+        leave rows of this one unwritten, silently; this stops it."""
         if not self.fresh:
             raise RuntimeError("engc: internal error: a GPU forward ran without its step facts "
                                "(StepFacts.describe or for_graph first)")
