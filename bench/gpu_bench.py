@@ -41,7 +41,7 @@ BATCHES = {"1b": [64, 256], "8b": [32, 64, 256], "tiny": [4]}   # throughput bat
 
 def tune_overrides(args) -> dict | None:
     """--tune: the tune entries to build with (engc build --tune's form and checks)."""
-    from engc.compiler.codegen.tune import check_overrides
+    from engc.compiler.tune import check_overrides
     return check_overrides(json.loads(args.tune)) if args.tune else None
 
 
@@ -62,7 +62,7 @@ def skip_pass(name: str) -> None:
 
 
 def prepare(args):
-    from engc.compiler.codegen import tune
+    from engc.compiler import tune
     from engc.compiler.kernel_cache import compile_cached
     with tune.overridden(tune_overrides(args)):
         for shape in args.shapes.split(","):
