@@ -15,6 +15,7 @@ from test_gguf import _write_tiny_gguf  # noqa: E402
 
 from engc.compiler.build import BuildOptions, build  # noqa: E402
 from engc.compiler.frontend.gguf import read_gguf  # noqa: E402
+from engc.kernels import int4_linear  # noqa: E402
 from engc.kernels.int4_linear import dequantize  # noqa: E402
 from engc.runtime.engine import Engine  # noqa: E402
 from engc.runtime.loader import load  # noqa: E402
@@ -114,6 +115,7 @@ def test_kept_bundle_matches_transformers_and_is_smaller(tiny_gguf, tmp_path):
     summary = build(str(tiny_gguf), tmp_path / "float", BuildOptions())
     q = _manifest(tmp_path / "keep")["quantization"]
     assert (q["method"], q["bits"], q["group_size"], q["lm_head"]) == ("gguf-q4_0+q4_1+q4_k", 4, 32, True)
+    assert q["layout"] == int4_linear.LAYOUT_WITH_OFFSETS
     assert q["kept"] == {"Q4_0": 3, "Q4_1": 9, "Q4_K": 3} and q["dequantized"] == {"token_embd.weight": "Q8_0"}
     assert _manifest(tmp_path / "float")["quantization"] is None
     kept_bytes = sum(f.stat().st_size for f in (tmp_path / "keep").rglob("*") if f.is_file())
@@ -123,6 +125,26 @@ def test_kept_bundle_matches_transformers_and_is_smaller(tiny_gguf, tmp_path):
     worst = _worst_relative_error(tmp_path / "keep", hf, prompts)
     print(f"max relative logit error: {worst:.3e}")
     assert worst < 1e-5, worst
+
+
+def test_q4_0_alone_needs_no_offsets(tmp_path):
+    """Q4_0 is the int4 layout as AWQ/GPTQ fill it (zero point 8): no offsets, the plain layout name."""
+    transformers = pytest.importorskip("transformers")
+    import gguf
+    cfg = {**CFG, "hidden_size": 64, "intermediate_size": 96, "head_dim": 16}
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("llama", **cfg))
+    path = tmp_path / "q4_0.gguf"
+    q4_0 = gguf.GGMLQuantizationType.Q4_0
+    _write_tiny_gguf(path, "llama", model.state_dict(), cfg, encode=lambda name, a: (
+        (gguf.quants.quantize(a, q4_0), q4_0) if a.ndim == 2 and name != "token_embd.weight" else (a, None)))
+    build(str(path), tmp_path / "b", BuildOptions(quant="keep"))
+    q = _manifest(tmp_path / "b")["quantization"]
+    assert (q["method"], q["layout"], q["kept"]) == ("gguf-q4_0", int4_linear.LAYOUT, {"Q4_0": 15})
+    assert b"has_offsets" not in (tmp_path / "b" / "program.onnx").read_bytes()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    assert _worst_relative_error(tmp_path / "b", hf, [[5, 17, 99, 3, 64, 12]]) < 1e-5
 
 
 def test_quant_keep_of_a_float_gguf_keeps_nothing(tmp_path):

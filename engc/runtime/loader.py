@@ -15,7 +15,7 @@ from engc.bundle.reader import Bundle, open_bundle, verify_big_files
 from engc.errors import BundleError
 from engc.kernels import int4_linear, kv_quant
 from engc.runtime.executor import Executor
-from engc.runtime.ops_reference import REFERENCE_OPS
+from engc.runtime.ops_reference import reference_ops
 from engc.runtime.tokenizer import Tokenizer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,9 +51,9 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
         raise BundleError(f"{bundle.path}: {e}; this engc reads {', '.join(kv_quant.KV_CACHE_CHOICES)}: "
                           "use a matching engc or rebuild the bundle") from None
     layout = (bundle.manifest.get("quantization") or {}).get("layout")
-    if layout is not None and layout.startswith("engc-int4") and layout != int4_linear.LAYOUT:
+    if layout is not None and layout.startswith("engc-int4") and layout not in int4_linear.LAYOUTS:
         raise BundleError(f"{bundle.path}: its int4 weights are packed as '{layout}'; this engc reads "
-                          f"'{int4_linear.LAYOUT}': rebuild the bundle with this engc")
+                          f"{' or '.join(map(repr, int4_linear.LAYOUTS))}: rebuild the bundle with this engc")
     dev = pick_device(device, bundle)
     program = parse_program(bundle.read(bundle.manifest["program"]))
     weights = {}
@@ -82,7 +82,7 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
             from engc.runtime.gpu_sampler import GpuSampler
             sampler = GpuSampler(kernels, dev)
     else:
-        executor = Executor(program, weights, REFERENCE_OPS)
+        executor = Executor(program, weights, reference_ops(TORCH_DTYPES[bundle.dtype]))
     tokenizer = Tokenizer(bundle.file("tokenizer"), cfg.eos_token_ids)
     return LoadedModel(bundle, cfg, TORCH_DTYPES[bundle.dtype], dev, executor, tokenizer,
                        bundle.manifest["kv_block_size"], facts, sampler, kv_dtype)

@@ -94,8 +94,9 @@ def describe(qc: dict, lm_head: bool) -> dict:
     by_type: dict[str, int] = {}
     for t in qc["kept"].values():
         by_type[t] = by_type.get(t, 0) + 1
+    layout = int4_linear.LAYOUT if set(by_type) == {"Q4_0"} else int4_linear.LAYOUT_WITH_OFFSETS
     return {"method": qc["method"], "bits": 4, "group_size": GROUP_SIZE, "source_format": "gguf",
-            "act_order": False, "layout": int4_linear.LAYOUT, "lm_head": lm_head, "kept": by_type,
+            "act_order": False, "layout": layout, "lm_head": lm_head, "kept": by_type,
             "dequantized": qc["dequantized"]}
 
 

@@ -22,7 +22,7 @@ from engc.kernels.int4_linear.cuda import (  # noqa: F401  (the op's API: caller
     cuda_shape_variant, cuda_silu_variant, cuda_splits, cuda_variant, cuda_variant_for, cuda_wide_variant,
     pack_scales_zeros, packed_flavours, run_quantized_partials, run_quantized_silu, silu_out_fits, uses_cuda_gemv)
 from engc.kernels.int4_linear.layout import (  # noqa: F401
-    CHUNK, LAYOUT, PACK, check_shape, dequantize, pack_int4, unpack_int4)
+    CHUNK, LAYOUT, LAYOUT_WITH_OFFSETS, LAYOUTS, PACK, check_shape, dequantize, pack_int4, unpack_int4)
 
 GEMV_ROWS = (1, 2, 4, 8)   # the GEMV's BLOCK_M specializations; M rounds up to one of them
 # launch args of each kernel kind: how many lead pointers (the rest, before the 2 scratch slots, are scalars)
