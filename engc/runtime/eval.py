@@ -2,7 +2,8 @@
 
 The text is tokenized once (no special tokens) and cut into windows of `window` tokens every `stride`
 tokens; each window scores only the tokens the previous one did not (the Hugging Face sliding-window
-recipe), so every token after the first is scored exactly once with up to window - 1 tokens of context.
+recipe), so every token after the first is scored exactly once with up to window - 1 tokens of context;
+with stride == window, a window's first token has no context in it and is not scored.
 A window is one prefill from position 0 whose program computes logits only at the positions it scores.
 """
 from __future__ import annotations
