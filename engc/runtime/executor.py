@@ -30,6 +30,11 @@ class TokenFill:
 
 
 class Executor:
+    """The eager executor. Its interface is the GraphedExecutor's (runtime/cuda_graphs.py) too: an eager step
+    takes no tokens itself (step_tokens stays None) and fills read tokens where they are (keep_tokens)."""
+
+    step_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def __init__(self, program: Program, weights: dict[str, torch.Tensor],
                  ops: dict[tuple[str, str], Callable], before_forward: Callable[[], None] | None = None):
         """before_forward: called first in every forward (a GPU model's StepFacts.take: the batch's facts
@@ -96,6 +101,9 @@ class Executor:
             for name in drop:
                 del env[name]
         return env[self.decode_output if decode else self.program.outputs[0]]
+
+    def keep_tokens(self, tokens: torch.Tensor | None) -> None:
+        """Nothing to keep: a TokenFill reads the previous step's tokens where they are."""
 
 
 def _pass_through(data, indices):
