@@ -1,4 +1,4 @@
-"""Host time of structured-output masks (runtime/json_mode.py): what a tool call's grammar states cost the engine
+"""Host time of structured-output masks (runtime/constrained/json_mode.py): what a tool call's grammar states cost the engine
 thread, which computes a state's mask (a bool over the vocabulary) the first time a sequence reaches it.
 
 A two-function tool call (the grammar the server's ToolSpec builds for tool_choice "required") is written in six styles and
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engc.runtime.json_mode import JsonConstraint, JsonVocab
+from engc.runtime.constrained.json_mode import JsonConstraint, JsonVocab
 from engc.runtime.server.tools import ToolSpec
 from engc.runtime.tokenizer import Tokenizer
 

@@ -57,7 +57,7 @@ def special_rows() -> list[tuple[str, object]]:
 def bench_shape(shape: str, batches: list[int], args) -> list[dict]:
     import torch
     from engc.runtime.engine import Engine, EngineConfig
-    from engc.runtime.json_mode import JsonVocab
+    from engc.runtime.constrained.json_mode import JsonVocab
     from engc.runtime.loader import load
     bundle = shapes.plain_bundle(shape, args.work, args.cache)
     vocab = shapes.model_config(shape).vocab_size

@@ -277,7 +277,7 @@ def _sampling_options(f):
 
 
 def _schema_file(path: str):
-    from engc.runtime.json_schema import SchemaError, compile_schema
+    from engc.runtime.constrained.json_schema import SchemaError, compile_schema
     try:
         return compile_schema(json.loads(Path(path).read_text()))
     except OSError as e:

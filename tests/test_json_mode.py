@@ -1,4 +1,4 @@
-"""JSON mode (runtime/json_mode.py): the automaton against Python's json module, the masks (the sorted token texts
+"""JSON mode (runtime/constrained/json_mode.py): the automaton against Python's json module, the masks (the sorted token texts
 walked as a trie) against a brute-force walk of every token, and the engine and server ending outputs at the
 object's close."""
 import json
@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from engc.runtime.json_mode import DONE, OBJECT, START, JsonConstraint, JsonVocab, blank_limit, walk
-from engc.runtime.json_schema import compile_schema
+from engc.runtime.constrained.json_mode import DONE, OBJECT, START, JsonConstraint, JsonVocab, blank_limit, walk
+from engc.runtime.constrained.json_schema import compile_schema
 
 VALID = ['{}', '{ }', '{"a":1}', '{"a": [1, -2.5e-3, 0, 0.0, 1E+9, true, false, null]}',
          '{"k": {"x": [], "y": {}, "z": [[{}]]}}', '{"s": "a\\"b\\\\c\\/d\\b\\f\\n\\r\\t\\u00e9\\uFFFF"}',

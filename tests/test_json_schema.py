@@ -1,4 +1,4 @@
-"""Structured outputs (runtime/json_schema.py): the schema automaton against the jsonschema validator (every
+"""Structured outputs (runtime/constrained/json_schema.py): the schema automaton against the jsonschema validator (every
 text it completes is a valid instance; random valid instances, written in declared key order, complete
 exactly at their end), its masks against a brute-force walk, the refusals, and the engine and server."""
 import json
@@ -8,8 +8,8 @@ import jsonschema
 import pytest
 import torch
 
-from engc.runtime.json_mode import DONE, JsonConstraint, JsonVocab, walk
-from engc.runtime.json_schema import SchemaError, compile_schema
+from engc.runtime.constrained.json_mode import DONE, JsonConstraint, JsonVocab, walk
+from engc.runtime.constrained.json_schema import SchemaError, compile_schema
 from test_gpu import gpu_bundle, gpu_ready  # noqa: F401 - a fixture, used by the engine test below
 
 # pydantic's shape for nested models and Optional fields ($defs + $ref, anyOf with null), and the rest of

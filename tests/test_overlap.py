@@ -441,7 +441,7 @@ def test_penalty_logprobs_and_json_rows_are_sampled_where_the_logits_are(with_sa
     step before is read): no step goes to the host sampler, overlapped steps give what synchronous ones
     give, the JSON rows' outputs are JSON, and greedy rows take the tokens the host sampler gives them
     (every row sent there), and its logprobs to float rounding (assert_match_to_rounding)."""
-    from engc.runtime.json_mode import START, walk
+    from engc.runtime.constrained.json_mode import START, walk
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
     model = with_sampler
     ids = prompts(model, 7)
@@ -564,7 +564,7 @@ def test_gpu_rows_with_penalties_logprobs_and_masks_sampled_on_the_device(gpu_bu
     path (penalties and masks once the step before is read): overlapped steps give what synchronous ones
     give, the JSON outputs are JSON, and greedy rows take the tokens the host sampler gives them (every
     row sent there), with logprobs within float tolerance of its CPU ones."""
-    from engc.runtime.json_mode import START, walk
+    from engc.runtime.constrained.json_mode import START, walk
     model = load(gpu_bundle, device="cuda")
     ids = prompts(model, 7)
     greedy, sampled = rows_with_extras()

@@ -141,7 +141,7 @@ def test_anthropic_final_assistant_message_is_continued(srv, http):
 
 def test_json_object_mode_answers_json(srv, http):
     """response_format json_object: every choice is a JSON object or, cut by max_tokens, a prefix of one."""
-    from engc.runtime.json_mode import DONE, START, walk
+    from engc.runtime.constrained.json_mode import DONE, START, walk
     body = {"model": srv.model, "max_tokens": 40, "temperature": 1.0, "seed": 3, "n": 8,
             "response_format": {"type": "json_object"}, "messages": [{"role": "user", "content": "JSON please"}]}
     choices = http.post("/v1/chat/completions", json=body).json()["choices"]
@@ -160,8 +160,8 @@ def test_json_schema_outputs_follow_the_schema(srv, http):
     """response_format json_schema (OpenAI's structured outputs): every choice is a prefix of an instance, and
     those that stop are valid ones; a schema engc cannot enforce, or none, is a 400."""
     import jsonschema
-    from engc.runtime.json_mode import DONE, walk
-    from engc.runtime.json_schema import compile_schema
+    from engc.runtime.constrained.json_mode import DONE, walk
+    from engc.runtime.constrained.json_schema import compile_schema
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
               "required": ["ok", "n"], "additionalProperties": False}
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}

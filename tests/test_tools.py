@@ -9,8 +9,8 @@ import jsonschema
 import openai
 import pytest
 
-from engc.runtime.json_mode import walk
-from engc.runtime.json_schema import compile_schema
+from engc.runtime.constrained.json_mode import walk
+from engc.runtime.constrained.json_schema import compile_schema
 from engc.runtime.server.app import APIError
 from engc.runtime.server.tools import CallWatch, ToolSpec
 

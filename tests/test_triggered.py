@@ -1,4 +1,4 @@
-"""Strict function calls under tool_choice "auto" (runtime/triggered.py): free text until a call starts, then
+"""Strict function calls under tool_choice "auto" (runtime/constrained/triggered.py): free text until a call starts, then
 the call's grammar until its value closes; the engine path with ToolSpec's parameters on a random tiny model,
 every call it writes valid (jsonschema as the oracle)."""
 import json
@@ -8,11 +8,11 @@ import jsonschema
 import pytest
 import torch
 
-from engc.runtime.json_mode import JsonVocab
-from engc.runtime.json_schema import compile_schema
+from engc.runtime.constrained.json_mode import JsonVocab
+from engc.runtime.constrained.json_schema import compile_schema
 from engc.runtime.server.app import APIError
 from engc.runtime.server.tools import ToolSpec
-from engc.runtime.triggered import LEAD_BLANKS, TriggeredConstraint
+from engc.runtime.constrained.triggered import LEAD_BLANKS, TriggeredConstraint
 from test_gpu import gpu_bundle, gpu_ready  # noqa: F401 - a fixture, used by the engine test below
 
 CALL = {"type": "object", "properties": {"name": {"const": "f"}, "arguments": {

@@ -26,8 +26,8 @@ import torch
 
 from engc.runtime import step_sampling
 from engc.runtime.executor import TokenFill
-from engc.runtime.json_mode import JsonConstraint, JsonVocab
-from engc.runtime.json_schema import grammar_of
+from engc.runtime.constrained.json_mode import JsonConstraint, JsonVocab
+from engc.runtime.constrained.json_schema import grammar_of
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import LoadedModel
 from engc.runtime.sampling import Sampled, SamplingParams, sample_row
@@ -36,7 +36,7 @@ from engc.runtime.sequence import Sequence
 from engc.runtime.step_sampling import Logprobs, follows_last_token
 from engc.runtime.tokenizer import IncrementalDecoder
 from engc.runtime.transfers import Readback, upload
-from engc.runtime.triggered import TriggeredConstraint
+from engc.runtime.constrained.triggered import TriggeredConstraint
 
 
 @dataclass(frozen=True)

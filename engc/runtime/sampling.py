@@ -21,10 +21,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # None: none; k: the chosen token's logprob and the top k
-    json_object: bool = False         # JSON mode: the output is one JSON object (runtime/json_mode.py)
+    json_object: bool = False         # JSON mode: the output is one JSON object (runtime/constrained/json_mode.py)
     json_schema: object = None        # a JSON Schema (dict) or json_schema.SchemaGrammar: the output is one instance
     # ... or, with these, only the parts that start where the output reaches a trigger text, or (at_start) an
-    # answer that opens with '{' or '[' (runtime/triggered.py: strict function calls under tool_choice auto)
+    # answer that opens with '{' or '[' (runtime/constrained/triggered.py: strict function calls under tool_choice auto)
     json_triggers: tuple[str, ...] = ()
     json_at_start: bool = False
     extra: dict = field(default_factory=dict, compare=False)

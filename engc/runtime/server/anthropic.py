@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from engc.runtime.async_engine import Delta, EngineError
-from engc.runtime.json_schema import SchemaError, compile_schema
+from engc.runtime.constrained.json_schema import SchemaError, compile_schema
 from engc.runtime.server.app import APIError, ServerState
 from engc.runtime.server.protocol import CountTokensRequest, MessagesRequest
 from engc.runtime.server.tools import CallWatch, ToolSpec, call_input

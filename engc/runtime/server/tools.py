@@ -20,7 +20,7 @@ import json
 import re
 import uuid
 
-from engc.runtime.json_schema import SchemaError, compile_schema
+from engc.runtime.constrained.json_schema import SchemaError, compile_schema
 from engc.runtime.server import call_formats
 from engc.runtime.server.app import APIError
 

@@ -1,5 +1,5 @@
 """Structured outputs (`response_format: {"type": "json_schema", ...}`): the output is one JSON value that
-follows a schema. The schema compiles to nodes (runtime/schema_nodes.py: what a schema may say, what is
+follows a schema. The schema compiles to nodes (runtime/constrained/schema_nodes.py: what a schema may say, what is
 refused) and this character automaton walks them with json_mode's interface (start, step, kind), so the same
 cached masks, blank limit and end rule apply: a token is allowed if every character of it keeps the output
 a prefix of a valid document. Objects write their properties in declared order, optional ones skippable,
@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-from engc.runtime import json_mode as jm
-from engc.runtime.schema_nodes import SchemaError, compile_nodes
+from engc.runtime.constrained import json_mode as jm
+from engc.runtime.constrained.schema_nodes import SchemaError, compile_nodes
 
 __all__ = ["SchemaError", "SchemaGrammar", "compile_schema", "grammar_of"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engc.runtime.json_mode import BLANKS, DONE, JsonConstraint, JsonVocab, walk
+from engc.runtime.constrained.json_mode import BLANKS, DONE, JsonConstraint, JsonVocab, walk
 
 LEAD_BLANKS = 8   # blank characters allowed between a trigger and its value
 

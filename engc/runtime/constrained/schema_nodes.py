@@ -1,4 +1,4 @@
-"""A JSON Schema compiled into nodes for the structured-output automaton (runtime/json_schema.py): one node
+"""A JSON Schema compiled into nodes for the structured-output automaton (runtime/constrained/json_schema.py): one node
 per subschema, referenced by index, so $ref recursion is a cycle of indices.
 
 What a node can be: literals (enum, const, boolean, null: their JSON texts), a free string, an integer or
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from engc.runtime import json_mode as jm
+from engc.runtime.constrained import json_mode as jm
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$defs", "definitions", "discriminator"}   # (OpenAPI's, pydantic writes it)
