@@ -4,6 +4,7 @@ agree to float rounding."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 pytest.importorskip("gguf")
 
 from test_gguf import _write_tiny_gguf  # noqa: E402
+from test_gpu import gpu_ready, sm_arch  # noqa: E402
 
 from engc.compiler.build import BuildOptions, build  # noqa: E402
 from engc.compiler.frontend.gguf import read_gguf  # noqa: E402
@@ -125,6 +127,22 @@ def test_kept_bundle_matches_transformers_and_is_smaller(tiny_gguf, tmp_path):
     worst = _worst_relative_error(tmp_path / "keep", hf, prompts)
     print(f"max relative logit error: {worst:.3e}")
     assert worst < 1e-5, worst
+
+
+@pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA device and engc._native")
+def test_gpu_kept_bundle_matches_cpu_reference(tiny_gguf, tmp_path):
+    """The GPU binding (the int4 kernels plus the offsets' term) against the CPU reference, in float32."""
+    build(str(tiny_gguf), tmp_path / "b", BuildOptions(archs=("cpu", sm_arch()), dtype="float32", quant="keep",
+                                                       kernel_cache=os.environ.get("ENGC_KERNEL_CACHE")))
+    prompts = [[5, 17, 99, 3, 64, 12], list(range(1, 40, 3)), [7]]
+
+    def greedy(device):
+        engine = Engine(load(tmp_path / "b", device=device))
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        seqs = [engine.add_request(p, params) for p in prompts]
+        engine.run_to_completion()
+        return [s.output_ids for s in seqs]
+    assert greedy("cuda") == greedy("cpu")
 
 
 def test_q4_0_alone_needs_no_offsets(tmp_path):
