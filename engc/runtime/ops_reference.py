@@ -17,6 +17,7 @@ from engc.kernels.qk_norm import qk_norm
 from engc.kernels.rms_norm import add_rms_norm, rms_norm
 from engc.kernels.rotary import rotary_kv_write
 from engc.kernels.silu_mul import silu_mul
+from engc.runtime import ops_half
 
 ONNX_TO_TORCH = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
 
@@ -64,3 +65,19 @@ REFERENCE_OPS = {
     (ENGC_DOMAIN, "FP8LinearQ"): lambda xq, xs, w, ws, bias=None, has_bias=0, dtype=1: (
         fp8_linear_q(xq, xs, w, ws, bias, has_bias, ONNX_TO_TORCH[dtype]),),
 }
+
+# a bfloat16 / float16 bundle on the CPU: HF transformers' roundings where the references round otherwise
+HALF_OPS = {
+    **REFERENCE_OPS,
+    (ENGC_DOMAIN, "RotaryKVWrite"): lambda qkv, pos, inv_freq, kv, slots, kv_scale=None, **a: (
+        ops_half.rotary_kv_write(qkv, pos, inv_freq, kv, slots, kv_scale=kv_scale, **a),),
+    (ENGC_DOMAIN, "PagedAttention"): lambda q, kv, tables, ctx, starts, kv_scale=None, **a: (
+        ops_half.paged_attention(q, kv, tables, ctx, starts, kv_scale=kv_scale, **a),),
+    (ENGC_DOMAIN, "RotaryPagedAttention"): lambda *xs, **a: (ops_half.rotary_paged_attention(*xs[:8], kv_scale=(
+        xs[8] if len(xs) > 8 else None), **a),),
+}
+
+
+def reference_ops(dtype: torch.dtype) -> dict:
+    """The CPU op table of a bundle of this dtype."""
+    return REFERENCE_OPS if dtype == torch.float32 else HALF_OPS
