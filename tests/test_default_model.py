@@ -44,9 +44,9 @@ def test_full_logits_within_1e4_relative(default_bundle, hf):
     engine = Engine(model)
     ids = model.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     seq = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0))
-    inputs, _, _ = engine._inputs(engine.scheduler.schedule())
+    inputs, _, _ = engine.runner.inputs(engine.scheduler.schedule())
     with torch.inference_mode():
-        ours = engine.executor.forward(inputs, engine.kv.layers)[0]
+        ours = engine.runner.executor.forward(inputs, engine.kv.layers)[0]
         theirs = hf(torch.tensor([ids])).logits[0, -1]
     rel = float((ours - theirs).abs().max() / theirs.abs().max())
     assert rel < 1e-4, rel

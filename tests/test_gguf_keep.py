@@ -80,9 +80,9 @@ def _last_logits(bundle, prompts):
     out = []
     for ids in prompts:
         seq = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0))
-        inputs, _, _ = engine._inputs(engine.scheduler.schedule())
+        inputs, _, _ = engine.runner.inputs(engine.scheduler.schedule())
         with torch.inference_mode():
-            out.append(engine.executor.forward(inputs, engine.kv.layers)[0])
+            out.append(engine.runner.executor.forward(inputs, engine.kv.layers)[0])
         engine.abort(seq.request_id)
     return out
 

@@ -178,5 +178,5 @@ def test_engine_outputs_are_json_objects(tiny_bundle):
     # a token that cannot continue the object (a mask left empty) ends the output without its text
     from engc.runtime.sampling import Sampled
     seq = engine.add_request(prompt, SamplingParams(max_tokens=8, json_object=True))
-    engine._append(seq, Sampled(model.tokenizer.encode("x", add_special_tokens=False)[0]))
+    engine.output.process(seq, Sampled(model.tokenizer.encode("x", add_special_tokens=False)[0]))
     assert seq.finish_reason == "stop" and seq.output_text == "" and not engine.has_work

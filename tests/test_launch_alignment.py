@@ -63,9 +63,9 @@ def test_a_misaligned_view_is_refused_by_name_before_launch(kernels):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 def test_gpu_sampler_parameter_rows_start_aligned(rows, monkeypatch):
-    """GpuSampler uploads temperature, top_k, top_p and the draws as one [4, n] block; each row it passes
+    """SamplingKernels uploads temperature, top_k, top_p and the draws as one [4, n] block; each row it passes
     must start 16-byte aligned (one sequence once put top_p 8 bytes off, which the launch check refused)."""
-    from engc.runtime.gpu_sampler import GpuSampler
+    from engc.runtime.sampler import SamplingKernels
     from engc.runtime.sampling import SamplingParams
     from engc.runtime.sequence import Sequence
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)   # no accelerator here to pin for
@@ -80,7 +80,7 @@ def test_gpu_sampler_parameter_rows_start_aligned(rows, monkeypatch):
     k = Kernels()
     seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.5 + i, top_k=3, top_p=0.9, seed=i))
             for i in range(rows)]
-    GpuSampler(k, torch.device("cpu"))(torch.randn(rows, 32), seqs)
+    SamplingKernels(k, torch.device("cpu"))(torch.randn(rows, 32), seqs)
     (_variant, grid, args), = k.launches
     assert grid[0] == rows
     for t in args[1:5]:

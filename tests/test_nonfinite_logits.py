@@ -8,7 +8,8 @@ import torch
 from engc.kernels import sampling as kernel_ref
 from engc.runtime.engine import Engine
 from engc.runtime.loader import load
-from engc.runtime.sampling import SamplingParams, make_generator, sample_row
+from engc.runtime.sampler import sample_row
+from engc.runtime.sampling import SamplingParams, make_generator
 
 V = 50
 

@@ -24,7 +24,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of Fr
 
 
 class ReferenceSampler:
-    """GpuSampler's contract on the CPU: one uniform draw per row from the row's generator."""
+    """SamplingKernels' contract on the CPU: one uniform draw per row from the row's generator."""
 
     def __call__(self, logits, seqs):
         p = [s.params for s in seqs]
@@ -70,14 +70,14 @@ class ReplayOnCpu:
 
 def cpu_graphed(engine):
     """engine's executor as the GPU's GraphedExecutor: staging, padding, device-side fills, on the CPU."""
-    ex = GraphedExecutor(engine.executor, StepFacts(), -(-engine.max_context // engine.model.block_size),
+    ex = GraphedExecutor(engine.runner.executor, StepFacts(), -(-engine.max_context // engine.model.block_size),
                          engine.config.max_num_seqs, "cpu", True)
 
     def capture(key, kv_caches):
         graphs = [ReplayOnCpu(lambda t=turn: ex._step(key[0], t, kv_caches)) for turn in range(2)]
         ex.graphs[key] = [(g, g) for g in graphs]
     ex._capture = capture
-    engine.executor = ex
+    engine.runner.executor = ex
 
 
 def run(model, overlap, requests, config=EngineConfig(), abort_at=None, add_later=(), graphed=False):
@@ -97,8 +97,8 @@ def run(model, overlap, requests, config=EngineConfig(), abort_at=None, add_late
             assert -1 not in out.new_token_ids
         steps += 1
         engine.check_integrity()
-        if engine.in_flight is not None:
-            dropped += any(s.finished for s in engine.in_flight.sampled)
+        if engine.runner.in_flight is not None:
+            dropped += any(s.finished for s in engine.runner.in_flight.sampled)
         while later and later[0][0] <= steps:
             _, ids, p = later.pop(0)
             seqs.append(engine.add_request(ids, p))
@@ -188,7 +188,7 @@ def test_graphed_executor_fills_in_flight_ids(model, monkeypatch):
     sync, _, _ = run(model, False, requests, **kw)
     overlapped, engine, dropped = run(model, True, requests, **kw)
     assert overlapped == sync and engine.scheduler.num_preemptions > 0
-    assert engine.executor.graphs  # decode batches went through the staged path
+    assert engine.runner.executor.graphs  # decode batches went through the staged path
     assert [r[0] for r in sync] == [r[0] for r in run(model, False, requests, config=kw["config"],
                                                        add_later=kw["add_later"])[0]]
 
@@ -199,8 +199,8 @@ def test_a_request_of_n_tokens_runs_n_steps(model, overlap):
     it would compute a token only to drop it (one wasted step a request, 1/128 of a 128-token reply)."""
     engine = Engine(model, EngineConfig(overlap=overlap))
     launches = []
-    forward = engine.executor.forward
-    engine.executor.forward = lambda *a, **k: launches.append(1) or forward(*a, **k)
+    forward = engine.runner.executor.forward
+    engine.runner.executor.forward = lambda *a, **k: launches.append(1) or forward(*a, **k)
     seq = engine.add_request(prompts(model, 1)[0], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
     engine.run_to_completion()
     assert len(seq.output_ids) == 9 and seq.finish_reason == "length"
@@ -218,16 +218,16 @@ def test_graphed_greedy_steps_take_the_graphs_tokens(model, monkeypatch):
     engine = Engine(model, EngineConfig(max_num_seqs=4))
     cpu_graphed(engine)
     calls, turns = [], []
-    sample = engine._draw
-    monkeypatch.setattr(engine, "_draw", lambda logits, seqs: calls.append(len(seqs)) or
+    sample = engine.runner.sampler.draw
+    monkeypatch.setattr(engine.runner.sampler, "draw", lambda logits, seqs: calls.append(len(seqs)) or
                         sample(logits, seqs))
-    send = engine.executor.staged.send
-    monkeypatch.setattr(engine.executor.staged, "send", lambda *a: turns.append(send(*a)) or turns[-1])
+    send = engine.runner.executor.staged.send
+    monkeypatch.setattr(engine.runner.executor.staged, "send", lambda *a: turns.append(send(*a)) or turns[-1])
     seqs = [engine.add_request(i, greedy) for i in ids]
     engine.run_to_completion()
     assert turns and calls == [3]               # only the prefill step sampled outside a graph
     assert turns[:4] == [0, 1, 0, 1]
-    tokens = engine.executor.staged.tokens
+    tokens = engine.runner.executor.staged.tokens
     assert tokens[turns[-1], :3].tolist() == [s.output_ids[-1] for s in seqs]
     # the same requests again, one sampled: its steps sample outside the graph, and still match
     engine2 = Engine(model, EngineConfig(max_num_seqs=4))
@@ -253,13 +253,13 @@ def test_large_buckets_sample_outside_their_graphs(model, monkeypatch):
     engine = Engine(model, EngineConfig(**{**config.__dict__, "overlap": True}))
     cpu_graphed(engine)
     calls = []
-    sample = engine._draw
-    monkeypatch.setattr(engine, "_draw", lambda logits, seqs: calls.append(len(seqs)) or
+    sample = engine.runner.sampler.draw
+    monkeypatch.setattr(engine.runner.sampler, "draw", lambda logits, seqs: calls.append(len(seqs)) or
                         sample(logits, seqs))
     seqs = [engine.add_request(i, greedy) for i in ids]
     engine.run_to_completion()
     assert [s.output_ids for s in seqs] == [r[0] for r in eager]
-    assert n in calls[1:] and (48, None) in engine.executor.graphs   # decode steps of the 48-row bucket
+    assert n in calls[1:] and (48, None) in engine.runner.executor.graphs   # decode steps of the 48-row bucket
 
 
 def one_token_rows(ids, positions, logits_indices):
@@ -279,7 +279,7 @@ def test_decode_shaped_batch_with_an_unsampled_row_runs_eager(model, monkeypatch
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
     engine = Engine(model, EngineConfig(max_num_seqs=4))
     cpu_graphed(engine)
-    ex = engine.executor
+    ex = engine.runner.executor
     inputs = one_token_rows([5, 6], [3, 0], [0])
     logits = ex.forward(inputs, engine.kv.layers)
     assert logits.shape[0] == 1 and ex.step_tokens is None and not ex.graphs
@@ -310,7 +310,7 @@ def test_graphs_take_only_batches_that_sample_every_row_in_order(model, monkeypa
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
     engine = Engine(model, EngineConfig(max_num_seqs=4))
     cpu_graphed(engine)
-    ex = engine.executor
+    ex = engine.runner.executor
     inputs = one_token_rows([5, 6], [0, 0], [1, 0])
     swapped = ex.forward(inputs, engine.kv.layers)
     assert ex.step_tokens is None and not ex.graphs
@@ -419,14 +419,14 @@ def test_a_host_sampled_row_moves_only_itself_to_the_host(model, monkeypatch):
     """Without a GPU sampler a non-greedy row needs the host sampler: its step is read at once, but only
     that row goes there (the host sampler runs once a step, not once a row); the greedy rows beside it,
     one asking for logprobs, take the tokens they take beside a greedy row in its place."""
-    from engc.runtime import engine as engine_module
+    from engc.runtime import sampler
     ids = prompts(model, 3)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     with_logprobs = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
     host_rows = []
-    real = engine_module.sample_row
-    monkeypatch.setattr(engine_module, "sample_row", lambda row, p, *a: host_rows.append(p) or real(row, p, *a))
+    real = sampler.sample_row
+    monkeypatch.setattr(sampler, "sample_row", lambda row, p, *a: host_rows.append(p) or real(row, p, *a))
     plain, _, _ = assert_same(model, [(ids[0], greedy, None), (ids[1], greedy, None), (ids[2], greedy, None)])
     assert host_rows == []
     mixed, _, _ = assert_same(model, [(ids[0], greedy, None), (ids[1], with_logprobs, None), (ids[2], seeded, None)])
@@ -446,19 +446,21 @@ def test_penalty_logprobs_and_json_rows_are_sampled_where_the_logits_are(with_sa
     model = with_sampler
     ids = prompts(model, 7)
     greedy, sampled = rows_with_extras()
+    from engc.runtime import sampler
     calls = []
-    for name in ("_sample", "_sample_mixed"):
-        real = getattr(Engine, name)
-        monkeypatch.setattr(Engine, name, lambda self, *a, real=real, name=name: calls.append(name) or real(self, *a))
+    device_sample, sample_now = sampler.DeviceSampler.sample, sampler.sample_now
+    monkeypatch.setattr(sampler.DeviceSampler, "sample",
+                        lambda self, *a: calls.append("sample") or device_sample(self, *a))
+    monkeypatch.setattr(sampler, "sample_now", lambda *a: calls.append("sample_now") or sample_now(*a))
     results, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, greedy + sampled)], graphed=graphed)
-    assert "_sample" in calls and "_sample_mixed" not in calls
+    assert "sample" in calls and "sample_now" not in calls
     for r in (results[0], results[4], results[5]):
         assert walk(START, r[1]) is not None, r[1]
     assert [len(r[5]) for r in results] == [len(results[0][0]), 0, 24, 0, 0, 0, 24]
     device = run(model, True, [(i, p, None) for i, p in zip(ids, greedy)], graphed=graphed)[0]
-    monkeypatch.setattr(Engine, "_device_samples", lambda self, seq: False)
+    monkeypatch.setattr(sampler.DeviceSampler, "takes", lambda self, seq: False)
     host = run(model, True, [(i, p, None) for i, p in zip(ids, greedy)], graphed=graphed)[0]
-    assert "_sample_mixed" in calls
+    assert "sample_now" in calls
     for d, h in zip(device, host):
         assert_match_to_rounding(d, h)
 
@@ -573,7 +575,8 @@ def test_gpu_rows_with_penalties_logprobs_and_masks_sampled_on_the_device(gpu_bu
     for r in (results[0], results[4], results[5]):
         assert walk(START, r[1]) is not None, r[1]
     device = run(model, True, [(i, p, None) for i, p in zip(ids, greedy)], config=config)[0]
-    monkeypatch.setattr(Engine, "_device_samples", lambda self, seq: False)
+    from engc.runtime.sampler import DeviceSampler
+    monkeypatch.setattr(DeviceSampler, "takes", lambda self, seq: False)
     host = run(model, True, [(i, p, None) for i, p in zip(ids, greedy)], config=config)[0]
     for a, b in zip(device, host):
         assert a[:5] == b[:5] and [x[0] for x in a[5]] == [x[0] for x in b[5]]

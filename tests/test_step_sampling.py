@@ -1,12 +1,13 @@
-"""runtime/step_sampling.py against the host sampler (sampling.sample_row / apply_penalties): the same
+"""runtime/sampler.py's DeviceSampler against the host sampler (sample_row / apply_penalties): the same
 penalized and masked logits, bit for bit, and the same tokens and logprobs, rows of any kind side by side."""
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from engc.runtime import step_sampling
-from engc.runtime.sampling import SamplingParams, apply_penalties, sample_row
+from engc.runtime import sampler
+from engc.runtime.sampler import DeviceSampler, HostSampler, apply_penalties, sample_row
+from engc.runtime.sampling import SamplingParams
 from engc.runtime.sequence import Sequence, Status
 
 V = 300
@@ -45,7 +46,7 @@ def rows_of_every_kind():
 def test_penalties_and_masks_match_the_host_sampler_bit_for_bit(dtype):
     seqs = rows_of_every_kind()
     logits = (torch.randn(len(seqs), V, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
-    got = step_sampling._penalized_and_masked(logits, seqs, lambda t: t)
+    got = sampler.processed(logits, seqs, lambda t: t)
     for i, s in enumerate(seqs):
         want = apply_penalties(logits[i].float().clone(), s.params, s.prompt_ids, s.output_ids)
         if s.constraint is not None and bool(s.constraint.mask.any()):
@@ -57,7 +58,7 @@ def test_penalties_and_masks_match_the_host_sampler_bit_for_bit(dtype):
 def test_tokens_and_logprobs_match_the_host_sampler():
     seqs = rows_of_every_kind() + [seq(SamplingParams(temperature=0, logprobs=5), [1], [2], finished=True)]
     logits = (torch.randn(len(seqs), V, generator=torch.Generator().manual_seed(2)) * 4).to(torch.bfloat16)
-    tokens, logprobs = step_sampling.sample(logits, seqs, lambda x, _: x.argmax(-1), lambda t: t)
+    tokens, logprobs = DeviceSampler().sample(logits, seqs)
     samples = [SimpleNamespace(token=t) for t in tokens.tolist()]
     logprobs.fill(samples, seqs)
     for i, s in enumerate(seqs[:-1]):
@@ -72,9 +73,9 @@ def test_tokens_and_logprobs_match_the_host_sampler():
 def test_rows_without_extras_leave_the_logits_alone():
     seqs = [seq(SamplingParams(temperature=0), [1], [2]), seq(SamplingParams(temperature=0.7), [1], [])]
     logits = torch.randn(2, V)
-    assert step_sampling._penalized_and_masked(logits, seqs, lambda t: t) is logits
-    assert not any(step_sampling.follows_last_token(s) for s in seqs)
-    assert step_sampling.follows_last_token(rows_of_every_kind()[2])
+    assert sampler.processed(logits, seqs, lambda t: t) is logits
+    assert not any(sampler.follows_last_token(s) for s in seqs)
+    assert sampler.follows_last_token(rows_of_every_kind()[2])
 
 
 def test_seen_ids_follow_the_output():
@@ -82,3 +83,34 @@ def test_seen_ids_follow_the_output():
     assert s.seen_ids() == {1, 2, 3, 4}
     s.output_ids += [9, 1]
     assert s.seen_ids() == {1, 2, 3, 4, 9}
+
+
+def test_host_and_device_samplers_share_one_interface_and_agree():
+    """HostSampler (row by row, on the host) gives the tokens and logprobs the DeviceSampler gives greedy
+    rows of every kind, through the same sample(logits, seqs) -> (tokens, logprobs)."""
+    seqs = rows_of_every_kind()
+    logits = torch.randn(len(seqs), V, generator=torch.Generator().manual_seed(3)) * 4
+    got = []
+    for s in (DeviceSampler(), HostSampler()):
+        tokens, logprobs = s.sample(logits, seqs)
+        samples = [SimpleNamespace(token=t) for t in tokens.tolist()]
+        logprobs.copied(torch.Tensor.cpu).fill(samples, seqs)
+        got.append([(x.token, getattr(x, "logprob", None), getattr(x, "top", None)) for x in samples])
+    assert got[0] == got[1]
+    assert all(HostSampler.takes(s) for s in seqs) and all(DeviceSampler().takes(s) for s in seqs)
+
+
+def test_sample_now_sends_only_the_rows_the_device_cannot_take_to_the_host():
+    """Without sampling kernels a seeded row goes to the host sampler (the draws of sample_row from its own
+    generator); the greedy rows beside it are the device sampler's; a finished row gets nothing."""
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=7)
+    seqs = [seq(SamplingParams(temperature=0, logprobs=2), [1], [2]), seq(params, [1, 2], [3]),
+            seq(SamplingParams(temperature=0), [1], [], finished=True)]
+    logits = torch.randn(len(seqs), V, generator=torch.Generator().manual_seed(4))
+    device = DeviceSampler()
+    assert [device.takes(s) for s in seqs] == [True, False, True]
+    got = sampler.sample_now(logits, seqs, device)
+    want = sample_row(logits[1].clone(), params, [1, 2], [3], seq(params, [1, 2], [3]).generator)
+    assert got[1].token == want.token and got[2] is None
+    tokens, logprobs = device.sample(logits[:1], seqs[:1])
+    assert got[0].token == int(tokens[0]) and len(got[0].top) == 2

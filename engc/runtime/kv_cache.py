@@ -151,3 +151,12 @@ class KVCache:
         if kv_quant.is_quantized(dtype):
             row += 4
         return 2 * block_size * cfg.num_kv_heads * row * cfg.num_layers
+
+    @staticmethod
+    def default_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                           fraction: float) -> int:
+        """512 on the CPU; on a GPU, what `fraction` of its free memory holds."""
+        if device.type != "cuda":
+            return 512
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(16, int(free * fraction) // KVCache.bytes_per_block(cfg, block_size, dtype))

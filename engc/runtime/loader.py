@@ -31,7 +31,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     block_size: int
     step_facts: object = None   # gpu_ops.StepFacts on a GPU: host-side batch facts kernels read
-    sampler: object = None      # gpu_sampler.GpuSampler on a GPU whose bundle has the sampling kernel
+    sampler: object = None      # sampler.SamplingKernels on a GPU whose bundle has the sampling kernel
     kv_dtype: torch.dtype | None = None   # the KV cache's: dtype, or int8/float8_e4m3fn (--kv-cache)
 
 
@@ -79,8 +79,8 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
         executor = Executor(program, weights, gpu_ops(kernels, facts, packed), before_forward=facts.take)
         prepack_int4(program, weights, kernels, packed)   # before the engine sizes the KV cache
         if "sampling" in kernels.consts:
-            from engc.runtime.gpu_sampler import GpuSampler
-            sampler = GpuSampler(kernels, dev)
+            from engc.runtime.sampler import SamplingKernels
+            sampler = SamplingKernels(kernels, dev)
     else:
         executor = Executor(program, weights, reference_ops(TORCH_DTYPES[bundle.dtype]))
     tokenizer = Tokenizer(bundle.file("tokenizer"), cfg.eos_token_ids)

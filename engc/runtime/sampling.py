@@ -1,4 +1,4 @@
-"""Sampling parameters and the per-row sampler (penalties, temperature, top-k, top-p, seeded draws)."""
+"""Sampling parameters, a sampled token (Sampled) and a sequence's generator; the samplers are in sampler.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -58,7 +58,7 @@ class SamplingParams:
     @cached_property
     def device_sampleable(self) -> bool:
         """Only temperature, top-k and top-p: what the plain draw (the GPU sampling kernel) does, with no
-        penalties, mask or logprobs to add (runtime/step_sampling.py adds those)."""
+        penalties, mask or logprobs to add (runtime/sampler.py adds those)."""
         return (self.logprobs is None and not self.penalized and not self.json_object
                 and self.json_schema is None)
 
@@ -81,49 +81,3 @@ def make_generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(seed % 2**64 if seed is not None else int(torch.randint(0, 2**62, ()).item()))
     return g
-
-
-def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]):
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if output and (p.presence_penalty or p.frequency_penalty):
-        ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
-        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.float()
-    return logits
-
-
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        # drop a token once the mass before it already reaches top_p; the first token always stays
-        drop = (cum - torch.softmax(sorted_logits, -1)) >= top_p
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
-    return logits
-
-
-def sample_row(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int],
-               generator: torch.Generator, allowed: torch.Tensor | None = None) -> Sampled:
-    """One token for a row of logits. allowed: a bool mask of the tokens it may be (JSON mode); logprobs
-    stay those of the model's distribution."""
-    raw = logits
-    logits = apply_penalties(logits.clone(), p, prompt, output)
-    if allowed is not None and bool(allowed.any()):
-        logits.masked_fill_(~allowed, float("-inf"))
-    if p.greedy or not torch.isfinite(logits.max()):   # NaN (torch's max is NaN then), +inf, or all -inf:
-        token = int(torch.argmax(logits))                # nothing to draw from; argmax is still a valid id
-    else:
-        logits = filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
-        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-    if p.logprobs is None:
-        return Sampled(token)
-    logp = torch.log_softmax(raw.float(), -1)
-    top = torch.topk(logp, p.logprobs) if p.logprobs else None
-    return Sampled(token, float(logp[token]),
-                   [(int(i), float(v)) for v, i in zip(top.values, top.indices)] if top else [])

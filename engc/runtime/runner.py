@@ -1,0 +1,177 @@
+"""ModelRunner: a step's inputs, the forward, the sampling where the logits are and the tokens' read-back.
+
+It owns the executor (on a GPU the GraphedExecutor and its CUDA graphs), the step in flight and the
+sampler. Eager and graphed executors share one interface: step_tokens (a graphed all-greedy step's own
+tokens, else None) and keep_tokens (tokens the next graphed step's fills read).
+
+Overlap (one step of lookahead): a step whose tokens can be sampled where the logits are is launched,
+and its tokens are read back only during the next step, after that step is launched in turn. So on a
+GPU the host's scheduling, input building, stop checks and detokenizing run while the GPU computes.
+Meanwhile each sampled sequence counts one token in flight (Sequence.num_in_flight): the scheduler
+plans with it, the next step's executor takes its id from the device (TokenFill), and only known
+tokens are ever hashed, appended or returned. A sequence that finished in the step being read may
+already be in the launched one: that row's token is dropped.
+Rows are sampled where the logits are (sampler.DeviceSampler), logprobs, penalties and JSON-mode masks
+included. Penalties and masks follow the token just read, so a step with such a row is launched, the
+step before it read, and only then sampled (the masks made and applied while the GPU still runs the
+forward); it stays overlapped. Only a row that needs a sampler the device lacks (a non-greedy row on a
+CPU engine) goes to the host sampler: its step is read at once, after the step before it, and only that
+row's logits go to the host (sampler.sample_now). launch holds these rules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engc.runtime import sampler
+from engc.runtime.executor import TokenFill
+from engc.runtime.kv_cache import KVCache
+from engc.runtime.loader import LoadedModel
+from engc.runtime.sampler import DeviceSampler, Logprobs, follows_last_token
+from engc.runtime.sampling import Sampled
+from engc.runtime.sequence import Sequence
+from engc.runtime.transfers import Readback
+
+
+@dataclass
+class InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
+    batch: list[tuple[Sequence, int]]
+    sampled: list[Sequence]                  # one row each of logits (and tokens), in order
+    logits: torch.Tensor                     # sampled after the launch (after_read, the host sampler)
+    tokens: torch.Tensor | None = None       # [len(sampled)] ids where the logits are, when sampled there
+    host: torch.Tensor | None = None         # their pinned copy on the host, valid once `ready` passed
+    ready: torch.cuda.Event | None = None
+    row_of: dict[Sequence, int] = field(default_factory=dict)   # seq -> its row of tokens
+    logprobs: Logprobs | None = None         # host copies (valid once `ready` passed), where rows asked
+    after_read: bool = False                 # penalty or JSON rows: sampled once the step before is read
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, kv: KVCache, max_context: int, max_num_seqs: int,
+                 cuda_graphs: bool, overlap: bool):
+        self.model = model
+        self.kv = kv
+        self.overlap = overlap
+        self.executor = model.executor
+        if model.device.type == "cuda":
+            from engc.runtime.cuda_graphs import GraphedExecutor
+            from engc.runtime.gpu_ops import warm_cublas
+            warm_cublas(model.dtype, model.device)
+            greedy = None if model.sampler is None else model.sampler.greedy
+            self.executor = GraphedExecutor(model.executor, model.step_facts, -(-max_context // model.block_size),
+                                            max_num_seqs, model.device, cuda_graphs, greedy)
+            if cuda_graphs:
+                self.executor.capture(kv.layers)
+        self.sampler = DeviceSampler(model.sampler)
+        self.readback = Readback(max_num_seqs, model.device)
+        self.in_flight: InFlight | None = None
+
+    def launch(self, batch: list[tuple[Sequence, int]]) -> InFlight:
+        """Runs the batch's forward and, where its rows allow, samples it (tokens left on the device)."""
+        inputs, sampled, fill = self.inputs(batch)
+        with torch.inference_mode():
+            logits = self.executor.forward(inputs, self.kv.layers, fill)
+            step = InFlight(batch, sampled, logits)
+            graphed = self.executor.step_tokens   # a graphed decode step's greedy tokens, already on their way
+            if sampled and graphed is not None and all(s.params.plain_greedy for s in sampled):
+                self._keep(step, graphed[0], None, graphed[1])
+            elif not all(self.sampler.takes(s) for s in sampled):
+                self._keep(step, None)    # sampled when read (sampler.sample_now), at once
+            elif any(follows_last_token(s) for s in sampled):
+                step.after_read = True    # sampled once the step before is read (sample_after_read)
+            else:
+                self._keep(step, *self.sampler.sample(logits, sampled) if sampled else (None, None))
+        return step
+
+    def sample_after_read(self, step: InFlight) -> None:
+        """Samples a step whose rows follow their last token, now that the step before it is read."""
+        if step.after_read:
+            with torch.inference_mode():
+                self._keep(step, *self.sampler.sample(step.logits, step.sampled))
+
+    def hold(self, step: InFlight) -> bool:
+        """Keeps the step in flight, its tokens read during the next step; False: it is to be read now."""
+        if self.overlap and step.tokens is not None:
+            self.in_flight = step
+            return True
+        return False
+
+    def take_in_flight(self) -> InFlight | None:
+        step, self.in_flight = self.in_flight, None
+        return step
+
+    def read(self, step: InFlight) -> list[Sampled | None]:
+        """The step's samples, row for row: from the device copy, or sampled on the host now (None: a row
+        that finished meanwhile)."""
+        if step.tokens is None:
+            return sampler.sample_now(step.logits, step.sampled, self.sampler)
+        if step.ready is not None:
+            step.ready.synchronize()
+        samples = [Sampled(t) for t in step.host.tolist()]
+        if step.logprobs is not None:
+            step.logprobs.fill(samples, step.sampled)
+        return samples
+
+    def _keep(self, step: InFlight, tokens: torch.Tensor | None, logprobs: Logprobs | None = None,
+              host: torch.Tensor | None = None) -> None:
+        """The step's tokens, sampled on the device: their copy to the host started (or, host given, the
+        graph's own), and kept where the next graphed step's fills read them (None: no tokens to keep)."""
+        if host is None:
+            self.executor.keep_tokens(tokens)
+        if tokens is not None:
+            step.tokens = tokens
+            step.logprobs = logprobs.copied(self.readback.copy) if logprobs is not None else None
+            step.host, step.ready = (host, self.readback.event(tokens)) if host is not None \
+                else self.readback.start(tokens)    # its event follows the logprobs' copies too
+            step.row_of = {seq: i for i, seq in enumerate(step.sampled)}
+
+    def inputs(self, batch: list[tuple[Sequence, int]]
+               ) -> tuple[dict[str, torch.Tensor], list[Sequence], TokenFill | None]:
+        """The batch's program inputs (host tensors), the sequences sampled (one logits row each) and the
+        rows whose input id is a token still in flight."""
+        bs = self.model.block_size
+        ids, positions, slots, ctx, starts, sample_at, sampled = [], [], [], [], [0], [], []
+        fill_rows, fill_src = [], []   # rows whose token is still on the device, and where it is there
+        width = max(len(seq.block_table) for seq, _ in batch)
+        tables = []  # flat, row after row, each padded to width
+        for seq, n in batch:
+            start, end, table = seq.num_computed, seq.num_computed + n, seq.block_table
+            ids += seq.tokens(start, end)
+            if n == 1:  # a decode row: the common case, without building ranges
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                positions += range(start, end)
+                slots += [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+            ctx.append(end)
+            starts.append(starts[-1] + n)
+            if end == seq.num_tokens:  # this chunk reaches the last token (known or in flight): sample next
+                sample_at.append(starts[-1] - 1)
+                sampled.append(seq)
+                if seq.num_in_flight:  # its last token is the one in flight
+                    fill_rows.append(starts[-1] - 1)
+                    fill_src.append(self.in_flight.row_of[seq])
+            tables += table
+            tables += [0] * (width - len(table))
+        # Built on the host; a GPU executor moves them (and reads host-side facts from them first).
+        # numpy turns a list of ints into an array several times faster than torch.tensor does.
+        inputs = {
+            "input_ids": _host(ids, np.int64),
+            "positions": _host(positions, np.int64),
+            "slot_mapping": _host(slots, np.int64),
+            "block_tables": _host(tables, np.int32).view(len(batch), width),
+            "context_lens": _host(ctx, np.int32),
+            "query_start_loc": _host(starts, np.int32),
+            "logits_indices": _host(sample_at, np.int64),
+        }
+        fill = None
+        if fill_rows:
+            fill = TokenFill(_host(fill_rows, np.int64), _host(fill_src, np.int64), self.in_flight.tokens)
+        return inputs, sampled, fill
+
+
+def _host(values: list[int], dtype) -> torch.Tensor:
+    return torch.from_numpy(np.array(values, dtype=dtype))
