@@ -4,7 +4,7 @@ On the H200 a decode step's GPU work is one CUDA graph replay, so everything els
 (schedule, build inputs, stage them, sample, detokenize, stop checks) is lost throughput. This times
 exactly that: a real bundle's tokenizer and config, the real GraphedExecutor decode path (staging into
 the host buffer) with the graph replay a no-op, and a logits tensor that looks like a GPU one, so
-Engine._draw takes its GPU greedy path (argmax(-1)) on eager steps. The fake's argmax, and
+the device sampler takes its greedy path (argmax(-1)) on eager steps. The fake's argmax, and
 the tokens a graphed step leaves, are precomputed tokens of real text, so detokenizing does
 representative work.
 
@@ -96,7 +96,7 @@ def make_engine(model, batch: int, prompt_len: int, steps: int, stops: tuple[str
             ex.step_tokens = (tokens, tokens)
         return out
     ex.forward = forward
-    engine.executor = ex
+    engine.runner.executor = ex
     params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True, stop=stops)
     for i in range(batch):
         engine.add_request(text_ids[i * 5:i * 5 + prompt_len], params)

@@ -18,14 +18,14 @@ def check_against_reference(model, engine, cfg) -> dict:
     # the reference engine: same weights, plain-torch ops on the GPU, no graphs
     ref_engine = type(engine)(model.__class__(**{**model.__dict__, "executor": ref_exec, "step_facts": None}),
                               engine.config.__class__(num_blocks=64, cuda_graphs=False))
-    ref_engine.executor = _Eager(ref_exec, model.device)
+    ref_engine.runner.executor = _Eager(ref_exec, model.device)
     ref_seqs = [ref_engine.add_request(ids, p) for ids in ids_list]
     ref_engine.run_to_completion()
     agree = [sum(a == b for a, b in zip(s.output_ids, r.output_ids)) / 16 for s, r in zip(seqs, ref_seqs)]
     firsts = [(s.output_ids[:6], r.output_ids[:6]) for s, r in zip(seqs, ref_seqs)]
     inputs = _prefill_inputs(torch.tensor(ids_list[0]))
     with torch.inference_mode():
-        a = engine.executor.forward(inputs, [_small_cache(t) for t in engine.kv.layers])
+        a = engine.runner.executor.forward(inputs, [_small_cache(t) for t in engine.kv.layers])
         b = _Eager(ref_exec, model.device).forward(inputs, [_small_cache(t) for t in engine.kv.layers])
     res = {"greedy_token_agreement_vs_bf16_reference": agree, "first_tokens_engine_vs_reference": firsts,
            "prefill_logits_max_rel_err_vs_bf16_reference": _rel_err(a, b),
@@ -73,6 +73,7 @@ def _small_cache(layer, dtype=None):
 
 class _Eager:
     """An executor run eagerly on the model's device, with the engine's executor interface."""
+    step_tokens = None
 
     def __init__(self, executor, device):
         self.executor, self.device = executor, device
@@ -82,3 +83,6 @@ class _Eager:
         if fill is not None:  # the engine's overlapped step: rows whose input id is still on the device
             fill.apply(inputs["input_ids"], fill.rows.to(self.device), fill.src.to(self.device))
         return self.executor.forward(inputs, kv)
+
+    def keep_tokens(self, tokens):
+        pass

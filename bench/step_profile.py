@@ -27,14 +27,14 @@ def kernel_profile(engine, cfg, out_dir: Path, shape: str, batches=(1, 32)) -> d
             engine.step()  # prefill
         for _ in range(3):
             engine.step()
-        engine.executor.enabled = False  # eager, so the profiler sees each kernel
+        engine.runner.executor.enabled = False  # eager, so the profiler sees each kernel
         engine.step()
         prof = _profiled(lambda: [engine.step() for _ in range(5)], cpu=True)
-        engine.executor.enabled = True
+        engine.runner.executor.enabled = True
         (out_dir / f"kernels_{shape}_b{n}.txt").write_text(_table(prof))
         total = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 5
         res[f"b{n}_eager_kernel_time_per_step_ms"] = round(total / 1000, 3)
-        graph, _ = engine.executor.graphs[engine.executor.graph_key(n, 128 + 64)][0]
+        graph, _ = engine.runner.executor.graphs[engine.runner.executor.graph_key(n, 128 + 64)][0]
         res[f"b{n}_graph_replay_ms"] = graph_replay_ms(graph, reps=50, warm=0)
         # the same step's kernels inside the graph (with PDL a kernel's time includes its wait)
         prof = _profiled(lambda: [graph.replay() for _ in range(5)])
@@ -149,7 +149,7 @@ def decode_breakdown(engine, ids_list, profile_path: Path) -> dict:
     _timed_steps(engine, ids_list, prof)
     # Replayed alone after the runs above, the graph's staged inputs are their last step's (n real rows at
     # full context); before any step of this batch, rows would hold context 1 and skip the attention.
-    graph, _ = engine.executor.graphs[engine.executor.graph_key(n, len(ids_list[0]) + 101)][0]
+    graph, _ = engine.runner.executor.graphs[engine.runner.executor.graph_key(n, len(ids_list[0]) + 101)][0]
     out[f"b{n}_graph_replay_ms"] = graph_replay_ms(graph)
     with open(profile_path, "w") as f:  # the overlapped run's profile
         pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(25)
