@@ -25,7 +25,7 @@ Every row of a graphed step is sampled, so the program runs its decode form (Exe
 no gather of the sampled rows, and the logits stay in the head's dtype (no float32 cast) for the argmax and
 the sampler, which read either; the host sampler casts what it reads.
 
-Overlapped steps (engine.py) launch step N+1 before the host has read step N's tokens: rows whose input
+Overlapped steps (runner.py) launch step N+1 before the host has read step N's tokens: rows whose input
 id is such a token take it from `last_tokens`, where every step leaves its tokens on the device (the
 graph's argmax writes them there; keep_tokens copies those of other steps).
 """

@@ -37,11 +37,10 @@ class Sequence:
     finish_reason: str | None = None          # "stop" | "length" | "abort"
     stop_string: str | None = None            # the stop string that ended it, if one did
     output_text: str = ""
-    emitted: int = 0                          # chars of output_text already streamed
     logprobs: list[Sampled] = field(default_factory=list)
     generator: torch.Generator | None = None
     arrival: int = field(default_factory=lambda: next(_ids))
-    constraint: object | None = None          # json_mode.JsonConstraint or triggered.TriggeredConstraint
+    constraint: object | None = None          # constrained.JsonConstraint or TriggeredConstraint
     _seen: tuple[set[int], int] | None = field(default=None, repr=False)   # seen_ids and the outputs in it
 
     def __post_init__(self):
