@@ -14,7 +14,7 @@ step with such a row only once the step before it is read; logprobs do not.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 import torch
@@ -155,6 +155,17 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]
 
 
 # --- the two samplers -------------------------------------------------------------------------------
+
+class Sampler(Protocol):
+    """What DeviceSampler and HostSampler both are."""
+
+    def takes(self, seq: Sequence) -> bool:
+        """Whether this sampler can sample the sequence's row."""
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]
+               ) -> tuple[torch.Tensor, Logprobs | HostLogprobs | None]:
+        """One token a row ([rows] int64) and the logprobs of the rows that asked for them."""
+
 
 class DeviceSampler:
     """Samples where the logits are. kernels: the bundle's argmax and sampling kernels (a GPU whose bundle
