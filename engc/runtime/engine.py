@@ -22,6 +22,7 @@ from engc.runtime.sampling import SamplingParams
 from engc.runtime.scheduler import Scheduler
 from engc.runtime.sequence import Sequence
 
+
 @dataclass(frozen=True)
 class EngineConfig:
     num_blocks: int = 0                 # KV blocks; 0: 512 on the CPU, kv_memory_fraction of free GPU memory
@@ -52,6 +53,7 @@ class Engine:
 
     @cached_property
     def json_vocab(self) -> JsonVocab:
+        """The token texts constraint masks read, made at the first constrained request."""
         return vocab_of(self.model.tokenizer, self.model.config.vocab_size)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
