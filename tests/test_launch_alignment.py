@@ -5,6 +5,7 @@ loader and the stream are faked, the rest is the runtime's own code."""
 import pytest
 import torch
 
+from engc.cuda import records
 from engc.runtime import gpu_ops
 
 ARGS = [("q_ptr", "*bf16"), ("k_cache_ptr", "*bf16"), ("context_lens_ptr", "*i32"), ("scale", "fp32"),
@@ -34,7 +35,7 @@ class FakeBundle:
 @pytest.fixture
 def kernels(monkeypatch):
     monkeypatch.setattr(gpu_ops, "require_cuda", lambda: None)
-    monkeypatch.setattr(gpu_ops, "load_kernel", lambda image, entry, sig, **kw: FakeKernel(sig))
+    monkeypatch.setattr(records, "load_kernel", lambda image, entry, sig, **kw: FakeKernel(sig))
     monkeypatch.setattr(gpu_ops, "current_stream", lambda: 0)
     return gpu_ops.BundleKernels(FakeBundle(), "sm90")
 
@@ -99,7 +100,7 @@ def test_cuda_templates_can_be_left_unloaded(monkeypatch):
         manifest = {"kernels": [RECORD, cluster]}
 
     monkeypatch.setattr(gpu_ops, "require_cuda", lambda: None)
-    monkeypatch.setattr(gpu_ops, "load_kernel", lambda image, entry, sig, **kw: FakeKernel(sig))
+    monkeypatch.setattr(records, "load_kernel", lambda image, entry, sig, **kw: FakeKernel(sig))
     assert set(gpu_ops.BundleKernels(TwoKernels(), "sm90").consts["paged_attention"]) == {
         "decode", "decode_rotary_cluster"}
     monkeypatch.setenv("ENGC_CUDA_TEMPLATES", "0")
