@@ -1,19 +1,16 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket (and staging turn), captured once.
 
 Small batches also get a graph per context bucket: the split-KV decode sizes its grid from the longest
-context a graph may see, and a graph captured for the block table's full capacity (8k tokens) runs
-30+ splits even for a 130-token chat (6.1 us a layer on an H200 against 3.2 us with one split, measured
-when a reduce launch followed; the decode now reduces in-kernel and empty splits only count themselves).
-Large batches fill the GPU with (sequence, head) pairs anyway, so they keep one graph.
+context a graph may see, and a graph captured for the block table's full capacity (8k tokens) would run
+30+ splits even for a 130-token chat, each costing latency. Large batches fill the GPU with (sequence, head) pairs anyway, so they keep one graph.
 
 A decode step of a small model is a few hundred short launches; replaying them as one graph removes
 the host from the critical path. The whole step is in the graph, not only the forward pass: the graph
 reads its inputs from pinned host memory (the host writes them there; nothing is copied before the
 replay), puts the previous step's tokens into the rows still waiting for them, runs the program, takes
-the greedy tokens and writes them back into pinned host memory. Each operation outside a graph cost
-the H200 a gap of 5-11 us (copy-engine hand-offs, the start of the graph after a kernel): ~45 us a
-batch-1 step (bench/gpu_bench.py --profile-only, timeline_*), while back-to-back graphs follow one
-another with almost none. The two copies are kernels reading and writing pinned host memory over PCIe
+the greedy tokens and writes them back into pinned host memory. Each operation outside a graph leaves a
+gap on the GPU (copy-engine hand-offs, the start of the graph after a kernel), while back-to-back graphs
+follow one another with almost none (bench/results/HISTORY.md). The two copies are kernels reading and writing pinned host memory over PCIe
 (mapped_view; unified addressing, every 64-bit CUDA platform); where torch cannot address it so, decode
 steps run eagerly, with a warning.
 
@@ -43,14 +40,14 @@ from engc.runtime.gpu_ops import StepFacts
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # Longest context of the short-context graphs (255: at most 4 one-tile KV splits), and the batch buckets
 # that get them.
-# Few on purpose: each is one more graph to capture at start (an 8B graph takes ~50 ms), and on the H200
-# the 1B batch-1 step gained 24 us (1.082 -> 1.058 ms) while the 8B one did not move.
+# Few on purpose: each is one more graph to capture at start, and only a small model's small batches gain
+# from them (bench/results/HISTORY.md).
 CTX_BUCKETS = (255,)
 CTX_BUCKETED_UP_TO = 4
 # The largest bucket whose graphs end with the greedy argmax and the tokens' write-back. A sampled step
 # (temperature) runs the argmax for nothing: cheap up to here (32 rows x a 128k vocab: 16 MB of float32
-# logits, ~4 us), not at 256 rows (131 MB) on a small model's short steps. Larger buckets end with the
-# logits; the engine samples (greedy too) outside the graph and copies the tokens back as before.
+# logits), not at 256 rows (131 MB) on a small model's short steps. Larger buckets end with the logits;
+# the engine samples (greedy too) outside the graph and copies the tokens back.
 GREEDY_UP_TO = 32
 # int64 fields first (two int32 words each), then int32 fields; block_tables last so a step copies
 # only the rows it uses. fill_sel: where each row's input id comes from (see StagedInputs.pool).
