@@ -28,9 +28,8 @@ def source_files() -> list[Path]:
 def digested_form(f: Path) -> bytes:
     """What of a source file the key covers. Kernel modules and templates: their bytes (the bundle records
     the kernels' sources as they read, and Triton's line info follows their lines). Codegen's Python: its
-    code without comments, blank lines or trailing blanks, so notes there (the tune table's on measurements, say)
-    leave prepared caches valid; an edit of a comment in the tune table had made a device run compile every kernel
-    again. Not its syntax tree: ast.dump differs between Python versions (3.12 adds type_params), and a cache
+    code without comments, blank lines or trailing blanks, so editing a note there leaves prepared caches valid
+    (a changed key means every kernel compiles again). Not its syntax tree: ast.dump differs between Python versions (3.12 adds type_params), and a cache
     filled under one version must serve another (this machine's 3.11, the GPU machine's 3.12)."""
     text = f.read_bytes()
     if f.suffix == ".py" and "codegen" in f.parent.parts[-2:]:   # codegen/*.py

@@ -12,7 +12,7 @@ A quantized cache (int8 or float8_e4m3fn codes, engc build --kv-cache) has a 6th
 ONNX: ai.engc::RotaryPagedAttention(qkv, positions, inv_freq, kv_cache, slot_mapping, block_tables,
 context_lens, query_start_loc[, kv_scale]) -> out, PagedAttention's attributes: RotaryKVWrite then
 PagedAttention as one node (compiler/passes/fuse_rotary_attention.py), so a decode-only step runs both in
-one launch (launch_rotary_decode); other steps launch the two kernels as before.
+one launch (launch_rotary_decode); other steps launch the two kernels.
 """
 import torch
 
@@ -67,7 +67,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, decode
     for a kernel without the in-kernel reduce, a share of the reduce launch). The minimum is
     min_split_tokens while (sequence, KV head) pairs alone fill less than half of target_programs, else
     min_split_tokens_busy. The tune table gives the in-kernel-reducing decode one BLOCK_N tile as
-    min_split_tokens and two as min_split_tokens_busy (the tune table says what was measured)."""
+    min_split_tokens and two as min_split_tokens_busy (each entry's `why` gives the reason)."""
     ctx = max(max_context_len, 1)
     pairs = max(num_seqs, 1) * num_kv_heads
     busy = 2 * pairs >= decode_consts["target_programs"]
@@ -88,7 +88,7 @@ def decode_variant(consts: dict, quantized_cache: bool = False) -> str:
 
 def reduces_in_kernel(consts: dict, variant: str) -> bool:
     """True for a decode kernel that combines its own splits (counters argument, no decode_reduce launch);
-    bundles built before it have 'decode' records without the flag and keep the two-launch form."""
+    a 'decode' record without the flag keeps the two-launch form."""
     return bool(consts[variant].get("in_kernel_reduce"))
 
 
@@ -130,10 +130,10 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
     args of 'decode' (grid (B, KV, splits); part_acc, part_ml, counters are 0 (null) when splits == 1):
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, part_acc, part_ml, counters,
         scale (fp32), sliding_window (i32), block_table_stride (i32), num_splits (i32), 0, 0
-        (a bundle's 'decode' without launch['in_kernel_reduce'], built before it: no counters, and a
-        'decode_reduce' launch follows a split one)
-    args of 'decode_cuda' (instead of 'decode', see decode_variant): as the old 'decode', without the two
-        scratch zeros; followed by 'decode_reduce' when splits > 1
+        (a 'decode' record without launch['in_kernel_reduce']: no counters, and a 'decode_reduce' launch
+        follows a split one)
+    args of 'decode_cuda' (instead of 'decode', see decode_variant): as a 'decode' without in_kernel_reduce,
+        without the two scratch zeros; followed by 'decode_reduce' when splits > 1
     args of 'decode_reduce' (grid (B, H), only after a split 'decode_cuda' or old 'decode'):
         query_start_loc, part_acc, part_ml, out, num_splits (i32), 0, 0
     args of 'prefill' (grid (cdiv(max_query_len, BLOCK_M // GROUP), B, KV)):
@@ -212,7 +212,7 @@ def rotary_paged_attention(qkv, positions, inv_freq, kv_cache, slot_mapping, blo
 
 def fuses_rotary(consts: dict, positions, slot_mapping) -> bool:
     """Whether a decode-only step can run RotaryPagedAttention as one launch: the bundle has the fused
-    kernel (bundles from before it do not), the int64 positions and slots it was compiled for, and no more
+    kernel (a 'decode_rotary' record), the int64 positions and slots it was compiled for, and no more
     rows than its tune entry's rotary_max_rows (0 or absent: any; larger batches run faster as the pair)."""
     if "decode_rotary" not in consts or not positions.dtype == slot_mapping.dtype == torch.int64:
         return False
