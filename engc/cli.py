@@ -113,7 +113,7 @@ def read_tune(path: Path) -> dict:
 
 def _warn_other_compiler(entries, path: Path) -> None:
     """An `engc tune` file ranks kernels compiled by the Triton its _meta names; this build compiles with its
-    own, and a config's speed can differ between the two (15.2 vs 11.9 us for one GEMV tile, 3.6 vs 3.9)."""
+    own, and a config's speed can differ between two Triton versions (bench/results/HISTORY.md)."""
     from importlib.metadata import PackageNotFoundError, version
     meta = entries.get("_meta") if isinstance(entries, dict) else None
     measured = meta.get("triton") if isinstance(meta, dict) else None

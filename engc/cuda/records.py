@@ -12,14 +12,14 @@ SCRATCH = 2  # Triton's trailing global/profile scratch pointers (records older 
 
 
 def pdl_enabled() -> bool:
-    """Kernels compiled for programmatic dependent launch get it unless ENGC_PDL=0 (an escape hatch, and the
-    A/B switch of bench/gpu_bench.py): their waits are no-ops when launched plainly."""
+    """Kernels compiled for programmatic dependent launch get it unless ENGC_PDL=0 (an escape hatch, and a
+    debugging switch for bench/gpu_bench.py): their waits are no-ops when launched plainly."""
     return os.environ.get("ENGC_PDL", "1") != "0"
 
 
 def cuda_templates_enabled() -> bool:
     """The bundle's nvcc-built kernels (templates/*.cu.j2: records with an nvcc_version) load unless
-    ENGC_CUDA_TEMPLATES=0, an escape hatch and an A/B switch that needs no rebuild: each is optional, and its
+    ENGC_CUDA_TEMPLATES=0, an escape hatch that needs no rebuild: each is optional, and its
     launch rule takes the Triton kernel (or cuBLAS) the bundle always has where the variant is missing."""
     return os.environ.get("ENGC_CUDA_TEMPLATES", "1") != "0"
 
@@ -27,9 +27,8 @@ def cuda_templates_enabled() -> bool:
 def shared_carveout() -> int | None:
     """ENGC_SMEM_CARVEOUT=P (0..100, or -1) sets every bundle kernel's preferred L1/shared-memory split to P
     percent of the most shared memory, over the records' own (their launch constant smem_carveout, from the
-    tune table); unset, each record's or the driver's choice. An A/B switch: on the H200 the split moves a
-    decode step by up to 2x (a kernel's CTAs an SM are bounded by the shared memory of its split; the rest
-    is L1), and no one value suits every kernel (docs/architecture.md)."""
+    tune table); unset, each record's or the driver's choice. A debugging switch: a kernel's CTAs an SM are bounded by the
+    shared memory of its split (the rest is L1), so no one value suits every kernel (bench/results/HISTORY.md)."""
     value = os.environ.get("ENGC_SMEM_CARVEOUT", "")
     if not value:
         return None

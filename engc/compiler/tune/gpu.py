@@ -7,8 +7,8 @@ step's weights do; the launches are captured in one CUDA graph (decode steps rep
 gaps are as in serving) and the figure is the median over replays, in us per launch. Each launch follows a
 one-element kernel launched without PDL, so it starts from an idle GPU, as a projection starts after a norm
 or the attention in a step; that kernel's own time (timed alone the same way) is taken off. Back to back,
-one launch's ramp-up hid behind the tail of the one before: ranked that way, the 1B file made the H200
-step 1.9% slower (bench/results/HISTORY.md).
+one launch's ramp-up would hide behind the tail of the one before, and a ranking made that way does not
+hold in a real step (bench/results/HISTORY.md).
 """
 from __future__ import annotations
 

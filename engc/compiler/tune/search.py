@@ -1,9 +1,8 @@
 """engc tune: measure kernel configs for one model on the GPU it will serve on; write the ones that beat the
 tune table (engc/compiler/tune/table_<arch>.jsonl) as a file `engc build --tune` takes.
 
-A config's speed depends on the compiler that made it (the same GEMV tile took 15.2 us compiled by the
-H200's Triton 3.6 and 11.9 us compiled by the build's 3.9), so the candidates are compiled where bundles are
-built, by the build's own path, and the GPU machine only loads and times those cubins:
+A config's speed depends on the Triton that compiled it (bench/results/HISTORY.md), so the candidates are
+compiled where bundles are built, by the build's own path, and the GPU machine only loads and times those cubins:
 
     engc tune SRC --prepare DIR --arch sm90       # where engc build runs, no GPU (prepared.py)
     engc tune --from DIR -o tune.json             # on the GPU (gpu.py: load, check vs torch, time)
