@@ -283,7 +283,7 @@ def _tokenizer_json(path: Path, meta: _Metadata) -> bytes:
     hf_logging.set_verbosity_error()  # its GGUF path logs every metadata key it skips
     try:
         # Same conversion AutoTokenizer runs, without AutoTokenizer's extra full parse of the file
-        # just to pick a class (3x faster on SmolLM2).
+        # just to pick a class.
         tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:
         model = meta.get("tokenizer.ggml.model")

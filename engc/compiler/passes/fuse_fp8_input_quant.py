@@ -1,12 +1,11 @@
 """--quant fp8: the producer of an FP8Linear's input writes that input quantized (ai.engc::FP8LinearQ).
 
 FP8Linear quantizes its input per token at run time (kernels/fp8_quant) before its GEMM: one launch more a
-projection, ~10% of an 8B fp8 decode step at batch 32 on the H200 (128 launches of ~2.8 us; bench/results/
-HISTORY.md). Where the input is a norm's output (qkv's and gate_up's) the norm's kernel
+projection, a visible share of a decode step (bench/results/HISTORY.md). Where the input is a norm's output (qkv's and gate_up's) the norm's kernel
 holds the row already and quantizes it as it stores it (kernels/rms_norm FP8_OUT); where it is SiluMul's
 (down's) the quant kernel computes silu(gate) * up from gate_up itself (kernels/fp8_quant SILU), one launch
-where there were two. o's input, the attention's output, keeps FP8Linear. Both round the row to the model
-dtype before quantizing it, as the two ops did, so the codes and scales are the same bits.
+in place of two. o's input, the attention's output, keeps FP8Linear. Both round the row to the model
+dtype before quantizing it, as the two separate ops do, so the codes and scales are the same bits.
 
     RMSNorm(x, w)          -> RMSNormFP8(x, w)          -> (x_fp8, x_scale)
     AddRMSNorm(x, r, w)    -> AddRMSNormFP8(x, r, w)    -> (x_fp8, x_scale, x + r)

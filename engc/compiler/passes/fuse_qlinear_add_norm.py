@@ -3,10 +3,9 @@ into one ai.engc::QLinearAddRMSNorm node.
 
 On the GPU, where a decode batch's CUDA GEMV splits K, each split then stores its fp32 partial and exits,
 and the norm sums the partials in split order itself (kernels/rms_norm: the same bits as the GEMV's own
-reduce), instead of the GEMV's last split fencing, taking a ticket and re-reading the others' partials:
-on the H200 that reduce is ~1.3 us of each such launch's 5.5-15 us at M=1 (bench/results/HISTORY.md).
-Other row counts, unsplit launches and bundles without the norm's partials build
-run the two as before. Only projections without bias or act-order are fused (their launches are the
+reduce), instead of the GEMV's last split fencing, taking a ticket and re-reading the others' partials,
+a sizeable share of a short launch (bench/results/HISTORY.md). Other row counts, unsplit launches and
+bundles without the norm's partials build run the two ops. Only projections without bias or act-order are fused (their launches are the
 plain ones); the node's inputs are QLinear's four, then AddRMSNorm's residual and weight; its outputs and
 eps are the norm's.
 """

@@ -2,9 +2,9 @@
 ai.engc::RotaryPagedAttention node (kernels/paged_attention: the op's contract).
 
 The rotated q is read by the attention only, so it need not exist as a value: on the GPU a decode-only
-step then runs one kernel that rotates q and k itself, writes the new k/v and attends, where it ran the
-rotary kernel and then the decode kernel (two launches of pure latency a layer, about 3.9 + 6.9 us for
-Llama-3-8B at batch 1 on an H200); prefill and mixed steps launch the two as before. The CPU reference is
+step then runs one kernel that rotates q and k itself, writes the new k/v and attends, in place of
+the rotary kernel and then the decode kernel (two launches of pure latency a layer); prefill and mixed steps
+launch the two. The CPU reference is
 the two references in sequence. Inputs: the rotary's five, then the attention's block_tables,
 context_lens, query_start_loc, then kv_scale when the cache is quantized; attributes and output name are
 the attention's, so nothing downstream changes.
