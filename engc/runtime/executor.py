@@ -65,8 +65,8 @@ class Executor:
         """The steps of forward(decode=True): every row of the batch is sampled, so the gather of the
         sampled rows (by logits_indices, then arange) passes its input through, and the float32 cast of
         the logits is left off (its input is returned: argmax and the sampling kernels read the head's
-        dtype, the host sampler casts what it reads). At a decode step of a big model these are two
-        launches of ~2 and ~4 us between the final norm, the lm_head and the argmax."""
+        dtype, the host sampler casts what it reads): two launches fewer between the final norm, the
+        lm_head and the argmax."""
         steps, output = list(self.steps), self.program.outputs[0]
         for i, (impl, ins, outs, attrs, drop) in enumerate(steps):
             node = self.program.nodes[i]

@@ -26,9 +26,7 @@ def warm_cublas(dtype: torch.dtype, device: torch.device) -> None:
     """Initialize cuBLAS now, at start: it sets itself up at its first call (handle, workspace, its kernel
     modules). Most programs call it while their decode graphs are captured; an int4 program with an int4
     lm_head does not (its projections and head run engc's kernels up to 256 rows), so its first prefill of
-    more rows (a user's first long prompt) would pay the setup. On the H200 that bundle's first batch-32
-    run took ~90 ms more than its second; with this call its first run is within 1.2% of its second, as the
-    bf16 bundle's is (bench/results/HISTORY.md)."""
+    more rows (a user's first long prompt) would pay the setup, tens of milliseconds (bench/results/HISTORY.md)."""
     a = torch.zeros(64, 64, dtype=dtype, device=device)
     F.linear(a, a)
     torch.cuda.synchronize(device)

@@ -287,7 +287,8 @@ class SamplingKernels:
         self.device = device
 
     def greedy(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Argmax per row, [rows] int64 on the device (the split kernel: torch's takes 27 us a step), into
+        """Argmax per row, [rows] int64 on the device (the bundle's split kernel: torch.argmax gives a row to
+        one block), into
         out where given (a decode graph's last_tokens)."""
         if out is None:
             out = torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)

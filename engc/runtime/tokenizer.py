@@ -132,7 +132,7 @@ class IncrementalDecoder:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
         self.decode = tokenizer.decode   # bound once: step calls it twice per token
         # Byte-level tokenizers: one cached lookup for a token that follows a whole character, in place of the
-        # two decodes (~3 us each: at batch 64 about 40% of a decode step's host work); the same text
+        # two decodes (a large share of a decode step's host work at big batches); the same text
         self.piece = tokenizer.piece if tokenizer.joins_bytes else None
         self.ids = list(prompt_ids[-6:])
         self.prefix_offset = 0
