@@ -1,7 +1,7 @@
 """Greedy decoding's argmax over the vocabulary, split across many programs.
 
-torch.argmax gives one row of a 128k vocabulary to a single block: 27 us on an H200 at any batch
-size, more than a layer of the 1B model. Here each row is cut into SPLITS chunks; stage 1 finds each
+torch.argmax gives one row of a large vocabulary to a single block, which costs more than a layer of a
+small model at any batch size (bench/results/HISTORY.md). Here each row is cut into SPLITS chunks; stage 1 finds each
 chunk's max and first index (grid (B, SPLITS)), stage 2 picks the winner per row (grid (B,)).
 
 logits [B, V] (fp32, bf16 or fp16) -> out [B] int64, the first index of the maximum (torch's rule on

@@ -2,7 +2,7 @@
 
 ONNX: ai.engc::FP8Linear(x, weight, weight_scale[, bias]) -> y; the op, its scales and its reference
 (`fp8_linear`, re-exported here) are kernels/fp8_quant's. torch._scaled_mm (cuBLASLt) reads the float8
-weight at only ~1.5 TB/s at decode batch sizes on the H200 and needs a separate activation-quant launch;
+weight well below the memory bandwidth at decode batch sizes and needs a separate activation-quant launch;
 this kernel streams the weight through wgmma with split-K and, for a few rows, quantizes x itself.
 
 A bundle holds one kernel per (K, M class, QUANT_X): variant `[q_]k{K}_m{max_m}` (q_: x is bf16 and the
@@ -40,9 +40,8 @@ def split_count(n_tiles: int, k_tiles: int, c: dict) -> tuple[int, int]:
     """(splits, K tiles per split): the most splits that keep the grid within target_programs, each split
     at least min_split_k_tiles tiles, at most max_splits; no split is left empty.
 
-    At decode sizes the kernel is bound by how many weight bytes are in flight (Little's law: the H200
-    measured ~1.3 TB/s with ~24 KB per program and ~1.5 programs per SM, ~2.5-3.5 TB/s with twice that),
-    so the grid should fill what the SMs hold at once (target_programs = SMs x programs per SM, which the
+    At decode sizes the kernel is bound by how many weight bytes are in flight (Little's law; the figures are
+    in bench/results/HISTORY.md), so the grid should fill what the SMs hold at once (target_programs = SMs x programs per SM, which the
     tune entry's shared memory allows) and not spill into a second, mostly empty wave. Any count is
     allowed, not just powers of two: 8B qkv at BLOCK_N 128 is 48 N tiles, x5 = 240 programs for 264 slots
     (doubling would give 192 or 384)."""

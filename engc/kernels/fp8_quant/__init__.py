@@ -37,8 +37,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     turns a value past 448 into NaN, and x / scale can round just past it."""
     # In place on one float32 copy: the build quantizes every projection of the model through here.
     # The divisor 448 is a tensor on x's device: given a Python number, torch on CUDA multiplies by its
-    # reciprocal instead, up to 1 ulp off the kernel's correctly rounded division (the H200 check saw
-    # 1-ulp scale differences and 61 differing codes against this reference computed there).
+    # reciprocal instead, up to 1 ulp off the kernel's correctly rounded division, which changes some codes.
     xf = x.to(torch.float32, copy=True)
     amax = torch.linalg.vector_norm(xf, ord=float("inf"), dim=-1).clamp_min_(MIN_AMAX)
     scale = amax.div_(torch.full_like(amax, FP8_MAX))

@@ -134,9 +134,8 @@ def cuda_variant_for(m: int, group_size: int, consts: dict, shape: tuple[int, in
 
 
 # Rows past the widest CUDA GEMV build run it once per slice of that many rows, in at most this many passes:
-# two M=32 passes over the 8B projections take ~11.3 ms a step against ~14 ms for the CUDA dequant + cuBLAS
-# at M=64 (bench/results/HISTORY.md); more passes would re-read W more often than the
-# dequant's one bf16 write and read of it costs.
+# two passes beat the CUDA dequant + cuBLAS (bench/results/HISTORY.md); more would re-read W more often than
+# the dequant's one bf16 write and read of it costs.
 CUDA_MAX_PASSES = 2
 
 

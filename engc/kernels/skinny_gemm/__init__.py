@@ -1,8 +1,8 @@
 """Skinny GEMM for dense projections of decode batches (about 9-64 rows): y[M, N] = x[M, K] @ W[N, K]^T.
 
 ONNX: the standard Gemm (transB=1, no bias) and ai.engc::SiluMulLinear(gate_up, W) = silu_mul(gate_up) @ W^T
-(the references are kernels/gemv's). At these row counts cuBLAS reached only ~2.4-3.5 TB/s of weight reads
-on the H200's 8B qkv/o/down (copy: ~4.25 TB/s); this kernel streams W through wgmma with the tokens on
+(the references are kernels/gemv's). At these row counts cuBLAS reads the weights well below
+the copy bandwidth (bench/results/HISTORY.md); this kernel streams W through wgmma with the tokens on
 the MMA's narrow side, split-K reduced in the same launch (triton.py says how).
 
 A bundle holds one kernel per (K, SILU, M class) whose tune entry is enabled: variant
