@@ -18,7 +18,7 @@ which input channel each sorted column reads: y = x[:, perm] @ W^T.
 import torch
 
 # The layout's name in the manifest (quantization.layout). Bumped whenever the packing changes, so a
-# runtime never reads a bundle packed another way (the K-major layout of before was "engc-int4").
+# runtime never reads a bundle packed another way.
 LAYOUT = "engc-int4-nmajor"
 # The same layout with per-group float offsets on some projections (GGUF Q4_1 / Q4_K): its own name, so a
 # runtime that cannot add them refuses the bundle in one line instead of failing at its first step.
