@@ -3,7 +3,7 @@
 On the GPU, decode batches then run one CUDA GEMV that writes silu(gate) * up itself (the SiLU-out build of
 templates/int4_gemv.cu.j2, kernels/int4_linear.run_quantized_silu) instead of the GEMV, a silu_mul launch and
 the gate_up round trip through memory between them; other row counts and bundles without that build run the
-two as before. The node keeps QLinear's inputs and attributes, and SiluMul's output name.
+two ops. The node keeps QLinear's inputs and attributes, and SiluMul's output name.
 """
 from __future__ import annotations
 

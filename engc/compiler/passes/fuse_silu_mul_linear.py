@@ -2,7 +2,7 @@
 
 On the GPU, decode batches then run one GEMV that applies silu(gate) * up while it reads its input
 (kernels/gemv), instead of a SiluMul launch and a cuBLAS GEMM with the activation round-tripping
-through memory between them; wider batches run the two as before. The output value keeps the Gemm's
+through memory between them; wider batches run the two ops. The output value keeps the Gemm's
 name, so nothing downstream changes.
 """
 from __future__ import annotations

@@ -46,8 +46,8 @@ def in_range(v: int, bounds) -> bool:
 
 def n_ranges(c: dict) -> tuple:
     """The N ranges a variant serves: its launch's n_ranges (a per-N tune entry's kernel), else N <= max_n
-    (the CUDA variant; 0: any N), else any N (records of older bundles). Ranges of the first two kinds start
-    at 0 so a caller that does not know N (n=0) still gets them, as before; n_ranges start at 1."""
+    (the CUDA variant; 0: any N), else any N (a record with neither). Ranges of the first two kinds start
+    at 0 so a caller that does not know N (n=0) still gets them; n_ranges start at 1."""
     if "n_ranges" in c:
         return tuple(tuple(r) for r in c["n_ranges"])
     return ((0, c.get("max_n", 0)),)

@@ -134,7 +134,8 @@ def launch(q, kv_cache, block_tables, context_lens, query_start_loc, out, *, num
         follows a split one)
     args of 'decode_cuda' (instead of 'decode', see decode_variant): as a 'decode' without in_kernel_reduce,
         without the two scratch zeros; followed by 'decode_reduce' when splits > 1
-    args of 'decode_reduce' (grid (B, H), only after a split 'decode_cuda' or old 'decode'):
+    args of 'decode_reduce' (grid (B, H), only after a split 'decode_cuda', or a 'decode'
+        without in_kernel_reduce):
         query_start_loc, part_acc, part_ml, out, num_splits (i32), 0, 0
     args of 'prefill' (grid (cdiv(max_query_len, BLOCK_M // GROUP), B, KV)):
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
