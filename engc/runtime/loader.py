@@ -45,7 +45,7 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
     cfg = bundle.config
     if bundle.dtype not in TORCH_DTYPES:
         raise BundleError(f"{bundle.path}: unsupported dtype '{bundle.dtype}'")
-    try:  # bundles from before --kv-cache have no field: their cache is in the model dtype
+    try:  # a manifest without the field: the cache is in the model dtype
         kv_dtype = kv_quant.cache_dtype(bundle.manifest.get("kv_cache", "auto"), TORCH_DTYPES[bundle.dtype])
     except ValueError as e:
         raise BundleError(f"{bundle.path}: {e}; this engc reads {', '.join(kv_quant.KV_CACHE_CHOICES)}: "
