@@ -60,10 +60,11 @@ def test_peak_memory_is_about_one_layer(method, deep_model, tmp_path):
     growth = s["peak_rss_mb"] - s["start_rss_mb"]
     print(f"{method}: model {model_mb:.0f} MB fp32, layer {layer_mb:.0f} MB, peak growth {growth:.0f} MB")
     assert growth < bound, s
-    # nothing accumulates from layer to layer: the same live tensors, and RSS back to the same level
-    # (measured within 5 MB over 16 layers; a leak of the layer's weights would add 49 MB a layer, and even
-    # 2 MB a layer, 30 MB over 15 layers, fails this; half a layer leaves room for a busy shared CI machine)
+    # nothing accumulates from layer to layer: the same live tensors, and the heap back to the same level
+    # (the summary's anonymous RSS; the checkpoint's mapped pages are the kernel's cache, not ours). The
+    # heap's fragmentation moves it a megabyte or two either way from layer to layer, with no trend; a
+    # tenth of a layer over 15 layers catches a leak of a third of a megabyte a layer
     assert len(set(s["tensors_after_layer"][1:])) == 1, s["tensors_after_layer"]
     rss = s["layer_end_rss_mb"]
-    assert max(rss[1:]) - min(rss[1:]) < 0.5 * layer_mb, rss
+    assert max(rss[1:]) - min(rss[1:]) < 0.1 * layer_mb, rss
     assert len(list((tmp_path / "q").glob("model-*.safetensors"))) == SHAPE["layers"] + 2

@@ -72,7 +72,7 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
             index.update({name: shard for name in tensors})
             del tensors
             release_freed_memory()
-            layer_rss.append(round(current_rss_mb(), 1))  # flat across layers unless something leaks
+            layer_rss.append(round(anonymous_rss_mb(), 1))  # flat across layers unless something leaks
             bar.advance()
         bar.close()
         if opts.lm_head:  # one more "layer": the head is loaded, quantized, written and freed (head.py)
@@ -235,6 +235,13 @@ def _status_mb(field: str) -> float:
 
 def current_rss_mb() -> float:
     return _status_mb("VmRSS:")
+
+
+def anonymous_rss_mb() -> float:
+    """Resident memory the quantizer itself holds. VmRSS also counts the checkpoint's pages mapped from
+    disk: each layer read maps in that layer's file bytes, which stay resident (clean page cache the
+    kernel reclaims at will), so VmRSS climbs by one layer's file size a layer while the heap stays flat."""
+    return _status_mb("RssAnon:")
 
 
 def peak_rss_mb() -> float:
