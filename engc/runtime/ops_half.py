@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from engc.kernels import paged_attention as attention_ref
 from engc.kernels import rotary as rotary_ref
-from engc.kernels.paged_attention import gather_kv
+from engc.kernels.paged_attention import gather_kv, sequence_spans
 
 
 def rotate_rounded(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -69,11 +69,7 @@ def paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc, nu
                                              kv_scale=kv_scale)
     out = torch.empty_like(q)
     group = num_heads // num_kv_heads
-    for b in range(block_tables.shape[0]):
-        qs, qe = int(query_start_loc[b]), int(query_start_loc[b + 1])
-        ctx = int(context_lens[b])
-        if qe == qs:
-            continue
+    for b, qs, qe, ctx in sequence_spans(block_tables, context_lens, query_start_loc):
         n = qe - qs
         k, v = gather_kv(kv_cache, block_tables[b], ctx)
         qb = q[qs:qe].reshape(n, num_heads, head_dim).transpose(0, 1)[None]    # [1, H, n, D]

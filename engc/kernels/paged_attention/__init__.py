@@ -31,16 +31,20 @@ def gather_kv(kv_cache, block_table, context_len: int, kv_scale=None):
     return k, v  # [context_len, num_kv_heads, head_dim]
 
 
+def sequence_spans(block_tables, context_lens, query_start_loc):
+    """(sequence, first query row, end query row, context length) of each sequence with queries."""
+    for b in range(block_tables.shape[0]):
+        qs, qe = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        if qe > qs:
+            yield b, qs, qe, int(context_lens[b])
+
+
 def paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc,
                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                     sliding_window: int = 0, kv_scale=None) -> torch.Tensor:
     out = torch.empty_like(q)
     group = num_heads // num_kv_heads
-    for b in range(block_tables.shape[0]):
-        qs, qe = int(query_start_loc[b]), int(query_start_loc[b + 1])
-        ctx = int(context_lens[b])
-        if qe == qs:
-            continue
+    for b, qs, qe, ctx in sequence_spans(block_tables, context_lens, query_start_loc):
         k, v = gather_kv(kv_cache, block_tables[b], ctx, kv_scale)
         qb = q[qs:qe].reshape(qe - qs, num_heads, head_dim).float().transpose(0, 1)  # [H, n, D]
         k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)                 # [H, ctx, D]
