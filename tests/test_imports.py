@@ -55,7 +55,7 @@ def test_loading_the_serving_side_loads_no_compiler():
     code = ("import sys, engc.cli, engc.llm, engc.cuda.records\n"
             "import engc.runtime.engine, engc.runtime.loader, engc.runtime.gpu_ops, engc.runtime.server.app\n"
             + "".join(f"import engc.kernels.{op}\n" for op in ops) +
-            f"bad = [m for m in sys.modules if m.split('.')[0] in ('triton', 'transformers', 'gguf')"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('triton', 'transformers', 'gguf')"
             " or m.startswith('engc.compiler')]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

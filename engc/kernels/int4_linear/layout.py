@@ -29,13 +29,6 @@ PACK = 8    # nibbles per int32 word
 CHUNK = 32  # inputs per 16-byte chunk (4 words)
 
 
-def _chunk_order(k: int) -> torch.Tensor:
-    """Input index held by each (word, nibble) slot, in storage order: [K // 8, 8]."""
-    w = torch.arange(k // PACK).view(-1, 1)
-    j = torch.arange(PACK).view(1, -1)
-    return (w // 4) * CHUNK + 4 * j + w % 4
-
-
 def check_shape(k: int, group_size: int) -> str | None:
     """Why the engc int4 layout cannot hold a K-in projection in groups of group_size, or None."""
     if k % CHUNK:
