@@ -27,6 +27,7 @@ class App(click.Group):
             _usage_error(e)
 
     def invoke(self, ctx):
+        # a subcommand's own flags are parsed, and an unknown command found, inside Group.invoke
         try:
             return super().invoke(ctx)
         except _HELP:
@@ -85,9 +86,10 @@ def build(src, out, arch, dtype, kernel_cache, quant, kv_cache, tune_file, as_js
     from engc.bundle.manifest import parse_archs
     from engc.compiler.build import BuildOptions
     from engc.compiler.build import build as build_bundle
+    from engc.compiler.tune import read_tune_file
     from engc.progress import Progress
     opts = BuildOptions(archs=tuple(parse_archs(arch)), dtype=dtype, kernel_cache=kernel_cache, quant=quant,
-                        kv_cache=kv_cache, tune=read_tune(tune_file) if tune_file else None)
+                        kv_cache=kv_cache, tune=read_tune_file(tune_file) if tune_file else None)
     summary = build_bundle(src, out, opts, Progress(enabled=not as_json))
     if as_json:
         click.echo(json.dumps(summary, sort_keys=True))
@@ -95,36 +97,6 @@ def build(src, out, arch, dtype, kernel_cache, quant, kv_cache, tune_file, as_js
         click.echo(f"built {summary['bundle']}: {summary['model']} ({summary['family']}, {summary['dtype']}, "
                    f"archs {','.join(summary['archs'])}, {summary['kernels']} kernels, "
                    f"{summary['bytes'] / 1e6:.1f} MB) in {summary['seconds']}s")
-
-
-def read_tune(path: Path) -> dict:
-    """--tune FILE: the JSON tune overrides, checked (one clear line for a missing file, bad JSON or a key
-    or field the table does not have)."""
-    from engc.compiler.tune import check_overrides
-    try:
-        entries = json.loads(path.read_text())
-    except OSError as e:
-        raise UserError(f"--tune {path}: cannot read it ({e.strerror or e})") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"--tune {path}: not JSON ({e.msg} at line {e.lineno})") from None
-    _warn_other_compiler(entries, path)
-    return check_overrides(entries, f"--tune {path}")
-
-
-def _warn_other_compiler(entries, path: Path) -> None:
-    """An `engc tune` file ranks kernels compiled by the Triton its _meta names; this build compiles with its
-    own, and a config's speed can differ between two Triton versions (bench/results/HISTORY.md)."""
-    from importlib.metadata import PackageNotFoundError, version
-    meta = entries.get("_meta") if isinstance(entries, dict) else None
-    measured = meta.get("triton") if isinstance(meta, dict) else None
-    try:
-        here = version("triton")
-    except PackageNotFoundError:
-        return
-    if measured and measured != here:
-        click.echo(f"engc: warning: --tune {path} was measured on kernels compiled by Triton {measured}; this build "
-                   f"compiles with Triton {here}, so its ranking may not hold (engc tune --prepare here, "
-                   "--from on the GPU)", err=True)
 
 
 @main.command(name="tune")

@@ -313,7 +313,7 @@ def test_prepare_compiles_what_a_build_ships(config_only, tmp_path, monkeypatch)
 
 def test_read_tune_warns_of_another_compiler(tmp_path, capsys):
     import triton
-    from engc.cli import read_tune
+    from engc.compiler.tune import read_tune_file as read_tune
     f = tmp_path / "t.json"
     entries = {"sm90/silu_mul/*/any": {"BLOCK": 512}}
     f.write_text(json.dumps({**entries, "_meta": {"triton": "3.6.0"}}))

@@ -8,9 +8,13 @@ build (check_overrides, overridden).
 """
 from __future__ import annotations
 
+import json
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 from engc.compiler.tune.table import ARCHS, PDL, SM_COUNT, TUNE  # noqa: F401  (the package's API)
+from engc.errors import UserError
 
 # The row classes each op's builds compile (each a bucket of the table). Buckets of the table outside these
 # are kept for sweeps and tests, not built: the gemv's m<=4 and m<=16, fp8_linear's m<=128 and m<=256.
@@ -78,7 +82,6 @@ def check_overrides(entries, where: str = "--tune") -> dict:
     FILE`), checked: every key an entry of the table, every field one that entry has (or PDL), every value
     a number, string, bool or list of them. Typos would otherwise be ignored silently. Returns the entries
     without META_KEY."""
-    from engc.errors import UserError
     if not isinstance(entries, dict):
         raise UserError(f"{where}: expected a JSON object of tune entries, got {type(entries).__name__}")
     entries = {key: fields for key, fields in entries.items() if key != META_KEY}
@@ -107,3 +110,32 @@ def overridden(entries: dict | None):
     finally:
         for key, entry in saved.items():
             TUNE[key] = entry
+
+
+def read_tune_file(path: Path) -> dict:
+    """--tune FILE: the JSON tune overrides, checked (one clear line for a missing file, bad JSON or a key
+    or field the table does not have)."""
+    try:
+        entries = json.loads(path.read_text())
+    except OSError as e:
+        raise UserError(f"--tune {path}: cannot read it ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"--tune {path}: not JSON ({e.msg} at line {e.lineno})") from None
+    _warn_other_compiler(entries, path)
+    return check_overrides(entries, f"--tune {path}")
+
+
+def _warn_other_compiler(entries, path: Path) -> None:
+    """An `engc tune` file ranks kernels compiled by the Triton its _meta names; this build compiles with its
+    own, and a config's speed can differ between two Triton versions (bench/results/HISTORY.md)."""
+    from importlib.metadata import PackageNotFoundError, version
+    meta = entries.get("_meta") if isinstance(entries, dict) else None
+    measured = meta.get("triton") if isinstance(meta, dict) else None
+    try:
+        here = version("triton")
+    except PackageNotFoundError:
+        return
+    if measured and measured != here:
+        print(f"engc: warning: --tune {path} was measured on kernels compiled by Triton {measured}; this build "
+              f"compiles with Triton {here}, so its ranking may not hold (engc tune --prepare here, "
+              "--from on the GPU)", file=sys.stderr)
