@@ -241,7 +241,7 @@ def _patch_interpreter_fp8_cast():
 
 def _run_cases() -> dict:
     from engc.bundle.model_config import ModelConfig
-    from engc.compiler.codegen.specs import fp8_quant_specs
+    from engc.kernels.fp8_quant.specs import fp8_quant_specs
     from engc.kernels.fp8_quant import launch, quantize_rows
     out = {}
     for name, rows, k, dtype in [("fp32_k96", 5, 96, torch.float32), ("bf16_k96", 7, 96, torch.bfloat16),

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from interpreted import interpreted_report
+from engc.kernels.fp8_linear import specs as fp8_linear_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 # name: (M, N, K, quant_x, bias, output dtype, split overrides). A float32 output isolates the GEMM's math
@@ -81,14 +82,14 @@ def test_fp8_linear_specs_only_in_fp8_builds():
     # fused-quant variants only for classes whose tune entry asks (none since the H200 sweep: slower)
     assert all(s.launch["max_m"] <= 16 and tune.lookup("sm90", "fp8_linear", "*", f"m<={s.launch['max_m']}")[1]
                ["fuse_quant"] for s in specs if s.constexprs["QUANT_X"])
-    assert len(specs) - len(fused) == 2 * len(tune.FP8_LINEAR_M_CLASSES)   # K 4096 and 14336, every class
+    assert len(specs) - len(fused) == 2 * len(fp8_linear_kernels.M_CLASSES)   # K 4096 and 14336, every class
     assert not [s for s in model_specs(_llama8b(), torch.bfloat16, "sm90", 16) if s.op == "fp8_linear"]
 
 
 def test_fp8_linear_compiles_to_fp8_wgmma():
     pytest.importorskip("triton")
     from engc.compiler.codegen.record import compile_specs
-    from engc.compiler.codegen.decode_gemm_specs import fp8_linear_specs
+    from engc.kernels.fp8_linear.specs import fp8_linear_specs
     specs = fp8_linear_specs(_llama8b(), "bf16", "sm90", {"m<=16": {"fuse_quant": True}},
                              classes=("m<=16", "m<=64"))   # the fused variant too (off in the tune table)
     specs = [s for s in specs if s.constexprs["K"] == 14336]

@@ -86,7 +86,10 @@ def _run_cases() -> dict:
     then the activation quant's reference (bit-exact with fp8_quant_kernel, tests/test_fp8.py). Not against
     torch's norm: the kernel's rstd differs from torch.rsqrt in the last bit, the same with or without fp8."""
     from engc.bundle.model_config import ModelConfig
-    from engc.compiler.codegen.specs import TRITON_DTYPE, fp8_quant_specs, rms_norm_specs, silu_mul_specs
+    from engc.compiler.codegen.kernel_spec import TRITON_DTYPE, Build
+    from engc.kernels.fp8_quant.specs import fp8_quant_specs
+    from engc.kernels.rms_norm.specs import rms_norm_specs
+    from engc.kernels.silu_mul import specs as silu_mul_kernels
     from engc.kernels import fp8_quant, rms_norm, silu_mul
     from engc.kernels.fp8_quant import quantize_rows
     from test_fp8 import _patch_interpreter_fp8_cast
@@ -110,7 +113,7 @@ def _run_cases() -> dict:
         residual_ok = True
         if op == "silu":
             quant = {s.variant: s for s in fp8_quant_specs(cfg, t, "sm90")}
-            plain = {s.variant: s for s in silu_mul_specs(cfg, t, "sm90")}
+            plain = {s.variant: s for s in silu_mul_kernels.specs(Build(cfg=cfg, t=t, arch="sm90", block_size=16))}
             y = torch.empty(rows, width, dtype=dtype)
             _run(plain, silu_mul.launch(x, y, {v: s.launch for v, s in plain.items()}))
             launches = fp8_quant.launch(x, q, scale, silu=True)

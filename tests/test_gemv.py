@@ -121,7 +121,7 @@ def test_8b_shares_one_plain_kernel_and_gives_gate_up_its_own():
 
 
 def test_per_n_pick_keeps_old_records_and_refuses_overlapping_classes():
-    from engc.compiler.codegen.decode_gemm_specs import gemv_specs
+    from engc.kernels.gemv.specs import gemv_specs
     from engc.kernels import gemv
     # records of older bundles carry no n_ranges: any N, N known or not, as before
     old = {"k64_m1": {"K": 64, "SILU": False, "max_m": 1}, "k64_m4": {"K": 64, "SILU": False, "max_m": 4}}
@@ -143,7 +143,7 @@ def test_per_n_pick_keeps_old_records_and_refuses_overlapping_classes():
 def _check(dtype, n, k, silu, overrides):
     import torch
     from engc.bundle.model_config import ModelConfig
-    from engc.compiler.codegen.decode_gemm_specs import gemv_specs
+    from engc.kernels.gemv.specs import gemv_specs
     from engc.compiler.codegen.kernel_spec import TRITON_DTYPE
     from engc.kernels import gemv
 
@@ -175,7 +175,7 @@ def _check_plain(dtype, n, k):
     """The per-N plain kernel the model's specs build for a (K, N) projection, at M=1 (its only M)."""
     import torch
     from engc.bundle.model_config import ModelConfig
-    from engc.compiler.codegen.decode_gemm_specs import gemv_specs
+    from engc.kernels.gemv.specs import gemv_specs
     from engc.compiler.codegen.kernel_spec import TRITON_DTYPE
     from engc.kernels import gemv
 

@@ -16,14 +16,15 @@ from engc.bundle.model_config import ModelConfig
 from engc.compiler import tune
 from engc.compiler.codegen import cuda, cuda_gemv
 from engc.compiler.codegen.record import CodegenResult
-from engc.compiler.codegen.specs import paged_attention_specs
+from engc.kernels.paged_attention.specs import paged_attention_specs
 from engc.kernels import gemv
+from engc.kernels.gemv import specs as gemv_kernels
 
 ARCHS = ["sm80", "sm90"]
 SHAPE = ModelConfig(family="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=1,
                     num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4,
                     max_position_embeddings=256, tie_word_embeddings=True, qk_norm=False)
-CLASS = tune.GEMV_CUDA_M_CLASSES[-1]
+CLASS = gemv_kernels.CUDA_M_CLASSES[-1]
 TURN_ON = {CLASS: {"plain": True, "silu": True}}
 needs_nvcc = pytest.mark.skipif(cuda.nvcc_path() is None, reason="nvcc is not installed")
 

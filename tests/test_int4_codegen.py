@@ -17,7 +17,7 @@ _TORCH = {"bf16": torch.bfloat16, "fp32": torch.float32, "i32": torch.int32, "u8
 def records():
     pytest.importorskip("triton")
     from engc.compiler.codegen.record import compile_specs
-    from engc.compiler.codegen.specs import int4_linear_specs
+    from engc.kernels.int4_linear.specs import int4_linear_specs
     specs = [s for arch in ("sm80", "sm90") for s in int4_linear_specs("bf16", arch, (64,))]
     return compile_specs(specs, jobs=2).records
 
@@ -40,7 +40,7 @@ def test_no_int4_kernels_without_int4_projections():
 
 
 def test_group_size_the_layout_cannot_take_is_one_line():
-    from engc.compiler.codegen.specs import int4_linear_specs
+    from engc.kernels.int4_linear.specs import int4_linear_specs
     from engc.errors import UserError
     with pytest.raises(UserError, match="not a multiple of 32"):
         int4_linear_specs("bf16", "sm90", (48,))

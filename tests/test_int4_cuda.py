@@ -168,7 +168,7 @@ def test_early_w_requests_the_first_tile_before_the_pdl_wait():
 
 
 def test_selected_only_where_enabled():
-    from engc.compiler.codegen.specs import int4_linear_specs
+    from engc.kernels.int4_linear.specs import int4_linear_specs
     triton_specs = int4_linear_specs("bf16", "sm90", (128, 32))
     no_wide = {"gemv_wide16": {"enabled": False}, "gemv_wide32": {"enabled": False}}
     off, _ = cuda_int4.selected_int4_specs(triton_specs, {"gemv": {"enabled": False}, "dequant": {"enabled": False},
@@ -190,7 +190,7 @@ def test_selected_only_where_enabled():
 def test_a_projection_shape_gets_its_own_build_where_the_table_has_one():
     """gemv_n{N}_k{K} entries (the 8B's qkv on sm90): built only for a model with that shape, as variant
     cuda_g{G}_n{N}_k{K}, and preferred by the launch rule for that shape up to its max_m."""
-    from engc.compiler.codegen.specs import int4_linear_specs
+    from engc.kernels.int4_linear.specs import int4_linear_specs
     triton_specs = int4_linear_specs("bf16", "sm90", (128,))
     no_dq = {"dequant": {"enabled": False}}
     specs, notes = cuda_int4.selected_int4_specs(triton_specs, no_dq, shapes={(6144, 4096), (4096, 4096)})
@@ -367,7 +367,7 @@ def test_packed_words_are_made_at_load_for_what_the_builds_will_read(tiny_dir, t
     from engc.bundle.program import parse_program
     from engc.bundle.reader import open_bundle
     from engc.compiler.build import BuildOptions, build
-    from engc.compiler.codegen.specs import int4_linear_specs
+    from engc.kernels.int4_linear.specs import int4_linear_specs
     from engc.compiler.quantize import QuantOptions
     from engc.compiler.quantize.stream import quantize_checkpoint
     from engc.runtime.quant_ops import prepack_int4
@@ -474,7 +474,7 @@ def test_wide_builds_serve_the_rows_the_first_cannot():
     assert cuda_int4.int4_gemv_spec(128, "bf16", "sm90", dict(ON, max_m=40), "gemv_wide32")[0] is None
     assert cuda_int4.int4_gemv_spec(128, "bf16", "sm90", dict(ON, max_m=24), "gemv_wide16")[0] is None
     # on in the table for sm80 and sm90; each can be turned off alone
-    from engc.compiler.codegen.specs import int4_linear_specs
+    from engc.kernels.int4_linear.specs import int4_linear_specs
     triton_specs = int4_linear_specs("bf16", "sm90", (128,))
     assert sorted(s.variant for s in cuda_int4.selected_int4_specs(triton_specs, {"dequant": {"enabled": False}})[0]) \
         == ["cuda_g128", "cuda_silu_g128", "cuda_wide16_g128", "cuda_wide32_g128"]
@@ -520,7 +520,7 @@ def test_build_adds_the_cuda_gemv_where_enabled(monkeypatch):
     if cuda.nvcc_path() is None:
         pytest.skip("nvcc not found")
     from engc.compiler.codegen.record import CodegenResult
-    from engc.compiler.codegen.specs import int4_linear_specs
+    from engc.kernels.int4_linear.specs import int4_linear_specs
     from test_int4_codegen import TINY
     monkeypatch.setitem(tune.TUNE, "sm90/int4_linear/cuda/gemv",
                         dict(tune.TUNE["sm90/int4_linear/cuda/gemv"], enabled=True))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from interpreted import interpreted_report
+from engc.kernels.int4_gemm import specs as int4_gemm_kernels
 
 SPLIT = {"target_programs": 8, "min_split_k_tiles": 1}
 # name: (M, N, K, group, dtype, BLOCK_M, BLOCK_N, BLOCK_K, split overrides)
@@ -114,7 +115,7 @@ def test_int4_build_specs_follow_the_tune_table():
     def gemm(arch, **kw):
         return {s.variant: s for s in model_specs(_llama8b(), torch.bfloat16, arch, 16, **kw) if s.op == "int4_gemm"}
 
-    on = [b for b in tune.INT4_GEMM_M_CLASSES if tune.TUNE[f"sm90/int4_gemm/*/{b}"]["enabled"]]
+    on = [b for b in int4_gemm_kernels.M_CLASSES if tune.TUNE[f"sm90/int4_gemm/*/{b}"]["enabled"]]
     specs = gemm("sm90", int4_group_sizes=(128,))
     assert {s.launch["max_m"] for s in specs.values()} == {int(b[3:]) for b in on}
     assert {s.constexprs["K"] for s in specs.values()} == ({4096, 14336} if on else set())
@@ -127,7 +128,7 @@ def test_int4_build_specs_follow_the_tune_table():
 def test_compiles_for_sm80_and_sm90(arch):
     pytest.importorskip("triton")
     from engc.compiler.codegen.record import compile_specs
-    from engc.compiler.codegen.specs import int4_gemm_specs
+    from engc.kernels.int4_gemm.specs import int4_gemm_specs
     specs = int4_gemm_specs(_llama8b(), "bf16", arch, (128,), enabled_only=False, classes=("m<=32",))
     result = compile_specs(specs, jobs=1)
     assert {r["variant"] for r in result.records} == {"k4096_g128_m32", "k14336_g128_m32"}

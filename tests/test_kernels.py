@@ -118,7 +118,7 @@ def check_rms_norm(dtype):
     # dtype, then as above; in float32 the residual sum is exact (the same adds in the same order; the
     # interpreter's bf16 conversions do not round as the GPU's do, so bf16 gets the tolerance)
     from engc.compiler.codegen.kernel_spec import TRITON_DTYPE
-    from engc.compiler.codegen.specs import rms_norm_specs
+    from engc.kernels.rms_norm.specs import rms_norm_specs
     specs = {s.variant: s for s in rms_norm_specs(cfg, TRITON_DTYPE[dtype], "sm90", partials=True)}
     parts = torch.randn(3, 7, 200)
     summed = (parts[0] + parts[1] + parts[2]).to(dtype)

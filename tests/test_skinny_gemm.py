@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from interpreted import interpreted_report
+from engc.kernels.skinny_gemm import specs as skinny_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 SPLIT = {"target_programs": 8, "min_split_k_tiles": 1}
@@ -88,13 +89,13 @@ def _enable(*classes, arch="sm90"):
 
 def test_specs_only_where_enabled():
     from engc.compiler import tune
-    from engc.compiler.codegen.decode_gemm_specs import skinny_gemm_specs
+    from engc.kernels.skinny_gemm.specs import skinny_gemm_specs
     from engc.compiler.codegen.specs import model_specs
 
     def skinny(**kw):
         return {s.variant: s for s in model_specs(_llama8b(), torch.bfloat16, "sm90", 16, **kw) if s.op == "skinny_gemm"}
 
-    assert not any(tune.TUNE[f"sm90/skinny_gemm/*/{c}"]["enabled"] for c in tune.SKINNY_GEMM_M_CLASSES)
+    assert not any(tune.TUNE[f"sm90/skinny_gemm/*/{c}"]["enabled"] for c in skinny_kernels.M_CLASSES)
     # the table's per-K entries (the 8B's widths at 9-32 rows, measured on the H200) are on by themselves ...
     own = skinny()
     assert {v: (s.launch["min_m"], s.launch["max_m"]) for v, s in own.items()} == {
@@ -125,7 +126,7 @@ def test_specs_only_where_enabled():
 def test_compiles_for_sm80_and_sm90(arch):
     pytest.importorskip("triton")
     from engc.compiler.codegen.record import compile_specs
-    from engc.compiler.codegen.decode_gemm_specs import skinny_gemm_specs
+    from engc.kernels.skinny_gemm.specs import skinny_gemm_specs
     specs = skinny_gemm_specs(_llama8b(), "bf16", arch, classes=("m<=32",), enabled_only=False)
     result = compile_specs(specs, jobs=1)
     assert {r["variant"] for r in result.records} == {"k4096_m32", "silu_k14336_m32"}

@@ -5,6 +5,10 @@ import pytest
 
 from engc.compiler import tune
 from engc.compiler.tune import table
+from engc.kernels.skinny_gemm import specs as skinny_kernels
+from engc.kernels.int4_gemm import specs as int4_gemm_kernels
+from engc.kernels.gemv import specs as gemv_kernels
+from engc.kernels.fp8_linear import specs as fp8_linear_kernels
 
 
 def test_every_entry_has_a_reason_and_every_built_class_an_entry():
@@ -13,13 +17,13 @@ def test_every_entry_has_a_reason_and_every_built_class_an_entry():
         assert rows and all(len(r["why"]) >= 20 and "\n" not in r["why"] for r in rows)
         assert len({r["key"] for r in rows}) == len(rows)
     for arch in tune.ARCHS:
-        for bucket in (*tune.GEMV_M_CLASSES, *tune.GEMV_PLAIN_CLASSES):
+        for bucket in (*gemv_kernels.M_CLASSES, *gemv_kernels.PLAIN_CLASSES):
             assert f"{arch}/gemv/*/{bucket}" in tune.TUNE
-        for bucket in tune.SKINNY_GEMM_M_CLASSES:
+        for bucket in skinny_kernels.M_CLASSES:
             assert f"{arch}/skinny_gemm/*/{bucket}" in tune.TUNE
-        for bucket in tune.INT4_GEMM_M_CLASSES:
+        for bucket in int4_gemm_kernels.M_CLASSES:
             assert f"{arch}/int4_gemm/*/{bucket}" in tune.TUNE
-    for bucket in tune.FP8_LINEAR_M_CLASSES:
+    for bucket in fp8_linear_kernels.M_CLASSES:
         assert f"sm90/fp8_linear/*/{bucket}" in tune.TUNE
 
 

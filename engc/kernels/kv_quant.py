@@ -53,3 +53,18 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return codes.float() * scales[..., None]
+
+
+KV_TRITON_DTYPE = {torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def kernel_args(t: str, kv: torch.dtype | None) -> tuple[dict, dict]:
+    """(argument types, constexprs) of the KV-cache parameters of the rotary and attention kernels: codes and
+    scale pointers for a quantized cache; the model dtype t, the scale pointers fixed to None (no
+    parameters) otherwise. kv: the cache's code dtype or None."""
+    if kv is None:
+        return ({"k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}"},
+                {"k_scale_ptr": None, "v_scale_ptr": None, "KV_QUANT": 0})
+    c = KV_TRITON_DTYPE[kv]
+    return ({"k_cache_ptr": f"*{c}", "v_cache_ptr": f"*{c}", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"},
+            {"KV_QUANT": KV_QUANT_CODE[kv]})

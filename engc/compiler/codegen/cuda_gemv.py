@@ -12,6 +12,7 @@ from __future__ import annotations
 from engc.bundle.model_config import ModelConfig
 from engc.compiler import tune
 from engc.compiler.codegen.cuda import C_TYPE, MMA_TYPE, CudaKernelSpec
+from engc.kernels.gemv import specs as gemv_kernels
 
 LAUNCH_KEYS = ("K", "SILU", "max_m", "max_n", "BLOCK_N", "BLOCK_K", "target_programs", "max_splits",
                "min_split_k_tiles")
@@ -59,7 +60,7 @@ def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None) -> tuple[lis
     specs, notes = [], []
     if t not in MMA_TYPE:
         return specs, notes   # float32 bundles keep cuBLAS, as with the Triton GEMV
-    for bucket in tune.GEMV_CUDA_M_CLASSES:
+    for bucket in gemv_kernels.CUDA_M_CLASSES:
         _, entry = tune.lookup(arch, "gemv", "cuda", bucket, (overrides or {}).get(bucket))
         kinds = {(cfg.hidden_size, False), (cfg.q_size, False)} if entry["plain"] else set()
         kinds |= {(cfg.intermediate_size, True)} if entry["silu"] else set()

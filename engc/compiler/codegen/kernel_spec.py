@@ -1,5 +1,6 @@
-"""KernelSpec: one Triton kernel to compile, per (op, variant) and arch, and make_spec, the one way the spec
-builders (specs.py, decode_gemm_specs.py) fill it from the tune table.
+"""KernelSpec: one Triton kernel to compile, per (op, variant) and arch; make_spec, the one way an op's spec
+builder (engc/kernels/<op>/specs.py) fills it from the tune table; Build, the facts of one model's build on
+one arch that every builder reads.
 
 A spec names the Triton function by module and attribute (so records and tests can find it), gives the
 type of every runtime parameter in the kernel's own order, the constexpr values, and the tune entry.
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engc.bundle.model_config import ModelConfig
 from engc.compiler import tune
 
 TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -66,3 +68,26 @@ def make_spec(op, variant, arch, fn_name, arg_types, constexprs, bucket, launch_
     return KernelSpec(op=op, variant=variant, arch=arch, module=module, fn_name=fn_name,
                       arg_types=arg_types, constexprs=consts, num_warps=entry["num_warps"],
                       num_stages=entry["num_stages"], tune_key=key, tune=entry, launch=launch)
+
+
+@dataclass(frozen=True)
+class Build:
+    """What one build decides on one arch, as each op's `specs(b)` reads it to say which kernels it needs
+    (none, where the model does not use the op)."""
+    cfg: ModelConfig
+    t: str                              # the model's Triton dtype: bf16, fp16 or fp32
+    arch: str
+    block_size: int                     # the KV cache's page (tokens a block)
+    quant: str = "none"                 # --quant: 'fp8' makes the layers' projections FP8Linear
+    kv: torch.dtype | None = None       # a quantized KV cache's code dtype (--kv-cache int8|fp8), else None
+    int4_group_sizes: tuple = ()        # group sizes of the program's int4 QLinears
+    int4_lm_head: bool = False          # the lm_head is a QLinear too: no dense Gemm is left
+    overrides: dict = field(default_factory=dict)   # op -> tune overrides (bench sweeps)
+
+    def ov(self, op: str):
+        return self.overrides.get(op)
+
+    @property
+    def dense_layers(self) -> bool:
+        """The layers' projections are dense Gemms (not FP8Linear, not QLinear)."""
+        return self.quant != "fp8" and not self.int4_group_sizes

@@ -16,17 +16,6 @@ from pathlib import Path
 from engc.compiler.tune.table import ARCHS, PDL, SM_COUNT, TUNE  # noqa: F401  (the package's API)
 from engc.errors import UserError
 
-# The row classes each op's builds compile (each a bucket of the table). Buckets of the table outside these
-# are kept for sweeps and tests, not built: the gemv's m<=4 and m<=16, fp8_linear's m<=128 and m<=256.
-GEMV_M_CLASSES = ("m<=1",)
-# plain projections at batch 1: the first class whose `serves` regions hold (K, N) serves it, else cuBLAS
-GEMV_PLAIN_CLASSES = ("m<=1/n4k1024w4", "m<=1/n8k512w2")
-GEMV_CUDA_M_CLASSES = ("m<=8",)
-SKINNY_GEMM_M_CLASSES = ("m<=16", "m<=32", "m<=64")
-FP8_LINEAR_M_CLASSES = ("m<=16", "m<=32", "m<=64")
-INT4_GEMM_M_CLASSES = ("m<=16", "m<=32", "m<=64", "m<=128", "m<=256")
-
-
 def sm_count(arch: str) -> int:
     """The multiprocessors of the GPU the table's split targets (target_programs) assume for arch: A100 108,
     H100/H200 132 (engc tune --prepare plans for it unless --sms says otherwise)."""

@@ -1,8 +1,8 @@
 """What `engc tune` measures and how its measurements become `engc build --tune` entries. No GPU here.
 
-Shapes come from the model config through the build's own helpers (decode_gemm_specs.dense_projections for
+Shapes come from the model config through the build's own helpers (kernels/gemv/specs.py:dense_projections for
 the plain projections, the SiLU-fused down at K = intermediate, N = hidden); each candidate is a tune bucket
-plus the fields it sets, turned into a KernelSpec by decode_gemm_specs.gemv_specs exactly as a build under
+plus the fields it sets, turned into a KernelSpec by kernels/gemv/specs.py:gemv_specs exactly as a build under
 that override would make it.
 
 How a winner becomes an override (the tune table's structure decides):
@@ -29,6 +29,7 @@ import torch
 
 from engc.compiler import tune
 from engc.errors import UserError
+from engc.kernels.gemv import specs as gemv_kernels
 
 OPS = ("gemv", "silu_gemv")
 SILU_BUCKET = "m<=1"   # the M class whose entry builds the SiLU-fused down GEMV
@@ -129,7 +130,7 @@ def model_config(hf: dict):
 def model_shapes(cfg, ops, int4: bool = False, int4_lm_head: bool = False) -> list[Shape]:
     """The decode GEMV shapes a bundle of cfg runs at M=1 (an int4 checkpoint: the lm_head only; one with
     an int4 lm_head too: none)."""
-    from engc.compiler.codegen.decode_gemm_specs import dense_projections
+    from engc.kernels.gemv.specs import dense_projections
     names: dict[tuple[int, int], list[str]] = {}
     for kn, name in (((cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), "qkv"), ((cfg.q_size, cfg.hidden_size), "o"),
                      ((cfg.hidden_size, 2 * cfg.intermediate_size), "gate_up")):
@@ -150,7 +151,7 @@ def model_shapes(cfg, ops, int4: bool = False, int4_lm_head: bool = False) -> li
 
 def gemv_spec(cfg, dtype, arch: str, shape: Shape, cand: Candidate):
     """The KernelSpec a build under this candidate's override would compile for shape (None: cuBLAS)."""
-    from engc.compiler.codegen.decode_gemm_specs import gemv_specs
+    from engc.kernels.gemv.specs import gemv_specs
     from engc.compiler.codegen.kernel_spec import TRITON_DTYPE
     if cand.bucket is None:
         return None
@@ -173,7 +174,7 @@ def gemv_spec(cfg, dtype, arch: str, shape: Shape, cand: Candidate):
 def current_choice(cfg, dtype, arch: str, shape: Shape) -> Candidate:
     """What a build with the table as it is gives shape: the runtime's pick (kernels/gemv.pick) among the
     bundle's GEMV kernels, as a candidate with its fields spelled out; cuBLAS where none serves it."""
-    from engc.compiler.codegen.decode_gemm_specs import gemv_specs
+    from engc.kernels.gemv.specs import gemv_specs
     from engc.compiler.codegen.kernel_spec import TRITON_DTYPE
     from engc.kernels import gemv
     specs = gemv_specs(cfg, TRITON_DTYPE[dtype], arch)
@@ -206,7 +207,7 @@ def candidates(shape: Shape, current: Candidate, arch: str, sms: int) -> list[Ca
         out = [Candidate(None), current] + grid   # cuBLAS for the record (no override routes the down there)
     else:
         out = [Candidate(None), current]
-        for bucket in tune.GEMV_PLAIN_CLASSES:
+        for bucket in gemv_kernels.PLAIN_CLASSES:
             entry = tune.TUNE[f"{arch}/gemv/*/{bucket}"]
             for s, tp in itertools.product(sorted({*STAGES, entry["num_stages"]}),
                                            sorted({*targets, entry["target_programs"]})):
@@ -246,14 +247,14 @@ def _choose_plain(plan: TunePlan, shapes: list[Shape], time, margin: float) -> l
     more than margin from the change."""
     arch = plan.arch
     options = {b: sorted({c.fields for s in shapes for c in plan.candidates[s] if c.bucket == b})
-               for b in tune.GEMV_PLAIN_CLASSES}
-    stock = {b: table_fields(arch, b) for b in tune.GEMV_PLAIN_CLASSES}
+               for b in gemv_kernels.PLAIN_CLASSES}
+    stock = {b: table_fields(arch, b) for b in gemv_kernels.PLAIN_CLASSES}
 
     def routes(settings):
         out = {}
         for s in shapes:
             cur = plan.current[s]
-            opts = [Candidate(None)] + [Candidate(b, settings[b]) for b in tune.GEMV_PLAIN_CLASSES]
+            opts = [Candidate(None)] + [Candidate(b, settings[b]) for b in gemv_kernels.PLAIN_CLASSES]
             stay = Candidate(cur.bucket, settings[cur.bucket]) if cur.bucket else cur
             best = min(opts, key=lambda c: (time(s, c), c.bucket != cur.bucket))
             out[s] = best if time(s, best) < time(s, stay) * (1 - margin) else stay
@@ -267,7 +268,7 @@ def _choose_plain(plan: TunePlan, shapes: list[Shape], time, margin: float) -> l
     settings = min(combos, key=lambda st: (step_us(routes(st)),
                                            sum(x != y for b in st for x, y in zip(st[b], stock[b]))))
     r = routes(settings)
-    for b in tune.GEMV_PLAIN_CLASSES:   # a settings change must pay for itself on the shapes it serves
+    for b in gemv_kernels.PLAIN_CLASSES:   # a settings change must pay for itself on the shapes it serves
         mine = [s for s in shapes if r[s].bucket == b]
         if settings[b] != stock[b] and not (
                 sum(s.per_step * time(s, Candidate(b, settings[b])) for s in mine)
@@ -294,7 +295,7 @@ def overrides(plan: TunePlan, choices: list[Choice]) -> dict:
             out[key] = {"silu_by_n": [[c.shape.n, c.shape.n, dict(c.best.fields)], *rules]}
     plain = [c for c in choices if c.shape.op == "gemv"]
     rerouted = any(c.best.bucket != c.current.bucket for c in plain)
-    for b in tune.GEMV_PLAIN_CLASSES:
+    for b in gemv_kernels.PLAIN_CLASSES:
         key, fields = f"{arch}/gemv/*/{b}", {}
         chosen = {c.best.fields for c in plain if c.best.bucket == b}
         if len(chosen) > 1:

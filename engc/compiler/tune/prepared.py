@@ -27,6 +27,7 @@ import torch
 from engc.compiler import tune
 from engc.compiler.tune import plan as tp
 from engc.errors import UserError
+from engc.kernels.gemv import specs as gemv_kernels
 
 FORMAT = "engc-tune-prepare"
 VERSION = 2   # 2: records stored once per cubin, candidates keep their launch/tune differences
@@ -59,7 +60,7 @@ class Prepared:
 def table_digest(arch: str) -> str:
     """sha256 of the arch's gemv tune entries: what the current choice and the overrides are derived from."""
     gemv = {k: v for k, v in tune.TUNE.items() if k.startswith(f"{arch}/gemv/")}
-    blob = json.dumps([gemv, list(tune.GEMV_PLAIN_CLASSES)], sort_keys=True, default=list)
+    blob = json.dumps([gemv, list(gemv_kernels.PLAIN_CLASSES)], sort_keys=True, default=list)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
