@@ -27,7 +27,10 @@ def hf_greedy(folder, prompt_ids, n):
 @pytest.mark.parametrize("family,overrides", [
     ("llama", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}),
     ("mistral", {"sliding_window": 16}),
-], ids=["llama", "mistral", "qwen2", "qwen3", "mistral-sliding-window"])
+    ("mixtral", {}), ("qwen2_moe", {}), ("qwen3_moe", {}), ("olmoe", {}),
+    ("mixtral", {"router_ties": True}), ("qwen3_moe", {"router_ties": True}),
+], ids=["llama", "mistral", "qwen2", "qwen3", "mistral-sliding-window",
+        "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "mixtral-router-ties", "qwen3_moe-router-ties"])
 def test_greedy_matches_hf(family, overrides, tiny_dir, tiny_bundle):
     model = load(tiny_bundle(family, **overrides))
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]

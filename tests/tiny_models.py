@@ -20,6 +20,18 @@ FAMILIES = {
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32,
                   tie_word_embeddings=True),
+    # mixture of experts: top-2 of 4 renormalized; a shared expert and a dense layer (mlp_only_layers);
+    # norm_topk_prob with q/k norm; top-8 of 64 with q/k norm over the whole projection
+    "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4,
+                    num_experts_per_tok=2, tie_word_embeddings=False),
+    "qwen2_moe": dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False),
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=32,
+                      tie_word_embeddings=False),
+    "olmoe": dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], num_experts=64,
+                  num_experts_per_tok=8, intermediate_size=16, tie_word_embeddings=False),
 }
 
 
@@ -39,7 +51,11 @@ def make_tokenizer(folder: Path, vocab_size: int = 320) -> int:
     return tok.get_vocab_size()
 
 
-def make_tiny(family: str, folder: Path, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
+def make_tiny(family: str, folder: Path, seed: int = 0, dtype=torch.float32, router_ties: bool = False,
+              **overrides) -> Path:
+    """router_ties (MoE): routers where ties decide the top-k, so the choice among equal scores must be
+    torch.topk's as in HF: layer 0's first three router rows equal (top-2 picks two of three whenever they
+    lead), every other layer's router zero (all experts tie on every token)."""
     import transformers
     folder.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(folder)
@@ -55,6 +71,11 @@ def make_tiny(family: str, folder: Path, seed: int = 0, dtype=torch.float32, **o
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+            if router_ties and name.endswith("mlp.gate.weight"):
+                if name.startswith("model.layers.0."):
+                    p[1:3] = p[0]
+                else:
+                    p.zero_()
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 

@@ -29,6 +29,23 @@ class ModelConfig:
     sliding_window: int = 0           # 0: full attention
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # a mixture-of-experts MLP (0 experts: dense): experts a layer, routed a token, each one's intermediate
+    # size, and the always-on shared expert's (0: none); the routing variant is the MoE node's attributes
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    # what the layers compute beyond Llama's (Gemma, Phi-3); the program's nodes carry each as attributes
+    hidden_act: str = "silu"          # the MLP's GLU activation: silu, gelu_pytorch_tanh
+    attn_scale: float = 0.0           # q.k scale (0: head_dim ** -0.5); Gemma's query_pre_attn_scalar ** -0.5
+    attn_logit_softcap: float = 0.0   # attention scores capped to cap * tanh(score / cap) (0: none)
+    final_logit_softcap: float = 0.0  # the same on the logits
+    layer_windows: tuple[int, ...] = ()   # each layer's sliding window (0: global) where layers differ
+    local_rope_theta: float = 0.0     # the rope base of the layers with a window, where it differs (Gemma 3)
+    rotary_dim: int = 0               # the rotated width of a head where it is less than head_dim
+    norm_unit_offset: bool = False    # RMSNorm scales by (1 + weight) (Gemma)
+    sandwich_norms: bool = False      # attention and MLP outputs are normed before the residual add
+    embed_scale: float = 0.0          # the embedding is multiplied by this (Gemma: sqrt(hidden_size))
 
     @property
     def q_size(self) -> int:
@@ -41,6 +58,7 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["layer_windows"] = list(self.layer_windows)
         return d
 
     @classmethod
@@ -48,4 +66,5 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         d = {k: v for k, v in d.items() if k in known}
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        d["layer_windows"] = tuple(d.get("layer_windows") or ())
         return cls(**d)

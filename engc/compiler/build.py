@@ -92,6 +92,10 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
         cfg, graph = lower(ckpt, DTYPES[dtype_name])
         if fp8 and opts.archs != ("cpu",):
             check_fp8_shapes(cfg)
+        if cfg.num_experts and opts.archs != ("cpu",):
+            # the MoE op has a CPU binding only: a GPU bundle would have no kernel to run it
+            raise UserError(f"{cfg.family}: mixture-of-experts models build for --arch cpu only (no GPU MoE "
+                            f"kernels yet), not {','.join(a for a in opts.archs if a != 'cpu')}")
         for p in passes:
             graph = p(graph)
         graph.validate()

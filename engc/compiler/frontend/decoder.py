@@ -12,6 +12,7 @@ import torch
 from engc.bundle.model_config import ModelConfig
 from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.families import Family, family_of
+from engc.compiler.frontend.moe import expert_counts, is_moe_layer, lower_moe
 from engc.compiler.frontend.rope import inv_freq, rope_params
 from engc.compiler.ir import Graph
 from engc.errors import UserError
@@ -36,7 +37,8 @@ def resolve_config(hf: dict) -> ModelConfig:
             qk_norm=family.qk_norm, rope_scaling=scaling,
             sliding_window=_sliding_window(hf, family),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            **expert_counts(hf, family))
     except KeyError as e:
         raise UserError(f"config.json lacks {e.args[0]}, needed for a {family.name} model") from None
 
@@ -52,6 +54,7 @@ def _sliding_window(hf: dict, family: Family) -> int:
 
 def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
     cfg = resolve_config(ckpt.hf_config)
+    family = family_of(ckpt.hf_config)
     if cfg.num_heads % cfg.num_kv_heads:
         raise UserError(f"num_attention_heads {cfg.num_heads} is not a multiple of "
                         f"num_key_value_heads {cfg.num_kv_heads}")
@@ -68,9 +71,12 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
         hf, p = f"model.layers.{i}.", f"layers.{i}."
         h, residual = _norm(g, x, residual, weight(p + "attn_norm.weight", hf + "input_layernorm.weight"),
                             eps, f"{p}attn_in")
-        qkv = _concat(g, [_linear(g, h, weight, p + n, hf + f"self_attn.{n}_proj", cfg.qkv_bias,
-                                  cfg.hidden_size)
-                          for n in ("q", "k", "v")], p + "qkv")
+        qkv_parts = [_linear(g, h, weight, p + n, hf + f"self_attn.{n}_proj", cfg.qkv_bias, cfg.hidden_size)
+                     for n in ("q", "k", "v")]
+        if family.qk_norm_projection:
+            qkv_parts[:2] = [g.add("RMSNorm", [part, weight(f"{p}{n}_norm.weight", f"{hf}self_attn.{n}_norm.weight")],
+                                   f"{p}{n}.normed", eps=eps) for n, part in zip("qk", qkv_parts)]
+        qkv = _concat(g, qkv_parts, p + "qkv")
         if cfg.qk_norm:
             qkv = g.add("QKNorm", [qkv, weight(p + "q_norm.weight", hf + "self_attn.q_norm.weight"),
                                    weight(p + "k_norm.weight", hf + "self_attn.k_norm.weight")],
@@ -86,6 +92,9 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
         h, residual = _norm(g, x, residual, weight(p + "mlp_norm.weight",
                                                    hf + "post_attention_layernorm.weight"),
                             eps, f"{p}mlp_in")
+        if is_moe_layer(ckpt.hf_config, family, i):
+            x = lower_moe(g, h, ckpt, weight, family, ckpt.hf_config, i, dtype)
+            continue
         gate_up = _concat(g, [_linear(g, h, weight, p + n, hf + f"mlp.{n}_proj", False, cfg.hidden_size)
                               for n in ("gate", "up")], p + "gate_up")
         act = g.add("SiluMul", [gate_up], p + "act")

@@ -5,12 +5,62 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP (frontend/moe.py lowers it): where config.json and the checkpoint keep it."""
+    intermediate_key: str = "moe_intermediate_size"   # config.json key of each expert's intermediate size
+    # per-expert checkpoint tensors: model.layers.{i}.{block}.experts.{e}.{gate,up,down}.weight
+    block: str = "mlp"
+    gate_up_down: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # the top-k weights divided by their sum: always (True), never (False), or as a config.json key says
+    renormalize: bool | str = "norm_topk_prob"
+    # config.json key of the shared expert's intermediate size (Qwen2-MoE: one more expert on every token,
+    # behind a sigmoid gate); None: the family has none
+    shared_expert_key: str | None = None
+    # some layers keep a dense MLP (Qwen-MoE's decoder_sparse_step and mlp_only_layers)
+    dense_layers: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     qkv_bias: bool = False
     qk_norm: bool = False
     # config.json key that, when true, turns the sliding window on (None: always on when set)
     sliding_window_switch: str | None = None
+    # OLMoE: q and k normed each as one vector over all heads (RMSNorm of the whole projection), not per head
+    qk_norm_projection: bool = False
+    experts: Experts | None = None    # a mixture-of-experts MLP in place of the dense one
+    # checkpoint tensor names: "llama" (HF Llama's), "phi3" (fused qkv_proj and gate_up_proj) or "internlm2"
+    # (grouped wqkv, w1/w3/w2); frontend/layouts.py maps each onto Llama's
+    layout: str = "llama"
+    qkv_bias_key: str = "attention_bias"    # config.json key that puts a bias on q, k and v
+    # config.json keys that must be false or absent: biases engc has no input for (InternLM's o_proj/MLP `bias`)
+    refused_true: tuple[str, ...] = ()
+    # Gemma: every RMSNorm scales by (1 + weight); each block also norms its attention and MLP outputs
+    # before the residual add ("sandwich"); the embedding is multiplied by sqrt(hidden_size)
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    scaled_embedding: bool = False
+    # one global layer every N, the others local (sliding window), for a config.json without layer_types
+    # (0: every layer alike)
+    sliding_window_pattern: int = 0
+    # a multimodal config whose text_config is the model engc builds (Gemma 3: the vision tower is left out)
+    text_config: bool = False
+    # transformers' config-class defaults of keys that released config.json files leave out
+    defaults: tuple[tuple[str, object], ...] = ()
+
+
+_GEMMA = dict(norm_unit_offset=True, sandwich_norms=True, scaled_embedding=True)
+# Gemma3TextConfig's defaults: a gemma3 checkpoint's text_config lists only what differs from them
+_GEMMA3_DEFAULTS = (("vocab_size", 262208), ("hidden_size", 2304), ("intermediate_size", 9216),
+                    ("num_hidden_layers", 26), ("num_attention_heads", 8), ("num_key_value_heads", 4),
+                    ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
+                    ("max_position_embeddings", 131072), ("rms_norm_eps", 1e-6), ("rope_theta", 1_000_000.0),
+                    ("rope_local_base_freq", 10_000.0), ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
+                    ("tie_word_embeddings", True), ("bos_token_id", 2), ("eos_token_id", 1))
+_GEMMA2_DEFAULTS = (("hidden_activation", "gelu_pytorch_tanh"), ("head_dim", 256), ("rms_norm_eps", 1e-6),
+                    ("query_pre_attn_scalar", 256), ("sliding_window", 4096), ("final_logit_softcapping", 30.0),
+                    ("attn_logit_softcapping", 50.0), ("tie_word_embeddings", True))
 
 
 FAMILIES = {
@@ -18,6 +68,20 @@ FAMILIES = {
     "mistral": Family("mistral"),
     "qwen2": Family("qwen2", qkv_bias=True, sliding_window_switch="use_sliding_window"),
     "qwen3": Family("qwen3", qk_norm=True, sliding_window_switch="use_sliding_window"),
+    "mixtral": Family("mixtral", experts=Experts(intermediate_key="intermediate_size", block="block_sparse_moe",
+                                                 gate_up_down=("w1", "w3", "w2"), renormalize=True)),
+    "qwen2_moe": Family("qwen2_moe", qkv_bias=True, sliding_window_switch="use_sliding_window",
+                        experts=Experts(shared_expert_key="shared_expert_intermediate_size", dense_layers=True)),
+    "qwen3_moe": Family("qwen3_moe", qk_norm=True, sliding_window_switch="use_sliding_window",
+                        experts=Experts(dense_layers=True)),
+    "olmoe": Family("olmoe", qk_norm_projection=True, experts=Experts(intermediate_key="intermediate_size")),
+    "gemma2": Family("gemma2", sliding_window_pattern=2, defaults=_GEMMA2_DEFAULTS, **_GEMMA),
+    "gemma3_text": Family("gemma3_text", qk_norm=True, sliding_window_pattern=6, defaults=_GEMMA3_DEFAULTS,
+                          **_GEMMA),
+    "gemma3": Family("gemma3", text_config=True),   # its text_config is a gemma3_text model
+    "phi3": Family("phi3", layout="phi3"),
+    "internlm3": Family("internlm3", qkv_bias_key="qkv_bias", refused_true=("bias",)),
+    "internlm2": Family("internlm2", layout="internlm2", refused_true=("bias",)),
 }
 
 

@@ -1,0 +1,111 @@
+"""The mixture-of-experts MLP of a decoder layer: one ai.engc::MoE node whatever the family.
+
+A family's Experts facts (families.py) say where config.json and the checkpoint keep the routing and the
+expert weights; the routing variant becomes the node's attributes (kernels/moe). Expert weights are
+stacked for the kernels: gate_up [E, 2I, H] (each expert's gate rows, then its up rows) and down [E, H, I],
+from either layout transformers uses: one tensor per expert and projection (experts.{e}.gate_proj, Mixtral's
+w1/w3/w2) or the fused experts.gate_up_proj / experts.down_proj of recent transformers.
+"""
+from __future__ import annotations
+
+import torch
+
+from engc.compiler.frontend.families import Family
+from engc.compiler.ir import Graph
+from engc.errors import UserError
+
+# config.json keys of variants the MoE lowering does not compute, with the values it does compute (a key
+# absent or null is fine): the refusal names the key, its value and what is supported
+_VARIANTS = {
+    "scoring_func": ("softmax",),          # DeepSeek-V3 / GLM-4.5 route by sigmoid scores
+    "topk_method": ("greedy",),            # group-limited top-k (DeepSeek)
+    "n_group": (1,),
+    "topk_group": (1,),
+    "routed_scaling_factor": (1,),
+    "moe_router_bias": (False,),
+    "use_routing_bias": (False,),          # MiniMax's e_score_correction_bias
+    "hidden_act": ("silu",),               # the experts' GLU is SiLU
+    "clip_qkv": (),                        # OLMoE's optional q/k/v clamp
+}
+
+
+def expert_counts(hf: dict, family: Family) -> dict:
+    """The ModelConfig fields of an MoE family (all zero for a dense one); refuses a routing it cannot compute."""
+    ex = family.experts
+    if ex is None:
+        return {}
+    for key, supported in _VARIANTS.items():
+        if hf.get(key) is not None and hf[key] not in supported:
+            raise UserError(f"unsupported MoE variant: {key} = {hf[key]!r} in config.json (engc computes "
+                            f"{' or '.join(repr(s) for s in supported) if supported else 'only its absence'})")
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    top_k = hf.get("num_experts_per_tok")
+    inter = hf.get(ex.intermediate_key)
+    if not experts or not top_k or not inter:
+        missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", top_k),
+                                  (ex.intermediate_key, inter)) if not v]
+        raise UserError(f"config.json lacks {', '.join(missing)}, needed for a {family.name} model")
+    if not 1 <= top_k <= experts:
+        raise UserError(f"num_experts_per_tok {top_k} is not between 1 and num_experts {experts}")
+    shared = hf.get(ex.shared_expert_key, 0) if ex.shared_expert_key else 0
+    return dict(num_experts=int(experts), num_experts_per_tok=int(top_k), moe_intermediate_size=int(inter),
+                shared_expert_intermediate_size=int(shared or 0))
+
+
+def is_moe_layer(hf: dict, family: Family, layer: int) -> bool:
+    """Qwen-MoE keeps a dense MLP on the layers in mlp_only_layers and off every decoder_sparse_step-th."""
+    if family.experts is None:
+        return False
+    if not family.experts.dense_layers:
+        return True
+    step = hf.get("decoder_sparse_step") or 1
+    return layer not in (hf.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+
+
+def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: int, dtype: torch.dtype) -> str:
+    """Emits the MoE node of one layer on the normed hidden state h; returns its output (residual excluded)."""
+    ex = family.experts
+    counts = expert_counts(hf, family)
+    block, p = f"model.layers.{layer}.{ex.block}.", f"layers.{layer}."
+    for bias in ("gate.bias", "gate.e_score_correction_bias", "experts.gate_up_proj_bias"):
+        if ckpt.has(block + bias) or ckpt.has(f"model.layers.{layer}.mlp.{bias}"):
+            raise UserError(f"unsupported MoE variant: the checkpoint has '{block}{bias}' (router or expert "
+                            "biases are not computed)")
+    fused = f"model.layers.{layer}.mlp.experts."
+    gate, up, down = ex.gate_up_down
+    if ckpt.has(fused + "gate_up_proj"):   # transformers 5's layout (Mixtral's block renamed to mlp there)
+        router_name = f"model.layers.{layer}.mlp.gate.weight"
+        g.weights[p + "experts.gate_up"] = lambda: ckpt.get(fused + "gate_up_proj").to(dtype).contiguous()
+        g.weights[p + "experts.down"] = lambda: ckpt.get(fused + "down_proj").to(dtype).contiguous()
+        _check_present(ckpt, fused + "down_proj")
+    else:
+        per = [f"{block}experts.{e}." for e in range(counts["num_experts"])]
+        for e in per:
+            if ckpt.has(e + f"{gate}.qweight"):
+                raise UserError("int4 (AWQ/GPTQ) expert weights are not supported yet: build the float checkpoint")
+            for n in (gate, up, down):
+                _check_present(ckpt, f"{e}{n}.weight")
+        router_name = block + "gate.weight"
+        g.weights[p + "experts.gate_up"] = lambda: torch.stack([torch.cat(
+            [ckpt.get(f"{e}{gate}.weight"), ckpt.get(f"{e}{up}.weight")]).to(dtype) for e in per])
+        g.weights[p + "experts.down"] = lambda: torch.stack([ckpt.get(f"{e}{down}.weight").to(dtype)
+                                                             for e in per])
+    inputs = [h, weight(p + "router.weight", router_name), p + "experts.gate_up", p + "experts.down"]
+    shared = counts["shared_expert_intermediate_size"] > 0
+    if shared:
+        se = f"model.layers.{layer}.mlp.shared_expert."
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            _check_present(ckpt, f"{se}{n}.weight")
+        g.weights[p + "shared.gate_up"] = lambda: torch.cat(
+            [ckpt.get(se + "gate_proj.weight"), ckpt.get(se + "up_proj.weight")]).to(dtype)
+        inputs += [p + "shared.gate_up", weight(p + "shared.down", se + "down_proj.weight"),
+                   weight(p + "shared.gate", f"model.layers.{layer}.mlp.shared_expert_gate.weight")]
+    renormalize = hf.get(ex.renormalize, False) if isinstance(ex.renormalize, str) else ex.renormalize
+    return g.add("MoE", inputs, p + "moe", num_experts=counts["num_experts"],
+                 top_k=counts["num_experts_per_tok"], softmax_first=True, renormalize=bool(renormalize),
+                 has_shared_expert=shared)
+
+
+def _check_present(ckpt, name: str) -> None:
+    if not ckpt.has(name):
+        raise UserError(f"checkpoint {ckpt.name} is missing tensor '{name}'")
