@@ -370,7 +370,7 @@ def test_packed_words_are_made_at_load_for_what_the_builds_will_read(tiny_dir, t
     from engc.kernels.int4_linear.specs import int4_linear_specs
     from engc.compiler.quantize import QuantOptions
     from engc.compiler.quantize.stream import quantize_checkpoint
-    from engc.runtime.quant_ops import prepack_int4
+    from engc.kernels.int4_linear.bind import prepack_int4
     from engc.runtime.loader import read_weights
     shapes = {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
     specs, _ = cuda_int4.selected_int4_specs(int4_linear_specs("bf16", "sm90", (128, 32)),
@@ -398,22 +398,16 @@ def test_packed_words_are_made_at_load_for_what_the_builds_will_read(tiny_dir, t
     nodes = [n for n in program.nodes if n.op in ("QLinear", "QLinearSiluMul", "QLinearAddRMSNorm")]
     assert {n.op for n in nodes} == {"QLinear", "QLinearSiluMul", "QLinearAddRMSNorm"}
 
-    class Kernels:
-        pass
-
-    kernels = Kernels()
-    kernels.consts = {"int4_linear": consts}
     packed = op.PackedScales()
-    prepack_int4(program, weights, kernels, packed)
+    prepack_int4(program, weights, consts, packed)
     # at these tiny shapes every node runs the generic g32 build (packed), gate_up its SiLU-out twin
     want = {(weights[n.inputs[2]].data_ptr(), n.op == "QLinearSiluMul") for n in nodes}
     assert {(key[0], key[2]) for key in packed._words} == want
     gate_up = next(n for n in nodes if n.op == "QLinearSiluMul")
     s, z = weights[gate_up.inputs[2]], weights[gate_up.inputs[3]]
     assert torch.equal(packed(s, z, silu=True), op.pack_scales_zeros(s, z, silu=True))
-    kernels.consts = {"int4_linear": {v: dict(c, packed_sz=0) for v, c in consts.items()}}
     untouched = op.PackedScales()
-    prepack_int4(program, weights, kernels, untouched)
+    prepack_int4(program, weights, {v: dict(c, packed_sz=0) for v, c in consts.items()}, untouched)
     assert untouched._words == {}
 
 

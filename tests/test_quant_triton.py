@@ -29,7 +29,7 @@ SHAPES = [
     ("dequant_fp16_m70", 70, 128, 64, 32, False, False, "float16", False),
 ]
 # A GGUF Q4_1 / Q4_K projection's float offsets (frontend/gguf_quant.py) through the GPU binding
-# (runtime/quant_ops.py: the kernels' product plus the offsets' term): (name, M, K, N), on the GEMV and on
+# (kernels/int4_linear/bind.py: the kernels' product plus the offsets' term): (name, M, K, N), on the GEMV and on
 # the dequant + matmul path, as QLinear and as QLinearSiluMul (which takes its unfused path for them)
 OFFSET_SHAPES = [("offsets_gemv_m3", 3, 128, 48), ("offsets_dequant_m40", 40, 96, 64)]
 CASES = [c[0] for c in SHAPES] + [c[0] for c in OFFSET_SHAPES]
@@ -96,7 +96,7 @@ def _offset_cases() -> dict:
     from engc.kernels.int4_linear import int4_linear, jit_consts, pack_int4
     from engc.kernels.int4_linear.triton import JIT_CONSTS, jit_run
     from engc.kernels.silu_mul import silu_mul
-    from engc.runtime.quant_ops import quant_ops
+    from engc.runtime.gpu_ops import StepFacts, gpu_ops
 
     class JitKernels:  # gpu_ops.BundleKernels' face, the bundle's int4 kernels run through Triton's JIT
         consts = {"int4_linear": jit_consts(32, JIT_CONSTS)}
@@ -104,7 +104,7 @@ def _offset_cases() -> dict:
         def run(self, op, launches):
             jit_run(launches, self.consts[op], 32)
 
-    ops = quant_ops(JitKernels(), None, None, act=lambda x: (silu_mul(x),), add_norm=None)
+    ops = gpu_ops(JitKernels(), StepFacts())   # QLinearSiluMul's unfused path: SiluMul's CPU reference
     out = {}
     for name, m, k, n in OFFSET_SHAPES:
         gen = torch.Generator().manual_seed(m * 1000 + k)

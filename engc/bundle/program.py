@@ -22,6 +22,12 @@ ONNX_DTYPES = {"float32": TensorProto.FLOAT, "bfloat16": TensorProto.BFLOAT16,
                "float8_e4m3fn": TensorProto.FLOAT8E4M3FN}
 
 
+def torch_dtype(onnx_type: int):
+    """The torch dtype of an ONNX element type (Cast's `to`, FP8LinearQ's `dtype` attribute)."""
+    import torch
+    return getattr(torch, next(name for name, t in ONNX_DTYPES.items() if t == onnx_type))
+
+
 @dataclass(frozen=True)
 class ProgramNode:
     op: str

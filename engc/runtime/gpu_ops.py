@@ -1,9 +1,10 @@
-"""The GPU binding of an engine program: each ai.engc op launches the bundle's cubins for this arch.
+"""The GPU binding of an engine program: each node launches the bundle's cubins for this arch.
 
-Every op's launch rule (kernels/<op>/__init__.py) turns tensors into (variant, grid, args); this module
-finds the cubin recorded for (op, variant, arch) and launches it on torch's current stream, which makes
-every step capturable in a CUDA graph. Dense GEMMs of decode batches run the bundle's GEMV (kernels/gemv)
-when it has one for the shape; wider ones, gathers and casts stay with torch (cuBLAS).
+BundleKernels loads the kernels a GPU of this arch runs; gpu_ops builds the op table from every kernel
+folder's bind.py (gpu_ops(ctx)), over the CPU table for what has no kernel (gathers, casts, wide GEMMs stay
+with torch and cuBLAS). An op's launch rule (kernels/<op>/__init__.py) turns tensors into (variant, grid,
+args); BundleKernels.run launches the cubin recorded for (op, variant) on torch's current stream, which makes
+every step capturable in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -15,12 +16,11 @@ import torch.nn.functional as F
 
 from engc.bundle.program import ENGC_DOMAIN
 from engc.bundle.reader import Bundle
-from engc.errors import BundleError
-from engc.kernels import gemv, int4_linear, paged_attention, qk_norm, rms_norm, rotary, silu_mul, skinny_gemm
 from engc.cuda.cubin import Kernel, current_stream, require_cuda
 from engc.cuda.records import cuda_templates_enabled, load_record, pdl_enabled
+from engc.errors import BundleError
+from engc.kernels import gemv, int4_linear, parts
 from engc.runtime.ops_reference import REFERENCE_OPS
-from engc.runtime.quant_ops import quant_ops
 
 def warm_cublas(dtype: torch.dtype, device: torch.device) -> None:
     """Initialize cuBLAS now, at start: it sets itself up at its first call (handle, workspace, its kernel
@@ -148,116 +148,55 @@ class BundleKernels:
                          f"tensor, e.g. .clone())")
 
 
+@dataclass
+class GpuContext:
+    """What a kernel folder's GPU binding (bind.py: gpu_ops(ctx)) is given: the bundle's kernels, the batch's
+    host-side facts, the shared split-K counters, the model's packed int4 scale words, and the finished op
+    table, through which a binding falls back on another node's (an unfused path). A binding returns no
+    ops where the bundle has none of its kernels; the node's CPU reference then runs on the GPU's tensors."""
+    kernels: BundleKernels
+    facts: StepFacts
+    counters: torch.Tensor
+    packed: int4_linear.PackedScales
+    table: dict
+
+    def run(self, op: str, launches) -> None:
+        self.kernels.run(op, launches)
+
+    def has(self, op: str) -> bool:
+        """The bundle has kernels of this op (quantized ops only exist in bundles built for them)."""
+        return op in self.kernels.consts
+
+    def consts(self, op: str) -> dict:
+        """variant -> launch constants of the bundle's kernels of this op ({} where it has none)."""
+        return self.kernels.consts.get(op, {})
+
+    def op(self, name: str):
+        """The table's binding of the ai.engc node `name` (looked up when called, so any folder's)."""
+        return self.table[(ENGC_DOMAIN, name)]
+
+    def cpu_op(self, domain: str, name: str):
+        return REFERENCE_OPS[(domain, name)]
+
+
 def gpu_ops(k: BundleKernels, facts: StepFacts, packed: int4_linear.PackedScales | None = None) -> dict:
     """The op table for the executor; `facts` is updated by the caller before each step. packed: the
-    model's packed int4 scale / zero words (prepack_int4 fills it at load; a fresh one by default)."""
-
+    model's packed int4 scale / zero words (int4_linear/bind.py's prepack_int4 fills them at load; a fresh
+    set by default)."""
     # Split-K arrival counters of the GEMV, FP8 GEMM, CUDA int4 GEMV and split-KV decode: each launch's
     # last program leaves its counters zero again and launches follow one another on the stream, so one
     # array serves them all. Made here, before any capture: graphs replay on these zeros (the CPU serves
     # tests).
     counters = torch.zeros(gemv.NUM_COUNTERS, dtype=torch.int32,
                            device="cuda" if torch.cuda.is_available() else "cpu")
-
-    def norm(x, w, eps):
-        out = torch.empty_like(x)
-        k.run("rms_norm", rms_norm.launch(x, w, eps, out))
-        return (out,)
-
-    def add_norm(x, r, w, eps):
-        out, r_out = torch.empty_like(x), torch.empty_like(r)
-        k.run("rms_norm", rms_norm.launch(x, w, eps, out, residual=r, residual_out=r_out))
-        return out, r_out
-
-    def qk(qkv, qw, kw, num_heads, num_kv_heads, head_dim, eps):
-        out = torch.empty_like(qkv)
-        k.run("qk_norm", qk_norm.launch(qkv, qw, kw, eps, out))
-        return (out,)
-
-    # kv_scale: the 6th input of a quantized KV cache's program (engc build --kv-cache int8|fp8)
-    def rope(qkv, positions, inv_freq, kv, slots, kv_scale=None, *, num_heads, num_kv_heads, head_dim):
-        q = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-        k.run("rotary", rotary.launch(qkv, positions, inv_freq, kv, slots, q, kv_scale=kv_scale))
-        return (q,)
-
-    def attention(q, kv, tables, ctx, starts, kv_scale=None, *, num_heads, num_kv_heads, head_dim, scale,
-                  sliding_window=0):
-        out = torch.empty_like(q)
-        k.run("paged_attention", paged_attention.launch(
-            q, kv, tables, ctx, starts, out, num_heads=num_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, scale=scale, sliding_window=sliding_window,
-            max_query_len=facts.max_query_len, max_context_len=facts.max_context_len,
-            decode_rows=facts.has_decode_rows, consts=k.consts["paged_attention"], kv_scale=kv_scale,
-            counters=counters))
-        return (out,)
-
-    # RotaryPagedAttention (passes/fuse_rotary_attention): one launch on a decode-only step where the bundle
-    # has the fused kernel; otherwise the rotary kernel, then attention, as for the unfused pair.
-    def rope_attention(qkv, positions, inv_freq, kv, slots, tables, ctx, starts, kv_scale=None, *, num_heads,
-                       num_kv_heads, head_dim, scale, sliding_window=0):
-        consts = k.consts["paged_attention"]
-        if facts.max_query_len == 1 and paged_attention.fuses_rotary(consts, positions, slots):
-            out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-            k.run("paged_attention", paged_attention.launch_rotary_decode(
-                qkv, positions, inv_freq, kv, slots, tables, ctx, starts, out, num_heads=num_heads,
-                num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, sliding_window=sliding_window,
-                max_context_len=facts.max_context_len, consts=consts, kv_scale=kv_scale, counters=counters))
-            return (out,)
-        (q,) = rope(qkv, positions, inv_freq, kv, slots, kv_scale, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                    head_dim=head_dim)
-        return attention(q, kv, tables, ctx, starts, kv_scale, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, scale=scale, sliding_window=sliding_window)
-
-    def act(x):
-        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
-        k.run("silu_mul", silu_mul.launch(x, out, k.consts["silu_mul"]))
-        return (out,)
-
-    # Dense projections of decode batches: the GEMV (kernels/gemv: M=1 classes; its CUDA C++ variant first
-    # where built), then the skinny GEMM (kernels/skinny_gemm: about 9-64 rows), whichever has a kernel for
-    # this K, M and N; else cuBLAS. Both take the same counters and torch-allocated partials.
-    linear_kernels = [(op, mod, k.consts.get(op, {}), mod.variant_table(k.consts.get(op, {})))
-                      for op, mod in (("gemv", gemv), ("skinny_gemm", skinny_gemm))]
-
-    def run_linear(x, w, silu):
-        if x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()):
-            return None
-        for op, mod, consts, table in linear_kernels:
-            variant = mod.pick(table, w.shape[1], silu, x.shape[0], w.shape[0])
-            if variant is not None:
-                out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-                k.run(op, mod.launch(x, w, out, variant, consts[variant], counters))
-                return out
-        return None
-
-    def gemm(a, b, c=None, transB=0, **attrs):
-        if transB and c is None and not attrs and a.dim() == 2:
-            out = run_linear(a, b, silu=False)
-            if out is not None:
-                return (out,)
-        return REFERENCE_OPS[("", "Gemm")](a, b, c, transB=transB, **attrs)
-
-    def silu_linear(gate_up, w):
-        out = run_linear(gate_up, w, silu=True)
-        return (out,) if out is not None else (F.linear(act(gate_up)[0], w),)
-
-    def gather(data, indices, axis=0):
-        return (F.embedding(indices, data) if axis == 0 else torch.index_select(data, axis, indices),)
-
     ops = dict(REFERENCE_OPS)
-    ops.update({
-        ("", "Gather"): gather,
-        (ENGC_DOMAIN, "RMSNorm"): norm,
-        (ENGC_DOMAIN, "AddRMSNorm"): add_norm,
-        (ENGC_DOMAIN, "QKNorm"): qk,
-        (ENGC_DOMAIN, "RotaryKVWrite"): rope,
-        (ENGC_DOMAIN, "PagedAttention"): attention,
-        (ENGC_DOMAIN, "RotaryPagedAttention"): rope_attention,
-        (ENGC_DOMAIN, "SiluMul"): act,
-        (ENGC_DOMAIN, "SiluMulLinear"): silu_linear,
-        ("", "Gemm"): gemm,
-    })
-    # the quantized projections (QLinear and its fusions, FP8Linear), where the bundle has their kernels
-    packed = packed if packed is not None else int4_linear.PackedScales()
-    ops.update(quant_ops(k, counters, packed, act=act, add_norm=add_norm))
+    ops[("", "Gather")] = _gather
+    ctx = GpuContext(k, facts, counters, packed if packed is not None else int4_linear.PackedScales(), ops)
+    for bind in parts("bind"):
+        if hasattr(bind, "gpu_ops"):
+            ops.update(bind.gpu_ops(ctx))
     return ops
+
+
+def _gather(data, indices, axis=0):
+    return (F.embedding(indices, data) if axis == 0 else torch.index_select(data, axis, indices),)

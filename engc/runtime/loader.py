@@ -72,12 +72,12 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
     facts = sampler = None
     if dev.type == "cuda":
         from engc.kernels.int4_linear import PackedScales
+        from engc.kernels.int4_linear.bind import prepack_int4
         from engc.runtime.gpu_ops import BundleKernels, StepFacts, device_arch, gpu_ops
-        from engc.runtime.quant_ops import prepack_int4
         facts, packed = StepFacts(), PackedScales()
         kernels = BundleKernels(bundle, device_arch(dev))
         executor = Executor(program, weights, gpu_ops(kernels, facts, packed), before_forward=facts.take)
-        prepack_int4(program, weights, kernels, packed)   # before the engine sizes the KV cache
+        prepack_int4(program, weights, kernels.consts.get("int4_linear"), packed)   # before the engine sizes the KV cache
         if "sampling" in kernels.consts:
             from engc.runtime.sampler import SamplingKernels
             sampler = SamplingKernels(kernels, dev)

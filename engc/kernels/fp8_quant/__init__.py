@@ -11,7 +11,7 @@ code of y's): the same GEMM on an input its producer quantized (passes/fuse_fp8_
 fp8 variants in kernels/rms_norm, this kernel's SILU variant for SiluMulFP8).
 
 The kernel here is the activation quantization (triton.py, fp8_quant_kernel); the GEMM is kernels/fp8_linear
-for decode batches, else cuBLASLt through torch._scaled_mm with row-wise scales (runtime/quant_ops.py).
+for decode batches, else cuBLASLt through torch._scaled_mm with row-wise scales (kernels/fp8_linear/bind.py).
 fp8_linear below is the op's
 reference: the same quantization, the matmul in float32 on the dequantized operands, which is what the
 GPU computes up to accumulation order.

@@ -9,7 +9,7 @@ the first one does not, up to 32 rows, where built; up to twice the widest one's
 (cuda_row_slices). A fused gate_up followed by SiLU-and-mul (ai.engc::QLinearSiluMul, passes/fuse_qlinear_silu_mul)
 runs the SiLU-out twin of the first one (cuda_silu_g{G}) where built and M fits: it writes silu(gate) * up itself
 (run_quantized_silu). CUDA GEMV builds whose launch constant packed_sz is on read a weight's scales and zeros as
-one 8-byte word a pair of rows (pack_scales_zeros), made at load (runtime/quant_ops.prepack_int4) and kept by the
+one 8-byte word a pair of rows (pack_scales_zeros), made at load (int4_linear/bind.py: prepack_int4) and kept by the
 runtime's PackedScales: a second copy, 4 bytes a row and group, where the layout's arrays take 3.
 """
 import torch
@@ -48,7 +48,7 @@ def pack_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor, silu: bool = Fa
 
 class PackedScales:
     """pack_scales_zeros of each weight a packed_sz build launches on, kept with the weight (the runtime keeps one
-    per model). The runtime makes them at load (runtime/quant_ops.prepack_int4); elsewhere (bench harnesses) they
+    per model). The runtime makes them at load (int4_linear/bind.py: prepack_int4); elsewhere (bench harnesses) they
     are made at the weight's first such launch: the engine's first launches of a decode shape are eager (the
     warm-up before each CUDA graph capture runs the step first), so no packing is captured."""
 
@@ -78,7 +78,7 @@ def packed_flavours(n: int, k: int, group_size: int, consts: dict, silu_node: bo
     """Which packed words (True: SiLU-out, False: plain) the packed_sz CUDA GEMV builds would ask of a [N, K]
     weight at any row count their launch rule gives them: a fused gate_up (silu_node) takes the SiLU-out build
     where silu_out_fits, every weight cuda_variant_for's build elsewhere. The runtime packs these at load
-    (runtime/quant_ops.prepack_int4), before the KV cache is sized from the memory left."""
+    (int4_linear/bind.py: prepack_int4), before the KV cache is sized from the memory left."""
     rows = max((c.get("max_m", 0) for c in consts.values()), default=0)
     flavours = set()
     for m in range(1, rows + 1):

@@ -1,7 +1,9 @@
 """Causal attention of a flat batch of query tokens over the paged KV cache (prefill, extend and decode).
 
 ONNX: ai.engc::PagedAttention(q, kv_cache, block_tables, context_lens, query_start_loc) -> out,
-attributes num_heads, num_kv_heads, head_dim, scale, sliding_window (0 = none).
+attributes num_heads, num_kv_heads, head_dim, scale, sliding_window (0 = none), and softcap where the
+model caps its attention scores (Gemma 2: score -> softcap * tanh(score / softcap) after the scale, before
+the mask; absent or 0 = none; the GPU kernels lack it, so GPU builds of such models are refused).
 Sequence b owns query rows query_start_loc[b]:query_start_loc[b+1]; they are the last tokens of its
 context of context_lens[b] tokens, whose keys are in the blocks listed by block_tables[b]. A query at
 absolute position p sees keys at positions (p - sliding_window, p]. GQA: query head h reads KV head
@@ -41,7 +43,7 @@ def sequence_spans(block_tables, context_lens, query_start_loc):
 
 def paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc,
                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                    sliding_window: int = 0, kv_scale=None) -> torch.Tensor:
+                    sliding_window: int = 0, kv_scale=None, softcap: float = 0.0) -> torch.Tensor:
     out = torch.empty_like(q)
     group = num_heads // num_kv_heads
     for b, qs, qe, ctx in sequence_spans(block_tables, context_lens, query_start_loc):
@@ -50,6 +52,8 @@ def paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc,
         k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)                 # [H, ctx, D]
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (qb @ k.transpose(1, 2)) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx - (qe - qs), ctx, device=q.device)[:, None]
         k_pos = torch.arange(ctx, device=q.device)[None, :]
         visible = k_pos <= q_pos
@@ -205,14 +209,14 @@ def _split_buffers(num_seqs, num_heads, num_kv_heads, head_dim, max_context_len,
 
 def rotary_paged_attention(qkv, positions, inv_freq, kv_cache, slot_mapping, block_tables, context_lens,
                            query_start_loc, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                           sliding_window: int = 0, kv_scale=None) -> torch.Tensor:
+                           sliding_window: int = 0, kv_scale=None, softcap: float = 0.0) -> torch.Tensor:
     """ONNX: ai.engc::RotaryPagedAttention(qkv, positions, inv_freq, kv_cache, slot_mapping, block_tables,
     context_lens, query_start_loc[, kv_scale]) -> out, with PagedAttention's attributes: exactly
     RotaryKVWrite (rotary on q and k, k and v written to the cache) then PagedAttention on its q."""
     q = rotary.rotary_kv_write(qkv, positions, inv_freq, kv_cache, slot_mapping, num_heads, num_kv_heads,
                                head_dim, kv_scale=kv_scale)
     return paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc, num_heads, num_kv_heads,
-                           head_dim, scale, sliding_window, kv_scale=kv_scale)
+                           head_dim, scale, sliding_window, kv_scale=kv_scale, softcap=softcap)
 
 
 def fuses_rotary(consts: dict, positions, slot_mapping) -> bool:

@@ -1,5 +1,5 @@
-"""The CPU ops of a bfloat16 or float16 bundle where HF transformers rounds differently from the kernels'
-references: rotary and attention.
+"""Rotary and attention for a bfloat16 or float16 bundle on the CPU, rounded as HF transformers rounds them
+(the HALF_OPS of rotary/bind.py and paged_attention/bind.py).
 
 The references (kernels/<op>) compute rotary and attention in float32 and round once at the end, as the
 GPU kernels do, and stay the kernels' test oracles. A half-precision model on the CPU should instead give
@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engc.kernels import paged_attention as attention_ref
 from engc.kernels import rotary as rotary_ref
 from engc.kernels.paged_attention import gather_kv, sequence_spans
+from engc.kernels.paged_attention import paged_attention as paged_attention_ref
 
 
 def rotate_rounded(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -64,9 +64,8 @@ def paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc, nu
     """kernels/paged_attention.paged_attention as HF's sdpa attention computes it: one
     scaled_dot_product_attention call a sequence, in the model dtype, with the arguments HF passes."""
     if kv_scale is not None:
-        return attention_ref.paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc,
-                                             num_heads, num_kv_heads, head_dim, scale, sliding_window,
-                                             kv_scale=kv_scale)
+        return paged_attention_ref(q, kv_cache, block_tables, context_lens, query_start_loc, num_heads,
+                                   num_kv_heads, head_dim, scale, sliding_window, kv_scale=kv_scale)
     out = torch.empty_like(q)
     group = num_heads // num_kv_heads
     for b, qs, qe, ctx in sequence_spans(block_tables, context_lens, query_start_loc):

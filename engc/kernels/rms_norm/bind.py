@@ -1,0 +1,52 @@
+"""The nodes the rms_norm kernel serves: RMSNorm and AddRMSNorm, and in fp8 programs RMSNormFP8 and
+AddRMSNormFP8, which write their output as float8 codes and a scale a row for the FP8 GEMM after them."""
+import torch
+
+from engc.bundle.program import ENGC_DOMAIN
+from engc.kernels.fp8_quant import FP8, quantize_rows
+from engc.kernels.rms_norm import add_rms_norm, launch, rms_norm
+
+
+def _quantized_first(y, *rest):
+    return (*quantize_rows(y), *rest)
+
+
+CPU_OPS = {
+    (ENGC_DOMAIN, "RMSNorm"): lambda x, w, eps: (rms_norm(x, w, eps),),
+    (ENGC_DOMAIN, "AddRMSNorm"): lambda x, r, w, eps: add_rms_norm(x, r, w, eps),
+    (ENGC_DOMAIN, "RMSNormFP8"): lambda x, w, eps: quantize_rows(rms_norm(x, w, eps)),
+    (ENGC_DOMAIN, "AddRMSNormFP8"): lambda x, r, w, eps: _quantized_first(*add_rms_norm(x, r, w, eps)),
+}
+
+
+def gpu_ops(ctx) -> dict:
+    if not ctx.has("rms_norm"):
+        return {}
+    def norm(x, w, eps):
+        out = torch.empty_like(x)
+        ctx.run("rms_norm", launch(x, w, eps, out))
+        return (out,)
+
+    def add_norm(x, r, w, eps):
+        out, r_out = torch.empty_like(x), torch.empty_like(r)
+        ctx.run("rms_norm", launch(x, w, eps, out, residual=r, residual_out=r_out))
+        return out, r_out
+
+    def quantized_rows(x):
+        return (torch.empty(x.shape[0], x.shape[1], dtype=FP8, device=x.device),
+                torch.empty(x.shape[0], dtype=torch.float32, device=x.device))
+
+    def norm_fp8(x, w, eps):
+        xq, scale = quantized_rows(x)
+        ctx.run("rms_norm", launch(x, w, eps, xq, scale=scale))
+        return xq, scale
+
+    def add_norm_fp8(x, r, w, eps):
+        (xq, scale), r_out = quantized_rows(x), torch.empty_like(r)
+        ctx.run("rms_norm", launch(x, w, eps, xq, residual=r, residual_out=r_out, scale=scale))
+        return xq, scale, r_out
+
+    ops = {(ENGC_DOMAIN, "RMSNorm"): norm, (ENGC_DOMAIN, "AddRMSNorm"): add_norm}
+    if ctx.has("fp8_quant"):   # an fp8 bundle (engc build --quant fp8) has the fp8-out variants
+        ops.update({(ENGC_DOMAIN, "RMSNormFP8"): norm_fp8, (ENGC_DOMAIN, "AddRMSNormFP8"): add_norm_fp8})
+    return ops
