@@ -25,7 +25,15 @@ ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "olmoe": ("olmoe", "OlmoeForCausalLM"),
 }
+# llama.cpp writes Mixtral as "llama" with an expert count
+_LLAMA_MOE = ("mixtral", "MixtralForCausalLM")
+# whether the top-k expert weights are renormalized, where llama.cpp fixes it per architecture rather than
+# writing expert_weights_norm (Mixtral's family always renormalizes)
+_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
 # llama.cpp's converter reorders q/k rows (its rotary pairs adjacent dims; HF pairs i with i+d/2) only
 # for the families it converts through its LlamaModel class; qwen2/qwen3 keep HF's order.
@@ -48,7 +56,16 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# stacked experts [E, rows, cols], named as transformers' fused parameters (no .weight); gate and up are two
+# GGUF tensors and one HF one, gate rows first
+_EXPERT_TENSORS = {"ffn_gate_exps": "mlp.experts.gate_up_proj", "ffn_up_exps": "mlp.experts.gate_up_proj",
+                   "ffn_down_exps": "mlp.experts.down_proj"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 # Llama 3.x GGUFs carry their rope scaling only as a precomputed `rope_freqs` tensor; these are the
@@ -157,7 +174,33 @@ def _hf_config(meta: _Metadata, arch: str, tensors: dict) -> dict:
     rope_scaling = _rope_scaling(meta, arch, tensors, config)
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
+    experts = meta.get(f"{arch}.expert_count", 0)
+    if experts:
+        _expert_config(meta, arch, config, experts, tensors)
     return config
+
+
+def _expert_config(meta: _Metadata, arch: str, config: dict, experts: int, tensors: dict) -> None:
+    if arch == "llama":
+        config["model_type"], config["architectures"] = _LLAMA_MOE[0], [_LLAMA_MOE[1]]
+        config["num_local_experts"] = experts
+    else:
+        config["num_experts"] = experts
+        config["norm_topk_prob"] = meta.get(f"{arch}.expert_weights_norm", _NORM_TOPK[arch])
+    config["num_experts_per_tok"] = meta.require(f"{arch}.expert_used_count")
+    expert_ffn = meta.get(f"{arch}.expert_feed_forward_length")
+    if expert_ffn:
+        config["moe_intermediate_size"] = expert_ffn
+    shared = meta.get(f"{arch}.expert_shared_feed_forward_length")
+    if shared:
+        config["shared_expert_intermediate_size"] = shared
+    # a layer without a router keeps its dense MLP (Qwen-MoE's mlp_only_layers, which GGUF does not record)
+    dense = [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    if dense:
+        config["mlp_only_layers"] = dense
+    gating = meta.get(f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        config["scoring_func"] = {2: "sigmoid"}.get(gating, f"llama.cpp gating function {gating}")
 
 
 def _eos_ids(meta: _Metadata):
@@ -212,6 +255,8 @@ def _hf_name(gguf_name: str) -> str | None:
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
     m = _LAYER_NAME.fullmatch(gguf_name)
+    if m and m.group(2) in _EXPERT_TENSORS and m.group(3) == "weight":
+        return f"model.layers.{m.group(1)}.{_EXPERT_TENSORS[m.group(2)]}"
     if m and m.group(2) in _LAYER_TENSORS:
         return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
     return None
@@ -227,34 +272,53 @@ def _loaders(arch: str, tensors: dict, config: dict, file_name: str,
         hf_name = _hf_name(gguf_name)
         if hf_name is None:
             raise UserError(f"{file_name}: GGUF tensor '{gguf_name}' has no mapping for architecture '{arch}'")
+        if ".ffn_" in gguf_name and "_exps." in gguf_name:
+            if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+                dequantized[gguf_name] = tensor.tensor_type.name
+            if ".ffn_up_exps." not in gguf_name:   # gate_up is loaded once, from both
+                loaders[hf_name] = _expert_loader(tensors, gguf_name, file_name)
+            continue
         row_groups = None
         if arch in PERMUTED_QK and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             row_groups = heads if ".attn_q." in gguf_name else kv_heads
-        if keep_quant and gguf_quant.keeps(tensor, hf_name):
+        # the MoE op takes float weights, its shared expert's too
+        if keep_quant and "shared_expert" not in hf_name and gguf_quant.keeps(tensor, hf_name):
             reorder = (lambda a, groups=row_groups: _unpermute_rows(a, groups)) if row_groups else None
             loaders.update(gguf_quant.kept_loaders(tensor, hf_name.removesuffix(".weight"), reorder))
             kept[gguf_name] = tensor.tensor_type.name
             continue
         if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
             dequantized[gguf_name] = tensor.tensor_type.name
-        loaders[hf_name] = _loader(tensor, row_groups)
+        loaders[hf_name] = _loader(tensor, row_groups, (1, -1) if ".ffn_gate_inp_shexp." in gguf_name else None)
     if kept:
         config["quantization_config"] = gguf_quant.quantization_config(kept, dequantized)
     return loaders
 
 
-def _loader(tensor, row_groups: int | None) -> Callable[[], torch.Tensor]:
+def _loader(tensor, row_groups: int | None, shape: tuple | None = None) -> Callable[[], torch.Tensor]:
+    """shape: the HF shape where it differs (Qwen2-MoE's shared expert gate: [H] in GGUF, [1, H] in HF)."""
     def load() -> torch.Tensor:
         from gguf.quants import dequantize
 
         # GGUF lists dims fastest-first, so [in, out] there is HF's [out, in]
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        hf_shape = shape or tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        weights = dequantize(tensor.data, tensor.tensor_type).reshape(hf_shape)
         if row_groups is not None:
             weights = _unpermute_rows(weights, row_groups)
         return torch.from_numpy(np.array(weights, dtype=np.float32))  # copy: the source is a read-only mmap
 
     return load
+
+
+def _expert_loader(tensors: dict, gguf_name: str, file_name: str) -> Callable[[], torch.Tensor]:
+    """Stacked experts as transformers' fused parameter: down [E, H, I]; gate_up [E, 2I, H] from ffn_gate_exps
+    and ffn_up_exps. llama.cpp keeps HF's row order in experts (only attention q/k rows are permuted)."""
+    parts = [gguf_name] if ".ffn_down_exps." in gguf_name else [gguf_name, gguf_name.replace("_gate_", "_up_")]
+    for name in parts:
+        if name not in tensors:
+            raise UserError(f"{file_name}: GGUF file has '{gguf_name}' but not '{name}'")
+    loads = [_loader(tensors[name], None) for name in parts]
+    return lambda: torch.cat([load() for load in loads], dim=1)
 
 
 def _unpermute_rows(weights: np.ndarray, n_head: int) -> np.ndarray:

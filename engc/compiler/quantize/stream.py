@@ -47,6 +47,9 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
     ckpt = read_source(src)
     refuse_quantized(ckpt)
     cfg = resolve_config(ckpt.hf_config)
+    if cfg.num_experts:  # layer.py's decoder layer has a dense MLP only, and the int4 layout no expert stacks
+        raise UserError(f"{ckpt.name}: engc quantize does not quantize mixture-of-experts models "
+                        f"({cfg.family}) yet; engc build takes the float checkpoint")
     check_shapes(cfg, opts.group_size, opts.lm_head)
     x = None
     if opts.method != "rtn":
