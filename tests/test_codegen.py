@@ -233,19 +233,23 @@ def test_sources_recorded_with_the_helpers_they_import(runs):
             assert "kernels/src/pdl.py" in r["imports"], (r["op"], r["variant"])
 
 
-def test_cache_key_ignores_comments_in_codegen_but_not_in_kernels(tmp_path):
-    """The kernel cache's key covers codegen's Python without its comments (a comment in the tune table keeps
-    prepared caches), kernel modules and templates by their bytes (the bundle records them as they read)."""
-    from engc.compiler.kernel_cache import digested_form
+def test_cache_key_ignores_comments_in_python_but_not_in_triton_code(tmp_path):
+    """The kernel cache's key covers Python without its comments (a note in codegen, a spec builder or a
+    contract keeps prepared caches), Triton code and templates by their bytes (the bundle records them as
+    they read, and Triton's line info follows their lines); a folder's bind.py (the runtime's) not at all."""
+    from engc.compiler.kernel_cache import digested_form, source_files
     forms = {}
-    for folder in ("codegen", "gemv"):
+    for kind, head in (("python", ""), ("triton", "import triton\n")):
         for name, text in (("a", "X = 1\n"), ("b", "# measured on an H200\n\nX = 1  # why\n"), ("c", "X = 2\n")):
-            f = tmp_path / folder / f"{name}.py"
+            f = tmp_path / kind / f"{name}.py"
             f.parent.mkdir(exist_ok=True)
-            f.write_text(text)
-            forms[folder, name] = digested_form(f)
-    assert forms["codegen", "a"] == forms["codegen", "b"] != forms["codegen", "c"]
-    assert len({forms["gemv", n] for n in "abc"}) == 3
+            f.write_text(head + text)
+            forms[kind, name] = digested_form(f)
+    assert forms["python", "a"] == forms["python", "b"] != forms["python", "c"]
+    assert len({forms["triton", n] for n in "abc"}) == 3
+    names = {(f.parent.name, f.name) for f in source_files()}
+    assert ("rms_norm", "specs.py") in names and ("rms_norm", "triton.py") in names
+    assert not any(name == "bind.py" for _, name in names)
 
 
 def test_cache_key_of_codegen_is_the_same_under_every_python(tmp_path):

@@ -19,20 +19,23 @@ from engc.bundle.model_config import ModelConfig
 
 
 def source_files() -> list[Path]:
-    """Every file a compiled kernel's bytes can depend on: the kernels (with kernels/pdl.py and any helper
-    module a triton.py imports, at any depth), codegen and the CUDA templates."""
+    """Every file a compiled kernel's bytes can depend on: the kernel folders (the Triton code with
+    kernels/pdl.py and any helper module a triton.py imports, the contracts' constants, the spec builders;
+    not bind.py, the runtime's), codegen and the CUDA templates."""
     root = Path(engc.__file__).parent
-    return sorted([*root.glob("kernels/**/*.py"), *root.glob("compiler/codegen/**/*.py"), *root.glob("templates/*.j2")])
+    kernels = [f for f in root.glob("kernels/**/*.py") if f.name != "bind.py"]
+    return sorted([*kernels, *root.glob("compiler/codegen/**/*.py"), *root.glob("templates/*.j2")])
 
 
 def digested_form(f: Path) -> bytes:
-    """What of a source file the key covers. Kernel modules and templates: their bytes (the bundle records
-    the kernels' sources as they read, and Triton's line info follows their lines). Codegen's Python: its
-    code without comments, blank lines or trailing blanks, so editing a note there leaves prepared caches valid
-    (a changed key means every kernel compiles again). Not its syntax tree: ast.dump differs between Python versions (3.12 adds type_params), and a cache
-    filled under one version must serve another (this machine's 3.11, the GPU machine's 3.12)."""
+    """What of a source file the key covers. Triton code and templates: their bytes (the bundle records the
+    kernels' sources as they read, and Triton's line info follows their lines). Other Python (codegen, the
+    spec builders, the contracts): its code without comments, blank lines or trailing blanks, so editing a
+    note there leaves prepared caches valid (a changed key means every kernel compiles again). Not its
+    syntax tree: ast.dump differs between Python versions (3.12 adds type_params), and a cache filled under
+    one version must serve another (this machine's 3.11, the GPU machine's 3.12)."""
     text = f.read_bytes()
-    if f.suffix == ".py" and "codegen" in f.parent.parts[-2:]:   # codegen/*.py
+    if f.suffix == ".py" and b"triton" not in text:
         return code_without_comments(text.decode()).encode()
     return text
 

@@ -55,8 +55,12 @@ def pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def make_spec(op, variant, arch, fn_name, arg_types, constexprs, bucket, launch_keys=(), overrides=None):
-    key, entry = tune.lookup(arch, op, variant, bucket, overrides)
+def make_spec(op, variant, arch, fn_name, arg_types, constexprs, bucket, launch_keys=(), overrides=None,
+              defaults=None):
+    """The KernelSpec of engc.kernels.<op>.triton.<fn_name>, its tune entry looked up for (arch, op, variant,
+    bucket); defaults: the entry where the table has none (num_warps, num_stages, the upper-case constexprs
+    it tunes, launch constants)."""
+    key, entry = tune.lookup(arch, op, variant, bucket, overrides, defaults)
     consts = dict(constexprs)
     consts.update({k: v for k, v in entry.items() if k.isupper()})
     launch = {k: consts.get(k, entry.get(k)) for k in launch_keys}

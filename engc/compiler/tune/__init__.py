@@ -30,16 +30,22 @@ def head_dim_bucket(head_dim: int) -> str:
     return "d<=64" if head_dim <= 64 else "d<=128" if head_dim <= 128 else "d>128"
 
 
-def lookup(arch: str, op: str, variant: str, bucket: str, overrides: dict | None = None) -> tuple[str, dict]:
-    """The tune entry for a kernel: exact variant first, then the op's '*' entry."""
+def lookup(arch: str, op: str, variant: str, bucket: str, overrides: dict | None = None,
+           defaults: dict | None = None) -> tuple[str, dict]:
+    """The tune entry for a kernel: exact variant first, then the op's '*' entry, then the defaults its spec
+    builder declares (a new op needs no table line until it is tuned per arch; key '<op>/<variant>/default')."""
     for key in (f"{arch}/{op}/{variant}/{bucket}", f"{arch}/{op}/*/{bucket}"):
         if key in TUNE:
             entry = dict(TUNE[key])
-            if overrides:
-                entry.update(overrides)
-                key += "+override"
-            return key, entry
-    raise KeyError(f"no tune-table entry for {arch}/{op}/{variant}/{bucket}")
+            break
+    else:
+        if defaults is None:
+            raise KeyError(f"no tune-table entry for {arch}/{op}/{variant}/{bucket}")
+        key, entry = f"{arch}/{op}/{variant}/default", dict(defaults)
+    if overrides:
+        entry.update(overrides)
+        key += "+override"
+    return key, entry
 
 
 # Fields an override may add to an entry that does not spell them out (PDL: read with a per-arch default;
