@@ -60,23 +60,36 @@ def test_flipped_weight_byte_is_caught(copy_of):
         open_bundle(b)
 
 
-def test_future_format_is_refused(copy_of):
+@pytest.mark.parametrize("version, says", [([4, 0], "newer than this engc reads"),
+                                           ([2, 0], "written by an older engc .* rebuild it")])
+def test_other_formats_are_refused_with_what_to_do(copy_of, version, says):
+    """One bundle format per major: a newer one asks for a newer engc, an older one (2.0: no decode form in
+    its program) for a rebuild; neither is half-read."""
     b = copy_of()
     m = json.loads((b / "manifest.json").read_text())
-    m["format_version"] = [3, 0]
+    m["format_version"] = version
     (b / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(BundleError, match="format 3.0 is newer"):
+    with pytest.raises(BundleError, match=f"format {version[0]}.0 (is|was) {says}"):
         open_bundle(b)
 
 
-def test_format_version_marks_what_older_runtimes_would_misread():
-    """1.0 unless the bundle holds int4 weights in the N-major layout or a quantized KV cache (2.0): a
-    1.x runtime refuses a 2.0 bundle with one line instead of misreading it."""
-    from engc.bundle.manifest import format_version
-    assert format_version({"quantization": None, "kv_cache": "auto"}) == (1, 0)
-    assert format_version({"quantization": {"method": "fp8"}}) == (1, 0)   # 1.x refuses FP8Linear by name
-    assert format_version({"quantization": {"layout": "engc-int4-nmajor"}}) == (2, 0)
-    assert format_version({"quantization": None, "kv_cache": "int8"}) == (2, 0)
+def test_the_program_has_its_decode_form(copy_of):
+    """The compiler writes the decode form (passes/decode_form) and the executor runs only the nodes an
+    output needs: the step form gathers the sampled rows and casts them to float32, the decode form runs
+    the head over every row in the model dtype, and neither runs the other's head."""
+    from engc.bundle.program import DECODE_OUTPUT, parse_program
+    from engc.runtime.executor import Executor
+    from engc.runtime.ops_reference import REFERENCE_OPS
+    b = open_bundle(copy_of())
+    program = parse_program(b.read(b.manifest["program"]))
+    assert program.outputs == ("logits", DECODE_OUTPUT)
+    ex = Executor(program, {n: None for n in program.initializers}, REFERENCE_OPS)
+    step_ops = [impl for impl, *_ in ex.steps]
+    decode_ops = [impl for impl, *_ in ex.decode_steps]
+    assert REFERENCE_OPS[("", "Gather")] in step_ops and REFERENCE_OPS[("", "Cast")] in step_ops
+    assert REFERENCE_OPS[("", "Cast")] not in decode_ops
+    assert len(step_ops) == len(decode_ops) + 2   # the decode form drops exactly the row gather and the cast
+    assert [outs for _, _, outs, *_ in ex.decode_steps][-1] == (DECODE_OUTPUT,)
 
 
 @pytest.mark.parametrize("damage", ["delete", "extra", "garbage_manifest", "path_escape"])

@@ -92,27 +92,37 @@ def test_kernel_selection_by_arch():
         select_kernels([], "sm90")
 
 
-@pytest.mark.parametrize("value,expected", [("", None), ("100", 100), ("0", 0), ("-1", -1), ("101", "error"),
-                                            ("max", "error"), ("-2", "error")])
-def test_carveout_switch_reads_a_percent(monkeypatch, value, expected):
+@pytest.mark.parametrize("value,expected", [("", None), ("smem-carveout=100", 100), ("no-pdl,smem-carveout=0", 0),
+                                            ("smem-carveout=-1", -1), ("smem-carveout=101", "error"),
+                                            ("smem-carveout=max", "error"), ("smem-carveout=-2", "error"),
+                                            ("carveout=5", "error")])
+def test_debug_switches_read_a_carveout_percent(monkeypatch, value, expected):
     from engc.errors import UserError
     from engc.cuda.records import shared_carveout
-    monkeypatch.setenv("ENGC_SMEM_CARVEOUT", value)
+    monkeypatch.setenv("ENGC_DEBUG", value)
     if expected == "error":
-        with pytest.raises(UserError, match="ENGC_SMEM_CARVEOUT"):
+        with pytest.raises(UserError, match="ENGC_DEBUG"):
             shared_carveout()
     else:
         assert shared_carveout() == expected
 
 
+def test_debug_switches_turn_pdl_and_templates_off(monkeypatch):
+    from engc.cuda.records import cuda_templates_enabled, pdl_enabled
+    monkeypatch.setenv("ENGC_DEBUG", "")
+    assert pdl_enabled() and cuda_templates_enabled()
+    monkeypatch.setenv("ENGC_DEBUG", " no-pdl , no-cuda-templates")
+    assert not pdl_enabled() and not cuda_templates_enabled()
+
+
 @pytest.mark.parametrize("env,record,expected", [("", None, None), ("", 40, 40), ("100", 40, 100), ("-1", 40, -1)])
 def test_a_record_carveout_is_set_unless_the_switch_overrides_it(monkeypatch, env, record, expected):
-    """load_record gives a kernel its record's smem_carveout (the tune table's); ENGC_SMEM_CARVEOUT, where set,
-    overrides every kernel's."""
+    """load_record gives a kernel its record's smem_carveout (the tune table's); ENGC_DEBUG's smem-carveout,
+    where set, overrides every kernel's."""
     from engc.cuda import records
     seen = {}
     monkeypatch.setattr(records, "load_kernel", lambda *a, **kw: seen.update(kw))
-    monkeypatch.setenv("ENGC_SMEM_CARVEOUT", env)
+    monkeypatch.setenv("ENGC_DEBUG", f"smem-carveout={env}" if env else "")
     r = {"args": [{"name": "x", "type": "*bf16"}], "scratch_params": 0, "entry": "k", "num_warps": 4,
          "shared_mem": 0, "launch": {"PDL": 1, **({"smem_carveout": record} if record is not None else {})}}
     records.load_record(b"", r, pdl=True)
@@ -123,18 +133,17 @@ def test_a_record_carveout_is_set_unless_the_switch_overrides_it(monkeypatch, en
 def test_pdl_and_carveout_change_no_token(tiny_dir, tmp_path, monkeypatch):
     """Programmatic dependent launch only moves kernel starts earlier: a missing wait would be a race, seen
     as other tokens. bf16 on sm90, so the decode GEMVs and the fused rotary attention run too. The same for
-    ENGC_SMEM_CARVEOUT, which every kernel of the bundle then carries."""
+    a carveout set by ENGC_DEBUG, which every kernel of the bundle then carries."""
     from engc.bundle.reader import open_bundle
     from engc.runtime.gpu_ops import BundleKernels
     out = tmp_path / "bf16"
     build(str(tiny_dir("llama")), out, BuildOptions(archs=("sm90",), dtype="bfloat16",
                                                     kernel_cache=os.environ.get("ENGC_KERNEL_CACHE")))
     runs = {}
-    for pdl, carveout in (("1", ""), ("0", ""), ("1", "100")):
-        monkeypatch.setenv("ENGC_PDL", pdl)      # both read when the bundle's kernels load
-        monkeypatch.setenv("ENGC_SMEM_CARVEOUT", carveout)
-        runs[pdl, carveout] = greedy(out, "cuda", n=32)
-    assert runs["1", ""] == runs["0", ""] == runs["1", "100"]
+    for switches in ("", "no-pdl", "smem-carveout=100"):
+        monkeypatch.setenv("ENGC_DEBUG", switches)   # read when the bundle's kernels load
+        runs[switches] = greedy(out, "cuda", n=32)
+    assert runs[""] == runs["no-pdl"] == runs["smem-carveout=100"]
     kernels = BundleKernels(open_bundle(out), "sm90").kernels.values()
     assert kernels and {k.attributes()["preferred_shared_carveout"] for k in kernels} == {100}
 

@@ -91,7 +91,7 @@ def test_gpu_sampler_parameter_rows_start_aligned(rows, monkeypatch):
 
 
 def test_cuda_templates_can_be_left_unloaded(monkeypatch):
-    """ENGC_CUDA_TEMPLATES=0: the bundle's nvcc-built kernels are not loaded, so the launch rules, which take
+    """ENGC_DEBUG=no-cuda-templates: the bundle's nvcc-built kernels are not loaded, so the launch rules, which take
     them only where present, fall back to the Triton kernels (the cluster decode to Triton's decode_rotary)."""
     cluster = dict(RECORD, variant="decode_rotary_cluster", nvcc_version="13.0", scratch_params=0,
                    args=RECORD["args"][:-2], launch={"cluster": 8, "max_seqs": 1, "max_context": 1024})
@@ -103,7 +103,7 @@ def test_cuda_templates_can_be_left_unloaded(monkeypatch):
     monkeypatch.setattr(records, "load_kernel", lambda image, entry, sig, **kw: FakeKernel(sig))
     assert set(gpu_ops.BundleKernels(TwoKernels(), "sm90").consts["paged_attention"]) == {
         "decode", "decode_rotary_cluster"}
-    monkeypatch.setenv("ENGC_CUDA_TEMPLATES", "0")
+    monkeypatch.setenv("ENGC_DEBUG", "no-cuda-templates")
     kernels = gpu_ops.BundleKernels(TwoKernels(), "sm90")
     assert set(kernels.consts["paged_attention"]) == {"decode"}
     assert list(kernels.kernels) == [("paged_attention", "decode")]

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 FORMAT = "engc-bundle"
-FORMAT_VERSION = (2, 0)
-# Version 2 marks what an engc 1.x runtime would misread: int4 weights in the N-major layout (1.x read
-# them as K-major, silently wrong) and a quantized KV cache (1.x crashed on its scale inputs). A bundle
-# using neither is still written as 1.0, so older runtimes keep reading it; this runtime reads both.
-READABLE_MAJORS = (1, 2)
+FORMAT_VERSION = (3, 0)
+# The majors this runtime reads. 3.0: the program has its decode form (passes/decode_form); a bundle of an
+# older format is refused with a line saying to rebuild it.
+READABLE_MAJORS = (3,)
 MANIFEST = "manifest.json"
 PROGRAM = "program.onnx"
 WEIGHTS = "weights/rank0.safetensors"
@@ -16,13 +15,6 @@ REQUIRED = ("format", "format_version", "model", "dtype", "archs", "kv_block_siz
             "weights", "kernels", "files", "source", "tp", "quantization")
 
 ARCHS = ("cpu", "sm80", "sm86", "sm89", "sm90")
-
-
-def format_version(manifest: dict) -> tuple[int, int]:
-    """The version a bundle is written with: the oldest whose readers all understand it."""
-    layout = (manifest.get("quantization") or {}).get("layout", "")
-    needs_v2 = layout.startswith("engc-int4") or manifest.get("kv_cache", "auto") != "auto"
-    return FORMAT_VERSION if needs_v2 else (1, 0)
 
 
 def parse_archs(text: str) -> list[str]:

@@ -43,6 +43,7 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()   # each layer's sliding window (0: global) where layers differ
     local_rope_theta: float = 0.0     # the rope base of the layers with a window, where it differs (Gemma 3)
     rotary_dim: int = 0               # the rotated width of a head where it is less than head_dim
+    rope_attention_factor: float = 1.0    # LongRoPE's multiplier of the rotated dims of q and k
     norm_unit_offset: bool = False    # RMSNorm scales by (1 + weight) (Gemma)
     sandwich_norms: bool = False      # attention and MLP outputs are normed before the residual add
     embed_scale: float = 0.0          # the embedding is multiplied by this (Gemma: sqrt(hidden_size))

@@ -12,6 +12,10 @@ from onnx import TensorProto, helper
 
 ENGC_DOMAIN = "ai.engc"
 
+# The program's outputs: the sampled rows' float32 logits, and every row's in the model dtype (its decode form,
+# for steps whose every row is sampled)
+LOGITS, DECODE_OUTPUT = "logits", "logits.decode"
+
 # Per-step inputs that the runtime fills; kv_cache.{i} per layer follow them.
 GRAPH_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
                 "query_start_loc", "logits_indices")

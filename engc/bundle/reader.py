@@ -76,10 +76,12 @@ def read_manifest(path: Path) -> dict:
     if not (isinstance(version, list) and len(version) == 2 and all(isinstance(v, int) for v in version)):
         raise BundleError(f"{mf}: malformed format_version {version!r}")
     if version[0] not in READABLE_MAJORS:
-        newer = "newer" if version[0] > FORMAT_VERSION[0] else "older"
         readable = " and ".join(f"{m}.x" for m in READABLE_MAJORS)
-        raise BundleError(f"{path}: bundle format {version[0]}.{version[1]} is {newer} than this engc reads "
-                          f"({readable}); use a matching engc or rebuild the bundle")
+        if version[0] > FORMAT_VERSION[0]:
+            raise BundleError(f"{path}: bundle format {version[0]}.{version[1]} is newer than this engc reads "
+                              f"({readable}): upgrade engc, or rebuild the bundle with this one")
+        raise BundleError(f"{path}: bundle format {version[0]}.{version[1]} was written by an older engc (this one "
+                          f"reads {readable}): rebuild it with `engc build`")
     missing = [k for k in REQUIRED if k not in manifest]
     if missing:
         raise BundleError(f"{mf}: manifest lacks {', '.join(missing)}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engc.atomic import atomic_folder
 from engc.bundle.hashing import chunk_table, sha256_file
-from engc.bundle.manifest import FORMAT, MANIFEST, format_version
+from engc.bundle.manifest import FORMAT, FORMAT_VERSION, MANIFEST
 
 
 def write_bundle(out: Path, manifest: dict, files: dict[str, bytes], write_large) -> dict:
@@ -22,7 +22,7 @@ def write_bundle(out: Path, manifest: dict, files: dict[str, bytes], write_large
             p.write_bytes(data)
         files = hash_tree(tmp)
         chunks = {rel: table for rel in files if (table := chunk_table(tmp / rel)) is not None}
-        manifest = dict(manifest, format=FORMAT, format_version=list(format_version(manifest)), files=files,
+        manifest = dict(manifest, format=FORMAT, format_version=list(FORMAT_VERSION), files=files,
                         chunks=chunks)
         (tmp / MANIFEST).write_bytes(dump_manifest(manifest))
     return manifest

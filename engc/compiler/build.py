@@ -13,6 +13,7 @@ from engc.bundle.safetensors_stream import write_streaming
 from engc.bundle.writer import write_bundle
 from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.decoder import lower
+from engc.compiler.gpu_support import check_gpu_support
 from engc.compiler.ir import to_onnx
 from engc.compiler.passes import PASSES
 from engc.compiler.passes.fuse_fp8_input_quant import fuse_fp8_input_quant
@@ -86,12 +87,14 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
     if fp8:  # right after the qkv/gate_up fusion, before any pass that claims a plain Gemm (silu_mul+down)
         at = [p.__name__ for p in passes].index("fuse_parallel_gemms") + 1
         passes[at:at] = [quantize_fp8, fuse_fp8_input_quant]
-    if opts.kv_cache != "auto":
-        passes = [*passes, KV_CACHE_PASSES[opts.kv_cache]]
+    if opts.kv_cache != "auto":   # before add_decode_form, the last
+        passes[-1:-1] = [KV_CACHE_PASSES[opts.kv_cache]]
     with progress.step("lower to engine program"):
         cfg, graph = lower(ckpt, DTYPES[dtype_name])
         if fp8 and opts.archs != ("cpu",):
             check_fp8_shapes(cfg)
+        if opts.archs != ("cpu",):
+            check_gpu_support(cfg, [a for a in opts.archs if a != "cpu"])
         if cfg.num_experts and opts.archs != ("cpu",):
             # the MoE op has a CPU binding only: a GPU bundle would have no kernel to run it
             raise UserError(f"{cfg.family}: mixture-of-experts models build for --arch cpu only (no GPU MoE "

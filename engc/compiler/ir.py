@@ -88,7 +88,10 @@ def to_onnx(graph: Graph, tensor_layout: dict[str, dict], weights_file: str, dty
     inits = [_external(name, tensor_layout[name], weights_file) for name in sorted(graph.weights)]
     kv_dtype = {"int8": "int8", "fp8": "float8_e4m3fn"}.get(graph.kv_cache, dtype_name)
     inputs = [_input_info(name, kv_dtype) for name in graph.input_names()]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["num_sampled", "vocab"])]
+    # logits: float32, the sampled rows; logits.decode (passes/decode_form): every row, in the model dtype
+    shapes = {"logits": (TensorProto.FLOAT, ["num_sampled", "vocab"]),
+              "logits.decode": (ONNX_DTYPES[dtype_name], ["num_tokens", "vocab"])}
+    outputs = [helper.make_tensor_value_info(name, *shapes[name]) for name in graph.outputs]
     g = helper.make_graph(nodes, "engc_step", inputs, outputs, initializer=inits)
     model = helper.make_model(g, producer_name="engc", opset_imports=[
         helper.make_opsetid("", 21), helper.make_opsetid(ENGC_DOMAIN, 1)])

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from engc.bundle.program import Program
+from engc.bundle.program import DECODE_OUTPUT, Program
 from engc.errors import BundleError
 
 
@@ -42,47 +42,38 @@ class Executor:
         self.program = program
         self.weights = weights
         self.before_forward = before_forward
-        self.steps = []
-        last_use = {}
         for i, node in enumerate(program.nodes):
-            for name in node.inputs:
-                last_use[name] = i
-        for i, node in enumerate(program.nodes):
-            impl = ops.get((node.domain, node.op))
-            if impl is None:
+            if (node.domain, node.op) not in ops:
                 raise BundleError(f"program uses op {node.domain or 'onnx'}::{node.op}, "
                                   "which this runtime does not implement")
             missing = [n for n in node.inputs if n and n not in weights and n not in program.inputs
                        and not any(n in p.outputs for p in program.nodes[:i])]
             if missing:
                 raise BundleError(f"program node {node.op} reads unknown value '{missing[0]}'")
-            drop = tuple(n for n in node.inputs if last_use.get(n) == i and n not in weights
-                         and n not in program.inputs)
-            self.steps.append((impl, node.inputs, node.outputs, dict(node.attrs), drop))
-        self.decode_steps, self.decode_output = self._decode_tail()
+        if DECODE_OUTPUT not in program.outputs:
+            raise BundleError(f"the program has no {DECODE_OUTPUT} output (a bundle from another engc: rebuild it)")
+        self.steps = self._steps_for(program.outputs[0], ops)
+        self.decode_steps = self._steps_for(DECODE_OUTPUT, ops)
 
-    def _decode_tail(self) -> tuple[list, str]:
-        """The steps of forward(decode=True): every row of the batch is sampled, so the gather of the
-        sampled rows (by logits_indices, then arange) passes its input through, and the float32 cast of
-        the logits is left off (its input is returned: argmax and the sampling kernels read the head's
-        dtype, the host sampler casts what it reads): two launches fewer between the final norm, the
-        lm_head and the argmax."""
-        steps, output = list(self.steps), self.program.outputs[0]
-        for i, (impl, ins, outs, attrs, drop) in enumerate(steps):
-            node = self.program.nodes[i]
-            if node.domain == "" and node.op == "Gather" and ins[1:] == ("logits_indices",) \
-                    and attrs.get("axis", 0) == 0:
-                steps[i] = (_pass_through, ins, outs, {}, drop)
-        last = self.program.nodes[-1]
-        if last.domain == "" and last.op == "Cast" and last.outputs == (output,):
-            steps.pop()
-            output = last.inputs[0]
-        return steps, output
+    def _steps_for(self, output: str, ops: dict) -> list:
+        """The bound steps that compute `output`: the nodes it depends on, in program order, each with the
+        values to drop after it (their last use among those nodes)."""
+        needed, nodes = {output}, []
+        for node in reversed(self.program.nodes):
+            if needed.intersection(node.outputs):
+                nodes.append(node)
+                needed.update(node.inputs)
+        nodes.reverse()
+        last_use = {name: i for i, node in enumerate(nodes) for name in node.inputs}
+        keep = set(self.weights) | set(self.program.inputs)
+        return [(ops[(node.domain, node.op)], node.inputs, node.outputs, dict(node.attrs),
+                 tuple(n for n in node.inputs if last_use[n] == i and n not in keep))
+                for i, node in enumerate(nodes)]
 
     def forward(self, inputs: dict[str, torch.Tensor], kv_caches: list[torch.Tensor],
                 fill: TokenFill | None = None, decode: bool = False) -> torch.Tensor:
         """The program's logits for the batch. decode: a step whose every row is sampled (logits_indices is
-        arange over the rows), whose logits may stay in the head's dtype (_decode_tail)."""
+        arange over the rows): the program's decode form, its logits in the head's dtype (passes/decode_form)."""
         if self.before_forward is not None:
             self.before_forward()
         if fill is not None:
@@ -100,12 +91,8 @@ class Executor:
                 env[name] = value
             for name in drop:
                 del env[name]
-        return env[self.decode_output if decode else self.program.outputs[0]]
+        return env[DECODE_OUTPUT if decode else self.program.outputs[0]]
 
     def keep_tokens(self, tokens: torch.Tensor | None) -> None:
         """Nothing to keep: a TokenFill reads the previous step's tokens where they are."""
-
-
-def _pass_through(data, indices):
-    return (data,)
 

@@ -118,7 +118,7 @@ class BundleKernels:
             self.records[(r["op"], r["variant"])] = r
             # the pointer alignment the kernel was compiled to assume (Triton's divisibility hint; vector
             # loads in the CUDA C++ kernels)
-            self.align_mask[(r["op"], r["variant"])] = r.get("align", 16) - 1
+            self.align_mask[(r["op"], r["variant"])] = r["align"] - 1
 
     def run(self, op: str, launches) -> None:
         stream = current_stream()

@@ -45,7 +45,7 @@ def local_gpu() -> tuple[str, str, int]:
 
 def load_record(image: bytes, r: dict, say):
     """One kernel record's cubin, loaded as a bundle's are (engc.cuda.records.load_record: PDL where the record
-    asks for it, unless ENGC_PDL=0); None, said, where the driver refuses it."""
+    asks for it, unless ENGC_DEBUG has no-pdl); None, said, where the driver refuses it."""
     from engc.cuda import records
     try:
         return records.load_record(image, r, records.pdl_enabled())

@@ -11,8 +11,6 @@ ticket and re-read.
 FP8_OUT: the output is quantized for the FP8 GEMM after the norm (passes/fuse_fp8_input_quant): each row
 rounded to the storage dtype as before, then to float8_e4m3fn with its own scale (row absmax / FP8_MAX, to
 scale_ptr), by kernels/fp8_rows.py as fp8_quant_kernel, so the bits are what the norm then fp8_quant would give.
-scale_ptr is the last runtime parameter so that a bundle built before it still launches with these args (a
-launch passes the first len(signature) of them).
 """
 import triton
 import triton.language as tl
