@@ -32,6 +32,24 @@ FAMILIES = {
                       tie_word_embeddings=False),
     "olmoe": dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], num_experts=64,
                   num_experts_per_tok=8, intermediate_size=16, tie_word_embeddings=False),
+    # Gemma 2: local/global layers, a query_pre_attn_scalar other than head_dim, soft-caps small enough to
+    # bend this tiny model's scores (|score| < 0.4) and logits (|logit| < 1.3)
+    "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], head_dim=16, num_hidden_layers=3,
+                   query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=0.5,
+                   final_logit_softcapping=1.0, tie_word_embeddings=True),
+    # Gemma 3: one global layer in two, the global rope linearly scaled and of another base than the local
+    "gemma3_text": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], head_dim=32,
+                        num_hidden_layers=3, query_pre_attn_scalar=24, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                            "rope_theta": 1_000_000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+                        tie_word_embeddings=True),
+    # Phi-3: fused qkv/gate_up, half the head rotated, LongRoPE short factors and its attention factor
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], pad_token_id=1, max_position_embeddings=512,
+                 original_max_position_embeddings=128, partial_rotary_factor=0.5,
+                 rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 2.1, 4.0],
+                               "long_factor": [1.5, 3.0, 6.0, 9.0]}, tie_word_embeddings=False),
 }
 
 

@@ -11,7 +11,9 @@ import torch
 
 from engc.bundle.model_config import ModelConfig
 from engc.compiler.frontend.checkpoint import Checkpoint
+from engc.compiler.frontend.block_facts import block_facts, with_defaults
 from engc.compiler.frontend.families import Family, family_of
+from engc.compiler.frontend.layouts import llama_names, text_config, text_part
 from engc.compiler.frontend.moe import expert_counts, is_moe_layer, lower_moe
 from engc.compiler.frontend.rope import inv_freq, rope_params
 from engc.compiler.ir import Graph
@@ -20,12 +22,15 @@ from engc.errors import UserError
 
 def resolve_config(hf: dict) -> ModelConfig:
     family = family_of(hf)
+    if family.text_config:
+        return resolve_config(text_config(hf))
+    hf = with_defaults(hf, family)
     try:
         heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         theta, scaling = rope_params(hf)
         eos = hf.get("eos_token_id")
-        return ModelConfig(
+        cfg = ModelConfig(
             family=family.name, vocab_size=hf["vocab_size"], hidden_size=hidden,
             intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
             num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -39,6 +44,8 @@ def resolve_config(hf: dict) -> ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             **expert_counts(hf, family))
+        return dataclasses.replace(cfg, **block_facts(hf, family, cfg.head_dim, cfg.sliding_window,
+                                                      cfg.max_position_embeddings, scaling))
     except KeyError as e:
         raise UserError(f"config.json lacks {e.args[0]}, needed for a {family.name} model") from None
 
@@ -53,24 +60,35 @@ def _sliding_window(hf: dict, family: Family) -> int:
 
 
 def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
+    if family_of(ckpt.hf_config).text_config:
+        ckpt = text_part(ckpt)
     cfg = resolve_config(ckpt.hf_config)
     family = family_of(ckpt.hf_config)
     if cfg.num_heads % cfg.num_kv_heads:
         raise UserError(f"num_attention_heads {cfg.num_heads} is not a multiple of "
                         f"num_key_value_heads {cfg.num_kv_heads}")
+    ckpt = llama_names(ckpt, family.layout, cfg, cfg.rotary_dim or cfg.head_dim, cfg.rope_attention_factor)
     g = Graph(num_layers=cfg.num_layers, dtype=str(dtype).removeprefix("torch."))
     weight = _weight_binder(ckpt, g, dtype)
-    rope = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    rope = _rope_table(cfg, cfg.rope_theta, cfg.rope_scaling)
     g.weights["rope.inv_freq"] = lambda: rope
+    if cfg.local_rope_theta:
+        local_rope = _rope_table(cfg, cfg.local_rope_theta, None)
+        g.weights["rope.local.inv_freq"] = lambda: local_rope
     eps = cfg.rms_norm_eps
+    norm = _norms(g, weight, cfg, dtype)
 
     embed = weight("embed.weight", EMBED)
     x = g.onnx_op("Gather", [embed, "input_ids"], "h.embed", axis=0)
+    if cfg.embed_scale:
+        # HF multiplies by sqrt(hidden_size) rounded to the model dtype
+        scale = torch.tensor([cfg.embed_scale], dtype=torch.float32).to(dtype)
+        g.weights["embed.scale"] = lambda: scale
+        x = g.onnx_op("Mul", [x, "embed.scale"], "h.embed.scaled")
     residual = None
     for i in range(cfg.num_layers):
         hf, p = f"model.layers.{i}.", f"layers.{i}."
-        h, residual = _norm(g, x, residual, weight(p + "attn_norm.weight", hf + "input_layernorm.weight"),
-                            eps, f"{p}attn_in")
+        h, residual = norm(x, residual, p + "attn_norm.weight", hf + "input_layernorm.weight", f"{p}attn_in")
         qkv_parts = [_linear(g, h, weight, p + n, hf + f"self_attn.{n}_proj", cfg.qkv_bias, cfg.hidden_size)
                      for n in ("q", "k", "v")]
         if family.qk_norm_projection:
@@ -78,30 +96,37 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
                                    f"{p}{n}.normed", eps=eps) for n, part in zip("qk", qkv_parts)]
         qkv = _concat(g, qkv_parts, p + "qkv")
         if cfg.qk_norm:
-            qkv = g.add("QKNorm", [qkv, weight(p + "q_norm.weight", hf + "self_attn.q_norm.weight"),
-                                   weight(p + "k_norm.weight", hf + "self_attn.k_norm.weight")],
+            qkv = g.add("QKNorm" + norm.variant, [qkv, norm.weight(p + "q_norm.weight", hf + "self_attn.q_norm.weight"),
+                                                  norm.weight(p + "k_norm.weight", hf + "self_attn.k_norm.weight")],
                         p + "qkv.normed", num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                         head_dim=cfg.head_dim, eps=eps)
         heads = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
-        q = g.add("RotaryKVWrite", [qkv, "positions", "rope.inv_freq", f"kv_cache.{i}", "slot_mapping"],
+        window = cfg.layer_windows[i] if cfg.layer_windows else cfg.sliding_window
+        rope_name = "rope.local.inv_freq" if cfg.local_rope_theta and window else "rope.inv_freq"
+        q = g.add("RotaryKVWrite", [qkv, "positions", rope_name, f"kv_cache.{i}", "slot_mapping"],
                   p + "q.rot", **heads)
+        softcap = {"softcap": cfg.attn_logit_softcap} if cfg.attn_logit_softcap else {}
         attn = g.add("PagedAttention", [q, f"kv_cache.{i}", "block_tables", "context_lens",
                                         "query_start_loc"], p + "attn",
-                     scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window, **heads)
+                     scale=(cfg.attn_scale or cfg.head_dim ** -0.5) * cfg.rope_attention_factor ** 2,
+                     sliding_window=window, **softcap, **heads)
         x = _linear(g, attn, weight, p + "o", hf + "self_attn.o_proj", False, cfg.q_size)
-        h, residual = _norm(g, x, residual, weight(p + "mlp_norm.weight",
-                                                   hf + "post_attention_layernorm.weight"),
-                            eps, f"{p}mlp_in")
+        if cfg.sandwich_norms:   # Gemma: the attention output is normed before the residual add
+            x = norm(x, None, p + "attn_out_norm.weight", hf + "post_attention_layernorm.weight", f"{p}attn_out")[0]
+        h, residual = norm(x, residual, p + "mlp_norm.weight", hf + ("pre_feedforward_layernorm.weight"
+                           if cfg.sandwich_norms else "post_attention_layernorm.weight"), f"{p}mlp_in")
         if is_moe_layer(ckpt.hf_config, family, i):
             x = lower_moe(g, h, ckpt, weight, family, ckpt.hf_config, i, dtype)
             continue
         gate_up = _concat(g, [_linear(g, h, weight, p + n, hf + f"mlp.{n}_proj", False, cfg.hidden_size)
                               for n in ("gate", "up")], p + "gate_up")
-        act = g.add("SiluMul", [gate_up], p + "act")
+        act = g.add(ACTIVATION_OPS[cfg.hidden_act], [gate_up], p + "act")
         x = _linear(g, act, weight, p + "down", hf + "mlp.down_proj", False,
                     cfg.intermediate_size)
+        if cfg.sandwich_norms:
+            x = norm(x, None, p + "mlp_out_norm.weight", hf + "post_feedforward_layernorm.weight", f"{p}mlp_out")[0]
 
-    h, _ = _norm(g, x, residual, weight("norm.weight", "model.norm.weight"), eps, "final")
+    h, _ = norm(x, residual, "norm.weight", "model.norm.weight", "final")
     sampled = g.onnx_op("Gather", [h, "logits_indices"], "h.sampled", axis=0)
     if ckpt.has("lm_head.qweight"):
         # an int4 lm_head (GPTQModel's `lm_head: true`): the same QLinear as the projections, and untied
@@ -111,11 +136,42 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
     else:
         head = embed if head_source(ckpt, cfg) == EMBED else weight("lm_head.weight", "lm_head.weight")
         logits = g.onnx_op("Gemm", [sampled, head], "logits.raw", transB=1)
+    if cfg.final_logit_softcap:   # Gemma 2: in the model dtype, before the float32 cast, as HF rounds it
+        logits = g.add("LogitSoftcap", [logits], "logits.capped", cap=cfg.final_logit_softcap)
     g.onnx_op("Cast", [logits], "logits", to=1)  # float32 logits for sampling
     return cfg, g
 
 
 EMBED = "model.embed_tokens.weight"
+# the GLU of the MLP by config.json's activation (block_facts.ACTIVATIONS)
+ACTIVATION_OPS = {"silu": "SiluMul", "gelu_pytorch_tanh": "GeluTanhMul"}
+
+
+def _rope_table(cfg: ModelConfig, theta: float, scaling: dict | None) -> torch.Tensor:
+    """inv_freq [head_dim / 2]: a partial rotary width's frequencies, then zeros for the unrotated dims
+    (layouts.partial_rotary_order moved them there)."""
+    freq = inv_freq(cfg.rotary_dim or cfg.head_dim, theta, scaling)
+    return torch.cat([freq, freq.new_zeros(cfg.head_dim // 2 - freq.numel())])
+
+
+def _norms(g: Graph, weight, cfg: ModelConfig, dtype: torch.dtype):
+    """norm(x, residual, name, hf_name, out) -> (normed, residual) with the family's RMSNorm. Gemma's
+    (1 + weight) is folded into the weight where that is exact, in float32 (HF adds 1 in float32); in
+    half precision the *UnitOffset ops add it in float32 themselves, as HF does."""
+    fold = cfg.norm_unit_offset and dtype == torch.float32
+    variant = "UnitOffset" if cfg.norm_unit_offset and not fold else ""
+
+    def norm_weight(name: str, hf_name: str) -> str:
+        weight(name, hf_name)
+        if fold:
+            load = g.weights[name]
+            g.weights[name] = lambda: load() + 1
+        return name
+
+    def norm(x: str, residual: str | None, name: str, hf_name: str, out: str):
+        return _norm(g, x, residual, norm_weight(name, hf_name), cfg.rms_norm_eps, out, variant)
+    norm.weight, norm.variant = norm_weight, variant
+    return norm
 
 
 def head_source(ckpt: Checkpoint, cfg: ModelConfig) -> str:
@@ -170,9 +226,9 @@ def _concat(g: Graph, parts: list[str], name: str) -> str:
     return g.onnx_op("Concat", parts, name, axis=-1)
 
 
-def _norm(g: Graph, x: str, residual: str | None, w: str, eps: float, name: str):
+def _norm(g: Graph, x: str, residual: str | None, w: str, eps: float, name: str, variant: str = ""):
     if residual is None:
         # The first block: the embedding itself is the residual stream.
-        return g.add("RMSNorm", [x, w], name, eps=eps), x
-    out, res = g.add("AddRMSNorm", [x, residual, w], [name, name + ".residual"], eps=eps)
+        return g.add("RMSNorm" + variant, [x, w], name, eps=eps), x
+    out, res = g.add("AddRMSNorm" + variant, [x, residual, w], [name, name + ".residual"], eps=eps)
     return out, res

@@ -1,6 +1,7 @@
 """Rotary frequencies, resolved at build time so the runtime has one formula for every family.
 
-Follows the HF definitions of the default, linear and llama3 rope types; anything else is refused.
+Follows the HF definitions of the default, linear, llama3, dynamic (up to the original length) and longrope
+(short factors) rope types; anything else is refused.
 """
 from __future__ import annotations
 
@@ -29,7 +30,61 @@ def inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
         return freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3(freq, scaling)
-    raise UserError(f"unsupported rope scaling '{rope_type}'; supported: default, linear, llama3")
+    if rope_type == "dynamic":
+        return freq    # dynamic NTK changes nothing up to the original length, the bundle's context limit
+    if rope_type in LONGROPE:
+        # LongRoPE's short factors: the ones HF uses while a sequence fits the original length, to which
+        # the bundle's context is limited (context_limit); the long factors would need a per-sequence switch
+        short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+        if short.numel() != freq.numel():
+            raise UserError(f"longrope short_factor has {short.numel()} entries, the rotary width needs {freq.numel()}")
+        return 1.0 / (short * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    raise UserError(f"unsupported rope scaling '{rope_type}'; supported: default, linear, llama3, dynamic, longrope")
+
+
+LONGROPE = ("longrope", "su")   # Phi-3's configs call it su before transformers renamed it
+
+
+def _rope_type(scaling: dict | None) -> str:
+    return "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def context_limit(scaling: dict | None, max_position_embeddings: int) -> int:
+    """The longest context the resolved frequencies are exact for: the original length for dynamic NTK and
+    LongRoPE (beyond it HF switches frequencies as the sequence grows), else max_position_embeddings."""
+    if _rope_type(scaling) in ("dynamic", *LONGROPE):
+        return min(max_position_embeddings, int(scaling.get("original_max_position_embeddings")
+                                                or max_position_embeddings))
+    return max_position_embeddings
+
+
+def attention_factor(scaling: dict | None, max_position_embeddings: int) -> float:
+    """LongRoPE's multiplier of cos and sin (so q.k gains its square): sqrt(1 + ln(factor) / ln(original
+    length)), factor being max_position_embeddings over the original length, as HF computes it; else 1."""
+    if _rope_type(scaling) not in LONGROPE:
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling.get("original_max_position_embeddings")
+    if not original:
+        raise UserError("longrope rope scaling needs original_max_position_embeddings")
+    factor = scaling.get("factor") or max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def layer_type_rope(hf_config: dict, layer_type: str) -> tuple[float, dict | None]:
+    """(theta, scaling) of the layers of one type (Gemma: 'full_attention', 'sliding_attention'): from
+    transformers 5's rope_parameters keyed by layer type, or the older rope_theta / rope_local_base_freq /
+    rope_scaling keys (the scaling applies to global layers only; without rope_local_base_freq, as in Gemma 2,
+    every layer has the global rope)."""
+    params = hf_config.get("rope_parameters") or {}
+    if layer_type in params:
+        p = params[layer_type]
+        scaling = None if _rope_type(p) == "default" else {k: v for k, v in p.items() if k != "rope_theta"}
+        return float(p.get("rope_theta", 10000.0)), scaling
+    if layer_type == "sliding_attention" and "rope_local_base_freq" in hf_config:
+        return float(hf_config["rope_local_base_freq"]), None
+    return rope_params(hf_config)
 
 
 def _llama3(freq: torch.Tensor, s: dict) -> torch.Tensor:

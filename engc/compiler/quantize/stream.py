@@ -15,8 +15,10 @@ import torch
 from safetensors.torch import save_file
 
 from engc.atomic import atomic_folder
+from engc.compiler.frontend.block_facts import llama_block
 from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.decoder import head_source, resolve_config
+from engc.compiler.frontend.families import family_of
 from engc.compiler.frontend.rope import inv_freq
 from engc.compiler.quantize.awq import awq_layer
 from engc.compiler.quantize.calibration import calibration_samples
@@ -50,6 +52,9 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
     if cfg.num_experts:  # layer.py's decoder layer has a dense MLP only, and the int4 layout no expert stacks
         raise UserError(f"{ckpt.name}: engc quantize does not quantize mixture-of-experts models "
                         f"({cfg.family}) yet; engc build takes the float checkpoint")
+    if not llama_block(cfg, family_of(ckpt.hf_config)):   # layer.py's block is Llama's, under Llama's names
+        raise UserError(f"{ckpt.name}: engc quantize does not quantize {cfg.family} models yet (its decoder "
+                        "layer is Llama's); engc build takes the float checkpoint")
     check_shapes(cfg, opts.group_size, opts.lm_head)
     x = None
     if opts.method != "rtn":

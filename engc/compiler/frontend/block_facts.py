@@ -1,0 +1,95 @@
+"""What a family's decoder block computes beyond Llama's, resolved from config.json into ModelConfig fields.
+
+A family's facts (families.py) say which keys to read; the values become ModelConfig fields that the
+lowering (decoder.py) turns into node attributes and weights. Anything a key asks for that engc does not
+compute is refused here, with the key named.
+"""
+from __future__ import annotations
+
+from engc.bundle.model_config import ModelConfig
+from engc.compiler.frontend.families import Family
+from engc.compiler.frontend.rope import attention_factor, context_limit, layer_type_rope
+from engc.errors import UserError
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def with_defaults(hf: dict, family: Family) -> dict:
+    """config.json over the family's transformers defaults; refuses keys set to what engc cannot compute."""
+    for key in family.refused_true:
+        if hf.get(key):
+            raise UserError(f"config.json sets {key}: true for a {family.name} model (biases on o_proj and the "
+                            "MLP), which engc does not support")
+    if hf.get("use_bidirectional_attention"):
+        raise UserError("config.json sets use_bidirectional_attention: true; engc builds causal decoders only")
+    return {**dict(family.defaults), **hf}
+
+
+def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positions: int,
+                scaling: dict | None) -> dict:
+    """ModelConfig fields beyond the Llama ones (and the ones these families resolve otherwise)."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise UserError(f"config.json hidden activation '{act}' is not supported; supported: {', '.join(ACTIVATIONS)}")
+    facts = dict(hidden_act=act, qkv_bias=family.qkv_bias or bool(hf.get(family.qkv_bias_key, False)),
+                 attn_logit_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+                 final_logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+                 norm_unit_offset=family.norm_unit_offset, sandwich_norms=family.sandwich_norms)
+    if family.scaled_embedding:
+        facts["embed_scale"] = hf["hidden_size"] ** 0.5
+    scale = hf["query_pre_attn_scalar"] ** -0.5 if "query_pre_attn_scalar" in hf else head_dim ** -0.5
+    if scaling is not None and scaling.get("original_max_position_embeddings") is None \
+            and hf.get("original_max_position_embeddings"):
+        scaling = {**scaling, "original_max_position_embeddings": hf["original_max_position_embeddings"]}
+    if scale != head_dim ** -0.5:
+        facts["attn_scale"] = scale
+    factor = attention_factor(scaling, max_positions)
+    if factor != 1.0:
+        facts["rope_attention_factor"] = factor
+    facts["rope_scaling"] = scaling
+    facts["max_position_embeddings"] = context_limit(scaling, max_positions)
+    rotary = rotary_dim(hf, head_dim)
+    if rotary != head_dim:
+        facts["rotary_dim"] = rotary
+    if family.sliding_window_pattern:
+        facts.update(_interleaved(hf, family, window))
+    return facts
+
+
+def llama_block(cfg: ModelConfig, family: Family) -> bool:
+    """Whether the model's blocks compute Llama's math under Llama's tensor names (what engc quantize's
+    plain-torch layer computes)."""
+    return (family.layout == "llama" and cfg.hidden_act == "silu" and not cfg.attn_scale
+            and not cfg.attn_logit_softcap and not cfg.final_logit_softcap and not cfg.layer_windows
+            and not cfg.rotary_dim and cfg.rope_attention_factor == 1.0 and not cfg.norm_unit_offset
+            and not cfg.sandwich_norms and not cfg.embed_scale)
+
+
+def rotary_dim(hf: dict, head_dim: int) -> int:
+    params = hf.get("rope_parameters") or {}
+    factor = hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) or 1.0
+    dim = int(head_dim * factor)
+    if dim % 2 or dim <= 0 or dim > head_dim:
+        raise UserError(f"partial_rotary_factor {factor} gives a rotary width {dim} for head_dim {head_dim}")
+    return dim
+
+
+def _interleaved(hf: dict, family: Family, window: int) -> dict:
+    """Local (sliding window) and global layers and their rope bases (Gemma 2 and 3)."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        every = hf.get("sliding_window_pattern") or family.sliding_window_pattern
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    if len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        raise UserError(f"config.json layer_types must list {layers} of {', '.join(LAYER_TYPES)}")
+    facts = {"layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types)}
+    theta, scaling = layer_type_rope(hf, "full_attention")
+    facts.update(rope_theta=theta, rope_scaling=scaling)
+    local_theta, local_scaling = layer_type_rope(hf, "sliding_attention")
+    if local_scaling is not None:
+        raise UserError("rope scaling on the sliding-window layers is not supported")
+    if "sliding_attention" in types and local_theta != theta:
+        facts["local_rope_theta"] = local_theta
+    return facts

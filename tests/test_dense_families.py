@@ -1,0 +1,184 @@
+"""Gemma 2, Gemma 3 (text, and the text part of a gemma3 checkpoint), Phi-3, InternLM3 and InternLM2 against
+an oracle in float32 on the CPU: greedy tokens identical, log-probabilities within 1e-4.
+
+transformers has Gemma 2, Gemma 3 and Phi-3 classes: they are the oracle. It has none for InternLM2/3
+(their modeling code ships with the checkpoints). Their published modeling code is Llama's math under
+other names: InternLM3 is Llama with a bias on q, k and v alone (config `qkv_bias`; `bias` puts one on
+o_proj and the MLP, which engc refuses), which is exactly HF's Qwen2 network; InternLM2 is Llama with q, k
+and v fused into `attention.wqkv`, grouped per KV head as [the group's q heads, k, v] (its
+rearrange "(h gs d)"), w1/w3/w2 for gate/up/down and attention_norm/ffn_norm for the two norms. So the
+tests write a tiny HF Qwen2 / Llama checkpoint, re-lay it as the InternLM checkpoint would hold it, and
+compare the InternLM bundle with HF's Qwen2 / Llama on the original.
+"""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engc.compiler.build import BuildOptions, build
+from engc.errors import UserError
+from engc.runtime.engine import Engine
+from engc.runtime.loader import load
+from engc.runtime.sampling import SamplingParams
+from test_hf_parity import NEW_TOKENS, PROMPTS, hf_greedy
+
+transformers = pytest.importorskip("transformers")
+
+
+def greedy_matches(bundle, oracle_folder):
+    model = load(bundle)
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    engine = Engine(model)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    seqs = [engine.add_request(ids, greedy) for ids in prompts]   # batched, continuously scheduled
+    engine.run_to_completion()
+    for ids, seq in zip(prompts, seqs):
+        expected, hf_logits = hf_greedy(oracle_folder, ids, NEW_TOKENS)
+        assert seq.output_ids == expected
+        ours = torch.tensor([s.logprob for s in seq.logprobs])
+        theirs = torch.log_softmax(hf_logits, -1).gather(1, torch.tensor(expected)[:, None])[:, 0]
+        assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3"])
+def test_greedy_matches_hf(family, tiny_dir, tiny_bundle):
+    greedy_matches(tiny_bundle(family), tiny_dir(family))
+
+
+def test_program_carries_the_layer_facts(tiny_bundle):
+    """Gemma 3's local and global layers: their windows and rope tables are per-node facts."""
+    from engc.bundle.program import parse_program
+    from engc.bundle.reader import open_bundle
+    bundle = open_bundle(tiny_bundle("gemma3_text"))
+    program = parse_program(bundle.read(bundle.manifest["program"]))
+    attn = [n for n in program.nodes if n.op in ("PagedAttention", "RotaryPagedAttention")]
+    assert [n.attrs["sliding_window"] for n in attn] == [8, 0, 8]
+    assert [n.inputs[2] for n in attn] == ["rope.local.inv_freq", "rope.inv_freq", "rope.local.inv_freq"]
+    assert all(abs(n.attrs["scale"] - 24 ** -0.5) < 1e-6 for n in attn)
+
+
+def _relaid(src, dst, config: dict, rename) -> None:
+    """src's HF checkpoint as another family would hold it: config.json replaced, tensors renamed/fused."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, dst / f.name)
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        tensors.update(load_file(str(f)))
+    save_file(rename(tensors), str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+def test_gemma3_multimodal_text_part(tiny_dir, tmp_path):
+    """A gemma3 checkpoint (text_config, language_model.* tensors, a vision tower) builds its text model."""
+    src = tiny_dir("gemma3_text")
+    text = json.loads((src / "config.json").read_text())
+
+    def rename(t):
+        out = {"language_model." + k: v for k, v in t.items()}
+        out["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(8)
+        return out
+    _relaid(src, tmp_path / "mm", {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+                                   "text_config": {k: v for k, v in text.items() if k != "architectures"},
+                                   "vision_config": {"model_type": "siglip_vision_model"}}, rename)
+    build(str(tmp_path / "mm"), tmp_path / "b", BuildOptions())
+    greedy_matches(tmp_path / "b", src)
+
+
+@pytest.fixture(scope="module")
+def qwen2_src(tmp_path_factory):
+    from tiny_models import make_tiny
+    return make_tiny("qwen2", tmp_path_factory.mktemp("qwen2_src"), seed=3, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def llama_src(tmp_path_factory):
+    from tiny_models import make_tiny
+    return make_tiny("llama", tmp_path_factory.mktemp("llama_src"), seed=4, num_key_value_heads=1,
+                     rope_scaling=None)
+
+
+def test_internlm3(qwen2_src, tmp_path):
+    cfg = json.loads((qwen2_src / "config.json").read_text())
+    cfg.update(model_type="internlm3", architectures=["InternLM3ForCausalLM"], qkv_bias=True, bias=False,
+               rope_scaling={"rope_type": "dynamic", "factor": 6.0})
+    _relaid(qwen2_src, tmp_path / "internlm3", cfg, lambda t: t)
+    build(str(tmp_path / "internlm3"), tmp_path / "b", BuildOptions())
+    greedy_matches(tmp_path / "b", qwen2_src)
+
+
+def _internlm2_tensors(t: dict, heads: int, kv_heads: int, head_dim: int) -> dict:
+    names = {"self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1",
+             "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2",
+             "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
+    out = {"model.tok_embeddings.weight": t["model.embed_tokens.weight"], "model.norm.weight": t["model.norm.weight"]}
+    if "lm_head.weight" in t:
+        out["output.weight"] = t["lm_head.weight"]
+    layers = {k.split(".")[2] for k in t if k.startswith("model.layers.")}
+    group = heads // kv_heads
+    for i in layers:
+        p = f"model.layers.{i}."
+        for hf, ours in names.items():
+            out[f"{p}{ours}.weight"] = t[f"{p}{hf}.weight"]
+        q, k, v = (t[f"{p}self_attn.{n}_proj.weight"] for n in "qkv")
+        hidden = q.shape[1]
+        rows = torch.cat([q.reshape(kv_heads, group, head_dim, hidden), k.reshape(kv_heads, 1, head_dim, hidden),
+                          v.reshape(kv_heads, 1, head_dim, hidden)], dim=1)
+        out[f"{p}attention.wqkv.weight"] = rows.reshape(-1, hidden).contiguous()
+    return out
+
+
+def test_internlm2(llama_src, tmp_path):
+    cfg = json.loads((llama_src / "config.json").read_text())
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    internlm2 = {k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                     "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id")}
+    internlm2.update(model_type="internlm2", architectures=["InternLM2ForCausalLM"], bias=False, hidden_act="silu",
+                     rope_theta=cfg["rope_parameters"]["rope_theta"], rope_scaling=None)
+    _relaid(llama_src, tmp_path / "internlm2", internlm2,
+            lambda t: _internlm2_tensors(t, heads, kv, cfg["hidden_size"] // heads))
+    build(str(tmp_path / "internlm2"), tmp_path / "b", BuildOptions())
+    greedy_matches(tmp_path / "b", llama_src)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope scaling 'yarn'"),
+    ({"hidden_act": "relu"}, "hidden activation 'relu' is not supported"),
+    ({"bias": True}, "sets bias: true"),
+    ({"partial_rotary_factor": 0.1}, "partial_rotary_factor 0.1"),
+    ({"num_attention_heads": None}, "lacks num_attention_heads"),
+], ids=["rope-type", "activation", "bias", "rotary-width", "missing-key"])
+def test_unsupported_variant_refused(qwen2_src, tmp_path, change, message):
+    cfg = json.loads((qwen2_src / "config.json").read_text())
+    cfg.update(model_type="internlm3", qkv_bias=True)
+    cfg.pop("rope_parameters", None)
+    for key, value in change.items():
+        if value is None:
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+    _relaid(qwen2_src, tmp_path / "m", cfg, lambda t: t)
+    with pytest.raises(UserError, match=message.replace("(", r"\(")) as e:
+        build(str(tmp_path / "m"), tmp_path / "b", BuildOptions())
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family,lack", [("gemma2", "soft-capping"), ("gemma3_text", "GELU-tanh")])
+def test_gpu_build_refused(family, lack, tiny_dir, tmp_path):
+    """No GPU bundle that would compute another model: the build names what the kernels lack."""
+    with pytest.raises(UserError, match=lack):
+        build(str(tiny_dir(family)), tmp_path / "b", BuildOptions(archs=("sm90",)))
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_quantize_refused(family, tiny_dir, tmp_path):
+    """engc quantize's layer is Llama's: other blocks or tensor layouts are refused in one line."""
+    from engc.compiler.quantize.options import QuantOptions
+    from engc.compiler.quantize.stream import quantize_checkpoint
+    with pytest.raises(UserError, match=f"does not quantize {family} models"):
+        quantize_checkpoint(str(tiny_dir(family)), tmp_path / "q", QuantOptions(method="rtn", group_size=32))
