@@ -13,6 +13,7 @@ from engc.bundle.safetensors_stream import write_streaming
 from engc.bundle.writer import write_bundle
 from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.decoder import lower
+from engc.compiler.frontend.moe import check_moe_build
 from engc.compiler.gpu_support import check_gpu_support
 from engc.compiler.ir import to_onnx
 from engc.compiler.passes import PASSES
@@ -95,10 +96,8 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
             check_fp8_shapes(cfg)
         if opts.archs != ("cpu",):
             check_gpu_support(cfg, [a for a in opts.archs if a != "cpu"])
-        if cfg.num_experts and opts.archs != ("cpu",):
-            # the MoE op has a CPU binding only: a GPU bundle would have no kernel to run it
-            raise UserError(f"{cfg.family}: mixture-of-experts models build for --arch cpu only (no GPU MoE "
-                            f"kernels yet), not {','.join(a for a in opts.archs if a != 'cpu')}")
+        if cfg.num_experts:
+            check_moe_build(cfg, ckpt.hf_config, fp8, [a for a in opts.archs if a != "cpu"])
         for p in passes:
             graph = p(graph)
         graph.validate()

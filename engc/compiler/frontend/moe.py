@@ -106,6 +106,20 @@ def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: i
                  has_shared_expert=shared)
 
 
+def check_moe_build(cfg, hf: dict, fp8: bool, gpu_archs: list[str]) -> None:
+    """What a bundle of an MoE model would lack, refused in one line: fp8 experts (the MoE op takes the model
+    dtype), and on a GPU OLMoE's q/k norm where a projection is narrower than the hidden size (the RMSNorm
+    kernel is specialized on the hidden size; OLMoE's released shapes have q and k that wide)."""
+    from engc.compiler.frontend.families import family_of
+    if fp8:
+        raise UserError(f"{cfg.family}: --quant fp8 does not cover expert weights yet; build without --quant")
+    if gpu_archs and family_of(hf).qk_norm_projection and \
+            (cfg.q_size, cfg.kv_size) != (cfg.hidden_size, cfg.hidden_size):
+        raise UserError(f"{cfg.family}: q/k norm over projections {cfg.q_size} and {cfg.kv_size} wide, not the "
+                        f"hidden size {cfg.hidden_size}, has no GPU kernel; build with --arch cpu, not "
+                        f"{','.join(gpu_archs)}")
+
+
 def _check_present(ckpt, name: str) -> None:
     if not ckpt.has(name):
         raise UserError(f"checkpoint {ckpt.name} is missing tensor '{name}'")

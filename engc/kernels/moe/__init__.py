@@ -61,19 +61,92 @@ def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torc
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
     """The grouped GEMMs' schedule: each (token, slot) pair listed under its expert, each expert's list padded
-    to a multiple of block_m, so every BLOCK_M rows of the sorted list belong to one expert.
+    to a multiple of block_m, so every BLOCK_M rows of the sorted list belong to one expert. The sizes follow
+    from the shapes alone (room for every expert's padding), so nothing waits on the GPU and a CUDA graph
+    can hold it.
 
     ids [T, k] -> (rows [P] int32: the pair's flat index t * k + slot, T * k for padding;
-                   block_expert [P / block_m] int32: the expert of each block)
+                   block_expert [P / block_m] int32: the expert of each block, -1 past the last one)
     """
-    flat = ids.reshape(-1)
-    counts = torch.bincount(flat, minlength=num_experts)
+    flat = ids.reshape(-1).long()
+    n, dev = flat.numel(), flat.device
+    blocks = (n + num_experts * (block_m - 1) + block_m - 1) // block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded
+    ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
-    rank = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
-    rows = torch.full((int(padded.sum()),), flat.numel(), dtype=torch.int32, device=flat.device)
-    rows[starts[flat[order]] + rank] = order.to(torch.int32)
-    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=flat.device, dtype=torch.int32),
-                                           padded // block_m)
-    return rows, block_expert
+    expert = flat[order]
+    rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[expert]
+    rows = torch.full((blocks * block_m,), n, dtype=torch.int32, device=dev)
+    rows[(ends - padded)[expert] + rank] = order.to(torch.int32)
+    block_expert = torch.searchsorted(ends, torch.arange(blocks, device=dev) * block_m, right=True)
+    return rows, torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+
+
+# ---- the GPU path: launch rules, and the order the binding runs them in ---------------------------------
+
+def launch_route(x, router, shared_gate, weights, ids, shared_weight, softmax_first: int, renormalize: int):
+    """moe_route_kernel, grid (T,). args: x, router, shared_gate, weights [T, k] f32, ids [T, k] i32,
+    shared_weight [T] f32, softmax_first, renormalize, scratch, scratch. shared_gate and shared_weight are
+    any tensor where the model has no shared expert (the kernel, compiled without it, reads neither)."""
+    if x.shape[0] == 0:
+        return []
+    return [("route", (x.shape[0], 1, 1), [x, router, shared_gate, weights, ids, shared_weight,
+                                          int(softmax_first), int(renormalize), 0, 0])]
+
+
+def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, decode: bool):
+    """moe_gate_up_kernel then moe_down_kernel over the schedule rows/block_expert (sort_by_expert, or for the
+    decode variants one pair a program: rows = 0..T*k-1, block_expert = ids). act [len(rows), I], pairs
+    [T*k, H] (each pair's weighted expert output). consts: '<variant>' -> {'BLOCK_M', 'BLOCK_N'}."""
+    num_pairs = weights.numel()
+    if num_pairs == 0:
+        return []
+    gate_up_variant, down_variant = ("gate_up_decode", "down_decode") if decode else ("gate_up", "down")
+    blocks = block_expert.numel()
+    inter, hidden = down.shape[2], down.shape[1]
+    cdiv = lambda a, b: (a + b - 1) // b  # noqa: E731
+    return [(gate_up_variant, (blocks, cdiv(inter, consts[gate_up_variant]["BLOCK_N"]), 1),
+             [x, gate_up, rows, block_expert, act, num_pairs, 0, 0]),
+            (down_variant, (blocks, cdiv(hidden, consts[down_variant]["BLOCK_N"]), 1),
+             [act, down, rows, block_expert, weights, pairs, num_pairs, 0, 0])]
+
+
+def launch_combine(pairs, shared, shared_weight, out, consts):
+    """moe_combine_kernel, grid (T, cdiv(H, BLOCK)). args: pairs, shared [T, H] (any tensor without a shared
+    expert), shared_weight, out, scratch, scratch."""
+    if out.shape[0] == 0:
+        return []
+    block = consts["combine"]["BLOCK"]
+    return [("combine", (out.shape[0], (out.shape[1] + block - 1) // block, 1),
+             [pairs, shared, shared_weight, out, 0, 0])]
+
+
+def forward(run, x, router, gate_up, down, shared_gate_up=None, shared_down=None, shared_gate=None, *,
+            top_k: int, consts: dict, softmax_first: int = 1, renormalize: int = 0, has_shared_expert: int = 0,
+            **_) -> torch.Tensor:
+    """The MoE node on the GPU: run(launches) runs each launch rule's output (the runtime's BundleKernels, or
+    the interpreter in the tests). Up to consts['gate_up_decode']['max_pairs'] (token, expert) pairs take the decode
+    variants, which skip the sort; more are sorted by expert and padded to BLOCK_M for the grouped GEMMs.
+    The shared expert is a dense SiLU GLU on every token: its GEMMs are torch's (cuBLAS)."""
+    t, e = x.shape[0], gate_up.shape[0]
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
+    shared_weight = torch.empty(t if has_shared_expert else 1, dtype=torch.float32, device=x.device)
+    run(launch_route(x, router, shared_gate if has_shared_expert else router, weights, ids, shared_weight,
+                     softmax_first, renormalize))
+    decode = t * top_k <= consts["gate_up_decode"]["max_pairs"]
+    if decode:
+        rows = torch.arange(t * top_k, dtype=torch.int32, device=x.device)
+        block_expert = ids.reshape(-1)
+    else:
+        rows, block_expert = sort_by_expert(ids, e, consts["gate_up"]["BLOCK_M"])
+    act = torch.empty(rows.numel(), down.shape[2], dtype=x.dtype, device=x.device)
+    pairs = torch.empty(t * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    run(launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, decode))
+    shared = glu(x, shared_gate_up, shared_down) if has_shared_expert else pairs
+    run(launch_combine(pairs, shared, shared_weight, out, consts))
+    return out

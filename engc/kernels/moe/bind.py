@@ -1,5 +1,15 @@
 """The node the MoE kernels serve: MoE (router, top-k experts' SiLU GLUs, weighted combine)."""
 from engc.bundle.program import ENGC_DOMAIN
-from engc.kernels.moe import moe
+from engc.kernels.moe import forward, moe
 
 CPU_OPS = {(ENGC_DOMAIN, "MoE"): lambda *xs, **a: (moe(*xs, **a),)}
+
+
+def gpu_ops(ctx) -> dict:
+    if not ctx.has("moe"):
+        return {}
+
+    def moe_gpu(*xs, **attrs):
+        return (forward(lambda launches: ctx.run("moe", launches), *xs, consts=ctx.consts("moe"), **attrs),)
+
+    return {(ENGC_DOMAIN, "MoE"): moe_gpu}

@@ -1,0 +1,47 @@
+"""The MoE kernels of a mixture-of-experts model: routing, the grouped and the decode expert GEMMs, the combine,
+each specialized on the model's hidden size, expert count, top-k and expert intermediate size."""
+from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
+
+# Untuned starting points (no tune-table line yet): BLOCK_M 16 keeps the padding of a lightly loaded expert
+# small; the decode variants read one expert's rows a program, BLOCK_K wide; up to max_pairs (token, expert)
+# pairs take them, which skips the sort.
+_DEFAULTS = {
+    "route": {"num_warps": 4, "num_stages": 1, "BLOCK_K": 64},
+    "gate_up": {"num_warps": 4, "num_stages": 3, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64},
+    "down": {"num_warps": 4, "num_stages": 3, "BLOCK_N": 64, "BLOCK_K": 64},   # BLOCK_M: gate_up's
+    "gate_up_decode": {"num_warps": 4, "num_stages": 2, "BLOCK_N": 32, "BLOCK_K": 128, "max_pairs": 64},
+    "down_decode": {"num_warps": 4, "num_stages": 2, "BLOCK_N": 32, "BLOCK_K": 128},
+    "combine": {"num_warps": 4, "num_stages": 1, "BLOCK": 1024},
+}
+
+
+def specs(b: Build) -> list:
+    cfg = b.cfg
+    if not cfg.num_experts:
+        return []
+    t, h, e, k, inter = b.t, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    shared = int(cfg.shared_expert_intermediate_size > 0)
+    gate_up = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "rows_ptr": "*i32", "block_expert_ptr": "*i32",
+               "act_ptr": f"*{t}", "num_pairs": "i32"}
+    down = {"act_ptr": f"*{t}", "w_ptr": f"*{t}", "rows_ptr": "*i32", "block_expert_ptr": "*i32",
+            "weights_ptr": "*fp32", "pairs_ptr": f"*{t}", "num_pairs": "i32"}
+    route = {"x_ptr": f"*{t}", "router_ptr": f"*{t}", "shared_gate_ptr": f"*{t}", "weights_ptr": "*fp32",
+             "ids_ptr": "*i32", "shared_weight_ptr": "*fp32", "softmax_first": "i32", "renormalize": "i32"}
+    combine = {"pairs_ptr": f"*{t}", "shared_ptr": f"*{t}", "shared_weight_ptr": "*fp32", "out_ptr": f"*{t}"}
+    sizes = {"H": h, "INTER": inter}
+    # the down GEMM walks the schedule the gate_up one does: the same BLOCK_M
+    block_m = make_spec("moe", "gate_up", b.arch, "moe_gate_up_kernel", gate_up, {}, "any",
+                        overrides=b.ov("moe"), defaults=_DEFAULTS["gate_up"]).constexprs["BLOCK_M"]
+    rows = [
+        ("route", "moe_route_kernel", route, {"H": h, "E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k),
+                                               "HAS_SHARED": shared}, ()),
+        ("gate_up", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k}, ("BLOCK_M", "BLOCK_N")),
+        ("down", "moe_down_kernel", down, {**sizes, "BLOCK_M": block_m}, ("BLOCK_M", "BLOCK_N")),
+        ("gate_up_decode", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k, "BLOCK_M": 1},
+         ("BLOCK_N", "max_pairs")),
+        ("down_decode", "moe_down_kernel", down, {**sizes, "BLOCK_M": 1}, ("BLOCK_N",)),
+        ("combine", "moe_combine_kernel", combine, {"H": h, "TOP_K": k, "HAS_SHARED": shared}, ("BLOCK",)),
+    ]
+    return [make_spec("moe", variant, b.arch, fn, types, consts, "any", launch_keys=keys, overrides=b.ov("moe"),
+                      defaults=_DEFAULTS[variant])
+            for variant, fn, types, consts, keys in rows]

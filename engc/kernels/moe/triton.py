@@ -1,0 +1,154 @@
+"""The MoE op's kernels: routing, the experts' gate_up (SiLU-and-mul fused) and down GEMMs, the combine.
+
+moe_route_kernel       grid (T,): router logits, softmax, top-k (ties to the lower expert id), the weights;
+                       the shared expert's sigmoid gate
+moe_gate_up_kernel     grid (row blocks, cdiv(I, BLOCK_N)): act = silu(x W_gate^T) * (x W_up^T) of the block's
+                       expert, for BLOCK_M (token, slot) pairs listed under it (kernels/moe sort_by_expert);
+                       BLOCK_M 1 is the decode path: one pair a program, reading only its expert's weights
+moe_down_kernel        grid (row blocks, cdiv(H, BLOCK_N)): pairs[pair] = weight[pair] * (act W_down^T)
+moe_combine_kernel     grid (T, cdiv(H, BLOCK)): y[t] = sum over the token's k pairs (+ its gated shared
+                       expert's output, whose two GEMMs are the library's: they are dense)
+
+Accumulation is float32; outputs round to the storage dtype where the reference's torch ops do (the GLU's
+silu and product, each expert's output before it is weighted).
+"""
+import os
+
+import triton
+import triton.language as tl
+
+from engc.kernels.silu_rows import silu_times_up
+
+if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter's bf16/fp16 tl.dot is wrong: the same products in fp32
+    @triton.jit
+    def _dot(a, b, acc):
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+else:
+    @triton.jit
+    def _dot(a, b, acc):
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def moe_route_kernel(x_ptr, router_ptr, shared_gate_ptr, weights_ptr, ids_ptr, shared_weight_ptr,
+                     softmax_first, renormalize, H: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr,
+                     E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SHARED: tl.constexpr):
+    # softmax_first and renormalize are the node's attributes (runtime flags: the model config has no routing)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_PAD)
+    dt = x_ptr.dtype.element_ty
+    logits = tl.zeros([E_PAD], dtype=tl.float32)
+    shared = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + t * H + kk, mask=kk < H, other=0.0).to(tl.float32)
+        w = tl.load(router_ptr + e[:, None] * H + kk[None, :], mask=(e[:, None] < E) & (kk[None, :] < H),
+                    other=0.0).to(tl.float32)
+        logits += tl.sum(w * x[None, :], axis=1)
+        if HAS_SHARED:
+            shared += tl.load(shared_gate_ptr + kk, mask=kk < H, other=0.0).to(tl.float32) * x
+    logits = logits.to(dt).to(tl.float32)          # F.linear's output is in the model dtype
+    logits = tl.where(e < E, logits, float("-inf"))
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    scores = tl.where(softmax_first != 0, p / tl.sum(p, axis=0), logits)
+    slot = tl.arange(0, K_PAD)
+    vals = tl.zeros([K_PAD], dtype=tl.float32)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(scores, axis=0)
+        pick = tl.min(tl.where(scores == best, e, E_PAD), axis=0)
+        vals = tl.where(slot == j, best, vals)
+        ids = tl.where(slot == j, pick, ids)
+        scores = tl.where(e == pick, float("-inf"), scores)
+    in_k = slot < TOP_K
+    q = tl.where(in_k, tl.exp(vals - tl.max(tl.where(in_k, vals, float("-inf")), axis=0)), 0.0)
+    renormalized = vals / tl.sum(tl.where(in_k, vals, 0.0), axis=0)
+    vals = tl.where(softmax_first == 0, q / tl.sum(q, axis=0), tl.where(renormalize != 0, renormalized, vals))
+    tl.store(weights_ptr + t * TOP_K + slot, vals.to(dt).to(tl.float32), mask=slot < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + slot, ids, mask=slot < TOP_K)
+    if HAS_SHARED:
+        g = tl.sum(shared, axis=0).to(dt).to(tl.float32)
+        tl.store(shared_weight_ptr + t, (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32))
+
+
+@triton.jit
+def moe_gate_up_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, act_ptr, num_pairs,
+                       H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    # blocks past the last expert's are padding (expert -1): every row and column masked off
+    live = expert >= 0
+    w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * (2 * INTER * H)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(rows_ptr + offs_m)
+    valid = pair < tl.where(live, num_pairs, 0)
+    token = (pair // TOP_K).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < tl.where(live, INTER, 0)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + token[:, None] * H + kk[None, :], mask=valid[:, None] & (kk[None, :] < H), other=0.0)
+        w_mask = n_ok[None, :] & (kk[:, None] < H)
+        wg = tl.load(w_base + n[None, :] * H + kk[:, None], mask=w_mask, other=0.0)
+        wu = tl.load(w_base + (n[None, :] + INTER) * H + kk[:, None], mask=w_mask, other=0.0)
+        if BLOCK_M == 1:   # decode: a GEMV, no tensor-core tile to fill
+            af = a.to(tl.float32)
+            acc_g += tl.sum(af.reshape(BLOCK_K, 1) * wg.to(tl.float32), axis=0).reshape(1, BLOCK_N)
+            acc_u += tl.sum(af.reshape(BLOCK_K, 1) * wu.to(tl.float32), axis=0).reshape(1, BLOCK_N)
+        else:
+            acc_g = _dot(a, wg, acc_g)
+            acc_u = _dot(a, wu, acc_u)
+    dt = act_ptr.dtype.element_ty
+    # F.linear rounds gate and up to the model dtype before the silu
+    act = silu_times_up(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), dt)
+    tl.store(act_ptr + offs_m.to(tl.int64)[:, None] * INTER + n[None, :], act,
+             mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_down_kernel(act_ptr, w_ptr, rows_ptr, block_expert_ptr, weights_ptr, pairs_ptr, num_pairs,
+                    H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    live = expert >= 0
+    w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * (H * INTER)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(rows_ptr + offs_m)
+    valid = pair < tl.where(live, num_pairs, 0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < tl.where(live, H, 0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(act_ptr + offs_m.to(tl.int64)[:, None] * INTER + kk[None, :],
+                    mask=valid[:, None] & (kk[None, :] < INTER), other=0.0)
+        w = tl.load(w_base + n[None, :] * INTER + kk[:, None], mask=n_ok[None, :] & (kk[:, None] < INTER),
+                    other=0.0)
+        if BLOCK_M == 1:
+            acc += tl.sum(a.to(tl.float32).reshape(BLOCK_K, 1) * w.to(tl.float32), axis=0).reshape(1, BLOCK_N)
+        else:
+            acc = _dot(a, w, acc)
+    dt = pairs_ptr.dtype.element_ty
+    weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
+    y = acc.to(dt).to(tl.float32) * weight[:, None]
+    tl.store(pairs_ptr + pair.to(tl.int64)[:, None] * H + n[None, :], y.to(dt), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_combine_kernel(pairs_ptr, shared_ptr, shared_weight_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr,
+                       HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = n < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(pairs_ptr + (t * TOP_K + j) * H + n, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    if HAS_SHARED:   # sigmoid(gate) * the shared expert's output, rounded as the reference's product is
+        s = tl.load(shared_ptr + t * H + n, mask=mask, other=0.0).to(tl.float32)
+        acc += (s * tl.load(shared_weight_ptr + t)).to(dt).to(tl.float32)
+    tl.store(out_ptr + t * H + n, acc.to(dt), mask=mask)

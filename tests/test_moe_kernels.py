@@ -1,0 +1,223 @@
+"""The MoE op's Triton kernels under TRITON_INTERPRET=1 against the torch reference (kernels/moe).
+
+As in test_kernels.py, the checks run in one child process (this file as a script) with the interpreter on,
+through the specs codegen builds for a small MoE model and the op's own launch rules and forward(), which is
+what the GPU binding runs: the routing variants, the decode path (one (token, expert) pair a program) and the
+grouped path (pairs sorted by expert, padded to BLOCK_M), with and without a shared expert.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from interpreted import interpreted_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = ["route_softmax_fp32", "route_softmax_renorm_fp32", "route_topk_first_fp32", "route_bf16",
+         "route_ties_pick_lower_ids", "decode_fp32", "decode_shared_fp32", "grouped_fp32", "grouped_shared_fp32",
+         "grouped_bf16", "decode_bf16", "grouped_many_experts_fp32"]
+
+
+@pytest.fixture(scope="module")
+def report():
+    return interpreted_report(__file__, timeout=600)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_moe_kernel_matches_reference(report, case):
+    assert case in report, f"{case} did not run"
+    assert report[case]["ok"], report[case]
+
+
+def test_specs_only_for_moe_models():
+    import torch
+    from engc.compiler.codegen.specs import model_specs
+    dense = [s.op for s in model_specs(_cfg(num_experts=0), torch.bfloat16, "sm90", 16)]
+    assert "moe" not in dense
+    variants = {s.variant for s in model_specs(_cfg(), torch.bfloat16, "sm90", 16) if s.op == "moe"}
+    assert variants == {"route", "gate_up", "down", "gate_up_decode", "down_decode", "combine"}
+
+
+_TORCH = {"bf16": "torch.bfloat16", "fp32": "torch.float32", "i32": "torch.int32"}
+
+
+@pytest.mark.parametrize("shared", [0, 40], ids=["routed", "shared-expert"])
+def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared):
+    """Every MoE kernel compiles ahead of time for both archs (no GPU), and each launch forward() makes, on
+    both paths, passes the compiled kernel's parameters in order, with the recorded types."""
+    import torch
+    from engc.compiler.codegen.record import compile_specs
+    from engc.compiler.codegen.specs import model_specs
+    from engc.kernels import moe as op
+    cfg = _cfg(shared_expert_intermediate_size=shared)
+    specs = [s for arch in ("sm80", "sm90") for s in model_specs(cfg, torch.bfloat16, arch, 16) if s.op == "moe"]
+    result = compile_specs(specs, jobs=1)
+    records = {(r["arch"], r["variant"]): r for r in result.records}
+    assert set(records) == {(a, v) for a in ("sm80", "sm90") for v in
+                            ("route", "gate_up", "down", "gate_up_decode", "down_decode", "combine")}
+    for r in result.records:
+        assert result.files[r["cubin"]][:4] == b"\x7fELF" and f".entry {r['entry']}(" in result.files[r["ptx"]].decode()
+    consts = {v: r["launch"] for (a, v), r in records.items() if a == "sm90"}
+    seen = set()
+
+    def check(launches):
+        for variant, grid, args in launches:
+            seen.add(variant)
+            rec = records[("sm90", variant)]
+            assert len(grid) == 3 and all(isinstance(g, int) and g >= 1 for g in grid)
+            assert len(args) == len(rec["args"]), variant
+            for value, spec in zip(args, rec["args"]):
+                if spec["type"] == "*i8":
+                    assert value == 0
+                elif spec["type"].startswith("*"):
+                    assert str(value.dtype) == _TORCH[spec["type"][1:]], (variant, spec)
+                else:
+                    assert isinstance(value, int) and not isinstance(value, bool), (variant, spec)
+            if variant == "route":   # stand in for the kernel: a routing the schedule can be made from
+                args[3].fill_(0.5)
+                args[4].copy_(torch.arange(args[4].numel()).reshape(args[4].shape) % 6)
+
+    bf = torch.bfloat16
+    w = dict(router=torch.randn(6, 64, dtype=bf), gate_up=torch.randn(6, 96, 64, dtype=bf),
+             down=torch.randn(6, 64, 48, dtype=bf))
+    extra = (torch.randn(2 * shared, 64, dtype=bf), torch.randn(64, shared, dtype=bf), torch.randn(1, 64, dtype=bf)) \
+        if shared else ()
+    for tokens in (3, 80):   # the decode path, then the grouped one
+        op.forward(check, torch.randn(tokens, 64, dtype=bf), w["router"], w["gate_up"], w["down"], *extra,
+                   top_k=2, consts=consts, has_shared_expert=int(bool(shared)))
+    assert seen == {v for a, v in records if a == "sm90"}
+
+
+# ---------------------------------------------------------------- the child process (TRITON_INTERPRET=1)
+
+def _cfg(**kw):
+    from engc.bundle.model_config import ModelConfig
+    base = dict(family="qwen3_moe", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=1,
+                num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                max_position_embeddings=512, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=2,
+                moe_intermediate_size=48, shared_expert_intermediate_size=0)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _specs(cfg, dtype, overrides=None):
+    from engc.compiler.codegen.specs import model_specs
+    return {s.variant: s for s in model_specs(cfg, dtype, "sm90", 16, {"moe": overrides} if overrides else None)
+            if s.op == "moe"}
+
+
+def _runner(specs):
+    def run(launches):
+        for variant, grid, args in launches:
+            spec = specs[variant]
+            assert args[-2:] == [0, 0], "launch rule must end with the two scratch params"
+            n_params = len([n for n, t in spec.signature().items() if t != "constexpr"])
+            assert len(args) - 2 == n_params, (variant, len(args), n_params)
+            spec.fn()[grid](*args[:-2], **spec.constexprs)
+            run.variants.append(variant)
+    run.variants = []
+    return run
+
+
+def _rel(out, ref):
+    import torch
+    out, ref = out.double(), ref.double()
+    if torch.isnan(out).any():
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _weights(cfg, dtype, seed=0, shared=0):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    r = lambda *s, std=0.3: (torch.randn(*s, generator=g) * std).to(dtype)  # noqa: E731
+    w = dict(router=r(e, h), gate_up=r(e, 2 * i, h, std=0.15), down=r(e, h, i, std=0.15))
+    if shared:
+        w.update(shared_gate_up=r(2 * shared, h, std=0.15), shared_down=r(h, shared, std=0.15), shared_gate=r(1, h))
+    return w, r
+
+
+def check_route(dtype, softmax_first, renormalize, ties=False):
+    import torch
+    from engc.kernels import moe as op
+    cfg = _cfg(num_experts=10, num_experts_per_tok=3)
+    specs = _specs(cfg, dtype)
+    w, r = _weights(cfg, dtype)
+    x = r(13, 64, std=1.0)
+    router = torch.zeros_like(w["router"]) if ties else w["router"]
+    weights = torch.full((13, 3), float("nan"))
+    ids = torch.full((13, 3), -7, dtype=torch.int32)
+    _runner(specs)(op.launch_route(x, router, router, weights, ids, weights, softmax_first, renormalize))
+    if ties:   # every score equal: the kernel takes the lowest expert ids, in order
+        ok = (ids == torch.arange(3, dtype=torch.int32)).all() and torch.allclose(weights, torch.full_like(weights, 0.1 if not renormalize else 1 / 3))
+        return 0.0 if ok else float("inf")
+    ref_w, ref_ids = op.route(x, router, 3, softmax_first, renormalize)
+    if not torch.equal(ids.long(), ref_ids):
+        return float("inf")
+    return _rel(weights, ref_w.to(dtype))
+
+
+def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, softmax_first=1, renormalize=0):
+    import torch
+    from engc.kernels import moe as op
+    cfg = _cfg(num_experts=experts, num_experts_per_tok=top_k, shared_expert_intermediate_size=shared)
+    specs = _specs(cfg, dtype, {"max_pairs": max_pairs, "BLOCK_N": 32, "BLOCK_K": 32})
+    w, r = _weights(cfg, dtype, seed=tokens, shared=shared)
+    x = r(tokens, cfg.hidden_size, std=1.0)
+    attrs = dict(top_k=top_k, softmax_first=softmax_first, renormalize=renormalize, has_shared_expert=int(bool(shared)))
+    ref = op.moe(x, w["router"], w["gate_up"], w["down"], w.get("shared_gate_up"), w.get("shared_down"),
+                 w.get("shared_gate"), **attrs)
+    run = _runner(specs)
+    consts = {v: s.launch for v, s in specs.items()}
+    out = op.forward(run, x, w["router"], w["gate_up"], w["down"], w.get("shared_gate_up"), w.get("shared_down"),
+                     w.get("shared_gate"), consts=consts, **attrs)
+    decode = tokens * top_k <= max_pairs
+    expected = ["route", "gate_up_decode" if decode else "gate_up", "down_decode" if decode else "down", "combine"]
+    assert run.variants == expected, run.variants
+    return _rel(out, ref), run.variants
+
+
+def main():
+    import torch
+    f32, bf16 = torch.float32, torch.bfloat16
+    # the interpreter's float -> bf16 conversions truncate where the GPU's round to nearest, and the op rounds
+    # six times on the way (gate, up, silu, product, expert output, weighted): bf16 gets that much room; the
+    # float32 cases check the arithmetic itself
+    tol = {f32: 1e-5, bf16: 4e-2}
+    checks = {
+        "route_softmax_fp32": (lambda: check_route(f32, 1, 0), 1e-6),
+        "route_softmax_renorm_fp32": (lambda: check_route(f32, 1, 1), 1e-6),
+        "route_topk_first_fp32": (lambda: check_route(f32, 0, 0), 1e-6),
+        "route_bf16": (lambda: check_route(bf16, 1, 1), tol[bf16]),
+        "route_ties_pick_lower_ids": (lambda: check_route(f32, 1, 0, ties=True), 0),
+        "decode_fp32": (lambda: check_forward(f32, 3), tol[f32]),
+        "decode_shared_fp32": (lambda: check_forward(f32, 2, shared=40, renormalize=1), tol[f32]),
+        "grouped_fp32": (lambda: check_forward(f32, 37, max_pairs=4), tol[f32]),
+        "grouped_shared_fp32": (lambda: check_forward(f32, 21, shared=40, max_pairs=4, softmax_first=0), tol[f32]),
+        "grouped_bf16": (lambda: check_forward(bf16, 29, max_pairs=4, renormalize=1), tol[bf16]),
+        "decode_bf16": (lambda: check_forward(bf16, 4, shared=24), tol[bf16]),
+        # more experts than pairs: most experts get no rows, the schedule's tail blocks are padding
+        "grouped_many_experts_fp32": (lambda: check_forward(f32, 9, experts=32, top_k=4, max_pairs=4), tol[f32]),
+    }
+    report = {}
+    for name, (fn, limit) in checks.items():
+        try:
+            got = fn()
+            err, info = got if isinstance(got, tuple) else (got, None)
+            report[name] = {"ok": err <= limit, "err": err, "limit": limit, "launches": info}
+        except Exception as exc:  # reported per case, so one failure does not hide the others
+            import traceback
+            report[name] = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path.insert(0, str(ROOT))
+    main()
