@@ -182,3 +182,108 @@ def test_quantize_refused(family, tiny_dir, tmp_path):
     from engc.compiler.quantize.stream import quantize_checkpoint
     with pytest.raises(UserError, match=f"does not quantize {family} models"):
         quantize_checkpoint(str(tiny_dir(family)), tmp_path / "q", QuantOptions(method="rtn", group_size=32))
+
+
+# HF tensor -> llama.cpp's name, as its converter writes Gemma 2/3 and Phi-3 (no q/k row permutation there)
+_GGUF_STEMS = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "mlp.up_proj": "ffn_up",
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def _write_gguf(path, arch: str, model, cfg: dict, gemma: bool):
+    """model as llama.cpp's converter writes it: Gemma's norms with their +1, Phi-3's fused tensors as they are."""
+    import gguf
+    import numpy as np
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_rope_dimension_count(int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0)))
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if "sliding_window" in cfg:
+        w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([bytes_to_unicode()[b] for b in range(cfg["vocab_size"] - 1)] + ["ab"])
+    w.add_token_merges(["a b"])
+    w.add_token_types([1] * cfg["vocab_size"])
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(1)
+    globals_ = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for name, tensor in model.state_dict().items():
+        module, suffix = name.rsplit(".", 1)
+        if module == "lm_head" and cfg["tie_word_embeddings"]:
+            continue
+        sub = module.split(".", 3)[-1]
+        stem = globals_.get(module) or "blk.{}.{}".format(module.split(".")[2], "ffn_norm" if (
+            sub == "post_attention_layernorm" and not gemma) else _GGUF_STEMS[sub])
+        array = tensor.float().numpy() + (1.0 if gemma and name.endswith("norm.weight") else 0.0)
+        w.add_tensor(f"{stem}.{suffix}", np.ascontiguousarray(array, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# transformers' GGUF reader assumes query_pre_attn_scalar 256 (Gemma's real value, where it is head_dim),
+# Gemma 2's soft-caps 50 and 30, and for Phi-3 head_dim = hidden / heads and a whole-head rotary (it reads no
+# key_length or rope.dimension_count there), so the tiny models are shaped so
+@pytest.mark.parametrize("arch,model_type,extra", [
+    ("gemma2", "gemma2", dict(head_dim=256, sliding_window=8, attn_logit_softcapping=50.0,
+                              final_logit_softcapping=30.0, query_pre_attn_scalar=256, tie_word_embeddings=True)),
+    ("gemma3", "gemma3_text", dict(head_dim=256, sliding_window=8, query_pre_attn_scalar=256,
+                                   sliding_window_pattern=2, tie_word_embeddings=True)),
+    ("phi3", "phi3", dict(head_dim=32, pad_token_id=1, eos_token_id=1, tie_word_embeddings=False)),
+])
+def test_gguf_matches_transformers(tmp_path, arch, model_type, extra):
+    """A tiny GGUF as llama.cpp writes the family: our checkpoint holds the tensors transformers' GGUF reader
+    gives, and the bundle decodes greedily as HF does on that reading."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from engc.compiler.frontend.gguf import read_gguf
+    cfg = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
+               num_key_value_heads=1, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=256, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **cfg))
+    with torch.no_grad():   # random norms (HF makes them 0 or 1), so the +1 convention is tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.1 * torch.randn_like(p) + (0.0 if arch.startswith("gemma") else 1.0))
+    path = tmp_path / f"{arch}.gguf"
+    _write_gguf(path, arch, model, cfg, gemma=arch.startswith("gemma"))
+
+    ckpt = read_gguf(path)
+    assert ckpt.hf_config["model_type"] == model_type
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    for name, expected in ref.state_dict().items():
+        if name == "lm_head.weight" and cfg["tie_word_embeddings"]:
+            continue
+        assert torch.equal(ckpt.get(name), expected), name
+    build(str(path), tmp_path / "b", BuildOptions())
+    ids = list(range(3, 40, 3))
+    engine = Engine(load(tmp_path / "b"))
+    seq = engine.add_request(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0))
+    engine.run_to_completion()
+    expected, hf_logits = list(ids), []   # the oracle: transformers' reading of the GGUF, a full forward a token
+    with torch.no_grad():
+        for _ in range(24):
+            hf_logits.append(ref(torch.tensor([expected])).logits[0, -1])
+            expected.append(int(hf_logits[-1].argmax()))
+    expected, hf_logits = expected[len(ids):], torch.stack(hf_logits)
+    assert seq.output_ids == expected
+    theirs = torch.log_softmax(hf_logits, -1).gather(1, torch.tensor(expected)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([s.logprob for s in seq.logprobs]), theirs, atol=1e-4, rtol=1e-4)

@@ -28,6 +28,9 @@ ARCHITECTURES = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "olmoe": ("olmoe", "OlmoeForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 # llama.cpp writes Mixtral as "llama" with an expert count
 _LLAMA_MOE = ("mixtral", "MixtralForCausalLM")
@@ -66,6 +69,16 @@ _LAYER_TENSORS = {
 # GGUF tensors and one HF one, gate rows first
 _EXPERT_TENSORS = {"ffn_gate_exps": "mlp.experts.gate_up_proj", "ffn_up_exps": "mlp.experts.gate_up_proj",
                    "ffn_down_exps": "mlp.experts.down_proj"}
+# tensor names of architectures that use a GGUF name for another HF tensor than _LAYER_TENSORS says:
+# Gemma's four norms, Phi-3's fused qkv and gate_up (ffn_up holds both, gate rows first, as HF's gate_up_proj)
+_GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_LAYER_TENSORS = {"gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS,
+                       "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# llama.cpp's converter stores Gemma's norm weights with the 1 of (1 + weight) added; HF's have it not
+_NORMS_PLUS_ONE = {"gemma2", "gemma3"}
+# LongRoPE's per-frequency factors (Phi-3): tensors in GGUF, config.json's rope_scaling lists in HF
+_ROPE_FACTOR_TENSORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 # Llama 3.x GGUFs carry their rope scaling only as a precomputed `rope_freqs` tensor; these are the
@@ -142,7 +155,7 @@ def _hf_config(meta: _Metadata, arch: str, tensors: dict) -> dict:
     hidden, heads = key("embedding_length"), key("attention.head_count")
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
     rotary_dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
-    if rotary_dims != head_dim:
+    if rotary_dims != head_dim and arch in PERMUTED_QK:
         raise UserError(f"GGUF rotary width {rotary_dims} != head dim {head_dim}: partial rotary is not supported")
     if "token_embd.weight" not in tensors:
         raise UserError("GGUF file has no token_embd.weight tensor")
@@ -174,10 +187,38 @@ def _hf_config(meta: _Metadata, arch: str, tensors: dict) -> dict:
     rope_scaling = _rope_scaling(meta, arch, tensors, config)
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
+    if rotary_dims != head_dim:
+        config["partial_rotary_factor"] = rotary_dims / head_dim
     experts = meta.get(f"{arch}.expert_count", 0)
     if experts:
         _expert_config(meta, arch, config, experts, tensors)
+    if arch in ("gemma2", "gemma3"):
+        _gemma_config(meta, arch, config)
     return config
+
+
+# llama.cpp scales q.k by 1/sqrt(head_dim) but for the 27B models (46 layers of Gemma 2, 62 of Gemma 3),
+# whose query_pre_attn_scalar is hidden_size / heads: the same values their config.json files hold
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_config(meta: _Metadata, arch: str, config: dict) -> None:
+    """Gemma's facts in llama.cpp's metadata and conventions: soft-caps (Gemma 2's defaults where absent),
+    the sliding window, the attention scale, the local layers' rope base (fixed at 10000 by llama.cpp);
+    the local/global pattern is the family's (families.py), as llama.cpp fixes it too."""
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    config.pop("hidden_act")
+    for key, default in (("attn_logit_softcapping", 50.0 if arch == "gemma2" else None),
+                         ("final_logit_softcapping", 30.0 if arch == "gemma2" else None)):
+        config[key] = meta.get(f"{arch}.{key}", default)
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window:
+        config["sliding_window"] = window
+    big = config["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+    config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if big \
+        else config["head_dim"]
+    if arch == "gemma3":
+        config["rope_local_base_freq"] = 10000.0
 
 
 def _expert_config(meta: _Metadata, arch: str, config: dict, experts: int, tensors: dict) -> None:
@@ -225,6 +266,13 @@ def _rope_scaling(meta: _Metadata, arch: str, tensors: dict, config: dict) -> di
         raise UserError(f"GGUF rope scaling type '{kind}' is not supported")
     if "rope_freqs.weight" in tensors:
         return _llama3_rope_scaling(tensors["rope_freqs.weight"], config)
+    if "rope_factors_short.weight" in tensors:
+        factors = {key: np.array(tensors[name].data, dtype=np.float32).tolist()
+                   for name, key in _ROPE_FACTOR_TENSORS.items() if name in tensors}
+        return {"rope_type": "longrope", **factors,
+                "original_max_position_embeddings": meta.require(f"{arch}.rope.scaling.original_context_length"),
+                **({"attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor")}
+                   if meta.get(f"{arch}.rope.scaling.attn_factor") is not None else {})}
     return None
 
 
@@ -250,11 +298,13 @@ def _llama3_rope_factors(head_dim, theta, factor, low_freq_factor, high_freq_fac
                        torch.where(wavelen > low_freq_wavelen, torch.full_like(freqs, factor), mid))
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
     m = _LAYER_NAME.fullmatch(gguf_name)
+    if m and m.group(2) in _ARCH_LAYER_TENSORS.get(arch, {}):
+        return f"model.layers.{m.group(1)}.{_ARCH_LAYER_TENSORS[arch][m.group(2)]}.{m.group(3)}"
     if m and m.group(2) in _EXPERT_TENSORS and m.group(3) == "weight":
         return f"model.layers.{m.group(1)}.{_EXPERT_TENSORS[m.group(2)]}"
     if m and m.group(2) in _LAYER_TENSORS:
@@ -267,9 +317,9 @@ def _loaders(arch: str, tensors: dict, config: dict, file_name: str,
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     loaders, kept, dequantized = {}, {}, {}
     for gguf_name, tensor in tensors.items():
-        if gguf_name == "rope_freqs.weight":  # folded into config["rope_scaling"]
+        if gguf_name == "rope_freqs.weight" or gguf_name in _ROPE_FACTOR_TENSORS:  # in config["rope_scaling"]
             continue
-        hf_name = _hf_name(gguf_name)
+        hf_name = _hf_name(gguf_name, arch)
         if hf_name is None:
             raise UserError(f"{file_name}: GGUF tensor '{gguf_name}' has no mapping for architecture '{arch}'")
         if ".ffn_" in gguf_name and "_exps." in gguf_name:
@@ -289,14 +339,16 @@ def _loaders(arch: str, tensors: dict, config: dict, file_name: str,
             continue
         if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
             dequantized[gguf_name] = tensor.tensor_type.name
-        loaders[hf_name] = _loader(tensor, row_groups, (1, -1) if ".ffn_gate_inp_shexp." in gguf_name else None)
+        loaders[hf_name] = _loader(tensor, row_groups, (1, -1) if ".ffn_gate_inp_shexp." in gguf_name else None,
+                                   -1.0 if arch in _NORMS_PLUS_ONE and gguf_name.endswith("norm.weight") else 0.0)
     if kept:
         config["quantization_config"] = gguf_quant.quantization_config(kept, dequantized)
     return loaders
 
 
-def _loader(tensor, row_groups: int | None, shape: tuple | None = None) -> Callable[[], torch.Tensor]:
-    """shape: the HF shape where it differs (Qwen2-MoE's shared expert gate: [H] in GGUF, [1, H] in HF)."""
+def _loader(tensor, row_groups: int | None, shape: tuple | None = None, offset: float = 0.0) -> Callable[[], torch.Tensor]:
+    """shape: the HF shape where it differs (Qwen2-MoE's shared expert gate: [H] in GGUF, [1, H] in HF);
+    offset: added to every weight (-1 for Gemma's norms, as transformers' GGUF reader does)."""
     def load() -> torch.Tensor:
         from gguf.quants import dequantize
 
@@ -305,6 +357,8 @@ def _loader(tensor, row_groups: int | None, shape: tuple | None = None) -> Calla
         weights = dequantize(tensor.data, tensor.tensor_type).reshape(hf_shape)
         if row_groups is not None:
             weights = _unpermute_rows(weights, row_groups)
+        if offset:
+            weights = weights + np.float32(offset)
         return torch.from_numpy(np.array(weights, dtype=np.float32))  # copy: the source is a read-only mmap
 
     return load
