@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CASES = ["route_softmax_fp32", "route_softmax_renorm_fp32", "route_topk_first_fp32", "route_bf16",
          "route_ties_pick_lower_ids", "decode_fp32", "decode_shared_fp32", "grouped_fp32", "grouped_shared_fp32",
-         "grouped_bf16", "decode_bf16", "grouped_many_experts_fp32"]
+         "grouped_bf16", "decode_bf16", "grouped_many_experts_fp32", "gpu_binding_fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +183,40 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
     return _rel(out, ref), run.variants
 
 
+def check_binding(dtype):
+    """bind.py's GPU op as the executor calls it (the node's inputs and every attribute the frontend writes),
+    its kernels run by a stand-in for the runtime's context."""
+    import torch
+    from engc.bundle.program import ENGC_DOMAIN
+    from engc.kernels import moe as op
+    from engc.kernels.moe import bind
+    cfg = _cfg(shared_expert_intermediate_size=24)
+    specs = _specs(cfg, dtype, {"BLOCK_N": 32, "BLOCK_K": 32})
+
+    class Context:
+        def __init__(self):
+            self.ran = _runner(specs)
+
+        def run(self, name, launches):
+            assert name == "moe"
+            self.ran(launches)
+
+        def has(self, name):
+            return name == "moe"
+
+        def consts(self, name):
+            return {v: s.launch for v, s in specs.items()}
+
+    ctx = Context()
+    w, r = _weights(cfg, dtype, seed=3, shared=24)
+    x = r(5, cfg.hidden_size, std=1.0)
+    inputs = [x, w["router"], w["gate_up"], w["down"], w["shared_gate_up"], w["shared_down"], w["shared_gate"]]
+    attrs = dict(num_experts=6, top_k=2, softmax_first=1, renormalize=0, has_shared_expert=1)
+    (out,) = bind.gpu_ops(ctx)[(ENGC_DOMAIN, "MoE")](*inputs, **attrs)
+    (ref,) = bind.CPU_OPS[(ENGC_DOMAIN, "MoE")](*inputs, **attrs)
+    return _rel(out, ref), ctx.ran.variants
+
+
 def main():
     import torch
     f32, bf16 = torch.float32, torch.bfloat16
@@ -204,6 +238,7 @@ def main():
         "decode_bf16": (lambda: check_forward(bf16, 4, shared=24), tol[bf16]),
         # more experts than pairs: most experts get no rows, the schedule's tail blocks are padding
         "grouped_many_experts_fp32": (lambda: check_forward(f32, 9, experts=32, top_k=4, max_pairs=4), tol[f32]),
+        "gpu_binding_fp32": (lambda: check_binding(f32), tol[f32]),
     }
     report = {}
     for name, (fn, limit) in checks.items():

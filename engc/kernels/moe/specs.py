@@ -28,7 +28,8 @@ def specs(b: Build) -> list:
     route = {"x_ptr": f"*{t}", "router_ptr": f"*{t}", "shared_gate_ptr": f"*{t}", "weights_ptr": "*fp32",
              "ids_ptr": "*i32", "shared_weight_ptr": "*fp32", "softmax_first": "i32", "renormalize": "i32"}
     combine = {"pairs_ptr": f"*{t}", "shared_ptr": f"*{t}", "shared_weight_ptr": "*fp32", "out_ptr": f"*{t}"}
-    sizes = {"H": h, "INTER": inter}
+    # a float32 bundle's GEMMs in full precision, not TF32 (as paged attention's)
+    sizes = {"H": h, "INTER": inter, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32"}
     # the down GEMM walks the schedule the gate_up one does: the same BLOCK_M
     block_m = make_spec("moe", "gate_up", b.arch, "moe_gate_up_kernel", gate_up, {}, "any",
                         overrides=b.ov("moe"), defaults=_DEFAULTS["gate_up"]).constexprs["BLOCK_M"]

@@ -21,12 +21,12 @@ from engc.kernels.silu_rows import silu_times_up
 
 if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter's bf16/fp16 tl.dot is wrong: the same products in fp32
     @triton.jit
-    def _dot(a, b, acc):
+    def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
 else:
     @triton.jit
-    def _dot(a, b, acc):
-        return tl.dot(a, b, acc)
+    def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def moe_route_kernel(x_ptr, router_ptr, shared_gate_ptr, weights_ptr, ids_ptr, s
 @triton.jit
 def moe_gate_up_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, act_ptr, num_pairs,
                        H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     # blocks past the last expert's are padding (expert -1): every row and column masked off
@@ -99,8 +99,8 @@ def moe_gate_up_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, act_ptr, num_pa
             acc_g += tl.sum(af.reshape(BLOCK_K, 1) * wg.to(tl.float32), axis=0).reshape(1, BLOCK_N)
             acc_u += tl.sum(af.reshape(BLOCK_K, 1) * wu.to(tl.float32), axis=0).reshape(1, BLOCK_N)
         else:
-            acc_g = _dot(a, wg, acc_g)
-            acc_u = _dot(a, wu, acc_u)
+            acc_g = _dot(a, wg, acc_g, DOT_PRECISION)
+            acc_u = _dot(a, wu, acc_u, DOT_PRECISION)
     dt = act_ptr.dtype.element_ty
     # F.linear rounds gate and up to the model dtype before the silu
     act = silu_times_up(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), dt)
@@ -111,7 +111,7 @@ def moe_gate_up_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, act_ptr, num_pa
 @triton.jit
 def moe_down_kernel(act_ptr, w_ptr, rows_ptr, block_expert_ptr, weights_ptr, pairs_ptr, num_pairs,
                     H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     live = expert >= 0
@@ -131,7 +131,7 @@ def moe_down_kernel(act_ptr, w_ptr, rows_ptr, block_expert_ptr, weights_ptr, pai
         if BLOCK_M == 1:
             acc += tl.sum(a.to(tl.float32).reshape(BLOCK_K, 1) * w.to(tl.float32), axis=0).reshape(1, BLOCK_N)
         else:
-            acc = _dot(a, w, acc)
+            acc = _dot(a, w, acc, DOT_PRECISION)
     dt = pairs_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
     y = acc.to(dt).to(tl.float32) * weight[:, None]
