@@ -248,23 +248,26 @@ def _sampling_options(f):
     return f
 
 
-def _schema_file(path: str):
-    from engc.runtime.constrained.json_schema import SchemaError, compile_schema
+def _answer_grammar(json_object: bool, schema_path: str | None):
+    """--json-schema FILE's grammar (it wins over --json-object), JSON mode's, or None."""
+    from engc.runtime import constrained
+    if schema_path is None:
+        return constrained.json_object() if json_object else None
     try:
-        return compile_schema(json.loads(Path(path).read_text()))
+        return constrained.json_schema(json.loads(Path(schema_path).read_text()))
     except OSError as e:
-        raise UserError(f"--json-schema {path}: {e.strerror or e}") from None
+        raise UserError(f"--json-schema {schema_path}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
-        raise UserError(f"--json-schema {path}: not JSON ({e.msg} at line {e.lineno})") from None
-    except SchemaError as e:
-        raise UserError(f"--json-schema {path}: {e}") from None
+        raise UserError(f"--json-schema {schema_path}: not JSON ({e.msg} at line {e.lineno})") from None
+    except constrained.GrammarError as e:
+        raise UserError(f"--json-schema {schema_path}: {e}") from None
 
 
 def _params(max_tokens, temperature, top_p, top_k, seed, repetition_penalty, stop, json_object, json_schema):
     from engc.runtime.sampling import SamplingParams
     p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                       seed=seed, repetition_penalty=repetition_penalty, stop=tuple(stop), json_object=json_object,
-                       json_schema=_schema_file(json_schema) if json_schema else None)
+                       seed=seed, repetition_penalty=repetition_penalty, stop=tuple(stop),
+                       grammar=_answer_grammar(json_object, json_schema))
     try:
         p.validate()
     except ValueError as e:
@@ -343,10 +346,12 @@ def chat(bundle, system, device, **sampling):
 @click.option("--num-blocks", default=None, type=click.IntRange(1),
               help="KV cache size in blocks (overrides --cache-max-entry-count; the CPU default is 512).")
 @click.option("--no-prefix-cache", is_flag=True, help="Do not reuse the KV of shared prompt prefixes.")
+@click.option("--max-body-bytes", default=None, type=click.IntRange(1), metavar="BYTES",
+              help="Largest request body; a larger one is refused (413) unread. Default: 1 MiB + 64 a context token.")
 @click.option("--device", default="auto", show_default=True,
               help="cpu, cuda or auto (the GPU when there is one).")
 def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_prefill_tokens,
-        cache_max_entry_count, num_blocks, no_prefix_cache, device):
+        cache_max_entry_count, num_blocks, no_prefix_cache, max_body_bytes, device):
     """Serve BUNDLE over HTTP with OpenAI- and Anthropic-compatible APIs (see docs/serving.md)."""
     from engc.runtime.engine import EngineConfig
     from engc.runtime.server.app import serve
@@ -355,7 +360,7 @@ def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_pref
         extra["num_blocks"] = num_blocks
     config = EngineConfig(max_num_seqs=max_batch_size, max_batched_tokens=max_prefill_tokens,
                           prefix_cache=not no_prefix_cache, **extra)
-    serve(str(bundle), config, host, port, served_model_name, api_key, device)
+    serve(str(bundle), config, host, port, served_model_name, api_key, device, max_body_bytes)
 
 
 @main.command()

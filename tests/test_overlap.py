@@ -404,13 +404,14 @@ def rows_with_extras():
     """(greedy, sampled) SamplingParams with penalties, logprobs and JSON masks, alone and together."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
               "required": ["a", "b"]}
-    greedy = [SamplingParams(max_tokens=24, temperature=0, json_object=True, logprobs=1),
+    from engc.runtime import constrained
+    greedy = [SamplingParams(max_tokens=24, temperature=0, grammar=constrained.json_object(), logprobs=1),
               SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.3, logprobs=3, ignore_eos=True),
               SamplingParams(max_tokens=24, temperature=0, presence_penalty=0.5, frequency_penalty=0.3,
                              ignore_eos=True)]
-    sampled = [SamplingParams(max_tokens=24, temperature=0.9, seed=5, json_object=True),
-               SamplingParams(max_tokens=24, temperature=0.8, seed=7, json_schema=schema),
+    sampled = [SamplingParams(max_tokens=24, temperature=0.9, seed=5, grammar=constrained.json_object()),
+               SamplingParams(max_tokens=24, temperature=0.8, seed=7, grammar=constrained.json_schema(schema)),
                SamplingParams(max_tokens=24, temperature=0.8, seed=8, frequency_penalty=0.4, logprobs=0)]
     return greedy, sampled
 
@@ -441,7 +442,8 @@ def test_penalty_logprobs_and_json_rows_are_sampled_where_the_logits_are(with_sa
     step before is read): no step goes to the host sampler, overlapped steps give what synchronous ones
     give, the JSON rows' outputs are JSON, and greedy rows take the tokens the host sampler gives them
     (every row sent there), and its logprobs to float rounding (assert_match_to_rounding)."""
-    from engc.runtime.constrained.json_mode import START, walk
+    from engc.runtime import constrained
+    from grammar_check import is_prefix
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
     model = with_sampler
     ids = prompts(model, 7)
@@ -455,7 +457,7 @@ def test_penalty_logprobs_and_json_rows_are_sampled_where_the_logits_are(with_sa
     results, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, greedy + sampled)], graphed=graphed)
     assert "sample" in calls and "sample_now" not in calls
     for r in (results[0], results[4], results[5]):
-        assert walk(START, r[1]) is not None, r[1]
+        assert is_prefix(constrained.json_object(), r[1]), r[1]
     assert [len(r[5]) for r in results] == [len(results[0][0]), 0, 24, 0, 0, 0, 24]
     device = run(model, True, [(i, p, None) for i, p in zip(ids, greedy)], graphed=graphed)[0]
     monkeypatch.setattr(sampler.DeviceSampler, "takes", lambda self, seq: False)
@@ -566,14 +568,15 @@ def test_gpu_rows_with_penalties_logprobs_and_masks_sampled_on_the_device(gpu_bu
     path (penalties and masks once the step before is read): overlapped steps give what synchronous ones
     give, the JSON outputs are JSON, and greedy rows take the tokens the host sampler gives them (every
     row sent there), with logprobs within float tolerance of its CPU ones."""
-    from engc.runtime.constrained.json_mode import START, walk
+    from engc.runtime import constrained
+    from grammar_check import is_prefix
     model = load(gpu_bundle, device="cuda")
     ids = prompts(model, 7)
     greedy, sampled = rows_with_extras()
     config = EngineConfig(num_blocks=64, max_num_seqs=8, cuda_graphs=graphs)
     results, _, _ = assert_same(model, [(i, p, None) for i, p in zip(ids, greedy + sampled)], config=config)
     for r in (results[0], results[4], results[5]):
-        assert walk(START, r[1]) is not None, r[1]
+        assert is_prefix(constrained.json_object(), r[1]), r[1]
     device = run(model, True, [(i, p, None) for i, p in zip(ids, greedy)], config=config)[0]
     from engc.runtime.sampler import DeviceSampler
     monkeypatch.setattr(DeviceSampler, "takes", lambda self, seq: False)

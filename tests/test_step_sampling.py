@@ -1,24 +1,44 @@
 """runtime/sampler.py's DeviceSampler against the host sampler (sample_row / apply_penalties): the same
-penalized and masked logits, bit for bit, and the same tokens and logprobs, rows of any kind side by side."""
+penalized and masked logits, bit for bit, and the same tokens and logprobs, rows of any kind side by side;
+grammar masks go through llguidance's bitmask form and back (constrained.unpack)."""
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from engc.runtime import sampler
+from engc.runtime import constrained, sampler
 from engc.runtime.sampler import DeviceSampler, HostSampler, apply_penalties, sample_row
 from engc.runtime.sampling import SamplingParams
 from engc.runtime.sequence import Sequence, Status
 
 V = 300
+OBJECT = constrained.json_object()   # the rows' own masks stand in for its
 
 
 class Mask:
+    """A constraint with a given mask (constrained.Constraint's interface as the samplers read it)."""
     def __init__(self, allowed):
-        self.mask = allowed
+        self.mask, self.size = allowed, len(allowed)
 
     def allowed(self):
         return self.mask
+
+
+def pack(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask as llguidance's bitmask: bit j of int32 word w is id 32 w + j."""
+    bits = torch.zeros(-(-len(mask) // 32) * 32, dtype=torch.int64)
+    bits[:len(mask)] = mask.long()
+    words = (bits.view(-1, 32) << torch.arange(32)).sum(1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+@pytest.fixture(autouse=True)
+def given_masks(monkeypatch):
+    """GrammarMasks fills its bitmasks from the fake constraints' masks, as llguidance fills them."""
+    def fill(constraints, out):
+        for i, c in enumerate(constraints):
+            out[i] = pack(c.mask)
+    monkeypatch.setattr(sampler, "fill_masks", fill)
 
 
 def seq(params, prompt, output, mask=None, finished=False):
@@ -37,9 +57,9 @@ def rows_of_every_kind():
             seq(SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=-0.7), [10], [11, 11, 12, 11]),
             seq(SamplingParams(temperature=0, repetition_penalty=0.6, presence_penalty=-1.5, frequency_penalty=2,
                                logprobs=0), list(range(40)), [3, 3, 299]),
-            seq(SamplingParams(temperature=0, json_object=True, logprobs=2), [1], [2], mask=some),
-            seq(SamplingParams(temperature=0, json_object=True, repetition_penalty=1.1), [1], [2, 3], mask=some),
-            seq(SamplingParams(temperature=0, json_object=True), [1], [], mask=torch.zeros(V, dtype=torch.bool))]
+            seq(SamplingParams(temperature=0, grammar=OBJECT, logprobs=2), [1], [2], mask=some),
+            seq(SamplingParams(temperature=0, grammar=OBJECT, repetition_penalty=1.1), [1], [2, 3], mask=some),
+            seq(SamplingParams(temperature=0, grammar=OBJECT), [1], [], mask=torch.zeros(V, dtype=torch.bool))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -114,3 +134,20 @@ def test_sample_now_sends_only_the_rows_the_device_cannot_take_to_the_host():
     assert got[1].token == want.token and got[2] is None
     tokens, logprobs = device.sample(logits[:1], seqs[:1])
     assert got[0].token == int(tokens[0]) and len(got[0].top) == 2
+
+
+def test_bitmasks_unpack_to_the_masks_llguidance_computes():
+    """fill_masks (llguidance's threads) and unpack give each row the mask its Constraint.allowed gives,
+    over a vocabulary wider than one word and not a multiple of 32."""
+    from grammar_check import vocab
+    voc = vocab(("ab", "abc", "12", " "))
+    rows = [constrained.Constraint(voc, g) for g in (constrained.regex("[a-c]+1?"), constrained.choice(["ab", "12"]),
+                                                     constrained.json_object())]
+    rows[0].take(ord("a"))
+    bits = torch.zeros(len(rows), constrained.mask_words(voc.vocab_size), dtype=torch.int32)
+    constrained.fill_masks(rows, bits)
+    got = constrained.unpack(bits, voc.vocab_size)
+    assert voc.vocab_size % 32 and got.shape == (3, voc.vocab_size)
+    for i, c in enumerate(rows):
+        assert torch.equal(got[i], c.allowed()) and got[i].any(), i
+    assert torch.equal(pack(got[2]), bits[2])   # the test's packing is llguidance's

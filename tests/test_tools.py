@@ -9,10 +9,10 @@ import jsonschema
 import openai
 import pytest
 
-from engc.runtime.constrained.json_mode import walk
-from engc.runtime.constrained.json_schema import compile_schema
+from engc.runtime import constrained
 from engc.runtime.server.app import APIError
 from engc.runtime.server.tools import CallWatch, ToolSpec
+from grammar_check import completes, is_prefix
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -41,10 +41,20 @@ def test_bad_tools_are_400s(tools, choice, fragment):
 
 def test_a_function_whose_parameters_cannot_be_enforced_is_a_400_when_required():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"d": {"type": "string", "format": "date"}}}}}]
+        "type": "object", "properties": {"d": {"type": "string", "not": {"const": ""}}}}}}]
     assert ToolSpec(tools, "auto").grammar() is None        # auto: not constrained, so not refused
-    with pytest.raises(APIError, match="'format' is not supported"):
+    with pytest.raises(APIError, match=r'parameters cannot be enforced: Unimplemented keys: \["not"\]') as e:
         ToolSpec(tools, "required").grammar()
+    assert e.value.status == 400 and e.value.param == "tools"
+
+
+def test_a_required_call_names_a_declared_function_with_its_arguments():
+    g = ToolSpec([WEATHER, TIME, NOARGS], "required").grammar()
+    assert completes(g, '{"name": "get_time", "arguments": {"zone": 2}}')
+    assert completes(g, '{"name": "ping", "arguments": {}}')
+    for bad in ('{"name": "get_time", "arguments": {"zone": "2"}}', '{"name": "nope", "arguments": {}}',
+                '{"name": "ping", "arguments": {}, "extra": 1}', '{"arguments": {}, "name": "ping"}'):
+        assert not completes(g, bad), bad
 
 
 def test_one_constraint_rule_for_both_apis():
@@ -53,18 +63,18 @@ def test_one_constraint_rule_for_both_apis():
     class Tok:
         chat_template, reads_tools = None, False
     strict = {"type": "function", "function": dict(WEATHER["function"], strict=True)}
-    fmt = (True, object())
+    fmt = constrained.json_object()
     plain = ToolSpec([WEATHER], "auto").constraint(Tok(), fmt, "response_format", None)
-    assert plain == {"json_object": True, "json_schema": fmt[1]}                 # not constrained: the format
-    assert ToolSpec(None, None).constraint(Tok(), (False, None), "f", "c") == {"json_object": False, "json_schema": None}
-    required = ToolSpec([WEATHER], "required").constraint(Tok(), (False, None), "response_format", None)
-    assert required["json_object"] and required["json_schema"] is not None
-    auto = ToolSpec([strict], "auto").constraint(Tok(), (False, None), "output_config.format", None)
-    assert auto["json_at_start"] and not auto.get("json_object")
+    assert plain == {"grammar": fmt}                                              # not constrained: the format
+    assert ToolSpec(None, None).constraint(Tok(), None, "f", "c") == {"grammar": None}
+    required = ToolSpec([WEATHER], "required").constraint(Tok(), None, "response_format", None)
+    assert required["grammar"].kind == "json_schema"
+    auto = ToolSpec([strict], "auto").constraint(Tok(), None, "output_config.format", None)
+    assert auto["grammar"].kind == "tool_calls"
     for tools, choice, what, param in (([WEATHER], "required", "a required tool call", "tool_choice"),
                                        ([strict], "auto", "strict tools under tool_choice auto", "tools")):
         for answer, continued, clash in ((fmt, None, "response_format"),
-                                         ((False, None), "continue_final_message", "continue_final_message")):
+                                         (None, "continue_final_message", "continue_final_message")):
             with pytest.raises(APIError, match=f"^{clash} cannot be combined with {what}$") as e:
                 ToolSpec(tools, choice).constraint(Tok(), answer, "response_format", continued)
             assert e.value.status == 400 and e.value.param == param
@@ -217,8 +227,8 @@ def test_required_and_named_calls_are_valid_calls(client):
         for ch in r.choices:
             if ch.finish_reason == "length":   # a random model's string or number ran past max_tokens: the
                 (call,) = ch.message.tool_calls   # call as far as it was written
-                g = compile_schema(schemas[call.function.name] or {"type": "object"})
-                assert ch.message.content is None and walk(g.start, call.function.arguments, g) is not None
+                g = constrained.json_schema(schemas[call.function.name] or {"type": "object"})
+                assert ch.message.content is None and is_prefix(g, call.function.arguments)
                 continue
             assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
             (call,) = ch.message.tool_calls
@@ -374,7 +384,7 @@ def test_anthropic_structured_output(client):
     assert m.stop_reason == "end_turn"
     jsonschema.validate(json.loads(m.content[0].text), schema)
     for cfg, fragment in (({"format": {"type": "json_schema", "schema": {"type": "object", "properties": {
-                               "d": {"type": "string", "format": "date"}}}}}, "'format' is not supported"),
+                               "d": {"type": "string", "format": "x"}}}}}, "Unknown format: x"),
                           ({"format": {"type": "xml"}}, "output_config.format must be"),
                           ({"format": {"type": "json_schema", "schema": schema}, "tools": [
                               {"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"}},

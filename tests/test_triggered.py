@@ -1,4 +1,4 @@
-"""Strict function calls under tool_choice "auto" (runtime/constrained/triggered.py): free text until a call starts, then
+"""Strict function calls under tool_choice "auto" (constrained.tool_calls): free text until a call starts, then
 the call's grammar until its value closes; the engine path with ToolSpec's parameters on a random tiny model,
 every call it writes valid (jsonschema as the oracle)."""
 import json
@@ -6,119 +6,119 @@ import random
 
 import jsonschema
 import pytest
-import torch
 
-from engc.runtime.constrained.json_mode import JsonVocab
-from engc.runtime.constrained.json_schema import compile_schema
+from engc.runtime import constrained
 from engc.runtime.server.app import APIError
 from engc.runtime.server.tools import ToolSpec
-from engc.runtime.constrained.triggered import LEAD_BLANKS, TriggeredConstraint
+from grammar_check import EOS, feed, vocab
 from test_gpu import gpu_bundle, gpu_ready  # noqa: F401 - a fixture, used by the engine test below
 
 CALL = {"type": "object", "properties": {"name": {"const": "f"}, "arguments": {
     "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}, "required": ["name", "arguments"]}
-# single characters, so any text can be written, and a few longer tokens models have
-TEXTS = [chr(c) for c in range(32, 127)] + ["\n", "<tool_call>", "<tool_", "call>", "<tool_call>\n{", "<tool_call>x",
-                                             '{"', "{}", "  {", "Hello", "</tool_call>", ""]
+# every byte is a token, so any text can be written, and a few longer tokens models have
+LONG = ("<tool_call>", "<tool_", "call>", "<tool_call>\n{", "<tool_call>x", '{"', "{}", "  {", "Hello", "</tool_call>")
+VOCAB = vocab(LONG)
+ID = {t: 257 + i for i, t in enumerate(LONG)}
+HERMES = constrained.tool_calls(CALL, ("<tool_call>",))
+AT_START = constrained.tool_calls(CALL)
 
 
-def vocab():
-    return JsonVocab(TEXTS)
+def token(text: str) -> int:
+    return ID[text] if text in ID else text.encode()[0]
 
 
 def write(c, text: str) -> list:
-    """Feed `text` one character token at a time, asserting the mask allows each; the take() results."""
+    """Feed `text` one byte a token, asserting the mask allows each; the take() results."""
     results = []
-    for ch in text:
-        t = TEXTS.index(ch)
-        m = c.allowed()
-        assert m is None or m[t], (ch, c.phase)
-        results.append(c.take(t))
+    for b in text.encode():
+        assert c.allowed()[b], (text, chr(b))
+        results.append(c.take(b))
     return results
 
 
 def test_free_until_the_trigger_then_the_call_then_free_again():
-    g = compile_schema(CALL)
-    c = TriggeredConstraint(vocab(), g, ("<tool_call>",))
-    assert c.allowed() is None
+    c = constrained.Constraint(VOCAB, HERMES)
+    assert c.allowed()[token("Hello")] and c.allowed()[EOS]           # free text, which may end here
     write(c, "Hi ")
-    assert c.take(TEXTS.index("<tool_call>")) is None and c.phase == "lead"
+    assert c.take(token("<tool_call>")) is None
     m = c.allowed()
-    assert m[TEXTS.index("\n")] and m[TEXTS.index("{")] and not m[TEXTS.index("x")] and not m[TEXTS.index("{}")]
+    assert m[token("\n")] and m[token("{")] and not m[token("x")] and not m[token("{}")] and not m[EOS]
     results = write(c, '\n{"name": "f", "arguments": {"n": 12}}')
-    assert results[-1] is None and c.phase == "free"          # the value closed: free again, not the end
-    assert c.allowed() is None
+    assert results[-1] is None and c.allowed()[EOS]                    # the value closed: free again, not the end
     write(c, "\n</tool_call> and more")
-    assert c.phase == "free"
+    assert c.allowed()[token("Hello")]
 
 
 def test_a_trigger_split_over_tokens_and_one_that_runs_on_into_the_value():
-    g = compile_schema(CALL)
-    c = TriggeredConstraint(vocab(), g, ("<tool_call>",))
-    c.take(TEXTS.index("<tool_"))
-    assert c.phase == "free"
-    c.take(TEXTS.index("call>"))
-    assert c.phase == "lead"
-    c = TriggeredConstraint(vocab(), g, ("<tool_call>",))
-    c.take(TEXTS.index("<tool_call>\n{"))                     # sampled free: its rest is walked
-    assert c.phase == "value" and not c.allowed()[TEXTS.index("}")]
-    c = TriggeredConstraint(vocab(), g, ("<tool_call>",))
-    c.take(TEXTS.index("<tool_call>x"))                       # a rest the grammar refuses: the call stays free
-    assert c.phase == "free" and c.allowed() is None
+    c = constrained.Constraint(VOCAB, HERMES)
+    assert c.take(token("<tool_")) is None and c.allowed()[token("x")]   # not a call yet
+    assert c.take(token("call>")) is None and not c.allowed()[token("x")]   # now it is
+    c = constrained.Constraint(VOCAB, HERMES)
+    assert c.allowed()[token("<tool_call>\n{")]
+    c.take(token("<tool_call>\n{"))
+    assert not c.allowed()[token("}")]                                 # the call's required keys come first
+    # a token that runs on past the trigger into something no call starts with is masked out
+    assert not constrained.Constraint(VOCAB, HERMES).allowed()[token("<tool_call>x")]
 
 
 def test_blanks_after_a_trigger_are_capped():
-    c = TriggeredConstraint(vocab(), compile_schema(CALL), ("<tool_call>",))
-    c.take(TEXTS.index("<tool_call>"))
-    write(c, " " * LEAD_BLANKS)
-    assert not c.allowed()[TEXTS.index(" ")] and c.allowed()[TEXTS.index("{")]
+    c = constrained.Constraint(VOCAB, HERMES)
+    c.take(token("<tool_call>"))
+    write(c, " " * 8)
+    assert not c.allowed()[token(" ")] and c.allowed()[token("{")]
 
 
 def test_at_start_a_call_is_the_whole_answer_and_prose_stays_free():
-    g = compile_schema({"anyOf": [CALL, {"type": "array", "items": CALL, "minItems": 1}]})
-    c = TriggeredConstraint(vocab(), g, at_start=True)
+    c = constrained.Constraint(VOCAB, AT_START)
     m = c.allowed()
-    assert m[TEXTS.index("Hello")] and m[TEXTS.index("{")] and m[TEXTS.index("[")] and m[TEXTS.index("  {")]
-    assert not m[TEXTS.index("{}")] and m[TEXTS.index("")] and m[TEXTS.index(" ")]
+    assert m[token("Hello")] and m[token("{")] and m[token("[")] and m[token("  {")] and m[token(" ")]
+    assert not m[token("{}")] and m[EOS]
     results = write(c, ' [{"name":"f","arguments":{"n":1}}]')
-    assert results[-1] == "done"                               # the call was the answer: it ends there
-    c = TriggeredConstraint(vocab(), g, at_start=True)
-    write(c, "Hello {")                                        # prose first: free for good
-    assert c.phase == "free" and c.allowed() is None
+    assert results[-1] == "done"                                       # the call was the answer: it ends there
+    c = constrained.Constraint(VOCAB, AT_START)
+    write(c, "Hello {")                                                # prose first: free for good
+    assert c.allowed()[token("}")] and c.allowed()[EOS]
+    assert feed(AT_START, '{"name":"f","arguments":{"n":1}} more') == "refused"
+
+
+STRUCTURAL = set(b'"}],:0123456789nfa')
 
 
 def _random_answer(c, rng, n=60):
-    """Random allowed tokens; inside a call, mostly the structural ones, so that calls get to close."""
+    """Random allowed tokens; inside a call (where prose is masked), mostly the structural ones, so that calls
+    get to close."""
     out = ""
     for _ in range(n):
         m = c.allowed()
-        choices = [i for i in range(len(TEXTS)) if TEXTS[i] and (m is None or m[i])]
-        closing = [i for i in choices if TEXTS[i] in '"}],:0123456789nfa'] if m is not None else []
-        t = rng.choice(closing if closing and rng.random() < 0.8 else choices)
-        was = c.phase
-        out += TEXTS[t]
+        choices = [i for i in m.nonzero().flatten().tolist() if i != EOS and (i >= 32 or i == 10)]
+        if not choices:
+            break
+        in_call = not m[token("Hello")]
+        closing = [i for i in choices if i in STRUCTURAL]
+        t = rng.choice(closing if in_call and closing and rng.random() < 0.8 else choices)
+        out += VOCAB.decode_str([t])
         if c.take(t) == "done":
             break
-        if was == "value" and c.phase == "free":   # a Hermes call closed: its tag, as models write it
+        if in_call and c.allowed()[token("Hello")]:   # a Hermes call closed: its end tag, as models write it
             out += "</tool_call>"
-            c.take(TEXTS.index("</tool_call>"))
+            write(c, "</tool_call>")
     return out
 
 
 @pytest.mark.parametrize("at_start", [False, True])
 def test_random_answers_hold_only_valid_calls(at_start):
-    """Random tokens (prose and calls mixed): every call that ToolSpec reads back follows the schema, and calls
-    that closed do get read."""
-    spec = ToolSpec([{"type": "function", "function": {"name": "f", "strict": True, "parameters": CALL["properties"]["arguments"]}}],
-                    "auto")
-    g = compile_schema({"anyOf": [CALL, {"type": "array", "items": CALL, "minItems": 1}]} if at_start else CALL)
+    """Random allowed tokens (prose and calls mixed): every call that ToolSpec reads back follows the schema,
+    and calls that closed do get read."""
+    spec = ToolSpec([{"type": "function", "function": {"name": "f", "strict": True,
+                                                       "parameters": CALL["properties"]["arguments"]}}], "auto")
+    grammar = AT_START if at_start else HERMES
     rng, read = random.Random(at_start), 0
-    for k in range(300):
-        c = TriggeredConstraint(vocab(), g, () if at_start else ("<tool_call>",), at_start)
+    for k in range(200):
+        c = constrained.Constraint(VOCAB, grammar)
         opening = "" if k % 2 else rng.choice("{[") if at_start else "<tool_call>"   # half open a call
         if opening:
-            c.take(TEXTS.index(opening))
-        text = opening + _random_answer(c, rng, 200)
+            c.take(token(opening))
+        text = opening + _random_answer(c, rng, 150)
         _, calls = spec.calls(text)
         for call in calls:
             jsonschema.validate(json.loads(call["function"]["arguments"]), CALL["properties"]["arguments"])
@@ -133,15 +133,18 @@ def test_toolspec_picks_the_trigger_from_the_template_and_refuses_bad_strict():
     tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": CALL["properties"]["arguments"]}},
              {"type": "function", "function": {"name": "g", "parameters": {"type": "string", "format": "x"}}}]
     spec = ToolSpec(tools, "auto")
-    hermes = spec.auto_constraint(Tok("{{ tools }} <tool_call>"))
-    assert hermes["json_triggers"] == ("<tool_call>",) and "json_at_start" not in hermes
-    whole = spec.auto_constraint(Tok(None))                   # engc's instructions: the call is the answer
-    assert whole["json_at_start"] and whole["json_schema"] is not hermes["json_schema"]
+    hermes = spec.auto_constraint(Tok("{{ tools }} <tool_call>"))["grammar"]
+    call = '{"name": "f", "arguments": {"n": 1}}'
+    assert feed(hermes, f"Sure. <tool_call>\n{call}\n</tool_call>") is None
+    assert feed(hermes, "Sure. <tool_call>\nnot json") == "refused"
+    whole = spec.auto_constraint(Tok(None))["grammar"]                  # engc's instructions: the call is the answer
+    assert feed(whole, call) == "done" and feed(whole, f"[{call}]") == "done"
+    assert feed(whole, '{"name": "g", "arguments": {"x": [1]}}') == "done"   # g is not strict: any object
     assert ToolSpec(tools[1:], "auto").auto_constraint(Tok(None)) == {}        # nothing strict
     assert ToolSpec(tools, "none").auto_constraint(Tok(None)) == {}
     bad = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
-        "type": "object", "properties": {"d": {"type": "string", "format": "date"}}}}}]
-    with pytest.raises(APIError, match="'format' is not supported"):
+        "type": "object", "properties": {"d": {"type": "string", "format": "x"}}}}}]
+    with pytest.raises(APIError, match="Unknown format: x"):
         ToolSpec(bad, "auto").auto_constraint(Tok(None))
     with pytest.raises(APIError, match="strict must be true or false"):
         ToolSpec([{"type": "function", "function": {"name": "f", "strict": "yes"}}], "auto")
@@ -152,7 +155,7 @@ def test_toolspec_picks_the_trigger_from_the_template_and_refuses_bad_strict():
 def test_engine_rows_with_strict_auto_tools(device, request):
     """The engine path (SamplingParams from ToolSpec) on a random tiny model: answers are prose or calls, and
     every call read back follows its function's schema. On the GPU beside unconstrained greedy rows, so
-    steps mix the host-sampled triggered rows with rows the CUDA graphs sample."""
+    steps mix the masked rows with rows the CUDA graphs sample."""
     from engc.runtime.engine import Engine, EngineConfig
     from engc.runtime.loader import load
     from engc.runtime.sampling import SamplingParams
@@ -162,14 +165,14 @@ def test_engine_rows_with_strict_auto_tools(device, request):
     args = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     spec = ToolSpec([{"type": "function", "function": {"name": "f", "strict": True, "parameters": args}}], "auto")
     strict = spec.auto_constraint(model.tokenizer)
-    assert strict["json_at_start"]
+    assert strict["grammar"].kind == "tool_calls"
     prompt = model.tokenizer.encode("Hello, world!")
     seqs = [engine.add_request(prompt, SamplingParams(max_tokens=48, temperature=1.0, seed=s, **strict))
             for s in range(16)]
     free = [engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
             for _ in range(2)]
-    with pytest.raises(ValueError, match="need json_schema"):
-        engine.check_request(prompt, SamplingParams(json_at_start=True))
+    with pytest.raises(ValueError, match="grammar must be"):
+        engine.check_request(prompt, SamplingParams(grammar={"type": "object"}))
     engine.run_to_completion()
     assert all(len(s.output_ids) == 40 for s in free) and free[0].output_ids == free[1].output_ids
     for s in seqs:
@@ -178,4 +181,3 @@ def test_engine_rows_with_strict_auto_tools(device, request):
             jsonschema.validate(json.loads(call["function"]["arguments"]), args)
         if s.output_text.lstrip()[:1] in ("{", "[") and s.finish_reason == "stop":
             assert calls, s.output_text                       # a closed call at the start is a call
-    assert torch.is_tensor(engine.json_vocab.plain)

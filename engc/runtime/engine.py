@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from engc.runtime.constrained import constraint_for, vocab_of
-from engc.runtime.constrained.json_mode import JsonVocab
-from engc.runtime.constrained.json_schema import grammar_of
+from llguidance import LLTokenizer
+
+from engc.runtime.constrained import check, constraint_for, vocab_of
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import LoadedModel
 from engc.runtime.output import OutputProcessor, StepOutput
@@ -52,8 +52,8 @@ class Engine:
         self.sequences: dict[str, Sequence] = {}
 
     @cached_property
-    def json_vocab(self) -> JsonVocab:
-        """The token texts constraint masks read, made at the first constrained request."""
+    def grammar_vocab(self) -> LLTokenizer:
+        """The vocabulary constraints mask (llguidance's), made at the first constrained request."""
         return vocab_of(self.model.tokenizer, self.model.config.vocab_size)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -62,8 +62,8 @@ class Engine:
         Reads only fixed state, so the server calls it from any thread before queueing a request.
         """
         params.validate()
-        if params.json_schema is not None:
-            grammar_of(params.json_schema)   # a schema it cannot enforce: SchemaError, a ValueError
+        if params.grammar is not None:
+            check(params.grammar, self.grammar_vocab)   # a special token it names is not there: a ValueError
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.max_context:
@@ -77,11 +77,11 @@ class Engine:
                     request_id: str | None = None, session_id: str | None = None) -> Sequence:
         self.check_request(prompt_ids, params)
         seq = Sequence(list(prompt_ids), params, priority, session_id=session_id)
+        seq.constraint = constraint_for(params, lambda: self.grammar_vocab)
         if request_id is not None:
             seq.request_id = request_id
         self.sequences[seq.request_id] = seq
         self.output.add(seq)
-        seq.constraint = constraint_for(params, lambda: self.json_vocab)
         self.scheduler.add(seq)
         return seq
 

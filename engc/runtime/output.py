@@ -23,6 +23,7 @@ class StepOutput:
     text_delta: str
     finished: bool
     logprobs: list = field(default_factory=list)   # the new tokens' Sampled, when logprobs were asked
+    prompt_logprobs: list | None = None            # with the first token, when prompt_logprobs were asked
 
 
 @dataclass
@@ -52,8 +53,8 @@ class OutputProcessor:
         if p.logprobs is not None:
             seq.logprobs.append(s)
         reason = None
-        # JSON mode: the token that closes the object ends the output with its text; one that cannot
-        # continue it (only where the mask was empty) ends it without, as an end-of-sequence token does
+        # a grammar: the token that completes it ends the output with its text; one that cannot continue
+        # it (only where the mask was ignored) ends it without, as an end-of-sequence token does
         json = seq.constraint.take(token) if seq.constraint is not None else None
         text_ends = ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
                      or json == "broken")   # the token is not part of the answer
@@ -70,7 +71,9 @@ class OutputProcessor:
         if reason is not None:
             self.streams.pop(seq, None)
             self.finish(seq, reason)
-        return StepOutput(seq, [s.token], delta, reason is not None, [s] if p.logprobs is not None else [])
+        first = p.prompt_logprobs is not None and len(seq.output_ids) == 1
+        return StepOutput(seq, [s.token], delta, reason is not None, [s] if p.logprobs is not None else [],
+                          list(seq.prompt_logprobs) if first else None)
 
 
 def _hit_stop_string(seq: Sequence, emitted: int) -> bool:

@@ -7,8 +7,8 @@ a seeded row draws the same way whatever shares its batch); HostSampler draws on
 
 Logits processors run before the draw, on a copy: repetition, presence and frequency penalties (in float32
 on the row's float32 logits, the host sampler's arithmetic, so a greedy row takes the same token on either
-path) and JSON masks (ignored where they allow nothing). Logprobs are the model's distribution's, before
-processors. Processors follow the sequence's last token (follows_last_token), so the engine samples a
+path) and grammar masks (runtime/constrained; ignored where they allow nothing). Logprobs are the model's
+distribution's, before processors. Processors follow the sequence's last token (follows_last_token), so the engine samples a
 step with such a row only once the step before it is read; logprobs do not.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from engc.kernels import argmax, sampling
+from engc.runtime.constrained import Constraint, fill_masks, mask_words, unpack
 from engc.runtime.sampling import Sampled, SamplingParams
 from engc.runtime.sequence import Sequence
 from engc.runtime.transfers import upload
@@ -106,24 +107,32 @@ class Penalties:
             out[where] = out[where] - up(torch.cat(sub_by))
 
 
-class JsonMasks:
-    """The constraint's mask of allowed tokens; a mask that allows nothing is ignored (the token drawn then
-    ends the output: OutputProcessor)."""
+class GrammarMasks:
+    """The constraints' masks of allowed tokens: every row's bitmask filled on the host at once (llguidance's
+    threads, without the GIL), uploaded as bits and unpacked where the logits are. A mask that allows nothing
+    is ignored (the token drawn then ends the output: OutputProcessor)."""
     float32 = False
 
     @staticmethod
-    def rows(live: list[tuple[int, Sequence]]) -> list[tuple[int, torch.Tensor]]:
-        return [(i, m) for i, s in live if s.constraint is not None
-                for m in [s.constraint.allowed()] if m is not None and bool(m.any())]
+    def rows(live: list[tuple[int, Sequence]]) -> list[tuple[int, Constraint]]:
+        return [(i, s.constraint) for i, s in live if s.constraint is not None]
 
     @staticmethod
-    def apply(out: torch.Tensor, masks: list[tuple[int, torch.Tensor]], up: Upload) -> None:
-        index = up(torch.tensor([i for i, _ in masks]))
-        allowed = up(torch.stack([m for _, m in masks]))
+    def apply(out: torch.Tensor, rows: list[tuple[int, Constraint]], up: Upload) -> None:
+        constraints = [c for _, c in rows]
+        bits = torch.empty((len(rows), mask_words(constraints[0].size)), dtype=torch.int32)
+        fill_masks(constraints, bits)
+        some = bits.ne(0).any(1)
+        if not bool(some.all()):
+            bits, rows = bits[some], [r for r, ok in zip(rows, some.tolist()) if ok]
+            if not rows:
+                return
+        index = up(torch.tensor([i for i, _ in rows]))
+        allowed = unpack(up(bits), out.shape[1])
         out.index_copy_(0, index, out.index_select(0, index).masked_fill(~allowed, float("-inf")))
 
 
-PROCESSORS = (Penalties, JsonMasks)
+PROCESSORS = (Penalties, GrammarMasks)
 
 
 def processed(logits: torch.Tensor, seqs: list[Sequence], up: Upload) -> torch.Tensor:
@@ -256,12 +265,12 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 
 def sample_row(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int],
                generator: torch.Generator, allowed: torch.Tensor | None = None) -> Sampled:
-    """One token for a row of logits. allowed: a bool mask of the tokens it may be (JSON mode); logprobs
-    stay those of the model's distribution."""
+    """One token for a row of logits. allowed: a bool mask of the tokens it may be (a grammar's, as wide as the
+    logits or wider); logprobs stay those of the model's distribution."""
     raw = logits
     logits = apply_penalties(logits.clone(), p, prompt, output)
     if allowed is not None and bool(allowed.any()):
-        logits.masked_fill_(~allowed, float("-inf"))
+        logits.masked_fill_(~allowed[:logits.shape[-1]], float("-inf"))
     if p.greedy or not torch.isfinite(logits.max()):   # NaN (torch's max is NaN then), +inf, or all -inf:
         token = int(torch.argmax(logits))                # nothing to draw from; argmax is still a valid id
     else:

@@ -6,6 +6,8 @@ from functools import cached_property
 
 import torch
 
+from engc.runtime.constrained.grammars import Grammar
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,12 +23,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # None: none; k: the chosen token's logprob and the top k
-    json_object: bool = False         # JSON mode: the output is one JSON object (runtime/constrained/json_mode.py)
-    json_schema: object = None        # a JSON Schema (dict) or json_schema.SchemaGrammar: the output is one instance
-    # ... or, with these, only the parts that start where the output reaches a trigger text, or (at_start) an
-    # answer that opens with '{' or '[' (runtime/constrained/triggered.py: strict function calls under tool_choice auto)
-    json_triggers: tuple[str, ...] = ()
-    json_at_start: bool = False
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob given the tokens before
+                                        # it (the first has none), its rank and the top k (runtime/scoring.py)
+    # what the output follows (runtime/constrained: constrained.json_object(), json_schema(schema), regex(...),
+    # choice([...]), grammar(lark), tool_calls(...)); None: free text
+    grammar: Grammar | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def validate(self) -> None:
@@ -38,10 +39,12 @@ class SamplingParams:
                   (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
                   (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
                   (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+                  (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                   "prompt_logprobs must be in [0, 20]"),
                   # an empty stop string matches before the first token: the answer would always be empty
                   (all(self.stop), "stop strings must not be empty"),
-                  (self.json_schema is not None or not (self.json_triggers or self.json_at_start),
-                   "json_triggers and json_at_start need json_schema")]
+                  (self.grammar is None or isinstance(self.grammar, Grammar),
+                   "grammar must be an engc.runtime.constrained Grammar")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
@@ -59,8 +62,7 @@ class SamplingParams:
     def device_sampleable(self) -> bool:
         """Only temperature, top-k and top-p: what the plain draw (the GPU sampling kernel) does, with no
         penalties, mask or logprobs to add (runtime/sampler.py adds those)."""
-        return (self.logprobs is None and not self.penalized and not self.json_object
-                and self.json_schema is None)
+        return self.logprobs is None and not self.penalized and self.grammar is None
 
     @cached_property
     def penalized(self) -> bool:
@@ -72,6 +74,7 @@ class Sampled:
     token: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+    rank: int | None = None           # of a prompt token: 1 + how many tokens the model found likelier
 
 
 def make_generator(seed: int | None) -> torch.Generator:

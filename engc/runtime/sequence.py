@@ -38,9 +38,10 @@ class Sequence:
     stop_string: str | None = None            # the stop string that ended it, if one did
     output_text: str = ""
     logprobs: list[Sampled] = field(default_factory=list)
+    prompt_logprobs: list[Sampled | None] = field(default_factory=list)   # runtime/scoring.py fills them
     generator: torch.Generator | None = None
     arrival: int = field(default_factory=lambda: next(_ids))
-    constraint: object | None = None          # constrained.JsonConstraint or TriggeredConstraint
+    constraint: object | None = None          # a constrained.Constraint (the request's grammar)
     _seen: tuple[set[int], int] | None = field(default=None, repr=False)   # seen_ids and the outputs in it
 
     def __post_init__(self):

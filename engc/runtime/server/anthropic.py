@@ -12,8 +12,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from engc.runtime.async_engine import Delta, EngineError
-from engc.runtime.constrained.json_schema import SchemaError, compile_schema
 from engc.runtime.server.app import APIError, ServerState
+from engc.runtime.server.formats import anthropic_format
 from engc.runtime.server.protocol import CountTokensRequest, MessagesRequest
 from engc.runtime.server.tools import CallWatch, ToolSpec, call_input
 
@@ -24,9 +24,9 @@ router = APIRouter()
 async def messages(req: MessagesRequest, request: Request):
     s: ServerState = request.app.state.engc
     s.check_model(req.model)
-    prompt_ids, tools, continued = _encode(s, req)
-    schema = _output_format(req)
-    constraint = tools.constraint(s.tokenizer, (schema is not None, schema), "output_config.format",
+    prompt_ids, tools, continued = await s.off_loop(_encode, s, req)
+    answer = _output_format(req)
+    constraint = tools.constraint(s.tokenizer, answer, "output_config.format",
                                   "a final assistant message (prefill)" if continued else None)
     params = s.params(len(prompt_ids), req.max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                       top_p=req.top_p, top_k=req.top_k, stop=tuple(req.stop_sequences or ()), **constraint)
@@ -45,17 +45,10 @@ async def messages(req: MessagesRequest, request: Request):
 
 def _output_format(req):
     """output_config.format (Anthropic's structured outputs) as a grammar, or None."""
-    fmt = (req.output_config or {}).get("format")
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-        raise APIError(400, 'output_config.format must be {"type": "json_schema", "schema": {...}}')
-    if req.messages and req.messages[-1].role == "assistant":
+    answer = anthropic_format(req)
+    if answer is not None and req.messages and req.messages[-1].role == "assistant":
         raise APIError(400, "output_config.format cannot be combined with a final assistant message (prefill)")
-    try:
-        return compile_schema(fmt["schema"])
-    except SchemaError as e:
-        raise APIError(400, f"output_config.format: {e}") from None
+    return answer
 
 
 async def _whole(stream) -> tuple[str, Delta]:
@@ -88,7 +81,7 @@ def _tool_use_blocks(calls: list[dict]) -> list[dict]:
 async def count_tokens(req: CountTokensRequest, request: Request):
     s: ServerState = request.app.state.engc
     s.check_model(req.model)
-    return {"input_tokens": len(_encode(s, req)[0])}
+    return {"input_tokens": len((await s.off_loop(_encode, s, req))[0])}
 
 
 def _encode(s: ServerState, req) -> tuple[list[int], ToolSpec, bool]:

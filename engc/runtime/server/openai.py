@@ -11,18 +11,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from engc.runtime.async_engine import Delta, EngineError
-from engc.runtime.constrained.json_schema import SchemaError, compile_schema
 from engc.runtime.server.app import APIError, ServerState
+from engc.runtime.server.echo import Echo, read_prompts
+from engc.runtime.server.formats import openai_format
 from engc.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from engc.runtime.server.tools import CallWatch, ToolSpec
 
 router = APIRouter()
 
 
-def json_logprob(lp: float) -> float:
+def json_logprob(lp: float | None) -> float | None:
     """A logprob as JSON can carry it: -inf (a token of probability 0) and NaN (logits a model overflowed)
-    have no JSON form and would fail the response, so they go out as -9999.0, OpenAI's "very unlikely"."""
-    return lp if math.isfinite(lp) else -9999.0
+    have no JSON form and would fail the response, so they go out as -9999.0, OpenAI's "very unlikely".
+    None (an echoed prompt's first token, which nothing predicts) stays null."""
+    return lp if lp is None or math.isfinite(lp) else -9999.0
 
 
 @router.post("/v1/chat/completions")
@@ -38,14 +40,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if req.continue_final_message and messages[-1]["role"] != "assistant":
         raise APIError(400, "continue_final_message needs a final assistant message to continue",
                        "continue_final_message")
-    json_object, grammar = _json_format(req.response_format)
-    if json_object and req.continue_final_message:   # the object would have to start inside the given text
-        raise APIError(400, f"response_format {req.response_format.type} cannot be combined with "
-                       "continue_final_message", "response_format")
-    constraint = tools.constraint(s.tokenizer, (json_object, grammar), "response_format",
+    answer = openai_format(req)
+    if answer is not None and req.continue_final_message:   # the format would have to start inside the given text
+        raise APIError(400, f"an answer format ({answer.kind}) cannot be combined with continue_final_message",
+                       "response_format")
+    constraint = tools.constraint(s.tokenizer, answer, "response_format",
                                   "continue_final_message" if req.continue_final_message else None)
     messages, tool_list = tools.prompt_messages(messages, s.tokenizer.reads_tools)
-    prompt_ids = s.tokenizer.encode_chat(messages, continue_final=req.continue_final_message, tools=tool_list)
+    prompt_ids = await s.off_loop(s.tokenizer.encode_chat, messages, req.continue_final_message, tool_list)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prompts = _prompts(s, [prompt_ids], req, max_tokens, logprobs, constraint)
@@ -60,25 +62,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 async def completions(req: CompletionRequest, request: Request):
     s: ServerState = request.app.state.engc
     s.check_model(req.model)
-    if req.echo:
-        raise APIError(400, "echo is not supported by engc", "echo")
     if req.suffix:
         raise APIError(400, "suffix is not supported by engc", "suffix")
-    p = req.prompt
-    if isinstance(p, str):
-        id_lists = [s.tokenizer.encode(p)]
-    elif not p:
-        raise APIError(400, "prompt must not be empty", "prompt")
-    elif isinstance(p[0], str):
-        id_lists = [s.tokenizer.encode(x) for x in p]
-    elif isinstance(p[0], int):
-        id_lists = [list(p)]
-    else:
-        id_lists = [list(x) for x in p]
-    if any(not ids for ids in id_lists):
-        raise APIError(400, "prompt must not be empty", "prompt")
-    prompts = _prompts(s, id_lists, req, req.max_tokens, req.logprobs)
-    out = _Output(s, req, f"cmpl-{uuid.uuid4().hex}", "text_completion", [len(x) for x in id_lists])
+    id_lists, texts = await s.off_loop(read_prompts, s.tokenizer, req.prompt, req.echo)
+    echo = Echo.of(req, id_lists, texts)   # echo and prompt logprobs (echo.py)
+    max_tokens = 1 if echo is not None and echo.scoring_only else req.max_tokens
+    prompts = _prompts(s, id_lists, req, max_tokens, req.logprobs,
+                       {"grammar": openai_format(req), "prompt_logprobs": echo.k if echo else None})
+    out = _Output(s, req, f"cmpl-{uuid.uuid4().hex}", "text_completion", [len(x) for x in id_lists], echo=echo)
     stream = s.stream(prompts, req.priority, req.session_id)
     if req.stream:
         return StreamingResponse(_events(stream, out), media_type="text/event-stream")
@@ -89,22 +80,6 @@ def _text(content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(part.text for part in content)
-
-
-def _json_format(fmt) -> tuple[bool, object]:
-    """response_format -> (JSON mode on, the schema's grammar or None); a schema engc cannot enforce is a 400."""
-    if fmt is None or fmt.type == "text":
-        return False, None
-    if fmt.type == "json_object":
-        return True, None
-    spec = fmt.json_schema
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-        raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON Schema object",
-                       "response_format")
-    try:
-        return True, compile_schema(spec["schema"])
-    except SchemaError as e:
-        raise APIError(400, f"response_format json_schema: {e}", "response_format") from None
 
 
 def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs, constraint=None):
@@ -126,8 +101,9 @@ def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs, constraint=Non
 class _Output:
     """Builds the response objects (whole or chunks) of one chat or text completion."""
 
-    def __init__(self, s: ServerState, req, rid: str, kind: str, prompt_lens: list[int], tools=None):
-        self.s, self.req, self.id, self.kind = s, req, rid, kind
+    def __init__(self, s: ServerState, req, rid: str, kind: str, prompt_lens: list[int], tools=None,
+                 echo: Echo | None = None):
+        self.s, self.req, self.id, self.kind, self.echo = s, req, rid, kind, echo
         self.tools = tools if tools is not None and tools.active else None   # choices' texts read for calls
         self.chat = kind == "chat.completion"
         self.prompt_lens = prompt_lens
@@ -170,7 +146,8 @@ class _Output:
                 for t, x in zip(text, sampled)]}
         offsets = [offset + sum(len(t) for t in text[:k]) for k in range(len(text))]
         return {"tokens": text, "token_logprobs": [json_logprob(x.logprob) for x in sampled],
-                "top_logprobs": [{tok.decode([i], skip_special_tokens=False): json_logprob(lp) for i, lp in x.top or []}
+                "top_logprobs": [None if x.top is None and x.logprob is None else
+                                 {tok.decode([i], skip_special_tokens=False): json_logprob(lp) for i, lp in x.top or []}
                                  for x in sampled], "text_offset": offsets}
 
     def choice(self, index: int, text: str | None, finish_reason, logprobs, delta: bool, role: bool = False,
@@ -196,6 +173,8 @@ async def _collect(stream, out: _Output) -> dict:
     async with stream:
         try:
             async for d in stream:
+                if out.echo is not None:
+                    d, _ = out.echo.track(d)
                 texts[d.index] += d.text
                 sampled[d.index] += d.logprobs
                 out.track(d)
@@ -210,6 +189,14 @@ async def _collect(stream, out: _Output) -> dict:
             else (texts[i], [], True)
         choices.append(out.choice(i, text, "tool_calls" if calls and whole else reasons[i],
                                   out.logprobs(sampled[i]) if want_logprobs else None, delta=False, calls=calls))
+        if out.echo is not None:   # the prompt before the answer, and vLLM's prompt_logprobs
+            head, entries = out.echo.head(i)
+            if out.echo.echo:
+                choices[i]["text"] = head + choices[i]["text"]
+                choices[i]["logprobs"] = out.logprobs(entries + sampled[i]) if want_logprobs else None
+            if out.echo.vllm is not None:
+                choices[i]["prompt_logprobs"] = out.echo.vllm_list(
+                    i, lambda t: out.s.tokenizer.decode([t], skip_special_tokens=False), json_logprob)
     return out.obj(choices, chunk=False, usage=out.usage())
 
 
@@ -224,6 +211,13 @@ async def _events(stream, out: _Output):
                 for i in range(out.num_choices):
                     yield sse(out.obj([out.choice(i, None, None, None, delta=True, role=True)], chunk=True))
             async for d in stream:
+                if out.echo is not None:   # an echo's prompt goes first
+                    d, head = out.echo.track(d)
+                    if head is not None:
+                        text, entries = head
+                        lp = out.logprobs(entries) if out.req.logprobs is not None else None
+                        offsets[d.index] += len(text)
+                        yield sse(out.obj([out.choice(d.index, text, None, lp, delta=True)], chunk=True))
                 out.track(d)
                 if watches:   # with tools: text that could be a call waits for the choice's end
                     text = watches[d.index].feed(d.text)

@@ -2,19 +2,48 @@
 
 Unknown fields are accepted and ignored, as the reference APIs' SDKs send fields that come and go;
 fields engc would have to honour but cannot (images, logit_bias) are refused where used.
-Known fields are typed strictly, as JSON types them: `"stream": "yes"`, `"max_tokens": "5"` or `"n": 2.0` get a
-400 naming the field instead of being coerced (an integer is still a valid number).
+Known fields are typed strictly, as JSON Schema types them (the OpenAPI document declares them so):
+`"stream": "yes"`, `"max_tokens": "5"` or `"n": 2.5` get a 400 naming the field instead of being coerced; an
+integer is a valid number, and a number without a fractional part (`2.0`) a valid integer.
 Fields marked "engc" are extensions.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+import functools
+from typing import Annotated, Literal, Optional, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_numbers(cls, data):
+        """JSON has one number type, and JSON Schema's "integer" is any number without a fractional part, so
+        in an integer field (or a list of them) 2.0 is 2; 2.5 stays refused."""
+        if isinstance(data, dict):
+            ints = _integer_fields(cls)
+            if any(isinstance(v, (float, list)) for k, v in data.items() if k in ints):
+                data = {k: _integral(v) if k in ints else v for k, v in data.items()}
+        return data
+
+
+@functools.cache
+def _integer_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The body names of a model's fields typed with int (not bool) and never float."""
+    def leaves(t):
+        args = get_args(t)
+        return {x for a in args for x in leaves(a)} if args else {t}
+    return frozenset(f.alias or name for name, f in model.model_fields.items()
+                     if int in leaves(f.annotation) and float not in leaves(f.annotation))
+
+
+def _integral(value):
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return [_integral(v) for v in value] if isinstance(value, list) else value
 
 
 def _text_parts_only(content):
@@ -50,8 +79,24 @@ class StreamOptions(_Body):
 
 
 class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "regex", "regex_schema", "choice", "grammar"]
     json_schema: Optional[dict] = None   # {"name": ..., "schema": {...}, "strict": ...} with type json_schema
+    regex: Optional[str] = None          # engc: with type regex (LMDeploy's regex_schema too)
+    regex_schema: Optional[str] = None
+    choice: Optional[list[str]] = None   # engc: with type choice
+    grammar: Optional[str] = None        # engc: with type grammar, a Lark or GBNF grammar
+    syntax: Optional[Literal["lark", "regex"]] = None   # OpenAI's grammar shape: type grammar, syntax, definition
+    definition: Optional[str] = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs: one of these (runtime/server/formats.py)."""
+    json_: Union[dict, str, None] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Union[dict, str, None] = None   # refused: engc reads tool calls through `tools`
 
 
 class _OpenAISampling(_Body):
@@ -71,6 +116,11 @@ class _OpenAISampling(_Body):
     ignore_eos: bool = Field(False, description="engc: keep generating past end-of-sequence")
     priority: int = Field(0, description="engc: lower runs first")
     session_id: Optional[str] = Field(None, description="engc: keep this chat's KV cache between requests")
+    structured_outputs: Optional[StructuredOutputs] = Field(None, description="vLLM's: the answer's format")
+    guided_json: Union[dict, str, None] = Field(None, description="vLLM's older spelling of structured_outputs")
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -91,8 +141,12 @@ class CompletionRequest(_OpenAISampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = Field(False, description="the prompt before the answer; with logprobs, its tokens' logprobs too "
+                                          "(the first null); with max_tokens 0, the prompt only (scoring)")
     suffix: Optional[str] = None
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=20, description="vLLM: each prompt token's logprob, "
+                                                                          "rank and top k (not streamed)")
+    response_format: Optional[ResponseFormat] = None
 
 
 # --- Anthropic -------------------------------------------------------------------------------------

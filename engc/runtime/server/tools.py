@@ -6,9 +6,9 @@ conversation's calls and results in Hugging Face's message shapes. A template th
 engc's own instructions in the system message: the functions' JSON specs and "reply with only a JSON object
 {"name": ..., "arguments": {...}}"; earlier calls are written in that form and results as user messages.
 
-The answer: with tool_choice "required" or a named function the output is constrained to a call (the
-json_schema automaton: {"name": <a function>, "arguments": <its parameters>}, a tagged union over the
-functions), so it always parses and its arguments follow the schema. With "auto" the model decides, and
+The answer: with tool_choice "required" or a named function the output is constrained to a call (a JSON
+Schema grammar, runtime/constrained: {"name": <a function>, "arguments": <its parameters>}, one alternative
+per function), so it always parses and its arguments follow the schema. With "auto" the model decides, and
 its text is read for calls afterwards in the formats models write (call_formats.py: Hermes/Qwen
 `<tool_call>` blocks, Llama 3.x's JSON, `<|python_tag|>`, `<function=...>` and pythonic lists, Mistral's
 `[TOOL_CALLS]`, an answer that is only a call object or list as engc's instructions ask), naming a declared
@@ -20,7 +20,7 @@ import json
 import re
 import uuid
 
-from engc.runtime.constrained.json_schema import SchemaError, compile_schema
+from engc.runtime import constrained
 from engc.runtime.server import call_formats
 from engc.runtime.server.app import APIError
 
@@ -47,11 +47,14 @@ class ToolSpec:
             params = f.get("parameters", NO_PARAMETERS)
             if not isinstance(params, dict):
                 raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
+            problem = schema_problem(params)
+            if problem:   # under every tool_choice: a schema the model reads in its prompt must mean something
+                raise APIError(400, f"tools[{i}].function.parameters is not a valid JSON Schema: {problem}", "tools")
             if "strict" in f and not isinstance(f["strict"], bool):
                 raise APIError(400, f"tools[{i}].function.strict must be true or false", "tools")
             self.functions[f["name"]] = dict(f, parameters=params)
         # strict (OpenAI's function.strict, Anthropic's tool strict): its calls' arguments follow the schema,
-        # under "auto" too (triggered.py)
+        # under "auto" too (constrained.tool_calls)
         self.strict = any(f.get("strict") is True for f in self.functions.values())
         if choice is None:
             choice = "auto" if self.functions else "none"
@@ -72,43 +75,40 @@ class ToolSpec:
     def active(self) -> bool:
         return self.mode != "none"
 
-    def grammar(self):
+    def grammar(self) -> constrained.Grammar | None:
         """The call's grammar where a call is required, else None."""
         if self.mode != "required":
             return None
-        return _compile(self._calls(self.forced, enforce_all=True))
+        return _compile(constrained.json_schema, self._calls(self.forced, enforce_all=True))
 
-    def constraint(self, tokenizer, answer_format: tuple[bool, object], fmt: str, continued: str | None) -> dict:
+    def constraint(self, tokenizer, answer: constrained.Grammar | None, fmt: str, continued: str | None) -> dict:
         """The SamplingParams fields that constrain the answer, one rule for both APIs: a required call's
         grammar, else strict functions' calls under "auto" (auto_constraint), else the request's own format
-        (answer_format: (JSON mode on, its grammar or None)). A constrained call can neither meet a format
-        nor start inside a continued answer: a 400 in the API's words (fmt: its format field; continued: its
-        continued-answer field, None when the answer is not continued)."""
-        json_object, grammar = answer_format
+        (answer: its grammar or None). A constrained call can neither meet a format nor start inside a
+        continued answer: a 400 in the API's words (fmt: its format field; continued: its continued-answer
+        field, None when the answer is not continued)."""
         if self.mode == "required":
-            fields, what, param = {"json_object": True, "json_schema": self.grammar()}, "a required tool call", "tool_choice"
+            fields, what, param = {"grammar": self.grammar()}, "a required tool call", "tool_choice"
         else:
             fields, what, param = self.auto_constraint(tokenizer), "strict tools under tool_choice auto", "tools"
         if not fields:
-            return {"json_object": json_object, "json_schema": grammar}
-        clash = fmt if json_object else continued
+            return {"grammar": answer}
+        clash = fmt if answer is not None else continued
         if clash:
             raise APIError(400, f"{clash} cannot be combined with {what}", param)
         return fields
 
     def auto_constraint(self, tokenizer) -> dict:
         """SamplingParams fields for strict functions under "auto" ({} otherwise): the calls constrained
-        where they start (triggered.py), at a `<tool_call>` where the chat template writes calls that way,
-        else at the start of the answer (Llama 3.x's and engc's own instructions: the call is the answer, an
-        object or a list of them). A non-strict function's arguments may be any object."""
+        where they start (constrained.tool_calls), at a `<tool_call>` where the chat template writes calls
+        that way, else at the start of the answer (Llama 3.x's and engc's own instructions: the call is the
+        answer, an object or a list of them). A non-strict function's arguments may be any object."""
         if self.mode != "auto" or not self.strict:
             return {}
         call = self._calls(list(self.functions), enforce_all=False)
         template = tokenizer.chat_template or ""
-        if tokenizer.reads_tools and "<tool_call>" in template:
-            return {"json_schema": _compile(call), "json_triggers": ("<tool_call>",)}
-        return {"json_schema": _compile({"anyOf": [call, {"type": "array", "items": call, "minItems": 1}]}),
-                "json_at_start": True}
+        triggers = ("<tool_call>",) if tokenizer.reads_tools and "<tool_call>" in template else ()
+        return {"grammar": _compile(constrained.tool_calls, call, triggers)}
 
     def _calls(self, names: list[str], enforce_all: bool) -> dict:
         """The schema of one call of the named functions: {"name": <const>, "arguments": <parameters>}."""
@@ -202,11 +202,24 @@ class CallWatch:
         return self.held, [], True
 
 
-def _compile(schema: dict):
+def _compile(make, *args) -> constrained.Grammar:
     try:
-        return compile_schema(schema)
-    except SchemaError as e:
+        return make(*args)
+    except constrained.GrammarError as e:
         raise APIError(400, f"tools: a function's parameters cannot be enforced: {e}", "tools") from None
+
+
+def schema_problem(schema: dict) -> str | None:
+    """Why a schema is not a JSON Schema, by the meta-schema of its $schema (2020-12, OpenAI's, by default), in
+    one line; None if it is one. What the answer's grammar can enforce is the grammar's to say, where it runs."""
+    from jsonschema import exceptions, validators
+    try:
+        validators.validator_for(schema, default=validators.Draft202012Validator).check_schema(schema)
+    except exceptions.SchemaError as e:
+        where = ".".join(map(str, e.absolute_path))
+        message = " ".join(e.message.split())
+        return (f"at {where}: " if where else "") + (message if len(message) <= 200 else message[:197] + "...")
+    return None
 
 
 def call_input(arguments: str) -> dict:
