@@ -287,3 +287,23 @@ def test_gguf_matches_transformers(tmp_path, arch, model_type, extra):
     assert seq.output_ids == expected
     theirs = torch.log_softmax(hf_logits, -1).gather(1, torch.tensor(expected)[:, None])[:, 0]
     assert torch.allclose(torch.tensor([s.logprob for s in seq.logprobs]), theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3"])
+def test_bfloat16_matches_hf(family, tiny_dir, tmp_path):
+    """A bfloat16 bundle on the CPU against HF in bfloat16, as tests/test_bf16_cpu.py checks the others: the
+    same greedy tokens, the prompt's logits within one bfloat16 ulp of the largest. Covers the (1 + weight)
+    norms in float32 (the *UnitOffset ops), Gemma 2's soft-capped eager attention and the embedding scale
+    rounded to bfloat16. (The prompts avoid "The quick brown fox", where this tiny Gemma 3 meets an exact
+    bfloat16 tie between two tokens at its 14th step.)"""
+    from test_bf16_cpu import engine_greedy, hf_greedy as hf_cached_greedy, one_ulp
+    src = tiny_dir(family)
+    build(str(src), tmp_path / "b", BuildOptions(dtype="bfloat16"))
+    model = load(tmp_path / "b")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    for text in ["Paris is the capital of", "Hello, world! How"]:
+        ids = model.tokenizer.encode(text)
+        ours, our_logits = engine_greedy(model, ids, 16)
+        theirs, their_logits = hf_cached_greedy(hf, ids, 16)
+        assert ours == theirs, text
+        assert float((our_logits - their_logits).abs().max()) < one_ulp(their_logits)

@@ -60,12 +60,16 @@ def _visible(n: int, ctx: int, sliding_window: int, device) -> torch.Tensor | No
 
 def paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc, num_heads: int,
                     num_kv_heads: int, head_dim: int, scale: float, sliding_window: int = 0,
-                    kv_scale=None) -> torch.Tensor:
+                    kv_scale=None, softcap: float = 0.0) -> torch.Tensor:
     """kernels/paged_attention.paged_attention as HF's sdpa attention computes it: one
-    scaled_dot_product_attention call a sequence, in the model dtype, with the arguments HF passes."""
+    scaled_dot_product_attention call a sequence, in the model dtype, with the arguments HF passes.
+    Soft-capped scores (Gemma 2, which HF runs in its eager attention): _eager_softcapped."""
     if kv_scale is not None:
         return paged_attention_ref(q, kv_cache, block_tables, context_lens, query_start_loc, num_heads,
-                                   num_kv_heads, head_dim, scale, sliding_window, kv_scale=kv_scale)
+                                   num_kv_heads, head_dim, scale, sliding_window, kv_scale=kv_scale, softcap=softcap)
+    if softcap:
+        return _eager_softcapped(q, kv_cache, block_tables, context_lens, query_start_loc, num_heads,
+                                 num_kv_heads, head_dim, scale, sliding_window, softcap)
     out = torch.empty_like(q)
     group = num_heads // num_kv_heads
     for b, qs, qe, ctx in sequence_spans(block_tables, context_lens, query_start_loc):
@@ -83,10 +87,31 @@ def paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc, nu
     return out
 
 
+def _eager_softcapped(q, kv_cache, block_tables, context_lens, query_start_loc, num_heads, num_kv_heads,
+                      head_dim, scale, sliding_window, softcap) -> torch.Tensor:
+    """HF's eager attention with soft-capping: scores, scale and cap in the model dtype, softmax in float32
+    rounded back to the model dtype, then the product with v in the model dtype."""
+    out = torch.empty_like(q)
+    group = num_heads // num_kv_heads
+    for b, qs, qe, ctx in sequence_spans(block_tables, context_lens, query_start_loc):
+        n = qe - qs
+        k, v = gather_kv(kv_cache, block_tables[b], ctx)
+        qb = q[qs:qe].reshape(n, num_heads, head_dim).transpose(0, 1)                 # [H, n, D]
+        k, v = (x.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v))
+        scores = torch.tanh(torch.matmul(qb, k.transpose(1, 2)) * scale / softcap) * softcap
+        q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        visible = (k_pos <= q_pos) & ((k_pos > q_pos - sliding_window) if sliding_window else True)
+        scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[qs:qe] = torch.matmul(weights, v).transpose(0, 1).reshape(n, num_heads * head_dim)
+    return out
+
+
 def rotary_paged_attention(qkv, positions, inv_freq, kv_cache, slot_mapping, block_tables, context_lens,
                            query_start_loc, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                           sliding_window: int = 0, kv_scale=None) -> torch.Tensor:
+                           sliding_window: int = 0, kv_scale=None, softcap: float = 0.0) -> torch.Tensor:
     q = rotary_kv_write(qkv, positions, inv_freq, kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim,
                         kv_scale=kv_scale)
     return paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc, num_heads, num_kv_heads,
-                           head_dim, scale, sliding_window, kv_scale=kv_scale)
+                           head_dim, scale, sliding_window, kv_scale=kv_scale, softcap=softcap)
