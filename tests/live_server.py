@@ -12,8 +12,8 @@ from engc.runtime.server.app import build_server, listening_socket
 
 class LiveServer:
     def __init__(self, bundle, config: EngineConfig = EngineConfig(), api_key: str | None = None,
-                 model_name: str = "tiny"):
-        self.app, self.engine = build_server(str(bundle), config, model_name, api_key)
+                 model_name: str = "tiny", max_body_bytes: int | None = None):
+        self.app, self.engine = build_server(str(bundle), config, model_name, api_key, max_body_bytes=max_body_bytes)
         self.socket = listening_socket("127.0.0.1", 0)   # engc run --port 0's: bound here, no race for it
         self.port = self.socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"

@@ -36,6 +36,7 @@ class Delta:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    prompt_logprobs: list[Sampled | None] | None = None   # with a sequence's first delta, where asked
 
 
 @dataclass
@@ -142,7 +143,7 @@ class AsyncEngine:
                 del self.routes[seq.request_id]
             self._deliver(route, Delta(route.index, out.text_delta, list(out.new_token_ids), list(out.logprobs),
                                        out.finished, seq.finish_reason, seq.stop_string, len(seq.prompt_ids),
-                                       seq.num_cached_tokens or 0, len(seq.output_ids)))
+                                       seq.num_cached_tokens or 0, len(seq.output_ids), out.prompt_logprobs))
 
     @staticmethod
     def _deliver(route: _Route, item) -> None:

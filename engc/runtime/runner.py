@@ -11,6 +11,8 @@ Meanwhile each sampled sequence counts one token in flight (Sequence.num_in_flig
 plans with it, the next step's executor takes its id from the device (TokenFill), and only known
 tokens are ever hashed, appended or returned. A sequence that finished in the step being read may
 already be in the launched one: that row's token is dropped.
+A prefill chunk can also score its prompt rows (runtime/scoring.py: prompt logprobs): they are computed
+in the same forward, after the sampled rows, and read back at its launch.
 Rows are sampled where the logits are (sampler.DeviceSampler), logprobs, penalties and JSON-mode masks
 included. Penalties and masks follow the token just read, so a step with such a row is launched, the
 step before it read, and only then sampled (the masks made and applied while the GPU still runs the
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engc.runtime import sampler
+from engc.runtime import sampler, scoring
 from engc.runtime.executor import TokenFill
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import LoadedModel
@@ -72,8 +74,13 @@ class ModelRunner:
     def launch(self, batch: list[tuple[Sequence, int]]) -> InFlight:
         """Runs the batch's forward and, where its rows allow, samples it (tokens left on the device)."""
         inputs, sampled, fill = self.inputs(batch)
+        scored = scoring.rows_of(batch)
+        if scored is not None:   # prompt rows to score: their logits come after the sampled rows'
+            inputs["logits_indices"] = torch.cat([inputs["logits_indices"], _host(scored.rows, np.int64)])
         with torch.inference_mode():
             logits = self.executor.forward(inputs, self.kv.layers, fill)
+            if scored is not None:
+                logits, prompt_logits = logits[:len(sampled)], logits[len(sampled):]
             step = InFlight(batch, sampled, logits)
             graphed = self.executor.step_tokens   # a graphed decode step's greedy tokens, already on their way
             if sampled and graphed is not None and all(s.params.plain_greedy for s in sampled):
@@ -84,6 +91,8 @@ class ModelRunner:
                 step.after_read = True    # sampled once the step before is read (sample_after_read)
             else:
                 self._keep(step, *self.sampler.sample(logits, sampled) if sampled else (None, None))
+            if scored is not None:   # after the step's sampling is queued: this reads results back
+                scoring.score(prompt_logits, scored)
         return step
 
     def sample_after_read(self, step: InFlight) -> None:

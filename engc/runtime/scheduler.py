@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from engc.runtime import scoring
 from engc.runtime.kv_cache import BlockAllocator
 from engc.runtime.sequence import Sequence, Status
 
@@ -39,11 +40,17 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         budget, batch = self.max_batched_tokens, []
+        scored = scoring.MAX_ROWS   # rows left this step for prompt logprobs (runtime/scoring.py)
         self.running.sort(key=_order)
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0 or seq.ends_in_flight:
                 continue  # preempted below to make room for a higher-priority sequence, or done once read
             n = min(seq.num_pending, budget)
+            if scoring.wants(seq):
+                n = min(n, scored)
+                if n == 0:
+                    continue
+                scored -= n
             while not self._reserve(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -56,6 +63,11 @@ class Scheduler:
             seq = self.waiting[0]
             self._match_prefix(seq)
             n = min(seq.num_pending, budget)
+            if scoring.wants(seq):
+                n = min(n, scored)
+                if n == 0:
+                    break
+                scored -= n
             if not self._reserve(seq, seq.num_computed + n):
                 self._free(seq)
                 break
@@ -101,7 +113,8 @@ class Scheduler:
         assert all(not s.block_table for s in self.waiting), "a waiting sequence holds blocks"
 
     def _match_prefix(self, seq: Sequence) -> None:
-        if not seq.block_table:
+        # a sequence whose prompt is still to be scored prefills from its first token: the cache holds no logits
+        if not seq.block_table and not scoring.wants(seq):
             seq.block_table = self.allocator.match(seq.token_ids, seq.block_hashes)
             seq.num_computed = len(seq.block_table) * self.allocator.block_size
 

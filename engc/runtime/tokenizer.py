@@ -18,6 +18,10 @@ from tokenizers import decoders
 from engc.errors import UserError
 
 
+LONG_TEXT = 1 << 16   # characters: a text this long is encoded without holding the GIL (the server's other
+                     # threads, its event loop included, run meanwhile)
+
+
 class Tokenizer:
     def __init__(self, folder: Path, model_eos_ids: tuple[int, ...] = ()):
         self.tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
@@ -46,6 +50,8 @@ class Tokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > LONG_TEXT:   # encode_batch lets go of the GIL while it works; encode holds it throughout
+            return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

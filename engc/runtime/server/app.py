@@ -2,15 +2,19 @@
 
 Every error a client can cause leaves as a 4xx in the shape of the API it called (OpenAI's
 {"error": {...}} or Anthropic's {"type": "error", ...}); anything else is a 500 in the same shape,
-and the server keeps serving.
+and the server keeps serving (edge.py: request ids, the API key, the body limit, the catch-all, the
+request counts). Tokenizing and chat templating run in worker threads (ServerState.off_loop), so a huge
+prompt does not hold up other requests or /health. openapi.py writes the document of all of it.
 """
 from __future__ import annotations
 
+import asyncio
 import errno
 import hmac
 import logging
 import socket
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from fastapi import FastAPI, Request
@@ -44,6 +48,12 @@ class ServerState:
     api_key: str | None
     metrics: Metrics
     created: int
+    max_body_bytes: int
+    workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "engc-prompt"))
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) in a worker thread (tokenizing, chat templates): the event loop keeps serving."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
 
     @property
     def tokenizer(self):
@@ -103,15 +113,25 @@ def error_response(request: Request, status: int, message: str, param=None, code
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
-def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def default_max_body_bytes(max_context: int) -> int:
+    """1 MiB plus 64 bytes a context token: a prompt filling the context fits even written as JSON
+    escapes (12 bytes for a character outside the BMP), with room for tools and the other fields."""
+    return (1 << 20) + 64 * max_context
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
     from engc.runtime.server import anthropic, openai
+    from engc.runtime.server.edge import Edge
+    from engc.runtime.server.openapi import document
     import time
 
     app = FastAPI(title="engc", description="OpenAI- and Anthropic-compatible LLM server", version="1")
     metrics = engine.metrics or Metrics()
     engine.metrics = metrics
     metrics.bind(lambda: engine.stats)
-    app.state.engc = ServerState(engine, model_name, api_key, metrics, int(time.time()))
+    limit = max_body_bytes or default_max_body_bytes(engine.engine.max_context)
+    app.state.engc = ServerState(engine, model_name, api_key, metrics, int(time.time()), limit)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -134,26 +154,16 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
         detail = e.detail if isinstance(e.detail, str) else "bad request"
         if e.status_code == 400 and "parsing the body" in detail:
             detail = "the request body is not valid JSON (or not UTF-8)"
-        return error_response(request, e.status_code, detail)
+        response = error_response(request, e.status_code, detail)
+        response.headers.update(e.headers or {})   # a 405's Allow
+        return response
 
     @app.exception_handler(UserError)
     async def _user(request: Request, e: UserError):
         return error_response(request, 400, str(e))
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, e: Exception):
-        log.exception("unhandled error")
-        return error_response(request, 500, "internal server error")
-
-    @app.middleware("http")
-    async def _auth_and_count(request: Request, call_next):
-        if api_key and request.url.path != "/health" and not _authorized(request, api_key):
-            response = error_response(request, 401, "missing or invalid API key")
-        else:
-            response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.requests.labels(getattr(route, "path", "other"), str(response.status_code)).inc()
-        return response
+    app.add_middleware(Edge, paths=lambda: app.openapi()["paths"], respond=error_response, metrics=metrics,
+                       api_key=api_key, max_body_bytes=limit, authorized=_authorized)
 
     @app.get("/health")
     async def health():
@@ -186,6 +196,12 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
 
     app.include_router(openai.router)
     app.include_router(anthropic.router)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = document(app, model_name, api_key)
+        return app.openapi_schema
+    app.openapi = openapi
     return app
 
 
@@ -198,22 +214,24 @@ def _authorized(request: Request, key: str) -> bool:
 
 
 def build_server(bundle: str, config: EngineConfig, model_name: str | None = None,
-                 api_key: str | None = None, device: str = "cpu") -> tuple[FastAPI, AsyncEngine]:
+                 api_key: str | None = None, device: str = "cpu",
+                 max_body_bytes: int | None = None) -> tuple[FastAPI, AsyncEngine]:
     from engc.runtime.loader import load
     model = load(bundle, device=device)
     engine = AsyncEngine(Engine(model, config), Metrics()).start()
     name = model_name or model.bundle.manifest.get("source", {}).get("name") or "engc"
-    return create_app(engine, name, api_key), engine
+    return create_app(engine, name, api_key, max_body_bytes), engine
 
 
 def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int = 23333,
-          model_name: str | None = None, api_key: str | None = None, device: str = "auto") -> None:
+          model_name: str | None = None, api_key: str | None = None, device: str = "auto",
+          max_body_bytes: int | None = None) -> None:
     """Serves until interrupted. The address is taken before the model loads, so a port in use is one
     line at once, not an error after the load; port 0 takes a free port and says which."""
     import uvicorn
     sock = listening_socket(host, port)
     port = sock.getsockname()[1]
-    app, engine = build_server(bundle, config, model_name, api_key, device)
+    app, engine = build_server(bundle, config, model_name, api_key, device, max_body_bytes)
     shown = f"[{host}]" if ":" in host else host
     print(f"engc: serving {app.state.engc.model_name} on http://{shown}:{port}", flush=True)
     try:

@@ -190,8 +190,8 @@ async def _collect(stream, out: _Output) -> dict:
         choices.append(out.choice(i, text, "tool_calls" if calls and whole else reasons[i],
                                   out.logprobs(sampled[i]) if want_logprobs else None, delta=False, calls=calls))
         if out.echo is not None:   # the prompt before the answer, and vLLM's prompt_logprobs
-            head, entries = out.echo.head(i)
             if out.echo.echo:
+                head, entries = out.echo.head(i)
                 choices[i]["text"] = head + choices[i]["text"]
                 choices[i]["logprobs"] = out.logprobs(entries + sampled[i]) if want_logprobs else None
             if out.echo.vllm is not None:

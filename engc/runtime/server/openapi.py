@@ -1,0 +1,86 @@
+"""The OpenAPI document (/openapi.json): FastAPI's, with every response the server gives declared, so
+generated clients and API fuzzers (schemathesis) agree with the server.
+
+FastAPI declares a 422 for request validation; engc answers 400 (the APIs it serves do), in OpenAI's error
+shape, or Anthropic's on /v1/messages and for clients that send anthropic-version (app.from_anthropic_client).
+Request bodies and /v1/models/{model_id} name the one model the server serves. Each operation gets the
+errors it can give: 400 (a body it refuses), 404 (a model it does not serve), 413 (a
+body over the limit), 401 (with an API key), 500 (a failure of the server), and the x-request-id header every
+response carries. A streamed answer is text/event-stream; /metrics is Prometheus' text format.
+"""
+from __future__ import annotations
+
+from fastapi.openapi.utils import get_openapi
+
+NULLABLE_STRING = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+ERROR_SCHEMAS = {
+    "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": NULLABLE_STRING, "code": NULLABLE_STRING}}}},
+    "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
+        "type": {"const": "error"},
+        "error": {"type": "object", "required": ["type", "message"],
+                  "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}},
+}
+STREAMED = {"/v1/chat/completions", "/v1/completions", "/v1/messages"}   # "stream": true answers as SSE
+MODEL_ROUTES = {"/v1/models/{model_id}"}
+REQUEST_ID = {"x-request-id": {"description": "The request's id: the client's x-request-id if it sent a short "
+                                              "printable one, else one the server made (written in its log)",
+                               "schema": {"type": "string"}}}
+ERRORS = {400: "The request is refused: the message says why (the param names the field)",
+          401: "Missing or invalid API key",
+          404: "The model is not the one this server serves",
+          413: "The request body is over the server's limit (engc run --max-body-bytes)",
+          500: "The server failed; the message holds the request id its log names"}
+
+
+def document(app, model_name: str, api_key: str | None) -> dict:
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(unused, None)
+    schemas.update(ERROR_SCHEMAS)
+    served = {"type": "string", "enum": [model_name], "description": "The model this server serves (another: 404)"}
+    for schema in schemas.values():   # the request bodies name the model
+        if "model" in schema.get("properties", {}):
+            schema["properties"]["model"] = served
+    for path, operations in doc["paths"].items():
+        for method, operation in operations.items():
+            operation["responses"] = _responses(path, method, operation, api_key is not None)
+            for parameter in operation.get("parameters", []):
+                if parameter["name"] == "model_id":
+                    parameter["schema"] = served
+            if api_key and path != "/health":
+                operation["security"] = [{"bearer": []}, {"x-api-key": []}]
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+    return doc
+
+
+def _responses(path: str, method: str, operation: dict, keyed: bool) -> dict:
+    ok = operation["responses"].get("200", {"description": "Successful Response"})
+    if path == "/metrics":
+        ok = {"description": "The metrics in Prometheus' text format",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}
+    elif path in STREAMED:
+        ok["content"]["text/event-stream"] = {"schema": {"type": "string"},
+                                              "description": 'With "stream": true, server-sent events'}
+    out = {"200": dict(ok, headers=REQUEST_ID)}
+    statuses = [500]
+    if method == "post":
+        statuses += [400, 404, 413]
+    if path in MODEL_ROUTES:
+        statuses.append(404)
+    if keyed and path != "/health":
+        statuses.append(401)
+    if path.startswith("/v1/messages"):
+        shape = {"$ref": "#/components/schemas/AnthropicError"}
+    else:
+        shape = {"anyOf": [{"$ref": "#/components/schemas/OpenAIError"},
+                           {"$ref": "#/components/schemas/AnthropicError"}]}
+    for status in sorted(set(statuses)):
+        out[str(status)] = {"description": ERRORS[status], "headers": REQUEST_ID,
+                            "content": {"application/json": {"schema": shape}}}
+    return out
