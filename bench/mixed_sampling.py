@@ -9,7 +9,7 @@ Per shape and batch B (random-weight checkpoint and bundle as bench/gpu_bench.py
 row asking for logprobs, one with repetition and frequency penalties, and one JSON row (json_schema: an
 object of one string), then plain again. The random checkpoints' tokens are words 't<id>' (no JSON
 punctuation), so the JSON masks read a vocabulary of as many texts whose first 95 are the printable ASCII
-characters (only the masks read it). Prints tok/s and ms a token after the first (the comparable figure:
+characters (only the masks read it; its last id stands for the end of a sequence). Prints tok/s and ms a token after the first (the comparable figure:
 later runs reuse the same prompts, so their tok/s gain prefix-cache hits); JSON under --out.
 """
 from __future__ import annotations
@@ -44,6 +44,7 @@ def timed_run(engine, ids_list, last, out_len: int) -> tuple[float, float]:
 
 
 def special_rows() -> list[tuple[str, object]]:
+    from engc.runtime import constrained
     from engc.runtime.sampling import SamplingParams
     base = dict(max_tokens=128, ignore_eos=True, temperature=0)
     # an object whose one string value takes every 't<id>' text: the row runs its 128 tokens (under a bare
@@ -51,18 +52,19 @@ def special_rows() -> list[tuple[str, object]]:
     schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
     return [("plain", None), ("logprobs", SamplingParams(**base, logprobs=1)),
             ("penalty", SamplingParams(**base, repetition_penalty=1.1, frequency_penalty=0.2)),
-            ("json", SamplingParams(**base, json_schema=schema)), ("plain_again", None)]
+            ("json", SamplingParams(**base, grammar=constrained.json_schema(schema))), ("plain_again", None)]
 
 
 def bench_shape(shape: str, batches: list[int], args) -> list[dict]:
     import torch
     from engc.runtime.engine import Engine, EngineConfig
-    from engc.runtime.constrained.json_mode import JsonVocab
+    from engc.runtime import constrained
     from engc.runtime.loader import load
     bundle = shapes.plain_bundle(shape, args.work, args.cache)
     vocab = shapes.model_config(shape).vocab_size
     engine = Engine(load(bundle, device="cuda"), EngineConfig(max_num_seqs=256, max_batched_tokens=8192))
-    engine.__dict__["json_vocab"] = JsonVocab([chr(32 + i) if i < 95 else f"t{i}" for i in range(vocab)])
+    texts = [chr(32 + i) if i < 95 else f"t{i}" for i in range(vocab)]
+    engine.__dict__["grammar_vocab"] = constrained.vocab_of_tokens([t.encode() for t in texts], eos=vocab - 1)
     rows, results = special_rows(), []
     for b in batches:
         ids = shapes.prompts(b, 128, vocab, 7)

@@ -64,16 +64,6 @@ class Tokenizer:
             text = self._pieces[token] = self.tok.decode([token], skip_special_tokens=True)
         return text
 
-    def token_texts(self) -> list[str]:
-        """Each token's text as it reads inside a sequence ("" for special tokens): decoded after an anchor
-        token and cut after the anchor's text, since decoders drop a lone token's leading space."""
-        anchor = self.tok.token_to_id("a")
-        if anchor is None:
-            return self.tok.decode_batch([[i] for i in range(self.vocab_size)])
-        head = len(self.tok.decode([anchor]))
-        texts = self.tok.decode_batch([[anchor, i] for i in range(self.vocab_size)])
-        return [t[head:] for t in texts]
-
     @property
     def reads_tools(self) -> bool:
         """Whether the chat template uses a `tools` variable (it then also writes tool calls and results)."""

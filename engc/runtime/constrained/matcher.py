@@ -8,6 +8,7 @@ logits' device as they are (a 128k vocabulary is 16 KB a row, not 128 KB of bool
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Callable
 
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer, TokenizerWrapper
@@ -25,14 +26,16 @@ def vocab_of(tokenizer, width: int) -> LLTokenizer:
     return LLTokenizer(tokenizer.tok.to_str(), n_vocab=max(width, tokenizer.vocab_size), eos_token=eos)
 
 
-def vocab_of_tokens(tokens: list[bytes], eos: int, special: tuple[int, ...] = ()) -> LLTokenizer:
+def vocab_of_tokens(tokens: list[bytes], eos: int, special: tuple[int, ...] = (),
+                    encode: Callable[[bytes], list[int]] | None = None) -> LLTokenizer:
     """A vocabulary from each id's bytes (benches and tests that have no tokenizer.json): eos and special are
-    ids whose bytes are no text. Strings llguidance tokenizes itself are split greedily, longest token first."""
+    ids whose bytes are no text. encode tokenizes text as the model would; where the grammar forces bytes,
+    their tokens are encode's (default: greedily, longest token first)."""
     ids = {t: i for i, t in enumerate(tokens) if i != eos and i not in special and t}
     longest = max(map(len, ids))
 
-    def encode(text) -> list[int]:
-        data, out, at = text.encode() if isinstance(text, str) else text, [], 0
+    def greedy(data: bytes) -> list[int]:
+        out, at = [], 0
         while at < len(data):
             size = next(n for n in range(min(longest, len(data) - at), 0, -1) if data[at:at + n] in ids)
             out.append(ids[data[at:at + size]])
@@ -41,7 +44,10 @@ def vocab_of_tokens(tokens: list[bytes], eos: int, special: tuple[int, ...] = ()
 
     class Source:   # what llguidance.TokenizerWrapper reads
         eos_token_id, bos_token_id, special_token_ids = eos, None, sorted({eos, *special})
-        __call__ = staticmethod(encode)
+
+        @staticmethod
+        def __call__(text) -> list[int]:
+            return (encode or greedy)(text.encode() if isinstance(text, str) else text)
     Source.tokens = tokens
     return LLTokenizer(TokenizerWrapper(Source()))
 
