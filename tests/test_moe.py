@@ -166,6 +166,47 @@ def test_router_bias_is_refused(tiny_dir, tmp_path):
         build(str(src), tmp_path / "b", BuildOptions())
 
 
+# ---- engc quantize --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family,fused", [("qwen3_moe", False), ("qwen2_moe", False), ("mixtral", True)],
+                         ids=["qwen3_moe", "qwen2_moe-shared-expert-and-dense-layer", "mixtral-fused-experts"])
+def test_quantize_rtn_quantizes_each_expert_and_builds(family, fused, tiny_dir, tmp_path):
+    """engc quantize --method rtn writes one int4 projection per expert (from fused experts too), engc build
+    stacks them for the MoE op, and the bundle decodes as HF's float model of the dequantized weights (the
+    unpacking in test_quant_e2e, written from the GPTQ format independently of engc's)."""
+    from safetensors.torch import load_file, save_file
+    from test_quant_e2e import dequant_gptq
+    from engc.compiler.quantize import QuantOptions
+    from engc.compiler.quantize.stream import quantize_checkpoint
+    src = _fuse_experts(tiny_dir(family), tmp_path / "fused", family) if fused else tiny_dir(family)
+    quantize_checkpoint(str(src), tmp_path / "q", QuantOptions(method="rtn", group_size=32))
+    tensors = {}
+    for f in sorted((tmp_path / "q").glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    experts = {k for k in tensors if ".experts." in k}
+    assert experts and all(k.endswith(("qweight", "qzeros", "scales", "g_idx")) for k in experts)
+    assert not any("shared_expert" in k and k.endswith("qweight") for k in tensors)   # kept float
+    build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())
+    # the oracle: the dequantized weights as a float checkpoint of the same family
+    state = {k: v.float() for k, v in tensors.items() if not k.endswith(("qweight", "qzeros", "scales", "g_idx"))}
+    for name in [k[:-len("qweight")] for k in tensors if k.endswith("qweight")]:
+        state[name + "weight"] = dequant_gptq(tensors, name).contiguous()
+    oracle = tmp_path / "oracle"
+    oracle.mkdir()
+    save_file(state, str(oracle / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "q/config.json").read_text())
+    cfg.pop("quantization_config")
+    (oracle / "config.json").write_text(json.dumps(cfg))
+    _assert_matches_hf(tmp_path / "b", oracle, PROMPT_IDS)
+
+
+def test_quantize_refuses_calibrated_methods_for_moe(tiny_dir, tmp_path):
+    from engc.compiler.quantize import QuantOptions
+    from engc.compiler.quantize.stream import quantize_checkpoint
+    with pytest.raises(UserError, match="rtn only"):
+        quantize_checkpoint(str(tiny_dir("qwen3_moe")), tmp_path / "q", QuantOptions(method="gptq", group_size=32))
+
+
 def test_what_moe_lacks_is_refused_in_one_line(tiny_dir, tmp_path):
     from test_cli import assert_one_line_error, engc
     # the tiny OLMoE's k projection (2 kv heads) is narrower than the hidden size its GPU RMSNorm is built for
@@ -174,8 +215,10 @@ def test_what_moe_lacks_is_refused_in_one_line(tiny_dir, tmp_path):
     assert not (tmp_path / "b").exists()
     assert_one_line_error(engc("build", tiny_dir("mixtral"), "-o", tmp_path / "b", "--quant", "fp8"),
                           "fp8", "expert")
-    assert_one_line_error(engc("quantize", tiny_dir("olmoe"), "--method", "rtn", "-o", tmp_path / "q"),
-                          "mixture-of-experts", "olmoe")
+    r = engc("quantize", tiny_dir("qwen3_moe"), "--method", "rtn", "--group-size", "32", "-o", tmp_path / "q")
+    assert r.returncode == 0, r.stderr
+    assert_one_line_error(engc("build", tmp_path / "q", "-o", tmp_path / "b", "--arch", "sm80"),
+                          "int4 experts", "sm80")
 
 
 # ---- GGUF -------------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
         if opts.archs != ("cpu",):
             check_gpu_support(cfg, [a for a in opts.archs if a != "cpu"])
         if cfg.num_experts:
-            check_moe_build(cfg, ckpt.hf_config, fp8, [a for a in opts.archs if a != "cpu"])
+            check_moe_build(cfg, ckpt.hf_config, fp8, [a for a in opts.archs if a != "cpu"], graph)
         for p in passes:
             graph = p(graph)
         graph.validate()

@@ -73,16 +73,18 @@ def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: i
                             "biases are not computed)")
     fused = f"model.layers.{layer}.mlp.experts."
     gate, up, down = ex.gate_up_down
+    per = [f"{block}experts.{e}." for e in range(counts["num_experts"])]
+    int4 = {}
     if ckpt.has(fused + "gate_up_proj"):   # transformers 5's layout (Mixtral's block renamed to mlp there)
+        _check_present(ckpt, fused + "down_proj")
         router_name = f"model.layers.{layer}.mlp.gate.weight"
         g.weights[p + "experts.gate_up"] = lambda: ckpt.get(fused + "gate_up_proj").to(dtype).contiguous()
         g.weights[p + "experts.down"] = lambda: ckpt.get(fused + "down_proj").to(dtype).contiguous()
-        _check_present(ckpt, fused + "down_proj")
+    elif ckpt.has(f"{per[0]}{gate}.qweight"):   # an int4 checkpoint (engc quantize's, AutoAWQ's, GPTQ's)
+        router_name = block + "gate.weight"
+        int4 = _int4_experts(g, ckpt, per, ex.gate_up_down, p, dtype, weight.quant_config)
     else:
-        per = [f"{block}experts.{e}." for e in range(counts["num_experts"])]
         for e in per:
-            if ckpt.has(e + f"{gate}.qweight"):
-                raise UserError("int4 (AWQ/GPTQ) expert weights are not supported yet: build the float checkpoint")
             for n in (gate, up, down):
                 _check_present(ckpt, f"{e}{n}.weight")
         router_name = block + "gate.weight"
@@ -94,6 +96,9 @@ def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: i
     shared = counts["shared_expert_intermediate_size"] > 0
     if shared:
         se = f"model.layers.{layer}.mlp.shared_expert."
+        if ckpt.has(se + "gate_proj.qweight"):
+            raise UserError("an int4 shared expert is not supported (engc quantize keeps it float): "
+                            f"'{se}gate_proj' is quantized")
         for n in ("gate_proj", "up_proj", "down_proj"):
             _check_present(ckpt, f"{se}{n}.weight")
         g.weights[p + "shared.gate_up"] = lambda: torch.cat(
@@ -101,18 +106,51 @@ def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: i
         inputs += [p + "shared.gate_up", weight(p + "shared.down", se + "down_proj.weight"),
                    weight(p + "shared.gate", f"model.layers.{layer}.mlp.shared_expert_gate.weight")]
     renormalize = hf.get(ex.renormalize, False) if isinstance(ex.renormalize, str) else ex.renormalize
-    return g.add("MoE", inputs, p + "moe", num_experts=counts["num_experts"],
+    return g.add("MoE", inputs + int4.get("inputs", []), p + "moe", num_experts=counts["num_experts"],
                  top_k=counts["num_experts_per_tok"], softmax_first=True, renormalize=bool(renormalize),
-                 has_shared_expert=shared)
+                 has_shared_expert=shared, **({"group_size": int4["group_size"]} if int4 else {}))
 
 
-def check_moe_build(cfg, hf: dict, fp8: bool, gpu_archs: list[str]) -> None:
+def _int4_experts(g: Graph, ckpt, per: list[str], names: tuple, p: str, dtype: torch.dtype, qc: dict) -> dict:
+    """int4 experts (frontend/quantized.py gives each expert projection in the engc int4 layout), stacked:
+    qweight [E, N, K / 8] as the float path's gate_up / down, their scales [E, N, K / g] (model dtype) and
+    zeros [E, N, K / g] (uint8) as the node's last four inputs."""
+    group = int(qc.get("group_size", 128))
+    if group <= 0:
+        raise UserError("int4 experts quantized per channel (group_size -1) are not supported")
+    for e in per:
+        for n in names:
+            for key in ("qweight", "scales", "zeros"):
+                _check_present(ckpt, f"{e}{n}.{key}")
+            if ckpt.has(f"{e}{n}.perm"):
+                raise UserError(f"int4 experts with act-order (desc_act) are not supported: '{e}{n}' has g_idx")
+    gate, up, down = names
+
+    def stacked(projections: tuple, key: str, cast: bool):
+        def load():
+            t = torch.stack([torch.cat([ckpt.get(f"{e}{n}.{key}") for n in projections]) for e in per])
+            return (t.to(dtype) if cast else t).contiguous()
+        return load
+
+    for part, projections in (("gate_up", (gate, up)), ("down", (down,))):
+        g.weights[f"{p}experts.{part}"] = stacked(projections, "qweight", False)
+        g.weights[f"{p}experts.{part}.scales"] = stacked(projections, "scales", True)
+        g.weights[f"{p}experts.{part}.zeros"] = stacked(projections, "zeros", False)
+    return {"group_size": group, "inputs": [f"{p}experts.{part}.{key}" for part in ("gate_up", "down")
+                                           for key in ("scales", "zeros")]}
+
+
+def check_moe_build(cfg, hf: dict, fp8: bool, gpu_archs: list[str], graph: Graph) -> None:
     """What a bundle of an MoE model would lack, refused in one line: fp8 experts (the MoE op takes the model
-    dtype), and on a GPU OLMoE's q/k norm where a projection is narrower than the hidden size (the RMSNorm
-    kernel is specialized on the hidden size; OLMoE's released shapes have q and k that wide)."""
+    dtype), and on a GPU int4 experts (no grouped int4 kernel yet) and OLMoE's q/k norm where a projection is
+    narrower than the hidden size (the RMSNorm kernel is specialized on the hidden size; OLMoE's released
+    shapes have q and k that wide)."""
     from engc.compiler.frontend.families import family_of
     if fp8:
         raise UserError(f"{cfg.family}: --quant fp8 does not cover expert weights yet; build without --quant")
+    if gpu_archs and any(n.op == "MoE" and n.attrs.get("group_size") for n in graph.nodes):
+        raise UserError(f"{cfg.family}: int4 experts have no GPU kernel yet; build with --arch cpu, not "
+                        f"{','.join(gpu_archs)}")
     if gpu_archs and family_of(hf).qk_norm_projection and \
             (cfg.q_size, cfg.kv_size) != (cfg.hidden_size, cfg.hidden_size):
         raise UserError(f"{cfg.family}: q/k norm over projections {cfg.q_size} and {cfg.kv_size} wide, not the "

@@ -22,6 +22,7 @@ from engc.compiler.frontend.families import family_of
 from engc.compiler.frontend.rope import inv_freq
 from engc.compiler.quantize.awq import awq_layer
 from engc.compiler.quantize.calibration import calibration_samples
+from engc.compiler.quantize.experts import moe_linears
 from engc.compiler.quantize.formats import to_awq, to_gptq
 from engc.compiler.quantize.gptq import Hessian, gptq_quantize
 from engc.compiler.quantize.head import quantize_head
@@ -49,10 +50,11 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
     ckpt = read_source(src)
     refuse_quantized(ckpt)
     cfg = resolve_config(ckpt.hf_config)
-    if cfg.num_experts:  # layer.py's decoder layer has a dense MLP only, and the int4 layout no expert stacks
-        raise UserError(f"{ckpt.name}: engc quantize does not quantize mixture-of-experts models "
-                        f"({cfg.family}) yet; engc build takes the float checkpoint")
-    if not llama_block(cfg, family_of(ckpt.hf_config)):   # layer.py's block is Llama's, under Llama's names
+    if cfg.num_experts and opts.method != "rtn":   # experts.py says why
+        raise UserError(f"{ckpt.name}: engc quantize quantizes mixture-of-experts models ({cfg.family}) with "
+                        f"--method rtn only, not {opts.method}, so far")
+    # layer.py's block is Llama's, under Llama's names (RTN of an MoE layer runs no block: it reads weights)
+    if not cfg.num_experts and not llama_block(cfg, family_of(ckpt.hf_config)):
         raise UserError(f"{ckpt.name}: engc quantize does not quantize {cfg.family} models yet (its decoder "
                         "layer is Llama's); engc build takes the float checkpoint")
     check_shapes(cfg, opts.group_size, opts.lm_head)
@@ -117,8 +119,9 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions):
             dtypes[n[len(prefix):]], weights[n[len(prefix):]] = t.dtype, t.float()
             del t
     nbytes = sum(t.numel() * 4 for t in weights.values())
+    linears = moe_linears(ckpt.hf_config, i, weights, dtypes) or LINEARS   # an MoE layer's: each expert's too
     layer = DecoderLayer(cfg, weights, rope)
-    missing = [n for n in LINEARS if n + ".weight" not in layer.w]
+    missing = [n for n in linears if n + ".weight" not in layer.w]
     if missing:
         raise UserError(f"checkpoint {ckpt.name} is missing tensor '{prefix}{missing[0]}.weight'")
     pack = pack_of(opts)
@@ -130,7 +133,7 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions):
             if opts.method == "awq":
                 awq_layer(layer, x, opts.group_size, opts.awq_grid)
             packed = {}
-            for n in LINEARS:  # packed as it goes: never all seven uint8 copies at once
+            for n in linears:  # packed as it goes: never all seven uint8 copies at once
                 # popped: the float weight is freed once quantized, before its dequantized copy exists
                 qw = quantize_rtn(layer.w.pop(n + ".weight"), opts.group_size)
                 packed[n] = pack(qw)
@@ -140,7 +143,7 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions):
         if x is not None:
             x = batched(layer.forward, x)
     for key, t in layer.w.items():  # norms and biases, AWQ's folded scales included
-        if key.rsplit(".", 1)[0] not in LINEARS or key.endswith(".bias"):
+        if key.rsplit(".", 1)[0] not in linears or key.endswith(".bias"):
             tensors[prefix + key] = t.to(dtypes[key]).contiguous()
     for n, parts in packed.items():
         for key, t in parts.items():
@@ -189,7 +192,8 @@ def check_shapes(cfg, group_size: int, lm_head: bool = False) -> None:
     """A group size need not divide the widths (the last group is then short, see rtn.pad_groups);
     packing needs multiples of 8."""
     for what, dim in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
-                      ("num_heads * head_dim", cfg.q_size), ("num_kv_heads * head_dim", cfg.kv_size)):
+                      ("num_heads * head_dim", cfg.q_size), ("num_kv_heads * head_dim", cfg.kv_size),
+                      ("moe_intermediate_size", cfg.moe_intermediate_size)):
         if dim % 8:
             raise UserError(f"{what} {dim} is not a multiple of 8, which packing int4 weights needs")
     if lm_head and cfg.vocab_size % 8:

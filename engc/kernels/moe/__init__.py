@@ -1,14 +1,18 @@
 """A mixture-of-experts MLP: route each token to its top-k experts, run their SiLU GLUs, sum them weighted.
 
-ONNX: ai.engc::MoE(x, router, gate_up, down[, shared_gate_up, shared_down, shared_gate]) -> y
+ONNX: ai.engc::MoE(x, router, gate_up, down[, shared_gate_up, shared_down, shared_gate]
+                   [, gate_up_scales, gate_up_zeros, down_scales, down_zeros]) -> y
   x [T, H]; router [E, H]; gate_up [E, 2I, H] (each expert's gate rows, then its up rows); down [E, H, I];
   the optional shared expert (Qwen2-MoE): shared_gate_up [2S, H], shared_down [H, S], shared_gate [1, H].
+  int4 experts (group_size > 0): gate_up and down are stacks of the engc int4 layout (kernels/int4_linear),
+  qweight [E, 2I, H / 8] and [E, H, I / 8], their scales and zeros [E, N, K / group_size] at the end.
 Attributes (the routing variant; one op serves every family):
   top_k              experts per token
   softmax_first      1: softmax over all E router logits, then top-k of the probabilities (Mixtral, Qwen-MoE,
                      OLMoE); 0: top-k of the logits, then softmax over those k (renormalized by construction)
   renormalize        1: the k weights are divided by their sum (Mixtral; norm_topk_prob)
   has_shared_expert  1: add sigmoid(x @ shared_gate.T) * the shared expert's SiLU GLU of x
+  group_size         int4 experts' quantization group (0: float experts)
 y excludes the residual: the decoder adds it in the next norm, as it does for a dense MLP.
 
 Ties between router scores go as torch.topk breaks them, which is what HF transformers calls: the
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from engc.kernels.int4_linear.layout import dequantize
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, softmax_first: int = 1,
@@ -41,10 +47,10 @@ def glu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Ten
     return F.linear(F.silu(gate) * up, down)
 
 
-def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-        shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-        shared_gate: torch.Tensor | None = None, *, top_k: int, softmax_first: int = 1,
-        renormalize: int = 0, has_shared_expert: int = 0, **_) -> torch.Tensor:
+def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *rest: torch.Tensor,
+        top_k: int, softmax_first: int = 1, renormalize: int = 0, has_shared_expert: int = 0,
+        group_size: int = 0, **_) -> torch.Tensor:
+    shared, rest = (rest[:3], rest[3:]) if has_shared_expert else ((), rest)
     weights, ids = route(x, router, top_k, softmax_first, renormalize)
     weights = weights.to(x.dtype)
     out = torch.zeros_like(x)
@@ -52,9 +58,15 @@ def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torc
     # HF's eager experts loop adds them in, so float32 sums round alike
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
-        y = glu(x[token], gate_up[e], down[e]) * weights[token, slot, None]
+        if group_size:   # int4 experts: each used one dequantized as QLinear's reference does
+            w_gate_up, w_down = (dequantize(gate_up[e], rest[0][e], rest[1][e], group_size).to(x.dtype),
+                                 dequantize(down[e], rest[2][e], rest[3][e], group_size).to(x.dtype))
+        else:
+            w_gate_up, w_down = gate_up[e], down[e]
+        y = glu(x[token], w_gate_up, w_down) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     if has_shared_expert:
+        shared_gate_up, shared_down, shared_gate = shared
         out = out + torch.sigmoid(F.linear(x, shared_gate)) * glu(x, shared_gate_up, shared_down)
     return out
 
@@ -124,11 +136,12 @@ def launch_combine(pairs, shared, shared_weight, out, consts):
 
 def forward(run, x, router, gate_up, down, shared_gate_up=None, shared_down=None, shared_gate=None, *,
             top_k: int, consts: dict, softmax_first: int = 1, renormalize: int = 0, has_shared_expert: int = 0,
-            **_) -> torch.Tensor:
+            group_size: int = 0, **_) -> torch.Tensor:
     """The MoE node on the GPU: run(launches) runs each launch rule's output (the runtime's BundleKernels, or
     the interpreter in the tests). Up to consts['gate_up_decode']['max_pairs'] (token, expert) pairs take the decode
     variants, which skip the sort; more are sorted by expert and padded to BLOCK_M for the grouped GEMMs.
     The shared expert is a dense SiLU GLU on every token: its GEMMs are torch's (cuBLAS)."""
+    assert not group_size, "int4 experts have no GPU kernels: engc build refuses such a GPU bundle"
     t, e = x.shape[0], gate_up.shape[0]
     out = torch.empty_like(x)
     if t == 0:
