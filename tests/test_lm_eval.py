@@ -44,6 +44,7 @@ def lm_eval():
 @pytest.fixture(scope="module")
 def hf():
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")   # transformers reads the GGUF file with it
     from engc.compiler.frontend.default_model import default_gguf_path
     path = default_gguf_path()
     return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
@@ -65,7 +66,6 @@ def test_lm_eval_loglikelihoods_equal_hf(default_bundle, lm_eval, hf, tmp_path):
         (tmp_path / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ntest_split: test\n"
                                                f"dataset_kwargs:\n  data_files:\n    test: {DATA / FILES[name]}\n"
                                                + textwrap.dedent(body))
-    torch.set_num_threads(2)
     with LiveServer(default_bundle, EngineConfig(num_blocks=128), model_name="smollm2") as s:
         lm = LocalCompletionsAPI(base_url=s.url + "/v1/completions", model="smollm2", tokenizer_backend="huggingface",
                                  tokenizer=str(default_bundle / "tokenizer"), max_retries=1, timeout=300)
