@@ -1,14 +1,20 @@
 """engc quantize of a mixture-of-experts layer: the attention projections and each expert's three, one by one
-in the layer's stream (RTN); the router, the norms and the shared expert stay float.
+in the layer's stream; the router, the norms and the shared expert stay float.
 
-AWQ and GPTQ need each expert's own calibration inputs (the tokens routed to it) run through the layer's
-MoE, which the plain-torch layer (layer.py) does not compute yet: they are refused for MoE models.
+RTN reads the weights alone. GPTQ quantizes each expert from the calibration tokens the router sends it
+(gptq_experts), and the next layer's input comes through the quantized MoE (MoeMlp, the MoE op's math on
+the layer's weights). AWQ's scale search over a layer's MLP input has no single input to search for
+experts that each see other tokens: it is refused for MoE models.
 """
 from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
 
 from engc.compiler.frontend.families import family_of
 from engc.compiler.frontend.moe import is_moe_layer
 from engc.compiler.quantize.layer import LINEARS
+from engc.kernels.moe import route
 
 ATTENTION = LINEARS[:4]
 
@@ -37,3 +43,68 @@ def moe_linears(hf: dict, layer: int, weights: dict, dtypes: dict) -> tuple[str,
             dtypes[f"{ex.block}.gate.weight"] = dtypes["mlp.gate.weight"]
     experts = sorted({int(k.split(".")[2]) for k in weights if k.startswith(f"{ex.block}.experts.")})
     return ATTENTION + tuple(f"{ex.block}.experts.{e}.{n}" for e in experts for n in (gate, up, down))
+
+
+class MoeMlp:
+    """An MoE layer's MLP over the layer's weight dict (per-expert names, as moe_linears leaves them): the
+    MoE op's routing and its experts' SiLU GLUs, one expert at a time (nothing stacked, so no second copy of
+    the layer's experts), plus the float shared expert behind its sigmoid gate."""
+
+    def __init__(self, hf: dict, linears: tuple[str, ...]):
+        family = family_of(hf)
+        ex = family.experts
+        self.block = ex.block
+        self.experts = [linears[i:i + 3] for i in range(len(ATTENTION), len(linears), 3)]   # (gate, up, down)
+        self.top_k = hf["num_experts_per_tok"]
+        self.renormalize = int(bool(hf.get(ex.renormalize, False) if isinstance(ex.renormalize, str)
+                                    else ex.renormalize))
+
+    def routed(self, layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [N, H] -> (weights [N, k], ids [N, k]) as the MoE op routes."""
+        return route(h, layer.w[f"{self.block}.gate.weight"], self.top_k, 1, self.renormalize)
+
+    def __call__(self, layer, h: torch.Tensor) -> torch.Tensor:
+        shape, h = h.shape, h.reshape(-1, h.shape[-1])
+        weights, ids = self.routed(layer, h)
+        out = torch.zeros_like(h)
+        for e, (gate, up, down) in enumerate(self.experts):
+            token, slot = torch.where(ids == e)
+            if token.numel():
+                act = F.silu(layer.linear(h[token], gate)) * layer.linear(h[token], up)
+                out.index_add_(0, token, layer.linear(act, down) * weights[token, slot, None])
+        if "mlp.shared_expert_gate.weight" in layer.w:
+            se = "mlp.shared_expert."
+            act = F.silu(layer.linear(h, se + "gate_proj")) * layer.linear(h, se + "up_proj")
+            out += torch.sigmoid(layer.linear(h, "mlp.shared_expert_gate")) * layer.linear(act, se + "down_proj")
+        return out.reshape(shape)
+
+
+def gptq_experts(layer, x: torch.Tensor, opts, pack) -> dict:
+    """GPTQ of each expert from the calibration tokens routed to it, after the attention's stages: gate and up
+    from those tokens' normed hidden states, then down from the GLU of the quantized gate and up. An expert no
+    calibration token reaches has no Hessian to work from: it gets RTN."""
+    from engc.compiler.quantize.gptq import Hessian, gptq_quantize
+    from engc.compiler.quantize.layer import batched
+    from engc.compiler.quantize.rtn import quantize_rtn
+    moe = layer.moe
+    h = batched(lambda xs: layer.mlp_in(xs + layer.attention(layer.attn_in(xs))), x).reshape(-1, x.shape[-1])
+    _, ids = moe.routed(layer, h)
+    packed = {}
+
+    def quantize(name: str, inputs: torch.Tensor) -> None:
+        w = layer.w[name + ".weight"]
+        if inputs.shape[0]:
+            hessian = Hessian(w.shape[1])
+            hessian.add(inputs)
+            qw = gptq_quantize(w, hessian.H, opts.group_size, opts.damp, opts.act_order)
+        else:
+            qw = quantize_rtn(w, opts.group_size)
+        packed[name] = pack(qw)
+        layer.w[name + ".weight"] = qw.dequantize()   # the down stage and the next layer see it quantized
+
+    for e, (gate, up, down) in enumerate(moe.experts):
+        rows = h[(ids == e).any(dim=-1)]
+        quantize(gate, rows)
+        quantize(up, rows)
+        quantize(down, F.silu(layer.linear(rows, gate)) * layer.linear(rows, up))
+    return packed

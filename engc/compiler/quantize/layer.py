@@ -20,6 +20,7 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 class DecoderLayer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor):
         self.cfg, self.w, self.inv_freq = cfg, weights, inv_freq
+        self.moe = None   # an MoE layer's MLP in place of the dense one (quantize/experts.py: MoeMlp)
         self._rotary: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -71,6 +72,8 @@ class DecoderLayer:
         return F.silu(self.linear(h, "mlp.gate_proj")) * self.linear(h, "mlp.up_proj")
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(self, h)
         return self.linear(self.mlp_act(h), "mlp.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from engc.compiler.frontend.families import family_of
 from engc.compiler.frontend.rope import inv_freq
 from engc.compiler.quantize.awq import awq_layer
 from engc.compiler.quantize.calibration import calibration_samples
-from engc.compiler.quantize.experts import moe_linears
+from engc.compiler.quantize.experts import MoeMlp, gptq_experts, moe_linears
 from engc.compiler.quantize.formats import to_awq, to_gptq
 from engc.compiler.quantize.gptq import Hessian, gptq_quantize
 from engc.compiler.quantize.head import quantize_head
@@ -50,9 +50,10 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
     ckpt = read_source(src)
     refuse_quantized(ckpt)
     cfg = resolve_config(ckpt.hf_config)
-    if cfg.num_experts and opts.method != "rtn":   # experts.py says why
-        raise UserError(f"{ckpt.name}: engc quantize quantizes mixture-of-experts models ({cfg.family}) with "
-                        f"--method rtn only, not {opts.method}, so far")
+    if cfg.num_experts and (opts.method == "awq" or (opts.method == "gptq" and qk_norm_projection(ckpt))):
+        # experts.py says why AWQ; layer.py's attention norms q and k per head, not OLMoE's whole projections
+        raise UserError(f"{ckpt.name}: engc quantize quantizes {cfg.family} models with --method "
+                        f"{'rtn or gptq' if opts.method == 'awq' else 'rtn'}, not {opts.method}, so far")
     # layer.py's block is Llama's, under Llama's names (RTN of an MoE layer runs no block: it reads weights)
     if not cfg.num_experts and not llama_block(cfg, family_of(ckpt.hf_config)):
         raise UserError(f"{ckpt.name}: engc quantize does not quantize {cfg.family} models yet (its decoder "
@@ -121,13 +122,17 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions):
     nbytes = sum(t.numel() * 4 for t in weights.values())
     linears = moe_linears(ckpt.hf_config, i, weights, dtypes) or LINEARS   # an MoE layer's: each expert's too
     layer = DecoderLayer(cfg, weights, rope)
+    if linears is not LINEARS:
+        layer.moe = MoeMlp(ckpt.hf_config, linears)
     missing = [n for n in linears if n + ".weight" not in layer.w]
     if missing:
         raise UserError(f"checkpoint {ckpt.name} is missing tensor '{prefix}{missing[0]}.weight'")
     pack = pack_of(opts)
     tensors = {}
     with torch.no_grad():
-        if opts.method == "gptq":
+        if opts.method == "gptq" and layer.moe is not None:   # attention's stages, then expert by expert
+            packed = {**gptq_layer(layer, x, opts, pack, GPTQ_STAGES[:2]), **gptq_experts(layer, x, opts, pack)}
+        elif opts.method == "gptq":
             packed = gptq_layer(layer, x, opts, pack)
         else:
             if opts.method == "awq":
@@ -151,13 +156,17 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions):
     return tensors, x, nbytes
 
 
+def qk_norm_projection(ckpt: Checkpoint) -> bool:
+    return family_of(ckpt.hf_config).qk_norm_projection
+
+
 def pack_of(opts: QuantOptions):
     return to_awq if opts.format == "awq" else to_gptq
 
 
-def gptq_layer(layer: DecoderLayer, x: torch.Tensor, opts: QuantOptions, pack) -> dict:
+def gptq_layer(layer: DecoderLayer, x: torch.Tensor, opts: QuantOptions, pack, stages=GPTQ_STAGES) -> dict:
     packed = {}
-    for names, input_of in GPTQ_STAGES:
+    for names, input_of in stages:
         width = layer.w[names[0] + ".weight"].shape[1]
         hessian = Hessian(width)
         for rows in range(0, x.shape[0], 8):  # activations a few sequences at a time
