@@ -246,9 +246,13 @@ def test_a_byte_level_vocabulary_writes_keys_and_values_outside_ascii():
     assert completes(g, '{"名前":"東京"}', masks=True)
 
 
-def test_the_same_schema_compiles_once():
+def test_the_same_schema_compiles_once_and_each_sequence_gets_its_own_matcher():
     a = constrained.json_schema(json.loads(json.dumps(PERSON)))
     assert a is constrained.json_schema(PERSON) and a is not constrained.json_schema(TREE)
+    matchers = constrained.Matchers(vocab())
+    first, second = matchers.constraint(a), matchers.constraint(constrained.json_schema(PERSON))
+    assert matchers.built.cache_info().misses == 1
+    assert first.take(ord("{")) is None and not first.allowed()[ord("{")] and second.allowed()[ord("{")]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -13,7 +13,7 @@ from functools import cached_property
 
 from llguidance import LLTokenizer
 
-from engc.runtime.constrained import check, constraint_for, vocab_of
+from engc.runtime.constrained import Matchers, constraint_for, vocab_of
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import LoadedModel
 from engc.runtime.output import OutputProcessor, StepOutput
@@ -56,14 +56,20 @@ class Engine:
         """The vocabulary constraints mask (llguidance's), made at the first constrained request."""
         return vocab_of(self.model.tokenizer, self.model.config.vocab_size)
 
+    @cached_property
+    def matchers(self) -> Matchers:
+        """Requests' grammars compiled over grammar_vocab (built when a request is checked)."""
+        return Matchers(self.grammar_vocab)
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError with a one-line reason if the engine would refuse this request.
 
-        Reads only fixed state, so the server calls it from any thread before queueing a request.
+        Reads only fixed state (and compiles the request's grammar, kept for add_request), so the server calls
+        it from any thread before queueing a request, and a slow grammar is compiled there, not between steps.
         """
         params.validate()
         if params.grammar is not None:
-            check(params.grammar, self.grammar_vocab)   # a special token it names is not there: a ValueError
+            self.matchers.built(params.grammar)   # a special token it names is not there: a ValueError
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.max_context:
@@ -77,7 +83,7 @@ class Engine:
                     request_id: str | None = None, session_id: str | None = None) -> Sequence:
         self.check_request(prompt_ids, params)
         seq = Sequence(list(prompt_ids), params, priority, session_id=session_id)
-        seq.constraint = constraint_for(params, lambda: self.grammar_vocab)
+        seq.constraint = constraint_for(params, lambda: self.matchers)
         if request_id is not None:
             seq.request_id = request_id
         self.sequences[seq.request_id] = seq

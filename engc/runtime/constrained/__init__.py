@@ -6,21 +6,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from llguidance import LLTokenizer
-
 from engc.runtime.constrained.grammars import (Grammar, GrammarError, choice, grammar, json_object, json_schema,
                                                regex, tool_calls)
-from engc.runtime.constrained.matcher import (Constraint, check, fill_masks, mask_words, unpack, vocab_of,
+from engc.runtime.constrained.matcher import (Constraint, Matchers, fill_masks, mask_words, unpack, vocab_of,
                                               vocab_of_tokens)
 
 if TYPE_CHECKING:
     from engc.runtime.sampling import SamplingParams
 
-__all__ = ["Constraint", "Grammar", "GrammarError", "check", "choice", "constraint_for", "fill_masks", "grammar",
+__all__ = ["Constraint", "Grammar", "GrammarError", "Matchers", "choice", "constraint_for", "fill_masks", "grammar",
            "json_object", "json_schema", "mask_words", "regex", "tool_calls", "unpack", "vocab_of",
            "vocab_of_tokens"]
 
 
-def constraint_for(params: SamplingParams, vocab: Callable[[], LLTokenizer]) -> Constraint | None:
-    """The constraint a request's sampling parameters ask for, or None; vocab is called only when one does."""
-    return Constraint(vocab(), params.grammar) if params.grammar is not None else None
+def constraint_for(params: SamplingParams, matchers: Callable[[], Matchers]) -> Constraint | None:
+    """The constraint a request's sampling parameters ask for, or None; matchers is called only when one does."""
+    return matchers().constraint(params.grammar) if params.grammar is not None else None

@@ -63,6 +63,8 @@ def json_schema(schema, strict: bool = True) -> Grammar:
             schema = json.loads(schema)
         except ValueError as e:
             raise GrammarError(f"the schema is not JSON: {e}") from None
+        except RecursionError:
+            raise GrammarError("the schema is nested too deeply") from None
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("the schema must be a JSON object")
     return _checked("json_schema", _schema_text(_json_text(_closed(schema)), strict))
