@@ -167,12 +167,44 @@ def test_unsupported_variant_refused(qwen2_src, tmp_path, change, message):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("family,lack", [("gemma2", "soft-capping"), ("gemma3_text", "GELU-tanh")])
-def test_gpu_build_refused(family, lack, tiny_dir, tmp_path):
+def test_gpu_build_refused_without_softcap_kernels(tiny_dir, tmp_path):
     """No GPU bundle that would compute another model: the build names what the kernels lack."""
-    with pytest.raises(UserError, match=lack):
-        build(str(tiny_dir(family)), tmp_path / "b", BuildOptions(archs=("sm90",)))
+    with pytest.raises(UserError, match="attention logit soft-capping"):
+        build(str(tiny_dir("gemma2")), tmp_path / "b", BuildOptions(archs=("sm90",)))
     assert not (tmp_path / "b").exists()
+
+
+def test_gemma3_gpu_bundle_has_its_kernels(tiny_dir, tmp_path):
+    """A bfloat16 Gemma 3 bundle for sm90 (built with no GPU) carries the GELU-tanh GLU and the (1 + weight)
+    norm kernels its program's nodes need."""
+    from engc.bundle.program import parse_program
+    from engc.bundle.reader import open_bundle
+    build(str(tiny_dir("gemma3_text")), tmp_path / "b", BuildOptions(archs=("cpu", "sm90"), dtype="bfloat16"))
+    bundle = open_bundle(tmp_path / "b")
+    kernels = {(k["op"], k["variant"]) for k in bundle.manifest["kernels"]}
+    assert {("gelu_tanh_mul", "default"), ("unit_offset_norm", "rms_norm"), ("unit_offset_norm", "add_rms_norm"),
+            ("unit_offset_norm", "qk_norm")} <= kernels
+    ops = {n.op for n in parse_program(bundle.read(bundle.manifest["program"])).nodes}
+    assert {"GeluTanhMul", "RMSNormUnitOffset", "AddRMSNormUnitOffset", "QKNormUnitOffset"} <= ops
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "internlm3"])
+def test_gpu_greedy_matches_cpu(family, tiny_dir, qwen2_src, tmp_path):
+    """On a GPU: the float32 bundle's greedy tokens on the GPU (CUDA graphs on and off) are the CPU's."""
+    from test_gpu import greedy, gpu_ready, sm_arch
+    if not gpu_ready():
+        pytest.skip("needs engc._native")
+    src = tiny_dir(family) if family != "internlm3" else qwen2_src
+    if family == "internlm3":
+        cfg = json.loads((qwen2_src / "config.json").read_text())
+        cfg.update(model_type="internlm3", qkv_bias=True, bias=False)
+        _relaid(qwen2_src, tmp_path / "src", cfg, lambda t: t)
+        src = tmp_path / "src"
+    build(str(src), tmp_path / "b", BuildOptions(archs=("cpu", sm_arch()), dtype="float32"))
+    cpu = greedy(tmp_path / "b", "cpu")
+    assert greedy(tmp_path / "b", "cuda") == cpu
+    assert greedy(tmp_path / "b", "cuda", graphs=False) == cpu
 
 
 @pytest.mark.parametrize("family", ["gemma2", "phi3"])
@@ -307,3 +339,24 @@ def test_bfloat16_matches_hf(family, tiny_dir, tmp_path):
         theirs, their_logits = hf_cached_greedy(hf, ids, 16)
         assert ours == theirs, text
         assert float((our_logits - their_logits).abs().max()) < one_ulp(their_logits)
+
+
+def test_gelu_tanh_mul_compiles_for_gpus(tiny_dir):
+    """Gemma's GLU kernel is in a Gemma build's specs (and in no Llama one's), compiles for sm80 and sm90 with
+    no GPU, and its launch rule passes the kernel's runtime parameters."""
+    from engc.compiler.codegen.aot import compile_spec
+    from engc.compiler.codegen.specs import model_specs
+    from engc.compiler.frontend.decoder import resolve_config
+    from engc.kernels import gelu_tanh_mul
+    gemma = resolve_config(json.loads((tiny_dir("gemma3_text") / "config.json").read_text()))
+    llama = resolve_config(json.loads((tiny_dir("llama") / "config.json").read_text()))
+    assert not [s for s in model_specs(llama, torch.bfloat16, "sm90", 16) if s.op == "gelu_tanh_mul"]
+    for arch in ("sm80", "sm90"):
+        (spec,) = [s for s in model_specs(gemma, torch.bfloat16, arch, 16) if s.op == "gelu_tanh_mul"]
+        cubin, ptx, meta = compile_spec(spec)
+        assert cubin[:4] == b"\x7fELF" and f".entry {meta['name']}(" in ptx
+        (variant, grid, args), = gelu_tanh_mul.launch(torch.empty(3, 2 * gemma.intermediate_size),
+                                                      torch.empty(3, gemma.intermediate_size),
+                                                      {"default": spec.launch})
+        assert variant == spec.variant and grid[0] == 3
+        assert len(args) - 2 == len([t for t in spec.signature().values() if t != "constexpr"])

@@ -35,7 +35,8 @@ CASES = ["rms_norm_fp32", "rms_norm_bf16", "silu_mul_fp32", "silu_mul_bf16", "qk
          "rotary_decode_int8_bf16", "rotary_decode_fp8_fp32", "rotary_decode_early_kv1_gqa_d64_fp32",
          "rotary_decode_early_kv2_one_split_bf16", "rotary_decode_early_kv1_window_fp32",
          "rotary_decode_early_kv2_int8_bf16", "decode_reduce_early_kv2_graph_sized_fp32",
-         "attention_mixed_early_kv1_fp32", "sampling_fp32",
+         "attention_mixed_early_kv1_fp32", "gelu_tanh_mul_fp32", "gelu_tanh_mul_bf16", "attention_d256_fp32",
+         "attention_d256_window_bf16", "unit_offset_norm_fp32", "unit_offset_norm_bf16", "rotary_d256_bf16", "rotary_decode_d256_window_bf16", "sampling_fp32",
          "sampling_bf16", "argmax_fp32", "argmax_bf16", "argmax_small_vocab_fp32"]
 
 
@@ -47,7 +48,8 @@ def test_kernel_matches_reference(report, case):
 
 def test_op_contracts_do_not_import_triton():
     code = ("import sys; import engc.kernels.rms_norm, engc.kernels.silu_mul, engc.kernels.qk_norm, "
-            "engc.kernels.rotary, engc.kernels.paged_attention, engc.kernels.sampling, engc.kernels.argmax; "
+            "engc.kernels.rotary, engc.kernels.paged_attention, engc.kernels.sampling, engc.kernels.argmax, "
+            "engc.kernels.gelu_tanh_mul, engc.kernels.unit_offset_norm, engc.kernels.logit_softcap; "
             "assert 'triton' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
@@ -129,6 +131,43 @@ def check_rms_norm(dtype):
     return max(e1, e2, _rel(out, y_ref), exact)
 
 
+def check_gelu_tanh_mul(dtype):
+    import torch
+    from engc.kernels import gelu_tanh_mul as op
+    specs = _specs(_cfg(hidden_act="gelu_pytorch_tanh"), dtype)["gelu_tanh_mul"]
+    gu = 3 * torch.randn(5, 3000, dtype=dtype)    # wide enough to reach tanh's saturated ends
+    out = torch.full((5, 1500), float("nan"), dtype=dtype)
+    _run(specs, op.launch(gu, out, consts=_consts(specs)))
+    return _rel(out, op.gelu_tanh_mul(gu))
+
+
+def check_unit_offset_norm(dtype):
+    """Gemma's (1 + weight) norm, residual-add norm (in place) and q/k norm at head_dim 256 (in place, and
+    into another buffer with v copied)."""
+    import torch
+    from engc.compiler.codegen.kernel_spec import TRITON_DTYPE
+    from engc.kernels import unit_offset_norm as op
+    from engc.kernels.unit_offset_norm.specs import unit_offset_norm_specs
+    cfg = _cfg(hidden_size=200, num_heads=4, num_kv_heads=2, head_dim=256, norm_unit_offset=True)
+    specs = {s.variant: s for s in unit_offset_norm_specs(cfg, TRITON_DTYPE[dtype], "sm90")}
+    x, r, w = torch.randn(7, 200, dtype=dtype), torch.randn(7, 200, dtype=dtype), 0.3 * torch.randn(200, dtype=dtype)
+    out = torch.full_like(x, float("nan"))
+    _run(specs, op.launch(x, w, 1e-6, out))
+    errs = [_rel(out, op.rms_norm_unit_offset(x, w, 1e-6))]
+    y_ref, s_ref = op.add_rms_norm_unit_offset(x, r, w, 1e-6)
+    out, res = torch.full_like(x, float("nan")), r.clone()
+    _run(specs, op.launch(x, w, 1e-6, out, residual=res))
+    errs += [_rel(out, y_ref), _rel(res, s_ref)]
+    qkv = torch.randn(5, (4 + 4) * 256, dtype=dtype)
+    qw, kw = 0.3 * torch.randn(256, dtype=dtype), 0.3 * torch.randn(256, dtype=dtype)
+    ref = op.qk_norm_unit_offset(qkv, qw, kw, 4, 2, 256, 1e-6)
+    out = torch.full_like(qkv, float("nan"))
+    _run(specs, op.launch_qk(qkv, qw, kw, 1e-6, out))
+    inplace = qkv.clone()
+    _run(specs, op.launch_qk(inplace, qw, kw, 1e-6, inplace))
+    return max(*errs, _rel(out, ref), _rel(inplace, ref))
+
+
 def check_silu_mul(dtype):
     import torch
     from engc.kernels import silu_mul as op
@@ -154,10 +193,10 @@ def check_qk_norm(dtype):
     return max(_rel(out, ref), _rel(inplace, ref))
 
 
-def check_rotary(dtype, idx_dtype):
+def check_rotary(dtype, idx_dtype, D=32):
     import torch
     from engc.kernels import rotary as op
-    H, KV, D, page = 6, 2, 32, 4
+    H, KV, page = 6, 2, 4
     cfg = _cfg(num_heads=H, num_kv_heads=KV, head_dim=D)
     specs = _specs(cfg, dtype, page)["rotary"]
     T = 9
@@ -388,6 +427,19 @@ def main():
         "rms_norm_fp32": (lambda: check_rms_norm(f32), tol[f32]),
         "rms_norm_bf16": (lambda: check_rms_norm(bf16), tol[bf16]),
         "silu_mul_fp32": (lambda: check_silu_mul(f32), tol[f32]),
+        "gelu_tanh_mul_fp32": (lambda: check_gelu_tanh_mul(f32), tol[f32]),
+        "unit_offset_norm_fp32": (lambda: check_unit_offset_norm(f32), tol[f32]),
+        "unit_offset_norm_bf16": (lambda: check_unit_offset_norm(bf16), tol[bf16]),
+        "gelu_tanh_mul_bf16": (lambda: check_gelu_tanh_mul(bf16), tol[bf16]),
+        # Gemma's head_dim (256): prefill, extend and decode rows; a local layer's window in bf16
+        "attention_d256_fp32": (lambda: check_attention(f32, mixed, H=4, KV=2, D=256, overrides=small_tiles),
+                                attn_tol[f32]),
+        "attention_d256_window_bf16": (lambda: check_attention(bf16, [(40, 40), (70, 1), (33, 3)], H=2, KV=1,
+                                                               D=256, window=16, overrides=small_tiles),
+                                       attn_tol[bf16]),
+        "rotary_d256_bf16": (lambda: check_rotary(bf16, torch.int64, D=256), tol[bf16]),
+        "rotary_decode_d256_window_bf16": (lambda: check_rotary_decode(bf16, [45, 7], H=4, KV=2, D=256, window=16),
+                                           attn_tol[bf16]),
         "silu_mul_bf16": (lambda: check_silu_mul(bf16), tol[bf16]),
         "qk_norm_fp32": (lambda: check_qk_norm(f32), tol[f32]),
         "qk_norm_bf16": (lambda: check_qk_norm(bf16), tol[bf16]),
