@@ -202,3 +202,13 @@ def test_405_names_the_allowed_methods_and_the_document_declares_the_errors(srv)
     assert "text/event-stream" in paths["/v1/completions"]["post"]["responses"]["200"]["content"]
     assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert "422" not in json.dumps(doc) or "HTTPValidationError" not in json.dumps(doc)
+
+
+def test_a_top_p_below_float32s_range_samples_the_likeliest_token(srv):
+    """top_p 1e-300 is 0 in float32: the host sampler kept no token and the step failed (a 500 for every
+    request in it). The likeliest token always stays, so it answers as greedy does."""
+    body = {"model": "tiny", "prompt": "Paris is", "max_tokens": 4}
+    greedy = httpx.post(srv.url + "/v1/completions", json=dict(body, temperature=0)).json()["choices"][0]["text"]
+    for top_p in (1e-300, 5e-324):
+        r = httpx.post(srv.url + "/v1/completions", json=dict(body, top_p=top_p, seed=1))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy, r.text

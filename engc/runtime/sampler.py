@@ -256,8 +256,10 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        # drop a token once the mass before it already reaches top_p; the first token always stays
+        # drop a token once the mass before it already reaches top_p; the first token always stays, also
+        # where top_p is below float32's smallest number (1e-300 compares as 0, which would drop them all)
         drop = (cum - torch.softmax(sorted_logits, -1)) >= top_p
+        drop[0] = False
         logits = logits.clone()
         logits[order[drop]] = float("-inf")
     return logits

@@ -23,11 +23,30 @@ ERROR_SCHEMAS = {
         "error": {"type": "object", "required": ["type", "message"],
                   "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}},
 }
+SSE_EVENT = {"description": 'With "stream": true, server-sent events (the schema is one event\'s): each data a JSON '
+                             "chunk, or [DONE] last on the OpenAI routes; Anthropic's named by their event",
+             "type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 STREAMED = {"/v1/chat/completions", "/v1/completions", "/v1/messages"}   # "stream": true answers as SSE
 MODEL_ROUTES = {"/v1/models/{model_id}"}
 REQUEST_ID = {"x-request-id": {"description": "The request's id: the client's x-request-id if it sent a short "
                                               "printable one, else one the server made (written in its log)",
                                "schema": {"type": "string"}}}
+# What the routes refuse that the request models' types do not say, by schema and field, per JSON type (applied
+# through anyOf branches and array items): declared so that clients and fuzzers send what the server takes.
+VOCAB = object()   # stands for the model's largest token id
+REFINED = {
+    ("ChatCompletionRequest", "messages"): {"array": {"minItems": 1}},
+    ("ChatCompletionRequest", "max_completion_tokens"): {"integer": {"minimum": 1}},
+    ("CompletionRequest", "prompt"): {"string": {"minLength": 1}, "array": {"minItems": 1},
+                                      "integer": {"minimum": 0, "maximum": VOCAB}},
+    ("CompletionRequest", "max_tokens"): {"integer": {"minimum": 0}},
+    ("MessagesRequest", "messages"): {"array": {"minItems": 1}},
+    ("MessagesRequest", "max_tokens"): {"integer": {"minimum": 1}},
+    ("CountTokensRequest", "messages"): {"array": {"minItems": 1}},
+    **{(model, field): {"array": {"minItems": 1}} for model in ("ChatCompletionRequest", "CompletionRequest")
+       for field in ("guided_choice",)},
+}
 ERRORS = {400: "The request is refused: the message says why (the param names the field)",
           401: "Missing or invalid API key",
           404: "The model is not the one this server serves",
@@ -35,7 +54,7 @@ ERRORS = {400: "The request is refused: the message says why (the param names th
           500: "The server failed; the message holds the request id its log names"}
 
 
-def document(app, model_name: str, api_key: str | None) -> dict:
+def document(app, model_name: str, vocab_size: int, api_key: str | None) -> dict:
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
@@ -45,6 +64,11 @@ def document(app, model_name: str, api_key: str | None) -> dict:
     for schema in schemas.values():   # the request bodies name the model
         if "model" in schema.get("properties", {}):
             schema["properties"]["model"] = served
+    for (name, field), facts in REFINED.items():
+        prop = schemas.get(name, {}).get("properties", {}).get(field)
+        if prop is not None:
+            _refine(prop, {kind: {k: vocab_size - 1 if v is VOCAB else v for k, v in c.items()}
+                           for kind, c in facts.items()})
     for path, operations in doc["paths"].items():
         for method, operation in operations.items():
             operation["responses"] = _responses(path, method, operation, api_key is not None)
@@ -59,14 +83,21 @@ def document(app, model_name: str, api_key: str | None) -> dict:
     return doc
 
 
+def _refine(schema: dict, facts: dict[str, dict]) -> None:
+    for branch in schema.get("anyOf", []):
+        _refine(branch, facts)
+    schema.update(facts.get(schema.get("type"), {}))
+    if isinstance(schema.get("items"), dict):
+        _refine(schema["items"], facts)
+
+
 def _responses(path: str, method: str, operation: dict, keyed: bool) -> dict:
     ok = operation["responses"].get("200", {"description": "Successful Response"})
     if path == "/metrics":
         ok = {"description": "The metrics in Prometheus' text format",
               "content": {"text/plain": {"schema": {"type": "string"}}}}
     elif path in STREAMED:
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string"},
-                                              "description": 'With "stream": true, server-sent events'}
+        ok["content"]["text/event-stream"] = {"schema": SSE_EVENT}
     out = {"200": dict(ok, headers=REQUEST_ID)}
     statuses = [500]
     if method == "post":
