@@ -100,16 +100,14 @@ def tool_calls(call_schema: dict, triggers: tuple[str, ...] = ()) -> Grammar:
     that writes `<tool_call>`): the text may reach a trigger anywhere, the call's value follows (after a few
     blanks) and the text goes on after it. Without: the answer is either text that does not open with `{`
     or `[`, or a call value (one call, or a list of them) that is the whole answer."""
-    value = "%json " + _json_text(_closed({**call_schema, "x-guidance": _json_options(True)}))
     if triggers:
         marks = " | ".join(json.dumps(t) for t in triggers)
         lark = (f"start: call* TEXT\nTEXT: /(.|\\n)*/\nhead[lazy]: TEXT ({marks})\n"
-                f"call: head LEAD? {value}\nLEAD: {LEAD_BLANKS}\n")
+                f"call: head LEAD? {_embedded(call_schema)}\nLEAD: {LEAD_BLANKS}\n")
     else:
         listed = {"anyOf": [call_schema, {"type": "array", "items": call_schema, "minItems": 1}]}
-        value = "%json " + _json_text(_closed({**listed, "x-guidance": _json_options(True)}))
         lark = ("start: TEXT | LEAD? call\nTEXT: /[\\x20\\x09\\r\\n]*([^\\x20\\x09\\r\\n{\\[](.|\\n)*)?/\n"
-                f"LEAD: {LEAD_BLANKS}\ncall: {value}\n")
+                f"LEAD: {LEAD_BLANKS}\ncall: {_embedded(listed)}\n")
     return _checked("tool_calls", LLMatcher.grammar_from_lark(lark))
 
 
@@ -118,6 +116,11 @@ def tool_calls(call_schema: dict, triggers: tuple[str, ...] = ()) -> Grammar:
 def _json_options(strict: bool) -> dict:
     return {"whitespace_pattern": WHITESPACE, "coerce_one_of": True, "lenient": not strict,
             "json_allow_general_unicode_escapes": True}
+
+
+def _embedded(schema: dict) -> str:
+    """A schema inside a Lark grammar, with JSON mode's options (strict)."""
+    return "%json " + _json_text(_closed({**schema, "x-guidance": _json_options(True)}))
 
 
 def _schema_text(schema_text: str, strict: bool) -> str:
