@@ -205,8 +205,8 @@ def test_405_names_the_allowed_methods_and_the_document_declares_the_errors(srv)
 
 
 def test_a_top_p_below_float32s_range_samples_the_likeliest_token(srv):
-    """top_p 1e-300 is 0 in float32: the host sampler kept no token and the step failed (a 500 for every
-    request in it). The likeliest token always stays, so it answers as greedy does."""
+    """top_p 1e-300 is 0 in float32, where every token's preceding mass reaches it; the likeliest token
+    always stays, so it answers as greedy does (and the step, with every request in it, goes on)."""
     body = {"model": "tiny", "prompt": "Paris is", "max_tokens": 4}
     greedy = httpx.post(srv.url + "/v1/completions", json=dict(body, temperature=0)).json()["choices"][0]["text"]
     for top_p in (1e-300, 5e-324):
