@@ -60,25 +60,27 @@ class Matchers:
 
     def __init__(self, vocab: LLTokenizer):
         self.vocab = vocab
-        self.built = lru_cache(maxsize=self.CACHED)(self._build)
-
-    def _build(self, grammar: Grammar) -> LLMatcher:
-        """GrammarError where the grammar cannot run on this vocabulary (a special token it names is not there)."""
-        matcher = LLMatcher(self.vocab, grammar.text, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(_one_line(matcher.get_error(), keep_position=grammar.kind == "grammar"))
-        return matcher
+        self.built = lru_cache(maxsize=self.CACHED)(lambda grammar: matcher_of(vocab, grammar))
 
     def constraint(self, grammar: Grammar) -> Constraint:
         return Constraint(self.vocab, grammar, self.built(grammar).deep_copy())
+
+
+def matcher_of(vocab: LLTokenizer, grammar: Grammar) -> LLMatcher:
+    """The grammar compiled over the vocabulary; GrammarError where it cannot run there (a special token it
+    names is not in the vocabulary)."""
+    matcher = LLMatcher(vocab, grammar.text, log_level=0)
+    if matcher.is_error():
+        raise GrammarError(_one_line(matcher.get_error(), keep_position=grammar.kind == "grammar"))
+    return matcher
 
 
 class Constraint:
     """One sequence's grammar: the mask of its next token, advanced by each token it takes."""
 
     def __init__(self, vocab: LLTokenizer, grammar: Grammar, matcher: LLMatcher | None = None):
-        """matcher: the grammar's own, fresh (Matchers gives copies of a compiled one), else built here."""
-        self.matcher = matcher if matcher is not None else Matchers(vocab)._build(grammar)
+        """matcher: the grammar's own, fresh (Matchers gives copies of a compiled one), else compiled here."""
+        self.matcher = matcher if matcher is not None else matcher_of(vocab, grammar)
         self.size = vocab.vocab_size
 
     def allowed(self) -> torch.Tensor:
