@@ -212,3 +212,11 @@ def test_a_top_p_below_float32s_range_samples_the_likeliest_token(srv):
     for top_p in (1e-300, 5e-324):
         r = httpx.post(srv.url + "/v1/completions", json=dict(body, top_p=top_p, seed=1))
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy, r.text
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_numbers_json_cannot_hold_are_refused(srv, literal):
+    """Python's JSON parser reads NaN and Infinity (no JSON) and 1e400 as inf: a number field refuses them."""
+    body = '{"model": "tiny", "prompt": "hi", "max_tokens": 2, "repetition_penalty": %s}' % literal
+    r = httpx.post(srv.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text

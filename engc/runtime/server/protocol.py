@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    # allow_inf_nan: JSON has no NaN or Infinity (Python's parser reads them, and 1e400 as inf)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
