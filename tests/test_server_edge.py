@@ -122,6 +122,18 @@ def test_a_body_over_the_limit_is_refused_unread(srv, monkeypatch):
     assert declared < 10, declared   # generous: it is refused unread, in well under a second when idle
 
 
+def test_a_client_that_expects_100_continue_gets_the_413_before_it_sends(srv):
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    conn.putrequest("POST", "/v1/chat/completions")
+    for name, value in (("content-type", "application/json"), ("content-length", str(20_000_000)),
+                        ("expect", "100-continue")):
+        conn.putheader(name, value)
+    conn.endheaders()   # and no body
+    r = conn.getresponse()
+    assert r.status == 413 and "limit" in json.loads(r.read())["error"]["message"]
+    conn.close()
+
+
 def test_tokenizing_runs_off_the_event_loop(tiny_bundle):
     """With the limit raised, a 2 MB message reaches the tokenizer, which runs in a worker thread: /health
     answers while it is held there, then the prompt gets its 400 (longer than the context)."""

@@ -89,9 +89,11 @@ class Edge:
         limit = self.max_body_bytes
         too_big = (413, f"the request body is larger than this server's limit of {limit} bytes "
                         "(engc run --max-body-bytes)")
-        length = dict(scope["headers"]).get(b"content-length", b"")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > limit:
-            if int(length) <= DRAIN_LIMIT:
+            # a client that waits for "100 Continue" (curl does, for large bodies) sends nothing more: answer now
+            if headers.get(b"expect", b"").lower() != b"100-continue" and int(length) <= DRAIN_LIMIT:
                 await _drain(receive, DRAIN_LIMIT)
             return receive, too_big
         chunks, size, more = [], 0, True
