@@ -13,7 +13,6 @@ import httpx
 import pytest
 import torch
 
-from engc.runtime.engine import EngineConfig
 from engc.runtime.server import edge
 from live_server import LiveServer
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import hmac
-import logging
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,8 +26,6 @@ from engc.runtime.async_engine import AsyncEngine
 from engc.runtime.engine import Engine, EngineConfig
 from engc.runtime.sampling import SamplingParams
 from engc.runtime.server.metrics import Metrics
-
-log = logging.getLogger("engc.server")
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
