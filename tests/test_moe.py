@@ -399,3 +399,19 @@ def test_gptq_experts_beat_rtn_on_the_moe_output(tiny_dir):
     want = ref.moe(ref, h)
     err = {name: float((q.moe(q, h) - want).norm() / want.norm()) for name, q in (("rtn", rtn), ("gptq", gptq))}
     assert err["gptq"] < 0.97 * err["rtn"], err
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_bfloat16_bundle_decodes_as_hf_bfloat16(family, tiny_dir, tmp_path):
+    """A bfloat16 MoE bundle on the CPU rounds as transformers' default (grouped) experts do: Mixtral's float32
+    routing weights, the others' cast to bfloat16, the slots summed then rounded once."""
+    from test_bf16_cpu import engine_greedy, hf_greedy, one_ulp
+    from engc.runtime.loader import load
+    build(str(tiny_dir(family)), tmp_path / "b", BuildOptions(dtype="bfloat16"))
+    model = load(tmp_path / "b")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir(family), dtype=torch.bfloat16).eval()
+    for ids in PROMPT_IDS:
+        expected, hf_logits = hf_greedy(hf, ids, 16)
+        tokens, logits = engine_greedy(model, ids, 16)
+        assert tokens == expected
+        assert float((logits - hf_logits).abs().max()) <= one_ulp(hf_logits)

@@ -18,6 +18,9 @@ class Experts:
     shared_expert_key: str | None = None
     # some layers keep a dense MLP (Qwen-MoE's decoder_sparse_step and mlp_only_layers)
     dense_layers: bool = False
+    # each expert's output is weighted by its float32 routing weight (Mixtral), not one cast to the model
+    # dtype first (Qwen-MoE, OLMoE): a bfloat16 model rounds differently
+    float32_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,8 @@ FAMILIES = {
     "qwen2": Family("qwen2", qkv_bias=True, sliding_window_switch="use_sliding_window"),
     "qwen3": Family("qwen3", qk_norm=True, sliding_window_switch="use_sliding_window"),
     "mixtral": Family("mixtral", experts=Experts(intermediate_key="intermediate_size", block="block_sparse_moe",
-                                                 gate_up_down=("w1", "w3", "w2"), renormalize=True)),
+                                                 gate_up_down=("w1", "w3", "w2"), renormalize=True,
+                                                 float32_weights=True)),
     "qwen2_moe": Family("qwen2_moe", qkv_bias=True, sliding_window_switch="use_sliding_window",
                         experts=Experts(shared_expert_key="shared_expert_intermediate_size", dense_layers=True)),
     "qwen3_moe": Family("qwen3_moe", qk_norm=True, sliding_window_switch="use_sliding_window",

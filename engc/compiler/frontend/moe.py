@@ -108,7 +108,8 @@ def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: i
     renormalize = hf.get(ex.renormalize, False) if isinstance(ex.renormalize, str) else ex.renormalize
     return g.add("MoE", inputs + int4.get("inputs", []), p + "moe", num_experts=counts["num_experts"],
                  top_k=counts["num_experts_per_tok"], softmax_first=True, renormalize=bool(renormalize),
-                 has_shared_expert=shared, **({"group_size": int4["group_size"]} if int4 else {}))
+                 has_shared_expert=shared, **({"group_size": int4["group_size"]} if int4 else {}),
+                 **({"float32_weights": True} if ex.float32_weights else {}))
 
 
 def _int4_experts(g: Graph, ckpt, per: list[str], names: tuple, p: str, dtype: torch.dtype, qc: dict) -> dict:

@@ -13,6 +13,8 @@ Attributes (the routing variant; one op serves every family):
   renormalize        1: the k weights are divided by their sum (Mixtral; norm_topk_prob)
   has_shared_expert  1: add sigmoid(x @ shared_gate.T) * the shared expert's SiLU GLU of x
   group_size         int4 experts' quantization group (0: float experts)
+  float32_weights    1: each expert's output times its float32 weight, then rounded (Mixtral); 0: the weights
+                     are cast to the model dtype first (Qwen-MoE, OLMoE). Alike in float32 bundles.
 y excludes the residual: the decoder adds it in the next norm, as it does for a dense MLP.
 
 Ties between router scores go as torch.topk breaks them, which is what HF transformers calls: the
@@ -49,13 +51,14 @@ def glu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Ten
 
 def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *rest: torch.Tensor,
         top_k: int, softmax_first: int = 1, renormalize: int = 0, has_shared_expert: int = 0,
-        group_size: int = 0, **_) -> torch.Tensor:
+        group_size: int = 0, float32_weights: int = 0, **_) -> torch.Tensor:
     shared, rest = (rest[:3], rest[3:]) if has_shared_expert else ((), rest)
     weights, ids = route(x, router, top_k, softmax_first, renormalize)
-    weights = weights.to(x.dtype)
-    out = torch.zeros_like(x)
-    # expert by expert in ascending id, each over the tokens routed to it, summed with index_add_: the order
-    # HF's eager experts loop adds them in, so float32 sums round alike
+    weights = weights if float32_weights else weights.to(x.dtype)
+    # each (token, slot) pair's weighted expert output, then the sum over a token's slots, rounded once: what
+    # transformers' grouped experts (its default) compute, so a bfloat16 bundle rounds as HF does
+    pairs = torch.zeros(*ids.shape, x.shape[1], dtype=torch.promote_types(x.dtype, weights.dtype),
+                        device=x.device)
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
         if group_size:   # int4 experts: each used one dequantized as QLinear's reference does
@@ -63,8 +66,8 @@ def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torc
                                  dequantize(down[e], rest[2][e], rest[3][e], group_size).to(x.dtype))
         else:
             w_gate_up, w_down = gate_up[e], down[e]
-        y = glu(x[token], w_gate_up, w_down) * weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
+        pairs[token, slot] = glu(x[token], w_gate_up, w_down) * weights[token, slot, None]
+    out = pairs.sum(dim=1).to(x.dtype)
     if has_shared_expert:
         shared_gate_up, shared_down, shared_gate = shared
         out = out + torch.sigmoid(F.linear(x, shared_gate)) * glu(x, shared_gate_up, shared_down)
