@@ -34,6 +34,12 @@ def test_moe_kernel_matches_reference(report, case):
     assert report[case]["ok"], report[case]
 
 
+def test_op_contract_does_not_import_triton():
+    import subprocess
+    code = "import sys, engc.kernels.moe, engc.kernels.moe.bind; assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
 def test_specs_only_for_moe_models():
     import torch
     from engc.compiler.codegen.specs import model_specs
