@@ -170,7 +170,6 @@ def check_route(dtype, softmax_first, renormalize, ties=False):
 
 
 def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, softmax_first=1, renormalize=0):
-    import torch
     from engc.kernels import moe as op
     cfg = _cfg(num_experts=experts, num_experts_per_tok=top_k, shared_expert_intermediate_size=shared)
     specs = _specs(cfg, dtype, {"max_pairs": max_pairs, "BLOCK_N": 32, "BLOCK_K": 32})
@@ -192,9 +191,7 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
 def check_binding(dtype):
     """bind.py's GPU op as the executor calls it (the node's inputs and every attribute the frontend writes),
     its kernels run by a stand-in for the runtime's context."""
-    import torch
     from engc.bundle.program import ENGC_DOMAIN
-    from engc.kernels import moe as op
     from engc.kernels.moe import bind
     cfg = _cfg(shared_expert_intermediate_size=24)
     specs = _specs(cfg, dtype, {"BLOCK_N": 32, "BLOCK_K": 32})
