@@ -167,11 +167,14 @@ def test_unsupported_variant_refused(qwen2_src, tmp_path, change, message):
     assert "\n" not in str(e.value)
 
 
-def test_gpu_build_refused_without_softcap_kernels(tiny_dir, tmp_path):
-    """No GPU bundle that would compute another model: the build names what the kernels lack."""
-    with pytest.raises(UserError, match="attention logit soft-capping"):
-        build(str(tiny_dir("gemma2")), tmp_path / "b", BuildOptions(archs=("sm90",)))
-    assert not (tmp_path / "b").exists()
+def test_gemma2_gpu_bundle_caps_attention_in_its_kernels(tiny_dir, tmp_path):
+    """Gemma 2's score cap is a specialization of the attention kernels (SOFTCAP), and no CUDA decode
+    template, which lacks it, is in the bundle."""
+    from engc.bundle.reader import open_bundle
+    build(str(tiny_dir("gemma2")), tmp_path / "b", BuildOptions(archs=("cpu", "sm90"), dtype="bfloat16"))
+    kernels = [k for k in open_bundle(tmp_path / "b").manifest["kernels"] if k["op"] == "paged_attention"]
+    assert {k["variant"] for k in kernels} == {"decode", "decode_rotary", "prefill"}
+    assert all(k["constexprs"]["SOFTCAP"] == 0.5 for k in kernels)
 
 
 def test_gemma3_gpu_bundle_has_its_kernels(tiny_dir, tmp_path):
@@ -189,7 +192,7 @@ def test_gemma3_gpu_bundle_has_its_kernels(tiny_dir, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "internlm3"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "internlm3"])
 def test_gpu_greedy_matches_cpu(family, tiny_dir, qwen2_src, tmp_path):
     """On a GPU: the float32 bundle's greedy tokens on the GPU (CUDA graphs on and off) are the CPU's."""
     from test_gpu import greedy, gpu_ready, sm_arch

@@ -36,7 +36,9 @@ CASES = ["rms_norm_fp32", "rms_norm_bf16", "silu_mul_fp32", "silu_mul_bf16", "qk
          "rotary_decode_early_kv2_one_split_bf16", "rotary_decode_early_kv1_window_fp32",
          "rotary_decode_early_kv2_int8_bf16", "decode_reduce_early_kv2_graph_sized_fp32",
          "attention_mixed_early_kv1_fp32", "gelu_tanh_mul_fp32", "gelu_tanh_mul_bf16", "attention_d256_fp32",
-         "attention_d256_window_bf16", "unit_offset_norm_fp32", "unit_offset_norm_bf16", "rotary_d256_bf16", "rotary_decode_d256_window_bf16", "sampling_fp32",
+         "attention_d256_window_bf16", "unit_offset_norm_fp32", "unit_offset_norm_bf16", "rotary_d256_bf16", "rotary_decode_d256_window_bf16",
+         "attention_softcap_fp32", "attention_softcap_window_bf16", "rotary_decode_softcap_fp32",
+         "rotary_decode_softcap_early_kv_bf16", "sampling_fp32",
          "sampling_bf16", "argmax_fp32", "argmax_bf16", "argmax_small_vocab_fp32"]
 
 
@@ -230,15 +232,15 @@ def _attention_batch(seqs, H, KV, D, page, dtype, gen):
 
 
 def check_attention(dtype, seqs, H=4, KV=2, D=32, page=16, window=0, overrides=None, decode_rows=True,
-                    max_context_len=None):
+                    max_context_len=None, softcap=0.0):
     import torch
     from engc.kernels import paged_attention as op
     gen = torch.Generator().manual_seed(len(seqs) * 1000 + H * 10 + D)
-    cfg = _cfg(num_heads=H, num_kv_heads=KV, head_dim=D)
+    cfg = _cfg(num_heads=H, num_kv_heads=KV, head_dim=D, attn_logit_softcap=softcap)
     specs = _specs(cfg, dtype, page, {"paged_attention": overrides or {}})["paged_attention"]
     q, kv_cache, bt, ctx, qsl = _attention_batch(seqs, H, KV, D, page, dtype, gen)
     scale = D ** -0.5
-    ref = op.paged_attention(q, kv_cache, bt, ctx, qsl, H, KV, D, scale, window)
+    ref = op.paged_attention(q, kv_cache, bt, ctx, qsl, H, KV, D, scale, window, softcap=softcap)
     out = torch.full_like(q, float("nan"))
     launches = op.launch(q, kv_cache, bt, ctx, qsl, out, num_heads=H, num_kv_heads=KV, head_dim=D, scale=scale,
                          sliding_window=window, max_query_len=max(n for _, n in seqs),
@@ -297,13 +299,13 @@ def rotary_decode_batch(contexts, H, KV, D, page, dtype, gen, kv_dtype=None):
 
 
 def check_rotary_decode(dtype, contexts, H, KV, D, page=16, block_n=16, max_context_len=None, window=0,
-                        kv_dtype=None, target_programs=128, early_kv=0):
+                        kv_dtype=None, target_programs=128, early_kv=0, softcap=0.0):
     """decode_rotary (RotaryPagedAttention on a decode step) against the rotary then attention references:
     the outputs of the real rows, and the whole cache (the new k/v written once, the padded row's none)."""
     import torch
     from engc.kernels import paged_attention as op
     gen = torch.Generator().manual_seed(sum(contexts) * 7 + H + D)
-    cfg = _cfg(num_heads=H, num_kv_heads=KV, head_dim=D)
+    cfg = _cfg(num_heads=H, num_kv_heads=KV, head_dim=D, attn_logit_softcap=softcap)
     overrides = {"decode": {"BLOCK_N": block_n, "target_programs": target_programs, "min_split_tokens": block_n,
                             "EARLY_KV": early_kv}}
     specs = _specs(cfg, dtype, page, {"paged_attention": overrides}, kv=kv_dtype)["paged_attention"]
@@ -313,7 +315,7 @@ def check_rotary_decode(dtype, contexts, H, KV, D, page=16, block_n=16, max_cont
     ref_cache = kv_cache.clone()
     ref_scale = None if kv_scale is None else kv_scale.clone()
     ref = op.rotary_paged_attention(qkv, pos, inv_freq, ref_cache, slots, bt, ctx, qsl, H, KV, D, scale, window,
-                                    kv_scale=ref_scale)
+                                    kv_scale=ref_scale, softcap=softcap)
     out = torch.full((qkv.shape[0], H * D), float("nan"), dtype=dtype)
     counters = torch.zeros(64, dtype=torch.int32)
     launches = op.launch_rotary_decode(qkv, pos, inv_freq, kv_cache, slots, bt, ctx, qsl, out, num_heads=H,
@@ -438,6 +440,17 @@ def main():
                                                                D=256, window=16, overrides=small_tiles),
                                        attn_tol[bf16]),
         "rotary_d256_bf16": (lambda: check_rotary(bf16, torch.int64, D=256), tol[bf16]),
+        # Gemma 2's score cap (|score| ~ 1 here, so a cap of 1.5 bends them): prefill, extend and split decode
+        "attention_softcap_fp32": (lambda: check_attention(f32, mixed, softcap=1.5, overrides=small_tiles),
+                                   attn_tol[f32]),
+        "attention_softcap_window_bf16": (lambda: check_attention(bf16, [(40, 40), (70, 1), (33, 3)], D=256,
+                                                                  window=16, softcap=1.5, overrides=small_tiles),
+                                          attn_tol[bf16]),
+        "rotary_decode_softcap_fp32": (lambda: check_rotary_decode(f32, [203, 17], H=8, KV=2, D=128, softcap=1.5),
+                                       attn_tol[f32]),
+        "rotary_decode_softcap_early_kv_bf16": (lambda: check_rotary_decode(bf16, [45, 7], H=4, KV=2, D=64,
+                                                                            softcap=1.5, early_kv=1),
+                                                attn_tol[bf16]),
         "rotary_decode_d256_window_bf16": (lambda: check_rotary_decode(bf16, [45, 7], H=4, KV=2, D=256, window=16),
                                            attn_tol[bf16]),
         "silu_mul_bf16": (lambda: check_silu_mul(bf16), tol[bf16]),

@@ -14,7 +14,6 @@ from engc.bundle.writer import write_bundle
 from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.decoder import lower
 from engc.compiler.frontend.moe import check_moe_build
-from engc.compiler.gpu_support import check_gpu_support
 from engc.compiler.ir import to_onnx
 from engc.compiler.passes import PASSES
 from engc.compiler.passes.fuse_fp8_input_quant import fuse_fp8_input_quant
@@ -94,8 +93,6 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
         cfg, graph = lower(ckpt, DTYPES[dtype_name])
         if fp8 and opts.archs != ("cpu",):
             check_fp8_shapes(cfg)
-        if opts.archs != ("cpu",):
-            check_gpu_support(cfg, [a for a in opts.archs if a != "cpu"])
         if cfg.num_experts:
             check_moe_build(cfg, ckpt.hf_config, fp8, [a for a in opts.archs if a != "cpu"], graph)
         for p in passes:

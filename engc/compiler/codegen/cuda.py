@@ -298,6 +298,9 @@ def selected_specs(triton_specs: list, cfg: ModelConfig) -> tuple[list[CudaKerne
             continue
         if not wanted:
             continue
+        if s.constexprs.get("SOFTCAP"):   # the CUDA templates do not cap scores (Gemma 2)
+            notes.append(f"{s.arch}: the {name} does not soft-cap attention scores; Triton's decode is used")
+            continue
         t = s.arg_types[q_arg][1:]
         if s.arg_types["k_cache_ptr"] != s.arg_types[q_arg]:
             notes.append(f"{s.arch}: the {name} reads only a {t} KV cache; Triton's decode is used")

@@ -25,8 +25,9 @@ def gpu_ops(ctx) -> dict:
         return {}
     facts = ctx.facts
 
+    # softcap (Gemma 2's score cap) is the kernels' SOFTCAP constexpr, compiled in from the model's config
     def attention(q, kv, tables, ctx_lens, starts, kv_scale=None, *, num_heads, num_kv_heads, head_dim, scale,
-                  sliding_window=0):
+                  sliding_window=0, softcap=0.0):
         out = torch.empty_like(q)
         ctx.run("paged_attention", launch(
             q, kv, tables, ctx_lens, starts, out, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -39,7 +40,7 @@ def gpu_ops(ctx) -> dict:
     # One launch on a decode-only step where the bundle has the fused kernel; otherwise the rotary kernel,
     # then attention, as for the unfused pair.
     def rope_attention(qkv, positions, inv_freq, kv, slots, tables, ctx_lens, starts, kv_scale=None, *,
-                       num_heads, num_kv_heads, head_dim, scale, sliding_window=0):
+                       num_heads, num_kv_heads, head_dim, scale, sliding_window=0, softcap=0.0):
         consts = ctx.consts("paged_attention")
         if facts.max_query_len == 1 and fuses_rotary(consts, positions, slots):
             out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)

@@ -19,7 +19,7 @@ def paged_attention_specs(cfg, t: str, arch: str, block_size: int, overrides=Non
     kv_types, kv_consts = kv_quant.kernel_args(t, kv)
     common = {"NUM_HEADS": cfg.num_heads, "NUM_KV_HEADS": cfg.num_kv_heads, "HEAD_DIM": cfg.head_dim,
               "D_PAD": pow2(cfg.head_dim), "GROUP": group, "PAGE": block_size, "DOT_PRECISION": precision,
-              **kv_consts}
+              "SOFTCAP": float(cfg.attn_logit_softcap), **kv_consts}   # Gemma 2's score cap (0.0: none)
     bucket = tune.head_dim_bucket(cfg.head_dim)
     cache = {"q_ptr": f"*{t}", **kv_types, "block_tables_ptr": "*i32",
              "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "out_ptr": f"*{t}"}

@@ -39,12 +39,19 @@ def _load_kv_scales(scale_ptr, block_table_row, pos, valid, kvh, PAGE: tl.conste
 
 
 @triton.jit
-def _scores(q, k, k_scale, qk_scale, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
-    """q k^T * qk_scale for one KV tile; a quantized cache's codes widened, then scaled per token."""
+def _scores(q, k, k_scale, qk_scale, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, SOFTCAP: tl.constexpr):
+    """q k^T * qk_scale for one KV tile; a quantized cache's codes widened, then scaled per token.
+    SOFTCAP (0: none): the scores capped as softcap * tanh(score / softcap) (Gemma 2), in the log2(e) units
+    qk_scale carries, so the cap is SOFTCAP * log2(e) there."""
     if KV_QUANT != 0:
         s = tl.dot(q, tl.trans(_widen(k, q.dtype, KV_QUANT)), input_precision=DOT_PRECISION) * (qk_scale * k_scale[None, :])
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP != 0.0:
+        cap = SOFTCAP * 1.4426950408889634
+        e = tl.exp(-2.0 * tl.abs(s / cap))    # tanh from exp of a non-positive argument: no overflow
+        t = (1.0 - e) / (1.0 + e)
+        s = cap * tl.where(s >= 0, t, -t)
     return s
 
 
@@ -80,7 +87,7 @@ def load_decode_tile(tile, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_
 @triton.jit
 def decode_tile_math(q, acc, m_i, l_i, k, v, k_scale, v_scale, tile, ctx, start, qk_scale, new_k, new_v,
                      new_k_scale, new_v_scale, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     KV_QUANT: tl.constexpr, WITH_NEW: tl.constexpr):
+                     KV_QUANT: tl.constexpr, WITH_NEW: tl.constexpr, SOFTCAP: tl.constexpr):
     """The online-softmax update of one decode KV tile loaded by load_decode_tile. WITH_NEW: the tile may
     hold the step's own token (position ctx - 1), whose k/v (codes and scales for a quantized cache) come
     in registers instead of from the cache. The tile must hold a visible position (else m is -inf: NaN)."""
@@ -93,7 +100,7 @@ def decode_tile_math(q, acc, m_i, l_i, k, v, k_scale, v_scale, tile, ctx, start,
         if KV_QUANT != 0:
             k_scale = tl.where(is_new, new_k_scale, k_scale)
             v_scale = tl.where(is_new, new_v_scale, v_scale)
-    s = _scores(q, k, k_scale, qk_scale, DOT_PRECISION, KV_QUANT)
+    s = _scores(q, k, k_scale, qk_scale, DOT_PRECISION, KV_QUANT, SOFTCAP)
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
@@ -107,19 +114,19 @@ def decode_tile_math(q, acc, m_i, l_i, k, v, k_scale, v_scale, tile, ctx, start,
 def decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row,
                 kvh, d, qk_scale, new_k, new_v, new_k_scale, new_v_scale, PAGE: tl.constexpr,
                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, WITH_NEW: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, WITH_NEW: tl.constexpr, SOFTCAP: tl.constexpr):
     """One KV tile of the online softmax: load_decode_tile, then decode_tile_math."""
     k, v, k_scale, v_scale = load_decode_tile(tile, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                               bt_row, kvh, d, PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, KV_QUANT)
     return decode_tile_math(q, acc, m_i, l_i, k, v, k_scale, v_scale, tile, ctx, start, qk_scale, new_k, new_v,
-                            new_k_scale, new_v_scale, BLOCK_N, DOT_PRECISION, KV_QUANT, WITH_NEW)
+                            new_k_scale, new_v_scale, BLOCK_N, DOT_PRECISION, KV_QUANT, WITH_NEW, SOFTCAP)
 
 
 @triton.jit
 def prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row, kvh, d,
                  q_pos, row_valid, last_pos, qk_scale, sliding_window, PAGE: tl.constexpr,
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr, SOFTCAP: tl.constexpr):
     """One KV tile of the online softmax for a prefill program's rows. MASKED: the tile may hold positions
     some rows must not see (past their own, or outside a sliding window); the others skip the mask."""
     pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -135,7 +142,7 @@ def prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
     else:
         k_scale = 0.0   # unread: a cache of the model's dtype has no scales
         v_scale = 0.0
-    s = _scores(q, k, k_scale, qk_scale, DOT_PRECISION, KV_QUANT)
+    s = _scores(q, k, k_scale, qk_scale, DOT_PRECISION, KV_QUANT, SOFTCAP)
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
         if sliding_window > 0:

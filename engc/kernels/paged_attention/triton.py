@@ -38,7 +38,8 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
                         D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                         GR_PAD: tl.constexpr, RED_SPLITS: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        KV_QUANT: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr):
+                        KV_QUANT: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr,
+                        SOFTCAP: tl.constexpr):
     """EARLY_KV: 1 (and 2) load the context length with the query offsets and the first KV tile before q.
     Unlike paged_decode_rotary_kernel, 2 does not move them before the PDL wait: the kernel before this one
     is the rotary kernel, which writes the new token's K/V into the cache, maybe into that first tile."""
@@ -79,11 +80,12 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
     else:
         first_loaded = lo + 1   # every split left here holds tile lo (split < used)
         acc, m_i, l_i = tiles.decode_tile_math(q, acc, m_i, l_i, k0, v0, k0_scale, v0_scale, lo, ctx, start,
-                                               qk_scale, 0.0, 0.0, 0.0, 0.0, BLOCK_N, DOT_PRECISION, KV_QUANT, False)
+                                               qk_scale, 0.0, 0.0, 0.0, 0.0, BLOCK_N, DOT_PRECISION, KV_QUANT,
+                                               False, SOFTCAP)
     for tile in range(first_loaded, hi):
         acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr,
                                           v_scale_ptr, bt_row, kvh, d, qk_scale, 0.0, 0.0, 0.0, 0.0, PAGE, NUM_KV_HEADS,
-                                          HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT, False)
+                                          HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT, False, SOFTCAP)
     tiles.finish_split(acc, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr, b, kvh, row, split,
                        num_splits, used, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, D_PAD, GROUP, G_PAD, GR_PAD,
                        RED_SPLITS)
@@ -117,7 +119,8 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
                                D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                                GR_PAD: tl.constexpr, RED_SPLITS: tl.constexpr,
                                PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                               KV_QUANT: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr):
+                               KV_QUANT: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr,
+                               SOFTCAP: tl.constexpr):
     """decode fused with the rotary op before it (RotaryPagedAttention on a decode-only step): each program
     rotates its group's q heads from qkv itself; the split holding the new token (the last tile) also
     rotates its KV head's k, writes k and v (quantized for a quantized cache) to the cache slot for later
@@ -218,27 +221,29 @@ def paged_decode_rotary_kernel(qkv_ptr, positions_ptr, inv_freq_ptr, slot_mappin
         for tile in range(lo, hi - owner.to(tl.int32)):
             acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr,
                                               k_scale_ptr, v_scale_ptr, bt_row, kvh, d, qk_scale, 0.0, 0.0, 0.0, 0.0,
-                                              PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT, False)
+                                              PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT,
+                                              False, SOFTCAP)
         if owner:
             acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, hi - 1, ctx, start, k_cache_ptr, v_cache_ptr,
                                               k_scale_ptr, v_scale_ptr, bt_row, kvh, d, qk_scale, new_k, new_v,
                                               new_k_scale, new_v_scale, PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
-                                              DOT_PRECISION, KV_QUANT, True)
+                                              DOT_PRECISION, KV_QUANT, True, SOFTCAP)
     else:
         # the prefetched tile lo first, WITH_NEW whichever tile it is (only the one holding ctx - 1 changes);
         # then the rest as above, the owner's last tile with the new token unless it was tile lo
         acc, m_i, l_i = tiles.decode_tile_math(q, acc, m_i, l_i, k0, v0, k0_scale, v0_scale, lo, ctx, start,
                                                qk_scale, new_k, new_v, new_k_scale, new_v_scale, BLOCK_N,
-                                               DOT_PRECISION, KV_QUANT, True)
+                                               DOT_PRECISION, KV_QUANT, True, SOFTCAP)
         for tile in range(lo + 1, hi - owner.to(tl.int32)):
             acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr,
                                               k_scale_ptr, v_scale_ptr, bt_row, kvh, d, qk_scale, 0.0, 0.0, 0.0, 0.0,
-                                              PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT, False)
+                                              PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT,
+                                              False, SOFTCAP)
         if owner & (hi - 1 > lo):
             acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, hi - 1, ctx, start, k_cache_ptr, v_cache_ptr,
                                               k_scale_ptr, v_scale_ptr, bt_row, kvh, d, qk_scale, new_k, new_v,
                                               new_k_scale, new_v_scale, PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
-                                              DOT_PRECISION, KV_QUANT, True)
+                                              DOT_PRECISION, KV_QUANT, True, SOFTCAP)
     tiles.finish_split(acc, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr, b, kvh, row, split,
                        num_splits, used, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, D_PAD, GROUP, G_PAD, GR_PAD,
                        RED_SPLITS)
@@ -279,7 +284,7 @@ def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         KV_QUANT: tl.constexpr, PDL: tl.constexpr):
+                         KV_QUANT: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr):
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     TOKENS: tl.constexpr = BLOCK_M // GROUP
@@ -320,11 +325,13 @@ def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     for tile in range(0, full_tiles):
         acc, m_i, l_i = tiles.prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                            bt_row, kvh, d, q_pos, row_valid, last_pos, qk_scale, sliding_window,
-                                           PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, False, KV_QUANT)
+                                           PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, False,
+                                           KV_QUANT, SOFTCAP)
     for tile in range(masked_start, tl.cdiv(last_pos + 1, BLOCK_N)):
         acc, m_i, l_i = tiles.prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                            bt_row, kvh, d, q_pos, row_valid, last_pos, qk_scale, sliding_window,
-                                           PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, True, KV_QUANT)
+                                           PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, True,
+                                           KV_QUANT, SOFTCAP)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_i[:, None]
