@@ -19,6 +19,7 @@ from interpreted import interpreted_report
 ROOT = Path(__file__).resolve().parents[1]
 
 CASES = ["route_softmax_fp32", "route_softmax_renorm_fp32", "route_topk_first_fp32", "route_bf16",
+         "route_float32_weights_bf16",
          "route_ties_pick_lower_ids", "decode_fp32", "decode_shared_fp32", "grouped_fp32", "grouped_shared_fp32",
          "grouped_bf16", "decode_bf16", "grouped_many_experts_fp32", "gpu_binding_fp32"]
 
@@ -149,7 +150,7 @@ def _weights(cfg, dtype, seed=0, shared=0):
     return w, r
 
 
-def check_route(dtype, softmax_first, renormalize, ties=False):
+def check_route(dtype, softmax_first, renormalize, ties=False, float32_weights=0):
     import torch
     from engc.kernels import moe as op
     cfg = _cfg(num_experts=10, num_experts_per_tok=3)
@@ -159,14 +160,17 @@ def check_route(dtype, softmax_first, renormalize, ties=False):
     router = torch.zeros_like(w["router"]) if ties else w["router"]
     weights = torch.full((13, 3), float("nan"))
     ids = torch.full((13, 3), -7, dtype=torch.int32)
-    _runner(specs)(op.launch_route(x, router, router, weights, ids, weights, softmax_first, renormalize))
+    _runner(specs)(op.launch_route(x, router, router, weights, ids, weights, softmax_first, renormalize,
+                                   float32_weights))
     if ties:   # every score equal: the kernel takes the lowest expert ids, in order
         ok = (ids == torch.arange(3, dtype=torch.int32)).all() and torch.allclose(weights, torch.full_like(weights, 0.1 if not renormalize else 1 / 3))
         return 0.0 if ok else float("inf")
     ref_w, ref_ids = op.route(x, router, 3, softmax_first, renormalize)
     if not torch.equal(ids.long(), ref_ids):
         return float("inf")
-    return _rel(weights, ref_w.to(dtype))
+    if float32_weights and torch.equal(weights, weights.to(dtype).float()):
+        return float("inf")   # Mixtral's weights must keep float32's bits, not the model dtype's
+    return _rel(weights, ref_w if float32_weights else ref_w.to(dtype))
 
 
 def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, softmax_first=1, renormalize=0):
@@ -232,6 +236,7 @@ def main():
         "route_softmax_renorm_fp32": (lambda: check_route(f32, 1, 1), 1e-6),
         "route_topk_first_fp32": (lambda: check_route(f32, 0, 0), 1e-6),
         "route_bf16": (lambda: check_route(bf16, 1, 1), tol[bf16]),
+        "route_float32_weights_bf16": (lambda: check_route(bf16, 1, 1, float32_weights=1), tol[bf16]),
         "route_ties_pick_lower_ids": (lambda: check_route(f32, 1, 0, ties=True), 0),
         "decode_fp32": (lambda: check_forward(f32, 3), tol[f32]),
         "decode_shared_fp32": (lambda: check_forward(f32, 2, shared=40, renormalize=1), tol[f32]),

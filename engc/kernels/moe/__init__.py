@@ -100,14 +100,16 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
 
 # ---- the GPU path: launch rules, and the order the binding runs them in ---------------------------------
 
-def launch_route(x, router, shared_gate, weights, ids, shared_weight, softmax_first: int, renormalize: int):
+def launch_route(x, router, shared_gate, weights, ids, shared_weight, softmax_first: int, renormalize: int,
+                 float32_weights: int = 0):
     """moe_route_kernel, grid (T,). args: x, router, shared_gate, weights [T, k] f32, ids [T, k] i32,
-    shared_weight [T] f32, softmax_first, renormalize, scratch, scratch. shared_gate and shared_weight are
-    any tensor where the model has no shared expert (the kernel, compiled without it, reads neither)."""
+    shared_weight [T] f32, softmax_first, renormalize, float32_weights, scratch, scratch. shared_gate and
+    shared_weight are any tensor where the model has no shared expert (the kernel, compiled without it,
+    reads neither)."""
     if x.shape[0] == 0:
         return []
     return [("route", (x.shape[0], 1, 1), [x, router, shared_gate, weights, ids, shared_weight,
-                                          int(softmax_first), int(renormalize), 0, 0])]
+                                          int(softmax_first), int(renormalize), int(float32_weights), 0, 0])]
 
 
 def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, decode: bool):
@@ -139,7 +141,7 @@ def launch_combine(pairs, shared, shared_weight, out, consts):
 
 def forward(run, x, router, gate_up, down, shared_gate_up=None, shared_down=None, shared_gate=None, *,
             top_k: int, consts: dict, softmax_first: int = 1, renormalize: int = 0, has_shared_expert: int = 0,
-            group_size: int = 0, **_) -> torch.Tensor:
+            group_size: int = 0, float32_weights: int = 0, **_) -> torch.Tensor:
     """The MoE node on the GPU: run(launches) runs each launch rule's output (the runtime's BundleKernels, or
     the interpreter in the tests). Up to consts['gate_up_decode']['max_pairs'] (token, expert) pairs take the decode
     variants, which skip the sort; more are sorted by expert and padded to BLOCK_M for the grouped GEMMs.
@@ -153,7 +155,7 @@ def forward(run, x, router, gate_up, down, shared_gate_up=None, shared_down=None
     ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
     shared_weight = torch.empty(t if has_shared_expert else 1, dtype=torch.float32, device=x.device)
     run(launch_route(x, router, shared_gate if has_shared_expert else router, weights, ids, shared_weight,
-                     softmax_first, renormalize))
+                     softmax_first, renormalize, float32_weights))
     decode = t * top_k <= consts["gate_up_decode"]["max_pairs"]
     if decode:
         rows = torch.arange(t * top_k, dtype=torch.int32, device=x.device)

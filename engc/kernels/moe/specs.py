@@ -26,7 +26,8 @@ def specs(b: Build) -> list:
     down = {"act_ptr": f"*{t}", "w_ptr": f"*{t}", "rows_ptr": "*i32", "block_expert_ptr": "*i32",
             "weights_ptr": "*fp32", "pairs_ptr": f"*{t}", "num_pairs": "i32"}
     route = {"x_ptr": f"*{t}", "router_ptr": f"*{t}", "shared_gate_ptr": f"*{t}", "weights_ptr": "*fp32",
-             "ids_ptr": "*i32", "shared_weight_ptr": "*fp32", "softmax_first": "i32", "renormalize": "i32"}
+             "ids_ptr": "*i32", "shared_weight_ptr": "*fp32", "softmax_first": "i32", "renormalize": "i32",
+             "float32_weights": "i32"}
     combine = {"pairs_ptr": f"*{t}", "shared_ptr": f"*{t}", "shared_weight_ptr": "*fp32", "out_ptr": f"*{t}"}
     # a float32 bundle's GEMMs in full precision, not TF32 (as paged attention's)
     sizes = {"H": h, "INTER": inter, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32"}

@@ -31,9 +31,11 @@ else:
 
 @triton.jit
 def moe_route_kernel(x_ptr, router_ptr, shared_gate_ptr, weights_ptr, ids_ptr, shared_weight_ptr,
-                     softmax_first, renormalize, H: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr,
-                     E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SHARED: tl.constexpr):
-    # softmax_first and renormalize are the node's attributes (runtime flags: the model config has no routing)
+                     softmax_first, renormalize, float32_weights, H: tl.constexpr, E: tl.constexpr,
+                     TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+                     HAS_SHARED: tl.constexpr):
+    # softmax_first, renormalize and float32_weights are the node's attributes (runtime flags: the model
+    # config has no routing)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     dt = x_ptr.dtype.element_ty
@@ -64,7 +66,8 @@ def moe_route_kernel(x_ptr, router_ptr, shared_gate_ptr, weights_ptr, ids_ptr, s
     q = tl.where(in_k, tl.exp(vals - tl.max(tl.where(in_k, vals, float("-inf")), axis=0)), 0.0)
     renormalized = vals / tl.sum(tl.where(in_k, vals, 0.0), axis=0)
     vals = tl.where(softmax_first == 0, q / tl.sum(q, axis=0), tl.where(renormalize != 0, renormalized, vals))
-    tl.store(weights_ptr + t * TOP_K + slot, vals.to(dt).to(tl.float32), mask=slot < TOP_K)
+    vals = tl.where(float32_weights != 0, vals, vals.to(dt).to(tl.float32))   # Mixtral's stay float32
+    tl.store(weights_ptr + t * TOP_K + slot, vals, mask=slot < TOP_K)
     tl.store(ids_ptr + t * TOP_K + slot, ids, mask=slot < TOP_K)
     if HAS_SHARED:
         g = tl.sum(shared, axis=0).to(dt).to(tl.float32)
