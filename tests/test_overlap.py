@@ -289,14 +289,14 @@ def test_decode_shaped_batch_with_an_unsampled_row_runs_eager(model, monkeypatch
 
 
 def test_decode_form_of_the_program_skips_the_row_gather_and_the_cast(model):
-    """Executor.forward(decode=True), what the graphs run: every row is sampled, so the gather by
-    logits_indices passes its input through and the logits come out before the float32 cast, equal to
-    the plain forward's."""
+    """Executor.forward(decode=True), what the graphs run: the program's decode form (passes/decode_form),
+    every row through the head without the gather by logits_indices and before the float32 cast, equal to
+    the plain forward's when every row is sampled."""
+    from engc.bundle.program import DECODE_OUTPUT
     ex = model.executor
-    cast = ex.program.nodes[-1]
-    assert cast.op == "Cast" and ex.decode_output == cast.inputs[0]
-    assert len(ex.decode_steps) == len(ex.steps) - 1
-    assert sum(step[0].__name__ == "_pass_through" for step in ex.decode_steps) == 1
+    assert ex.program.outputs == ("logits", DECODE_OUTPUT)
+    assert len(ex.decode_steps) == len(ex.steps) - 2
+    assert not any(ins[1:] == ("logits_indices",) for _, ins, *_ in ex.decode_steps)
     engine = Engine(model, EngineConfig(max_num_seqs=4))
     inputs = one_token_rows([5, 6, 7], [0, 0, 0], [0, 1, 2])
     plain = ex.forward(inputs, engine.kv.layers)
