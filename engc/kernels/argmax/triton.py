@@ -4,7 +4,7 @@ Within a chunk every lane keeps its own running max with a strict '>' (so it hol
 its lane's maximum); the lanes are reduced once at the end by taking the smallest index whose value
 equals the maximum. Both stages use that rule, which makes the result torch's first-index argmax.
 A NaN counts as +inf, as torch.argmax counts it the maximum: the result is always an index of the row (a
-NaN-only row used to give 2^31 - 1, and the next step's embedding gather a device-side assert).
+NaN-only row would otherwise give 2^31 - 1, and the next step's embedding gather a device-side assert).
 """
 import triton
 import triton.language as tl

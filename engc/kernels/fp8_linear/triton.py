@@ -1,7 +1,7 @@
 """W8A8 FP8 GEMM for decode and small prefill batches: y[M, N] = (xq[M, K] @ wq[N, K]^T) * x_scale[m] * w_scale[n].
 
 At M <= 256 the GEMM is bound by reading the float8 weight once from DRAM, so the kernel is shaped for
-that (cuBLASLt's _scaled_mm reached ~1.5 TB/s there on the H200):
+that (cuBLASLt's _scaled_mm stays well below the copy bandwidth there: bench/results/HISTORY.md):
 - swap AB: the weight tile [BLOCK_N, BLOCK_K] is the MMA's A operand, so N fills the 64-row wgmma
   instruction and the few tokens M are its narrow N side (16..256); on sm90 tl.dot on float8e4nv
   operands becomes wgmma ...e4m3.e4m3 with an fp32 accumulator. Both operands are K-contiguous in memory,
