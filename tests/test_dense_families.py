@@ -363,3 +363,12 @@ def test_gelu_tanh_mul_compiles_for_gpus(tiny_dir):
                                                       {"default": spec.launch})
         assert variant == spec.variant and grid[0] == 3
         assert len(args) - 2 == len([t for t in spec.signature().values() if t != "constexpr"])
+
+
+def test_gemma_bundles_start_with_bos(tiny_bundle):
+    """Gemma's tokenizer always adds BOS (as transformers' Gemma tokenizer does), even where tokenizer.json's
+    post-processor does not (these tiny tokenizers have none); other families encode as tokenizer.json says."""
+    for family in ("gemma2", "gemma3_text"):
+        tok = load(tiny_bundle(family)).tokenizer
+        assert tok.encode("Paris is")[0] == 0 and tok.encode("Paris is", add_special_tokens=False)[0] != 0
+    assert load(tiny_bundle("phi3")).tokenizer.encode("Paris is")[0] != 0

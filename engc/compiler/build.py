@@ -11,6 +11,7 @@ import torch
 from engc.bundle import manifest as mf
 from engc.bundle.safetensors_stream import write_streaming
 from engc.bundle.writer import write_bundle
+from engc.compiler.frontend.bos import with_bos
 from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.decoder import lower
 from engc.compiler.frontend.moe import check_moe_build
@@ -98,7 +99,7 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
         for p in passes:
             graph = p(graph)
         graph.validate()
-    files = tokenizer_files(ckpt)
+    files = with_bos(tokenizer_files(ckpt), cfg)
     kernels = []
     gpu_archs = [a for a in opts.archs if a != "cpu"]
     if gpu_archs:

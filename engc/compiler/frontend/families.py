@@ -51,9 +51,10 @@ class Family:
     text_config: bool = False
     # transformers' config-class defaults of keys that released config.json files leave out
     defaults: tuple[tuple[str, object], ...] = ()
+    bos_always: bool = False        # every sequence starts with BOS, whatever tokenizer.json says (bos.py)
 
 
-_GEMMA = dict(norm_unit_offset=True, sandwich_norms=True, scaled_embedding=True)
+_GEMMA = dict(norm_unit_offset=True, sandwich_norms=True, scaled_embedding=True, bos_always=True)
 # Gemma3TextConfig's defaults: a gemma3 checkpoint's text_config lists only what differs from them
 _GEMMA3_DEFAULTS = (("vocab_size", 262208), ("hidden_size", 2304), ("intermediate_size", 9216),
                     ("num_hidden_layers", 26), ("num_attention_heads", 8), ("num_key_value_heads", 4),

@@ -136,7 +136,8 @@ def _split_fused(loaders: dict, fused: str, parts: tuple[str, ...], split, prefi
             out[name] = load
             continue
         if m.group(2) not in ("weight", "bias"):
-            raise UserError(f"checkpoint tensor '{name}': a quantized fused projection is not supported")
+            raise UserError(f"checkpoint tensor '{name}': a quantized fused projection is not supported "
+                            "(build from a float checkpoint, or a GGUF without --quant keep)")
         for i, part in enumerate(parts):
             out[f"{m.group(1)}{prefix}{part}.{m.group(2)}"] = (
                 lambda load=load, i=i: split(load())[i].contiguous())
