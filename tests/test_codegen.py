@@ -187,7 +187,7 @@ def test_smem_carveout_is_a_launch_constant_where_an_entry_names_one():
     templates'), never the compiled kernel's constants; entries without one record none (the driver picks)."""
     from engc.compiler import tune
     from engc.compiler.codegen import cuda, model_specs
-    from engc.compiler.codegen.cuda_int4 import int4_gemv_spec
+    from engc.kernels.int4_linear.cuda_specs import int4_gemv_spec
     from engc.compiler.codegen.record import kernel_record
     meta = {"name": "k", "ptx_target": "sm_90", "num_warps": 4, "num_ctas": 1, "shared": 0, "triton_version": "t"}
     silu = lambda: next(s for s in model_specs(TINY, torch.bfloat16, "sm90", 16) if s.op == "silu_mul")  # noqa: E731

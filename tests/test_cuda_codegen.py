@@ -14,6 +14,7 @@ import torch
 
 from engc.bundle.model_config import ModelConfig
 from engc.compiler.codegen import cuda
+from engc.kernels.paged_attention import cuda_specs as attention_cuda
 from engc.compiler.codegen.record import CodegenResult
 from engc.compiler.codegen.specs import model_specs
 from engc.kernels import paged_attention as pa
@@ -27,7 +28,7 @@ needs_nvcc = pytest.mark.skipif(cuda.nvcc_path() is None, reason="nvcc is not in
 
 
 def _specs():
-    return [cuda.decode_spec(SHAPE, "bf16", arch, 16)[0] for arch in ARCHS]
+    return [attention_cuda.decode_spec(SHAPE, "bf16", arch, 16)[0] for arch in ARCHS]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def built(tmp_path_factory):
 
 
 def test_template_renders_the_shape_as_constants():
-    spec = cuda.decode_spec(SHAPE, "bf16", "sm90", 16)[0]
+    spec = attention_cuda.decode_spec(SHAPE, "bf16", "sm90", 16)[0]
     src = cuda.render(spec.template, **spec.render)
     assert "{{" not in src and "{%" not in src
     for line in ("typedef __nv_bfloat16 T;", "constexpr int NUM_HEADS = 8;", "constexpr int NUM_KV_HEADS = 2;",
@@ -52,9 +53,9 @@ def test_template_renders_the_shape_as_constants():
 
 def test_shapes_the_template_does_not_cover_are_refused_with_a_reason():
     odd = ModelConfig(**{**SHAPE.to_dict(), "head_dim": 72})
-    spec, why = cuda.decode_spec(odd, "bf16", "sm90", 16)
+    spec, why = attention_cuda.decode_spec(odd, "bf16", "sm90", 16)
     assert spec is None and "head_dim 72" in why
-    spec, why = cuda.decode_spec(SHAPE, "bf16", "sm90", 2)
+    spec, why = attention_cuda.decode_spec(SHAPE, "bf16", "sm90", 2)
     assert spec is None and "block size 2" in why
 
 
@@ -126,7 +127,7 @@ def test_triton_stays_the_default_decode():
     specs = model_specs(SHAPE, torch.bfloat16, "sm90", 16)
     decode = next(s for s in specs if s.variant == "decode")
     assert decode.launch["impl"] == "triton"
-    selected, notes = cuda.selected_specs(specs, SHAPE)     # only sm90's cluster decode (test_decode_cluster.py)
+    selected, notes = attention_cuda.cuda_specs(specs, SHAPE)     # only sm90's cluster decode (test_decode_cluster.py)
     assert [s.variant for s in selected] == ["decode_rotary_cluster"] and notes == []
 
 
@@ -177,7 +178,7 @@ def _decode_launch(consts):
 def test_a_kernel_whose_parameters_differ_from_its_spec_is_refused(tmp_path):
     # the launcher packs the spec's arg_types: a template parameter the spec lacks would read past the
     # arguments (the streaming int4 GEMV's has_bias did, on the H200)
-    spec = cuda.decode_spec(SHAPE, "bf16", "sm90", 16)[0]
+    spec = attention_cuda.decode_spec(SHAPE, "bf16", "sm90", 16)[0]
     short = dataclasses.replace(spec, arg_types=dict(list(spec.arg_types.items())[:-1]))
     with pytest.raises(ValueError, match="takes parameters"):
         cuda.compile_cuda([short], build_dir=tmp_path / "short")
@@ -190,7 +191,7 @@ def test_a_kernel_whose_parameters_differ_from_its_spec_is_refused(tmp_path):
 
 
 def test_check_params_reads_the_entry_of_the_ptx():
-    spec = cuda.decode_spec(SHAPE, "bf16", "sm90", 16)[0]
+    spec = attention_cuda.decode_spec(SHAPE, "bf16", "sm90", 16)[0]
     params = "".join(f".param .{'u64' if t.startswith('*') else 'u32'} p{i},\n"
                      for i, t in enumerate(spec.arg_types.values())).rstrip(",\n")
     cuda.check_params(spec, f".visible .entry {spec.entry}(\n{params}\n)\n{{ ret; }}")

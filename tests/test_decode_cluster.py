@@ -9,6 +9,7 @@ import torch
 from engc.bundle.model_config import ModelConfig
 from engc.compiler import tune
 from engc.compiler.codegen import cuda
+from engc.kernels.paged_attention import cuda_specs as attention_cuda
 from engc.kernels import paged_attention as pa
 from test_gpu import gpu_ready, sm_arch
 
@@ -23,7 +24,7 @@ def cfg(heads=32, kv_heads=8, head_dim=128):
 
 
 def test_spec_renders_the_shape_and_sizes_its_shared_memory():
-    spec, why = cuda.decode_cluster_spec(cfg(), "bf16", "sm90", 16)
+    spec, why = attention_cuda.decode_cluster_spec(cfg(), "bf16", "sm90", 16)
     assert why == "" and spec.variant == "decode_rotary_cluster"
     assert spec.launch["cluster"] == tune.TUNE[KEY]["cluster"] and spec.launch["PDL"] == 1
     text = cuda.render(spec.template, **spec.render)
@@ -43,7 +44,7 @@ def test_spec_renders_the_shape_and_sizes_its_shared_memory():
     (dict(), "sm90", "bf16", 8, "KV block size 8"),
 ])
 def test_shapes_it_does_not_cover_are_refused_with_a_reason(shape, arch, t, block, why):
-    spec, reason = cuda.decode_cluster_spec(cfg(**shape), t, arch, block)
+    spec, reason = attention_cuda.decode_cluster_spec(cfg(**shape), t, arch, block)
     assert spec is None and why in reason
 
 
@@ -56,13 +57,13 @@ def _decode_rotary_spec(overrides=None):
 
 def test_selected_only_where_the_table_enables_it():
     assert tune.TUNE[KEY]["enabled"]               # on for sm90 (the tune table: what the H200 measured)
-    specs, notes = cuda.selected_specs(_decode_rotary_spec(), cfg())
+    specs, notes = attention_cuda.cuda_specs(_decode_rotary_spec(), cfg())
     assert [s.variant for s in specs] == ["decode_rotary_cluster"] and notes == []
     off = {KEY: {"enabled": False}}
     with tune.overridden(off):
-        specs, notes = cuda.selected_specs(_decode_rotary_spec(off), cfg())
+        specs, notes = attention_cuda.cuda_specs(_decode_rotary_spec(off), cfg())
     assert specs == [] and notes == []
-    specs, notes = cuda.selected_specs(_decode_rotary_spec(), cfg(kv_heads=2))   # a group of 16
+    specs, notes = attention_cuda.cuda_specs(_decode_rotary_spec(), cfg(kv_heads=2))   # a group of 16
     assert specs == [] and notes == ["sm90: no cluster decode kernel (GQA group 16 is more than the 8 rows it "
                                      "gives the query heads); Triton's decode is used"]
 
@@ -107,7 +108,7 @@ def test_launch_rule_takes_the_cluster_kernel_for_small_batches_only():
 @needs_nvcc
 @pytest.mark.parametrize("t,shape", [("bf16", dict()), ("fp16", dict(heads=16, kv_heads=2, head_dim=64))])
 def test_compiles_for_sm90_with_its_parameters_and_shared_memory(t, shape):
-    spec, _ = cuda.decode_cluster_spec(cfg(**shape), t, "sm90", 16)
+    spec, _ = attention_cuda.decode_cluster_spec(cfg(**shape), t, "sm90", 16)
     result = cuda.compile_cuda([spec])
     (record,) = result.records
     assert record["variant"] == "decode_rotary_cluster" and record["shared_mem"] == spec.shared_mem
@@ -127,7 +128,7 @@ def test_matches_the_reference_on_the_gpu(tmp_path, heads, kv_heads, head_dim):
     from engc.cuda.records import load_record
     c = cfg(heads, kv_heads, head_dim)
     with tune.overridden({f"sm90/paged_attention/decode_cluster/{tune.head_dim_bucket(head_dim)}": {"enabled": True}}):
-        spec, why = cuda.decode_cluster_spec(c, "bf16", "sm90", 16)
+        spec, why = attention_cuda.decode_cluster_spec(c, "bf16", "sm90", 16)
     assert spec is not None, why
     result = cuda.compile_cuda([spec])
     (record,) = result.records

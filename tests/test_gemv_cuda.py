@@ -14,7 +14,8 @@ import torch
 
 from engc.bundle.model_config import ModelConfig
 from engc.compiler import tune
-from engc.compiler.codegen import cuda, cuda_gemv
+from engc.compiler.codegen import cuda
+from engc.kernels.gemv import cuda_specs as cuda_gemv
 from engc.compiler.codegen.record import CodegenResult
 from engc.kernels.paged_attention.specs import paged_attention_specs
 from engc.kernels import gemv
@@ -42,7 +43,7 @@ def _spec(k=256, silu=False, t="bf16", arch="sm90", **ov):
 
 @pytest.fixture(scope="module")
 def built():
-    specs, notes = cuda.selected_gemv_specs(_triton(*ARCHS), SHAPE, TURN_ON)
+    specs, notes = cuda_gemv.cuda_specs(_triton(*ARCHS), SHAPE, TURN_ON)
     assert notes == []
     return specs, cuda.compile_cuda(specs)
 
@@ -88,19 +89,19 @@ def test_what_the_template_does_not_cover_is_refused_with_a_reason():
 
 def test_the_tune_table_builds_it_only_where_turned_on():
     specs = _triton(*ARCHS)
-    assert cuda.selected_gemv_specs(specs, SHAPE) == ([], [])       # not yet measured ahead anywhere
-    only_down = cuda.selected_gemv_specs(specs, SHAPE, {CLASS: {"silu": True}})[0]
+    assert cuda_gemv.cuda_specs(specs, SHAPE) == ([], [])       # not yet measured ahead anywhere
+    only_down = cuda_gemv.cuda_specs(specs, SHAPE, {CLASS: {"silu": True}})[0]
     assert [(s.arch, s.variant) for s in only_down] == [(a, "cuda_silu_k512_m8") for a in ARCHS]
 
 
 def test_without_nvcc_the_build_keeps_the_triton_gemv_with_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cuda, "nvcc_path", lambda: None)
     specs = _triton("sm90")
-    result = cuda.add_selected(CodegenResult(), specs, SHAPE, gemv_overrides=TURN_ON)
+    result = cuda.add_selected(CodegenResult(), specs, SHAPE, overrides={"gemv": TURN_ON})
     assert result.records == [] and result.files == {}
-    assert capsys.readouterr().err.strip().splitlines() == [   # (the first: sm90's cluster decode)
-        "engc: note: nvcc not found: the CUDA decode kernel is skipped, Triton's decode is used",
-        "engc: note: nvcc not found: the CUDA GEMV is skipped, the Triton GEMV or cuBLAS runs"]
+    assert capsys.readouterr().err.strip().splitlines() == [   # one line an op, in folder order (the second:
+        "engc: note: nvcc not found: the CUDA GEMV is skipped, the Triton GEMV or cuBLAS runs",   # sm90's cluster
+        "engc: note: nvcc not found: the CUDA decode kernel is skipped, Triton's decode is used"]   # decode)
 
 
 def test_pick_prefers_cuda_then_triton_then_cublas():
@@ -180,7 +181,7 @@ def test_every_w_load_is_in_flight_before_the_first_mma(built, tmp_path):
 @needs_nvcc
 def test_selected_gemv_joins_the_build_with_the_triton_kernels(built):
     specs = _triton("sm90")
-    result = cuda.add_selected(CodegenResult(), specs, SHAPE, gemv_overrides={CLASS: {"silu": True}})
+    result = cuda.add_selected(CodegenResult(), specs, SHAPE, overrides={"gemv": {CLASS: {"silu": True}}})
     assert [(r["op"], r["variant"]) for r in result.records] == [("gemv", "cuda_silu_k512_m8"),
                                                                   ("paged_attention", "decode_rotary_cluster")]
     assert "kernels/src/gemv.cuda_silu_k512_m8.cu" in result.files

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engc.compiler import tune
-from engc.compiler.codegen import cuda, cuda_int4
+from engc.compiler.codegen import cuda
+from engc.kernels.int4_linear import cuda_specs as cuda_int4
 from engc.kernels import int4_linear as op
 
 ON = {"enabled": True}

@@ -1,4 +1,4 @@
-"""The CUDA C++ int4 GEMV's launch rule (templates/int4_gemv.cu.j2, rendered by compiler/codegen/cuda_int4.py)
+"""The CUDA C++ int4 GEMV's launch rule (templates/int4_gemv.cu.j2, rendered by kernels/int4_linear/cuda_specs.py)
 and the packed scale / zero words some of its builds read.
 
 Where the build had nvcc and the tune table turns it on, the bundle holds the CUDA C++ GEMV (variant cuda_g{G}:

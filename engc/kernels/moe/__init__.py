@@ -1,7 +1,7 @@
 """A mixture-of-experts MLP: route each token to its top-k experts, run their SiLU GLUs, sum them weighted.
 
-ONNX: ai.engc::MoE(x, router, gate_up, down[, shared_gate_up, shared_down, shared_gate]
-                   [, gate_up_scales, gate_up_zeros, down_scales, down_zeros]) -> y
+ONNX: ai.engc::MoE(x, router, gate_up, down[, shared_gate_up, shared_down[, shared_gate]]
+                   [, gate_up_scales, gate_up_zeros, down_scales, down_zeros][, correction_bias]) -> y
   x [T, H]; router [E, H]; gate_up [E, 2I, H] (each expert's gate rows, then its up rows); down [E, H, I];
   the optional shared expert (Qwen2-MoE): shared_gate_up [2S, H], shared_down [H, S], shared_gate [1, H].
   int4 experts (group_size > 0): gate_up and down are stacks of the engc int4 layout (kernels/int4_linear),
@@ -12,6 +12,16 @@ Attributes (the routing variant; one op serves every family):
                      OLMoE); 0: top-k of the logits, then softmax over those k (renormalized by construction)
   renormalize        1: the k weights are divided by their sum (Mixtral; norm_topk_prob)
   has_shared_expert  1: add sigmoid(x @ shared_gate.T) * the shared expert's SiLU GLU of x
+  shared_ungated     1: the shared expert is added as it is, with no shared_gate input (DeepSeek's shared
+                     experts, stacked as one GLU of n_shared_experts * moe_intermediate_size)
+DeepSeek's routings (absent: as above):
+  sigmoid_scores     1: scores are sigmoid(logits), not their softmax (DeepSeek-V3)
+  correction_bias    1: the last input, a float32 [E] bias, is added to the scores to choose the experts; the
+                     weights are the unbiased scores of the chosen ones (V3's noaux_tc)
+  n_group, topk_group  experts in n_group equal groups; only the topk_group best groups are eligible, a group
+                     scored by its best expert (V2's group_limited_greedy) or with group_top2 = 1 by the sum of
+                     its best two (V3)
+  routed_scaling_factor  the weights times this, after any renormalization
   group_size         int4 experts' quantization group (0: float experts)
   float32_weights    1: each expert's output times its float32 weight, then rounded (Mixtral); 0: the weights
                      are cast to the model dtype first (Qwen-MoE, OLMoE). Alike in float32 bundles.
@@ -29,8 +39,13 @@ from engc.kernels.int4_linear.layout import dequantize
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, softmax_first: int = 1,
-          renormalize: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+          renormalize: int = 0, sigmoid_scores: int = 0, bias: torch.Tensor | None = None, n_group: int = 1,
+          topk_group: int = 1, group_top2: int = 0, routed_scaling_factor: float = 1.0,
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, H] -> (weights [T, k] float32, expert ids [T, k] int64), the routing HF's TopKRouters compute."""
+    if sigmoid_scores or bias is not None or n_group > 1 or routed_scaling_factor != 1.0:
+        return _deepseek_route(x, router, top_k, renormalize, sigmoid_scores, bias, n_group, topk_group,
+                               group_top2, routed_scaling_factor)
     logits = F.linear(x, router)
     if softmax_first:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -43,6 +58,36 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, softmax_first: int 
     return weights, ids
 
 
+def _deepseek_route(x, router, top_k, renormalize, sigmoid_scores, bias, n_group, topk_group, group_top2,
+                    scaling):
+    """DeepSeek's routers (HF's DeepseekV2TopkRouter / DeepseekV3TopkRouter): float32 logits, softmax or sigmoid
+    scores, the experts of the best groups only (masked to 0 under softmax, -inf under a correction bias, as
+    HF masks them), top-k chosen on the biased scores, weighted by the unbiased ones."""
+    logits = F.linear(x.float(), router.float())
+    scores = torch.sigmoid(logits) if sigmoid_scores else torch.softmax(logits, dim=-1)
+    choice = scores if bias is None else scores + bias.float()
+    if n_group > 1:
+        grouped = choice.view(x.shape[0], n_group, -1)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1) if group_top2 else grouped.max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+        keep = keep[:, :, None].expand_as(grouped).reshape(x.shape[0], -1)
+        choice = choice.masked_fill(~keep, 0.0 if bias is None else float("-inf"))
+    weights, ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)
+    if bias is not None:
+        weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def routing_of(attrs: dict, bias: torch.Tensor | None) -> dict:
+    """route()'s keyword arguments from the node's routing attributes."""
+    keys = ("softmax_first", "renormalize", "sigmoid_scores", "n_group", "topk_group", "group_top2",
+            "routed_scaling_factor")
+    return {**{k: attrs[k] for k in keys if k in attrs}, "bias": bias}
+
+
 def glu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """One expert's SiLU GLU: gate_up [2I, H] (gate rows first), down [H, I]."""
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
@@ -51,9 +96,13 @@ def glu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Ten
 
 def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *rest: torch.Tensor,
         top_k: int, softmax_first: int = 1, renormalize: int = 0, has_shared_expert: int = 0,
-        group_size: int = 0, float32_weights: int = 0, **_) -> torch.Tensor:
-    shared, rest = (rest[:3], rest[3:]) if has_shared_expert else ((), rest)
-    weights, ids = route(x, router, top_k, softmax_first, renormalize)
+        group_size: int = 0, float32_weights: int = 0, shared_ungated: int = 0, correction_bias: int = 0,
+        **routing) -> torch.Tensor:
+    n_shared = (2 if shared_ungated else 3) if has_shared_expert else 0
+    shared, rest = rest[:n_shared], rest[n_shared:]
+    bias, rest = (rest[-1], rest[:-1]) if correction_bias else (None, rest)
+    weights, ids = route(x, router, top_k, **routing_of({"softmax_first": softmax_first, "renormalize": renormalize,
+                                                        **routing}, bias))
     weights = weights if float32_weights else weights.to(x.dtype)
     # each (token, slot) pair's weighted expert output, then the sum over a token's slots, rounded once: what
     # transformers' grouped experts (its default) compute, so a bfloat16 bundle rounds as HF does
@@ -68,7 +117,9 @@ def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torc
             w_gate_up, w_down = gate_up[e], down[e]
         pairs[token, slot] = glu(x[token], w_gate_up, w_down) * weights[token, slot, None]
     out = pairs.sum(dim=1).to(x.dtype)
-    if has_shared_expert:
+    if has_shared_expert and shared_ungated:
+        out = out + glu(x, shared[0], shared[1])
+    elif has_shared_expert:
         shared_gate_up, shared_down, shared_gate = shared
         out = out + torch.sigmoid(F.linear(x, shared_gate)) * glu(x, shared_gate_up, shared_down)
     return out
@@ -139,13 +190,18 @@ def launch_combine(pairs, shared, shared_weight, out, consts):
              [pairs, shared, shared_weight, out, 0, 0])]
 
 
-def forward(run, x, router, gate_up, down, shared_gate_up=None, shared_down=None, shared_gate=None, *,
-            top_k: int, consts: dict, softmax_first: int = 1, renormalize: int = 0, has_shared_expert: int = 0,
-            group_size: int = 0, float32_weights: int = 0, **_) -> torch.Tensor:
+def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, softmax_first: int = 1,
+            renormalize: int = 0, has_shared_expert: int = 0, group_size: int = 0, float32_weights: int = 0,
+            shared_ungated: int = 0, correction_bias: int = 0, **routing) -> torch.Tensor:
     """The MoE node on the GPU: run(launches) runs each launch rule's output (the runtime's BundleKernels, or
     the interpreter in the tests). Up to consts['gate_up_decode']['max_pairs'] (token, expert) pairs take the decode
     variants, which skip the sort; more are sorted by expert and padded to BLOCK_M for the grouped GEMMs.
-    The shared expert is a dense SiLU GLU on every token: its GEMMs are torch's (cuBLAS)."""
+    The shared expert is a dense SiLU GLU on every token: its GEMMs are torch's (cuBLAS). DeepSeek's routings
+    (groups, sigmoid scores, the correction bias, the scaling factor) run as the reference's torch ops, which
+    a CUDA graph holds as well; the expert GEMMs and the combine are the same kernels."""
+    n_shared = (2 if shared_ungated else 3) if has_shared_expert else 0
+    shared_gate_up, shared_down, shared_gate = (list(rest[:n_shared]) + [None, None, None])[:3]
+    bias = rest[-1] if correction_bias else None
     assert not group_size, "int4 experts have no GPU kernels: engc build refuses such a GPU bundle"
     t, e = x.shape[0], gate_up.shape[0]
     out = torch.empty_like(x)
@@ -154,8 +210,15 @@ def forward(run, x, router, gate_up, down, shared_gate_up=None, shared_down=None
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
     shared_weight = torch.empty(t if has_shared_expert else 1, dtype=torch.float32, device=x.device)
-    run(launch_route(x, router, shared_gate if has_shared_expert else router, weights, ids, shared_weight,
-                     softmax_first, renormalize, float32_weights))
+    if routing or correction_bias or shared_ungated:
+        w, i = route(x, router, top_k, **routing_of({"softmax_first": softmax_first, "renormalize": renormalize,
+                                                    **routing}, bias))
+        weights.copy_(w if float32_weights else w.to(x.dtype))
+        ids.copy_(i)
+        shared_weight.fill_(1.0)
+    else:
+        run(launch_route(x, router, shared_gate if has_shared_expert else router, weights, ids, shared_weight,
+                         softmax_first, renormalize, float32_weights))
     decode = t * top_k <= consts["gate_up_decode"]["max_pairs"]
     if decode:
         rows = torch.arange(t * top_k, dtype=torch.int32, device=x.device)

@@ -17,6 +17,9 @@ from engc.compiler import tune
 from engc.compiler.codegen.cuda import C_TYPE, MMA_TYPE, CudaKernelSpec
 from engc.kernels import int4_linear as op   # the variant names its launch rules look up
 
+# what runs instead where nvcc is missing
+WITHOUT_NVCC = "the CUDA int4 GEMV is skipped, the Triton int4 GEMV runs"
+
 LAUNCH_KEYS = ("GROUP", "max_m", "BLOCK_N", "BLOCK_K", "target_programs", "max_splits", "min_split_k_tiles")
 ARG_TYPES = {"x_ptr": "*{t}", "qw_ptr": "*i32", "s_ptr": "*{t}", "z_ptr": "*u8", "bias_ptr": "*{t}",
              "y_ptr": "*{t}", "partial_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
@@ -140,3 +143,8 @@ def selected_int4_specs(triton_specs: list, overrides=None, shapes=()) -> tuple[
                 else:
                     specs.append(spec)
     return specs, notes
+
+
+def cuda_specs(triton_specs: list, cfg, overrides=None) -> tuple[list[CudaKernelSpec], list[str]]:
+    """The build's CUDA int4 kernels: selected_int4_specs over the model's projection shapes."""
+    return selected_int4_specs(triton_specs, overrides, shapes=int4_shapes(cfg))

@@ -9,10 +9,12 @@ max_n, so kernels/gemv's pick and launch rule serve both.
 """
 from __future__ import annotations
 
-from engc.bundle.model_config import ModelConfig
 from engc.compiler import tune
 from engc.compiler.codegen.cuda import C_TYPE, MMA_TYPE, CudaKernelSpec
 from engc.kernels.gemv import specs as gemv_kernels
+
+# what runs instead where nvcc is missing
+WITHOUT_NVCC = "the CUDA GEMV is skipped, the Triton GEMV or cuBLAS runs"
 
 LAUNCH_KEYS = ("K", "SILU", "max_m", "max_n", "BLOCK_N", "BLOCK_K", "target_programs", "max_splits",
                "min_split_k_tiles")
@@ -54,7 +56,7 @@ def gemv_spec(k: int, silu: bool, t: str, arch: str, bucket: str, overrides=None
                           launch=launch), ""
 
 
-def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None) -> tuple[list[CudaKernelSpec], list[str]]:
+def gemv_specs(cfg, t: str, arch: str, overrides=None) -> tuple[list[CudaKernelSpec], list[str]]:
     """The CUDA GEMVs the tune table turns on for this model and arch, and a note per one it cannot have.
     overrides: CUDA M class -> tune overrides (tests, bench sweeps)."""
     specs, notes = [], []
@@ -70,4 +72,16 @@ def gemv_specs(cfg: ModelConfig, t: str, arch: str, overrides=None) -> tuple[lis
                 notes.append(f"{arch}: no CUDA GEMV for K={k} ({why}); the Triton GEMV or cuBLAS runs")
             else:
                 specs.append(spec)
+    return specs, notes
+
+
+def cuda_specs(triton_specs: list, cfg, overrides=None) -> tuple[list, list[str]]:
+    """The CUDA decode GEMVs the tune table turns on, per arch of the build, in the model's dtype (that of its
+    attention). overrides: CUDA GEMV M class -> tune overrides."""
+    specs, notes = [], []
+    for s in triton_specs:
+        if (s.op, s.variant) == ("paged_attention", "decode"):
+            more, why = gemv_specs(cfg, s.arg_types["q_ptr"][1:], s.arch, overrides)
+            specs += more
+            notes += why
     return specs, notes
