@@ -146,7 +146,7 @@ def test_internlm2(llama_src, tmp_path):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope scaling 'yarn'"),
+    ({"rope_scaling": {"rope_type": "xpos", "factor": 4.0}}, "unsupported rope scaling 'xpos'"),
     ({"hidden_act": "relu"}, "hidden activation 'relu' is not supported"),
     ({"bias": True}, "sets bias: true"),
     ({"partial_rotary_factor": 0.1}, "partial_rotary_factor 0.1"),
