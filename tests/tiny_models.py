@@ -45,6 +45,24 @@ FAMILIES = {
                                                             "rope_theta": 1_000_000.0},
                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
                         tie_word_embeddings=True),
+    # DeepSeek (multi-head latent attention, kernels/mla_attention): V2 without q_lora, group-limited greedy
+    # routing, YaRN whose attention factor is 1 (mscale == mscale_all_dim) but whose softmax scale is not; V3 with
+    # q_lora, noaux_tc (sigmoid scores, correction bias, best-two group scores), a YaRN attention factor != 1.
+    # Each has a dense first layer and ungated shared experts
+    "deepseek_v2": dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], num_key_value_heads=4,
+                        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                        routed_scaling_factor=1.5, tie_word_embeddings=False,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                      "mscale": 0.707, "mscale_all_dim": 0.707}),
+    "deepseek_v3": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], num_key_value_heads=4,
+                        q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=32,
+                        first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                        routed_scaling_factor=2.5, tie_word_embeddings=False,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                      "mscale": 1.0, "mscale_all_dim": 0.8}),
     # Phi-3: fused qkv/gate_up, half the head rotated, LongRoPE short factors and its attention factor
     "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], pad_token_id=1, max_position_embeddings=512,
                  original_max_position_embeddings=128, partial_rotary_factor=0.5,
@@ -94,6 +112,9 @@ def make_tiny(family: str, folder: Path, seed: int = 0, dtype=torch.float32, rou
                     p[1:3] = p[0]
                 else:
                     p.zero_()
+        for name, b in model.named_buffers():   # DeepSeek-V3's router bias is zero at init: random, so it counts
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 

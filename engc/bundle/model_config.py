@@ -47,6 +47,14 @@ class ModelConfig:
     norm_unit_offset: bool = False    # RMSNorm scales by (1 + weight) (Gemma)
     sandwich_norms: bool = False      # attention and MLP outputs are normed before the residual add
     embed_scale: float = 0.0          # the embedding is multiplied by this (Gemma: sqrt(hidden_size))
+    # multi-head latent attention (DeepSeek-V2/V3; 0: none): the KV cache holds per token the normed latent
+    # (kv_lora_rank values) and the rotated shared key (qk_rope_head_dim); heads are qk_nope_head_dim +
+    # qk_rope_head_dim wide for q.k (head_dim) and v_head_dim for v; q_lora_rank 0: q straight from x
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def q_size(self) -> int:
@@ -55,6 +63,14 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_cache_row(self) -> tuple[int, int, int]:
+        """(K-and-V planes, rows a token, values a row) of one layer's cache: [2, KV heads, head_dim], or for
+        latent attention one plane of one row, the latent then the rope key."""
+        if self.kv_lora_rank:
+            return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

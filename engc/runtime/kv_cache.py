@@ -4,6 +4,8 @@ The allocator only counts blocks; the cache tensors live in KVCache, one per lay
 [2, num_blocks, block_size, num_kv_heads, head_dim] as the attention and rotary ops expect. A quantized
 cache (a bundle built with --kv-cache int8|fp8) holds per layer a pair: codes of that layout in int8 or
 float8_e4m3fn, and float32 scales [2, num_blocks, block_size, num_kv_heads] (kernels/kv_quant.py).
+Multi-head latent attention (DeepSeek) caches one row a token instead: [1, num_blocks, block_size, 1,
+kv_lora_rank + qk_rope_head_dim], the normed latent then the rotated rope key (kernels/mla_attention).
 
 Prefix cache: a full block whose K/V are computed is registered under a hash chained over every token
 up to its end, so equal hashes mean equal prefixes. A released block keeps its hash and waits in an
@@ -135,7 +137,8 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", prefix_cache: bool = True):
-        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        planes, rows, width = cfg.kv_cache_row   # latent attention: [1, blocks, block_size, 1, latent + rope]
+        shape = (planes, num_blocks, block_size, rows, width)
         if kv_quant.is_quantized(dtype):
             self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
                             torch.zeros(shape[:-1], dtype=torch.float32, device=device))
@@ -147,10 +150,11 @@ class KVCache:
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """dtype: the cache's (the model's, or int8/float8_e4m3fn, which add a float32 scale a row)."""
-        row = cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+        planes, rows, width = cfg.kv_cache_row
+        row = width * torch.empty((), dtype=dtype).element_size()
         if kv_quant.is_quantized(dtype):
             row += 4
-        return 2 * block_size * cfg.num_kv_heads * row * cfg.num_layers
+        return planes * block_size * rows * row * cfg.num_layers
 
     @staticmethod
     def default_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,

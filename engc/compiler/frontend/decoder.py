@@ -14,6 +14,7 @@ from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.block_facts import block_facts, with_defaults
 from engc.compiler.frontend.families import Family, family_of
 from engc.compiler.frontend.layouts import llama_names, text_config, text_part
+from engc.compiler.frontend.mla import lower_mla, mla_facts
 from engc.compiler.frontend.moe import expert_counts, is_moe_layer, lower_moe
 from engc.compiler.frontend.rope import inv_freq, rope_params
 from engc.compiler.ir import Graph
@@ -44,8 +45,9 @@ def resolve_config(hf: dict) -> ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             **expert_counts(hf, family))
-        return dataclasses.replace(cfg, **block_facts(hf, family, cfg.head_dim, cfg.sliding_window,
-                                                      cfg.max_position_embeddings, scaling))
+        cfg = dataclasses.replace(cfg, **block_facts(hf, family, cfg.head_dim, cfg.sliding_window,
+                                                     cfg.max_position_embeddings, scaling))
+        return dataclasses.replace(cfg, **mla_facts(hf)) if family.latent_attention else cfg
     except KeyError as e:
         raise UserError(f"config.json lacks {e.args[0]}, needed for a {family.name} model") from None
 
@@ -89,30 +91,10 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
     for i in range(cfg.num_layers):
         hf, p = f"model.layers.{i}.", f"layers.{i}."
         h, residual = norm(x, residual, p + "attn_norm.weight", hf + "input_layernorm.weight", f"{p}attn_in")
-        qkv_parts = [_linear(g, h, weight, p + n, hf + f"self_attn.{n}_proj", cfg.qkv_bias, cfg.hidden_size)
-                     for n in ("q", "k", "v")]
-        if family.qk_norm_projection:
-            qkv_parts[:2] = [g.add("RMSNorm", [part, weight(f"{p}{n}_norm.weight", f"{hf}self_attn.{n}_norm.weight")],
-                                   f"{p}{n}.normed", eps=eps) for n, part in zip("qk", qkv_parts)]
-        qkv = _concat(g, qkv_parts, p + "qkv")
-        if cfg.qk_norm:
-            qkv = g.add("QKNorm" + norm.variant, [qkv, norm.weight(p + "q_norm.weight", hf + "self_attn.q_norm.weight"),
-                                                  norm.weight(p + "k_norm.weight", hf + "self_attn.k_norm.weight")],
-                        p + "qkv.normed", num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                        head_dim=cfg.head_dim, eps=eps)
-        heads = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
-        window = cfg.layer_windows[i] if cfg.layer_windows else cfg.sliding_window
-        rope_name = "rope.local.inv_freq" if cfg.local_rope_theta and window else "rope.inv_freq"
-        q = g.add("RotaryKVWrite", [qkv, "positions", rope_name, f"kv_cache.{i}", "slot_mapping"],
-                  p + "q.rot", **heads)
-        softcap = {"softcap": cfg.attn_logit_softcap} if cfg.attn_logit_softcap else {}
-        attn = g.add("PagedAttention", [q, f"kv_cache.{i}", "block_tables", "context_lens",
-                                        "query_start_loc"], p + "attn",
-                     scale=(cfg.attn_scale or cfg.head_dim ** -0.5) * cfg.rope_attention_factor ** 2,
-                     sliding_window=window, **softcap, **heads)
-        x = _linear(g, attn, weight, p + "o", hf + "self_attn.o_proj", False, cfg.q_size)
-        if cfg.sandwich_norms:   # Gemma: the attention output is normed before the residual add
-            x = norm(x, None, p + "attn_out_norm.weight", hf + "post_attention_layernorm.weight", f"{p}attn_out")[0]
+        if family.latent_attention:   # DeepSeek's MLA: frontend/mla.py, then the MLP as for every family
+            x = lower_mla(g, h, weight, cfg, ckpt.hf_config, family, i, dtype)
+        else:
+            x = _attention(g, h, weight, norm, cfg, family, i)
         h, residual = norm(x, residual, p + "mlp_norm.weight", hf + ("pre_feedforward_layernorm.weight"
                            if cfg.sandwich_norms else "post_attention_layernorm.weight"), f"{p}mlp_in")
         if is_moe_layer(ckpt.hf_config, family, i):
@@ -127,6 +109,41 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
             x = norm(x, None, p + "mlp_out_norm.weight", hf + "post_feedforward_layernorm.weight", f"{p}mlp_out")[0]
 
     h, _ = norm(x, residual, "norm.weight", "model.norm.weight", "final")
+    return _head(g, h, ckpt, weight, embed, cfg)
+
+
+def _attention(g: Graph, h: str, weight, norm, cfg: ModelConfig, family: Family, i: int) -> str:
+    """One layer's attention (q/k/v, rotary, paged attention, o_proj) on the normed hidden state h."""
+    hf, p, eps = f"model.layers.{i}.", f"layers.{i}.", cfg.rms_norm_eps
+    qkv_parts = [_linear(g, h, weight, p + n, hf + f"self_attn.{n}_proj", cfg.qkv_bias, cfg.hidden_size)
+                 for n in ("q", "k", "v")]
+    if family.qk_norm_projection:
+        qkv_parts[:2] = [g.add("RMSNorm", [part, weight(f"{p}{n}_norm.weight", f"{hf}self_attn.{n}_norm.weight")],
+                               f"{p}{n}.normed", eps=eps) for n, part in zip("qk", qkv_parts)]
+    qkv = _concat(g, qkv_parts, p + "qkv")
+    if cfg.qk_norm:
+        qkv = g.add("QKNorm" + norm.variant, [qkv, norm.weight(p + "q_norm.weight", hf + "self_attn.q_norm.weight"),
+                                              norm.weight(p + "k_norm.weight", hf + "self_attn.k_norm.weight")],
+                    p + "qkv.normed", num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim, eps=eps)
+    heads = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+    window = cfg.layer_windows[i] if cfg.layer_windows else cfg.sliding_window
+    rope_name = "rope.local.inv_freq" if cfg.local_rope_theta and window else "rope.inv_freq"
+    q = g.add("RotaryKVWrite", [qkv, "positions", rope_name, f"kv_cache.{i}", "slot_mapping"],
+              p + "q.rot", **heads)
+    softcap = {"softcap": cfg.attn_logit_softcap} if cfg.attn_logit_softcap else {}
+    attn = g.add("PagedAttention", [q, f"kv_cache.{i}", "block_tables", "context_lens",
+                                    "query_start_loc"], p + "attn",
+                 scale=(cfg.attn_scale or cfg.head_dim ** -0.5) * cfg.rope_attention_factor ** 2,
+                 sliding_window=window, **softcap, **heads)
+    x = _linear(g, attn, weight, p + "o", hf + "self_attn.o_proj", False, cfg.q_size)
+    if cfg.sandwich_norms:   # Gemma: the attention output is normed before the residual add
+        x = norm(x, None, p + "attn_out_norm.weight", hf + "post_attention_layernorm.weight", f"{p}attn_out")[0]
+    return x
+
+
+def _head(g: Graph, h: str, ckpt: Checkpoint, weight, embed: str, cfg: ModelConfig):
+    """The final rows' logits (float32), and the config as the head leaves it."""
     sampled = g.onnx_op("Gather", [h, "logits_indices"], "h.sampled", axis=0)
     if ckpt.has("lm_head.qweight"):
         # an int4 lm_head (GPTQModel's `lm_head: true`): the same QLinear as the projections, and untied
@@ -149,7 +166,9 @@ ACTIVATION_OPS = {"silu": "SiluMul", "gelu_pytorch_tanh": "GeluTanhMul"}
 
 def _rope_table(cfg: ModelConfig, theta: float, scaling: dict | None) -> torch.Tensor:
     """inv_freq [head_dim / 2]: a partial rotary width's frequencies, then zeros for the unrotated dims
-    (layouts.partial_rotary_order moved them there)."""
+    (layouts.partial_rotary_order moved them there). Latent attention: [qk_rope_head_dim / 2], its rope key's."""
+    if cfg.qk_rope_head_dim:
+        return inv_freq(cfg.qk_rope_head_dim, theta, scaling)
     freq = inv_freq(cfg.rotary_dim or cfg.head_dim, theta, scaling)
     return torch.cat([freq, freq.new_zeros(cfg.head_dim // 2 - freq.numel())])
 

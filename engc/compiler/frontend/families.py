@@ -21,6 +21,14 @@ class Experts:
     # each expert's output is weighted by its float32 routing weight (Mixtral), not one cast to the model
     # dtype first (Qwen-MoE, OLMoE): a bfloat16 model rounds differently
     float32_weights: bool = False
+    # DeepSeek's routing (kernels/moe): "deepseek_v2" (softmax scores; topk_method greedy or group_limited_greedy,
+    # best expert a group) or "deepseek_v3" (noaux_tc: sigmoid scores plus the e_score_correction_bias choose,
+    # best two a group); both scale by routed_scaling_factor. None: softmax top-k as above
+    routing: str | None = None
+    # config.json key of the number of always-on, ungated shared experts of moe_intermediate_size each (DeepSeek)
+    shared_experts_count_key: str | None = None
+    # config.json key of the number of leading layers that keep a dense MLP (DeepSeek's first_k_dense_replace)
+    first_dense_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,11 @@ class Family:
     # transformers' config-class defaults of keys that released config.json files leave out
     defaults: tuple[tuple[str, object], ...] = ()
     bos_always: bool = False        # every sequence starts with BOS, whatever tokenizer.json says (bos.py)
+    # multi-head latent attention (DeepSeek-V2/V3, frontend/mla.py): q (optionally through q_lora_rank), a
+    # kv_lora_rank latent and a shared rope key cached per token; rope_interleave: the rotated dims are pairs
+    # (x0, x1), (x2, x3)... (always for V2, as config.json's rope_interleave says for V3)
+    latent_attention: bool = False
+    rope_interleave: bool | str = False
 
 
 _GEMMA = dict(norm_unit_offset=True, sandwich_norms=True, scaled_embedding=True, bos_always=True)
@@ -67,6 +80,11 @@ _GEMMA2_DEFAULTS = (("hidden_activation", "gelu_pytorch_tanh"), ("head_dim", 256
                     ("attn_logit_softcapping", 50.0), ("tie_word_embeddings", True))
 
 
+
+def _DEEPSEEK(**facts) -> Experts:
+    return Experts(shared_experts_count_key="n_shared_experts", first_dense_key="first_k_dense_replace", **facts)
+
+
 FAMILIES = {
     "llama": Family("llama"),
     "mistral": Family("mistral"),
@@ -80,6 +98,16 @@ FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", qk_norm=True, sliding_window_switch="use_sliding_window",
                         experts=Experts(dense_layers=True)),
     "olmoe": Family("olmoe", qk_norm_projection=True, experts=Experts(intermediate_key="intermediate_size")),
+    # V2's router never renormalizes (HF's ignores norm_topk_prob); defaults: transformers' config classes'
+    "deepseek_v2": Family("deepseek_v2", latent_attention=True, rope_interleave=True,
+                          defaults=(("first_k_dense_replace", 0), ("n_shared_experts", 2), ("topk_method", "greedy"),
+                                    ("routed_scaling_factor", 1.0)),
+                          experts=_DEEPSEEK(routing="deepseek_v2", renormalize=False)),
+    "deepseek_v3": Family("deepseek_v3", latent_attention=True, rope_interleave="rope_interleave",
+                          defaults=(("rope_interleave", True), ("norm_topk_prob", True), ("n_group", 8),
+                                    ("topk_group", 4), ("routed_scaling_factor", 2.5), ("first_k_dense_replace", 3),
+                                    ("n_shared_experts", 1)),
+                          experts=_DEEPSEEK(routing="deepseek_v3")),
     "gemma2": Family("gemma2", sliding_window_pattern=2, defaults=_GEMMA2_DEFAULTS, **_GEMMA),
     "gemma3_text": Family("gemma3_text", qk_norm=True, sliding_window_pattern=6, defaults=_GEMMA3_DEFAULTS,
                           **_GEMMA),

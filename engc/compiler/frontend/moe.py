@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from engc.compiler.frontend.block_facts import with_defaults
 from engc.compiler.frontend.families import Family
 from engc.compiler.ir import Graph
 from engc.errors import UserError
@@ -27,6 +28,12 @@ _VARIANTS = {
     "hidden_act": ("silu",),               # the experts' GLU is SiLU
     "clip_qkv": (),                        # OLMoE's optional q/k/v clamp
 }
+# what DeepSeek's routings compute in place of the keys above (Experts.routing; the MoE node's attributes)
+_ROUTINGS = {
+    "deepseek_v2": {"scoring_func": ("softmax",), "topk_method": ("greedy", "group_limited_greedy")},
+    "deepseek_v3": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
+}
+_ROUTING_OWNS = ("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")
 
 
 def expert_counts(hf: dict, family: Family) -> dict:
@@ -34,11 +41,13 @@ def expert_counts(hf: dict, family: Family) -> dict:
     ex = family.experts
     if ex is None:
         return {}
-    for key, supported in _VARIANTS.items():
+    variants = _VARIANTS if ex.routing is None else {
+        **{k: v for k, v in _VARIANTS.items() if k not in _ROUTING_OWNS}, **_ROUTINGS[ex.routing]}
+    for key, supported in variants.items():
         if hf.get(key) is not None and hf[key] not in supported:
             raise UserError(f"unsupported MoE variant: {key} = {hf[key]!r} in config.json (engc computes "
                             f"{' or '.join(repr(s) for s in supported) if supported else 'only its absence'})")
-    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
     top_k = hf.get("num_experts_per_tok")
     inter = hf.get(ex.intermediate_key)
     if not experts or not top_k or not inter:
@@ -48,14 +57,26 @@ def expert_counts(hf: dict, family: Family) -> dict:
     if not 1 <= top_k <= experts:
         raise UserError(f"num_experts_per_tok {top_k} is not between 1 and num_experts {experts}")
     shared = hf.get(ex.shared_expert_key, 0) if ex.shared_expert_key else 0
+    if ex.shared_experts_count_key:
+        shared = int(hf.get(ex.shared_experts_count_key) or 0) * int(inter)
+    if ex.routing:
+        groups, chosen = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+        if experts % groups or not 1 <= chosen <= groups:
+            raise UserError(f"n_group {groups} and topk_group {chosen} do not split {experts} experts into groups")
+        if ex.routing == "deepseek_v3" and experts // groups < 2:
+            raise UserError(f"noaux_tc routing scores each group by its best two experts; n_group {groups} leaves "
+                            f"{experts // groups} a group")
     return dict(num_experts=int(experts), num_experts_per_tok=int(top_k), moe_intermediate_size=int(inter),
                 shared_expert_intermediate_size=int(shared or 0))
 
 
 def is_moe_layer(hf: dict, family: Family, layer: int) -> bool:
-    """Qwen-MoE keeps a dense MLP on the layers in mlp_only_layers and off every decoder_sparse_step-th."""
+    """Qwen-MoE keeps a dense MLP on the layers in mlp_only_layers and off every decoder_sparse_step-th;
+    DeepSeek on its first first_k_dense_replace layers."""
     if family.experts is None:
         return False
+    if family.experts.first_dense_key:
+        return layer >= int(with_defaults(hf, family).get(family.experts.first_dense_key) or 0)
     if not family.experts.dense_layers:
         return True
     step = hf.get("decoder_sparse_step") or 1
@@ -65,9 +86,13 @@ def is_moe_layer(hf: dict, family: Family, layer: int) -> bool:
 def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: int, dtype: torch.dtype) -> str:
     """Emits the MoE node of one layer on the normed hidden state h; returns its output (residual excluded)."""
     ex = family.experts
+    hf = with_defaults(hf, family)
     counts = expert_counts(hf, family)
     block, p = f"model.layers.{layer}.{ex.block}.", f"layers.{layer}."
+    own_bias = ("gate.e_score_correction_bias",) if ex.routing == "deepseek_v3" else ()
     for bias in ("gate.bias", "gate.e_score_correction_bias", "experts.gate_up_proj_bias"):
+        if bias in own_bias:
+            continue
         if ckpt.has(block + bias) or ckpt.has(f"model.layers.{layer}.mlp.{bias}"):
             raise UserError(f"unsupported MoE variant: the checkpoint has '{block}{bias}' (router or expert "
                             "biases are not computed)")
@@ -94,8 +119,9 @@ def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: i
                                                              for e in per])
     inputs = [h, weight(p + "router.weight", router_name), p + "experts.gate_up", p + "experts.down"]
     shared = counts["shared_expert_intermediate_size"] > 0
+    gated = ex.shared_experts_count_key is None   # Qwen2-MoE's shared expert has a sigmoid gate; DeepSeek's none
     if shared:
-        se = f"model.layers.{layer}.mlp.shared_expert."
+        se = f"model.layers.{layer}.mlp.{'shared_expert' if gated else 'shared_experts'}."
         if ckpt.has(se + "gate_proj.qweight"):
             raise UserError("an int4 shared expert is not supported (engc quantize keeps it float): "
                             f"'{se}gate_proj' is quantized")
@@ -103,13 +129,34 @@ def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: i
             _check_present(ckpt, f"{se}{n}.weight")
         g.weights[p + "shared.gate_up"] = lambda: torch.cat(
             [ckpt.get(se + "gate_proj.weight"), ckpt.get(se + "up_proj.weight")]).to(dtype)
-        inputs += [p + "shared.gate_up", weight(p + "shared.down", se + "down_proj.weight"),
-                   weight(p + "shared.gate", f"model.layers.{layer}.mlp.shared_expert_gate.weight")]
+        inputs += [p + "shared.gate_up", weight(p + "shared.down", se + "down_proj.weight")]
+        if gated:
+            inputs.append(weight(p + "shared.gate", f"model.layers.{layer}.mlp.shared_expert_gate.weight"))
     renormalize = hf.get(ex.renormalize, False) if isinstance(ex.renormalize, str) else ex.renormalize
-    return g.add("MoE", inputs + int4.get("inputs", []), p + "moe", num_experts=counts["num_experts"],
-                 top_k=counts["num_experts_per_tok"], softmax_first=True, renormalize=bool(renormalize),
-                 has_shared_expert=shared, **({"group_size": int4["group_size"]} if int4 else {}),
+    routing = _routing_attrs(hf, ex.routing)
+    if own_bias:   # noaux_tc's e_score_correction_bias: the node's last input, float32 as HF keeps it
+        _check_present(ckpt, block + own_bias[0])
+        g.weights[p + "router.bias"] = lambda: ckpt.get(block + own_bias[0]).float().contiguous()
+    return g.add("MoE", inputs + int4.get("inputs", []) + ([p + "router.bias"] if own_bias else []), p + "moe",
+                 num_experts=counts["num_experts"], top_k=counts["num_experts_per_tok"], softmax_first=True,
+                 renormalize=bool(renormalize), has_shared_expert=shared,
+                 **({"shared_ungated": True} if shared and not gated else {}), **routing,
+                 **({"group_size": int4["group_size"]} if int4 else {}),
                  **({"float32_weights": True} if ex.float32_weights else {}))
+
+
+def _routing_attrs(hf: dict, routing: str | None) -> dict:
+    """The MoE node's attributes of DeepSeek's routings (kernels/moe's route); none for plain softmax top-k."""
+    if routing is None:
+        return {}
+    grouped = routing == "deepseek_v3" or hf.get("topk_method") == "group_limited_greedy"
+    attrs = {"routed_scaling_factor": float(hf.get("routed_scaling_factor") or 1.0)}
+    if routing == "deepseek_v3":
+        attrs.update(sigmoid_scores=True, correction_bias=True)
+    if grouped and int(hf.get("n_group") or 1) > 1:
+        attrs.update(n_group=int(hf["n_group"]), topk_group=int(hf.get("topk_group") or 1),
+                     group_top2=routing == "deepseek_v3")
+    return attrs
 
 
 def _int4_experts(g: Graph, ckpt, per: list[str], names: tuple, p: str, dtype: torch.dtype, qc: dict) -> dict:

@@ -1,7 +1,7 @@
 """Rotary frequencies, resolved at build time so the runtime has one formula for every family.
 
-Follows the HF definitions of the default, linear, llama3, dynamic (up to the original length) and longrope
-(short factors) rope types; anything else is refused.
+Follows the HF definitions of the default, linear, llama3, dynamic (up to the original length), longrope
+(short factors) and yarn rope types; anything else is refused.
 """
 from __future__ import annotations
 
@@ -39,7 +39,10 @@ def inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
         if short.numel() != freq.numel():
             raise UserError(f"longrope short_factor has {short.numel()} entries, the rotary width needs {freq.numel()}")
         return 1.0 / (short * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    raise UserError(f"unsupported rope scaling '{rope_type}'; supported: default, linear, llama3, dynamic, longrope")
+    if rope_type == "yarn":
+        return _yarn(freq, head_dim, theta, scaling)
+    raise UserError(f"unsupported rope scaling '{rope_type}'; supported: default, linear, llama3, dynamic, longrope, "
+                    "yarn")
 
 
 LONGROPE = ("longrope", "su")   # Phi-3's configs call it su before transformers renamed it
@@ -59,8 +62,17 @@ def context_limit(scaling: dict | None, max_position_embeddings: int) -> int:
 
 
 def attention_factor(scaling: dict | None, max_position_embeddings: int) -> float:
-    """LongRoPE's multiplier of cos and sin (so q.k gains its square): sqrt(1 + ln(factor) / ln(original
-    length)), factor being max_position_embeddings over the original length, as HF computes it; else 1."""
+    """LongRoPE's and YaRN's multiplier of cos and sin (so q.k gains its square). LongRoPE: sqrt(1 + ln(factor)
+    / ln(original length)), factor being max_position_embeddings over the original length, as HF computes it;
+    YaRN: mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are given (DeepSeek), else
+    mscale(factor); else 1."""
+    if _rope_type(scaling) == "yarn":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor = _yarn_factor(scaling, max_position_embeddings)
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            return yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"])
+        return yarn_mscale(factor)
     if _rope_type(scaling) not in LONGROPE:
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -97,3 +109,43 @@ def _llama3(freq: torch.Tensor, s: dict) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature, 0.1 * mscale * ln(factor) + 1 (1 where the factor does not extend)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def mla_softmax_scale(scaling: dict | None, scale: float) -> float:
+    """DeepSeek's MLA also scales q.k of every dim (not only the rotated ones) by mscale(factor, mscale_all_dim)
+    squared under YaRN, as HF's yarn_apply_mscale does."""
+    if _rope_type(scaling) == "yarn" and scaling.get("mscale_all_dim"):
+        m = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+        return scale * m * m
+    return scale
+
+
+def _yarn_factor(s: dict, max_position_embeddings: int) -> float:
+    return s.get("factor") or max_position_embeddings / s["original_max_position_embeddings"]
+
+
+def _yarn(freq: torch.Tensor, dim: int, theta: float, s: dict) -> torch.Tensor:
+    """YaRN's blend of interpolated (freq / factor) and extrapolated (freq) frequencies over a linear ramp between
+    the dims that turn beta_fast and beta_slow times in the original length."""
+    original = s.get("original_max_position_embeddings")
+    if not original or not s.get("factor"):
+        raise UserError("yarn rope scaling needs factor and original_max_position_embeddings")
+    factor, fast, slow = s["factor"], s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001   # HF's guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return freq / factor * (1 - extrapolation) + freq * extrapolation
