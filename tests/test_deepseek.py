@@ -85,7 +85,7 @@ def test_deepseek_routings():
 
 def test_latent_cache_bytes(tiny_bundle):
     from engc.bundle.inspect import describe
-    from engc.bundle.reader import Bundle
+    from engc.bundle.reader import open_bundle
     from engc.runtime.kv_cache import KVCache
     from engc.runtime.loader import load
     model = load(tiny_bundle("deepseek_v2"))
@@ -94,7 +94,7 @@ def test_latent_cache_bytes(tiny_bundle):
     assert kv.layers[0].shape == (1, 4, 16, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     per_token = KVCache.bytes_per_block(cfg, 16, torch.float32) // 16
     assert per_token == cfg.num_layers * (32 + 8) * 4
-    text = describe(Bundle(tiny_bundle("deepseek_v2")))
+    text = describe(open_bundle(tiny_bundle("deepseek_v2")))
     mha = cfg.num_layers * cfg.num_heads * (cfg.head_dim + cfg.v_head_dim) * 4
     assert f"kv bytes   {per_token:,} a token (latent {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim}" in text
     assert f"MHA-equivalent {mha:,}" in text

@@ -1,6 +1,7 @@
 """A human-readable summary of a bundle's manifest (engc inspect)."""
 from __future__ import annotations
 
+from engc.bundle.model_config import ModelConfig
 from engc.bundle.reader import Bundle
 
 
@@ -15,6 +16,7 @@ def describe(b: Bundle) -> str:
         *_gguf_kept(m['quantization']),
         f"archs      {', '.join(m['archs'])}   kv block {m['kv_block_size']} tokens   "
         f"kv cache {m.get('kv_cache', 'auto')}",
+        _kv_bytes(m),
         f"kernels    {len(m['kernels'])}",
     ]
     for k in m["kernels"]:
@@ -23,6 +25,24 @@ def describe(b: Bundle) -> str:
     for rel, digest in sorted(m["files"].items()):
         lines.append(f"  {sizes.get(rel, 0):>12,}  {digest[:16]}  {rel}")
     return "\n".join(lines)
+
+
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _kv_bytes(m: dict) -> str:
+    """The KV cache's bytes a token (all layers), and for latent attention the bytes per-head keys and values
+    (nope + rope and v wide, as MHA would cache them) would take in the same format."""
+    cfg = ModelConfig.from_dict(m["model"])
+    quantized = m.get("kv_cache", "auto") != "auto"   # 1-byte codes plus a float32 scale a row
+    elt = 1 if quantized else _ELEMENT_BYTES.get(m["dtype"], 2)
+    planes, rows, width = cfg.kv_cache_row
+    per_token = cfg.num_layers * planes * rows * (width * elt + 4 * quantized)
+    if not cfg.kv_lora_rank:
+        return f"kv bytes   {per_token:,} a token ({planes} x {rows} KV heads x {width} a layer)"
+    mha = cfg.num_layers * cfg.num_heads * ((cfg.head_dim + cfg.v_head_dim) * elt + 8 * quantized)
+    return (f"kv bytes   {per_token:,} a token (latent {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim} a layer); "
+            f"MHA-equivalent {mha:,} ({mha / per_token:.1f}x)")
 
 
 def _short(quantization: dict | None) -> dict | None:
