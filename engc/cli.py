@@ -80,8 +80,11 @@ def main():
 @click.option("--tune", "tune_file", default=None, type=click.Path(path_type=Path),
               help='JSON tune-table entries to build with, {"sm90/op/variant/bucket": {"FIELD": value}} '
                    "(e.g. configs measured on your GPU); recorded in the manifest.")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1),
+              help="Tensor-parallel ranks (GPUs): one weight file a rank, heads and MLP columns split "
+                   "across them; serve with engc run (see docs/deploy.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
-def build(src, out, arch, dtype, kernel_cache, quant, kv_cache, tune_file, as_json):
+def build(src, out, arch, dtype, kernel_cache, quant, kv_cache, tune_file, tp, as_json):
     """Build a bundle from SRC: a Hugging Face folder, a .gguf file, or 'default'."""
     from engc.bundle.manifest import parse_archs
     from engc.compiler.build import BuildOptions
@@ -89,7 +92,7 @@ def build(src, out, arch, dtype, kernel_cache, quant, kv_cache, tune_file, as_js
     from engc.compiler.tune import read_tune_file
     from engc.progress import Progress
     opts = BuildOptions(archs=tuple(parse_archs(arch)), dtype=dtype, kernel_cache=kernel_cache, quant=quant,
-                        kv_cache=kv_cache, tune=read_tune_file(tune_file) if tune_file else None)
+                        kv_cache=kv_cache, tune=read_tune_file(tune_file) if tune_file else None, tp=tp)
     summary = build_bundle(src, out, opts, Progress(enabled=not as_json))
     if as_json:
         click.echo(json.dumps(summary, sort_keys=True))
@@ -291,12 +294,14 @@ def _stream(engine, prompt_ids, params):
 @click.option("--raw", is_flag=True, help="Send the prompt as plain text, without the chat template.")
 @click.option("--device", default="auto", show_default=True,
               help="cpu, cuda or auto (the GPU when there is one).")
+@click.option("--tp", default=None, type=click.IntRange(1),
+              help="Tensor-parallel ranks; default: the bundle's (engc build --tp). One process a rank.")
 @_sampling_options
-def generate(bundle, prompt, raw, device, **sampling):
+def generate(bundle, prompt, raw, device, tp, **sampling):
     """Answer one prompt and exit (for scripts)."""
     from engc.runtime.engine import Engine
-    from engc.runtime.loader import load
-    model = load(bundle, device=device)
+    from engc.runtime.tp import load_rank
+    model = load_rank(str(bundle), device, tp)
     tok = model.tokenizer
     ids = tok.encode(prompt) if raw or tok.chat_template is None else tok.encode_chat(
         [{"role": "user", "content": prompt}])
@@ -308,12 +313,14 @@ def generate(bundle, prompt, raw, device, **sampling):
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--device", default="auto", show_default=True,
               help="cpu, cuda or auto (the GPU when there is one).")
+@click.option("--tp", default=None, type=click.IntRange(1),
+              help="Tensor-parallel ranks; default: the bundle's (engc build --tp). One process a rank.")
 @_sampling_options
-def chat(bundle, system, device, **sampling):
+def chat(bundle, system, device, tp, **sampling):
     """Interactive chat in the terminal (streams tokens; empty line or Ctrl-D to quit)."""
     from engc.runtime.engine import Engine
-    from engc.runtime.loader import load
-    model = load(bundle, device=device)
+    from engc.runtime.tp import load_rank
+    model = load_rank(str(bundle), device, tp)
     engine = Engine(model)
     params = _params(**sampling)
     messages = [{"role": "system", "content": system}] if system else []
@@ -350,8 +357,10 @@ def chat(bundle, system, device, **sampling):
               help="Largest request body; a larger one is refused (413) unread. Default: 1 MiB + 64 a context token.")
 @click.option("--device", default="auto", show_default=True,
               help="cpu, cuda or auto (the GPU when there is one).")
+@click.option("--tp", default=None, type=click.IntRange(1),
+              help="Tensor-parallel ranks; default: the bundle's (engc build --tp). One process a rank, spawned here; under torchrun (RANK, WORLD_SIZE set) rank 0 serves.")
 def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_prefill_tokens,
-        cache_max_entry_count, num_blocks, no_prefix_cache, max_body_bytes, device):
+        cache_max_entry_count, num_blocks, no_prefix_cache, max_body_bytes, device, tp):
     """Serve BUNDLE over HTTP with OpenAI- and Anthropic-compatible APIs (see docs/serving.md)."""
     from engc.runtime.engine import EngineConfig
     from engc.runtime.server.app import serve
@@ -360,7 +369,7 @@ def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_pref
         extra["num_blocks"] = num_blocks
     config = EngineConfig(max_num_seqs=max_batch_size, max_batched_tokens=max_prefill_tokens,
                           prefix_cache=not no_prefix_cache, **extra)
-    serve(str(bundle), config, host, port, served_model_name, api_key, device, max_body_bytes)
+    serve(str(bundle), config, host, port, served_model_name, api_key, device, max_body_bytes, tp)
 
 
 @main.command()
@@ -389,6 +398,27 @@ def verify(bundle):
         listed = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise UserError(f"{bundle} is damaged: {listed}")
     click.echo(f"OK {bundle}: {len(manifest['files'])} files verified")
+
+
+@main.command(name="bench")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--device", default="auto", show_default=True, help="auto (the GPU when the bundle has its kernels), cuda or cpu.")
+@click.option("--batch-sizes", default="1,8", show_default=True, help="Comma list of batch sizes.")
+@click.option("--input-len", default=128, show_default=True, type=click.IntRange(1), help="Prompt tokens a request.")
+@click.option("--output-len", default=128, show_default=True, type=click.IntRange(1), help="Tokens a request decodes.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def bench_(bundle, device, batch_sizes, input_len, output_len, as_json):
+    """Decode and throughput figures of a bundle on this machine (greedy, random prompts, EOS ignored)."""
+    from engc.bench import bench, table
+    from engc.progress import Progress
+    try:
+        sizes = sorted({int(b) for b in batch_sizes.split(",") if b.strip()})
+    except ValueError:
+        raise UserError(f"--batch-sizes {batch_sizes!r}: expected a comma list of integers") from None
+    if not sizes or sizes[0] < 1:
+        raise UserError(f"--batch-sizes {batch_sizes!r}: expected positive integers")
+    report = bench(str(bundle), device, sizes, input_len, output_len, Progress(enabled=not as_json))
+    click.echo(json.dumps(report, sort_keys=True) if as_json else table(report))
 
 
 if __name__ == "__main__":

@@ -11,13 +11,15 @@ class Progress:
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.live = enabled and self.stream.isatty()
+        self.timings: dict[str, float] = {}   # step -> seconds, shown or not (`engc build --json` reports them)
 
     @contextmanager
     def step(self, what: str):
         started = time.monotonic()
         self._line(f"{what} ...", final=False)
         yield
-        self._line(f"{what}: done in {time.monotonic() - started:.1f}s", final=True)
+        self.timings[what] = round(time.monotonic() - started, 2)
+        self._line(f"{what}: done in {self.timings[what]:.1f}s", final=True)
 
     def bar(self, what: str, total: int, unit: str = "", eta: bool = False) -> "Bar":
         return Bar(self, what, total, unit, eta)

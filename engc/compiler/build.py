@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 
 from engc.bundle import manifest as mf
+from engc.bundle.hashing import sha256_file
 from engc.bundle.safetensors_stream import write_streaming
+from engc.bundle.tp import rank_config, weight_file
 from engc.bundle.writer import write_bundle
 from engc.compiler.frontend.bos import with_bos
 from engc.compiler.frontend.checkpoint import Checkpoint
@@ -19,6 +21,7 @@ from engc.compiler.ir import to_onnx
 from engc.compiler.passes import PASSES
 from engc.compiler.passes.fuse_fp8_input_quant import fuse_fp8_input_quant
 from engc.compiler.passes.quantize_kv_cache import KV_CACHE_PASSES
+from engc.compiler.passes.shard_tp import tp_pass
 from engc.compiler.passes.quantize_fp8 import FP8_MANIFEST, check_fp8_shapes, check_fp8_targets, quantize_fp8
 from engc.errors import UserError
 from engc.progress import Progress
@@ -37,6 +40,7 @@ class BuildOptions:
     quant: str = "auto"          # auto: as the checkpoint is (float, or AWQ/GPTQ int4 repacked); fp8: W8A8;
                                  # keep: a GGUF's 4-bit projections stay 4-bit (frontend/gguf_quant.py)
     tune: dict | None = None     # tune-table entries merged over the table for this build (--tune FILE)
+    tp: int = 1                  # tensor-parallel ranks: one weight file a rank (passes/shard_tp.py)
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
@@ -96,6 +100,8 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
             check_fp8_shapes(cfg)
         if cfg.num_experts:
             check_moe_build(cfg, ckpt.hf_config, fp8, [a for a in opts.archs if a != "cpu"], graph)
+        if opts.tp != 1:   # first: every later pass works on the shard shapes
+            passes.insert(0, tp_pass(cfg, opts.tp))
         for p in passes:
             graph = p(graph)
         graph.validate()
@@ -107,7 +113,7 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
             from engc.compiler import tune
             from engc.compiler.kernel_cache import compile_cached
             with tune.overridden(opts.tune):
-                result = compile_cached(cfg, DTYPES[dtype_name], gpu_archs, opts.kv_block_size,
+                result = compile_cached(rank_config(cfg, opts.tp), DTYPES[dtype_name], gpu_archs, opts.kv_block_size,
                                         Path(opts.kernel_cache) if opts.kernel_cache else None,
                                         quant="fp8" if fp8 else "none", kv_cache=opts.kv_cache,
                                         int4_group_sizes=int4_group_sizes(graph),
@@ -117,26 +123,36 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
 
     def write_large(tmp: Path):
         (tmp / "weights").mkdir()
-        bar = progress.bar("write weights", total=len(graph.weights))
-        layout = write_streaming(tmp / mf.WEIGHTS, graph.weights, on_tensor=lambda _: bar.advance())
+        bar = progress.bar("write weights", total=len(graph.weights) * opts.tp)
+        for rank in reversed(range(opts.tp)):   # rank 0 last: the program points into its file
+            graph.rank = rank
+            layout = write_streaming(tmp / weight_file(rank), graph.weights, on_tensor=lambda _: bar.advance())
         bar.close()
         (tmp / mf.PROGRAM).write_bytes(to_onnx(graph, layout, mf.WEIGHTS, dtype_name))
 
     manifest = {
         "source": {"name": ckpt.name, "sha256": ckpt.source_sha256()},
-        "model": cfg.to_dict(), "dtype": dtype_name, "tp": 1,
+        "model": cfg.to_dict(), "dtype": dtype_name, "tp": opts.tp,
         "quantization": dict(FP8_MANIFEST) if fp8 else _quantization(ckpt),
         "archs": list(opts.archs), "kv_block_size": opts.kv_block_size, "kv_cache": opts.kv_cache,
-        "program": mf.PROGRAM, "weights": [mf.WEIGHTS], "kernels": kernels,
+        "program": mf.PROGRAM, "weights": [weight_file(r) for r in range(opts.tp)], "kernels": kernels,
         "passes": [p.__name__ for p in passes],
         **({"tune_overrides": opts.tune} if opts.tune else {}),   # each kernel record has its entry too
     }
     with progress.step("write bundle"):
         manifest = write_bundle(out, manifest, files, write_large)
     sizes = {rel: (out / rel).stat().st_size for rel in manifest["files"]}
+    parts = {"weights": "weights/", "kernels": "kernels/", "program": mf.PROGRAM}
+    by_part = {name: sum(n for rel, n in sizes.items() if rel.startswith(prefix)) for name, prefix in parts.items()}
+    by_part["other"] = sum(sizes.values()) - sum(by_part.values())
+    # digest: the manifest's sha256, which names every byte of the bundle (it lists each file's sha256);
+    # two builds of the same inputs give the same digest
     return {"bundle": str(out), "model": ckpt.name, "family": cfg.family, "dtype": dtype_name,
-            "archs": list(opts.archs), "kernels": len(kernels), "files": len(sizes),
-            "bytes": sum(sizes.values()), "seconds": round(time.monotonic() - started, 2)}
+            "archs": list(opts.archs), "kernels": len(kernels),
+            "kernels_by_arch": {a: sum(r["arch"] == a for r in kernels) for a in gpu_archs},
+            "files": len(sizes), "bytes": sum(sizes.values()), "bytes_by_part": by_part,
+            "digest": sha256_file(out / mf.MANIFEST), "timings_s": dict(progress.timings),
+            "seconds": round(time.monotonic() - started, 2)}
 
 
 def int4_group_sizes(graph) -> tuple[int, ...]:

@@ -89,3 +89,9 @@ def compile_cached(cfg: ModelConfig, dtype: torch.dtype, archs: list[str], block
     (entry / "files.json").write_text(json.dumps(sorted(result.files)))
     (entry / "records.json").write_text(json.dumps(result.records, sort_keys=True))
     return result
+
+
+if __name__ == "__main__":
+    # `python -m engc.compiler.kernel_cache`: the digest of engc's kernel sources, the key a CI keeps its
+    # kernel cache folder under (examples/ci); the entries inside are keyed per model and build as well
+    print(sources_digest()[:16])
