@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engc.runtime.engine import Engine, EngineConfig
-from engc.runtime.loader import load
+from engc.runtime.tp import load_rank
 from engc.runtime.sampling import SamplingParams
 
 
@@ -20,10 +20,13 @@ class Completion:
 class LLM:
     """A bundle loaded for batch generation. device: "auto" (the GPU when there is one, as the CLI),
     "cuda" or "cpu". generate's default SamplingParams sample at temperature 1.0, as the OpenAI API
-    does; pass SamplingParams(temperature=0) for greedy, reproducible answers."""
+    does; pass SamplingParams(temperature=0) for greedy, reproducible answers. A tensor-parallel bundle
+    starts its other ranks' processes here (tp: checked against the bundle's; under torchrun every
+    process makes the LLM and the ranks but 0 serve as workers, then exit); close() stops them."""
 
-    def __init__(self, bundle: str, device: str = "auto", engine: EngineConfig = EngineConfig()):
-        self.model = load(bundle, device=device)
+    def __init__(self, bundle: str, device: str = "auto", engine: EngineConfig = EngineConfig(),
+                 tp: int | None = None):
+        self.model = load_rank(str(bundle), device, tp)
         self.engine = Engine(self.model, engine)
         self.tokenizer = self.model.tokenizer
 
@@ -36,6 +39,11 @@ class LLM:
         self.engine.run_to_completion()
         return [Completion(p, s.output_text, list(s.output_ids), len(s.prompt_ids), s.finish_reason)
                 for p, s in zip(prompts, seqs)]
+
+    def close(self) -> None:
+        """Stops a tensor-parallel bundle's worker processes (also done at exit)."""
+        if self.model.tp is not None:
+            self.model.tp.close()
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         if chat:

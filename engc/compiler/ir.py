@@ -35,6 +35,8 @@ class Graph:
     num_layers: int = 0
     kv_cache: str = "auto"      # int8/fp8: a quantized cache, kv_scale.{i} inputs (passes/quantize_kv_cache)
     dtype: str = "float32"      # the activations' (torch name): what a pass that changes a value's type restores
+    tp: int = 1                 # tensor-parallel ranks (build --tp); passes/shard_tp makes weights per rank
+    rank: int = 0               # the rank whose shard the lazy weights load (the writer sets it per file)
 
     def add(self, op: str, inputs: list[str], outputs: list[str] | str, domain: str = ENGC_DOMAIN,
             **attrs) -> str | list[str]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from engc.runtime.engine import Engine
 from engc.runtime.sampling import Sampled, SamplingParams
+from engc.runtime.tp import RankFailure
 
 log = logging.getLogger("engc.engine")
 _ids = itertools.count()
@@ -48,6 +49,19 @@ class _Route:
 
 class EngineError(RuntimeError):
     """The step loop failed while this request was in flight (a bug, reported as a 500)."""
+    status = 500
+
+
+class EngineDown(EngineError):
+    """The engine stopped for good: a tensor-parallel rank died or its collectives failed (runtime/tp.py).
+    Every request, in flight or new, gets a 503, and the server exits."""
+    status = 503
+
+
+class QueueFull(RuntimeError):
+    """More sequences would wait for a place in the running batch than EngineConfig.max_waiting allows. The
+    server answers 429 at once, so a router or proxy in front can send the request to another replica or
+    another model instead of queueing it here."""
 
 
 class AsyncEngine:
@@ -59,6 +73,12 @@ class AsyncEngine:
         self.stats = engine.stats()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="engc-engine", daemon=True)
+        self._added = 0     # sequences put on the inbox (request side) and applied (engine thread): each counter
+        self._applied = 0   # has one writer, so their difference is the adds in flight without a lock
+        self.down: str | None = None      # why the engine stopped for good (EngineDown)
+        self.on_down: list = []           # callbacks(reason): the server's exit
+        if engine.model.tp is not None:   # the watchdog's or a failed step's RankFailure
+            engine.model.tp.on_failure.append(self.fail)
 
     def start(self) -> "AsyncEngine":
         self.thread.start()
@@ -68,15 +88,45 @@ class AsyncEngine:
         self._stop.set()
         self.inbox.put(("wake",))
         self.thread.join(timeout=10)
+        if self.engine.model.tp is not None:   # after the loop: no step is sent past the workers' stop
+            self.engine.model.tp.close()
+
+    def fail(self, reason: str) -> None:
+        """The engine cannot go on: requests in flight and to come get EngineDown, the loop ends, and the
+        on_down callbacks run (once). Called from the engine thread or the tensor-parallel watchdog."""
+        if self.down is not None:
+            return
+        self.down = reason
+        self._stop.set()
+        self.inbox.put(("wake",))
+        for route in list(self.routes.values()):
+            self._deliver(route, EngineDown(f"the engine is down: {reason}"))
+        self.routes.clear()
+        for callback in list(self.on_down):
+            callback(reason)
 
     # --- the request side (event loop) ---------------------------------------------------------
 
     def generate(self, prompts: list[tuple[list[int], SamplingParams]], priority: int = 0,
                  session_id: str | None = None) -> "RequestStream":
-        """Queues one sequence per (prompt, params); raises ValueError if the engine would refuse one."""
+        """Queues one sequence per (prompt, params); raises ValueError if the engine would refuse one,
+        EngineDown if it has stopped."""
+        if self.down is not None:
+            raise EngineDown(f"the engine is down: {self.down}")
         for ids, params in prompts:
             self.engine.check_request(ids, params)
+        limit = self.engine.config.max_waiting
+        if limit is not None and self.queued(len(prompts)) > limit:
+            raise QueueFull(f"the queue is full: more than {limit} requests would wait for a place in the batch")
         return RequestStream(self, prompts, priority, session_id)
+
+    def queued(self, more: int = 0) -> int:
+        """Sequences that would wait for a place in the running batch with `more` added: those the engine
+        holds waiting, plus the adds it has not seen yet beyond the batch's free places. Read from the
+        request side, so the engine's part is its stats of the last step."""
+        s = self.stats
+        free = max(self.engine.config.max_num_seqs - s["running"], 0)
+        return s["waiting"] + max(self._added - self._applied + more - free, 0)
 
     async def call(self, fn):
         """Runs fn(engine) in the engine thread between steps and returns its result."""
@@ -109,6 +159,7 @@ class AsyncEngine:
         kind = cmd[0]
         if kind == "add":
             _, rid, prompt_ids, params, priority, session_id, route = cmd
+            self._applied += 1
             self.routes[rid] = route
             try:
                 self.engine.add_request(prompt_ids, params, priority, rid, session_id)
@@ -127,6 +178,9 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except RankFailure as e:   # the ranks are out of step: the engine stops, the server with it
+            self.fail(str(e))
+            return
         except Exception:  # noqa: BLE001 - a failed step fails its requests, not the server
             log.exception("engine step failed; aborting the requests in flight")
             for rid, route in list(self.routes.items()):
@@ -173,6 +227,7 @@ class RequestStream:
             rid = f"req-{tag}-{i}"
             self.request_ids.append(rid)
             session = self.session_id if i == 0 else None
+            self.engine._added += 1
             self.engine.inbox.put(("add", rid, list(ids), params, self.priority, session,
                                    _Route(loop, self.queue, i)))
 

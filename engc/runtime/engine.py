@@ -33,6 +33,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.85    # of the GPU memory free after weights, when num_blocks is 0
     cuda_graphs: bool = True            # capture decode graphs at start (GPU only)
     overlap: bool = True                # launch step N+1 before reading step N's tokens (same outputs)
+    max_waiting: int | None = None      # server: a request that would make more sequences wait is a 429
 
 
 class Engine:
@@ -41,11 +42,14 @@ class Engine:
         self.config = config
         kv_dtype = model.kv_dtype or model.dtype
         num_blocks = config.num_blocks or KVCache.default_num_blocks(
-            model.config, model.block_size, kv_dtype, model.device, config.kv_memory_fraction)
-        self.kv = KVCache(model.config, num_blocks, model.block_size, kv_dtype, model.device, config.prefix_cache)
+            model.kv_config, model.block_size, kv_dtype, model.device, config.kv_memory_fraction)
+        self.kv = KVCache(model.kv_config, num_blocks, model.block_size, kv_dtype, model.device, config.prefix_cache)
         self.scheduler = Scheduler(self.kv.allocator, config.max_num_seqs, config.max_batched_tokens,
                                    config.max_sessions)
         self.max_context = min(model.config.max_position_embeddings, num_blocks * model.block_size)
+        if model.tp is not None:   # the workers (runtime/tp.py) size their caches and graphs as rank 0 does
+            model.tp.send({"num_blocks": num_blocks, "max_context": self.max_context,
+                           "max_num_seqs": config.max_num_seqs, "cuda_graphs": config.cuda_graphs})
         self.runner = ModelRunner(model, self.kv, self.max_context, config.max_num_seqs, config.cuda_graphs,
                                   config.overlap)
         self.output = OutputProcessor(model.tokenizer, self.max_context, self._finish)

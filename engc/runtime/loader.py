@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from engc.bundle.model_config import ModelConfig
 from engc.bundle.program import parse_program
 from engc.bundle.reader import Bundle, open_bundle, verify_big_files
+from engc.bundle.tp import rank_config, weight_file
 from engc.errors import BundleError
 from engc.kernels import int4_linear, kv_quant
 from engc.runtime.executor import Executor
@@ -33,14 +34,27 @@ class LoadedModel:
     step_facts: object = None   # gpu_ops.StepFacts on a GPU: host-side batch facts kernels read
     sampler: object = None      # sampler.SamplingKernels on a GPU whose bundle has the sampling kernel
     kv_dtype: torch.dtype | None = None   # the KV cache's: dtype, or int8/float8_e4m3fn (--kv-cache)
+    tp: object = None           # tp.Group of a tensor-parallel bundle (this process's rank), else None
+
+    @property
+    def kv_config(self) -> ModelConfig:
+        """The config this process's KV cache and kernels are shaped by: its rank's heads under tensor
+        parallelism (bundle/tp.py), else the model's."""
+        return rank_config(self.config, self.bundle.manifest.get("tp", 1))
 
 
-def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> LoadedModel:
+def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True, tp=None) -> LoadedModel:
+    """tp: the tp.Group of this process's rank (tp.start makes it); a tensor-parallel bundle needs one."""
     # The weights' digests are checked on other cores while this thread reads them: start-up pays
     # for whichever is slower, not both. Everything else is verified before it is read.
     bundle = open_bundle(path, verify_hashes=verify_hashes, defer_big=True)
+    ranks = int(bundle.manifest.get("tp", 1))
+    if ranks != (tp.world if tp is not None else 1):
+        raise BundleError(f"{bundle.path}: built for {ranks} tensor-parallel ranks: serve it with engc run "
+                          f"(which starts them), not in {tp.world if tp is not None else 1} process(es)")
+    mine = [weight_file(tp.rank)] if tp is not None else bundle.manifest["weights"]
     pool = ThreadPoolExecutor(1, thread_name_prefix="engc-verify")
-    pending = pool.submit(verify_big_files, bundle) if verify_hashes else None
+    pending = pool.submit(verify_big_files, bundle, mine) if verify_hashes else None
     pool.shutdown(wait=False)
     cfg = bundle.config
     if bundle.dtype not in TORCH_DTYPES:
@@ -58,7 +72,7 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
     program = parse_program(bundle.read(bundle.manifest["program"]))
     weights = {}
     try:
-        for rel in bundle.manifest["weights"]:
+        for rel in mine:   # a rank reads its own file only
             weights.update(read_weights(bundle.file(rel), dev))
     except Exception as e:  # a damaged file: say so in one line, the digest's verdict first
         if pending is not None:
@@ -85,7 +99,7 @@ def load(path: Path | str, device: str = "cpu", verify_hashes: bool = True) -> L
         executor = Executor(program, weights, reference_ops(TORCH_DTYPES[bundle.dtype]))
     tokenizer = Tokenizer(bundle.file("tokenizer"), cfg.eos_token_ids)
     return LoadedModel(bundle, cfg, TORCH_DTYPES[bundle.dtype], dev, executor, tokenizer,
-                       bundle.manifest["kv_block_size"], facts, sampler, kv_dtype)
+                       bundle.manifest["kv_block_size"], facts, sampler, kv_dtype, tp)
 
 
 def pick_device(device: str, bundle: Bundle) -> torch.device:

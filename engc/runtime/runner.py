@@ -65,11 +65,23 @@ class ModelRunner:
             greedy = None if model.sampler is None else model.sampler.greedy
             self.executor = GraphedExecutor(model.executor, model.step_facts, -(-max_context // model.block_size),
                                             max_num_seqs, model.device, cuda_graphs, greedy)
-            if cuda_graphs:
+            if cuda_graphs:   # every tensor-parallel rank captures the same graphs, collectives included
                 self.executor.capture(kv.layers)
+        if model.tp is not None and model.tp.rank == 0:   # each forward's inputs go to the workers first
+            from engc.runtime.tp import Leader
+            self.executor = Leader(self.executor, model.tp)
         self.sampler = DeviceSampler(model.sampler)
         self.readback = Readback(max_num_seqs, model.device)
         self.in_flight: InFlight | None = None
+
+    def follow(self) -> None:
+        """A tensor-parallel worker's loop (runtime/tp.py): every forward rank 0 runs, on the inputs it sends,
+        with this rank's weights and KV cache, until rank 0 says stop. Its outputs are rank 0's too (the
+        logits are gathered whole on every rank); only rank 0 samples them."""
+        from engc.runtime.tp import step_inputs
+        while (message := self.model.tp.receive()) is not None:
+            with torch.inference_mode():
+                self.executor.forward(step_inputs(message), self.kv.layers, None)
 
     def launch(self, batch: list[tuple[Sequence, int]]) -> InFlight:
         """Runs the batch's forward and, where its rows allow, samples it (tokens left on the device)."""

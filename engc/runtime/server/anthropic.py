@@ -59,7 +59,7 @@ async def _whole(stream) -> tuple[str, Delta]:
                 text += d.text
                 last = d
         except EngineError as e:
-            raise APIError(500, str(e)) from None
+            raise APIError(e.status, str(e)) from None
     return text, last
 
 

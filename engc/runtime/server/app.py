@@ -22,14 +22,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engc.errors import UserError
-from engc.runtime.async_engine import AsyncEngine
+from engc.runtime.async_engine import AsyncEngine, EngineDown, QueueFull
 from engc.runtime.engine import Engine, EngineConfig
 from engc.runtime.sampling import SamplingParams
 from engc.runtime.server.metrics import Metrics
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
-OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error"}
+OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 
 
 class APIError(Exception):
@@ -127,6 +127,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     metrics = engine.metrics or Metrics()
     engine.metrics = metrics
     metrics.bind(lambda: engine.stats)
+    metrics.bind_gateway(lambda: engine.stats, model_name, engine.engine.model.block_size,
+                         engine.engine.config.prefix_cache)
     limit = max_body_bytes or default_max_body_bytes(engine.engine.max_context)
     app.state.engc = ServerState(engine, model_name, api_key, metrics, int(time.time()), limit)
 
@@ -159,11 +161,21 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def _user(request: Request, e: UserError):
         return error_response(request, 400, str(e))
 
+    @app.exception_handler(QueueFull)
+    async def _full(request: Request, e: QueueFull):
+        return error_response(request, 429, str(e), None, "queue_full")
+
+    @app.exception_handler(EngineDown)
+    async def _down(request: Request, e: EngineDown):
+        return error_response(request, 503, str(e))
+
     app.add_middleware(Edge, paths=lambda: app.openapi()["paths"], respond=error_response, metrics=metrics,
                        api_key=api_key, max_body_bytes=limit, authorized=_authorized)
 
     @app.get("/health")
     async def health():
+        if engine.down is not None:   # a tensor-parallel rank died: the server is on its way out
+            return JSONResponse({"status": "down", "reason": engine.down}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -212,9 +224,11 @@ def _authorized(request: Request, key: str) -> bool:
 
 def build_server(bundle: str, config: EngineConfig, model_name: str | None = None,
                  api_key: str | None = None, device: str = "cpu",
-                 max_body_bytes: int | None = None) -> tuple[FastAPI, AsyncEngine]:
-    from engc.runtime.loader import load
-    model = load(bundle, device=device)
+                 max_body_bytes: int | None = None, tp: int | None = None) -> tuple[FastAPI, AsyncEngine]:
+    """tp: the ranks the command line asked for (checked against the bundle's; runtime/tp.py). On a rank
+    other than 0 of a tensor-parallel launch this serves as a worker and exits."""
+    from engc.runtime.tp import load_rank
+    model = load_rank(bundle, device, tp)
     engine = AsyncEngine(Engine(model, config), Metrics()).start()
     name = model_name or model.bundle.manifest.get("source", {}).get("name") or "engc"
     return create_app(engine, name, api_key, max_body_bytes), engine
@@ -222,20 +236,30 @@ def build_server(bundle: str, config: EngineConfig, model_name: str | None = Non
 
 def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int = 23333,
           model_name: str | None = None, api_key: str | None = None, device: str = "auto",
-          max_body_bytes: int | None = None) -> None:
+          max_body_bytes: int | None = None, tp: int | None = None) -> None:
     """Serves until interrupted. The address is taken before the model loads, so a port in use is one
-    line at once, not an error after the load; port 0 takes a free port and says which."""
+    line at once, not an error after the load; port 0 takes a free port and says which. If the engine
+    goes down (a tensor-parallel rank died), it answers 503 for ENGC_DOWN_DRAIN_S seconds (default 3: a
+    load balancer sees /health fail) and exits with one line and status 1."""
+    import os
+    import threading
     import uvicorn
     sock = listening_socket(host, port)
     port = sock.getsockname()[1]
-    app, engine = build_server(bundle, config, model_name, api_key, device, max_body_bytes)
+    app, engine = build_server(bundle, config, model_name, api_key, device, max_body_bytes, tp)
     shown = f"[{host}]" if ":" in host else host
     print(f"engc: serving {app.state.engc.model_name} on http://{shown}:{port}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+    drain = float(os.environ.get("ENGC_DOWN_DRAIN_S", "3"))
+    engine.on_down.append(lambda _: threading.Timer(drain, lambda: setattr(server, "should_exit", True)).start())
     try:
-        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
         sock.close()
+    if engine.down is not None:
+        raise UserError(f"the server stopped: {engine.down}")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -181,7 +181,7 @@ async def _collect(stream, out: _Output) -> dict:
                 if d.finished:
                     reasons[d.index] = _reason(d)
         except EngineError as e:
-            raise APIError(500, str(e)) from None
+            raise APIError(e.status, str(e)) from None
     want_logprobs = bool(out.req.logprobs) if out.chat else out.req.logprobs is not None
     choices = []
     for i in range(out.num_choices):
