@@ -1,0 +1,37 @@
+"""The MLA kernels a latent-attention model needs: the absorbed attention over the latent cache (split-KV) and
+its reduce, specialized on the heads, the latent and rope widths, the KV page and the cache's format."""
+from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
+from engc.kernels import kv_quant
+
+# Untuned starting points (no tune-table line yet): BLOCK_H 16 is the smallest tile tl.dot takes, so a
+# program serves up to 16 heads from each cache tile it reads; BLOCK_N 32 keeps a bf16 [32, 512] latent tile
+# in 32 KB of shared memory. Splits: enough programs to fill an H200's 132 SMs about twice at small batch.
+_DEFAULTS = {
+    "decode": {"num_warps": 4, "num_stages": 2, "BLOCK_H": 16, "BLOCK_N": 32, "target_programs": 264,
+               "max_splits": 16, "min_split_tokens": 256},
+    "reduce": {"num_warps": 4, "num_stages": 1},
+}
+
+
+def specs(b: Build) -> list:
+    cfg = b.cfg
+    if not cfg.kv_lora_rank:
+        return []
+    t, r, rope = b.t, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    cache_t = f"*{kv_quant.KV_TRITON_DTYPE[b.kv]}" if b.kv is not None else f"*{t}"
+    decode_types = {"q_ptr": f"*{t}", "cache_ptr": cache_t, "kv_scale_ptr": "*fp32" if b.kv is not None else f"*{t}",
+                    "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+                    "row_seq_ptr": "*i32", "partial_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32",
+                    "block_table_stride": "i32", "num_splits": "i32"}
+    decode = make_spec("mla_attention", "decode", b.arch, "mla_decode_kernel", decode_types,
+                       {"NUM_HEADS": cfg.num_heads, "R": r, "ROPE": rope, "R_PAD": max(16, pow2(r)), "ROPE_PAD": max(16, pow2(rope)),
+                        "PAGE": b.block_size, "KV_QUANT": kv_quant.KV_QUANT_CODE[b.kv],
+                        "DOT_PRECISION": "ieee" if t == "fp32" else "tf32"}, "any",
+                       launch_keys=("BLOCK_H", "BLOCK_N", "target_programs", "max_splits", "min_split_tokens"),
+                       overrides=b.ov("mla_attention"), defaults=_DEFAULTS["decode"])
+    reduce_types = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{t}", "num_splits": "i32"}
+    reduce = make_spec("mla_attention", "reduce", b.arch, "mla_reduce_kernel", reduce_types,
+                       {"NUM_HEADS": cfg.num_heads, "R": r, "R_PAD": max(16, pow2(r)),
+                        "MAX_SPLITS": pow2(decode.tune["max_splits"])}, "any",
+                       overrides=b.ov("mla_attention"), defaults=_DEFAULTS["reduce"])
+    return [decode, reduce]

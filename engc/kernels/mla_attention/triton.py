@@ -1,0 +1,89 @@
+"""Triton kernels of MLAAttention's absorbed form over the paged latent cache (launch rules in __init__.py).
+
+mla_decode_kernel: one program per (query row, block of BLOCK_H heads, KV split). Every head of a row reads the
+same cached rows (one latent "KV head"), so a program scores BLOCK_H heads against each BLOCK_N-token tile
+with two dots, latent (R wide) and rope key (ROPE wide), and sums the tile's latents as values: one read of
+the cache serves all the heads in the block. Each split writes its output normalized by its own sum and the
+log-sum-exp; mla_reduce_kernel weighs the splits together. Rows past the first of a sequence see fewer keys
+(causal), so the same kernel serves decode (one row, split-KV) and prefill/extend rows.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mla_decode_kernel(q_ptr, cache_ptr, kv_scale_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
+                      row_seq_ptr, partial_ptr, lse_ptr, scale, block_table_stride, num_splits,
+                      NUM_HEADS: tl.constexpr, R: tl.constexpr, ROPE: tl.constexpr, R_PAD: tl.constexpr,
+                      ROPE_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                      KV_QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    row = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(row_seq_ptr + row)
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    visible = tl.load(context_lens_ptr + seq) - (q_end - 1 - row)
+    per_split = tl.cdiv(tl.cdiv(visible, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, visible)
+
+    W: tl.constexpr = R + ROPE
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < NUM_HEADS
+    dr = tl.arange(0, R_PAD)
+    dp = tl.arange(0, ROPE_PAD)
+    q_row = q_ptr + (row * NUM_HEADS + heads[:, None]).to(tl.int64) * W
+    q_lat = tl.load(q_row + dr[None, :], mask=h_ok[:, None] & (dr < R)[None, :], other=0.0)
+    q_pe = tl.load(q_row + R + dp[None, :], mask=h_ok[:, None] & (dp < ROPE)[None, :], other=0.0)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R_PAD], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        t_ok = toks < end
+        block = tl.load(table + toks // PAGE, mask=t_ok, other=0)
+        slot = block.to(tl.int64) * PAGE + toks % PAGE
+        k_lat = tl.load(cache_ptr + slot[:, None] * W + dr[None, :], mask=t_ok[:, None] & (dr < R)[None, :],
+                        other=0.0)
+        k_pe = tl.load(cache_ptr + slot[:, None] * W + R + dp[None, :], mask=t_ok[:, None] & (dp < ROPE)[None, :],
+                       other=0.0)
+        if KV_QUANT:   # one float32 scale a token's row (kernels/kv_quant.py)
+            row_scale = tl.load(kv_scale_ptr + slot, mask=t_ok, other=0.0)
+            k_lat = (k_lat.to(tl.float32) * row_scale[:, None]).to(q_lat.dtype)
+            k_pe = (k_pe.to(tl.float32) * row_scale[:, None]).to(q_pe.dtype)
+        scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PRECISION)
+        scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+        scores = tl.where(t_ok[None, :], scores * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        s = s * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=DOT_PRECISION)
+        m = m_new
+
+    has_keys = start < end   # a split past the row's keys: weight 0 in the reduce
+    out = tl.where(has_keys, acc / tl.maximum(s, 1e-30)[:, None], 0.0)
+    lse = tl.where(has_keys, m + tl.log(tl.maximum(s, 1e-30)), float("-inf"))
+    part = (row * NUM_HEADS + heads).to(tl.int64) * num_splits + split
+    tl.store(partial_ptr + part[:, None] * R + dr[None, :], out, mask=h_ok[:, None] & (dr < R)[None, :])
+    tl.store(lse_ptr + part, lse, mask=h_ok)
+
+
+@triton.jit
+def mla_reduce_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, NUM_HEADS: tl.constexpr, R: tl.constexpr,
+                      R_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    base = (row * NUM_HEADS + head).to(tl.int64)
+    sp = tl.arange(0, MAX_SPLITS)
+    sp_ok = sp < num_splits
+    lse = tl.load(lse_ptr + base * num_splits + sp, mask=sp_ok, other=float("-inf"))
+    w = tl.where(sp_ok & (lse > float("-inf")), tl.exp(lse - tl.max(lse, 0)), 0.0)
+    w = w / tl.maximum(tl.sum(w, 0), 1e-30)   # a padding row has no keys: zeros, not NaN
+    dr = tl.arange(0, R_PAD)
+    parts = tl.load(partial_ptr + (base * num_splits + sp[:, None]) * R + dr[None, :],
+                    mask=sp_ok[:, None] & (dr < R)[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(out_ptr + base * R + dr, out.to(out_ptr.dtype.element_ty), mask=dr < R)
