@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from engc.bundle.model_config import ModelConfig
 from engc.bundle.reader import Bundle
+from engc.bundle.tp import rank_config, vocab_rows
 
 
 def describe(b: Bundle) -> str:
@@ -14,6 +15,7 @@ def describe(b: Bundle) -> str:
         f"hidden {c['hidden_size']}, heads {c['num_heads']}/{c['num_kv_heads']}, vocab {c['vocab_size']}",
         f"dtype      {m['dtype']}   quantization {_short(m['quantization']) or 'none'}   tp {m['tp']}",
         *_gguf_kept(m['quantization']),
+        *_tp_layout(b),
         f"archs      {', '.join(m['archs'])}   kv block {m['kv_block_size']} tokens   "
         f"kv cache {m.get('kv_cache', 'auto')}",
         _kv_bytes(m),
@@ -43,6 +45,23 @@ def _kv_bytes(m: dict) -> str:
     mha = cfg.num_layers * cfg.num_heads * ((cfg.head_dim + cfg.v_head_dim) * elt + 8 * quantized)
     return (f"kv bytes   {per_token:,} a token (latent {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim} a layer); "
             f"MHA-equivalent {mha:,} ({mha / per_token:.1f}x)")
+
+
+def _tp_layout(b: Bundle) -> list[str]:
+    """A tensor-parallel bundle: what each rank holds (bundle/tp.py, compiler/passes/shard_tp.py)."""
+    m = b.manifest
+    tp = m["tp"]
+    if tp == 1:
+        return []
+    cfg = b.config
+    rank = rank_config(cfg, tp)
+    kv = "replicated" if cfg.num_kv_heads < tp else "split"
+    moe = (f", experts {cfg.num_experts} each {rank.moe_intermediate_size} wide"
+           + (f", shared {rank.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size else "")
+           if cfg.num_experts else "")
+    return [f"tp layout  {tp} ranks, {m['weights'][0]} .. {m['weights'][-1]}; each rank: heads {rank.num_heads}/"
+            f"{rank.num_kv_heads} (KV {kv}), intermediate {rank.intermediate_size}{moe}, lm_head "
+            f"{vocab_rows(cfg, tp)} of {cfg.vocab_size} rows, embedding whole"]
 
 
 def _short(quantization: dict | None) -> dict | None:

@@ -252,7 +252,12 @@ def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int 
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                            timeout_graceful_shutdown=5))
     drain = float(os.environ.get("ENGC_DOWN_DRAIN_S", "3"))
-    engine.on_down.append(lambda _: threading.Timer(drain, lambda: setattr(server, "should_exit", True)).start())
+
+    def exit_after_drain(_reason):
+        timer = threading.Timer(drain, lambda: setattr(server, "should_exit", True))
+        timer.daemon = True
+        timer.start()
+    engine.on_down.append(exit_after_drain)
     try:
         server.run(sockets=[sock])
     finally:

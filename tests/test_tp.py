@@ -1,0 +1,153 @@
+"""Tensor parallelism on the CPU: bundles built with --tp 2 run over gloo in two processes and decode the same
+greedy tokens as the --tp 1 bundle; the shard layout; refusals; a rank that dies makes the server answer 503
+and exit."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from engc.compiler.build import BuildOptions, build
+from test_cli import assert_one_line_error, engc
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of", "Hello"]
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "ENGC_TP_TIMEOUT_S": "60"}
+# a dense model with one KV head (replicated on both ranks), a tied head and an odd vocabulary (the last
+# rank's lm_head rows padded); Mixtral's experts; Qwen2-MoE's shared expert beside a dense layer
+CASES = {"llama": dict(num_key_value_heads=1, vocab_size=321), "mixtral": {}, "qwen2_moe": {}}
+
+
+def _greedy(bundle, **kw):
+    import engc as engc_api
+    llm = engc_api.LLM(str(bundle), device="cpu", **kw)
+    try:
+        params = engc_api.SamplingParams(temperature=0, max_tokens=10)
+        return [c.token_ids for c in llm.generate(PROMPTS, params)]
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def tp_bundles(tiny_dir, tmp_path_factory):
+    made = {}
+
+    def make(family: str):
+        if family not in made:
+            src, root = tiny_dir(family, **CASES[family]), tmp_path_factory.mktemp(f"tp_{family}")
+            build(str(src), root / "tp1", BuildOptions())
+            build(str(src), root / "tp2", BuildOptions(tp=2))
+            made[family] = root / "tp1", root / "tp2"
+        return made[family]
+    return make
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_tp2_decodes_the_tokens_of_tp1(family, tp_bundles, monkeypatch):
+    monkeypatch.setenv("ENGC_TP_TIMEOUT_S", "60")
+    tp1, tp2 = tp_bundles(family)
+    expected = _greedy(tp1)
+    assert _greedy(tp2, tp=2) == expected
+
+
+def test_rank_files_hold_the_shards(tp_bundles):
+    tp1, tp2 = tp_bundles("qwen2_moe")
+    manifest = json.loads((tp2 / "manifest.json").read_text())
+    assert manifest["tp"] == 2 and manifest["weights"] == ["weights/rank0.safetensors", "weights/rank1.safetensors"]
+
+    def shapes(path):
+        with safe_open(str(path), "pt") as f:
+            return {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    whole, ranks = shapes(tp1 / "weights/rank0.safetensors"), [shapes(tp2 / manifest["weights"][r]) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    part = ranks[0]
+    assert part["layers.0.qkv.weight"][0] == whole["layers.0.qkv.weight"][0] // 2   # 2 of 4 q heads, 1 of 2 kv
+    assert part["layers.0.o.weight"] == (64, whole["layers.0.o.weight"][1] // 2)
+    assert part["layers.0.experts.gate_up"] == (4, 32 // 2 * 2, 64)                   # each expert's I halved
+    assert part["layers.0.experts.down"] == (4, 64, 16)
+    assert part["layers.0.shared.gate_up"][0] == 48 and part["layers.0.router.weight"] == (4, 64)
+    assert part["embed.weight"] == whole["embed.weight"]                               # replicated
+    assert part["lm_head.weight"][0] == whole["lm_head.weight"][0] // 2               # vocab-parallel
+    with safe_open(str(tp2 / "weights/rank0.safetensors"), "pt") as a, \
+            safe_open(str(tp2 / "weights/rank1.safetensors"), "pt") as b:
+        assert not a.get_tensor("layers.0.o.weight").equal(b.get_tensor("layers.0.o.weight"))
+    shown = engc("inspect", tp2, check=True).stdout
+    assert "tp layout  2 ranks" in shown and "experts 4 each 16 wide" in shown and "160 of 320" in shown
+    assert engc("verify", tp2).returncode == 0
+
+
+def test_what_does_not_shard_is_refused_in_one_line(tiny_dir, tp_bundles, tmp_path):
+    assert_one_line_error(engc("build", tiny_dir("qwen2"), "-o", tmp_path / "b", "--tp", "3"),
+                          "--tp 3", "4 attention heads do not divide over 3 ranks")
+    assert_one_line_error(engc("build", tiny_dir("olmoe"), "-o", tmp_path / "b", "--tp", "2"),
+                          "q/k norm over the whole projection does not shard")
+    _, tp2 = tp_bundles("mixtral")
+    assert_one_line_error(engc("generate", tp2, "--prompt", "hi", "--tp", "4", "--device", "cpu"),
+                          "built for 2 ranks")
+    from engc.errors import BundleError
+    from engc.runtime.loader import load
+    with pytest.raises(BundleError, match="built for 2 tensor-parallel ranks"):
+        load(tp2)
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def test_a_dead_rank_makes_the_server_answer_503_and_exit(tp_bundles):
+    _, tp2 = tp_bundles("llama")
+    proc = subprocess.Popen([sys.executable, "-m", "engc.cli", "run", str(tp2), "--port", "0", "--device", "cpu",
+                             "--served-model-name", "tiny"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, "ENGC_DOWN_DRAIN_S": "5"})
+    try:
+        url = proc.stdout.readline().split()[-1]
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        for _ in range(600):   # the socket is bound before the ranks load; it answers once they have
+            try:
+                status, answer = _post(f"{url}/v1/completions", body)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read()
+                time.sleep(0.1)
+        assert status == 200, answer
+        workers = _children(proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=10)
+                time.sleep(0.1)
+            except urllib.error.HTTPError as e:
+                assert e.code == 503 and "rank 1" in json.loads(e.read())["reason"]
+                break
+        else:
+            raise AssertionError("/health never said the engine is down")
+        status, answer = _post(f"{url}/v1/completions", body)
+        assert status == 503 and "rank 1" in answer["error"]["message"], answer
+        assert proc.wait(timeout=60) == 1   # after the drain (ENGC_DOWN_DRAIN_S), on its own
+        err = proc.stderr.read()
+        assert "Traceback" not in err and err.rstrip().splitlines()[-1].startswith("engc: error: the server stopped: "
+                                                                                   "rank 1"), err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
