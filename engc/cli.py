@@ -353,6 +353,9 @@ def chat(bundle, system, device, tp, **sampling):
 @click.option("--num-blocks", default=None, type=click.IntRange(1),
               help="KV cache size in blocks (overrides --cache-max-entry-count; the CPU default is 512).")
 @click.option("--no-prefix-cache", is_flag=True, help="Do not reuse the KV of shared prompt prefixes.")
+@click.option("--max-waiting", default=None, type=click.IntRange(0), metavar="N",
+              help="A request that would make more than N wait for a place in the batch gets 429 at once "
+                   "(for a router or proxy to send elsewhere); default: no limit.")
 @click.option("--max-body-bytes", default=None, type=click.IntRange(1), metavar="BYTES",
               help="Largest request body; a larger one is refused (413) unread. Default: 1 MiB + 64 a context token.")
 @click.option("--device", default="auto", show_default=True,
@@ -360,7 +363,7 @@ def chat(bundle, system, device, tp, **sampling):
 @click.option("--tp", default=None, type=click.IntRange(1),
               help="Tensor-parallel ranks; default: the bundle's (engc build --tp). One process a rank, spawned here; under torchrun (RANK, WORLD_SIZE set) rank 0 serves.")
 def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_prefill_tokens,
-        cache_max_entry_count, num_blocks, no_prefix_cache, max_body_bytes, device, tp):
+        cache_max_entry_count, num_blocks, no_prefix_cache, max_waiting, max_body_bytes, device, tp):
     """Serve BUNDLE over HTTP with OpenAI- and Anthropic-compatible APIs (see docs/serving.md)."""
     from engc.runtime.engine import EngineConfig
     from engc.runtime.server.app import serve
@@ -368,7 +371,7 @@ def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_pref
     if num_blocks:
         extra["num_blocks"] = num_blocks
     config = EngineConfig(max_num_seqs=max_batch_size, max_batched_tokens=max_prefill_tokens,
-                          prefix_cache=not no_prefix_cache, **extra)
+                          prefix_cache=not no_prefix_cache, max_waiting=max_waiting, **extra)
     serve(str(bundle), config, host, port, served_model_name, api_key, device, max_body_bytes, tp)
 
 
