@@ -185,7 +185,7 @@ def test_gemma3_gpu_bundle_has_its_kernels(tiny_dir, tmp_path):
     build(str(tiny_dir("gemma3_text")), tmp_path / "b", BuildOptions(archs=("cpu", "sm90"), dtype="bfloat16"))
     bundle = open_bundle(tmp_path / "b")
     kernels = {(k["op"], k["variant"]) for k in bundle.manifest["kernels"]}
-    assert {("gelu_tanh_mul", "default"), ("unit_offset_norm", "rms_norm"), ("unit_offset_norm", "add_rms_norm"),
+    assert {("silu_mul", "gelu_tanh"), ("unit_offset_norm", "rms_norm"), ("unit_offset_norm", "add_rms_norm"),
             ("unit_offset_norm", "qk_norm")} <= kernels
     ops = {n.op for n in parse_program(bundle.read(bundle.manifest["program"])).nodes}
     assert {"GeluTanhMul", "RMSNormUnitOffset", "AddRMSNormUnitOffset", "QKNormUnitOffset"} <= ops
@@ -345,22 +345,22 @@ def test_bfloat16_matches_hf(family, tiny_dir, tmp_path):
 
 
 def test_gelu_tanh_mul_compiles_for_gpus(tiny_dir):
-    """Gemma's GLU kernel is in a Gemma build's specs (and in no Llama one's), compiles for sm80 and sm90 with
-    no GPU, and its launch rule passes the kernel's runtime parameters."""
+    """Gemma's GLU is silu_mul's 'gelu_tanh' variant: in a Gemma build's specs (and in no Llama one's), compiled
+    for sm80 and sm90 with no GPU, its launch rule passing the kernel's runtime parameters."""
     from engc.compiler.codegen.aot import compile_spec
     from engc.compiler.codegen.specs import model_specs
     from engc.compiler.frontend.decoder import resolve_config
-    from engc.kernels import gelu_tanh_mul
+    from engc.kernels import silu_mul
     gemma = resolve_config(json.loads((tiny_dir("gemma3_text") / "config.json").read_text()))
     llama = resolve_config(json.loads((tiny_dir("llama") / "config.json").read_text()))
-    assert not [s for s in model_specs(llama, torch.bfloat16, "sm90", 16) if s.op == "gelu_tanh_mul"]
+    assert [s.variant for s in model_specs(llama, torch.bfloat16, "sm90", 16) if s.op == "silu_mul"] == ["default"]
     for arch in ("sm80", "sm90"):
-        (spec,) = [s for s in model_specs(gemma, torch.bfloat16, arch, 16) if s.op == "gelu_tanh_mul"]
+        (spec,) = [s for s in model_specs(gemma, torch.bfloat16, arch, 16) if s.variant == "gelu_tanh"]
         cubin, ptx, meta = compile_spec(spec)
         assert cubin[:4] == b"\x7fELF" and f".entry {meta['name']}(" in ptx
-        (variant, grid, args), = gelu_tanh_mul.launch(torch.empty(3, 2 * gemma.intermediate_size),
-                                                      torch.empty(3, gemma.intermediate_size),
-                                                      {"default": spec.launch})
+        (variant, grid, args), = silu_mul.launch(torch.empty(3, 2 * gemma.intermediate_size),
+                                                 torch.empty(3, gemma.intermediate_size),
+                                                 {"gelu_tanh": spec.launch}, "gelu_tanh")
         assert variant == spec.variant and grid[0] == 3
         assert len(args) - 2 == len([t for t in spec.signature().values() if t != "constexpr"])
 

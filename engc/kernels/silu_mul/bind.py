@@ -1,18 +1,21 @@
-"""The node the silu_mul kernel serves: SiluMul."""
+"""The nodes the gated-activation kernel serves: SiluMul and GeluTanhMul."""
 import torch
 
 from engc.bundle.program import ENGC_DOMAIN
-from engc.kernels.silu_mul import launch, silu_mul
+from engc.kernels.silu_mul import gelu_tanh_mul, launch, silu_mul
 
-CPU_OPS = {(ENGC_DOMAIN, "SiluMul"): lambda x: (silu_mul(x),)}
+NODES = {"SiluMul": ("default", silu_mul), "GeluTanhMul": ("gelu_tanh", gelu_tanh_mul)}
+CPU_OPS = {(ENGC_DOMAIN, node): (lambda fn: lambda x: (fn(x),))(fn) for node, (_, fn) in NODES.items()}
 
 
 def gpu_ops(ctx) -> dict:
-    if not ctx.has("silu_mul"):
-        return {}
-    def act(x):
-        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
-        ctx.run("silu_mul", launch(x, out, ctx.consts("silu_mul")))
-        return (out,)
+    consts = ctx.consts("silu_mul")
 
-    return {(ENGC_DOMAIN, "SiluMul"): act}
+    def act(variant):
+        def run(x):
+            out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
+            ctx.run("silu_mul", launch(x, out, consts, variant))
+            return (out,)
+        return run
+
+    return {(ENGC_DOMAIN, node): act(variant) for node, (variant, _) in NODES.items() if variant in consts}
