@@ -52,6 +52,8 @@ def test_mla_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rule(kv_cach
     from engc.compiler.codegen.specs import model_specs
     from engc.kernels import mla_attention as op
     assert not [s for s in model_specs(_cfg(kv_lora_rank=0), torch.bfloat16, "sm90", 16) if s.op == "mla_attention"]
+    # nor do latent-attention models get the per-head cache's rotary and paged-attention kernels
+    assert not {"rotary", "paged_attention"} & {s.op for s in model_specs(_cfg(), torch.bfloat16, "sm90", 16)}
     archs = ("sm90",) if kv_cache == "fp8" else ("sm80", "sm90")   # an fp8 cache needs sm89+
     specs = [s for arch in archs for s in model_specs(_cfg(), torch.bfloat16, arch, 16, kv_cache=kv_cache)
              if s.op == "mla_attention"]

@@ -63,7 +63,7 @@ def llama_block(cfg: ModelConfig, family: Family) -> bool:
     return (family.layout == "llama" and cfg.hidden_act == "silu" and not cfg.attn_scale
             and not cfg.attn_logit_softcap and not cfg.final_logit_softcap and not cfg.layer_windows
             and not cfg.rotary_dim and cfg.rope_attention_factor == 1.0 and not cfg.norm_unit_offset
-            and not cfg.sandwich_norms and not cfg.embed_scale)
+            and not cfg.sandwich_norms and not cfg.embed_scale and not cfg.kv_lora_rank)
 
 
 def rotary_dim(hf: dict, head_dim: int) -> int:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from engc.compiler.ir import Graph
 
 # op -> its input count without kv_scale (which goes last); RotaryPagedAttention: passes/fuse_rotary_attention
-KV_OPS = {"RotaryKVWrite": 5, "PagedAttention": 5, "RotaryPagedAttention": 8}
+# MLAAttention (kernels/mla_attention): its latent cache, one scale a token's row
+KV_OPS = {"RotaryKVWrite": 5, "PagedAttention": 5, "RotaryPagedAttention": 8, "MLAAttention": 12}
 
 
 def quantize_kv_cache(graph: Graph, kv_cache: str) -> Graph:

@@ -10,6 +10,8 @@ from engc.kernels import kv_quant
 
 
 def specs(b: Build) -> list:
+    if b.cfg.kv_lora_rank:   # latent attention caches latents: kernels/mla_attention attends over them
+        return []
     return paged_attention_specs(b.cfg, b.t, b.arch, b.block_size, b.ov("paged_attention"), b.kv)
 
 

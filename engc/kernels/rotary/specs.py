@@ -7,6 +7,8 @@ from engc.kernels import kv_quant
 
 def specs(b: Build) -> list:
     cfg = b.cfg
+    if cfg.kv_lora_rank:   # latent attention rotates its rope dims in MLAAttention (kernels/mla_attention)
+        return []
     consts = {"NUM_HEADS": cfg.num_heads, "NUM_KV_HEADS": cfg.num_kv_heads, "HEAD_DIM": cfg.head_dim,
               "H_PAD": pow2(cfg.num_heads), "KV_PAD": pow2(cfg.num_kv_heads),
               "HALF_PAD": pow2(cfg.head_dim // 2), "D_PAD": pow2(cfg.head_dim)}
