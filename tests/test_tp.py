@@ -151,3 +151,27 @@ def test_a_dead_rank_makes_the_server_answer_503_and_exit(tp_bundles):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_ranks_started_by_an_outside_launcher(tp_bundles):
+    """torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): every process runs the same
+    command, rank 0 answers, the other serves as a worker and exits with it."""
+    import socket
+    tp1, tp2 = tp_bundles("mixtral")
+    args = ["--prompt", "Hello", "--raw", "--max-tokens", "8", "--temperature", "0", "--device", "cpu"]
+    expected = engc("generate", tp1, *args, check=True).stdout
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "engc.cli", "generate", str(tp2), *args], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**ENV, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)}) for r in (0, 1)]
+    try:
+        (out0, err0), (out1, err1) = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, err0 + err1
+    assert out0 == expected and out1 == ""
