@@ -10,7 +10,7 @@
 # max_ongoing_requests=256, cpus_per_replica=1, api_key=KEY, and EngineConfig fields (max_num_seqs=256,
 # num_blocks=..., max_waiting=...). Without a GPU the replicas run on the CPU (device=cpu).
 # The OpenAI and Anthropic APIs are on port SERVE_PORT (8000) of every node; BUNDLE must be at the same
-# path on each (a shared file system, or a copy). `serve shutdown` and `ray stop` end it.
+# path on each (a shared file system, or a copy). `ray stop` on each node ends it.
 set -euo pipefail
 bundle=$(realpath "${1:?usage: ray_serve.sh BUNDLE [key=value ...]}")
 shift
