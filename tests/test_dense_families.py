@@ -185,8 +185,8 @@ def test_gemma3_gpu_bundle_has_its_kernels(tiny_dir, tmp_path):
     build(str(tiny_dir("gemma3_text")), tmp_path / "b", BuildOptions(archs=("cpu", "sm90"), dtype="bfloat16"))
     bundle = open_bundle(tmp_path / "b")
     kernels = {(k["op"], k["variant"]) for k in bundle.manifest["kernels"]}
-    assert {("silu_mul", "gelu_tanh"), ("unit_offset_norm", "rms_norm"), ("unit_offset_norm", "add_rms_norm"),
-            ("unit_offset_norm", "qk_norm")} <= kernels
+    assert {("silu_mul", "gelu_tanh"), ("rms_norm", "rms_norm_unit_offset"), ("rms_norm", "add_rms_norm_unit_offset"),
+            ("qk_norm", "unit_offset")} <= kernels
     ops = {n.op for n in parse_program(bundle.read(bundle.manifest["program"])).nodes}
     assert {"GeluTanhMul", "RMSNormUnitOffset", "AddRMSNormUnitOffset", "QKNormUnitOffset"} <= ops
 

@@ -51,7 +51,7 @@ def test_kernel_matches_reference(report, case):
 def test_op_contracts_do_not_import_triton():
     code = ("import sys; import engc.kernels.rms_norm, engc.kernels.silu_mul, engc.kernels.qk_norm, "
             "engc.kernels.rotary, engc.kernels.paged_attention, engc.kernels.sampling, engc.kernels.argmax, "
-            "engc.kernels.unit_offset_norm, engc.kernels.logit_softcap; "
+            "engc.kernels.logit_softcap; "
             "assert 'triton' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
@@ -145,28 +145,30 @@ def check_gelu_tanh_mul(dtype):
 
 def check_unit_offset_norm(dtype):
     """Gemma's (1 + weight) norm, residual-add norm (in place) and q/k norm at head_dim 256 (in place, and
-    into another buffer with v copied)."""
+    into another buffer with v copied): the rms_norm and qk_norm kernels' unit-offset variants."""
     import torch
     from engc.compiler.codegen.kernel_spec import TRITON_DTYPE
-    from engc.kernels import unit_offset_norm as op
-    from engc.kernels.unit_offset_norm.specs import unit_offset_norm_specs
+    from engc.kernels import qk_norm, rms_norm
+    from engc.kernels.qk_norm.specs import qk_norm_specs
+    from engc.kernels.rms_norm.specs import rms_norm_specs
     cfg = _cfg(hidden_size=200, num_heads=4, num_kv_heads=2, head_dim=256, norm_unit_offset=True)
-    specs = {s.variant: s for s in unit_offset_norm_specs(cfg, TRITON_DTYPE[dtype], "sm90")}
+    specs = {s.variant: s for s in rms_norm_specs(cfg, TRITON_DTYPE[dtype], "sm90", unit_offset=True)}
+    specs.update({s.variant: s for s in qk_norm_specs(cfg, TRITON_DTYPE[dtype], "sm90", unit_offset=True)})
     x, r, w = torch.randn(7, 200, dtype=dtype), torch.randn(7, 200, dtype=dtype), 0.3 * torch.randn(200, dtype=dtype)
     out = torch.full_like(x, float("nan"))
-    _run(specs, op.launch(x, w, 1e-6, out))
-    errs = [_rel(out, op.rms_norm_unit_offset(x, w, 1e-6))]
-    y_ref, s_ref = op.add_rms_norm_unit_offset(x, r, w, 1e-6)
+    _run(specs, rms_norm.launch(x, w, 1e-6, out, unit_offset=True))
+    errs = [_rel(out, rms_norm.rms_norm_unit_offset(x, w, 1e-6))]
+    y_ref, s_ref = rms_norm.add_rms_norm_unit_offset(x, r, w, 1e-6)
     out, res = torch.full_like(x, float("nan")), r.clone()
-    _run(specs, op.launch(x, w, 1e-6, out, residual=res))
+    _run(specs, rms_norm.launch(x, w, 1e-6, out, residual=res, unit_offset=True))
     errs += [_rel(out, y_ref), _rel(res, s_ref)]
     qkv = torch.randn(5, (4 + 4) * 256, dtype=dtype)
     qw, kw = 0.3 * torch.randn(256, dtype=dtype), 0.3 * torch.randn(256, dtype=dtype)
-    ref = op.qk_norm_unit_offset(qkv, qw, kw, 4, 2, 256, 1e-6)
+    ref = qk_norm.qk_norm_unit_offset(qkv, qw, kw, 4, 2, 256, 1e-6)
     out = torch.full_like(qkv, float("nan"))
-    _run(specs, op.launch_qk(qkv, qw, kw, 1e-6, out))
+    _run(specs, qk_norm.launch(qkv, qw, kw, 1e-6, out, variant="unit_offset"))
     inplace = qkv.clone()
-    _run(specs, op.launch_qk(inplace, qw, kw, 1e-6, inplace))
+    _run(specs, qk_norm.launch(inplace, qw, kw, 1e-6, inplace, variant="unit_offset"))
     return max(*errs, _rel(out, ref), _rel(inplace, ref))
 
 

@@ -1,18 +1,22 @@
-"""The node the qk_norm kernel serves: QKNorm."""
+"""The nodes the qk_norm kernel serves: QKNorm, and Gemma's QKNormUnitOffset (its 'unit_offset' variant)."""
 import torch
 
 from engc.bundle.program import ENGC_DOMAIN
-from engc.kernels.qk_norm import launch, qk_norm
+from engc.kernels.qk_norm import launch, qk_norm, qk_norm_unit_offset
 
-CPU_OPS = {(ENGC_DOMAIN, "QKNorm"): lambda qkv, qw, kw, **a: (qk_norm(qkv, qw, kw, **a),)}
+NODES = {"QKNorm": ("default", qk_norm), "QKNormUnitOffset": ("unit_offset", qk_norm_unit_offset)}
+CPU_OPS = {(ENGC_DOMAIN, node): (lambda fn: lambda qkv, qw, kw, **a: (fn(qkv, qw, kw, **a),))(fn)
+           for node, (_, fn) in NODES.items()}
 
 
 def gpu_ops(ctx) -> dict:
-    if not ctx.has("qk_norm"):
-        return {}
-    def qk(qkv, qw, kw, num_heads, num_kv_heads, head_dim, eps):
-        out = torch.empty_like(qkv)
-        ctx.run("qk_norm", launch(qkv, qw, kw, eps, out))
-        return (out,)
+    consts = ctx.consts("qk_norm")
 
-    return {(ENGC_DOMAIN, "QKNorm"): qk}
+    def qk(variant):
+        def run(qkv, qw, kw, num_heads, num_kv_heads, head_dim, eps):
+            out = torch.empty_like(qkv)
+            ctx.run("qk_norm", launch(qkv, qw, kw, eps, out, variant=variant))
+            return (out,)
+        return run
+
+    return {(ENGC_DOMAIN, node): qk(variant) for node, (variant, _) in NODES.items() if variant in consts}

@@ -1,16 +1,22 @@
-"""The qk_norm kernel of a model with q/k norm (Qwen3): one, specialized on the head counts and size."""
+"""The qk_norm kernel of a model with q/k norm (Qwen3, Gemma 3): one, specialized on the head counts and size,
+and on Gemma's (1 + weight) ('unit_offset') where the program's QKNorm is QKNormUnitOffset (half precision:
+a float32 bundle folds the 1 into the weights)."""
 from engc.compiler import tune
 from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
 
 
 def specs(b: Build) -> list:
-    cfg = b.cfg
-    if not cfg.qk_norm:
+    if not b.cfg.qk_norm:
         return []
-    types = {"qkv_ptr": f"*{b.t}", "q_weight_ptr": f"*{b.t}", "k_weight_ptr": f"*{b.t}", "out_ptr": f"*{b.t}",
+    return qk_norm_specs(b.cfg, b.t, b.arch, b.ov("qk_norm"), unit_offset=b.cfg.norm_unit_offset and b.t != "fp32")
+
+
+def qk_norm_specs(cfg, t: str, arch: str, overrides=None, unit_offset: bool = False) -> list:
+    types = {"qkv_ptr": f"*{t}", "q_weight_ptr": f"*{t}", "k_weight_ptr": f"*{t}", "out_ptr": f"*{t}",
              "eps": "fp32", "copy_v": "i32"}
     consts = {"NUM_HEADS": cfg.num_heads, "NUM_KV_HEADS": cfg.num_kv_heads, "HEAD_DIM": cfg.head_dim,
-              "H_PAD": pow2(cfg.num_heads), "KV_PAD": pow2(cfg.num_kv_heads), "D_PAD": pow2(cfg.head_dim)}
+              "H_PAD": pow2(cfg.num_heads), "KV_PAD": pow2(cfg.num_kv_heads), "D_PAD": pow2(cfg.head_dim),
+              "UNIT_OFFSET": unit_offset}
     block = consts["H_PAD"] * consts["D_PAD"]
-    return [make_spec("qk_norm", "default", b.arch, "qk_norm_kernel", types, consts, tune.block_bucket(block),
-                      overrides=b.ov("qk_norm"))]
+    return [make_spec("qk_norm", "unit_offset" if unit_offset else "default", arch, "qk_norm_kernel", types, consts,
+                      tune.block_bucket(block), overrides=overrides)]

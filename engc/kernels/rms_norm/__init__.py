@@ -18,6 +18,20 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return rms_norm(s, weight, eps), s
 
 
+def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm in half precision (ai.engc::RMSNormUnitOffset): y * (1 + weight) in float32, rounded
+    once, as HF computes it. A float32 bundle needs none: there 1 + weight is folded into the weight at build
+    time, exactly."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_rms_norm_unit_offset(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    s = x + residual
+    return rms_norm_unit_offset(s, weight, eps), s
+
+
 # The AddRMSNorm that sums a split-K GEMV's fp32 partials itself (launch's partials), built for int4 bundles
 # (ai.engc::QLinearAddRMSNorm, passes/fuse_qlinear_add_norm)
 PARTIALS_VARIANT = "add_rms_norm_partials"
@@ -25,10 +39,12 @@ MAX_SPLITS = 16   # the most partials it sums (the int4 GEMV's tune entries spli
 # The norms that write their output as float8 codes plus a scale a row, for the FP8 GEMM after them (fp8
 # bundles: ai.engc::RMSNormFP8 / AddRMSNormFP8, passes/fuse_fp8_input_quant)
 FP8_VARIANTS = {"rms_norm": "rms_norm_fp8", "add_rms_norm": "add_rms_norm_fp8"}
+# Gemma's (1 + weight) norms in half-precision bundles (ai.engc::RMSNormUnitOffset / AddRMSNormUnitOffset)
+UNIT_OFFSET_VARIANTS = {"rms_norm": "rms_norm_unit_offset", "add_rms_norm": "add_rms_norm_unit_offset"}
 
 
 def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=None, partials: bool = False,
-           scale=None):
+           scale=None, unit_offset: bool = False):
     """Launch rule of the AOT kernel rms_norm_kernel: [(variant, grid, args)], nothing to launch for 0 rows.
 
     x, out (and residual, residual_out): contiguous [..., hidden]; weight [hidden]. Without residual the
@@ -36,7 +52,8 @@ def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=
     residual buffer itself, in place). With partials, x is a split-K GEMV's unreduced output, fp32 [splits,
     rows, hidden], and a residual comes too: variant 'add_rms_norm_partials', which sums the splits in
     order first and rounds to out's dtype. With scale (float32 [rows]), out is float8_e4m3fn and takes the
-    output quantized a row (FP8_VARIANTS; not with partials). args, in the kernel's order:
+    output quantized a row (FP8_VARIANTS; not with partials). unit_offset: Gemma's (1 + weight) norm
+    (UNIT_OFFSET_VARIANTS). args, in the kernel's order:
         x, residual, weight, out, residual_out, eps (fp32), splits, scale, global_scratch=0, profile_scratch=0
     (the 'rms_norm' variant ignores the residual slots; they carry x and out; splits is read by the
     partials variant alone; scale by the fp8 variants alone: the others take the weight there, their
@@ -57,6 +74,9 @@ def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=
     if scale is not None:
         assert not partials and scale.shape == (rows,) and scale.dtype == torch.float32
         variant = FP8_VARIANTS[variant]
+    if unit_offset:
+        assert not partials and scale is None
+        variant = UNIT_OFFSET_VARIANTS[variant]
     if rows == 0:
         return []
     return [(variant, (rows, 1, 1), [x, residual, weight, out, residual_out, float(eps), splits,

@@ -1,10 +1,12 @@
-"""The nodes the rms_norm kernel serves: RMSNorm and AddRMSNorm, and in fp8 programs RMSNormFP8 and
-AddRMSNormFP8, which write their output as float8 codes and a scale a row for the FP8 GEMM after them."""
+"""The nodes the rms_norm kernel serves: RMSNorm and AddRMSNorm; in fp8 programs RMSNormFP8 and AddRMSNormFP8,
+which write their output as float8 codes and a scale a row for the FP8 GEMM after them; Gemma's
+RMSNormUnitOffset and AddRMSNormUnitOffset ((1 + weight), half-precision bundles)."""
 import torch
 
 from engc.bundle.program import ENGC_DOMAIN
 from engc.kernels.fp8_quant import FP8, quantize_rows
-from engc.kernels.rms_norm import add_rms_norm, launch, rms_norm
+from engc.kernels.rms_norm import (UNIT_OFFSET_VARIANTS, add_rms_norm, add_rms_norm_unit_offset, launch, rms_norm,
+                                   rms_norm_unit_offset)
 
 
 def _quantized_first(y, *rest):
@@ -16,20 +18,22 @@ CPU_OPS = {
     (ENGC_DOMAIN, "AddRMSNorm"): lambda x, r, w, eps: add_rms_norm(x, r, w, eps),
     (ENGC_DOMAIN, "RMSNormFP8"): lambda x, w, eps: quantize_rows(rms_norm(x, w, eps)),
     (ENGC_DOMAIN, "AddRMSNormFP8"): lambda x, r, w, eps: _quantized_first(*add_rms_norm(x, r, w, eps)),
+    (ENGC_DOMAIN, "RMSNormUnitOffset"): lambda x, w, eps: (rms_norm_unit_offset(x, w, eps),),
+    (ENGC_DOMAIN, "AddRMSNormUnitOffset"): lambda x, r, w, eps: add_rms_norm_unit_offset(x, r, w, eps),
 }
 
 
 def gpu_ops(ctx) -> dict:
     if not ctx.has("rms_norm"):
         return {}
-    def norm(x, w, eps):
+    def norm(x, w, eps, unit_offset=False):
         out = torch.empty_like(x)
-        ctx.run("rms_norm", launch(x, w, eps, out))
+        ctx.run("rms_norm", launch(x, w, eps, out, unit_offset=unit_offset))
         return (out,)
 
-    def add_norm(x, r, w, eps):
+    def add_norm(x, r, w, eps, unit_offset=False):
         out, r_out = torch.empty_like(x), torch.empty_like(r)
-        ctx.run("rms_norm", launch(x, w, eps, out, residual=r, residual_out=r_out))
+        ctx.run("rms_norm", launch(x, w, eps, out, residual=r, residual_out=r_out, unit_offset=unit_offset))
         return out, r_out
 
     def quantized_rows(x):
@@ -49,4 +53,8 @@ def gpu_ops(ctx) -> dict:
     ops = {(ENGC_DOMAIN, "RMSNorm"): norm, (ENGC_DOMAIN, "AddRMSNorm"): add_norm}
     if ctx.has("fp8_quant"):   # an fp8 bundle (engc build --quant fp8) has the fp8-out variants
         ops.update({(ENGC_DOMAIN, "RMSNormFP8"): norm_fp8, (ENGC_DOMAIN, "AddRMSNormFP8"): add_norm_fp8})
+    if UNIT_OFFSET_VARIANTS["rms_norm"] in ctx.consts("rms_norm"):
+        ops.update({(ENGC_DOMAIN, "RMSNormUnitOffset"): lambda x, w, eps: norm(x, w, eps, unit_offset=True),
+                    (ENGC_DOMAIN, "AddRMSNormUnitOffset"): lambda x, r, w, eps: add_norm(x, r, w, eps,
+                                                                                        unit_offset=True)})
     return ops

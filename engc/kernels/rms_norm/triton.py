@@ -11,6 +11,8 @@ ticket and re-read.
 FP8_OUT: the output is quantized for the FP8 GEMM after the norm (passes/fuse_fp8_input_quant): each row
 rounded to the storage dtype as before, then to float8_e4m3fn with its own scale (row absmax / FP8_MAX, to
 scale_ptr), by kernels/fp8_rows.py as fp8_quant_kernel, so the bits are what the norm then fp8_quant would give.
+UNIT_OFFSET: Gemma's norm, the row times (1 + weight) in float32 and rounded once (its half-precision bundles;
+a float32 bundle folds the 1 into the weight).
 """
 import triton
 import triton.language as tl
@@ -22,7 +24,7 @@ from engc.kernels import fp8_rows, pdl
 def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps, splits, scale_ptr,
                     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PARTIALS: tl.constexpr,
                     MAX_SPLITS: tl.constexpr, FP8_OUT: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
-                    PDL: tl.constexpr):
+                    UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr):
     # the storage dtype every intermediate is rounded to: out's, unless out holds float8 codes (then the
     # residual's, which the plain norm variant points at x)
     dt = residual_ptr.dtype.element_ty if FP8_OUT else out_ptr.dtype.element_ty
@@ -51,7 +53,10 @@ def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / HIDDEN
     rstd = 1.0 / tl.sqrt(var + eps)
-    y = (w * (xf * rstd).to(dt).to(tl.float32)).to(dt)
+    if UNIT_OFFSET:   # Gemma's (1 + weight), in float32 before the one rounding, as HF computes it
+        y = (xf * rstd * (w + 1.0)).to(dt)
+    else:
+        y = (w * (xf * rstd).to(dt).to(tl.float32)).to(dt)
     if FP8_OUT:
         q, scale = fp8_rows.quantize_row(y.to(tl.float32), FP8_MAX, MIN_AMAX)
         tl.store(out_ptr + row * HIDDEN + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
