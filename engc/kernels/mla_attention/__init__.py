@@ -148,14 +148,27 @@ def launch(q_abs, kv_cache, block_tables, context_lens, query_start_loc, row_seq
             ("reduce", (t, h, 1), [partial, lse, o_lat, splits, 0, 0])]
 
 
+def launch_write(ckv, kv_norm, positions, inv_freq, slot_mapping, kv_cache, eps: float, kv_scale=None):
+    """mla_write_kernel, grid (T,): each token's latent normed and rope key rotated into its cache row.
+    positions and slot_mapping int64. args: ckv, kv_norm, positions, inv_freq, slot_mapping, kv_cache, kv_scale
+    (any tensor without one), eps, scratch, scratch."""
+    if ckv.shape[0] == 0:
+        return []
+    return [("write", (ckv.shape[0], 1, 1), [ckv, kv_norm, positions, inv_freq, slot_mapping, kv_cache,
+                                             kv_cache if kv_scale is None else kv_scale, float(eps), 0, 0])]
+
+
 def forward(run, q, ckv, kv_norm, positions, inv_freq, kv_cache, slot_mapping, block_tables, context_lens,
             query_start_loc, w_uk, w_uv, kv_scale=None, *, num_heads: int, kv_lora_rank: int,
             qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, scale: float, eps: float,
             max_context_len: int, consts: dict) -> torch.Tensor:
-    """The node on the GPU: the latent write, the rope and the absorption (bmm) as torch ops, then the
-    kernels. run(launches) runs a launch rule's output (BundleKernels, or the interpreter in the tests)."""
+    """The node on the GPU: the cache write (a kernel: a padded row's negative slot must write nothing, which
+    torch could only do by a masked index that waits on the GPU), q's rope and the absorption (bmm) as torch
+    ops, then the attention kernels. run(launches) runs a launch rule's output (BundleKernels, or the
+    interpreter in the tests). Nothing here waits on the GPU, so a CUDA graph can hold it."""
     t = q.shape[0]
-    write_latent(ckv, kv_norm, positions, inv_freq, kv_cache, slot_mapping, kv_lora_rank, eps, kv_scale)
+    run(launch_write(ckv, kv_norm, positions.to(torch.int64), inv_freq, slot_mapping.to(torch.int64), kv_cache,
+                     eps, kv_scale))
     q_nope, q_pe = rotated_query(q, positions, inv_freq, num_heads, qk_nope_head_dim, qk_rope_head_dim)
     q_lat = torch.bmm(q_nope.to(q.dtype).transpose(0, 1), w_uk).transpose(0, 1)          # [T, H, R]
     q_abs = torch.cat([q_lat, q_pe.to(q.dtype)], dim=-1).contiguous()

@@ -1,5 +1,5 @@
-"""The MLA kernels a latent-attention model needs: the absorbed attention over the latent cache (split-KV) and
-its reduce, specialized on the heads, the latent and rope widths, the KV page and the cache's format."""
+"""The MLA kernels a latent-attention model needs: the cache write (norm, rope, quantize), the absorbed attention
+over the latent cache (split-KV) and its reduce, specialized on the heads, the latent and rope widths, the KV page and the cache's format."""
 from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
 from engc.kernels import kv_quant
 
@@ -10,6 +10,7 @@ _DEFAULTS = {
     "decode": {"num_warps": 4, "num_stages": 2, "BLOCK_H": 16, "BLOCK_N": 32, "target_programs": 264,
                "max_splits": 16, "min_split_tokens": 256},
     "reduce": {"num_warps": 4, "num_stages": 1},
+    "write": {"num_warps": 4, "num_stages": 1},
 }
 
 
@@ -34,4 +35,11 @@ def specs(b: Build) -> list:
                        {"NUM_HEADS": cfg.num_heads, "R": r, "R_PAD": max(16, pow2(r)),
                         "MAX_SPLITS": pow2(decode.tune["max_splits"])}, "any",
                        overrides=b.ov("mla_attention"), defaults=_DEFAULTS["reduce"])
-    return [decode, reduce]
+    write_types = {"ckv_ptr": f"*{t}", "kv_norm_ptr": f"*{t}", "positions_ptr": "*i64", "inv_freq_ptr": "*fp32",
+                   "slot_mapping_ptr": "*i64", "cache_ptr": cache_t, "kv_scale_ptr": decode_types["kv_scale_ptr"],
+                   "eps": "fp32"}
+    write = make_spec("mla_attention", "write", b.arch, "mla_write_kernel", write_types,
+                      {"R": r, "ROPE": rope, "R_PAD": pow2(r), "HALF_PAD": pow2(rope // 2),
+                       "KV_QUANT": kv_quant.KV_QUANT_CODE[b.kv]}, "any",
+                      overrides=b.ov("mla_attention"), defaults=_DEFAULTS["write"])
+    return [write, decode, reduce]

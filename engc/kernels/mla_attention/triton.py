@@ -87,3 +87,48 @@ def mla_reduce_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, NUM_HEADS: tl.c
                     mask=sp_ok[:, None] & (dr < R)[None, :], other=0.0)
     out = tl.sum(parts * w[:, None], 0)
     tl.store(out_ptr + base * R + dr, out.to(out_ptr.dtype.element_ty), mask=dr < R)
+
+
+@triton.jit
+def mla_write_kernel(ckv_ptr, kv_norm_ptr, positions_ptr, inv_freq_ptr, slot_mapping_ptr, cache_ptr, kv_scale_ptr,
+                     eps, R: tl.constexpr, ROPE: tl.constexpr, R_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+                     KV_QUANT: tl.constexpr):
+    """One token's cache row: the latent RMS-normed (float32, rounded as the reference rounds), the rope key
+    rotated; codes and one scale for the whole row in a quantized cache. A negative slot writes nothing."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t)
+    if slot >= 0:
+        W: tl.constexpr = R + ROPE
+        HALF: tl.constexpr = ROPE // 2
+        src = ckv_ptr + t.to(tl.int64) * W
+        dst = cache_ptr + slot * W
+        dr = tl.arange(0, R_PAD)
+        r_ok = dr < R
+        raw = tl.load(src + dr, mask=r_ok, other=0.0)
+        x = raw.to(tl.float32)
+        y = x * tl.rsqrt(tl.sum(x * x, 0) / R + eps)
+        w = tl.load(kv_norm_ptr + dr, mask=r_ok, other=0.0)
+        latent = (w.to(tl.float32) * y.to(raw.dtype).to(tl.float32)).to(raw.dtype).to(tl.float32)
+        d = tl.arange(0, HALF_PAD)
+        d_ok = d < HALF
+        angle = tl.load(positions_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + d, mask=d_ok, other=0.0)
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        k1 = tl.load(src + R + d, mask=d_ok, other=0.0).to(tl.float32)
+        k2 = tl.load(src + R + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
+        o1 = (k1 * cos - k2 * sin).to(raw.dtype).to(tl.float32)
+        o2 = (k2 * cos + k1 * sin).to(raw.dtype).to(tl.float32)
+        if KV_QUANT:   # kernels/kv_quant.py: scale = absmax / QMAX over the row, codes = row / scale
+            QMAX: tl.constexpr = 127.0 if KV_QUANT == 1 else 448.0
+            amax = tl.maximum(tl.max(tl.abs(latent), 0), tl.maximum(tl.max(tl.abs(o1), 0), tl.max(tl.abs(o2), 0)))
+            inv = tl.where(amax > 0, QMAX / amax, 0.0)
+            latent = tl.minimum(tl.maximum(latent * inv, -QMAX), QMAX)
+            o1 = tl.minimum(tl.maximum(o1 * inv, -QMAX), QMAX)
+            o2 = tl.minimum(tl.maximum(o2 * inv, -QMAX), QMAX)
+            if KV_QUANT == 1:
+                latent = tl.minimum(tl.floor(latent + 0.5), QMAX)
+                o1 = tl.minimum(tl.floor(o1 + 0.5), QMAX)
+                o2 = tl.minimum(tl.floor(o2 + 0.5), QMAX)
+            tl.store(kv_scale_ptr + slot, amax / QMAX)
+        tl.store(dst + dr, latent.to(cache_ptr.dtype.element_ty), mask=r_ok)
+        tl.store(dst + R + d, o1.to(cache_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(dst + R + HALF + d, o2.to(cache_ptr.dtype.element_ty), mask=d_ok)
