@@ -45,8 +45,8 @@ for ((i = 0; i < n; i++)); do   # engc run's first line names its address
 done
 
 # cache_aware: the prefix tree per replica, shortest queue when the load is uneven. A replica that fails
-# once is taken out at once (circuit breaker) and the request retried on another; health checks bring
-# it back when it answers again.
+# once is taken out at once (circuit breaker) and the request retried on another; the breaker tries it
+# again after its timeout.
 python3 -m sglang_router.launch_router --host "${ROUTER_HOST:-127.0.0.1}" --port "$port" \
   --worker-urls "${urls[@]}" --policy cache_aware --cb-failure-threshold 1 --health-check-interval-secs 5 \
   --log-level warn &
