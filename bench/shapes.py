@@ -196,3 +196,56 @@ def step_weight_bytes(shape: str, cfg) -> tuple[int, int]:
     """weight_bytes for the shape's weight format."""
     proj = 1 if quant_of(shape) == "fp8" else INT4_BYTES if is_int4(shape) else 2
     return weight_bytes(cfg, proj, INT4_BYTES if is_int4_head(shape) else 2)
+
+
+# DeepSeek-V2-Lite (16B total, 2.4B active: MLA with kv_lora_rank 512, 64 routed experts of which 6 a token, two
+# shared ones): the latent-attention shape that fits one GPU. Not one of SHAPES (whose checkpoints and weight
+# bytes are Llama's): make_deepseek_v2_lite writes its random checkpoint, `engc build` builds it as any other.
+# Its bf16 checkpoint is about 31 GB and the bundle as much again: on a 64 GB disk, build fewer layers.
+DEEPSEEK_V2_LITE = dict(
+    architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
+    intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+    num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+    kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+    scoring_func="softmax", rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=163840,
+    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001, torch_dtype="bfloat16")
+
+
+def make_deepseek_v2_lite(folder: Path, layers: int = 27) -> None:
+    """A sharded random DeepSeek-V2-Lite checkpoint of `layers` layers (seed 0, on the GPU), per-expert tensors
+    as transformers writes them, and the word-level tokenizer of the other shapes."""
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = dict(DEEPSEEK_V2_LITE, num_hidden_layers=layers)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    _write_tokenizer(folder, cfg["vocab_size"])
+    w = _RandomWeights(dtype_of("deepseek"), False)
+    h, heads, r = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_lora_rank"]
+    nope, rope, v, mi = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["moe_intermediate_size"]
+    save_file({"model.embed_tokens.weight": w.rand(cfg["vocab_size"], h), "model.norm.weight": w.ones(h),
+               "lm_head.weight": w.rand(cfg["vocab_size"], h)}, str(folder / "model-embed.safetensors"))
+    for layer in range(layers):
+        p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
+        t = {p + "input_layernorm.weight": w.ones(h), p + "post_attention_layernorm.weight": w.ones(h),
+             a + "q_proj.weight": w.rand(heads * (nope + rope), h), a + "kv_a_proj_with_mqa.weight": w.rand(r + rope, h),
+             a + "kv_a_layernorm.weight": w.ones(r), a + "kv_b_proj.weight": w.rand(heads * (nope + v), r),
+             a + "o_proj.weight": w.rand(h, heads * v)}
+        if layer < cfg["first_k_dense_replace"]:
+            i = cfg["intermediate_size"]
+            t.update({p + "mlp.gate_proj.weight": w.rand(i, h), p + "mlp.up_proj.weight": w.rand(i, h),
+                      p + "mlp.down_proj.weight": w.rand(h, i)})
+        else:
+            s = mi * cfg["n_shared_experts"]
+            t.update({p + "mlp.gate.weight": w.rand(cfg["n_routed_experts"], h),
+                      p + "mlp.shared_experts.gate_proj.weight": w.rand(s, h),
+                      p + "mlp.shared_experts.up_proj.weight": w.rand(s, h),
+                      p + "mlp.shared_experts.down_proj.weight": w.rand(h, s)})
+            for e in range(cfg["n_routed_experts"]):
+                x = f"{p}mlp.experts.{e}."
+                t.update({x + "gate_proj.weight": w.rand(mi, h), x + "up_proj.weight": w.rand(mi, h),
+                          x + "down_proj.weight": w.rand(h, mi)})
+        save_file(t, str(folder / f"model-layer{layer:03d}.safetensors"))
+    _write_index(folder)
