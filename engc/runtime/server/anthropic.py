@@ -30,7 +30,7 @@ async def messages(req: MessagesRequest, request: Request):
                                   "a final assistant message (prefill)" if continued else None)
     params = s.params(len(prompt_ids), req.max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                       top_p=req.top_p, top_k=req.top_k, stop=tuple(req.stop_sequences or ()), **constraint)
-    stream = s.stream([(prompt_ids, params)], 0, req.session_id)
+    stream = await s.stream([(prompt_ids, params)], 0, req.session_id)
     msg_id = f"msg_{uuid.uuid4().hex}"
     if req.stream:
         events = _tool_events if tools.active else _events

@@ -89,8 +89,13 @@ class ServerState:
             raise APIError(400, str(e)) from None
         return p
 
-    def stream(self, prompts, priority: int = 0, session_id: str | None = None):
+    async def stream(self, prompts, priority: int = 0, session_id: str | None = None):
         try:
+            if any(params.grammar is not None for _, params in prompts):
+                # a grammar compiles over the vocabulary where the request is checked (the first one also
+                # builds llguidance's vocabulary, ~0.3 s; a pathological regex takes longer): in a worker
+                # thread, so the loop keeps serving; generate's own check then finds it compiled
+                await self.off_loop(lambda: [self.engine.engine.check_request(ids, p) for ids, p in prompts])
             return self.engine.generate(prompts, priority, session_id)
         except ValueError as e:
             raise APIError(400, str(e)) from None

@@ -52,7 +52,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prompts = _prompts(s, [prompt_ids], req, max_tokens, logprobs, constraint)
     out = _Output(s, req, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", [len(prompt_ids)], tools)
-    stream = s.stream(prompts, req.priority, req.session_id)
+    stream = await s.stream(prompts, req.priority, req.session_id)
     if req.stream:
         return StreamingResponse(_events(stream, out), media_type="text/event-stream")
     return await _collect(stream, out)
@@ -70,7 +70,7 @@ async def completions(req: CompletionRequest, request: Request):
     prompts = _prompts(s, id_lists, req, max_tokens, req.logprobs,
                        {"grammar": openai_format(req), "prompt_logprobs": echo.k if echo else None})
     out = _Output(s, req, f"cmpl-{uuid.uuid4().hex}", "text_completion", [len(x) for x in id_lists], echo=echo)
-    stream = s.stream(prompts, req.priority, req.session_id)
+    stream = await s.stream(prompts, req.priority, req.session_id)
     if req.stream:
         return StreamingResponse(_events(stream, out), media_type="text/event-stream")
     return await _collect(stream, out)
