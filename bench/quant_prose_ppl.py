@@ -1,6 +1,7 @@
 """Perplexity of int4 SmolLM2 on English prose unrelated to the calibration text, fast enough for 2 cores.
 
-    python bench/quant_prose_ppl.py TAG METHOD GROUP SAMPLES SEQLEN [DAMP] [CALIB_FILE]   (METHOD float|rtn|awq|gptq)
+    python bench/quant_prose_ppl.py TAG METHOD GROUP SAMPLES SEQLEN [DAMP] [CALIB_FILE]
+        METHOD: float, rtn, awq, gptq, or gptq+act (GPTQ with --act-order)
 
 Quantizes layer by layer with engc's own quantizer (stream.quantize_layer, the code `engc quantize`
 runs), keeps each projection's dequantized weight instead of packing it, loads the weights into an HF
@@ -53,11 +54,12 @@ def main():
     ckpt = read_source("default")
     cfg = resolve_config(ckpt.hf_config)
     started = time.monotonic()
+    method, act_order = method.removesuffix("+act"), method.endswith("+act")
     opts = QuantOptions(method=method, group_size=g, calib_samples=samples, calib_seqlen=seqlen, damp=damp,
-                        calib=calib)
+                        calib=calib, act_order=act_order)
     sd = {n: ckpt.get(n).float() for n in ckpt.names()} if method == "float" else quantized_state(ckpt, cfg, opts)
     result = {"tag": tag, "method": method, "group_size": g, "calib": calib or "default corpus",
-              "calib_samples": samples, "calib_seqlen": seqlen, "damp": damp,
+              "calib_samples": samples, "calib_seqlen": seqlen, "damp": damp, "act_order": act_order,
               "quantize_seconds": round(time.monotonic() - started, 1)}
     hf = LlamaConfig(**ckpt.hf_config)
     model = LlamaForCausalLM(hf).float().eval()
