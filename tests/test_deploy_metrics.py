@@ -59,6 +59,9 @@ def test_a_full_queue_is_a_429_at_once(tiny_bundle):
             gate.set()
         assert first.result().status_code == 200
         assert http.post("/v1/completions", json=body).status_code == 200   # room again
+        paths = http.get("/openapi.json").json()["paths"]
+        assert "429" in paths["/v1/completions"]["post"]["responses"]
+        assert "429" in paths["/v1/messages"]["post"]["responses"]
 
 
 def test_kubernetes_example_runs_engc_run():

@@ -213,7 +213,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = document(app, model_name, engine.engine.model.config.vocab_size, api_key)
+            app.openapi_schema = document(app, model_name, engine.engine.model.config.vocab_size, api_key,
+                                          engine.engine.config.max_waiting is not None)
         return app.openapi_schema
     app.openapi = openapi
     return app

@@ -5,7 +5,8 @@ FastAPI declares a 422 for request validation; engc answers 400 (the APIs it ser
 shape, or Anthropic's on /v1/messages and for clients that send anthropic-version (app.from_anthropic_client).
 Request bodies and /v1/models/{model_id} name the one model the server serves. Each operation gets the
 errors it can give: 400 (a body it refuses), 404 (a model it does not serve), 413 (a
-body over the limit), 401 (with an API key), 500 (a failure of the server), and the x-request-id header every
+body over the limit), 401 (with an API key), 429 (a full queue, with --max-waiting), 500 (a failure of the
+server), and the x-request-id header every
 response carries. A streamed answer is text/event-stream; /metrics is Prometheus' text format.
 """
 from __future__ import annotations
@@ -51,10 +52,11 @@ ERRORS = {400: "The request is refused: the message says why (the param names th
           401: "Missing or invalid API key",
           404: "The model is not the one this server serves",
           413: "The request body is over the server's limit (engc run --max-body-bytes)",
+          429: "The queue is full (engc run --max-waiting): send the request elsewhere or later",
           500: "The server failed; the message holds the request id its log names"}
 
 
-def document(app, model_name: str, vocab_size: int, api_key: str | None) -> dict:
+def document(app, model_name: str, vocab_size: int, api_key: str | None, queue_limit: bool = False) -> dict:
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
@@ -71,7 +73,7 @@ def document(app, model_name: str, vocab_size: int, api_key: str | None) -> dict
                            for kind, c in facts.items()})
     for path, operations in doc["paths"].items():
         for method, operation in operations.items():
-            operation["responses"] = _responses(path, method, operation, api_key is not None)
+            operation["responses"] = _responses(path, method, operation, api_key is not None, queue_limit)
             for parameter in operation.get("parameters", []):
                 if parameter["name"] == "model_id":
                     parameter["schema"] = served
@@ -91,7 +93,7 @@ def _refine(schema: dict, facts: dict[str, dict]) -> None:
         _refine(schema["items"], facts)
 
 
-def _responses(path: str, method: str, operation: dict, keyed: bool) -> dict:
+def _responses(path: str, method: str, operation: dict, keyed: bool, queue_limit: bool = False) -> dict:
     ok = operation["responses"].get("200", {"description": "Successful Response"})
     if path == "/metrics":
         ok = {"description": "The metrics in Prometheus' text format",
@@ -106,6 +108,8 @@ def _responses(path: str, method: str, operation: dict, keyed: bool) -> dict:
         statuses.append(404)
     if keyed and path != "/health":
         statuses.append(401)
+    if queue_limit and path in STREAMED:   # the routes that queue work for the engine
+        statuses.append(429)
     if path.startswith("/v1/messages"):
         shape = {"$ref": "#/components/schemas/AnthropicError"}
     else:
