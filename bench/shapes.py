@@ -1,5 +1,9 @@
-"""The benchmark's models: random-weight Llama-3.2-1B and Llama-3-8B shapes (and a tiny one), their HF
-checkpoints and the bundles built from them.
+"""The benchmark's models: random-weight Llama-3.2-1B and Llama-3-8B shapes (and a tiny one), the MoE shapes of
+OLMoE-1B-7B ("olmoe") and Qwen3-30B-A3B ("qwen3moe"), their HF checkpoints and the bundles built from them.
+
+Qwen3-30B-A3B's 48 layers are 61 GB of bf16 weights, more than the GPU machine's disk holds twice (checkpoint
+and bundle): "qwen3moe" has its first 16 layers (a third of the model; per-layer figures are the model's,
+whole-model ones a third), "qwen3moe48" all of them for a machine with the room.
 
 A shape name may carry build variants after its base: "-kv8" / "-kvfp8" build with --kv-cache int8 / fp8,
 "-fp8" with --quant fp8 (W8A8 projections); these share the base shape's checkpoint. "-int4" is a random
@@ -18,7 +22,26 @@ SHAPES = {
                num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, vocab_size=512),
+    # mixture-of-experts: hf_config adds each family's config keys (MOE_FAMILY)
+    "olmoe": dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+                  num_key_value_heads=16, head_dim=128, tie_word_embeddings=False, vocab_size=50304,
+                  num_experts=64, num_experts_per_tok=8),
+    "qwen3moe": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                     vocab_size=151936, num_experts=128, num_experts_per_tok=8),
+    "qwen3moe48": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                       num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                       vocab_size=151936, num_experts=128, num_experts_per_tok=8),
 }
+MOE_FAMILY = {   # shape -> the family's own config keys
+    "olmoe": dict(architectures=["OlmoeForCausalLM"], model_type="olmoe", norm_topk_prob=False,
+                  rope_theta=10000.0, rope_scaling=None, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                  bos_token_id=None, eos_token_id=50279),
+    "qwen3moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", norm_topk_prob=True,
+                     rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=8192, rms_norm_eps=1e-6,
+                     decoder_sparse_step=1, mlp_only_layers=[], bos_token_id=None, eos_token_id=151645),
+}
+MOE_FAMILY["qwen3moe48"] = MOE_FAMILY["qwen3moe"]
 KV_VARIANTS = {"kv8": "int8", "kvfp8": "fp8"}   # shape suffix -> --kv-cache
 INT4_GROUP = 128
 
@@ -62,7 +85,12 @@ def hf_config(shape: str) -> dict:
                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     cfg.update(SHAPES[base_shape(shape)])
+    cfg.update(MOE_FAMILY.get(base_shape(shape), {}))
     return cfg
+
+
+def is_moe(shape: str) -> bool:
+    return base_shape(shape) in MOE_FAMILY
 
 
 def model_config(shape: str):
@@ -120,11 +148,30 @@ def make_checkpoint(shape: str, folder: Path) -> None:
         p = f"model.layers.{layer}."
         t = {p + "input_layernorm.weight": weights.ones(h), p + "post_attention_layernorm.weight": weights.ones(h),
              **weights.proj(p + "self_attn.q_proj", q, h), **weights.proj(p + "self_attn.k_proj", kv, h),
-             **weights.proj(p + "self_attn.v_proj", kv, h), **weights.proj(p + "self_attn.o_proj", h, q),
-             **weights.proj(p + "mlp.gate_proj", i, h), **weights.proj(p + "mlp.up_proj", i, h),
-             **weights.proj(p + "mlp.down_proj", h, i)}
+             **weights.proj(p + "self_attn.v_proj", kv, h), **weights.proj(p + "self_attn.o_proj", h, q)}
+        if is_moe(shape):
+            t.update(_moe_layer(cfg, p, weights))
+        else:
+            t.update({**weights.proj(p + "mlp.gate_proj", i, h), **weights.proj(p + "mlp.up_proj", i, h),
+                      **weights.proj(p + "mlp.down_proj", h, i)})
         save_file(t, str(folder / f"model-layer{layer:03d}.safetensors"))
     _write_index(folder)
+
+
+def _moe_layer(cfg: dict, p: str, weights) -> dict:
+    """A layer's router and experts, one tensor per expert and projection (transformers' per-expert layout),
+    and its q/k norms: OLMoE's over the whole projection, Qwen3's a head."""
+    h, e = cfg["hidden_size"], cfg["num_experts"]
+    i = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    t = {p + "mlp.gate.weight": weights.rand(e, h)}
+    for x in range(e):
+        t.update({**weights.proj(f"{p}mlp.experts.{x}.gate_proj", i, h), **weights.proj(f"{p}mlp.experts.{x}.up_proj", i, h),
+                  **weights.proj(f"{p}mlp.experts.{x}.down_proj", h, i)})
+    whole = cfg["model_type"] == "olmoe"
+    d = cfg["head_dim"]
+    t[p + "self_attn.q_norm.weight"] = weights.ones(cfg["num_attention_heads"] * d if whole else d)
+    t[p + "self_attn.k_norm.weight"] = weights.ones(cfg["num_key_value_heads"] * d if whole else d)
+    return t
 
 
 class _RandomWeights:
@@ -181,10 +228,12 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def weight_bytes(cfg, projection_bytes: float = 2, head_bytes: float = 2) -> tuple[int, int]:
-    """(bytes a decode step reads, non-embedding parameter count): bf16 weights, or 1-byte projections (fp8),
-    or int4 ones (and an int4 lm_head: head_bytes)."""
+    """(bytes a batch-1 decode step reads, parameters a token uses): bf16 weights, or 1-byte projections (fp8),
+    or int4 ones (and an int4 lm_head: head_bytes); of an MoE model, its active weights (the top-k experts)."""
     h, i, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
-    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i
+    if cfg.num_experts:   # the experts a token reads (top-k of them) and the router: a batch-1 step's weights
+        i = cfg.moe_intermediate_size * cfg.num_experts_per_tok
+    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i + h * cfg.num_experts
     params = L * per_layer + V * h  # lm_head counts: it is read every step (tied or not)
     return int(projection_bytes * L * per_layer + head_bytes * V * h), params
 
