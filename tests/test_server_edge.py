@@ -209,7 +209,7 @@ def test_405_names_the_allowed_methods_and_the_document_declares_the_errors(srv)
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["type"] == "error"
     doc = httpx.get(srv.url + "/openapi.json").json()
     paths = doc["paths"]
-    assert set(paths["/v1/completions"]["post"]["responses"]) == {"200", "400", "404", "413", "500"}
+    assert set(paths["/v1/completions"]["post"]["responses"]) == {"200", "400", "404", "413", "500", "503"}
     assert "text/event-stream" in paths["/v1/completions"]["post"]["responses"]["200"]["content"]
     assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert "422" not in json.dumps(doc) or "HTTPValidationError" not in json.dumps(doc)

@@ -53,7 +53,8 @@ ERRORS = {400: "The request is refused: the message says why (the param names th
           404: "The model is not the one this server serves",
           413: "The request body is over the server's limit (engc run --max-body-bytes)",
           429: "The queue is full (engc run --max-waiting): send the request elsewhere or later",
-          500: "The server failed; the message holds the request id its log names"}
+          500: "The server failed; the message holds the request id its log names",
+          503: "The engine is down (a tensor-parallel rank died): the server exits; send the request elsewhere"}
 
 
 def document(app, model_name: str, vocab_size: int, api_key: str | None, queue_limit: bool = False) -> dict:
@@ -101,7 +102,7 @@ def _responses(path: str, method: str, operation: dict, keyed: bool, queue_limit
     elif path in STREAMED:
         ok["content"]["text/event-stream"] = {"schema": SSE_EVENT}
     out = {"200": dict(ok, headers=REQUEST_ID)}
-    statuses = [500]
+    statuses = [500, 503]
     if method == "post":
         statuses += [400, 404, 413]
     if path in MODEL_ROUTES:
