@@ -43,6 +43,7 @@ def stack(tiny_bundle):
             LiveServer(tiny_bundle("qwen2"), model_name="big") as big:
         port = free_port()
         litellm = shutil.which("litellm", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+        assert litellm, "litellm is importable but its `litellm` command is not beside this Python or on PATH"
         env = dict(os.environ, ENGC_SMALL_URL=small.url + "/v1", ENGC_BIG_URL=big.url + "/v1",
                    LITELLM_MASTER_KEY=KEY, LITELLM_LOCAL_MODEL_COST_MAP="True")
         proc = subprocess.Popen([litellm, "--config", str(ROOT / "examples/litellm.yaml"), "--host", "127.0.0.1",

@@ -17,7 +17,7 @@ def ray_url(tiny_bundle):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=128 << 20)   # it moves no data
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # as `serve run engc.runtime.server.ray_serve:app bundle=... name=tiny device=cpu ...` passes them

@@ -39,7 +39,7 @@ def completions(metrics: dict) -> float:
 def replicas(tiny_bundle):
     port = free_port()
     proc = subprocess.Popen(["bash", str(ROOT / "examples/replicas.sh"), str(tiny_bundle("llama")), "2", str(port),
-                             "--", "--served-model-name", "tiny"],
+                             "--", "--served-model-name", "tiny", "--device", "cpu"],   # a CPU bundle, GPUs or not
                             stdout=subprocess.PIPE, text=True, start_new_session=True,
                             env=dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"))
     workers, router, deadline = [], None, time.time() + 120
