@@ -35,13 +35,14 @@ _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def _kv_bytes(m: dict) -> str:
     """The KV cache's bytes a token (all layers), and for latent attention the bytes per-head keys and values
     (nope + rope and v wide, as MHA would cache them) would take in the same format."""
-    cfg = ModelConfig.from_dict(m["model"])
+    cfg = rank_config(ModelConfig.from_dict(m["model"]), m.get("tp", 1))   # each rank caches its own heads
     quantized = m.get("kv_cache", "auto") != "auto"   # 1-byte codes plus a float32 scale a row
     elt = 1 if quantized else _ELEMENT_BYTES.get(m["dtype"], 2)
     planes, rows, width = cfg.kv_cache_row
     per_token = cfg.num_layers * planes * rows * (width * elt + 4 * quantized)
     if not cfg.kv_lora_rank:
-        return f"kv bytes   {per_token:,} a token ({planes} x {rows} KV heads x {width} a layer)"
+        return (f"kv bytes   {per_token:,} a token ({planes} x {rows} KV heads x {width} a layer)"
+                + (" on each rank" if m.get("tp", 1) > 1 else ""))
     mha = cfg.num_layers * cfg.num_heads * ((cfg.head_dim + cfg.v_head_dim) * elt + 8 * quantized)
     return (f"kv bytes   {per_token:,} a token (latent {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim} a layer); "
             f"MHA-equivalent {mha:,} ({mha / per_token:.1f}x)")
