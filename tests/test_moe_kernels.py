@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = ["route_softmax_fp32", "route_softmax_renorm_fp32", "route_topk_first_fp32", "route_bf16",
          "route_float32_weights_bf16",
          "route_ties_pick_lower_ids", "decode_fp32", "decode_shared_fp32", "grouped_fp32", "grouped_shared_fp32",
-         "grouped_bf16", "decode_bf16", "grouped_many_experts_fp32", "gpu_binding_fp32"]
+         "grouped_bf16", "decode_bf16", "grouped_many_experts_fp32", "gpu_binding_fp32",
+         "deepseek_v2_decode_fp32", "deepseek_v3_grouped_fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +193,28 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
     return _rel(out, ref), run.variants
 
 
+def check_deepseek(dtype, tokens, v3: bool, max_pairs=64):
+    """DeepSeek's routings (groups, scaling; V3's sigmoid scores and correction bias) with ungated shared
+    experts through forward(): the routing as torch ops, the same expert and combine kernels."""
+    import torch
+    from engc.kernels import moe as op
+    cfg = _cfg(num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=40)
+    specs = _specs(cfg, dtype, {"max_pairs": max_pairs, "BLOCK_N": 32, "BLOCK_K": 32})
+    w, r = _weights(cfg, dtype, seed=tokens, shared=40)
+    x = r(tokens, cfg.hidden_size, std=1.0)
+    attrs = dict(top_k=2, num_experts=8, has_shared_expert=1, shared_ungated=1, n_group=4, topk_group=2,
+                 routed_scaling_factor=2.5 if v3 else 1.5)
+    extra = []
+    if v3:
+        attrs.update(sigmoid_scores=1, correction_bias=1, group_top2=1, renormalize=1)
+        extra = [torch.randn(8, generator=torch.Generator().manual_seed(1)) * 0.05]
+    inputs = [x, w["router"], w["gate_up"], w["down"], w["shared_gate_up"], w["shared_down"], *extra]
+    ref = op.moe(*inputs, **attrs)
+    run = _runner(specs)
+    out = op.forward(run, *inputs, consts={v: s.launch for v, s in specs.items()}, **attrs)
+    return _rel(out, ref), run.variants
+
+
 def check_binding(dtype):
     """bind.py's GPU op as the executor calls it (the node's inputs and every attribute the frontend writes),
     its kernels run by a stand-in for the runtime's context."""
@@ -247,6 +270,8 @@ def main():
         # more experts than pairs: most experts get no rows, the schedule's tail blocks are padding
         "grouped_many_experts_fp32": (lambda: check_forward(f32, 9, experts=32, top_k=4, max_pairs=4), tol[f32]),
         "gpu_binding_fp32": (lambda: check_binding(f32), tol[f32]),
+        "deepseek_v2_decode_fp32": (lambda: check_deepseek(f32, 5, v3=False), tol[f32]),
+        "deepseek_v3_grouped_fp32": (lambda: check_deepseek(f32, 23, v3=True, max_pairs=4), tol[f32]),
     }
     report = {}
     for name, (fn, limit) in checks.items():

@@ -81,10 +81,13 @@ def _deepseek_route(x, router, top_k, renormalize, sigmoid_scores, bias, n_group
     return weights * scaling, ids
 
 
+# the MoE node's attributes of DeepSeek's routings (the correction bias is an input)
+_DEEPSEEK_ROUTING = ("sigmoid_scores", "n_group", "topk_group", "group_top2", "routed_scaling_factor")
+
+
 def routing_of(attrs: dict, bias: torch.Tensor | None) -> dict:
     """route()'s keyword arguments from the node's routing attributes."""
-    keys = ("softmax_first", "renormalize", "sigmoid_scores", "n_group", "topk_group", "group_top2",
-            "routed_scaling_factor")
+    keys = ("softmax_first", "renormalize", *_DEEPSEEK_ROUTING)
     return {**{k: attrs[k] for k in keys if k in attrs}, "bias": bias}
 
 
@@ -210,12 +213,14 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, soft
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
     shared_weight = torch.empty(t if has_shared_expert else 1, dtype=torch.float32, device=x.device)
-    if routing or correction_bias or shared_ungated:
+    if correction_bias or shared_ungated or any(k in routing for k in _DEEPSEEK_ROUTING):
         w, i = route(x, router, top_k, **routing_of({"softmax_first": softmax_first, "renormalize": renormalize,
                                                     **routing}, bias))
         weights.copy_(w if float32_weights else w.to(x.dtype))
         ids.copy_(i)
-        shared_weight.fill_(1.0)
+        if has_shared_expert:
+            shared_weight.copy_(torch.ones(t, device=x.device) if shared_ungated
+                                else torch.sigmoid(F.linear(x, shared_gate).float())[:, 0])
     else:
         run(launch_route(x, router, shared_gate if has_shared_expert else router, weights, ids, shared_weight,
                          softmax_first, renormalize, float32_weights))
