@@ -129,3 +129,26 @@ def test_fp8_latent_cache(family, tiny_dir, tmp_path):
     assert torch.allclose(torch.tensor([s.logprob for s in seq.logprobs[:same]]), theirs, atol=2e-2)
     with pytest.raises(UserError, match="--quant fp8 does not cover expert weights"):
         build(str(tiny_dir(family)), tmp_path / "q", BuildOptions(quant="fp8"))
+
+
+def test_prefix_cache_reuses_latent_blocks(tiny_dir, tiny_bundle):
+    """A second request that shares a prompt's first blocks reads their latents from the prefix cache (an
+    extend over cached context, the absorbed form's causal rows) and still decodes as HF."""
+    from test_hf_parity import hf_greedy
+    from engc.runtime.engine import Engine
+    from engc.runtime.loader import load
+    from engc.runtime.sampling import SamplingParams
+    model = load(tiny_bundle("deepseek_v3"))
+    engine = Engine(model)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    first = model.tokenizer.encode(PROMPTS[1] + " " + PROMPTS[1])
+    engine.add_request(first, greedy)
+    engine.run_to_completion()
+    second = first[:40] + model.tokenizer.encode(" 0123 fox")
+    seq = engine.add_request(second, greedy)
+    engine.run_to_completion()
+    assert engine.kv.allocator.hit_tokens >= 32
+    expected, hf_logits = hf_greedy(tiny_dir("deepseek_v3"), second, 6)
+    assert seq.output_ids == expected
+    theirs = torch.log_softmax(hf_logits, -1).gather(1, torch.tensor(expected)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([s.logprob for s in seq.logprobs]), theirs, atol=1e-4, rtol=1e-4)
