@@ -36,6 +36,10 @@ class EngineConfig:
     max_waiting: int | None = None      # server: a request that would make more sequences wait is a 429
 
 
+def context_limit(model: LoadedModel, num_blocks: int) -> int:
+    return min(model.config.max_position_embeddings, num_blocks * model.block_size)
+
+
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
         self.model = model
@@ -43,13 +47,14 @@ class Engine:
         kv_dtype = model.kv_dtype or model.dtype
         num_blocks = config.num_blocks or KVCache.default_num_blocks(
             model.kv_config, model.block_size, kv_dtype, model.device, config.kv_memory_fraction)
+        if model.tp is not None:   # the workers (runtime/tp.py) size their caches and graphs as rank 0 does
+            num_blocks = model.tp.setup_workers(num_blocks, {
+                "num_blocks": config.num_blocks, "kv_memory_fraction": config.kv_memory_fraction,
+                "max_num_seqs": config.max_num_seqs, "cuda_graphs": config.cuda_graphs})
         self.kv = KVCache(model.kv_config, num_blocks, model.block_size, kv_dtype, model.device, config.prefix_cache)
         self.scheduler = Scheduler(self.kv.allocator, config.max_num_seqs, config.max_batched_tokens,
                                    config.max_sessions)
-        self.max_context = min(model.config.max_position_embeddings, num_blocks * model.block_size)
-        if model.tp is not None:   # the workers (runtime/tp.py) size their caches and graphs as rank 0 does
-            model.tp.send({"num_blocks": num_blocks, "max_context": self.max_context,
-                           "max_num_seqs": config.max_num_seqs, "cuda_graphs": config.cuda_graphs})
+        self.max_context = context_limit(model, num_blocks)
         self.runner = ModelRunner(model, self.kv, self.max_context, config.max_num_seqs, config.cuda_graphs,
                                   config.overlap)
         self.output = OutputProcessor(model.tokenizer, self.max_context, self._finish)

@@ -67,6 +67,20 @@ class Group:
         except Exception as e:  # noqa: BLE001 - a closed connection or a timeout: a rank is gone
             raise self.fail(f"cannot reach the other ranks ({e.__class__.__name__}: {str(e)[:200]})") from e
 
+    def setup_workers(self, num_blocks: int, setup: dict) -> int:
+        """Rank 0 sends the engine's setup (EngineConfig's fields the workers need); every rank's KV cache
+        then takes the fewest blocks any rank's memory holds (agree_blocks). Returns that count."""
+        self.send(setup)
+        return self.agree_blocks(num_blocks)
+
+    def agree_blocks(self, num_blocks: int) -> int:
+        blocks = torch.tensor([num_blocks], dtype=torch.int64)
+        try:
+            dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.steps)
+        except Exception as e:  # noqa: BLE001
+            raise self.fail(f"the ranks did not agree on the KV cache ({e.__class__.__name__})") from e
+        return int(blocks.item())
+
     def fail(self, reason: str) -> RankFailure:
         """Records the first failure, tells the callbacks once; returns the exception to raise."""
         if self.failure is None:
@@ -236,6 +250,7 @@ def worker_main(bundle: str, device: str) -> None:
 
 def serve_worker(group: Group, bundle: str, device: str) -> None:
     """Loads this rank's weights, takes the engine's setup from rank 0, then runs every step it sends."""
+    from engc.runtime.engine import context_limit
     from engc.runtime.kv_cache import KVCache
     from engc.runtime.loader import load
     from engc.runtime.runner import ModelRunner
@@ -243,9 +258,12 @@ def serve_worker(group: Group, bundle: str, device: str) -> None:
     setup = group.receive()
     if setup is None:
         return
-    kv = KVCache(model.kv_config, setup["num_blocks"], model.block_size, model.kv_dtype or model.dtype,
-                 model.device, False)
-    runner = ModelRunner(model, kv, setup["max_context"], setup["max_num_seqs"], setup["cuda_graphs"], False)
+    kv_dtype = model.kv_dtype or model.dtype
+    num_blocks = group.agree_blocks(setup["num_blocks"] or KVCache.default_num_blocks(
+        model.kv_config, model.block_size, kv_dtype, model.device, setup["kv_memory_fraction"]))
+    kv = KVCache(model.kv_config, num_blocks, model.block_size, kv_dtype, model.device, False)
+    runner = ModelRunner(model, kv, context_limit(model, num_blocks), setup["max_num_seqs"], setup["cuda_graphs"],
+                         False)
     runner.follow()
     group.close()
 
