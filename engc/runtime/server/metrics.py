@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+# (name, help, engine stats key); "perc" is vLLM's name for a fraction from 0 to 1
+GATEWAY_GAUGES = (("vllm:num_requests_waiting", "Requests waiting for a place in the batch", "waiting"),
+                  ("vllm:num_requests_running", "Requests in the running batch", "running"),
+                  ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1)", "kv_usage"),
+                  ("vllm:gpu_cache_usage_perc", "Fraction of KV blocks in use (0 to 1; the older name)", "kv_usage"))
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -33,6 +38,9 @@ class Metrics:
         self.hit_rate = Gauge("engc_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / all",
                               registry=r)
         self.preemptions = Gauge("engc_num_preemptions", "Sequences preempted so far", registry=r)
+        self.gateway = {name: (Gauge(name, doc, ["model_name"], registry=r), key) for name, doc, key in GATEWAY_GAUGES}
+        self.cache_config = Gauge("vllm:cache_config_info", "KV cache configuration (labels; value 1)",
+                                  ["block_size", "num_gpu_blocks", "enable_prefix_caching"], registry=r)
 
     def bind(self, stats) -> None:
         """stats() -> the engine's latest stats dict; the gauges read it at scrape time."""
@@ -43,19 +51,12 @@ class Metrics:
         self.preemptions.set_function(lambda: stats()["preemptions"])
 
     def bind_gateway(self, stats, model_name: str, block_size: int, prefix_cache: bool) -> None:
-        """The inference gateway's gauges (module docstring) over the same stats; 'perc' is vLLM's name for
-        a fraction from 0 to 1."""
-        r, label = self.registry, {"model_name": model_name}
-        gauges = {"vllm:num_requests_waiting": ("Requests waiting for a place in the batch", "waiting"),
-                  "vllm:num_requests_running": ("Requests in the running batch", "running"),
-                  "vllm:kv_cache_usage_perc": ("Fraction of KV blocks in use (0 to 1)", "kv_usage"),
-                  "vllm:gpu_cache_usage_perc": ("Fraction of KV blocks in use (0 to 1; the older name)", "kv_usage")}
-        for name, (doc, key) in gauges.items():
-            Gauge(name, doc, list(label), registry=r).labels(**label).set_function(lambda key=key: stats()[key])
-        info = {"block_size": str(block_size), "num_gpu_blocks": str(stats()["num_blocks"]),
-                "enable_prefix_caching": str(prefix_cache)}
-        Gauge("vllm:cache_config_info", "KV cache configuration (labels; value 1)", list(info),
-              registry=r).labels(**info).set(1)
+        """The inference gateway's gauges (module docstring) over the same stats, labelled with the served
+        model's name."""
+        for gauge, key in self.gateway.values():
+            gauge.labels(model_name=model_name).set_function(lambda key=key: stats()[key])
+        self.cache_config.labels(block_size=str(block_size), num_gpu_blocks=str(stats()["num_blocks"]),
+                                 enable_prefix_caching=str(prefix_cache)).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
