@@ -99,6 +99,7 @@ def build(src, out, arch, dtype, kernel_cache, quant, kv_cache, tune_file, tp, a
     else:
         click.echo(f"built {summary['bundle']}: {summary['model']} ({summary['family']}, {summary['dtype']}, "
                    f"archs {','.join(summary['archs'])}, {summary['kernels']} kernels, "
+                   + (f"{summary['tp']} ranks, " if summary["tp"] > 1 else "") +
                    f"{summary['bytes'] / 1e6:.1f} MB) in {summary['seconds']}s")
 
 

@@ -148,7 +148,7 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
     # digest: the manifest's sha256, which names every byte of the bundle (it lists each file's sha256);
     # two builds of the same inputs give the same digest
     return {"bundle": str(out), "model": ckpt.name, "family": cfg.family, "dtype": dtype_name,
-            "archs": list(opts.archs), "kernels": len(kernels),
+            "archs": list(opts.archs), "tp": opts.tp, "kernels": len(kernels),
             "kernels_by_arch": {a: sum(r["arch"] == a for r in kernels) for a in gpu_archs},
             "files": len(sizes), "bytes": sum(sizes.values()), "bytes_by_part": by_part,
             "digest": sha256_file(out / mf.MANIFEST), "timings_s": dict(progress.timings),
