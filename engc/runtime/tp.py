@@ -209,8 +209,9 @@ def load_rank(bundle: str, device: str, tp: int | None = None):
 
 
 def _join(rank: int, world: int, init: str, gpu: bool, procs: list) -> Group:
-    if gpu:
+    if gpu:   # this rank's GPU, its context made current now: the bundle's cubins load into the current one
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % max(torch.cuda.device_count(), 1))
+        torch.empty(0, device="cuda")
     try:
         dist.init_process_group("nccl" if gpu else "gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s()))
