@@ -172,9 +172,10 @@ def start(bundle: str, device: str, tp: int | None = None) -> Group | None:
                         f"(engc build --tp {tp} makes a bundle for {tp})")
     if built == 1:
         return None
-    # the GPU where loader.pick_device would put it: asked for, or 'auto' with a GPU and kernels for one
-    gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available()
-                               and any(a != "cpu" for a in manifest["archs"]))
+    # NCCL where the model goes on the GPU, as loader.pick_device decides it for every rank
+    from engc.bundle.reader import Bundle
+    from engc.runtime.loader import pick_device
+    gpu = pick_device(device, Bundle(Path(bundle), manifest)).type == "cuda"
     outside = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if outside:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
