@@ -89,6 +89,7 @@ def test_ab_split_within_ten_points_of_its_weights(stack):
     assert codes == [200] * 200
     to_small, to_big = answered(small) - before[0], answered(big) - before[1]
     assert to_small + to_big == 200
+    print(f"A/B split over 200 requests: {to_small} small, {to_big} big (weights 4:1)")
     assert abs(to_small / 200 - 0.8) <= 0.10, (to_small, to_big)
 
 
