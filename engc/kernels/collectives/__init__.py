@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 _group = None
+# torch's newer name for the one-buffer all-gather, the older one where a torch lacks it
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def use(group) -> None:
@@ -40,6 +42,9 @@ def all_gather(x: torch.Tensor, size: int) -> torch.Tensor:
     """The ranks' x joined along the last axis, rank order, cut to `size` columns."""
     if _group is None:
         return x[..., :size]
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(_group))]
-    dist.all_gather(parts, x.contiguous(), group=_group)
-    return torch.cat(parts, dim=-1)[..., :size]
+    # one buffer, the ranks' x one after another along the first axis (NCCL's and gloo's common form; one
+    # allocation, which a CUDA graph takes from its pool), then each row's pieces side by side
+    n, x = dist.get_world_size(_group), x.contiguous()
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _gather_single(out, x, group=_group)
+    return out.view(n, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], n * x.shape[-1])[..., :size]
