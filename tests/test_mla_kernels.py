@@ -19,7 +19,7 @@ from interpreted import interpreted_report
 ROOT = Path(__file__).resolve().parents[1]
 
 CASES = ["decode_split_fp32", "decode_one_split_fp32", "extend_fp32", "prefill_and_decode_fp32", "decode_bf16",
-         "decode_fp8_cache_fp32", "gpu_binding_fp32"]
+         "decode_fp8_cache_fp32", "gpu_binding_fp32", "prefill_decompressed_fp32", "prefill_decompressed_fp8_cache_fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -181,13 +181,18 @@ def check_forward(dtype, seqs, min_split_tokens=16, kv=None, kv_cache="auto"):
     op.mla_attention(*ref_inputs, kv_scale=ref_scale, **case["attrs"])   # the rows the reference writes
     run = _runner(specs)
     out = op.forward(run, *inputs, kv_scale=scale, **case["attrs"], max_context_len=max(c for _, c in seqs),
-                     consts=consts)
-    # the rows written (dequantized): float32 equal up to cos/sin's last bits; the interpreter truncates its
-    # float -> bf16 / fp8 conversions where the GPU and torch round to nearest, half a code step apart
-    written, want = (kv_quant.dequantize(c, sc) if sc is not None else c.float()
-                     for c, sc in ((inputs[5], scale), (ref_inputs[5], ref_scale)))
-    limit = 3e-2 if kv is not None else 5e-3 if dtype == torch.bfloat16 else 1e-6
-    assert _rel(written, want) < limit, ("the latent rows written differ", _rel(written, want))
+                     consts=consts, max_query_len=max(n for n, _ in seqs))
+    # the rows written: float32 equal up to cos/sin's last bits; bf16 within the interpreter's truncating
+    # conversions (the GPU and torch round to nearest). A quantized cache: the same float32 scales, and the same
+    # codes but for a few the interpreter's float -> fp8 conversion sends to the binade below where a rounding
+    # carries into the next (Triton 3.9 interpreted, 124.5 becomes 64, not 128)
+    if kv is None:
+        limit = 5e-3 if dtype == torch.bfloat16 else 1e-6
+        assert _rel(inputs[5].float(), ref_inputs[5].float()) < limit, "the latent rows written differ"
+    else:
+        assert torch.allclose(scale, ref_scale, rtol=1e-6, atol=0), "the row scales written differ"
+        agree = (inputs[5].float() == ref_inputs[5].float()).float().mean()
+        assert agree > 0.97, ("the latent codes written differ", float(agree))
     # the attention against the reference over the rows the kernel wrote (its slots -1: it writes none again)
     kept = list(inputs)
     kept[6] = torch.full_like(inputs[6], -1)
@@ -208,6 +213,7 @@ def check_binding(dtype):
 
         class facts:
             max_context_len = 37
+            max_query_len = 3
 
         def run(self, name, launches):
             assert name == "mla_attention"
@@ -247,6 +253,11 @@ def main():
         "decode_fp8_cache_fp32": (lambda: check_forward(f32, [(1, 35), (2, 12)], kv=torch.float8_e4m3fn,
                                                         kv_cache="fp8"), tol[f32]),
         "gpu_binding_fp32": (lambda: check_binding(f32), tol[f32]),
+        # a step with a long prefill row (absorbs() says no): the decompressed form's batched torch ops, one
+        # sequence starting fresh, one extending earlier context, one decoding
+        "prefill_decompressed_fp32": (lambda: check_forward(f32, [(40, 40), (35, 50), (1, 9)]), tol[f32]),
+        "prefill_decompressed_fp8_cache_fp32": (lambda: check_forward(f32, [(40, 45), (2, 7)], kv=torch.float8_e4m3fn,
+                                                                      kv_cache="fp8"), tol[f32]),
     }
     report = {}
     for name, (fn, limit) in checks.items():

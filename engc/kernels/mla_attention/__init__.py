@@ -96,6 +96,44 @@ def attend_decompressed(q_nope, q_pe, rows, w_uk, w_uv, scale: float, kv_lora_ra
     return torch.einsum("hnc,hcv->nhv", torch.softmax(scores, dim=-1), v)
 
 
+def attend_decompressed_batched(q_nope, q_pe, kv_cache, block_tables, context_lens, query_start_loc, w_uk, w_uv,
+                                scale: float, kv_lora_rank: int, max_query_len: int, kv_scale=None) -> torch.Tensor:
+    """The decompressed form for a whole step as a few batched torch ops (the GPU's prefill: cuBLAS for the
+    up-projections, SDPA's fused attention), with nothing that waits on the GPU: every sequence's blocks
+    gathered and up-projected, its rows padded to max_query_len, masked causally. -> [T, H, v] in q's dtype.
+    The padding costs block_tables' width of keys a sequence; prefill steps are few and wide, so it pays."""
+    t, heads = q_nope.shape[0], q_nope.shape[1]
+    seqs, width = block_tables.shape
+    page, dtype = kv_cache.shape[2], w_uk.dtype
+    blocks = block_tables.long()
+    rows = kv_cache[0, blocks].reshape(seqs, width * page, -1)
+    if kv_scale is not None:
+        rows = kv_quant.dequantize(rows, kv_scale[0, blocks].reshape(seqs, width * page))
+    rows = rows.to(dtype)
+    latent, k_pe = rows[..., :kv_lora_rank], rows[..., kv_lora_rank:]
+    k = torch.cat([torch.einsum("blr,hdr->bhld", latent, w_uk),
+                   k_pe[:, None].expand(-1, heads, -1, -1)], dim=-1)
+    v = torch.einsum("blr,hvr->bhlv", latent, w_uv)
+    starts = query_start_loc.long()
+    row_seq = row_sequences(query_start_loc, t)
+    offset = torch.arange(t, device=q_nope.device) - starts[row_seq]
+    q = q_nope.new_zeros(seqs, max_query_len, heads, k.shape[-1])
+    q[row_seq, offset] = torch.cat([q_nope, q_pe], dim=-1)
+    q_pos = (context_lens.long() - (starts[1:seqs + 1] - starts[:seqs]))[:, None] + \
+        torch.arange(max_query_len, device=q.device)[None]
+    visible = torch.arange(width * page, device=q.device)[None, None] <= q_pos[:, :, None]
+    out = torch.nn.functional.scaled_dot_product_attention(q.to(dtype).transpose(1, 2), k, v,
+                                                           attn_mask=visible[:, None], scale=scale)
+    return out.transpose(1, 2)[row_seq, offset]
+
+
+def row_sequences(query_start_loc, t: int) -> torch.Tensor:
+    """The sequence of each of the step's t query rows (int64), without a host round trip."""
+    seqs = query_start_loc.numel() - 1
+    return torch.searchsorted(query_start_loc[1:].to(torch.int64), torch.arange(t, device=query_start_loc.device),
+                              right=True).clamp(max=max(seqs - 1, 0))
+
+
 def mla_attention(q, ckv, kv_norm, positions, inv_freq, kv_cache, slot_mapping, block_tables, context_lens,
                   query_start_loc, w_uk, w_uv, kv_scale=None, *, num_heads: int, kv_lora_rank: int,
                   qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, scale: float, eps: float):
@@ -161,21 +199,23 @@ def launch_write(ckv, kv_norm, positions, inv_freq, slot_mapping, kv_cache, eps:
 def forward(run, q, ckv, kv_norm, positions, inv_freq, kv_cache, slot_mapping, block_tables, context_lens,
             query_start_loc, w_uk, w_uv, kv_scale=None, *, num_heads: int, kv_lora_rank: int,
             qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, scale: float, eps: float,
-            max_context_len: int, consts: dict) -> torch.Tensor:
+            max_context_len: int, consts: dict, max_query_len: int = 1) -> torch.Tensor:
     """The node on the GPU: the cache write (a kernel: a padded row's negative slot must write nothing, which
     torch could only do by a masked index that waits on the GPU), q's rope and the absorption (bmm) as torch
     ops, then the attention kernels. run(launches) runs a launch rule's output (BundleKernels, or the
-    interpreter in the tests). Nothing here waits on the GPU, so a CUDA graph can hold it."""
+    interpreter in the tests). Nothing here waits on the GPU, so a CUDA graph can hold it. A step whose
+    longest query (max_query_len, the host's) absorbs() would not take takes the decompressed form instead."""
     t = q.shape[0]
     run(launch_write(ckv, kv_norm, positions.to(torch.int64), inv_freq, slot_mapping.to(torch.int64), kv_cache,
                      eps, kv_scale))
     q_nope, q_pe = rotated_query(q, positions, inv_freq, num_heads, qk_nope_head_dim, qk_rope_head_dim)
+    if not absorbs(max_query_len, kv_lora_rank, qk_nope_head_dim, v_head_dim):   # a long prefill
+        o = attend_decompressed_batched(q_nope.to(q.dtype), q_pe.to(q.dtype), kv_cache, block_tables, context_lens,
+                                        query_start_loc, w_uk, w_uv, scale, kv_lora_rank, max_query_len, kv_scale)
+        return o.reshape(t, num_heads * v_head_dim).to(q.dtype).contiguous()
     q_lat = torch.bmm(q_nope.to(q.dtype).transpose(0, 1), w_uk).transpose(0, 1)          # [T, H, R]
     q_abs = torch.cat([q_lat, q_pe.to(q.dtype)], dim=-1).contiguous()
-    seqs = query_start_loc.numel() - 1
-    row_seq = (torch.searchsorted(query_start_loc[1:].to(torch.int64),
-                                  torch.arange(t, device=q.device), right=True)
-               .clamp(max=max(seqs - 1, 0)).to(torch.int32))
+    row_seq = row_sequences(query_start_loc, t).to(torch.int32)
     splits = splits_for(t, max_context_len, consts)
     partial = torch.empty(t, num_heads, splits, kv_lora_rank, dtype=torch.float32, device=q.device)
     lse = torch.empty(t, num_heads, splits, dtype=torch.float32, device=q.device)

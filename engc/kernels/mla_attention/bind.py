@@ -22,6 +22,7 @@ def gpu_ops(ctx) -> dict:
     def attention(*xs, **attrs):
         return (forward(lambda launches: ctx.run("mla_attention", launches), *xs[:12],
                         kv_scale=xs[12] if len(xs) > 12 else None, max_context_len=ctx.facts.max_context_len,
+                        max_query_len=ctx.facts.max_query_len,
                         consts=ctx.consts("mla_attention"), **attrs),)
 
     return {(ENGC_DOMAIN, "MLAAttention"): attention}
