@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -240,6 +241,8 @@ def worker_main(bundle: str, device: str) -> None:
     """A rank engc started (python -m engc.runtime.tp BUNDLE DEVICE): join, load this rank's weights, then
     follow rank 0 until it stops."""
     rank = int(os.environ.get("RANK", "-1"))
+    # Ctrl-C in the terminal reaches the whole process group: rank 0 takes it and stops this rank itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         group = start(bundle, device)
         serve_worker(group, bundle, device)
