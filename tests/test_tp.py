@@ -175,3 +175,21 @@ def test_ranks_started_by_an_outside_launcher(tp_bundles):
                 p.kill()
     assert procs[0].returncode == 0 and procs[1].returncode == 0, err0 + err1
     assert out0 == expected and out1 == ""
+
+
+def test_what_a_rank_holds():
+    import dataclasses
+    from engc.bundle.model_config import ModelConfig
+    from engc.bundle.tp import kv_head_of, rank_config, shard_problem, vocab_rows
+    cfg = ModelConfig(family="llama", vocab_size=1001, hidden_size=64, intermediate_size=96, num_layers=1,
+                      num_heads=8, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4,
+                      max_position_embeddings=64, tie_word_embeddings=True)
+    assert shard_problem(cfg, 4) is None and shard_problem(cfg, 1) is None
+    assert [kv_head_of(cfg, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]   # replicated
+    assert [kv_head_of(cfg, 2, r) for r in range(2)] == [(0, 1), (1, 1)]                   # split
+    r4 = rank_config(cfg, 4)
+    assert (r4.num_heads, r4.num_kv_heads, r4.intermediate_size, r4.vocab_size) == (2, 1, 24, 1001)
+    assert vocab_rows(cfg, 4) == 251   # 4 x 251 = 1004: the last rank's three extra rows are padding
+    assert "do not divide over 3 ranks" in shard_problem(cfg, 3)
+    assert "KV heads" in shard_problem(dataclasses.replace(cfg, num_heads=12, num_kv_heads=3), 4)
+    assert "moe_intermediate_size" in shard_problem(dataclasses.replace(cfg, num_experts=4, moe_intermediate_size=30), 4)
