@@ -199,18 +199,21 @@ def launch_write(ckv, kv_norm, positions, inv_freq, slot_mapping, kv_cache, eps:
 def forward(run, q, ckv, kv_norm, positions, inv_freq, kv_cache, slot_mapping, block_tables, context_lens,
             query_start_loc, w_uk, w_uv, kv_scale=None, *, num_heads: int, kv_lora_rank: int,
             qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, scale: float, eps: float,
-            max_context_len: int, consts: dict, max_query_len: int = 1) -> torch.Tensor:
+            max_context_len: int | None, consts: dict, max_query_len: int = 1) -> torch.Tensor:
     """The node on the GPU: the cache write (a kernel: a padded row's negative slot must write nothing, which
     torch could only do by a masked index that waits on the GPU), q's rope and the absorption (bmm) as torch
     ops, then the attention kernels. run(launches) runs a launch rule's output (BundleKernels, or the
     interpreter in the tests). Nothing here waits on the GPU, so a CUDA graph can hold it. A step whose
     longest query (max_query_len, the host's) absorbs() would not take takes the decompressed form instead."""
     t = q.shape[0]
+    if max_context_len is None:   # a CUDA graph's capture: the block table's capacity
+        max_context_len = block_tables.shape[1] * kv_cache.shape[2]
     run(launch_write(ckv, kv_norm, positions.to(torch.int64), inv_freq, slot_mapping.to(torch.int64), kv_cache,
                      eps, kv_scale))
     q_nope, q_pe = rotated_query(q, positions, inv_freq, num_heads, qk_nope_head_dim, qk_rope_head_dim)
     if not absorbs(max_query_len, kv_lora_rank, qk_nope_head_dim, v_head_dim):   # a long prefill
-        o = attend_decompressed_batched(q_nope.to(q.dtype), q_pe.to(q.dtype), kv_cache, block_tables, context_lens,
+        tables = block_tables[:, :_cdiv(max_context_len, kv_cache.shape[2])]   # no key past the longest context
+        o = attend_decompressed_batched(q_nope.to(q.dtype), q_pe.to(q.dtype), kv_cache, tables, context_lens,
                                         query_start_loc, w_uk, w_uv, scale, kv_lora_rank, max_query_len, kv_scale)
         return o.reshape(t, num_heads * v_head_dim).to(q.dtype).contiguous()
     q_lat = torch.bmm(q_nope.to(q.dtype).transpose(0, 1), w_uk).transpose(0, 1)          # [T, H, R]
