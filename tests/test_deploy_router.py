@@ -1,6 +1,6 @@
 """Two `engc run` replicas behind sglang-router, as examples/replicas.sh starts them: requests sharing a
-prompt prefix land on one replica (its prefix-cache hits in /metrics), and with that replica killed the
-router sends every request to the other."""
+prompt prefix land on one replica (its prefix-cache hits in /metrics), and when that replica is killed with
+requests on their way to it, the router retries every one on the other."""
 import os
 import re
 import signal
@@ -74,8 +74,14 @@ def test_shared_prefix_sticks_and_a_dead_replica_loses_nothing(replicas):
         hot = counts.index(6)
         assert scrape(workers[hot][1])["engc_cached_prompt_tokens_total"] >= 5 * 32   # 2+ blocks each reused
 
-        os.kill(workers[hot][0], signal.SIGKILL)     # the replica holding the prefix dies
-        with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda i: ask(client, PREFIX + f"Again {i}?"), range(8)))
+        # the replica holding the prefix freezes with requests on their way to it, then dies: each request,
+        # whether the router had sent it there or not yet, is answered by the other replica
+        os.kill(workers[hot][0], signal.SIGSTOP)
+        with ThreadPoolExecutor(8) as pool:
+            pending = [pool.submit(ask, client, PREFIX + f"Again {i}?") for i in range(8)]
+            time.sleep(1)   # not needed for the outcome; makes it likely the router has sent them
+            os.kill(workers[hot][0], signal.SIGKILL)
+            answers = [f.result() for f in pending]
         assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers if r.status_code != 200]
         assert completions(scrape(workers[1 - hot][1])) == 8
+        assert ask(client, PREFIX + "And now?").status_code == 200
