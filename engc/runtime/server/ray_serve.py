@@ -44,6 +44,8 @@ def deployment(bundle: str, name: str | None = None, device: str = "cuda", min_r
     target_ongoing_requests requests (queued at Ray's proxies and handles, or running) per replica, and
     hands a replica at most max_ongoing_requests at once, the rest waiting in Ray's queue. engine:
     EngineConfig fields (max_num_seqs, num_blocks, max_waiting, ...)."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device={device}: cuda (a GPU a replica) or cpu")
     gpus = 1 if device == "cuda" else 0
     scaling = {"min_replicas": int(min_replicas), "max_replicas": int(max_replicas),
                "target_ongoing_requests": float(target_ongoing_requests)}
