@@ -89,6 +89,23 @@ def test_mla_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rule(kv_cach
     assert seen == {"write", "decode", "reduce"}
 
 
+def test_deepseek_v2_lite_shape_compiles():
+    """The real widths (16 heads, a 512 latent, a 64-wide rope key) fit the tiles on both archs: the latent tile
+    and the 16-head accumulator in shared memory and registers (about 56 KB of shared memory, opted into above
+    48 KB at load time)."""
+    import torch
+    from engc.compiler.codegen.record import compile_specs
+    from engc.compiler.codegen.specs import model_specs
+    cfg = _cfg(hidden_size=2048, num_heads=16, num_kv_heads=16, head_dim=192, kv_lora_rank=512,
+               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    specs = [s for arch in ("sm80", "sm90") for s in model_specs(cfg, torch.bfloat16, arch, 16)
+             if s.op == "mla_attention"]
+    records = compile_specs(specs, jobs=1).records
+    assert {(r["arch"], r["variant"]) for r in records} == {(a, v) for a in ("sm80", "sm90")
+                                                            for v in ("write", "decode", "reduce")}
+    assert all(r["shared_mem"] <= 100 * 1024 for r in records)
+
+
 # ---------------------------------------------------------------- the child process (TRITON_INTERPRET=1)
 
 def _cfg(**kw):
