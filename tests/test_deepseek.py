@@ -17,13 +17,17 @@ PROMPTS = ["The quick brown fox", "Paris is the capital of France. Hello, world!
            "0123"]
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
-def test_greedy_matches_hf(family, tiny_dir, tiny_bundle):
+@pytest.mark.parametrize("family,overrides", [
+    ("deepseek_v2", {}), ("deepseek_v3", {}),
+    ("deepseek_v2", {"topk_method": "greedy", "first_k_dense_replace": 0}),   # plain top-k, every layer MoE
+    ("deepseek_v3", {"rope_interleave": False, "n_group": 1, "topk_group": 1}),   # rotate-half rope, one group
+], ids=["v2", "v3", "v2-greedy", "v3-rotate-half"])
+def test_greedy_matches_hf(family, overrides, tiny_dir, tiny_bundle):
     from test_hf_parity import hf_greedy
     from engc.runtime.engine import Engine
     from engc.runtime.loader import load
     from engc.runtime.sampling import SamplingParams
-    model = load(tiny_bundle(family))
+    model = load(tiny_bundle(family, **overrides))
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]
     engine = Engine(model)
     greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
@@ -34,7 +38,7 @@ def test_greedy_matches_hf(family, tiny_dir, tiny_bundle):
     assert not absorbs(len(prompts[1]), cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim)
     assert absorbs(1, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim)
     for ids, seq in zip(prompts, seqs):
-        expected, hf_logits = hf_greedy(tiny_dir(family), ids, 16)
+        expected, hf_logits = hf_greedy(tiny_dir(family, **overrides), ids, 16)
         assert seq.output_ids == expected
         ours = torch.tensor([s.logprob for s in seq.logprobs])
         theirs = torch.log_softmax(hf_logits, -1).gather(1, torch.tensor(expected)[:, None])[:, 0]
