@@ -55,7 +55,7 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
         raise UserError(f"{ckpt.name}: engc quantize quantizes {cfg.family} models with --method "
                         f"{'rtn or gptq' if opts.method == 'awq' else 'rtn'}, not {opts.method}, so far")
     # layer.py's block is Llama's, under Llama's names (RTN of an MoE layer runs no block: it reads weights)
-    if not cfg.num_experts and not llama_block(cfg, family_of(ckpt.hf_config)):
+    if (not cfg.num_experts or cfg.kv_lora_rank) and not llama_block(cfg, family_of(ckpt.hf_config)):
         raise UserError(f"{ckpt.name}: engc quantize does not quantize {cfg.family} models yet (its decoder "
                         "layer is Llama's); engc build takes the float checkpoint")
     check_shapes(cfg, opts.group_size, opts.lm_head)
@@ -172,7 +172,8 @@ def gptq_layer(layer: DecoderLayer, x: torch.Tensor, opts: QuantOptions, pack, s
         for rows in range(0, x.shape[0], 8):  # activations a few sequences at a time
             hessian.add(input_of(layer, x[rows:rows + 8]))
         for n in names:
-            qw = gptq_quantize(layer.w[n + ".weight"], hessian.H, opts.group_size, opts.damp, opts.act_order)
+            qw = gptq_quantize(layer.w[n + ".weight"], hessian.H, opts.group_size, opts.damp, opts.act_order,
+                               opts.static_groups)
             packed[n] = pack(qw)
             layer.w[n + ".weight"] = qw.dequantize()  # later stages see this stage quantized
             del qw
@@ -232,7 +233,7 @@ def quantization_config(opts: QuantOptions) -> dict:
                 "zero_point": True, "version": "gemm", "modules_to_not_convert": None, "meta": meta,
                 **({"lm_head": True} if opts.lm_head else {})}
     return {"quant_method": "gptq", "bits": opts.bits, "group_size": opts.group_size,
-            "desc_act": opts.act_order, "sym": False, "true_sequential": True, "static_groups": False,
+            "desc_act": opts.act_order, "sym": False, "true_sequential": True, "static_groups": opts.act_order and opts.static_groups,
             "damp_percent": opts.damp, "checkpoint_format": "gptq", "lm_head": opts.lm_head, "meta": meta}
 
 
