@@ -1,7 +1,8 @@
 """Perplexity of int4 SmolLM2 on English prose unrelated to the calibration text, fast enough for 2 cores.
 
     python bench/quant_prose_ppl.py TAG METHOD GROUP SAMPLES SEQLEN [DAMP] [CALIB_FILE]
-        METHOD: float, rtn, awq, gptq, or gptq+act (GPTQ with --act-order)
+        METHOD: float, rtn, awq, gptq, gptq+act (GPTQ with act-order, groups in that order) or
+        gptq+act+static (act-order, groups left in channel order)
 
 Quantizes layer by layer with engc's own quantizer (stream.quantize_layer, the code `engc quantize`
 runs), keeps each projection's dequantized weight instead of packing it, loads the weights into an HF
@@ -54,12 +55,15 @@ def main():
     ckpt = read_source("default")
     cfg = resolve_config(ckpt.hf_config)
     started = time.monotonic()
+    static = method.endswith("+static")
+    method = method.removesuffix("+static")
     method, act_order = method.removesuffix("+act"), method.endswith("+act")
     opts = QuantOptions(method=method, group_size=g, calib_samples=samples, calib_seqlen=seqlen, damp=damp,
-                        calib=calib, act_order=act_order)
+                        calib=calib, act_order=act_order, static_groups=static)
     sd = {n: ckpt.get(n).float() for n in ckpt.names()} if method == "float" else quantized_state(ckpt, cfg, opts)
     result = {"tag": tag, "method": method, "group_size": g, "calib": calib or "default corpus",
               "calib_samples": samples, "calib_seqlen": seqlen, "damp": damp, "act_order": act_order,
+              "static_groups": static,
               "quantize_seconds": round(time.monotonic() - started, 1)}
     hf = LlamaConfig(**ckpt.hf_config)
     model = LlamaForCausalLM(hf).float().eval()

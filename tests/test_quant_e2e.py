@@ -70,9 +70,9 @@ def bundle_logits(bundle, ids):
 
 
 @pytest.mark.parametrize("family,method,extra", [
-    ("llama", "gptq", {}), ("llama", "awq", {}), ("qwen2", "gptq", {"act_order": True}),
-    ("qwen3", "awq", {}), ("mistral", "rtn", {}),
-], ids=["llama-gptq", "llama-awq", "qwen2-gptq-act-order", "qwen3-awq", "mistral-rtn"])
+    ("llama", "gptq", {}), ("llama", "awq", {}), ("qwen2", "gptq", {"act_order": True, "static_groups": False}),
+    ("qwen2", "gptq", {"act_order": True}), ("qwen3", "awq", {}), ("mistral", "rtn", {}),
+], ids=["llama-gptq", "llama-awq", "qwen2-gptq-act-order", "qwen2-gptq-act-order-static", "qwen3-awq", "mistral-rtn"])
 def test_quantized_bundle_matches_dequantized_hf(family, method, extra, tiny_dir, tmp_path):
     src = tiny_dir(family)
     ckpt = tmp_path / "q"
@@ -85,6 +85,10 @@ def test_quantized_bundle_matches_dequantized_hf(family, method, extra, tiny_dir
     build(str(ckpt), tmp_path / "b", BuildOptions())
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["quantization"]["method"] == method and manifest["quantization"]["group_size"] == 32
+    from engc.bundle.program import parse_program
+    gathers = [n for n in parse_program((tmp_path / "b" / "program.onnx").read_bytes()).nodes if n.attrs.get("act_order")]
+    # act-order's groups in their own order gather x at run time; static groups (the default) need nothing
+    assert bool(gathers) == (extra.get("static_groups") is False)
     ids = list(range(3, 40))
     ours = bundle_logits(tmp_path / "b", ids)
     with torch.no_grad():

@@ -102,8 +102,9 @@ def _engc_loaders(src: dict, qc: dict) -> dict:
            .to(torch.uint8).T.contiguous(),
            "scales": lambda: src["scales"]().T.contiguous(),
            "qweight": lambda: _pack(unpack_rows(src["qweight"]()), qc)}
-    if qc.get("desc_act") and src["g_idx"] is not None:
-        # groups of an act-order weight are scattered over the inputs: sort the input rows by group
+    if qc.get("desc_act") and not qc.get("static_groups") and src["g_idx"] is not None:
+        # groups of an act-order weight are scattered over the inputs: sort the input rows by group (static
+        # groups, GPTQ's act-order with the groups left in channel order, need nothing)
         perm = lambda: torch.argsort(src["g_idx"]().long(), stable=True)  # noqa: E731
         out["qweight"] = lambda: _pack(unpack_rows(src["qweight"]())[perm()], qc)
         out["perm"] = perm

@@ -3,7 +3,10 @@ onto the columns not yet quantized through the inverse Hessian of the layer's ca
 
 Follows the reference algorithm: H = 2/n * X^T X, dead inputs zeroed, dampening `damp * mean(diag H)`,
 the upper Cholesky factor of H^-1, lazy batch updates in blocks of 128 columns, optional act-order
-(columns in decreasing diag(H) order, groups formed in that order, g_idx records each column's group).
+(columns in decreasing diag(H) order). Act-order's groups are either formed in that order as it meets the
+columns (g_idx records each column's group: the runtime then gathers x into that order) or, with
+static_groups, the groups of the channel order, their ranges taken from the weight before any column is
+quantized (g_idx stays channel order: the bundle runs as a plain group-wise one).
 """
 from __future__ import annotations
 
@@ -31,13 +34,17 @@ class Hessian:
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, damp: float = 0.01,
-                  act_order: bool = False) -> QuantizedWeight:
+                  act_order: bool = False, static_groups: bool = False) -> QuantizedWeight:
     W = w.float().clone()
     H = hessian.clone()
     out, k = W.shape
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
+    n_groups = -(-k // group_size)  # a ragged last group is allowed
+    static = act_order and static_groups
+    if static:   # each channel-order group's range from the weight as it is, before any error reaches it
+        fixed = [params(W[:, g * group_size:(g + 1) * group_size]) for g in range(n_groups)]
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k)
     if act_order:
         W, H = W[:, perm], H[perm][:, perm]
@@ -51,16 +58,20 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, damp:
     Hinv = torch.linalg.cholesky(Hinv, upper=True)
 
     Q = torch.zeros_like(W)
-    n_groups = -(-k // group_size)  # a ragged last group is allowed
     scales = torch.zeros(out, n_groups)
     zeros = torch.zeros(out, n_groups)
+    if static:
+        for g, (scale, zero) in enumerate(fixed):
+            scales[:, g], zeros[:, g] = scale, zero
     for i1 in range(0, k, BLOCK):
         i2 = min(i1 + BLOCK, k)
         W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
         Err1 = torch.zeros_like(W1)
         for i in range(i2 - i1):
             col = i1 + i
-            if col % group_size == 0:
+            if static:
+                scale, zero = fixed[int(perm[col]) // group_size]
+            elif col % group_size == 0:
                 # the group's range from its columns as they are now, errors of earlier ones applied
                 ahead = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group_size]
                 scale, zero = params(ahead)
@@ -74,5 +85,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, damp:
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
 
     inverse = torch.argsort(perm)
-    g_idx = (inverse // group_size).to(torch.int32)  # group of each original input channel
+    # group of each original input channel
+    g_idx = (torch.arange(k) if static else inverse) // group_size
+    g_idx = g_idx.to(torch.int32)
     return QuantizedWeight(Q[:, inverse].to(torch.uint8), scales, zeros.to(torch.uint8), g_idx, group_size)

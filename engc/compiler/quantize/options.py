@@ -19,6 +19,7 @@ class QuantOptions:
     calib_samples: int = 64
     calib_seqlen: int = 256
     act_order: bool = False           # GPTQ only: quantize columns in decreasing Hessian diagonal order
+    static_groups: bool = True        # with act_order: groups stay in channel order (gptq.py), no runtime gather
     damp: float = 0.01                # GPTQ only: dampening, a fraction of the mean Hessian diagonal
     awq_grid: int = 20                # AWQ only: grid points of the scale and the clip search
     lm_head: bool = False             # also quantize the lm_head (GPTQModel's `lm_head: true`; head.py)
