@@ -1,6 +1,7 @@
 """Held-out perplexity of RTN, AWQ and GPTQ int4 vs the float model (SmolLM2-135M-Instruct by default).
 
     python bench/quant_ppl.py [--src default] [--groups 128,32] [--methods rtn,awq,gptq] [--work DIR]
+        (a method gptq+act: GPTQ with act-order, its static groups; gptq+act+dynamic: groups in act order)
 
 Calibrates on the calibration half of the default corpus (engc.compiler.quantize.calibration) and
 scores the held-out half, so no evaluated token was seen by a quantizer. Every bundle is scored with
@@ -55,8 +56,10 @@ def main():
             key = f"{m}_g{g}"
             if key in results:
                 continue
-            opts = QuantOptions(method=m, group_size=g, calib_samples=args.calib_samples,
-                                calib_seqlen=args.calib_seqlen)
+            method, *flags = m.split("+")
+            opts = QuantOptions(method=method, group_size=g, calib_samples=args.calib_samples,
+                                calib_seqlen=args.calib_seqlen, act_order="act" in flags,
+                                static_groups="dynamic" not in flags)
             summary = quantize_checkpoint(args.src, work / f"q_{key}", opts)
             build(str(work / f"q_{key}"), work / f"b_{key}", BuildOptions())
             score(key, work / f"b_{key}", {"quantize_seconds": summary["seconds"],

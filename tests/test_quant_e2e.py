@@ -81,7 +81,8 @@ def test_quantized_bundle_matches_dequantized_hf(family, method, extra, tiny_dir
     cfg = json.loads((ckpt / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == ("awq" if method == "awq" else "gptq")
     if method != "awq":
-        assert json.loads((ckpt / "quantize_config.json").read_text())["desc_act"] == bool(extra)
+        # act-order: GPTQ's default, RTN's never
+        assert json.loads((ckpt / "quantize_config.json").read_text())["desc_act"] == (method == "gptq")
     build(str(ckpt), tmp_path / "b", BuildOptions())
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["quantization"]["method"] == method and manifest["quantization"]["group_size"] == 32

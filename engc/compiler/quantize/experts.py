@@ -96,7 +96,7 @@ def gptq_experts(layer, x: torch.Tensor, opts, pack) -> dict:
         if inputs.shape[0]:
             hessian = Hessian(w.shape[1])
             hessian.add(inputs)
-            qw = gptq_quantize(w, hessian.H, opts.group_size, opts.damp, opts.act_order)
+            qw = gptq_quantize(w, hessian.H, opts.group_size, opts.damp, opts.act_order, opts.static_groups)
         else:
             qw = quantize_rtn(w, opts.group_size)
         packed[name] = pack(qw)

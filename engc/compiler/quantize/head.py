@@ -44,8 +44,10 @@ def quantize_head(w: torch.Tensor, norm_w: torch.Tensor, x: torch.Tensor | None,
         for s in range(0, h.shape[0], 8):   # a few sequences at a time, as for the layers
             hessian.add(h[s:s + 8])
         del h
-        act_order = opts.act_order and opts.method == "gptq"
-        quant = lambda wc: gptq_quantize(wc, hessian.H, g, opts.damp, act_order)  # noqa: E731
+        # act-order as the GPTQ run's layers; an AWQ run's head takes it with static groups, which its layout
+        # (no g_idx) holds
+        act_order = opts.act_order if opts.method == "gptq" else opts.static_groups
+        quant = lambda wc: gptq_quantize(wc, hessian.H, g, opts.damp, act_order, opts.static_groups)  # noqa: E731
     parts = []
     for r in range(0, w.shape[0], rows):
         parts.append(pack(quant(w[r:r + rows].float())))
