@@ -19,6 +19,7 @@ from engc.compiler.frontend.decoder import lower
 from engc.compiler.frontend.moe import check_moe_build
 from engc.compiler.ir import to_onnx
 from engc.compiler.passes import PASSES
+from engc.compiler.passes.decode_form import add_decode_form
 from engc.compiler.passes.fuse_fp8_input_quant import fuse_fp8_input_quant
 from engc.compiler.passes.quantize_kv_cache import KV_CACHE_PASSES
 from engc.compiler.passes.shard_tp import tp_pass
@@ -92,8 +93,9 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
     if fp8:  # right after the qkv/gate_up fusion, before any pass that claims a plain Gemm (silu_mul+down)
         at = [p.__name__ for p in passes].index("fuse_parallel_gemms") + 1
         passes[at:at] = [quantize_fp8, fuse_fp8_input_quant]
-    if opts.kv_cache != "auto":   # before add_decode_form, the last
-        passes[-1:-1] = [KV_CACHE_PASSES[opts.kv_cache]]
+    if opts.kv_cache != "auto":
+        passes = [*passes, KV_CACHE_PASSES[opts.kv_cache]]
+    passes.append(add_decode_form)   # last: it copies the finished head (the format's second output)
     with progress.step("lower to engine program"):
         cfg, graph = lower(ckpt, DTYPES[dtype_name])
         if fp8 and opts.archs != ("cpu",):
