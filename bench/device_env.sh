@@ -1,7 +1,8 @@
 # Sourced at the start of a command on the GPU machine (the `device` tool), from the checkout's root:
 #
 #   here:  python3 -m pip download --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
-#              --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl fastapi uvicorn pydantic gguf
+#              --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 \
+#              -d .whl fastapi uvicorn pydantic gguf llguidance jsonschema
 #          rm .whl/numpy-*    # the image has numpy, onnx, click, jinja2, prometheus-client, scikit-build-core
 #          python3 bench/gpu_bench.py prepare --shapes 8b,1b --cache .kc       # kernels compiled here
 #          git rev-parse --short HEAD > .kc/commit
@@ -19,7 +20,8 @@ T0=$(date +%s)
 rm -rf /tmp/gb
 mkdir -p "$OUT" /tmp/gb
 el() { echo $(( $(date +%s) - T0 ))s; }
-python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic gguf > /tmp/gb/pip.log 2>&1 \
+python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic gguf llguidance jsonschema \
+  > /tmp/gb/pip.log 2>&1 \
   || tail -5 /tmp/gb/pip.log
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/gb/pip2.log 2>&1 || tail -20 /tmp/gb/pip2.log
 COMMIT=$(cat .kc/commit 2>/dev/null || echo unknown)
