@@ -20,3 +20,19 @@ def interpreted_report(test_file: str, timeout: int = 900) -> dict:
     assert proc.returncode == 0 and lines, \
         f"{Path(test_file).name} checks crashed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(lines[-1])
+
+
+def print_report(checks: dict) -> None:
+    """The child's side: run each case {name: (check, limit)}, where a check returns its error (or (error,
+    launches)), and print the one JSON line interpreted_report reads. Each case is reported on its own, so one
+    failure does not hide the others."""
+    report = {}
+    for name, (fn, limit) in checks.items():
+        try:
+            got = fn()
+            err, info = got if isinstance(got, tuple) else (got, None)
+            report[name] = {"ok": err <= limit, "err": err, "limit": limit, "launches": info}
+        except Exception as exc:
+            import traceback
+            report[name] = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
+    print(json.dumps(report))

@@ -7,7 +7,6 @@ for a small model, so the rules, the argument orders and the specializations are
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from interpreted import interpreted_report
+from interpreted import interpreted_report, print_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -520,16 +519,7 @@ def main():
         "argmax_bf16": (lambda: check_argmax(bf16, vocab=5000), 0),
         "argmax_small_vocab_fp32": (lambda: check_argmax(f32, vocab=37), 0),
     }
-    report = {}
-    for name, (fn, limit) in checks.items():
-        try:
-            got = fn()
-            err, info = got if isinstance(got, tuple) else (got, None)
-            report[name] = {"ok": err <= limit, "err": err, "limit": limit, "launches": info}
-        except Exception as exc:  # reported per case, so one failure does not hide the others
-            import traceback
-            report[name] = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
-    print(json.dumps(report))
+    print_report(checks)
 
 
 if __name__ == "__main__":

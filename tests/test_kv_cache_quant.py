@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from interpreted import interpreted_report
+from interpreted import interpreted_report, print_report
 
 ROOT = Path(__file__).resolve().parents[1]
 KV = ("int8", "fp8")
@@ -302,16 +302,7 @@ def main():
             f"attention_window_fp32_{name}": (lambda kv=kv: check_attention(
                 f32, kv, [(150, 40), (100, 1), (90, 90)], window=33, overrides=small_tiles), tol[f32]),
         })
-    report = {}
-    for name, (fn, limit) in checks.items():
-        try:
-            got = fn()
-            err, info = got if isinstance(got, tuple) else (got, None)
-            report[name] = {"ok": err <= limit, "err": err, "limit": limit, "launches": info}
-        except Exception as exc:  # reported per case, so one failure does not hide the others
-            import traceback
-            report[name] = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
-    print(json.dumps(report))
+    print_report(checks)
 
 
 if __name__ == "__main__":

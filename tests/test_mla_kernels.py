@@ -7,14 +7,13 @@ context), bfloat16, and an fp8 latent cache. The kernels also compile for sm80 a
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from interpreted import interpreted_report
+from interpreted import interpreted_report, print_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -189,7 +188,7 @@ def check_forward(dtype, seqs, min_split_tokens=16, kv=None, kv_cache="auto"):
     """forward() (torch + the interpreted kernels) against the reference on a copy of the same cache; the
     cache rows each writes must agree too."""
     import torch
-    from engc.kernels import kv_quant, mla_attention as op
+    from engc.kernels import mla_attention as op
     case = _case(dtype, seqs, kv=kv)
     specs = _specs(dtype, {"min_split_tokens": min_split_tokens, "target_programs": 64}, kv_cache)
     consts = {v: s.launch for v, s in specs.items()}
@@ -278,16 +277,7 @@ def main():
         "prefill_decompressed_fp8_cache_fp32": (lambda: check_forward(f32, [(40, 45), (2, 7)], kv=torch.float8_e4m3fn,
                                                                       kv_cache="fp8"), tol[f32]),
     }
-    report = {}
-    for name, (fn, limit) in checks.items():
-        try:
-            got = fn()
-            err, info = got if isinstance(got, tuple) else (got, None)
-            report[name] = {"ok": err <= limit, "err": err, "limit": limit, "launches": info}
-        except Exception as exc:  # reported per case, so one failure does not hide the others
-            import traceback
-            report[name] = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
-    print(json.dumps(report))
+    print_report(checks)
 
 
 if __name__ == "__main__":

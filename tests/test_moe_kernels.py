@@ -7,14 +7,13 @@ grouped path (pairs sorted by expert, padded to BLOCK_M), with and without a sha
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from interpreted import interpreted_report
+from interpreted import interpreted_report, print_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -273,16 +272,7 @@ def main():
         "deepseek_v2_decode_fp32": (lambda: check_deepseek(f32, 5, v3=False), tol[f32]),
         "deepseek_v3_grouped_fp32": (lambda: check_deepseek(f32, 23, v3=True, max_pairs=4), tol[f32]),
     }
-    report = {}
-    for name, (fn, limit) in checks.items():
-        try:
-            got = fn()
-            err, info = got if isinstance(got, tuple) else (got, None)
-            report[name] = {"ok": err <= limit, "err": err, "limit": limit, "launches": info}
-        except Exception as exc:  # reported per case, so one failure does not hide the others
-            import traceback
-            report[name] = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
-    print(json.dumps(report))
+    print_report(checks)
 
 
 if __name__ == "__main__":
