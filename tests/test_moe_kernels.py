@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from interpreted import interpreted_report, print_report
+from test_kernels import _rel, _run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,24 +120,14 @@ def _specs(cfg, dtype, overrides=None):
 
 
 def _runner(specs):
+    """test_kernels' _run (launch-rule output through the interpreter, as the runtime launches it), recording
+    the variants it ran."""
     def run(launches):
-        for variant, grid, args in launches:
-            spec = specs[variant]
-            assert args[-2:] == [0, 0], "launch rule must end with the two scratch params"
-            n_params = len([n for n, t in spec.signature().items() if t != "constexpr"])
-            assert len(args) - 2 == n_params, (variant, len(args), n_params)
-            spec.fn()[grid](*args[:-2], **spec.constexprs)
-            run.variants.append(variant)
+        launches = list(launches)
+        _run(specs, launches)
+        run.variants += [variant for variant, _, _ in launches]
     run.variants = []
     return run
-
-
-def _rel(out, ref):
-    import torch
-    out, ref = out.double(), ref.double()
-    if torch.isnan(out).any():
-        return float("inf")
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _weights(cfg, dtype, seed=0, shared=0):
