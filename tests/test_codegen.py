@@ -137,24 +137,31 @@ def test_launch_rules_match_records(runs):
         assert launches
         for variant, grid, args in launches:
             seen.add((op, variant))
-            rec = records[(op, variant)]
-            assert len(grid) == 3 and all(isinstance(g, int) and g >= 1 for g in grid)
-            assert len(args) == len(rec["args"]), (op, variant)
-            for value, spec in zip(args, rec["args"]):
-                if spec["type"] == "*i8" or (spec["type"].startswith("*") and isinstance(value, int)):
-                    assert value == 0, (op, variant, spec)    # scratch or an unused (null) pointer
-                elif spec["type"].startswith("*"):
-                    assert isinstance(value, torch.Tensor), (op, variant, spec)
-                    assert value.dtype == _TORCH[spec["type"][1:]], (op, variant, spec)
-                elif spec["type"] == "fp32":
-                    assert isinstance(value, float), (op, variant, spec)
-                else:
-                    assert isinstance(value, int) and not isinstance(value, bool), (op, variant, spec)
+            check_launch(grid, args, records[(op, variant)])
     assert seen == set(records)
 
 
 _TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "i32": torch.int32,
-          "i64": torch.int64}
+          "i64": torch.int64, "fp8e4nv": torch.float8_e4m3fn}
+
+
+def check_launch(grid, args, rec: dict, null_pointers: bool = True) -> None:
+    """One launch of a launch rule's output against the kernel record it launches: a 3-D grid of positive ints,
+    and every parameter in order with its recorded type (a pointer: a tensor of that dtype, or 0 for the scratch
+    pointers and, with null_pointers, for an unused one; fp32: a float; the integers: an int)."""
+    where = (rec["op"], rec["variant"])
+    assert len(grid) == 3 and all(isinstance(g, int) and g >= 1 for g in grid), where
+    assert len(args) == len(rec["args"]), where
+    for value, spec in zip(args, rec["args"]):
+        if spec["type"] == "*i8" or (null_pointers and spec["type"].startswith("*") and isinstance(value, int)):
+            assert value == 0, (where, spec)    # scratch or an unused (null) pointer
+        elif spec["type"].startswith("*"):
+            assert isinstance(value, torch.Tensor), (where, spec)
+            assert value.dtype == _TORCH[spec["type"][1:]], (where, spec)
+        elif spec["type"] == "fp32":
+            assert isinstance(value, float), (where, spec)
+        else:
+            assert isinstance(value, int) and not isinstance(value, bool), (where, spec)
 
 
 def test_tune_entry_recorded_and_unknown_arch_refused():

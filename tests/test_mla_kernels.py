@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from interpreted import interpreted_report, print_report
+from test_codegen import check_launch
 from test_kernels import _rel, _run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,10 +39,6 @@ def test_op_contract_does_not_import_triton():
     code = ("import sys, engc.kernels.mla_attention, engc.kernels.mla_attention.bind; "
             "assert 'triton' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-
-
-_TORCH = {"bf16": "torch.bfloat16", "fp32": "torch.float32", "i32": "torch.int32", "i64": "torch.int64",
-          "fp8e4nv": "torch.float8_e4m3fn"}
 
 
 @pytest.mark.parametrize("kv_cache", ["auto", "fp8"])
@@ -69,18 +66,7 @@ def test_mla_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rule(kv_cach
     def check(launches):
         for variant, grid, args in launches:
             seen.add(variant)
-            rec = records[("sm90", variant)]
-            assert len(grid) == 3 and all(isinstance(g, int) and g >= 1 for g in grid)
-            assert len(args) == len(rec["args"]), variant
-            for value, spec in zip(args, rec["args"]):
-                if spec["type"] == "*i8":
-                    assert value == 0
-                elif spec["type"].startswith("*"):
-                    assert str(value.dtype) == _TORCH[spec["type"][1:]], (variant, spec)
-                elif spec["type"] == "fp32":
-                    assert isinstance(value, float), (variant, spec)
-                else:
-                    assert isinstance(value, int) and not isinstance(value, bool), (variant, spec)
+            check_launch(grid, args, records[("sm90", variant)], null_pointers=False)
 
     case = _case(torch.bfloat16, [(1, 40), (1, 7)], kv=torch.float8_e4m3fn if kv_cache == "fp8" else None)
     op.forward(check, *case["inputs"], kv_scale=case["kv_scale"], **case["attrs"], max_context_len=40, consts=consts)
