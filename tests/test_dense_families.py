@@ -22,6 +22,7 @@ from engc.errors import UserError
 from engc.runtime.engine import Engine
 from engc.runtime.loader import load
 from engc.runtime.sampling import SamplingParams
+from gguf_writer import GLOBALS, add_hparams
 from test_hf_parity import NEW_TOKENS, PROMPTS, hf_greedy
 
 transformers = pytest.importorskip("transformers")
@@ -237,16 +238,7 @@ def _write_gguf(path, arch: str, model, cfg: dict, gemma: bool):
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_rope_dimension_count(int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0)))
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    add_hparams(w, cfg, rope_dims=int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0)))
     if "sliding_window" in cfg:
         w.add_sliding_window(cfg["sliding_window"])
     if arch == "gemma2":
@@ -258,13 +250,12 @@ def _write_gguf(path, arch: str, model, cfg: dict, gemma: bool):
     w.add_token_types([1] * cfg["vocab_size"])
     w.add_eos_token_id(1)
     w.add_pad_token_id(1)
-    globals_ = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     for name, tensor in model.state_dict().items():
         module, suffix = name.rsplit(".", 1)
         if module == "lm_head" and cfg["tie_word_embeddings"]:
             continue
         sub = module.split(".", 3)[-1]
-        stem = globals_.get(module) or "blk.{}.{}".format(module.split(".")[2], "ffn_norm" if (
+        stem = GLOBALS.get(module) or "blk.{}.{}".format(module.split(".")[2], "ffn_norm" if (
             sub == "post_attention_layernorm" and not gemma) else _GGUF_STEMS[sub])
         array = tensor.float().numpy() + (1.0 if gemma and name.endswith("norm.weight") else 0.0)
         w.add_tensor(f"{stem}.{suffix}", np.ascontiguousarray(array, dtype=np.float32))

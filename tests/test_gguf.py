@@ -11,6 +11,7 @@ from engc.errors import UserError
 
 pytest.importorskip("gguf")
 
+from gguf_writer import add_hparams, permute_qk, tensor_name  # noqa: E402
 from engc.compiler.frontend.default_model import default_gguf_path  # noqa: E402
 from engc.compiler.frontend.gguf import (  # noqa: E402
     _llama3_rope_factors,
@@ -181,14 +182,6 @@ def test_llama3_rope_freqs_tensor_is_recognised():
 
 
 # HF module -> llama.cpp tensor stem, as convert_hf_to_gguf.py names them.
-_GGUF_STEMS = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
-
-
 def _write_tiny_gguf(path, arch: str, state_dict: dict, cfg: dict, encode=None):
     """A float32 GGUF laid out as llama.cpp's converter writes one (q/k rows permuted for llama).
     encode(gguf_name, array) -> (data, GGML type or None for float32): how each tensor is stored."""
@@ -196,33 +189,18 @@ def _write_tiny_gguf(path, arch: str, state_dict: dict, cfg: dict, encode=None):
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    add_hparams(w, cfg)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([bytes_to_unicode()[b] for b in range(cfg["vocab_size"] - 1)] + ["ab"])
     w.add_token_merges(["a b"])
     w.add_token_types([1] * cfg["vocab_size"])
     w.add_eos_token_id(1)
-    globals_ = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     for name, tensor in state_dict.items():
-        module, suffix = name.rsplit(".", 1)
-        if module in globals_:
-            gguf_name = f"{globals_[module]}.{suffix}"
-        else:
-            _, _, layer, sub = module.split(".", 3)
-            gguf_name = f"blk.{layer}.{_GGUF_STEMS[sub]}.{suffix}"
+        gguf_name = tensor_name(name)
         array = tensor.float().numpy()
+        module = name.rsplit(".", 1)[0]
         if arch == "llama" and module.endswith(("q_proj", "k_proj")):
-            heads = cfg["num_attention_heads"] if module.endswith("q_proj") else cfg["num_key_value_heads"]
-            array = array.reshape(heads, 2, array.shape[0] // heads // 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
+            array = permute_qk(array, cfg["num_attention_heads" if module.endswith("q_proj") else "num_key_value_heads"])
         data, raw_dtype = encode(gguf_name, np.ascontiguousarray(array)) if encode else (array, None)
         w.add_tensor(gguf_name, np.ascontiguousarray(data), raw_dtype=raw_dtype)
     w.write_header_to_file()

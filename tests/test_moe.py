@@ -15,6 +15,7 @@ import torch
 from engc.compiler.build import BuildOptions, build
 from engc.errors import UserError
 from engc.kernels.moe import moe, route, sort_by_expert
+from gguf_writer import STEMS, add_hparams, permute_qk, tensor_name
 
 transformers = pytest.importorskip("transformers")
 
@@ -182,14 +183,10 @@ def test_what_moe_lacks_is_refused_in_one_line(tiny_dir, tmp_path):
 
 # ---- GGUF -------------------------------------------------------------------------------------------
 
-_GGUF_STEMS = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
-    "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
+# llama.cpp's names of the MoE layer's tensors, beside the dense families'
+_GGUF_STEMS = {**STEMS, "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp"}
 
 
 def _write_moe_gguf(path, arch: str, model) -> None:
@@ -199,17 +196,11 @@ def _write_moe_gguf(path, arch: str, model) -> None:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_hparams(w, {**{k: getattr(cfg, k) for k in ("num_hidden_layers", "max_position_embeddings", "hidden_size",
+                                                  "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                                  "rms_norm_eps")},
+                    "head_dim": head_dim, "rope_theta": cfg.rope_parameters["rope_theta"]})
     experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     w.add_expert_count(experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -224,7 +215,6 @@ def _write_moe_gguf(path, arch: str, model) -> None:
     w.add_token_types([1] * cfg.vocab_size)
     w.add_token_scores([0.0] * cfg.vocab_size)
     w.add_eos_token_id(1)
-    globals_ = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     for name, tensor in model.state_dict().items():
         array = tensor.float().numpy()
         if name.endswith("experts.gate_up_proj"):
@@ -236,16 +226,10 @@ def _write_moe_gguf(path, arch: str, model) -> None:
         if name.endswith("experts.down_proj"):
             w.add_tensor(f"blk.{name.split('.')[2]}.ffn_down_exps.weight", array)
             continue
-        module, suffix = name.rsplit(".", 1)
-        if module in globals_:
-            gguf_name = f"{globals_[module]}.{suffix}"
-        else:
-            _, _, layer, sub = module.split(".", 3)
-            gguf_name = f"blk.{layer}.{_GGUF_STEMS[sub]}.{suffix}"
+        module = name.rsplit(".", 1)[0]
+        gguf_name = tensor_name(name, _GGUF_STEMS)
         if arch == "llama" and module.endswith(("q_proj", "k_proj")):
-            heads = cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads
-            array = array.reshape(heads, 2, array.shape[0] // heads // 2, *array.shape[1:]).swapaxes(1, 2
-                                                                                               ).reshape(array.shape)
+            array = permute_qk(array, cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads)
         if ".ffn_gate_inp_shexp." in gguf_name:
             array = array.reshape(-1)
         w.add_tensor(gguf_name, np.ascontiguousarray(array))
