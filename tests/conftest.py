@@ -50,3 +50,19 @@ def default_bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("default") / "smollm2"
     build("default", out, BuildOptions())
     return out
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_bundle):
+    """A live engc server (tests/live_server.py) on the tiny Llama bundle, one for each test module using it."""
+    from live_server import LiveServer
+    with LiveServer(tiny_bundle("llama")) as s:
+        yield s
+
+
+@pytest.fixture
+def http(srv):
+    """An HTTP client of srv."""
+    import httpx
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        yield c

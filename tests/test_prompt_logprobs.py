@@ -9,7 +9,6 @@ from engc.runtime import scoring
 from engc.runtime.engine import Engine, EngineConfig
 from engc.runtime.loader import load
 from engc.runtime.sampling import SamplingParams
-from live_server import LiveServer
 
 torch.set_num_threads(1)
 TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
@@ -70,12 +69,6 @@ def test_prompt_logprobs_survive_preemption(model, reference):
     for seq in seqs:
         check(seq, reference, 2)
         assert len(seq.output_ids) == 20
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_bundle):
-    with LiveServer(tiny_bundle("llama")) as s:
-        yield s
 
 
 def complete(srv, **body):

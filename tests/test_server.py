@@ -18,18 +18,6 @@ LONG = ("The quick brown fox jumps over the lazy dog. Paris is the capital of Fr
         "Hello, world! How are you today? engc compiles models ahead of time. ")
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_bundle):
-    with LiveServer(tiny_bundle("llama")) as s:
-        yield s
-
-
-@pytest.fixture
-def http(srv):
-    with httpx.Client(base_url=srv.url, timeout=60) as c:
-        yield c
-
-
 def tok(srv):
     return srv.engine.engine.model.tokenizer
 

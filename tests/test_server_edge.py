@@ -28,12 +28,6 @@ BODIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_bundle):
-    with LiveServer(tiny_bundle("llama")) as s:
-        yield s
-
-
 def counted(srv, route: str, status: int) -> float:
     for line in httpx.get(srv.url + "/metrics").text.splitlines():
         if line.startswith(f'engc_requests_total{{route="{route}",status="{status}"}}'):

@@ -3,28 +3,14 @@ spelling a client may use (response_format, vLLM's structured_outputs and guided
 too); every answer that stops is one the format describes, and bad formats are 400s naming the field."""
 import re
 
-import httpx
 import openai
 import pytest
 
-from live_server import LiveServer
 
 PHONE = r"[0-9]{3}-[a-z]{2,4}"
 COLORS = ["red", "green", "blue", "dark blue"]
 LARK = 'start: "(" NUM ("+" NUM){0,2} ")"\nNUM: /[1-9][0-9]?/\n'
 GBNF = 'root ::= "The answer is " ("yes" | "no") "."\n'
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_bundle):
-    with LiveServer(tiny_bundle("llama")) as s:
-        yield s
-
-
-@pytest.fixture
-def http(srv):
-    with httpx.Client(base_url=srv.url, timeout=60) as c:
-        yield c
 
 
 def chat(http, srv, n=6, **fields):
