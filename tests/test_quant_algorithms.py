@@ -58,14 +58,19 @@ def test_int4_linear_reference_matches_dense():
     assert torch.allclose(dequantize(qweight, qw.scales, qw.zeros, 64), qw.dequantize())
 
 
-def test_gptq_beats_rtn_on_layer_output():
+def _layer():
+    """A [128, 256] weight, the Hessian of correlated inputs x, and the layer-output error of a quantized weight."""
     x = correlated_inputs()
     w = torch.randn(128, 256)
     h = Hessian(256)
     for chunk in x.split(512):
         h.add(chunk)
     ref = x @ w.T
-    err = lambda qw: ((x @ qw.dequantize().T - ref) ** 2).mean().item()  # noqa: E731
+    return w, h, lambda qw: ((x @ qw.dequantize().T - ref) ** 2).mean().item()
+
+
+def test_gptq_beats_rtn_on_layer_output():
+    w, h, err = _layer()
     rtn = err(quantize_rtn(w, 64))
     gptq = err(gptq_quantize(w, h.H, 64))
     act = gptq_quantize(w, h.H, 64, act_order=True)
@@ -78,13 +83,7 @@ def test_act_order_with_static_groups_keeps_channel_order_groups():
     range from the weight before any error reached it, so g_idx is plain (the bundle runs no gather) and
     every code is exact against the dequantized weight; it still beats RTN on the layer output."""
     from engc.compiler.quantize.rtn import params
-    x = correlated_inputs()
-    w = torch.randn(128, 256)
-    h = Hessian(256)
-    for chunk in x.split(512):
-        h.add(chunk)
-    ref = x @ w.T
-    err = lambda qw: ((x @ qw.dequantize().T - ref) ** 2).mean().item()  # noqa: E731
+    w, h, err = _layer()
     static = gptq_quantize(w, h.H, 64, act_order=True, static_groups=True)
     assert torch.equal(static.g_idx.long(), torch.arange(256) // 64)
     for g in range(4):
