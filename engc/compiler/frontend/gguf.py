@@ -6,7 +6,6 @@ three back to what an HF folder would hold, so the family mappings downstream ne
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 
 from engc.compiler.frontend import gguf_quant
 from engc.compiler.frontend.checkpoint import Checkpoint
+from engc.compiler.frontend.gguf_tokenizer import tokenizer_files
 from engc.errors import UserError
 
 # GGUF architecture -> (HF model_type, HF class). llama.cpp writes Mistral 7B-style models as "llama",
@@ -105,7 +105,7 @@ def read_gguf(path: Path, keep_quant: bool = False) -> Checkpoint:
         name=path.stem,
         hf_config=hf_config,
         loaders=loaders,
-        tokenizer_files=_tokenizer_files(path, meta, hf_config),
+        tokenizer_files=tokenizer_files(path, meta, hf_config),
         source_files=[path],
     )
 
@@ -379,58 +379,3 @@ def _unpermute_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's per-head (2, d/2) -> (d/2, 2) row interleave, restoring HF's rotate-half layout."""
     half = weights.shape[0] // n_head // 2
     return weights.reshape(n_head, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
-
-
-def _tokenizer_files(path: Path, meta: _Metadata, hf_config: dict) -> dict[str, bytes]:
-    return {
-        "tokenizer.json": _tokenizer_json(path, meta),
-        "tokenizer_config.json": _tokenizer_config_json(meta, hf_config),
-    }
-
-
-def _tokenizer_json(path: Path, meta: _Metadata) -> bytes:
-    """transformers' own GGUF tokenizer conversion, serialized: the runtime then encodes exactly as it does.
-
-    Its per-vocabulary pre-tokenizer rules (tokenizer.ggml.pre) and added-token handling are too
-    intricate to copy; this is build-time only, so depending on transformers here costs nothing at run time.
-    """
-    from transformers import PreTrainedTokenizerFast
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its GGUF path logs every metadata key it skips
-    try:
-        # Same conversion AutoTokenizer runs, without AutoTokenizer's extra full parse of the file
-        # just to pick a class.
-        tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except Exception as e:
-        model = meta.get("tokenizer.ggml.model")
-        reason = " ".join(str(e).split())
-        raise UserError(f"{path.name}: cannot build a tokenizer from GGUF tokenizer '{model}' ({reason})") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    # tokenizers writes vocab and added tokens in id order and has no clock or randomness in its output
-    return tok.backend_tokenizer.to_str().encode("utf-8")
-
-
-def _tokenizer_config_json(meta: _Metadata, hf_config: dict) -> bytes:
-    def token(key: str) -> str | None:
-        token_id = meta.get(f"tokenizer.ggml.{key}")
-        return None if token_id is None else meta.token(token_id)
-
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"),
-        "unk_token": token("unknown_token_id"),
-        "pad_token": token("padding_token_id"),
-        # llama.cpp's defaults when the flags are absent: sentencepiece vocabularies add BOS, BPE ones do not
-        "add_bos_token": meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"),
-        "add_eos_token": meta.get("tokenizer.ggml.add_eos_token", False),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": hf_config["max_position_embeddings"],
-    }
-    template = meta.get("tokenizer.chat_template")
-    if template is not None:
-        config["chat_template"] = template
-    return (json.dumps(config, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
