@@ -234,6 +234,13 @@ def eval_(bundle, ppl_file, window, stride, max_tokens, as_json):
         click.echo(f"perplexity {result['ppl']:.4f} over {scored} token{'s' * (scored != 1)} "
                    f"({windows} window{'s' * (windows != 1)} of {window}, stride {stride})")
 
+# the options of the commands that load a bundle
+_device_option = click.option("--device", default="auto", show_default=True,
+                              help="cpu, cuda or auto (the GPU when there is one and the bundle has its kernels).")
+_TP_HELP = "Tensor-parallel ranks; default: the bundle's (engc build --tp). One process a rank"
+_tp_option = click.option("--tp", default=None, type=click.IntRange(1), help=_TP_HELP + ".")
+
+
 def _sampling_options(f):
     for opt in reversed([
         click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1)),
@@ -295,10 +302,8 @@ def _stream(engine, prompt_ids, params):
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompt", required=True, help="The prompt; sent through the chat template unless --raw.")
 @click.option("--raw", is_flag=True, help="Send the prompt as plain text, without the chat template.")
-@click.option("--device", default="auto", show_default=True,
-              help="cpu, cuda or auto (the GPU when there is one).")
-@click.option("--tp", default=None, type=click.IntRange(1),
-              help="Tensor-parallel ranks; default: the bundle's (engc build --tp). One process a rank.")
+@_device_option
+@_tp_option
 @_sampling_options
 def generate(bundle, prompt, raw, device, tp, **sampling):
     """Answer one prompt and exit (for scripts)."""
@@ -314,10 +319,8 @@ def generate(bundle, prompt, raw, device, tp, **sampling):
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--system", default=None, help="System prompt.")
-@click.option("--device", default="auto", show_default=True,
-              help="cpu, cuda or auto (the GPU when there is one).")
-@click.option("--tp", default=None, type=click.IntRange(1),
-              help="Tensor-parallel ranks; default: the bundle's (engc build --tp). One process a rank.")
+@_device_option
+@_tp_option
 @_sampling_options
 def chat(bundle, system, device, tp, **sampling):
     """Interactive chat in the terminal (streams tokens; empty line or Ctrl-D to quit)."""
@@ -361,10 +364,9 @@ def chat(bundle, system, device, tp, **sampling):
                    "(for a router or proxy to send elsewhere); default: no limit.")
 @click.option("--max-body-bytes", default=None, type=click.IntRange(1), metavar="BYTES",
               help="Largest request body; a larger one is refused (413) unread. Default: 1 MiB + 64 a context token.")
-@click.option("--device", default="auto", show_default=True,
-              help="cpu, cuda or auto (the GPU when there is one).")
+@_device_option
 @click.option("--tp", default=None, type=click.IntRange(1),
-              help="Tensor-parallel ranks; default: the bundle's (engc build --tp). One process a rank, spawned here; under torchrun (RANK, WORLD_SIZE set) rank 0 serves.")
+              help=_TP_HELP + ", spawned here; under torchrun (RANK, WORLD_SIZE set) rank 0 serves.")
 def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_prefill_tokens,
         cache_max_entry_count, num_blocks, no_prefix_cache, max_waiting, max_body_bytes, device, tp):
     """Serve BUNDLE over HTTP with OpenAI- and Anthropic-compatible APIs (see docs/serving.md)."""
@@ -408,7 +410,7 @@ def verify(bundle):
 
 @main.command(name="bench")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--device", default="auto", show_default=True, help="auto (the GPU when the bundle has its kernels), cuda or cpu.")
+@_device_option
 @click.option("--batch-sizes", default="1,8", show_default=True, help="Comma list of batch sizes.")
 @click.option("--input-len", default=128, show_default=True, type=click.IntRange(1), help="Prompt tokens a request.")
 @click.option("--output-len", default=128, show_default=True, type=click.IntRange(1), help="Tokens a request decodes.")
