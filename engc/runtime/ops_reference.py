@@ -31,13 +31,10 @@ ONNX_OPS = {
     ("", "Cast"): lambda x, to: (x.to(torch_dtype(to)),),
     ("", "Mul"): lambda a, b: (a * b,),   # Gemma's embedding times sqrt(hidden_size), in the model dtype
 }
-REFERENCE_OPS = dict(ONNX_OPS)
-for _bind in parts("bind"):
-    REFERENCE_OPS.update(getattr(_bind, "CPU_OPS", {}))
+_BINDS = parts("bind")
+REFERENCE_OPS = {**ONNX_OPS, **{k: v for b in _BINDS for k, v in getattr(b, "CPU_OPS", {}).items()}}
 # a bfloat16 / float16 bundle on the CPU: HF transformers' roundings where the references round otherwise
-HALF_OPS = dict(REFERENCE_OPS)
-for _bind in parts("bind"):
-    HALF_OPS.update(getattr(_bind, "HALF_OPS", {}))
+HALF_OPS = {**REFERENCE_OPS, **{k: v for b in _BINDS for k, v in getattr(b, "HALF_OPS", {}).items()}}
 
 
 def reference_ops(dtype: torch.dtype) -> dict:
