@@ -36,7 +36,8 @@ from timing import COPY_BW, frac_of_gemm_peak, synced  # noqa: E402
 # LMDeploy 0.18's PyTorch engine on the same H200, same shapes and 128/128 requests: b1 decode and the
 # throughput of batch N, output tok/s
 LMDEPLOY = {"1b": {"b1": 517.0, "bN": 14356.0, "N": 64}, "8b": {"b1": 214.7, "bN": 5347.0, "N": 32}}
-BATCHES = {"1b": [64, 256], "8b": [32, 64, 256], "tiny": [4]}   # throughput batches of each base shape
+BATCHES = {"1b": [64, 256], "8b": [32, 64, 256], "tiny": [4],   # throughput batches of each base shape
+           "olmoe": [32, 64, 256], "qwen3moe": [32, 64, 256], "qwen3moe48": [32, 64, 256], "v2lite": [32, 64, 256]}
 
 
 def tune_overrides(args) -> dict | None:
@@ -198,10 +199,15 @@ def _decode(shape: str, engine, cfg, args) -> dict:
            "b1_vs_lmdeploy": round(decode_tps / LMDEPLOY.get(base, {}).get("b1", float("nan")), 3)}
     res.update(decode_breakdown(engine, ids, Path(args.out) / f"profile_{shape}.txt"))
     n = LMDEPLOY.get(base, {}).get("N")
-    if n and n in args.batches.get(base, []):
+    if n and n in batches_of(args, base):
         res.update(decode_breakdown(engine, prompts(n, 128, cfg.vocab_size, 300 + n),
                                     Path(args.out) / f"profile_{shape}_b{n}.txt"))
     return res
+
+
+def batches_of(args, base: str) -> list[int]:
+    """The throughput batches of a base shape ("v2lite24" has v2lite's)."""
+    return args.batches.get(base, args.batches.get("v2lite", []) if base.startswith("v2lite") else [])
 
 
 def _throughput(shape: str, engine, cfg, args) -> dict:
@@ -209,7 +215,7 @@ def _throughput(shape: str, engine, cfg, args) -> dict:
     the first run also pays one-time costs (its first prefill of n x 128 tokens, the allocator's first pools
     for it), so the figure is the second run's, as batch 1's follows a warm-up."""
     base, res = base_shape(shape), {}
-    for n in args.batches.get(base, [])[:2 if args.quick else None]:
+    for n in batches_of(args, base)[:2 if args.quick else None]:
         _, total, first = run_batch(engine, prompts(n, 128, cfg.vocab_size, n + 1000), 128)
         res[f"b{n}_128_128_first_run_out_tok_s"] = round(n * 128 / total, 1)
         _, total, first = run_batch(engine, prompts(n, 128, cfg.vocab_size, n), 128)

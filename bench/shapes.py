@@ -1,5 +1,6 @@
 """The benchmark's models: random-weight Llama-3.2-1B and Llama-3-8B shapes (and a tiny one), the MoE shapes of
-OLMoE-1B-7B ("olmoe") and Qwen3-30B-A3B ("qwen3moe"), their HF checkpoints and the bundles built from them.
+OLMoE-1B-7B ("olmoe") and Qwen3-30B-A3B ("qwen3moe"), DeepSeek-V2-Lite ("v2lite"), their HF checkpoints and the bundles
+built from them.
 
 Qwen3-30B-A3B's 48 layers are 61 GB of bf16 weights, more than the GPU machine's disk holds twice (checkpoint
 and bundle): "qwen3moe" has its first 16 layers (a third of the model; per-layer figures are the model's,
@@ -78,7 +79,18 @@ def is_variant(shape: str) -> bool:
     return kv_cache_of(shape) != "auto" or quant_of(shape) != "auto" or is_int4(shape)
 
 
+def is_deepseek(shape: str) -> bool:
+    """"v2lite": DeepSeek-V2-Lite, all 27 layers; "v2lite<N>": its first N layers (a smaller disk)."""
+    return base_shape(shape).startswith("v2lite")
+
+
+def _deepseek_layers(shape: str) -> int:
+    return int(base_shape(shape)[len("v2lite"):] or DEEPSEEK_V2_LITE["num_hidden_layers"])
+
+
 def hf_config(shape: str) -> dict:
+    if is_deepseek(shape):
+        return dict(DEEPSEEK_V2_LITE, num_hidden_layers=_deepseek_layers(shape))
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
                rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
                bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
@@ -125,6 +137,8 @@ def make_checkpoint(shape: str, folder: Path) -> None:
     """A sharded HF folder of the shape: seed-0 random weights (on the GPU, for speed), unit norms, and a
     word-level tokenizer whose tokens are 't<id>'."""
     from safetensors.torch import save_file
+    if is_deepseek(shape):
+        return make_deepseek_v2_lite(folder, _deepseek_layers(shape))
     folder.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(shape)
     if is_int4(shape):
@@ -230,12 +244,29 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def weight_bytes(cfg, projection_bytes: float = 2, head_bytes: float = 2) -> tuple[int, int]:
     """(bytes a batch-1 decode step reads, parameters a token uses): bf16 weights, or 1-byte projections (fp8),
     or int4 ones (and an int4 lm_head: head_bytes); of an MoE model, its active weights (the top-k experts)."""
+    if cfg.kv_lora_rank:
+        return _mla_weight_bytes(cfg, projection_bytes, head_bytes)
     h, i, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
     if cfg.num_experts:   # the experts a token reads (top-k of them) and the router: a batch-1 step's weights
         i = cfg.moe_intermediate_size * cfg.num_experts_per_tok
     per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i + h * cfg.num_experts
     params = L * per_layer + V * h  # lm_head counts: it is read every step (tied or not)
     return int(projection_bytes * L * per_layer + head_bytes * V * h), params
+
+
+def _mla_weight_bytes(cfg, projection_bytes: float, head_bytes: float) -> tuple[int, int]:
+    """weight_bytes of a DeepSeek model: MLA's projections (the latent's up-projection read whole, absorbed or
+    not), the leading dense MLP layers, and in the others the top-k routed experts, the shared ones and the
+    router. The number of dense layers is not in ModelConfig: V2-Lite's one (bench's only DeepSeek shape)."""
+    h, L, V, heads = cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.num_heads
+    r, nope, rope, v = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    q = (h * cfg.q_lora_rank + cfg.q_lora_rank * heads * (nope + rope)) if cfg.q_lora_rank else h * heads * (nope + rope)
+    attn = q + h * (r + rope) + r * heads * (nope + v) + heads * v * h
+    dense_layers = DEEPSEEK_V2_LITE["first_k_dense_replace"]
+    routed = 3 * h * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+    moe = routed + 3 * h * cfg.shared_expert_intermediate_size + h * cfg.num_experts
+    per_model = L * attn + dense_layers * 3 * h * cfg.intermediate_size + (L - dense_layers) * moe
+    return int(projection_bytes * per_model + head_bytes * V * h), per_model + V * h
 
 
 INT4_BYTES = 0.5 + 3 / INT4_GROUP   # int4 bytes a weight: codes, and a bf16 scale and u8 zero a group

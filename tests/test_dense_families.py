@@ -11,6 +11,7 @@ tests write a tiny HF Qwen2 / Llama checkpoint, re-lay it as the InternLM checkp
 compare the InternLM bundle with HF's Qwen2 / Llama on the original.
 """
 import json
+import os
 import shutil
 
 import pytest
@@ -205,7 +206,8 @@ def test_gpu_greedy_matches_cpu(family, tiny_dir, qwen2_src, tmp_path):
         cfg.update(model_type="internlm3", qkv_bias=True, bias=False)
         _relaid(qwen2_src, tmp_path / "src", cfg, lambda t: t)
         src = tmp_path / "src"
-    build(str(src), tmp_path / "b", BuildOptions(archs=("cpu", sm_arch()), dtype="float32"))
+    build(str(src), tmp_path / "b", BuildOptions(archs=("cpu", sm_arch()), dtype="float32",
+                                              kernel_cache=os.environ.get("ENGC_KERNEL_CACHE")))
     cpu = greedy(tmp_path / "b", "cpu")
     assert greedy(tmp_path / "b", "cuda") == cpu
     assert greedy(tmp_path / "b", "cuda", graphs=False) == cpu
