@@ -123,7 +123,7 @@ def _example_launches(consts):
     for dt in (bf, torch.float32):
         yield "sampling", sampling.launch(torch.randn(2, TINY.vocab_size, dtype=dt), torch.ones(2),
                                           torch.zeros(2, dtype=torch.int32), torch.ones(2), torch.rand(2),
-                                          torch.empty(2, dtype=torch.int64))
+                                          torch.zeros(2), torch.empty(2, dtype=torch.int64), consts["sampling"])
 
 
 def test_launch_rules_match_records(runs):

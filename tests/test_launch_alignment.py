@@ -64,30 +64,32 @@ def test_a_misaligned_view_is_refused_by_name_before_launch(kernels):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 def test_gpu_sampler_parameter_rows_start_aligned(rows, monkeypatch):
-    """SamplingKernels uploads temperature, top_k, top_p and the draws as one [4, n] block; each row it passes
-    must start 16-byte aligned (one sequence once put top_p 8 bytes off, which the launch check refused)."""
+    """SamplingKernels uploads temperature, top_k, top_p, the draws and min_p as one [5, n] block; each row it
+    passes must start 16-byte aligned (one sequence once put top_p 8 bytes off, which the launch check refused)."""
     from engc.runtime.sampler import SamplingKernels
     from engc.runtime.sampling import SamplingParams
     from engc.runtime.sequence import Sequence
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)   # no accelerator here to pin for
 
     class Kernels:
-        consts = {"sampling": {}}
+        consts = {"sampling": {"logits_fp32": {"CAP": 16}}}
         launches = []
 
         def run(self, op, launches):
             self.launches += launches
 
     k = Kernels()
-    seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.5 + i, top_k=3, top_p=0.9, seed=i))
+    seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.5 + i, top_k=3, top_p=0.9, min_p=0.05, seed=i))
             for i in range(rows)]
     SamplingKernels(k, torch.device("cpu"))(torch.randn(rows, 32), seqs)
     (_variant, grid, args), = k.launches
     assert grid[0] == rows
-    for t in args[1:5]:
+    for t in args[1:6]:
         assert t.data_ptr() % 16 == 0 and t.shape[0] >= rows
     assert args[1][:rows].tolist() == pytest.approx([0.5 + i for i in range(rows)])
     assert args[2][:rows].tolist() == [3] * rows and args[3][:rows].tolist() == pytest.approx([0.9] * rows)
+    assert args[5][:rows].tolist() == pytest.approx([0.05] * rows)
+    assert args[7].shape[0] >= rows * 16 and args[8].shape[0] >= rows * 16   # the candidate slots
 
 
 def test_cuda_templates_can_be_left_unloaded(monkeypatch):

@@ -31,7 +31,8 @@ class ReferenceSampler:
         uniform = [0.0 if q.greedy else float(torch.rand((), generator=s.generator)) for q, s in zip(p, seqs)]
         return sampling.sample(logits, torch.tensor([q.temperature for q in p]),
                                torch.tensor([q.top_k for q in p], dtype=torch.int32),
-                               torch.tensor([q.top_p for q in p]), torch.tensor(uniform))
+                               torch.tensor([q.top_p for q in p]), torch.tensor(uniform),
+                               torch.tensor([q.min_p for q in p]))
 
     def greedy(self, logits):
         return argmax.argmax(logits)

@@ -219,6 +219,22 @@ def test_a_top_p_below_float32s_range_samples_the_likeliest_token(srv):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy, r.text
 
 
+def test_min_p_of_one_samples_the_likeliest_token_and_outside_0_1_is_refused(srv):
+    """min_p keeps the tokens at least min_p times as likely as the likeliest: at 1 only that one, so a sampled
+    completion or chat answers as greedy does."""
+    for path, body in (("/v1/completions", {"model": "tiny", "prompt": "Paris is", "max_tokens": 4}),
+                       ("/v1/chat/completions", {"model": "tiny", "max_tokens": 4,
+                                                 "messages": [{"role": "user", "content": "Paris is"}]})):
+        def answer(**kw):
+            r = httpx.post(srv.url + path, json=dict(body, **kw))
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            return choice["text"] if "text" in choice else choice["message"]["content"]
+        assert answer(temperature=1.0, min_p=1.0, seed=3) == answer(temperature=0)
+        r = httpx.post(srv.url + path, json=dict(body, min_p=1.5))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text
+
+
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e400"])
 def test_numbers_json_cannot_hold_are_refused(srv, literal):
     """Python's JSON parser reads NaN and Infinity (no JSON) and 1e400 as inf: a number field refuses them."""

@@ -249,7 +249,11 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], 
     return logits
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Temperature-scaled logits with top-k, then top-p, then min-p applied (-inf where dropped), the order of
+    Hugging Face transformers' warpers and of the sampling kernel (kernels/sampling). min-p keeps the tokens
+    whose probability is at least min_p times the likeliest token's; top-k and top-p always keep that token,
+    so the ratio is the same whether min-p comes before or after them."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -262,6 +266,8 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         drop[0] = False
         logits = logits.clone()
         logits[order[drop]] = float("-inf")
+    if min_p > 0.0:
+        logits = logits.masked_fill(torch.exp(logits - logits.max()) < min_p, float("-inf"))
     return logits
 
 
@@ -276,7 +282,7 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, prompt: list[int], outpu
     if p.greedy or not torch.isfinite(logits.max()):   # NaN (torch's max is NaN then), +inf, or all -inf:
         token = int(torch.argmax(logits))                # nothing to draw from; argmax is still a valid id
     else:
-        logits = filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
+        logits = filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p)
         token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
     if p.logprobs is None:
         return Sampled(token)
@@ -289,7 +295,7 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, prompt: list[int], outpu
 # --- the GPU's kernels -------------------------------------------------------------------------------
 
 class SamplingKernels:
-    """The bundle's argmax and sampling kernels (temperature, top-k and top-p per row). Only the row
+    """The bundle's argmax and sampling kernels (temperature, top-k, top-p and min-p per row). Only the row
     parameters and one uniform draw per row cross to the device, and one token id per row comes back,
     instead of a [batch, vocab] float32 block (32 MB a step at batch 64 for a 128k vocab)."""
 
@@ -311,17 +317,18 @@ class SamplingKernels:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The sampled ids, [len(seqs)] int64 on the device; nothing here waits for the GPU."""
         rows = [(s.params.temperature, s.params.top_k, s.params.top_p,
-                 0.0 if s.params.greedy else float(torch.rand((), generator=s.generator)))
+                 0.0 if s.params.greedy else float(torch.rand((), generator=s.generator)), s.params.min_p)
                 for s in seqs]
         # Padded to 4 rows so each parameter's row below starts 16 bytes aligned, as the kernel assumes
         # (BundleKernels.run refuses a misaligned argument; one sequence put top_p 8 bytes off).
-        rows += [(1.0, 0, 1.0, 0.0)] * (-len(rows) % 4)
+        rows += [(1.0, 0, 1.0, 0.0, 0.0)] * (-len(rows) % 4)
         # pinned, so the upload does not wait for the step still running on the GPU
         params = torch.tensor(rows, dtype=torch.float32).pin_memory().to(self.device, non_blocking=True)
         params = params.T.contiguous()
-        temperature, top_p, uniform = params[0], params[2], params[3]
+        temperature, top_p, uniform, min_p = params[0], params[2], params[3], params[4]
         top_k = params[1].to(torch.int32)
         out = torch.empty(len(seqs), dtype=torch.int64, device=self.device)
-        self.kernels.run("sampling", sampling.launch(logits.contiguous(), temperature, top_k, top_p,
-                                                     uniform, out))
+        # the candidate buffers come from the caching allocator: no host sync, and a graph keeps its own
+        self.kernels.run("sampling", sampling.launch(logits.contiguous(), temperature, top_k, top_p, uniform,
+                                                     min_p, out, self.kernels.consts["sampling"]))
         return out

@@ -15,6 +15,7 @@ class SamplingParams:
     temperature: float = 1.0          # 0: greedy
     top_p: float = 1.0
     top_k: int = 0                    # 0: off
+    min_p: float = 0.0                # keep tokens at least min_p times as likely as the likeliest; 0: off
     seed: int | None = None
     repetition_penalty: float = 1.0   # HF style, over prompt and output
     presence_penalty: float = 0.0     # OpenAI style, over output
@@ -35,6 +36,7 @@ class SamplingParams:
                   (self.temperature >= 0, "temperature must be >= 0"),
                   (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
                   (self.top_k >= 0, "top_k must be >= 0"),
+                  (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
                   (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
                   (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
                   (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
@@ -60,7 +62,7 @@ class SamplingParams:
 
     @cached_property
     def device_sampleable(self) -> bool:
-        """Only temperature, top-k and top-p: what the plain draw (the GPU sampling kernel) does, with no
+        """Only temperature, top-k, top-p and min-p: what the plain draw (the GPU sampling kernel) does, with no
         penalties, mask or logprobs to add (runtime/sampler.py adds those)."""
         return self.logprobs is None and not self.penalized and self.grammar is None
 

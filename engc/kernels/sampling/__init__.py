@@ -1,17 +1,19 @@
-"""Sampling of one token per row from logits, with per-row temperature, top-k and top-p.
+"""Sampling of one token per row from logits, with per-row temperature, top-k, top-p and min-p.
 
-ONNX: ai.engc::Sample(logits, temperature, top_k, top_p, uniform) -> token_ids (int64).
-logits [B, V] (any float dtype); temperature, top_p [B] float32; top_k [B] int32; uniform [B] float32
+ONNX: ai.engc::Sample(logits, temperature, top_k, top_p, uniform, min_p) -> token_ids (int64).
+logits [B, V] (any float dtype); temperature, top_p, min_p [B] float32; top_k [B] int32; uniform [B] float32
 in [0, 1). The caller draws uniform, so the op is a pure function of its inputs and needs no host sync.
 
-Per row:
+Per row, the filters in the order of Hugging Face transformers' warpers (temperature, top-k, top-p, min-p):
   temperature == 0 -> argmax of the logits (first index on ties; a NaN counts as +inf).
   A row whose largest logit is not finite (NaN, +inf, or all -inf) takes that argmax too, whatever its
   temperature: a valid token id, never one outside the vocabulary.
-  s = logits.float() / temperature.
+  s = logits.float() / temperature, mass = exp(s - max s).
   top-k (0 < k < V): keep s >= the k-th largest s (ties at the threshold are kept).
   top-p (p < 1): over the kept tokens in descending s order, find the first token whose cumulative
-    mass exp(s - max) reaches p * (kept mass); keep s >= its s.
+    mass reaches p * (kept mass); keep s >= its s.
+  min-p (min_p > 0): keep tokens whose mass >= min_p, i.e. whose probability is at least min_p times the
+    most likely token's (top-k and top-p always keep that token, so the ratio is the same before them).
   Then inverse-CDF sampling in vocabulary order: the first kept token whose cumulative mass exceeds
   uniform * (kept mass).
 """
@@ -20,15 +22,18 @@ import torch
 from engc.kernels.argmax import nan_as_max
 
 
-def sample(logits, temperature, top_k, top_p, uniform) -> torch.Tensor:
+def sample(logits, temperature, top_k, top_p, uniform, min_p=None) -> torch.Tensor:
+    """min_p None: 0 for every row (off)."""
     b, v = logits.shape
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     for i in range(b):
-        out[i] = sample_row(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i]), float(uniform[i]))
+        out[i] = sample_row(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i]), float(uniform[i]),
+                            0.0 if min_p is None else float(min_p[i]))
     return out
 
 
-def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float) -> int:
+def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float,
+               min_p: float = 0.0) -> int:
     x = nan_as_max(logits)
     if temperature == 0.0 or not torch.isfinite(x.max()):   # NaN, +inf, or all -inf: nothing to draw from
         return int(torch.argmax(x))
@@ -45,6 +50,9 @@ def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
         cross = int(torch.searchsorted(cum, top_p * cum[-1]).clamp(max=v - 1))
         keep &= s >= order[cross]
         mass = mass * keep
+    if min_p > 0.0:
+        keep &= torch.exp(s - s.max()) >= min_p
+        mass = mass * keep
     cum = torch.cumsum(mass, 0)
     idx = int(torch.searchsorted(cum, u * cum[-1], right=True))
     last_kept = int(torch.nonzero(keep).max())
@@ -54,18 +62,27 @@ def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
 _TRITON_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def launch(logits, temperature, top_k, top_p, uniform, out, consts=None):
+def workspace(rows: int, cap: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's CAP candidate slots: scaled logit (float32) and token index (int32), [rows * cap] each."""
+    return (torch.empty(rows * cap, dtype=torch.float32, device=device),
+            torch.empty(rows * cap, dtype=torch.int32, device=device))
+
+
+def launch(logits, temperature, top_k, top_p, uniform, min_p, out, consts, workspace_=None):
     """Launch rule of sample_kernel: [(variant, grid, args)]; variant 'logits_<dtype>' (fp32, bf16, fp16).
 
-    logits contiguous [B, V]; temperature, top_p, uniform float32 [B]; top_k int32 [B]; out int64 [B].
-    args: logits, temperature, top_k, top_p, uniform, out, global_scratch=0, profile_scratch=0.
-    consts is unused.
+    logits contiguous [B, V]; temperature, top_p, uniform, min_p float32 [B]; top_k int32 [B]; out int64 [B].
+    consts: variant -> record 'launch' ({'CAP': candidate slots a row}); workspace_: (values, indices) of
+    at least rows * CAP entries, else allocated here (on the logits' device, no host sync).
+    args: logits, temperature, top_k, top_p, uniform, min_p, out, cand_val, cand_idx, 0, 0.
     """
     assert logits.is_contiguous()
-    assert temperature.dtype == top_p.dtype == uniform.dtype == torch.float32 and top_k.dtype == torch.int32
+    assert (temperature.dtype == top_p.dtype == uniform.dtype == min_p.dtype == torch.float32
+            and top_k.dtype == torch.int32)
     assert out.dtype == torch.int64
     rows = logits.shape[0]
     if rows == 0:
         return []
-    return [(f"logits_{_TRITON_NAME[logits.dtype]}", (rows, 1, 1),
-             [logits, temperature, top_k, top_p, uniform, out, 0, 0])]
+    variant = f"logits_{_TRITON_NAME[logits.dtype]}"
+    val, idx = workspace_ if workspace_ is not None else workspace(rows, consts[variant]["CAP"], logits.device)
+    return [(variant, (rows, 1, 1), [logits, temperature, top_k, top_p, uniform, min_p, out, val, idx, 0, 0])]

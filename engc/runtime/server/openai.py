@@ -89,7 +89,7 @@ def _prompts(s: ServerState, id_lists, req, max_tokens, logprobs, constraint=Non
     prompts = []
     for ids in id_lists:
         base = s.params(len(ids), max_tokens, temperature=req.temperature if req.temperature is not None else 1.0,
-                        top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop,
+                        top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=stop,
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                         repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs,
                         **(constraint or {}))

@@ -105,6 +105,7 @@ class _OpenAISampling(_Body):
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1, description="engc: 0 or -1 is off")
+    min_p: Optional[float] = Field(None, ge=0, le=1, description="engc: 0 is off")
     n: int = Field(1, ge=1, le=16)
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = None

@@ -1,0 +1,200 @@
+"""The sampling kernel under TRITON_INTERPRET=1 against its torch reference (kernels/sampling.sample_row).
+
+Every draw must be the reference's token for the same uniform. A difference is accepted only where it is a
+float summation-order tie: the reference gives the kernel's token for the uniform, top_p or min_p nudged by
+1e-5 relative. Small BLOCK_V / CAP overrides keep the interpreter fast and put each path in reach: the
+candidate path (top-k, top-p without top-k, min-p), its overflow into the streaming radix fallback, the
+temperature-only draw, greedy and non-finite rows. The passes over the row are counted from the
+interpreter's loads, so the read budget of each case is tested too.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from interpreted import interpreted_report, print_report
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ["rows_fp32", "rows_bf16", "rows_wide_groups_fp32", "distribution_fp32", "distribution_bf16", "passes"]
+
+
+@pytest.fixture(scope="module")
+def report():
+    return interpreted_report(__file__, timeout=600)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sampling_kernel_matches_reference(report, case):
+    assert case in report, f"{case} did not run"
+    assert report[case]["ok"], report[case]
+
+
+# ---------------------------------------------------------------- the child process (TRITON_INTERPRET=1)
+
+V = 3000
+SMALL_TILES = {"BLOCK_V": 512, "cap": 256, "small": 64, "groups": 256}
+
+
+def _specs(overrides=None):
+    import torch
+    from test_kernels import _cfg, _specs as model_specs
+    return model_specs(_cfg(vocab_size=V), torch.bfloat16, overrides={"sampling": overrides or SMALL_TILES})["sampling"]
+
+
+def _launch(specs, logits, rows, uniform):
+    """The kernel's tokens and candidate indices (a workspace prefilled with -1) for rows of
+    (temperature, top_k, top_p, min_p)."""
+    import torch
+    from engc.kernels import sampling as op
+    from test_kernels import _run
+    consts = {v: s.launch for v, s in specs.items()}
+    cap = next(iter(consts.values()))["CAP"]
+    b = len(rows)
+    params = [torch.tensor([r[i] for r in rows], dtype=torch.float32) for i in range(4)]
+    top_k = params[1].to(torch.int32)
+    out = torch.full((b,), -1, dtype=torch.int64)
+    ws = (torch.full((b * cap,), float("nan")), torch.full((b * cap,), -1, dtype=torch.int32))
+    _run(specs, op.launch(logits, params[0], top_k, params[2], uniform, params[3], out, consts, ws))
+    return out, ws[1].view(b, cap)
+
+
+def _unexplained(logits, rows, uniform, got):
+    """Rows whose token is neither the reference's nor a summation-order tie's; and how many were ties."""
+    from engc.kernels.sampling import sample_row
+    bad, ties = [], 0
+    for i, (t, k, p, mp) in enumerate(rows):
+        u = float(uniform[i])
+        if sample_row(logits[i], t, k, p, u, mp) == int(got[i]):
+            continue
+        nudged = [(u * f, p, mp) for f in (1 - 1e-5, 1 + 1e-5)] + [(u, min(1.0, p * f), mp * f)
+                                                                   for f in (1 - 1e-5, 1 + 1e-5)]
+        if any(sample_row(logits[i], t, k, pp, uu, mm) == int(got[i]) for uu, pp, mm in nudged):
+            ties += 1
+        else:
+            bad.append((i, rows[i], u, int(got[i]), sample_row(logits[i], t, k, p, u, mp)))
+    return bad, ties
+
+
+def check_rows(dtype, overrides=None):
+    import torch
+    specs = _specs(overrides)
+    block_v = (overrides or SMALL_TILES)["BLOCK_V"]
+    gen = torch.Generator().manual_seed(7)
+    rows = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.8, 50, 0.95, 0.0), (0.7, 50, 1.0, 0.0),
+            (1.3, 0, 0.9, 0.0), (0.8, 20, 0.5, 0.0), (1.0, 1, 1.0, 0.0), (2.0, V - 1, 0.99, 0.0),
+            (0.5, V, 0.3, 0.0), (0.0, 5, 0.5, 0.1), (1.0, 0, 1.0, 0.05), (0.8, 40, 0.95, 0.1),
+            (1.0, 0, 0.9, 0.02), (1.0, 0, 0.95, 0.3), (1.0, 0, 0.0, 0.0), (1.0, 0, 1.0, 1.0),
+            (1.0, 30, 1.0, 0.0),         # 16: k lands inside a plateau of 40 ties: all of them kept
+            (1.0, 0, 0.5, 0.0),          # 17: the top-p crossing inside the top plateau of 20 ties
+            (1.0, 50, 0.9, 0.0),         # 18: flat row: more than CAP candidates, the radix fallback
+            (1.0, 0, 0.9, 0.0),          # 19: flat row, top-p without top-k: the fallback too
+            (0.9, block_v + 1, 0.95, 0.0),   # k above the lane count: the fallback
+            (0.9, 0, 1.0, 0.0), (1.2, 10, 0.8, 0.0), (0.7, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0)]
+    b = len(rows)
+    logits = (torch.randn(b, V, generator=gen) * 3).to(dtype)
+    logits[16, 100:140] = 9.0
+    logits[17, 500:520] = 12.0
+    logits[18, :] = 1.0
+    logits[19, :] = 0.25
+    # no distribution to draw from: the row's argmax (a NaN counting as +inf), a valid id, never -1 or 2^31 - 1
+    logits[-4, 1234] = float("nan")
+    logits[-3, :] = float("-inf")
+    logits[-2, 77] = float("inf")
+    logits[-1, :] = float("nan")
+    bad, ties = [], 0
+    for trial in range(2):
+        uniform = torch.rand(b, generator=gen)
+        out, cand = _launch(specs, logits, rows, uniform)
+        assert out[-4:].tolist() == [1234, 0, 77, 0], out[-4:]
+        for i in (2, 3, 10, 11, 12, 13, 16, 17):    # the candidate path: the row's top tokens, in index order
+            written = cand[i][cand[i] >= 0]
+            assert 0 < len(written) < cand.shape[1] and bool((written[1:] > written[:-1]).all()), (i, written)
+            top = torch.topk(logits[i].float(), rows[i][1] or 1).indices
+            assert set(top.tolist()) <= set(written.tolist()), i
+        assert bool((cand[18] >= 0).all()) and bool((cand[19] >= 0).all())   # overflowed: every slot taken
+        assert bool((cand[0] < 0).all()) and bool((cand[1] < 0).all())       # greedy, temperature only: none
+        b_, t_ = _unexplained(logits, rows, uniform, out)
+        bad += b_
+        ties += t_
+    return (len(bad), bad[:3]) if bad else (0, {"ties": ties})
+
+
+def check_distribution(dtype):
+    """Many uniforms over one row each (the draw's whole CDF): the reference's token for every one."""
+    import torch
+    specs = _specs()
+    gen = torch.Generator().manual_seed(11)
+    kinds = [(0.8, 50, 0.95, 0.0), (1.0, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.05), (1.1, 30, 0.9, 0.02),
+             (1.5, 0, 1.0, 0.0)]
+    n = 16
+    rows = [k for k in kinds for _ in range(n)]
+    base = torch.randn(len(kinds), V, generator=gen) * 2.5
+    logits = base.repeat_interleave(n, 0).to(dtype)
+    uniform = ((torch.arange(n) + torch.rand(n, generator=gen)) / n).repeat(len(kinds))
+    out, _ = _launch(specs, logits, rows, uniform)
+    bad, ties = _unexplained(logits, rows, uniform, out)
+    distinct = [len(set(out[j * n:(j + 1) * n].tolist())) for j in range(len(kinds))]
+    assert min(distinct) > 1, distinct       # the uniforms do reach different tokens
+    return (len(bad), bad[:3]) if bad else (0, {"ties": ties, "distinct tokens": distinct})
+
+
+def check_passes():
+    """How many times each kind of row reads its logits (counted from the interpreter's loads)."""
+    import numpy as np
+    import torch
+    from triton.runtime import interpreter as interp
+    specs = _specs()
+    window, loaded = [0, 0], [0]
+    original = interp.InterpreterBuilder.create_masked_load
+
+    def counting(self, ptrs, mask, other, *args):
+        p = ptrs.data.astype(np.uint64)
+        loaded[0] += int(((p >= window[0]) & (p < window[1]) & mask.data).sum())
+        return original(self, ptrs, mask, other, *args)
+
+    interp.InterpreterBuilder.create_masked_load = counting
+    gen = torch.Generator().manual_seed(5)
+    budget = {"greedy": ((0.0, 50, 0.9, 0.0), 1.0), "temperature only": ((1.0, 0, 1.0, 0.0), 2.2),
+              "top-k 50, top-p 0.95": ((0.8, 50, 0.95, 0.0), 2.0), "top-p 0.9": ((0.8, 0, 0.9, 0.0), 2.0),
+              "min-p 0.05": ((1.0, 0, 1.0, 0.05), 2.0), "all four": ((0.8, 40, 0.9, 0.05), 2.0),
+              "flat, top-k 50 (fallback)": ((1.0, 50, 0.9, 0.0), 40.0)}
+    seen, over = {}, []
+    try:
+        for name, (row, most) in budget.items():
+            logits = torch.randn(1, V, generator=gen) * 3
+            if "flat" in name:
+                logits[:] = 1.0
+            window[:] = [logits.data_ptr(), logits.data_ptr() + logits.numel() * logits.element_size()]
+            loaded[0] = 0
+            _launch(specs, logits, [row], torch.rand(1, generator=gen))
+            seen[name] = round(loaded[0] / V, 2)
+            if seen[name] > most:
+                over.append(name)
+    finally:
+        interp.InterpreterBuilder.create_masked_load = original
+    assert seen["flat, top-k 50 (fallback)"] > 30, seen     # the count does see the radix passes
+    return len(over), seen
+
+
+def main():
+    import torch
+    f32, bf16 = torch.float32, torch.bfloat16
+    print_report({
+        "rows_fp32": (lambda: check_rows(f32), 0),
+        "rows_bf16": (lambda: check_rows(bf16), 0),
+        # top-k bound from whole lanes (as many groups as lanes), 2 candidate slots read at first
+        "rows_wide_groups_fp32": (lambda: check_rows(f32, {"BLOCK_V": 256, "cap": 512, "small": 2,
+                                                           "groups": 256}), 0),
+        "distribution_fp32": (lambda: check_distribution(f32), 0),
+        "distribution_bf16": (lambda: check_distribution(bf16), 0),
+        "passes": (check_passes, 0),
+    })
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path.insert(0, str(ROOT))
+    main()
