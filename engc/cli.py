@@ -248,6 +248,8 @@ def _sampling_options(f):
                      help="0 = greedy."),
         click.option("--top-p", default=1.0, show_default=True, type=float),
         click.option("--top-k", default=0, show_default=True, type=click.IntRange(0)),
+        click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+                     help="Keep tokens at least this fraction as likely as the likeliest (after top-k, top-p)."),
         click.option("--seed", default=None, type=int),
         click.option("--repetition-penalty", default=1.0, show_default=True, type=float),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
@@ -276,9 +278,9 @@ def _answer_grammar(json_object: bool, schema_path: str | None):
         raise UserError(f"--json-schema {schema_path}: {e}") from None
 
 
-def _params(max_tokens, temperature, top_p, top_k, seed, repetition_penalty, stop, json_object, json_schema):
+def _params(max_tokens, temperature, top_p, top_k, min_p, seed, repetition_penalty, stop, json_object, json_schema):
     from engc.runtime.sampling import SamplingParams
-    p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+    p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                        seed=seed, repetition_penalty=repetition_penalty, stop=tuple(stop),
                        grammar=_answer_grammar(json_object, json_schema))
     try:
