@@ -72,8 +72,8 @@ def main():
               help="Folder of compiled kernels to reuse and fill (keyed by shapes, dtype, arch, sources).")
 @click.option("--quant", default="auto", show_default=True,
               help="auto = as the checkpoint is (float, or AWQ/GPTQ int4; a GGUF dequantized); fp8 = W8A8 float8 "
-                   "projections (GPU archs sm89+); keep = a GGUF's Q4_0/Q4_1/Q4_K projections stay 4-bit "
-                   "(see docs/quantization.md).")
+                   "projections and float8 MoE experts (GPU archs sm89+); keep = a GGUF's Q4_0/Q4_1/Q4_K "
+                   "projections stay 4-bit (see docs/quantization.md).")
 @click.option("--kv-cache", default="auto", show_default=True,
               help="auto = the model dtype; int8 or fp8 (e4m3, sm89+) = KV cache stored in 1 byte a value plus "
                    "a float32 scale per token and KV head: about half the memory, twice the cached tokens.")

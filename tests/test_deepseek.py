@@ -107,7 +107,7 @@ def test_latent_cache_bytes(tiny_bundle):
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
 def test_fp8_latent_cache(family, tiny_dir, tmp_path):
     """--kv-cache fp8: one e4m3 row and a float32 scale a token's latent and rope key; decodes as HF within the
-    rounding of the cached rows. --quant fp8 is refused in one line (the experts have no fp8 path)."""
+    rounding of the cached rows. engc quantize (int4) is refused in one line."""
     from test_hf_parity import hf_greedy
     from engc.compiler.build import BuildOptions, build
     from engc.errors import UserError
@@ -131,12 +131,46 @@ def test_fp8_latent_cache(family, tiny_dir, tmp_path):
     assert same >= 3, (seq.output_ids, expected)
     theirs = torch.log_softmax(hf_logits, -1).gather(1, torch.tensor(expected)[:, None])[:same, 0]
     assert torch.allclose(torch.tensor([s.logprob for s in seq.logprobs[:same]]), theirs, atol=2e-2)
-    with pytest.raises(UserError, match="--quant fp8 does not cover expert weights"):
-        build(str(tiny_dir(family)), tmp_path / "q", BuildOptions(quant="fp8"))
     from engc.compiler.quantize.options import QuantOptions
     from engc.compiler.quantize.stream import quantize_checkpoint
     with pytest.raises(UserError, match=f"does not quantize {family} models yet"):   # latent attention's block
         quantize_checkpoint(str(tiny_dir(family)), tmp_path / "int4", QuantOptions(method="rtn"))
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("deepseek_v2", {}), ("deepseek_v3", {}),
+    # widths _scaled_mm takes (multiples of 16): kv_a's kv_lora_rank + qk_rope_head_dim, q_lora_rank
+    ("deepseek_v2", {"kv_lora_rank": 56}), ("deepseek_v3", {"kv_lora_rank": 56, "q_lora_rank": 32}),
+], ids=["v2-cpu", "v3-cpu", "v2-sm90", "v3-sm90"])
+def test_fp8_bundle_close_to_float_bundle(family, overrides, tiny_dir, tiny_bundle, tmp_path):
+    """--quant fp8: the routed experts float8 (weight-only), the latent attention's projections (q or q_a and
+    q_b, kv_a, o) and the dense first layer's MLP FP8Linear (W8A8); the absorbed decode's w_uk / w_uv, the
+    router and the shared experts stay in the model dtype. Logits and greedy tokens near the float bundle's."""
+    from test_moe import check_fp8_close, fp8_experts_bundle
+    from engc.runtime.loader import load
+    archs = ("cpu", "sm90") if overrides else ("cpu",)
+    r = fp8_experts_bundle(tiny_dir(family, **overrides), tiny_bundle(family, **overrides), tmp_path / "b", archs)
+    check_fp8_close(r)
+    model = load(tmp_path / "b")
+    cfg, w = model.config, model.executor.weights
+    fp8 = {n.outputs[0] for n in model.executor.program.nodes if n.op in ("FP8Linear", "FP8LinearQ")}
+    attention = ["q_a", "q_b"] if cfg.q_lora_rank else ["q"]
+    assert {f"layers.0.{name}.out" for name in attention + ["kv_a", "o"]} <= fp8
+    assert w["layers.0.attn.w_uk"].dtype == w["layers.0.attn.w_uv"].dtype == model.dtype
+    if overrides:   # the fp8 GEMMs' input quantization for every projection input width, MLA's among them
+        import json
+        manifest = json.loads((tmp_path / "b/manifest.json").read_text())
+        quant = {r["variant"] for r in manifest["kernels"] if r["op"] == "fp8_quant"}
+        assert f"k{cfg.num_heads * cfg.v_head_dim}" in quant and (not cfg.q_lora_rank or f"k{cfg.q_lora_rank}" in quant)
+
+
+def test_fp8_gpu_bundle_refuses_widths_scaled_mm_cannot_take(tiny_dir, tmp_path):
+    from engc.compiler.build import BuildOptions, build
+    from engc.errors import UserError
+    # the tiny model's kv_a is 32 + 8 = 40 rows
+    with pytest.raises(UserError, match=r"multiples of 16; kv_lora_rank \+ qk_rope_head_dim 40"):
+        build(str(tiny_dir("deepseek_v2")), tmp_path / "b", BuildOptions(archs=("sm90",), quant="fp8"))
+    assert not (tmp_path / "b").exists()
 
 
 def test_prefix_cache_reuses_latent_blocks(tiny_dir, tiny_bundle):

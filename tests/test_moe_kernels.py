@@ -3,7 +3,8 @@
 As in test_kernels.py, the checks run in one child process (this file as a script) with the interpreter on,
 through the specs codegen builds for a small MoE model and the op's own launch rules and forward(), which is
 what the GPU binding runs: the routing variants, the decode path (one (token, expert) pair a program) and the
-grouped path (pairs sorted by expert, padded to BLOCK_M), with and without a shared expert.
+grouped path (pairs sorted by expert, padded to BLOCK_M), with and without a shared expert, and both with the
+fp8 experts of engc build --quant fp8 (float8 weights, a scale per channel; the FP8_W specialization).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ CASES = ["route_softmax_fp32", "route_softmax_renorm_fp32", "route_topk_first_fp
          "route_float32_weights_bf16",
          "route_ties_pick_lower_ids", "decode_fp32", "decode_shared_fp32", "grouped_fp32", "grouped_shared_fp32",
          "grouped_bf16", "decode_bf16", "grouped_many_experts_fp32", "gpu_binding_fp32",
-         "deepseek_v2_decode_fp32", "deepseek_v3_grouped_fp32"]
+         "deepseek_v2_decode_fp32", "deepseek_v3_grouped_fp32", "fp8_decode_bf16", "fp8_grouped_bf16",
+         "fp8_decode_shared_fp32", "fp8_grouped_fp32", "fp8_deepseek_v3_grouped_bf16", "fp8_gpu_binding_bf16"]
 
 
 @pytest.fixture(scope="module")
@@ -52,22 +54,32 @@ def test_specs_only_for_moe_models():
     assert variants == {"route", "gate_up", "down", "gate_up_decode", "down_decode", "combine"}
 
 
-@pytest.mark.parametrize("shared", [0, 40], ids=["routed", "shared-expert"])
-def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared):
+@pytest.mark.parametrize("shared,fp8", [(0, False), (40, False), (40, True)],
+                         ids=["routed", "shared-expert", "fp8-experts"])
+def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared, fp8):
     """Every MoE kernel compiles ahead of time for both archs (no GPU), and each launch forward() makes, on
-    both paths, passes the compiled kernel's parameters in order, with the recorded types."""
+    both paths, passes the compiled kernel's parameters in order, with the recorded types. fp8 experts: sm90
+    only (--quant fp8 refuses archs without FP8 support, sm80 among them: test_moe.py), float8 weight
+    pointers converted in the kernel, float32 scales."""
     import torch
     from engc.compiler.codegen.record import compile_specs
     from engc.compiler.codegen.specs import model_specs
     from engc.kernels import moe as op
     cfg = _cfg(shared_expert_intermediate_size=shared)
-    specs = [s for arch in ("sm80", "sm90") for s in model_specs(cfg, torch.bfloat16, arch, 16) if s.op == "moe"]
+    archs = ("sm90",) if fp8 else ("sm80", "sm90")
+    specs = [s for arch in archs for s in model_specs(cfg, torch.bfloat16, arch, 16, quant="fp8" if fp8 else "none")
+             if s.op == "moe"]
     result = compile_specs(specs, jobs=1)
     records = {(r["arch"], r["variant"]): r for r in result.records}
-    assert set(records) == {(a, v) for a in ("sm80", "sm90") for v in
+    assert set(records) == {(a, v) for a in archs for v in
                             ("route", "gate_up", "down", "gate_up_decode", "down_decode", "combine")}
     for r in result.records:
-        assert result.files[r["cubin"]][:4] == b"\x7fELF" and f".entry {r['entry']}(" in result.files[r["ptx"]].decode()
+        ptx = result.files[r["ptx"]].decode()
+        assert result.files[r["cubin"]][:4] == b"\x7fELF" and f".entry {r['entry']}(" in ptx
+        if r["variant"] in ("gate_up", "down", "gate_up_decode", "down_decode"):
+            w_type = {a["name"]: a["type"] for a in r["args"]}["w_ptr"]
+            assert w_type == ("*fp8e4nv" if fp8 else "*bf16")
+            assert ("e4m3" in ptx) == fp8   # the codes' conversion, only in the fp8 specialization
     consts = {v: r["launch"] for (a, v), r in records.items() if a == "sm90"}
     seen = set()
 
@@ -84,9 +96,12 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
              down=torch.randn(6, 64, 48, dtype=bf))
     extra = (torch.randn(2 * shared, 64, dtype=bf), torch.randn(64, shared, dtype=bf), torch.randn(1, 64, dtype=bf)) \
         if shared else ()
+    if fp8:
+        w["gate_up"], w["down"] = w["gate_up"].to(torch.float8_e4m3fn), w["down"].to(torch.float8_e4m3fn)
+        extra += (torch.rand(6, 96), torch.rand(6, 64))
     for tokens in (3, 80):   # the decode path, then the grouped one
         op.forward(check, torch.randn(tokens, 64, dtype=bf), w["router"], w["gate_up"], w["down"], *extra,
-                   top_k=2, consts=consts, has_shared_expert=int(bool(shared)))
+                   top_k=2, consts=consts, has_shared_expert=int(bool(shared)), fp8_experts=int(fp8))
     assert seen == {v for a, v in records if a == "sm90"}
 
 
@@ -102,9 +117,10 @@ def _cfg(**kw):
     return ModelConfig(**base)
 
 
-def _specs(cfg, dtype, overrides=None):
+def _specs(cfg, dtype, overrides=None, fp8=False):
     from engc.compiler.codegen.specs import model_specs
-    return {s.variant: s for s in model_specs(cfg, dtype, "sm90", 16, {"moe": overrides} if overrides else None)
+    return {s.variant: s for s in model_specs(cfg, dtype, "sm90", 16, {"moe": overrides} if overrides else None,
+                                              quant="fp8" if fp8 else "none")
             if s.op == "moe"}
 
 
@@ -119,7 +135,9 @@ def _runner(specs):
     return run
 
 
-def _weights(cfg, dtype, seed=0, shared=0):
+def _weights(cfg, dtype, seed=0, shared=0, fp8=False):
+    """Random weights; fp8: the experts float8 and their scales as engc build --quant fp8 makes them, each
+    channel's scale spread over two decades (a kernel that dropped or misplaced one would be far off)."""
     import torch
     g = torch.Generator().manual_seed(seed)
     h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
@@ -127,7 +145,17 @@ def _weights(cfg, dtype, seed=0, shared=0):
     w = dict(router=r(e, h), gate_up=r(e, 2 * i, h, std=0.15), down=r(e, h, i, std=0.15))
     if shared:
         w.update(shared_gate_up=r(2 * shared, h, std=0.15), shared_down=r(h, shared, std=0.15), shared_gate=r(1, h))
+    if fp8:
+        from engc.compiler.passes.quantize_fp8 import _quantize_experts_rows
+        for name in ("gate_up", "down"):
+            spread = torch.logspace(-1, 1, w[name].shape[1])[torch.randperm(w[name].shape[1], generator=g)]
+            w[name], w[name + "_scale"] = _quantize_experts_rows(w[name].float() * spread[:, None])
     return w, r
+
+
+def _quant_inputs(w) -> list:
+    """The node's fp8 inputs (after the shared expert's), absent for float experts."""
+    return [w["gate_up_scale"], w["down_scale"]] if "gate_up_scale" in w else []
 
 
 def check_route(dtype, softmax_first, renormalize, ties=False, float32_weights=0):
@@ -153,40 +181,42 @@ def check_route(dtype, softmax_first, renormalize, ties=False, float32_weights=0
     return _rel(weights, ref_w if float32_weights else ref_w.to(dtype))
 
 
-def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, softmax_first=1, renormalize=0):
+def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, softmax_first=1, renormalize=0,
+                  fp8=False):
     from engc.kernels import moe as op
     cfg = _cfg(num_experts=experts, num_experts_per_tok=top_k, shared_expert_intermediate_size=shared)
-    specs = _specs(cfg, dtype, {"max_pairs": max_pairs, "BLOCK_N": 32, "BLOCK_K": 32})
-    w, r = _weights(cfg, dtype, seed=tokens, shared=shared)
+    specs = _specs(cfg, dtype, {"max_pairs": max_pairs, "BLOCK_N": 32, "BLOCK_K": 32}, fp8=fp8)
+    w, r = _weights(cfg, dtype, seed=tokens, shared=shared, fp8=fp8)
     x = r(tokens, cfg.hidden_size, std=1.0)
-    attrs = dict(top_k=top_k, softmax_first=softmax_first, renormalize=renormalize, has_shared_expert=int(bool(shared)))
-    ref = op.moe(x, w["router"], w["gate_up"], w["down"], w.get("shared_gate_up"), w.get("shared_down"),
-                 w.get("shared_gate"), **attrs)
+    attrs = dict(top_k=top_k, softmax_first=softmax_first, renormalize=renormalize, has_shared_expert=int(bool(shared)),
+                 **({"fp8_experts": 1} if fp8 else {}))
+    shared_inputs = [w["shared_gate_up"], w["shared_down"], w["shared_gate"]] if shared else []
+    inputs = [x, w["router"], w["gate_up"], w["down"], *shared_inputs, *_quant_inputs(w)]
+    ref = op.moe(*inputs, **attrs)
     run = _runner(specs)
     consts = {v: s.launch for v, s in specs.items()}
-    out = op.forward(run, x, w["router"], w["gate_up"], w["down"], w.get("shared_gate_up"), w.get("shared_down"),
-                     w.get("shared_gate"), consts=consts, **attrs)
+    out = op.forward(run, *inputs, consts=consts, **attrs)
     decode = tokens * top_k <= max_pairs
     expected = ["route", "gate_up_decode" if decode else "gate_up", "down_decode" if decode else "down", "combine"]
     assert run.variants == expected, run.variants
     return _rel(out, ref), run.variants
 
 
-def check_deepseek(dtype, tokens, v3: bool, max_pairs=64):
+def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False):
     """DeepSeek's routings (groups, scaling; V3's sigmoid scores and correction bias) with ungated shared
     experts through forward(): the routing as torch ops, the same expert and combine kernels."""
     import torch
     from engc.kernels import moe as op
     cfg = _cfg(num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=40)
-    specs = _specs(cfg, dtype, {"max_pairs": max_pairs, "BLOCK_N": 32, "BLOCK_K": 32})
-    w, r = _weights(cfg, dtype, seed=tokens, shared=40)
+    specs = _specs(cfg, dtype, {"max_pairs": max_pairs, "BLOCK_N": 32, "BLOCK_K": 32}, fp8=fp8)
+    w, r = _weights(cfg, dtype, seed=tokens, shared=40, fp8=fp8)
     x = r(tokens, cfg.hidden_size, std=1.0)
     attrs = dict(top_k=2, num_experts=8, has_shared_expert=1, shared_ungated=1, n_group=4, topk_group=2,
-                 routed_scaling_factor=2.5 if v3 else 1.5)
-    extra = []
+                 routed_scaling_factor=2.5 if v3 else 1.5, **({"fp8_experts": 1} if fp8 else {}))
+    extra = _quant_inputs(w)
     if v3:
         attrs.update(sigmoid_scores=1, correction_bias=1, group_top2=1, renormalize=1)
-        extra = [torch.randn(8, generator=torch.Generator().manual_seed(1)) * 0.05]
+        extra += [torch.randn(8, generator=torch.Generator().manual_seed(1)) * 0.05]
     inputs = [x, w["router"], w["gate_up"], w["down"], w["shared_gate_up"], w["shared_down"], *extra]
     ref = op.moe(*inputs, **attrs)
     run = _runner(specs)
@@ -194,13 +224,13 @@ def check_deepseek(dtype, tokens, v3: bool, max_pairs=64):
     return _rel(out, ref), run.variants
 
 
-def check_binding(dtype):
-    """bind.py's GPU op as the executor calls it (the node's inputs and every attribute the frontend writes),
-    its kernels run by a stand-in for the runtime's context."""
+def check_binding(dtype, fp8=False):
+    """bind.py's GPU op as the executor calls it (the node's inputs and every attribute the frontend and the
+    fp8 pass write), its kernels run by a stand-in for the runtime's context."""
     from engc.bundle.program import ENGC_DOMAIN
     from engc.kernels.moe import bind
     cfg = _cfg(shared_expert_intermediate_size=24)
-    specs = _specs(cfg, dtype, {"BLOCK_N": 32, "BLOCK_K": 32})
+    specs = _specs(cfg, dtype, {"BLOCK_N": 32, "BLOCK_K": 32}, fp8=fp8)
 
     class Context:
         def __init__(self):
@@ -217,10 +247,12 @@ def check_binding(dtype):
             return {v: s.launch for v, s in specs.items()}
 
     ctx = Context()
-    w, r = _weights(cfg, dtype, seed=3, shared=24)
+    w, r = _weights(cfg, dtype, seed=3, shared=24, fp8=fp8)
     x = r(5, cfg.hidden_size, std=1.0)
-    inputs = [x, w["router"], w["gate_up"], w["down"], w["shared_gate_up"], w["shared_down"], w["shared_gate"]]
-    attrs = dict(num_experts=6, top_k=2, softmax_first=1, renormalize=0, has_shared_expert=1)
+    inputs = [x, w["router"], w["gate_up"], w["down"], w["shared_gate_up"], w["shared_down"], w["shared_gate"],
+              *_quant_inputs(w)]
+    attrs = dict(num_experts=6, top_k=2, softmax_first=1, renormalize=0, has_shared_expert=1,
+                 **({"fp8_experts": True} if fp8 else {}))
     (out,) = bind.gpu_ops(ctx)[(ENGC_DOMAIN, "MoE")](*inputs, **attrs)
     (ref,) = bind.CPU_OPS[(ENGC_DOMAIN, "MoE")](*inputs, **attrs)
     return _rel(out, ref), ctx.ran.variants
@@ -251,6 +283,15 @@ def main():
         "gpu_binding_fp32": (lambda: check_binding(f32), tol[f32]),
         "deepseek_v2_decode_fp32": (lambda: check_deepseek(f32, 5, v3=False), tol[f32]),
         "deepseek_v3_grouped_fp32": (lambda: check_deepseek(f32, 23, v3=True, max_pairs=4), tol[f32]),
+        # fp8 experts: bf16 activations as an fp8 bundle has them (the codes convert exactly, the scale is
+        # the epilogue's, so bf16's room is the same); float32 checks the scales' arithmetic itself
+        "fp8_decode_bf16": (lambda: check_forward(bf16, 4, fp8=True), tol[bf16]),
+        "fp8_grouped_bf16": (lambda: check_forward(bf16, 29, max_pairs=4, renormalize=1, fp8=True), tol[bf16]),
+        "fp8_decode_shared_fp32": (lambda: check_forward(f32, 3, shared=40, fp8=True), tol[f32]),
+        "fp8_grouped_fp32": (lambda: check_forward(f32, 9, experts=32, top_k=4, max_pairs=4, fp8=True), tol[f32]),
+        "fp8_deepseek_v3_grouped_bf16": (lambda: check_deepseek(bf16, 23, v3=True, max_pairs=4, fp8=True),
+                                         tol[bf16]),
+        "fp8_gpu_binding_bf16": (lambda: check_binding(bf16, fp8=True), tol[bf16]),
     }
     print_report(checks)
 

@@ -23,7 +23,7 @@ from engc.compiler.passes.decode_form import add_decode_form
 from engc.compiler.passes.fuse_fp8_input_quant import fuse_fp8_input_quant
 from engc.compiler.passes.quantize_kv_cache import KV_CACHE_PASSES
 from engc.compiler.passes.shard_tp import tp_pass
-from engc.compiler.passes.quantize_fp8 import FP8_MANIFEST, check_fp8_shapes, check_fp8_targets, quantize_fp8
+from engc.compiler.passes.quantize_fp8 import check_fp8_shapes, check_fp8_targets, fp8_manifest, quantize_fp8
 from engc.errors import UserError
 from engc.progress import Progress
 
@@ -101,7 +101,7 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
         if fp8 and opts.archs != ("cpu",):
             check_fp8_shapes(cfg)
         if cfg.num_experts:
-            check_moe_build(cfg, ckpt.hf_config, fp8, [a for a in opts.archs if a != "cpu"], graph)
+            check_moe_build(cfg, ckpt.hf_config, [a for a in opts.archs if a != "cpu"], graph)
         if opts.tp != 1:   # first: every later pass works on the shard shapes
             passes.insert(0, tp_pass(cfg, opts.tp))
         for p in passes:
@@ -135,7 +135,7 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
     manifest = {
         "source": {"name": ckpt.name, "sha256": ckpt.source_sha256()},
         "model": cfg.to_dict(), "dtype": dtype_name, "tp": opts.tp,
-        "quantization": dict(FP8_MANIFEST) if fp8 else _quantization(ckpt),
+        "quantization": fp8_manifest(graph) if fp8 else _quantization(ckpt),
         "archs": list(opts.archs), "kv_block_size": opts.kv_block_size, "kv_cache": opts.kv_cache,
         "program": mf.PROGRAM, "weights": [weight_file(r) for r in range(opts.tp)], "kernels": kernels,
         "passes": [p.__name__ for p in passes],

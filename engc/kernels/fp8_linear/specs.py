@@ -5,7 +5,7 @@ from engc.compiler import tune
 from engc.compiler.codegen.kernel_spec import Build, make_spec
 from engc.errors import UserError
 from engc.kernels.fp8_linear import variant_name
-from engc.kernels.fp8_quant import FP8_ARCHS, FP8_MAX, MIN_AMAX
+from engc.kernels.fp8_quant import FP8_ARCHS, FP8_MAX, MIN_AMAX, projection_input_widths
 
 # the row classes it builds, each a bucket of the tune table (the table's m<=128 and m<=256 are for sweeps)
 M_CLASSES = ("m<=16", "m<=32", "m<=64")
@@ -20,7 +20,7 @@ def fp8_linear_specs(cfg, t: str, arch: str, overrides=None, classes=None) -> li
     if arch not in FP8_ARCHS:
         raise UserError(f"--quant fp8 needs FP8 tensor cores (sm89 or newer); {arch} has none")
     out = []
-    for k in sorted({cfg.hidden_size, cfg.q_size, cfg.intermediate_size}):
+    for k in projection_input_widths(cfg):
         for bucket in classes or M_CLASSES:
             ov = (overrides or {}).get(bucket)
             _, entry = tune.lookup(arch, "fp8_linear", "*", bucket, ov)

@@ -1,11 +1,15 @@
 """A mixture-of-experts MLP: route each token to its top-k experts, run their SiLU GLUs, sum them weighted.
 
 ONNX: ai.engc::MoE(x, router, gate_up, down[, shared_gate_up, shared_down[, shared_gate]]
-                   [, gate_up_scales, gate_up_zeros, down_scales, down_zeros][, correction_bias]) -> y
+                   [, gate_up_scales, gate_up_zeros, down_scales, down_zeros | gate_up_scale, down_scale]
+                   [, correction_bias]) -> y
   x [T, H]; router [E, H]; gate_up [E, 2I, H] (each expert's gate rows, then its up rows); down [E, H, I];
   the optional shared expert (Qwen2-MoE): shared_gate_up [2S, H], shared_down [H, S], shared_gate [1, H].
   int4 experts (group_size > 0): gate_up and down are stacks of the engc int4 layout (kernels/int4_linear),
   qweight [E, 2I, H / 8] and [E, H, I / 8], their scales and zeros [E, N, K / group_size] at the end.
+  fp8 experts (fp8_experts = 1, engc build --quant fp8): gate_up and down are float8_e4m3fn, and where int4's
+  four inputs go, their float32 scales per output channel per expert, gate_up_scale [E, 2I] and down_scale
+  [E, H]: W[e, n, k] = q[e, n, k] * scale[e, n], the row quantization of the dense pass (kernels/fp8_quant).
 Attributes (the routing variant; one op serves every family):
   top_k              experts per token
   softmax_first      1: softmax over all E router logits, then top-k of the probabilities (Mixtral, Qwen-MoE,
@@ -23,9 +27,19 @@ DeepSeek's routings (absent: as above):
                      its best two (V3)
   routed_scaling_factor  the weights times this, after any renormalization
   group_size         int4 experts' quantization group (0: float experts)
+  fp8_experts        1: float8 experts with per-channel scales (see above)
   float32_weights    1: each expert's output times its float32 weight, then rounded (Mixtral); 0: the weights
                      are cast to the model dtype first (Qwen-MoE, OLMoE). Alike in float32 bundles.
 y excludes the residual: the decoder adds it in the next norm, as it does for a dense MLP.
+
+fp8 experts are weight-only (W8A16): the activations stay in the model dtype. A decode step is bound by the
+bytes of the experts it reads, and float8 halves them; a prefill's grouped GEMMs keep bf16 tensor-core math
+(the codes convert exactly to bf16), so quantizing the activations too would buy little there and cost a
+quantization launch a step. The scale is per output channel, so it factors out of the K sum: the kernels dot
+the codes and multiply the float32 sum by the scale once, in the epilogue, as the reference here does.
+The router, the shared expert and its gate stay in the model dtype: the shared expert's GEMMs are dense
+(the library's, like the router's), not the grouped kernels, and DeepSeek's MLA projections and dense
+layers are Gemms the dense pass quantizes (W8A8).
 
 Ties between router scores go as torch.topk breaks them, which is what HF transformers calls: the
 reference calls it on the same float32 probabilities, so a CPU bundle picks the experts HF picks.
@@ -97,13 +111,32 @@ def glu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Ten
     return F.linear(F.silu(gate) * up, down)
 
 
-def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *rest: torch.Tensor,
-        top_k: int, softmax_first: int = 1, renormalize: int = 0, has_shared_expert: int = 0,
-        group_size: int = 0, float32_weights: int = 0, shared_ungated: int = 0, correction_bias: int = 0,
-        **routing) -> torch.Tensor:
+def fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (q [N, K] float8 * scale [N, None]).T as the fp8 expert kernels compute it: the codes times x
+    summed in float32, times the channel's scale, rounded once to x's dtype."""
+    return ((x.float() @ q.float().t()) * scale.float()).to(x.dtype)
+
+
+def fp8_glu(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+            down_scale: torch.Tensor) -> torch.Tensor:
+    """glu() of one fp8 expert: the same roundings (gate, up, silu, product, output), fp8_matmul's GEMMs."""
+    gate, up = fp8_matmul(x, gate_up, gate_up_scale).chunk(2, dim=-1)
+    return fp8_matmul(F.silu(gate) * up, down, down_scale)
+
+
+def expert_inputs(rest: tuple, has_shared_expert: int, shared_ungated: int, correction_bias: int) -> tuple:
+    """The node's inputs after down, split: (shared expert's, the experts' quantization's, correction bias)."""
     n_shared = (2 if shared_ungated else 3) if has_shared_expert else 0
     shared, rest = rest[:n_shared], rest[n_shared:]
     bias, rest = (rest[-1], rest[:-1]) if correction_bias else (None, rest)
+    return shared, rest, bias
+
+
+def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *rest: torch.Tensor,
+        top_k: int, softmax_first: int = 1, renormalize: int = 0, has_shared_expert: int = 0,
+        group_size: int = 0, float32_weights: int = 0, shared_ungated: int = 0, correction_bias: int = 0,
+        fp8_experts: int = 0, **routing) -> torch.Tensor:
+    shared, rest, bias = expert_inputs(rest, has_shared_expert, shared_ungated, correction_bias)
     weights, ids = route(x, router, top_k, **routing_of({"softmax_first": softmax_first, "renormalize": renormalize,
                                                         **routing}, bias))
     weights = weights if float32_weights else weights.to(x.dtype)
@@ -113,6 +146,10 @@ def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torc
                         device=x.device)
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
+        if fp8_experts:
+            pairs[token, slot] = fp8_glu(x[token], gate_up[e], rest[0][e], down[e], rest[1][e]) * \
+                weights[token, slot, None]
+            continue
         if group_size:   # int4 experts: each used one dequantized as QLinear's reference does
             w_gate_up, w_down = (dequantize(gate_up[e], rest[0][e], rest[1][e], group_size).to(x.dtype),
                                  dequantize(down[e], rest[2][e], rest[3][e], group_size).to(x.dtype))
@@ -166,10 +203,13 @@ def launch_route(x, router, shared_gate, weights, ids, shared_weight, softmax_fi
                                           int(softmax_first), int(renormalize), int(float32_weights), 0, 0])]
 
 
-def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, decode: bool):
+def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, decode: bool,
+                   gate_up_scale=None, down_scale=None):
     """moe_gate_up_kernel then moe_down_kernel over the schedule rows/block_expert (sort_by_expert, or for the
     decode variants one pair a program: rows = 0..T*k-1, block_expert = ids). act [len(rows), I], pairs
-    [T*k, H] (each pair's weighted expert output). consts: '<variant>' -> {'BLOCK_M', 'BLOCK_N'}."""
+    [T*k, H] (each pair's weighted expert output). consts: '<variant>' -> {'BLOCK_M', 'BLOCK_N'}.
+    fp8 experts: gate_up_scale [E, 2I] and down_scale [E, H] float32, each the argument after its weight;
+    float experts pass the weight itself there (the kernel, compiled without FP8_W, reads no scale)."""
     num_pairs = weights.numel()
     if num_pairs == 0:
         return []
@@ -178,9 +218,11 @@ def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, co
     inter, hidden = down.shape[2], down.shape[1]
     cdiv = lambda a, b: (a + b - 1) // b  # noqa: E731
     return [(gate_up_variant, (blocks, cdiv(inter, consts[gate_up_variant]["BLOCK_N"]), 1),
-             [x, gate_up, rows, block_expert, act, num_pairs, 0, 0]),
+             [x, gate_up, gate_up if gate_up_scale is None else gate_up_scale, rows, block_expert, act,
+              num_pairs, 0, 0]),
             (down_variant, (blocks, cdiv(hidden, consts[down_variant]["BLOCK_N"]), 1),
-             [act, down, rows, block_expert, weights, pairs, num_pairs, 0, 0])]
+             [act, down, down if down_scale is None else down_scale, rows, block_expert, weights, pairs,
+              num_pairs, 0, 0])]
 
 
 def launch_combine(pairs, shared, shared_weight, out, consts):
@@ -195,16 +237,17 @@ def launch_combine(pairs, shared, shared_weight, out, consts):
 
 def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, softmax_first: int = 1,
             renormalize: int = 0, has_shared_expert: int = 0, group_size: int = 0, float32_weights: int = 0,
-            shared_ungated: int = 0, correction_bias: int = 0, **routing) -> torch.Tensor:
+            shared_ungated: int = 0, correction_bias: int = 0, fp8_experts: int = 0, **routing) -> torch.Tensor:
     """The MoE node on the GPU: run(launches) runs each launch rule's output (the runtime's BundleKernels, or
     the interpreter in the tests). Up to consts['gate_up_decode']['max_pairs'] (token, expert) pairs take the decode
     variants, which skip the sort; more are sorted by expert and padded to BLOCK_M for the grouped GEMMs.
     The shared expert is a dense SiLU GLU on every token: its GEMMs are torch's (cuBLAS). DeepSeek's routings
     (groups, sigmoid scores, the correction bias, the scaling factor) run as the reference's torch ops, which
-    a CUDA graph holds as well; the expert GEMMs and the combine are the same kernels."""
-    n_shared = (2 if shared_ungated else 3) if has_shared_expert else 0
-    shared_gate_up, shared_down, shared_gate = (list(rest[:n_shared]) + [None, None, None])[:3]
-    bias = rest[-1] if correction_bias else None
+    a CUDA graph holds as well; the expert GEMMs and the combine are the same kernels. fp8 experts take the
+    gate_up / down variants the bundle compiled with FP8_W (an fp8 bundle's are all so)."""
+    shared, quant, bias = expert_inputs(rest, has_shared_expert, shared_ungated, correction_bias)
+    shared_gate_up, shared_down, shared_gate = (list(shared) + [None, None, None])[:3]
+    gate_up_scale, down_scale = quant if fp8_experts else (None, None)
     assert not group_size, "int4 experts have no GPU kernels: engc build refuses such a GPU bundle"
     t, e = x.shape[0], gate_up.shape[0]
     out = torch.empty_like(x)
@@ -232,7 +275,8 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, soft
         rows, block_expert = sort_by_expert(ids, e, consts["gate_up"]["BLOCK_M"])
     act = torch.empty(rows.numel(), down.shape[2], dtype=x.dtype, device=x.device)
     pairs = torch.empty(t * top_k, x.shape[1], dtype=x.dtype, device=x.device)
-    run(launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, decode))
+    run(launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, decode, gate_up_scale,
+                       down_scale))
     shared = glu(x, shared_gate_up, shared_down) if has_shared_expert else pairs
     run(launch_combine(pairs, shared, shared_weight, out, consts))
     return out

@@ -1,5 +1,7 @@
 """The MoE kernels of a mixture-of-experts model: routing, the grouped and the decode expert GEMMs, the combine,
-each specialized on the model's hidden size, expert count, top-k and expert intermediate size."""
+each specialized on the model's hidden size, expert count, top-k and expert intermediate size. An fp8 build's
+expert GEMMs are the FP8_W specialization (float8 weights, a float32 scale per channel: kernels/moe); the same
+variant names, as a bundle's experts are all fp8 or all float."""
 from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
 
 # Untuned starting points (no tune-table line yet): BLOCK_M 16 keeps the padding of a lightly loaded expert
@@ -21,16 +23,19 @@ def specs(b: Build) -> list:
         return []
     t, h, e, k, inter = b.t, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     shared = int(cfg.shared_expert_intermediate_size > 0)
-    gate_up = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "rows_ptr": "*i32", "block_expert_ptr": "*i32",
-               "act_ptr": f"*{t}", "num_pairs": "i32"}
-    down = {"act_ptr": f"*{t}", "w_ptr": f"*{t}", "rows_ptr": "*i32", "block_expert_ptr": "*i32",
-            "weights_ptr": "*fp32", "pairs_ptr": f"*{t}", "num_pairs": "i32"}
+    fp8 = b.quant == "fp8"
+    # float experts pass the weight as w_scale_ptr (unread): its type is the weight's
+    w = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"} if fp8 else {"w_ptr": f"*{t}", "w_scale_ptr": f"*{t}"}
+    gate_up = {"x_ptr": f"*{t}", **w, "rows_ptr": "*i32", "block_expert_ptr": "*i32", "act_ptr": f"*{t}",
+               "num_pairs": "i32"}
+    down = {"act_ptr": f"*{t}", **w, "rows_ptr": "*i32", "block_expert_ptr": "*i32", "weights_ptr": "*fp32",
+            "pairs_ptr": f"*{t}", "num_pairs": "i32"}
     route = {"x_ptr": f"*{t}", "router_ptr": f"*{t}", "shared_gate_ptr": f"*{t}", "weights_ptr": "*fp32",
              "ids_ptr": "*i32", "shared_weight_ptr": "*fp32", "softmax_first": "i32", "renormalize": "i32",
              "float32_weights": "i32"}
     combine = {"pairs_ptr": f"*{t}", "shared_ptr": f"*{t}", "shared_weight_ptr": "*fp32", "out_ptr": f"*{t}"}
     # a float32 bundle's GEMMs in full precision, not TF32 (as paged attention's)
-    sizes = {"H": h, "INTER": inter, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32"}
+    sizes = {"H": h, "INTER": inter, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32", "FP8_W": fp8}
     # the down GEMM walks the schedule the gate_up one does: the same BLOCK_M
     block_m = make_spec("moe", "gate_up", b.arch, "moe_gate_up_kernel", gate_up, {}, "any",
                         overrides=b.ov("moe"), defaults=_DEFAULTS["gate_up"]).constexprs["BLOCK_M"]

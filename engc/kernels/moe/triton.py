@@ -11,6 +11,11 @@ moe_combine_kernel     grid (T, cdiv(H, BLOCK)): y[t] = sum over the token's k p
 
 Accumulation is float32; outputs round to the storage dtype where the reference's torch ops do (the GLU's
 silu and product, each expert's output before it is weighted).
+
+FP8_W (an fp8 bundle's experts, kernels/moe fp8_experts): the weight tiles are float8 e4m3 codes, converted
+to the activations' dtype for the grouped dot (exactly: e4m3 fits in bf16, fp16 and fp32) or to float32 for
+the decode GEMV, and the float32 accumulator times the output channel's scale (w_scale_ptr, [E, N]) before
+the rounding; without FP8_W the kernels read no scale.
 """
 import os
 
@@ -75,9 +80,10 @@ def moe_route_kernel(x_ptr, router_ptr, shared_gate_ptr, weights_ptr, ids_ptr, s
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, act_ptr, num_pairs,
+def moe_gate_up_kernel(x_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, act_ptr, num_pairs,
                        H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       FP8_W: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     # blocks past the last expert's are padding (expert -1): every row and column masked off
@@ -102,8 +108,15 @@ def moe_gate_up_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, act_ptr, num_pa
             acc_g += tl.sum(af.reshape(BLOCK_K, 1) * wg.to(tl.float32), axis=0).reshape(1, BLOCK_N)
             acc_u += tl.sum(af.reshape(BLOCK_K, 1) * wu.to(tl.float32), axis=0).reshape(1, BLOCK_N)
         else:
+            if FP8_W:   # the codes as the activations' dtype: the bf16 tensor-core dot of float experts
+                wg = wg.to(x_ptr.dtype.element_ty)
+                wu = wu.to(x_ptr.dtype.element_ty)
             acc_g = _dot(a, wg, acc_g, DOT_PRECISION)
             acc_u = _dot(a, wu, acc_u, DOT_PRECISION)
+    if FP8_W:   # each output channel's scale, out of the K sum
+        s_base = w_scale_ptr + tl.maximum(expert, 0).to(tl.int64) * (2 * INTER)
+        acc_g = acc_g * tl.load(s_base + n, mask=n_ok, other=0.0)[None, :]
+        acc_u = acc_u * tl.load(s_base + INTER + n, mask=n_ok, other=0.0)[None, :]
     dt = act_ptr.dtype.element_ty
     # F.linear rounds gate and up to the model dtype before the silu
     act = silu_times_up(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), dt)
@@ -112,9 +125,9 @@ def moe_gate_up_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, act_ptr, num_pa
 
 
 @triton.jit
-def moe_down_kernel(act_ptr, w_ptr, rows_ptr, block_expert_ptr, weights_ptr, pairs_ptr, num_pairs,
+def moe_down_kernel(act_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, weights_ptr, pairs_ptr, num_pairs,
                     H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_W: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     live = expert >= 0
@@ -133,8 +146,12 @@ def moe_down_kernel(act_ptr, w_ptr, rows_ptr, block_expert_ptr, weights_ptr, pai
                     other=0.0)
         if BLOCK_M == 1:
             acc += tl.sum(a.to(tl.float32).reshape(BLOCK_K, 1) * w.to(tl.float32), axis=0).reshape(1, BLOCK_N)
+        elif FP8_W:
+            acc = _dot(a, w.to(act_ptr.dtype.element_ty), acc, DOT_PRECISION)
         else:
             acc = _dot(a, w, acc, DOT_PRECISION)
+    if FP8_W:
+        acc = acc * tl.load(w_scale_ptr + tl.maximum(expert, 0).to(tl.int64) * H + n, mask=n_ok, other=0.0)[None, :]
     dt = pairs_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
     y = acc.to(dt).to(tl.float32) * weight[:, None]
