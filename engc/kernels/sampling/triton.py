@@ -304,7 +304,9 @@ def sample_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniform_ptr
             if use_k:
                 floor_key = _radix_search(row_ptr, t, m, floor_key, k.to(tl.float32), False, VOCAB, BLOCK_V)
             if use_p:
-                z = _kept_mass(row_ptr, t, m, floor_key, 0.0, VOCAB, BLOCK_V)
+                z = z_row      # without top-k, pass 1's
+                if use_k:
+                    z = _kept_mass(row_ptr, t, m, floor_key, 0.0, VOCAB, BLOCK_V)
                 tp = _radix_search(row_ptr, t, m, floor_key, top_p * z, True, VOCAB, BLOCK_V)
                 floor_key = tl.minimum(tp, _order_key(m))
             target = u * _kept_mass(row_ptr, t, m, floor_key, min_p, VOCAB, BLOCK_V)
