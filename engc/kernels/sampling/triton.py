@@ -4,18 +4,21 @@ The common rows read the logits twice:
   pass 1   the argmax and max logit, each lane's own maximum, and (where the row needs the total mass Z)
            each lane's online softmax sum. A greedy row ends here.
   bound    a lower bound L of the final threshold, from registers only:
-             top-k (0 < k <= BLOCK_V): the k-th largest lane maximum (k lanes each hold a logit >= it, so
-               the k-th largest logit is >= it);
-             top-p without top-k: every token below L = m + log((1 - p) Z / VOCAB) together holds less
-               than (1 - p) Z, so the top-p threshold is >= L;
+             top-k (0 < k <= BLOCK_V): the k-th largest maximum of GROUPS lane groups (of the lanes for
+               k > GROUPS): k groups each hold a logit >= it, so the k-th largest logit is >= it;
+             top-p without top-k: the largest key at or above which the lanes' maxima and masses prove
+               p * Z of mass (_mass_bound), so the top-p threshold is >= it;
              min-p: m + log(min_p), less a rounding margin.
   pass 2   the tokens with s >= L are compacted, in vocabulary order, into the row's CAP slots of the
            launch's candidate buffers (value and index).
   finish   over the candidates in registers: the exact top-k threshold and top-p threshold (radix selects
            over the candidates' keys), min-p, and the inverse-CDF draw in vocabulary order.
 Rows with no filter (temperature only) take pass 1 with Z and one streaming draw. Where more than CAP
-tokens reach L (flat logits, large k), or k > BLOCK_V, the row falls back to thresholds found by a radix-4
-search streaming the row, 16 passes for each, correct for any input.
+tokens reach L (flat logits, large k, a top-p set wider than CAP), or k > BLOCK_V, the row falls back to
+thresholds found by a radix-4 search streaming the row, 16 passes for each, correct for any input. The
+top-k bound compares the tokens' own scaled values (no rounding to slip); the min-p bound keeps a margin
+far above the rounding of exp and log; the top-p bound may slip by rounding, so the finish checks that the
+top-p threshold lies among the candidates and the row falls back where it does not.
 
 Thresholds compare order-preserving int32 keys of the scaled logits (as int64, so a prefix plus a digit
 never overflows); -0.0 takes +0.0's key, since the reference compares the floats.
