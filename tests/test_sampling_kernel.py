@@ -32,6 +32,37 @@ def test_sampling_kernel_matches_reference(report, case):
     assert report[case]["ok"], report[case]
 
 
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
+def test_the_compiled_kernel_draws_the_references_tokens_on_a_gpu():
+    """The tune table's tiles at a 128k vocabulary, compiled for the GPU: rows of every kind (candidates,
+    their overflow, temperature only), each the reference's token up to summation-order ties."""
+    import torch
+    from engc.kernels import sampling as op
+    from test_kernels import _cfg, _specs as model_specs
+    vocab = 128256
+    specs = model_specs(_cfg(vocab_size=vocab), torch.bfloat16)["sampling"]
+    gen = torch.Generator().manual_seed(0)
+    kinds = [(0.8, 50, 0.95, 0.0), (0.8, 0, 0.95, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.05),
+             (0.8, 40, 0.9, 0.02), (0.0, 0, 1.0, 0.0), (1.0, 3000, 1.0, 0.0), (0.6, 0, 0.5, 0.0)]
+    rows = kinds * 8
+    rank = torch.arange(1, vocab + 1, dtype=torch.float32)
+    logits = torch.stack([(15 - (0.7 + 0.1 * (i % 9)) * torch.log(rank) + torch.randn(vocab, generator=gen))
+                          [torch.randperm(vocab, generator=gen)] for i in range(len(rows))]).to(torch.bfloat16)
+    uniform = torch.rand(len(rows), generator=gen)
+    params = [torch.tensor([r[i] for r in rows], dtype=torch.float32) for i in range(4)]
+    cuda = [t.cuda() for t in (logits, params[0], params[1].to(torch.int32), params[2], uniform, params[3])]
+    out = torch.full((len(rows),), -1, dtype=torch.int64, device="cuda")
+    for variant, grid, args in op.launch(*cuda, out, {v: s.launch for v, s in specs.items()}):
+        specs[variant].fn()[grid](*args[:-2], **specs[variant].constexprs, num_warps=specs[variant].num_warps)
+    bad, _ties = _unexplained(logits, rows, uniform, out.cpu())
+    assert not bad, bad[:3]
+
+
 # ---------------------------------------------------------------- the child process (TRITON_INTERPRET=1)
 
 V = 3000
