@@ -291,7 +291,9 @@ DEEPSEEK_V2_LITE = dict(
     scoring_func="softmax", rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=163840,
     rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                   "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
-    tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001, torch_dtype="bfloat16")
+    tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001, torch_dtype="bfloat16",
+    # the released config's keys of its remote code, which LMDeploy's model reads (engc and transformers do not)
+    moe_layer_freq=1, ep_size=1, aux_loss_alpha=0.001, seq_aux=True)
 
 
 def make_deepseek_v2_lite(folder: Path, layers: int = 27) -> None:
