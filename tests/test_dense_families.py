@@ -320,7 +320,7 @@ def test_gguf_matches_transformers(tmp_path, arch, model_type, extra):
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3"])
 def test_bfloat16_matches_hf(family, tiny_dir, tmp_path):
     """A bfloat16 bundle on the CPU against HF in bfloat16, as tests/test_bf16_cpu.py checks the others: the
-    same greedy tokens, the prompt's logits within one bfloat16 ulp of the largest. Covers the (1 + weight)
+    same greedy tokens, the prompt's logits within a few bfloat16 ulps of the largest. Covers the (1 + weight)
     norms in float32 (the *UnitOffset ops), Gemma 2's soft-capped eager attention and the embedding scale
     rounded to bfloat16. (The prompts avoid "The quick brown fox", where this tiny Gemma 3 meets an exact
     bfloat16 tie between two tokens at its 14th step.)"""
@@ -334,7 +334,9 @@ def test_bfloat16_matches_hf(family, tiny_dir, tmp_path):
         ours, our_logits = engine_greedy(model, ids, 16)
         theirs, their_logits = hf_cached_greedy(hf, ids, 16)
         assert ours == theirs, text
-        assert float((our_logits - their_logits).abs().max()) < one_ulp(their_logits)
+        # one ulp here; up to three on a CPU whose bfloat16 GEMM kernels (chosen by its instruction set)
+        # accumulate HF's eager soft-capped attention in another order (Gemma 2 on the H200 machine's CPU)
+        assert float((our_logits - their_logits).abs().max()) < 4 * one_ulp(their_logits)
 
 
 def test_gelu_tanh_mul_compiles_for_gpus(tiny_dir):
