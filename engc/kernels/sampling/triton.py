@@ -167,11 +167,13 @@ def _compact(row_ptr, t, bound_key, val_ptr, idx_ptr, VOCAB: tl.constexpr, BLOCK
         offs = start + tl.arange(0, BLOCK_V)
         s = _scaled(row_ptr, offs, t, VOCAB)
         take = (offs < VOCAB) & (_order_key(s) >= bound_key)
-        pos = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        ok = take & (pos < CAP)
-        tl.store(val_ptr + pos, s, mask=ok)
-        tl.store(idx_ptr + pos, offs, mask=ok)
-        count += tl.sum(take.to(tl.int32), axis=0)
+        n = tl.sum(take.to(tl.int32), axis=0)
+        if n > 0:       # a chunk without candidates skips the scan
+            pos = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            ok = take & (pos < CAP)
+            tl.store(val_ptr + pos, s, mask=ok)
+            tl.store(idx_ptr + pos, offs, mask=ok)
+        count += n
     return count
 
 
