@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 FORMAT = "engc-bundle"
-FORMAT_VERSION = (3, 0)
-# The majors this runtime reads. 3.0: the program has its decode form (passes/decode_form); a bundle of an
+FORMAT_VERSION = (4, 0)
+# The majors this runtime reads. 4.0: the program has its decode form (passes/decode_form), and the sampling
+# kernel takes min-p and its candidate buffers (an older bundle's cubin has other parameters); a bundle of an
 # older format is refused with a line saying to rebuild it.
-READABLE_MAJORS = (3,)
+READABLE_MAJORS = (4,)
 MANIFEST = "manifest.json"
 PROGRAM = "program.onnx"
 WEIGHTS = "weights/rank0.safetensors"
