@@ -4,7 +4,8 @@ a CUDA device and engc._native).
 float32 bundles: greedy tokens on the GPU (CUDA graphs on and off) are the CPU reference's, through the MoE
 kernels' decode path (a few (token, expert) pairs) and grouped path (a prefill's pairs sorted per expert), and
 MLA's cache write, absorbed split-KV decode and reduce. bfloat16 bundles: each prompt token's log-probability
-on the GPU (the prefill's kernels, tensor-core math) within bf16's reach of the float32 CPU's.
+on the GPU (the prefill's kernels, tensor-core math) within bf16's reach of the float32 CPU's; `--quant fp8`
+bundles (float8 experts, W8A8 projections): the GPU's within the same reach of the same bundle on the CPU.
 
 As tests/test_gpu.py: ENGC_KERNEL_CACHE names a kernel cache filled on a CPU machine (bench/fake_sm90.py).
 """
@@ -27,8 +28,8 @@ LONG = ("The quick brown fox jumps over the lazy dog. Paris is the capital of Fr
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _build(src, out, dtype):
-    build(str(src), out, BuildOptions(archs=("cpu", sm_arch()), dtype=dtype,
+def _build(src, out, dtype, quant="auto"):
+    build(str(src), out, BuildOptions(archs=("cpu", sm_arch()), dtype=dtype, quant=quant,
                                       kernel_cache=os.environ.get("ENGC_KERNEL_CACHE")))
     return out
 
@@ -70,3 +71,16 @@ def test_bfloat16_prompt_logprobs_near_float32(family, tiny_dir, tmp_path):
     assert len(ids) > 32 and gpu.shape == ref.shape
     # bf16 weights and activations: a few hundredths of a nat on the tiny models' flat distributions
     assert (gpu - ref).abs().max() < 0.1, (gpu - ref).abs().max()
+
+
+@needs_gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+def test_fp8_prompt_logprobs_near_the_cpus(family, tiny_dir, tmp_path):
+    # the fp8 GEMM's widths are multiples of 16: DeepSeek's latent plus rope key (kv_a's rows) is 56 + 8 wide
+    src = tiny_dir(family, kv_lora_rank=56) if family == "deepseek_v2" else tiny_dir(family)
+    bundle = _build(src, tmp_path / "fp8", "bfloat16", quant="fp8")
+    ids = load(bundle).tokenizer.encode(LONG)
+    cpu = _prompt_logprobs(bundle, "cpu", ids)
+    gpu = _prompt_logprobs(bundle, "cuda", ids)
+    assert gpu.shape == cpu.shape
+    assert (gpu - cpu).abs().max() < 0.1, (gpu - cpu).abs().max()
