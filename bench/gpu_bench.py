@@ -97,7 +97,8 @@ def bench_shape(shape: str, args) -> dict:
     model, res["load_s"] = synced(lambda: load(bundle, device="cuda"))
     cfg = model.config
     engine, res["engine_init_and_graph_capture_s"] = synced(
-        lambda: Engine(model, EngineConfig(max_num_seqs=256, max_batched_tokens=8192)))
+        lambda: Engine(model, EngineConfig(max_num_seqs=max([256, *batches_of(args, base_shape(shape))]),
+                                           max_batched_tokens=8192)))
     res["kv_blocks"] = engine.kv.allocator.num_blocks
     if args.profile_only:
         res.update(kernel_profile(engine, cfg, Path(args.out), shape))
