@@ -3,7 +3,8 @@
 As in test_kernels.py, the checks run in one child process (this file as a script) with the interpreter on,
 through the specs codegen builds for a small MoE model and the op's own launch rules and forward(), which is
 what the GPU binding runs: the routing variants, the decode path (one (token, expert) pair a program) and the
-grouped path (pairs sorted by expert, padded to BLOCK_M), with and without a shared expert, and both with the
+grouped paths (pairs sorted by expert, padded to BLOCK_M: the decode-sized batches' small tile and the
+prefill variants' large one), with and without a shared expert, and both with the
 fp8 experts of engc build --quant fp8 (float8 weights, a scale per channel; the FP8_W specialization).
 """
 from __future__ import annotations
@@ -25,7 +26,9 @@ CASES = ["route_softmax_fp32", "route_softmax_renorm_fp32", "route_topk_first_fp
          "route_ties_pick_lower_ids", "decode_fp32", "decode_shared_fp32", "grouped_fp32", "grouped_shared_fp32",
          "grouped_bf16", "decode_bf16", "grouped_many_experts_fp32", "gpu_binding_fp32",
          "deepseek_v2_decode_fp32", "deepseek_v3_grouped_fp32", "fp8_decode_bf16", "fp8_grouped_bf16",
-         "fp8_decode_shared_fp32", "fp8_grouped_fp32", "fp8_deepseek_v3_grouped_bf16", "fp8_gpu_binding_bf16"]
+         "fp8_decode_shared_fp32", "fp8_grouped_fp32", "fp8_deepseek_v3_grouped_bf16", "fp8_gpu_binding_bf16",
+         "prefill_fp32", "prefill_bf16", "prefill_shared_fp32", "prefill_many_blocks_fp32",
+         "below_prefill_threshold_fp32", "fp8_prefill_fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,26 @@ def test_specs_only_for_moe_models():
     dense = [s.op for s in model_specs(_cfg(num_experts=0), torch.bfloat16, "sm90", 16)]
     assert "moe" not in dense
     variants = {s.variant for s in model_specs(_cfg(), torch.bfloat16, "sm90", 16) if s.op == "moe"}
-    assert variants == {"route", "gate_up", "down", "gate_up_decode", "down_decode", "combine"}
+    assert variants == {"route", "gate_up", "down", "gate_up_prefill", "down_prefill", "gate_up_decode",
+                        "down_decode", "combine"}
+
+
+GEMMS = ("gate_up", "down", "gate_up_prefill", "down_prefill", "gate_up_decode", "down_decode")
+
+
+def test_grouped_variants_follow_the_token_count():
+    """The launch rule's choice: decode up to max_pairs pairs, prefill from prefill_min_rows pairs an expert on
+    average (Qwen3-30B-A3B's shape: 128 experts, top-8), the small-tile grouped pair between; a bundle
+    without the prefill variants keeps the grouped pair."""
+    from engc.kernels.moe import grouped_variants
+    from engc.kernels.moe.specs import DEFAULTS
+    consts = {v: DEFAULTS[v] for v in ("gate_up_decode", "gate_up_prefill")}
+    min_rows = DEFAULTS["gate_up_prefill"]["prefill_min_rows"]
+    assert grouped_variants(8, 8, 128, consts) is None
+    assert grouped_variants(256, 8, 128, consts) == ("gate_up", "down")
+    assert grouped_variants(min_rows * 16 - 1, 8, 128, consts) == ("gate_up", "down")
+    assert grouped_variants(min_rows * 16, 8, 128, consts) == ("gate_up_prefill", "down_prefill")
+    assert grouped_variants(4096, 8, 128, {"gate_up_decode": consts["gate_up_decode"]}) == ("gate_up", "down")
 
 
 @pytest.mark.parametrize("shared,fp8", [(0, False), (40, False), (40, True)],
@@ -71,12 +93,11 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
              if s.op == "moe"]
     result = compile_specs(specs, jobs=1)
     records = {(r["arch"], r["variant"]): r for r in result.records}
-    assert set(records) == {(a, v) for a in archs for v in
-                            ("route", "gate_up", "down", "gate_up_decode", "down_decode", "combine")}
+    assert set(records) == {(a, v) for a in archs for v in GEMMS + ("route", "combine")}
     for r in result.records:
         ptx = result.files[r["ptx"]].decode()
         assert result.files[r["cubin"]][:4] == b"\x7fELF" and f".entry {r['entry']}(" in ptx
-        if r["variant"] in ("gate_up", "down", "gate_up_decode", "down_decode"):
+        if r["variant"] in GEMMS:
             w_type = {a["name"]: a["type"] for a in r["args"]}["w_ptr"]
             assert w_type == ("*fp8e4nv" if fp8 else "*bf16")
             assert ("e4m3" in ptx) == fp8   # the codes' conversion, only in the fp8 specialization
@@ -99,7 +120,11 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
     if fp8:
         w["gate_up"], w["down"] = w["gate_up"].to(torch.float8_e4m3fn), w["down"].to(torch.float8_e4m3fn)
         extra += (torch.rand(6, 96), torch.rand(6, 64))
-    for tokens in (3, 80):   # the decode path, then the grouped one
+    # down walks gate_up's schedule: each grouped pair's BLOCK_M is one
+    assert records[("sm90", "down")]["launch"]["BLOCK_M"] == records[("sm90", "gate_up")]["launch"]["BLOCK_M"]
+    assert records[("sm90", "down_prefill")]["launch"]["BLOCK_M"] == \
+        records[("sm90", "gate_up_prefill")]["launch"]["BLOCK_M"]
+    for tokens in (3, 80, 200):   # the decode path, the grouped one, the prefill one (400 pairs of 6 experts)
         op.forward(check, torch.randn(tokens, 64, dtype=bf), w["router"], w["gate_up"], w["down"], *extra,
                    top_k=2, consts=consts, has_shared_expert=int(bool(shared)), fp8_experts=int(fp8))
     assert seen == {v for a, v in records if a == "sm90"}
@@ -182,10 +207,14 @@ def check_route(dtype, softmax_first, renormalize, ties=False, float32_weights=0
 
 
 def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, softmax_first=1, renormalize=0,
-                  fp8=False):
+                  fp8=False, min_rows=10 ** 6):
+    """forward() against the reference; min_rows: the prefill variants' prefill_min_rows (by default out of
+    reach, so a grouped case stays on the small-tile pair)."""
     from engc.kernels import moe as op
     cfg = _cfg(num_experts=experts, num_experts_per_tok=top_k, shared_expert_intermediate_size=shared)
-    specs = _specs(cfg, dtype, {"max_pairs": max_pairs, "BLOCK_N": 32, "BLOCK_K": 32}, fp8=fp8)
+    specs = _specs(cfg, dtype, {"max_pairs": max_pairs, "prefill_min_rows": min_rows, "BLOCK_N": 32, "BLOCK_K": 32},
+                   fp8=fp8)
+    assert specs["gate_up_prefill"].constexprs["BLOCK_M"] > specs["gate_up"].constexprs["BLOCK_M"]
     w, r = _weights(cfg, dtype, seed=tokens, shared=shared, fp8=fp8)
     x = r(tokens, cfg.hidden_size, std=1.0)
     attrs = dict(top_k=top_k, softmax_first=softmax_first, renormalize=renormalize, has_shared_expert=int(bool(shared)),
@@ -196,8 +225,9 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
     run = _runner(specs)
     consts = {v: s.launch for v, s in specs.items()}
     out = op.forward(run, *inputs, consts=consts, **attrs)
-    decode = tokens * top_k <= max_pairs
-    expected = ["route", "gate_up_decode" if decode else "gate_up", "down_decode" if decode else "down", "combine"]
+    pairs = tokens * top_k
+    kind = "_decode" if pairs <= max_pairs else "_prefill" if pairs >= min_rows * experts else ""
+    expected = ["route", "gate_up" + kind, "down" + kind, "combine"]
     assert run.variants == expected, run.variants
     return _rel(out, ref), run.variants
 
@@ -292,6 +322,14 @@ def main():
         "fp8_deepseek_v3_grouped_bf16": (lambda: check_deepseek(bf16, 23, v3=True, max_pairs=4, fp8=True),
                                          tol[bf16]),
         "fp8_gpu_binding_bf16": (lambda: check_binding(bf16, fp8=True), tol[bf16]),
+        # the prefill variants (BLOCK_M 64): 80 pairs of 6 experts reach 8 an expert; 300 fill several blocks
+        # of some experts; 80 pairs short of 16 an expert stay on the small-tile pair
+        "prefill_fp32": (lambda: check_forward(f32, 40, max_pairs=4, min_rows=8), tol[f32]),
+        "prefill_bf16": (lambda: check_forward(bf16, 40, max_pairs=4, min_rows=8, renormalize=1), tol[bf16]),
+        "prefill_shared_fp32": (lambda: check_forward(f32, 33, shared=40, max_pairs=4, min_rows=8), tol[f32]),
+        "prefill_many_blocks_fp32": (lambda: check_forward(f32, 150, max_pairs=4, min_rows=8), tol[f32]),
+        "below_prefill_threshold_fp32": (lambda: check_forward(f32, 40, max_pairs=4, min_rows=16), tol[f32]),
+        "fp8_prefill_fp32": (lambda: check_forward(f32, 40, max_pairs=4, min_rows=8, fp8=True), tol[f32]),
     }
     print_report(checks)
 

@@ -203,17 +203,33 @@ def launch_route(x, router, shared_gate, weights, ids, shared_weight, softmax_fi
                                           int(softmax_first), int(renormalize), int(float32_weights), 0, 0])]
 
 
-def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, decode: bool,
+def grouped_variants(num_tokens: int, top_k: int, num_experts: int, consts: dict) -> tuple[str, str] | None:
+    """The expert GEMMs' variants for a batch of num_tokens: None for the decode ones (up to
+    consts['gate_up_decode']['max_pairs'] pairs: no sort), the prefill pair where the pairs an expert reach
+    consts['gate_up_prefill']['prefill_min_rows'] on average (tiles sized for thousands of rows an expert),
+    else the grouped pair sized for a few rows an expert. The token count alone decides (known on the host),
+    so each batch size a CUDA graph captures keeps one choice."""
+    pairs = num_tokens * top_k
+    if pairs <= consts["gate_up_decode"]["max_pairs"]:
+        return None
+    prefill = consts.get("gate_up_prefill")   # absent from a bundle compiled without the prefill variants
+    if prefill and pairs >= prefill["prefill_min_rows"] * num_experts:
+        return "gate_up_prefill", "down_prefill"
+    return "gate_up", "down"
+
+
+def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, variants,
                    gate_up_scale=None, down_scale=None):
-    """moe_gate_up_kernel then moe_down_kernel over the schedule rows/block_expert (sort_by_expert, or for the
-    decode variants one pair a program: rows = 0..T*k-1, block_expert = ids). act [len(rows), I], pairs
+    """moe_gate_up_kernel then moe_down_kernel over the schedule rows/block_expert (sort_by_expert with the
+    variant's BLOCK_M, or for the decode variants one pair a program: rows = 0..T*k-1, block_expert = ids).
+    variants: grouped_variants' (gate_up, down) pair, None for the decode ones. act [len(rows), I], pairs
     [T*k, H] (each pair's weighted expert output). consts: '<variant>' -> {'BLOCK_M', 'BLOCK_N'}.
     fp8 experts: gate_up_scale [E, 2I] and down_scale [E, H] float32, each the argument after its weight;
     float experts pass the weight itself there (the kernel, compiled without FP8_W, reads no scale)."""
     num_pairs = weights.numel()
     if num_pairs == 0:
         return []
-    gate_up_variant, down_variant = ("gate_up_decode", "down_decode") if decode else ("gate_up", "down")
+    gate_up_variant, down_variant = variants or ("gate_up_decode", "down_decode")
     blocks = block_expert.numel()
     inter, hidden = down.shape[2], down.shape[1]
     cdiv = lambda a, b: (a + b - 1) // b  # noqa: E731
@@ -240,7 +256,8 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, soft
             shared_ungated: int = 0, correction_bias: int = 0, fp8_experts: int = 0, **routing) -> torch.Tensor:
     """The MoE node on the GPU: run(launches) runs each launch rule's output (the runtime's BundleKernels, or
     the interpreter in the tests). Up to consts['gate_up_decode']['max_pairs'] (token, expert) pairs take the decode
-    variants, which skip the sort; more are sorted by expert and padded to BLOCK_M for the grouped GEMMs.
+    variants, which skip the sort; more are sorted by expert and padded to BLOCK_M for the grouped GEMMs, the
+    prefill pair's where the pairs an expert reach its prefill_min_rows on average (grouped_variants).
     The shared expert is a dense SiLU GLU on every token: its GEMMs are torch's (cuBLAS). DeepSeek's routings
     (groups, sigmoid scores, the correction bias, the scaling factor) run as the reference's torch ops, which
     a CUDA graph holds as well; the expert GEMMs and the combine are the same kernels. fp8 experts take the
@@ -267,15 +284,15 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, soft
     else:
         run(launch_route(x, router, shared_gate if has_shared_expert else router, weights, ids, shared_weight,
                          softmax_first, renormalize, float32_weights))
-    decode = t * top_k <= consts["gate_up_decode"]["max_pairs"]
-    if decode:
+    variants = grouped_variants(t, top_k, e, consts)
+    if variants is None:
         rows = torch.arange(t * top_k, dtype=torch.int32, device=x.device)
         block_expert = ids.reshape(-1)
     else:
-        rows, block_expert = sort_by_expert(ids, e, consts["gate_up"]["BLOCK_M"])
+        rows, block_expert = sort_by_expert(ids, e, consts[variants[0]]["BLOCK_M"])
     act = torch.empty(rows.numel(), down.shape[2], dtype=x.dtype, device=x.device)
     pairs = torch.empty(t * top_k, x.shape[1], dtype=x.dtype, device=x.device)
-    run(launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, decode, gate_up_scale,
+    run(launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, variants, gate_up_scale,
                        down_scale))
     shared = glu(x, shared_gate_up, shared_down) if has_shared_expert else pairs
     run(launch_combine(pairs, shared, shared_weight, out, consts))

@@ -4,13 +4,20 @@ expert GEMMs are the FP8_W specialization (float8 weights, a float32 scale per c
 variant names, as a bundle's experts are all fp8 or all float."""
 from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
 
-# Untuned starting points (no tune-table line yet): BLOCK_M 16 keeps the padding of a lightly loaded expert
-# small; the decode variants read one expert's rows a program, BLOCK_K wide; up to max_pairs (token, expert)
-# pairs take them, which skips the sort.
-_DEFAULTS = {
+# Untuned starting points (no tune-table line yet; `engc tune --ops moe` measures them): BLOCK_M 16 keeps the
+# padding of a lightly loaded expert small (a decode-sized batch: a few to tens of pairs an expert); the
+# prefill variants take over where the pairs an expert reach prefill_min_rows on average (a prompt's hundreds
+# to thousands of rows an expert: a tile that fills the tensor cores and reads each weight tile for more
+# rows; 64, one such tile an expert, Qwen3-30B-A3B's 1024 tokens); the decode variants
+# read one expert's rows a program, BLOCK_K wide; up to max_pairs (token, expert) pairs take them, which
+# skips the sort.
+DEFAULTS = {
     "route": {"num_warps": 4, "num_stages": 1, "BLOCK_K": 64},
     "gate_up": {"num_warps": 4, "num_stages": 3, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64},
     "down": {"num_warps": 4, "num_stages": 3, "BLOCK_N": 64, "BLOCK_K": 64},   # BLOCK_M: gate_up's
+    "gate_up_prefill": {"num_warps": 8, "num_stages": 3, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
+                        "prefill_min_rows": 64},
+    "down_prefill": {"num_warps": 8, "num_stages": 3, "BLOCK_N": 128, "BLOCK_K": 64},   # BLOCK_M: gate_up_prefill's
     "gate_up_decode": {"num_warps": 4, "num_stages": 2, "BLOCK_N": 32, "BLOCK_K": 128, "max_pairs": 64},
     "down_decode": {"num_warps": 4, "num_stages": 2, "BLOCK_N": 32, "BLOCK_K": 128},
     "combine": {"num_warps": 4, "num_stages": 1, "BLOCK": 1024},
@@ -36,19 +43,23 @@ def specs(b: Build) -> list:
     combine = {"pairs_ptr": f"*{t}", "shared_ptr": f"*{t}", "shared_weight_ptr": "*fp32", "out_ptr": f"*{t}"}
     # a float32 bundle's GEMMs in full precision, not TF32 (as paged attention's)
     sizes = {"H": h, "INTER": inter, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32", "FP8_W": fp8}
-    # the down GEMM walks the schedule the gate_up one does: the same BLOCK_M
-    block_m = make_spec("moe", "gate_up", b.arch, "moe_gate_up_kernel", gate_up, {}, "any",
-                        overrides=b.ov("moe"), defaults=_DEFAULTS["gate_up"]).constexprs["BLOCK_M"]
+    # each down GEMM walks the schedule its gate_up one does: the same BLOCK_M
+    block_m = {v: make_spec("moe", v, b.arch, "moe_gate_up_kernel", gate_up, {}, "any", overrides=b.ov("moe"),
+                            defaults=DEFAULTS[v]).constexprs["BLOCK_M"] for v in ("gate_up", "gate_up_prefill")}
     rows = [
         ("route", "moe_route_kernel", route, {"H": h, "E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k),
                                                "HAS_SHARED": shared}, ()),
         ("gate_up", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k}, ("BLOCK_M", "BLOCK_N")),
-        ("down", "moe_down_kernel", down, {**sizes, "BLOCK_M": block_m}, ("BLOCK_M", "BLOCK_N")),
+        ("down", "moe_down_kernel", down, {**sizes, "BLOCK_M": block_m["gate_up"]}, ("BLOCK_M", "BLOCK_N")),
+        ("gate_up_prefill", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k},
+         ("BLOCK_M", "BLOCK_N", "prefill_min_rows")),
+        ("down_prefill", "moe_down_kernel", down, {**sizes, "BLOCK_M": block_m["gate_up_prefill"]},
+         ("BLOCK_M", "BLOCK_N")),
         ("gate_up_decode", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k, "BLOCK_M": 1},
          ("BLOCK_N", "max_pairs")),
         ("down_decode", "moe_down_kernel", down, {**sizes, "BLOCK_M": 1}, ("BLOCK_N",)),
         ("combine", "moe_combine_kernel", combine, {"H": h, "TOP_K": k, "HAS_SHARED": shared}, ("BLOCK",)),
     ]
     return [make_spec("moe", variant, b.arch, fn, types, consts, "any", launch_keys=keys, overrides=b.ov("moe"),
-                      defaults=_DEFAULTS[variant])
+                      defaults=DEFAULTS[variant])
             for variant, fn, types, consts, keys in rows]
