@@ -116,15 +116,17 @@ def build(src, out, arch, dtype, kernel_cache, quant, kv_cache, tune_file, tp, a
               help="--prepare: multiprocessors of the GPU (split-K targets); default 132 for sm90, 108 for sm80.")
 @click.option("--ops", default="gemv,silu_gemv", show_default=True,
               help="Comma list: gemv (plain projections at batch 1: route to cuBLAS or a GEMV class), "
-                   "silu_gemv (the SiLU-fused down GEMV's tile).")
+                   "silu_gemv (the SiLU-fused down GEMV's tile), moe (an MoE model's expert GEMMs: a tile per "
+                   "class, decode T=1,4, grouped T=32,64,256, prefill T=4096).")
 @click.option("--dtype", default="auto", show_default=True, help="bfloat16 or float16; auto = bfloat16.")
 @click.option("--budget-s", default=150.0, show_default=True, type=click.FloatRange(1),
               help="Seconds of timing; past it only the table's choice and cuBLAS are timed.")
 @click.option("--margin", default=0.03, show_default=True, type=click.FloatRange(0, 0.5),
               help="A config replaces the table's only if faster by more than this fraction.")
 def tune_(src, prepare_dir, from_dir, out, arch, sms, ops, dtype, budget_s, margin):
-    """Time GEMV configs for a model on the GPU it will serve on; write those that beat engc's tune table as a
-    file for `engc build --tune`. The kernels timed are compiled where the bundle is built, as it ships them:
+    """Time GEMV (and, --ops moe, MoE expert GEMM) configs for a model on the GPU it will serve on; write those
+    that beat engc's tune table (or a kernel's untuned defaults) as a file for `engc build --tune`. The kernels
+    timed are compiled where the bundle is built, as it ships them:
 
     \b
       engc tune SRC --prepare DIR [--arch sm90]     # build machine (no GPU)

@@ -235,7 +235,7 @@ def test_from_refuses_a_folder_it_cannot_trust(prepared_1b, tmp_path):
     refused(prepared_1b, "prepared for sm90", "is sm80", "--arch sm80", gpu=lambda: ("sm80", "fake A100", 108))
     refused(prepared_1b, "132 multiprocessors", "has 114", "--sms 114", gpu=lambda: ("sm90", "fake H100 PCIe", 114))
     with tune.overridden({"sm90/gemv/*/m<=1/n8k512w2": {"num_stages": 4}}):   # another checkout's table
-        refused(prepared_1b, "another sm90 gemv tune table", "prepare it again")
+        refused(prepared_1b, "another sm90 tune table", "prepare it again")
     plan = json.loads((prepared_1b / prepared.PLAN_FILE).read_text())
     (prepared_1b / prepared.PLAN_FILE).write_text(json.dumps({**plan, "version": 99}))
     refused(prepared_1b, "format 99")
@@ -327,3 +327,244 @@ def test_cli_help_lists_tune():
     r = engc("tune", "--help", check=True)
     assert all(o in r.stdout for o in ("--prepare", "--from", "--arch", "--budget-s", "build --tune"))
     assert "tune default --prepare" in engc("--help", check=True).stdout
+
+
+# ------------------------------------------------------------------------------------------ the MoE op
+
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
+                 "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                 "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+                 "tie_word_embeddings": False}
+MOE = TuneOptions(ops=("moe",))
+
+
+@pytest.fixture
+def qwen3_30b(tmp_path):
+    """Qwen3-30B-A3B's config.json alone: engc tune --ops moe reads no weights."""
+    (tmp_path / "q30").mkdir()
+    (tmp_path / "q30/config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    return tmp_path / "q30"
+
+
+def test_moe_shapes_and_candidates_are_the_builds_kernels():
+    from engc.compiler.tune import moe
+    from engc.kernels.moe.specs import DEFAULTS
+    cfg = tp.model_config(QWEN3_30B_A3B)
+    shapes = tp.model_shapes(cfg, ("moe",))
+    assert [(s.name, s.tokens) for s in shapes] == [("grouped", 32), ("grouped", 64), ("grouped", 256),
+                                                    ("prefill", 4096), ("decode", 1), ("decode", 4)]
+    assert {(s.k, s.n, s.per_step) for s in shapes} == {(2048, 768, 48)}
+    assert tp.model_shapes(tp.model_config(LLAMA_1B), ("moe",)) == []   # a dense model has no MoE op
+    sizes = {}
+    for s in shapes:
+        cur = tp.current_choice(cfg, torch.bfloat16, "sm90", s)
+        # the current choice is the spec's defaults (no table line yet)
+        gate_up = moe.CLASSES[s.name][0]
+        assert dict(cur.fields) == {n: DEFAULTS[gate_up][n] for n in moe.FIELDS[s.name]}
+        grid = tp.candidates(s, cur, "sm90", 132)
+        assert grid[0] == cur and len(set(grid)) == len(grid) and all(c.bucket == s.name for c in grid)
+        sizes[s.name] = len(grid)
+        for cand in grid:
+            f = dict(cand.fields)
+            assert s.name == "decode" or moe.gate_up_smem(f) <= moe.SMEM["sm90"]
+        for cand in grid[:: max(1, len(grid) // 6)]:   # each candidate is what a build under its entries compiles
+            up, down = tp.kernel_specs(cfg, torch.bfloat16, "sm90", s, cand)
+            assert (up.variant, down.variant) == moe.CLASSES[s.name]
+            for spec in (up, down):
+                assert {n: spec.tune[n] for n in dict(cand.fields) if n != "BLOCK_M"} == \
+                    {n: v for n, v in cand.fields if n != "BLOCK_M"}
+            if s.name != "decode":   # the down walks the gate_up's schedule
+                assert up.constexprs["BLOCK_M"] == down.constexprs["BLOCK_M"] == dict(cand.fields)["BLOCK_M"]
+    assert 30 <= sizes["grouped"] <= 60 and 30 <= sizes["prefill"] <= 60 and sizes["decode"] == 18
+    # A100's smaller shared memory prunes more
+    prefill = next(s for s in shapes if s.name == "prefill")
+    assert len(tp.candidates(prefill, tp.current_choice(cfg, torch.bfloat16, "sm80", prefill), "sm80", 108)) < \
+        sizes["prefill"]
+
+
+def _moe_rule(shape, cand):
+    """Fake times: per class one tile wins by 20% at every T, except where a T alone prefers another."""
+    f = dict(cand.fields)
+    if shape.name == "grouped":
+        return 8.0 if (f["BLOCK_M"], f["BLOCK_N"], f["num_stages"]) == (32, 128, 4) and f["BLOCK_K"] == 64 \
+            and f["num_warps"] == 4 else 10.0
+    if shape.name == "prefill":
+        return 100.0 if f["BLOCK_M"] == 128 and f["BLOCK_N"] == 128 and f["num_warps"] == 8 and \
+            f["num_stages"] == 3 and f["BLOCK_K"] == 64 else 130.0
+    return 5.0 if (f["BLOCK_N"], f["BLOCK_K"], f["num_warps"]) == (64, 256, 4) and shape.tokens == 4 else 5.5
+
+
+def test_moe_winners_become_entries_a_build_takes(qwen3_30b, tmp_path):
+    from engc.compiler.tune import moe
+    # 8-warp BLOCK_M 16 tiles would be fastest, but their output is wrong: discarded
+    bench = FakeBench(_moe_rule, wrong=lambda s, c: dict(c.fields).get("BLOCK_M") == 16 and
+                      dict(c.fields)["num_warps"] == 8)
+    out, said = tmp_path / "tune.json", []
+    result = run_tune(str(qwen3_30b), out, MOE, say=said.append, bench=bench, gpu=H200, clock=_clock())
+    assert any("WRONG OUTPUT" in m and "grouped T=32" in m for m in said)
+    entries = tune.check_overrides(json.loads(out.read_text()))
+    # only the fields that differ from the defaults; the down's BLOCK_M is the gate_up's, never its own; the
+    # prefill winner differs in BLOCK_M alone, so its down needs no entry; decode: 10% faster at T=4 only,
+    # 5% on average over T = 1, 4, above the 3% margin
+    assert entries == result["entries"] == {
+        "sm90/moe/gate_up/any": {"BLOCK_M": 32, "BLOCK_N": 128, "num_stages": 4},
+        "sm90/moe/down/any": {"BLOCK_N": 128, "num_stages": 4},
+        "sm90/moe/gate_up_prefill/any": {"BLOCK_M": 128},
+        "sm90/moe/gate_up_decode/any": {"BLOCK_N": 64, "BLOCK_K": 256},
+        "sm90/moe/down_decode/any": {"BLOCK_N": 64, "BLOCK_K": 256}}
+    cfg = tp.model_config(QWEN3_30B_A3B)
+    with tune.overridden(entries):
+        specs = {s.variant: s for s in model_specs(cfg, torch.bfloat16, "sm90", 16) if s.op == "moe"}
+    assert specs["down"].constexprs["BLOCK_M"] == specs["gate_up"].constexprs["BLOCK_M"] == 32
+    assert specs["down_prefill"].constexprs["BLOCK_M"] == 128 and specs["gate_up_prefill"].num_warps == 8
+    assert specs["down"].num_stages == 4 and specs["gate_up_decode"].constexprs["BLOCK_K"] == 256
+    assert specs["gate_up"].tune_key == "sm90/moe/gate_up/any"
+    # the table after the run is the table before it
+    assert "sm90/moe/gate_up/any" not in tune.TUNE
+    lines = summary(result, out)
+    rows = [line for line in lines if line.startswith(("grouped", "prefill", "decode"))]
+    assert len(rows) == 6 and "GB/s" in lines[0] and "TFLOP/s" in lines[0]
+    prefill = next(line for line in rows if line.startswith("prefill"))
+    # 4096 tokens x 8 pairs x 2 x 3 x 2048 x 768 flops in 100 us: 3.1e3 TFLOP/s; every expert read: 1.2 GB
+    cells = prefill.split()
+    assert cells[1] == "4096" and abs(float(cells[7]) - 4096 * 8 * 6 * 2048 * 768 / 100e-6 / 1e12) < 1
+    assert abs(float(cells[6]) - 128 * 3 * 2048 * 768 * 2 / 100e-6 / 1e9) < 1
+    assert "m128n128k64w8s3" in prefill and "wrote" in lines[-2]
+
+
+def test_moe_inside_the_margin_keeps_the_defaults(qwen3_30b, tmp_path):
+    bench = FakeBench(lambda s, c: 10.0 if c == bench.plan.current[s] else 9.8)
+    result = run_tune(str(qwen3_30b), tmp_path / "t.json", MOE, say=lambda m: None, bench=bench, gpu=H200,
+                      clock=_clock())
+    assert result["entries"] == {} and not any(c.changed for c in result["choices"])
+
+
+def test_moe_prepared_candidates_load_their_records(qwen3_30b, tmp_path, monkeypatch):
+    from engc.compiler.tune import gpu, moe
+    from engc.cuda import records
+    folder = tmp_path / "prep"
+    doc = prepare(str(qwen3_30b), folder, MOE, "sm90", 132, say=lambda m: None, compiler=fake_compile)
+    # the shapes of a class share their candidates' kernels: compiled and stored once
+    per_class = {c: len(next(s for s in doc["shapes"] if s["name"] == c)["candidates"]) for c in moe.CLASSES}
+    assert len(doc["files"]) <= 2 * sum(per_class.values())
+    prep = prepared.load(folder)
+    for s in prep.plan.shapes:
+        assert s.tokens in moe.TOKENS[s.name] and prep.plan.current[s] == prep.plan.candidates[s][0]
+        for c in prep.plan.candidates[s]:
+            up, down = prep.records[(s, c)]
+            assert (up["variant"], down["variant"]) == moe.CLASSES[s.name]
+            f = dict(c.fields)
+            assert up["tune"]["BLOCK_N"] == down["tune"]["BLOCK_N"] == f["BLOCK_N"]
+            if s.name != "decode":
+                assert up["launch"]["BLOCK_M"] == down["launch"]["BLOCK_M"] == f["BLOCK_M"]
+    calls = []
+    monkeypatch.setattr(records, "load_kernel", lambda image, name, sig, **kw: calls.append(name) or object())
+    kernels = gpu.load_candidates(prep, say=lambda m: None)
+    assert len(calls) == len(prep.info["files"])
+    assert set(kernels) == set(prep.records)
+    assert all(len(v) == 2 for v in kernels.values())
+    assert sum("gate_up" in n for n in calls) > 0 and sum("down" in n for n in calls) > 0
+    # a config that did not compile fails its candidate (both kernels, every T of its class)
+    bad = prep.plan.candidates[prep.plan.shapes[0]][3]
+
+    def compile_but(specs, say):
+        out = fake_compile(specs, say)
+        return [None if s.variant == "down" and s.constexprs["BLOCK_N"] == dict(bad.fields)["BLOCK_N"] and
+                s.num_stages == dict(bad.fields)["num_stages"] and s.num_warps == dict(bad.fields)["num_warps"]
+                and s.constexprs["BLOCK_K"] == dict(bad.fields)["BLOCK_K"] and
+                s.constexprs["BLOCK_M"] == dict(bad.fields)["BLOCK_M"] else r for s, r in zip(specs, out)]
+    prepare(str(qwen3_30b), tmp_path / "prep2", MOE, "sm90", 132, say=lambda m: None, compiler=compile_but)
+    prep2 = prepared.load(tmp_path / "prep2")
+    grouped = [s for s in prep2.plan.shapes if s.name == "grouped"]
+    assert all(prep2.records[(s, bad)] is None for s in grouped)
+
+
+class _StandIn:
+    """A loaded kernel's stand-in on the CPU: the MoE kernel's arithmetic in torch over the tensors the
+    launch's pointers name (what the real kernel reads and writes), so MoeBench's launch wiring (schedule,
+    grids, argument order, BLOCK_M) and its check are tested without a GPU."""
+
+    def __init__(self, record, tensors, broken=False):
+        self.record, self.tensors, self.broken = record, tensors, broken
+        self.signature = "p" * (6 if record["entry"].startswith("moe_gate_up") else 7) + "i"
+        self.grids = []
+
+    def launch(self, grid, ptrs, stream):
+        import torch.nn.functional as F
+        self.grids.append(grid)
+        if self.broken:
+            return
+        t = self.tensors()
+        bm = self.record["launch"].get("BLOCK_M", 1)
+        gate_up = self.record["entry"].startswith("moe_gate_up")
+        if gate_up:
+            x, w, _, rows, be, act, n = (t[p] if i < 6 else p for i, p in enumerate(ptrs))
+        else:
+            act, w, _, rows, be, weights, pairs, n = (t[p] if i < 7 else p for i, p in enumerate(ptrs))
+        assert grid[0] * bm == rows.numel()
+        for r, pair in enumerate(rows.tolist()):
+            e = int(be[r // bm])
+            if pair >= n or e < 0:
+                continue
+            if gate_up:
+                g, u = F.linear(x[pair // (n // x.shape[0])], w[e]).chunk(2)
+                act[r] = F.silu(g) * u
+            else:
+                pairs[pair] = (F.linear(act[r], w[e]) * weights.view(-1)[pair]).to(pairs.dtype)
+
+
+@pytest.mark.parametrize("cls", ["grouped", "prefill", "decode"])
+def test_moe_bench_launches_check_against_the_reference_on_cpu(tmp_path, cls, monkeypatch):
+    from engc.compiler.tune import moe
+    from engc.compiler.tune.gpu_moe import MoeBench
+    from engc.cuda import cubin
+    monkeypatch.setattr(cubin, "current_stream", lambda: 0)
+    monkeypatch.setitem(moe.TOKENS, "prefill", (48,))   # the CPU reference at 4096 tokens is slow
+    cfg = dict(QWEN3_30B_A3B, hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m/config.json").write_text(json.dumps(cfg))
+    prepare(str(tmp_path / "m"), tmp_path / "p", MOE, "sm90", 132, say=lambda m: None, compiler=fake_compile)
+    prep = prepared.load(tmp_path / "p")
+    shape = [s for s in prep.plan.shapes if s.name == cls][-1]
+    cand = prep.plan.candidates[shape][min(5, len(prep.plan.candidates[shape]) - 1)]
+    bench = None
+
+    def tensors():
+        found = [*bench._weights["gate_up"], *bench._weights["down"]]
+        found += [v for b in bench._inputs.values() for v in b.values()]
+        found += [v for sched in bench._schedules.values() for v in sched]
+        return {v.data_ptr(): v for v in found}
+
+    def kernels(broken):
+        return {(shape, cand): [(_StandIn(r, tensors, broken), r) for r in prep.records[(shape, cand)]]}
+    plan = prep.plan
+    plan.dtype = torch.float32   # the stand-ins' torch arithmetic, compared at float32's precision
+    bench = MoeBench(plan, kernels(False), ring_bytes=3 * 8 * 3 * 64 * 32 * 4, device="cpu")
+    assert bench.copies == 3
+    fns = bench.launches(shape, cand)
+    assert len(fns) == 3
+    assert bench.check(shape, cand) < 1e-5
+    (up, _), (down, _) = bench.kernels[(shape, cand)]
+    blocks = 2 * shape.tokens if cls == "decode" else up.grids[-1][0]
+    assert up.grids[-1] == (blocks, -(-32 // dict(cand.fields)["BLOCK_N"]), 1)
+    assert down.grids[-1] == (blocks, -(-64 // dict(cand.fields)["BLOCK_N"]), 1)
+    bench.kernels = kernels(True)   # a kernel that writes nothing is caught (nan: over any tolerance)
+    assert not bench.check(shape, cand) <= 1e-2
+
+
+def test_moe_tune_file_builds(tiny_dir, tmp_path):
+    """A (faked) MoE run's file on the tiny Qwen3-MoE goes through `engc build --tune` as it is, and a build
+    under it compiles the chosen tiles."""
+    bench = FakeBench(_moe_rule)
+    out = tmp_path / "tune.json"
+    result = run_tune(str(tiny_dir("qwen3_moe")), out, MOE, say=lambda m: None, bench=bench, gpu=H200,
+                      clock=_clock())
+    assert result["entries"]["sm90/moe/gate_up/any"]["BLOCK_M"] == 32
+    engc("build", tiny_dir("qwen3_moe"), "-o", tmp_path / "b", "--tune", out, check=True)
+    manifest = json.loads((tmp_path / "b/manifest.json").read_text())
+    assert manifest["tune_overrides"] == result["entries"]
+    with tune.overridden(tune.read_tune_file(out)):
+        specs = {s.variant: s for s in model_specs(result["plan"].cfg, torch.bfloat16, "sm90", 16) if s.op == "moe"}
+    assert specs["down"].constexprs["BLOCK_M"] == 32 and specs["down"].constexprs["BLOCK_N"] == 128

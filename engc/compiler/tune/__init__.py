@@ -72,23 +72,47 @@ def record_launch(launch: dict, entry: dict) -> dict:
 META_KEY = "_meta"
 
 
+def spec_defaults(key: str) -> dict | None:
+    """The entry a key of an op without table lines stands for: its spec builder's DEFAULTS[variant]
+    (engc/kernels/<op>/specs.py; bucket 'any'), or None where there is none. `engc tune` writes such keys for
+    ops it tunes before the table has lines for them (the MoE op's)."""
+    import importlib
+    import importlib.util
+    parts = key.split("/")
+    if len(parts) != 4 or parts[0] not in ARCHS or parts[3] != "any" or not parts[1].isidentifier():
+        return None
+    name = f"engc.kernels.{parts[1]}.specs"
+    try:
+        found = importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return None
+    defaults = getattr(importlib.import_module(name), "DEFAULTS", None) if found else None
+    entry = defaults.get(parts[2]) if isinstance(defaults, dict) else None
+    return dict(entry) if entry else None
+
+
+def _entry(key: str) -> dict | None:
+    return TUNE[key] if key in TUNE else spec_defaults(key)
+
+
 def check_overrides(entries, where: str = "--tune") -> dict:
     """A tune-table override ({"arch/op/variant/bucket": {field: value}}, e.g. from `engc build --tune
-    FILE`), checked: every key an entry of the table, every field one that entry has (or PDL), every value
-    a number, string, bool or list of them. Typos would otherwise be ignored silently. Returns the entries
-    without META_KEY."""
+    FILE`), checked: every key an entry of the table (or of an op's spec defaults, spec_defaults), every
+    field one that entry has (or PDL), every value a number, string, bool or list of them. Typos would
+    otherwise be ignored silently. Returns the entries without META_KEY."""
     if not isinstance(entries, dict):
         raise UserError(f"{where}: expected a JSON object of tune entries, got {type(entries).__name__}")
     entries = {key: fields for key, fields in entries.items() if key != META_KEY}
     for key, fields in entries.items():
-        if key not in TUNE:
+        entry = _entry(key)
+        if entry is None:
             near = sorted(k for k in TUNE if k.split("/")[1:2] == key.split("/")[1:2])[:6]
             raise UserError(f"{where}: no tune entry '{key}'" + (f"; that op has {', '.join(near)}" if near else ""))
         if not isinstance(fields, dict) or not fields:
             raise UserError(f"{where}: '{key}' must map to an object of fields")
         for name, value in fields.items():
-            if name not in TUNE[key] and name not in OPTIONAL_FIELDS:
-                raise UserError(f"{where}: '{key}' has no field '{name}'; it has {', '.join(sorted(TUNE[key]))}")
+            if name not in entry and name not in OPTIONAL_FIELDS:
+                raise UserError(f"{where}: '{key}' has no field '{name}'; it has {', '.join(sorted(entry))}")
             if not isinstance(value, (int, float, str, bool, list)):
                 raise UserError(f"{where}: '{key}'.{name} must be a number, string, bool or list")
     return entries
@@ -96,15 +120,19 @@ def check_overrides(entries, where: str = "--tune") -> dict:
 
 @contextmanager
 def overridden(entries: dict | None):
-    """The table with `entries` (check_overrides' form) merged over it, for the duration of one build."""
+    """The table with `entries` (check_overrides' form) merged over it (over an op's spec defaults where the
+    table has no line), for the duration of one build."""
     saved = {key: TUNE.get(key) for key in entries or {}}
     try:
         for key, fields in (entries or {}).items():
-            TUNE[key] = {**TUNE[key], **fields}
+            TUNE[key] = {**_entry(key), **fields}
         yield
     finally:
         for key, entry in saved.items():
-            TUNE[key] = entry
+            if entry is None:
+                TUNE.pop(key, None)
+            else:
+                TUNE[key] = entry
 
 
 def read_tune_file(path: Path) -> dict:

@@ -8,7 +8,8 @@ gaps are as in serving) and the figure is the median over replays, in us per lau
 one-element kernel launched without PDL, so it starts from an idle GPU, as a projection starts after a norm
 or the attention in a step; that kernel's own time (timed alone the same way) is taken off. Back to back,
 one launch's ramp-up would hide behind the tail of the one before, and a ranking made that way does not
-hold in a real step (bench/results/HISTORY.md).
+hold in a real step (bench/results/HISTORY.md). The MoE op's candidates (a class's gate_up and down launched
+as a pair, gpu_moe.py) are timed the same way.
 """
 from __future__ import annotations
 
@@ -55,16 +56,25 @@ def load_record(image: bytes, r: dict, say):
 
 
 def load_candidates(prep, say, load=load_record) -> dict:
-    """(shape, cand) -> (Kernel, record) for every candidate with a kernel; each cubin file loaded once
-    (candidates that differ in a launch constant only share it), its sha256 checked first."""
+    """(shape, cand) -> (Kernel, record) for every candidate with a kernel ([(Kernel, record), ...] for a
+    candidate of several: moe); each cubin file loaded once (candidates that differ in a launch constant only
+    share it), its sha256 checked first. A candidate one of whose kernels the driver refuses is left out."""
     loaded, out = {}, {}
+
+    def kernel(record):
+        if record["cubin"] not in loaded:
+            loaded[record["cubin"]] = load(prep.cubin(record), record, say)
+        return loaded[record["cubin"]]
+
     for key, record in prep.records.items():
         if record is None:
             continue   # cuBLAS, or a config that did not compile at --prepare
-        if record["cubin"] not in loaded:
-            loaded[record["cubin"]] = load(prep.cubin(record), record, say)
-        if loaded[record["cubin"]] is not None:
-            out[key] = (loaded[record["cubin"]], record)
+        if isinstance(record, list):
+            parts = [(kernel(r), r) for r in record]
+            if all(k is not None for k, _ in parts):
+                out[key] = parts
+        elif kernel(record) is not None:
+            out[key] = (kernel(record), record)
     return out
 
 
@@ -83,6 +93,10 @@ class GpuBench:
         self.ring_bytes = 3 * l2
         self.gap = torch.zeros(1, device="cuda")   # the one-element kernel each timed launch follows
         self.gap_us = self._graph_us([lambda: None])
+        self.moe = None
+        if any(s.op == tp.moe.OP for s in self.plan.shapes):
+            from engc.compiler.tune.gpu_moe import MoeBench
+            self.moe = MoeBench(self.plan, self.kernels, self.ring_bytes)
 
     def ready(self, shape, cand) -> bool:
         return cand.bucket is None or (shape, cand) in self.kernels
@@ -125,6 +139,8 @@ class GpuBench:
     def check(self, shape, cand) -> float:
         """Relative error of one launch against the op's torch reference (inf: counters left non-zero)."""
         from engc.kernels import gemv
+        if shape.op == tp.moe.OP:
+            return self.moe.check(shape, cand)
         if cand.bucket is None:
             return 0.0   # cuBLAS (F.linear) is the reference's own path
         b = self._buffers(shape)
@@ -140,12 +156,15 @@ class GpuBench:
 
     def time_us(self, shape, cand) -> float:
         """us a launch adds after an idle gap (see the module's docstring)."""
+        if shape.op == tp.moe.OP:
+            fns = self.moe.launches(shape, cand)
+            return self._graph_us(fns, tp.moe.MIN_LAUNCHES) - self.gap_us
         b = self._buffers(shape)
         return self._graph_us([self._launches(shape, cand, i) for i in range(len(b["ws"]))]) - self.gap_us
 
-    def _graph_us(self, fns) -> float:
+    def _graph_us(self, fns, min_launches: int = MIN_LAUNCHES) -> float:
         """Median us per (gap kernel, fns[j]) pair over graph replays, cycling through fns."""
-        n = math.ceil(MIN_LAUNCHES / len(fns)) * len(fns)
+        n = math.ceil(min_launches / len(fns)) * len(fns)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):   # warm up outside capture (cuBLAS picks its kernel here)

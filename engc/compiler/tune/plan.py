@@ -16,6 +16,9 @@ How a winner becomes an override (the tune table's structure decides):
   (num_stages; target_programs, the split-K rule's grid target). When a route changes, every class's
   `serves` is rewritten to the exact (K, N) points measured (other shapes then stay with cuBLAS): a tune
   file is for the model and GPU it was measured on.
+- moe, the grouped expert GEMMs of a mixture-of-experts model: one tile per variant class (decode, grouped,
+  prefill), each class's gate_up and down together, written as "<arch>/moe/<variant>/any" entries over the
+  spec's defaults (tune/moe.py).
 A projection leaves its current route or config only for a gain of more than `margin` (noise).
 """
 from __future__ import annotations
@@ -29,9 +32,10 @@ import torch
 
 from engc.compiler import tune
 from engc.errors import UserError
+from engc.compiler.tune import moe
 from engc.kernels.gemv import specs as gemv_kernels
 
-OPS = ("gemv", "silu_gemv")
+OPS = ("gemv", "silu_gemv", "moe")
 SILU_BUCKET = "m<=1"   # the M class whose entry builds the SiLU-fused down GEMV
 # Tile grid of the SiLU-fused down: BLOCK_K a multiple of 8 elements x 32 threads x num_warps, so the row
 # of x loads in the W tile's own layout (kernels/gemv/triton.py)
@@ -43,15 +47,17 @@ TARGET_MULTS = (1, 2, 4)   # target_programs = this x the GPU's multiprocessors
 
 @dataclass(frozen=True)
 class Shape:
-    op: str         # "gemv" (plain x @ W^T at M=1) or "silu_gemv" (silu_mul(gate_up) @ W^T at M=1)
-    name: str       # "qkv", "o", "gate_up", "lm_head", "down" ("+"-joined where two share a shape)
-    k: int
-    n: int
+    op: str         # "gemv" (plain x @ W^T at M=1), "silu_gemv" (silu_mul(gate_up) @ W^T at M=1), "moe"
+    name: str       # "qkv", "o", "gate_up", "lm_head", "down" ("+"-joined where two share a shape); moe: the
+                    # variant class (tune/moe.py CLASSES)
+    k: int          # moe: the hidden size
+    n: int          # moe: the expert intermediate size
     per_step: int   # launches per decode step (layers; 1 for the lm_head)
+    tokens: int = 0   # moe: the batch's tokens (the routing and the schedule follow from them)
 
     @property
     def label(self) -> str:
-        return f"{self.name} {self.k}x{self.n}"
+        return f"{self.name} T={self.tokens}" if self.op == moe.OP else f"{self.name} {self.k}x{self.n}"
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,8 @@ class Candidate:
         if self.bucket is None:
             return "cuBLAS"
         f = dict(self.fields)
+        if self.bucket in moe.CLASSES:
+            return moe.label(f)
         if self.bucket == SILU_BUCKET:
             return (f"n{f['BLOCK_N']}k{f['BLOCK_K']}w{f['num_warps']}s{f['num_stages']}"
                     f" t{f['target_programs']}")
@@ -88,6 +96,7 @@ class Choice:
     best_us: float
     cublas_us: float = float("inf")
     changed: bool = False
+    fastest: tuple | None = None   # moe: (candidate, us) fastest at this shape alone (the class picks one tile)
 
 
 @dataclass
@@ -144,10 +153,21 @@ def model_shapes(cfg, ops, int4: bool = False, int4_lm_head: bool = False) -> li
                                 cfg.num_layers * len(layer) + head))
     if "silu_gemv" in ops and not int4:
         shapes.append(Shape("silu_gemv", "down", cfg.intermediate_size, cfg.hidden_size, cfg.num_layers))
+    if "moe" in ops and not int4:   # int4 experts have no GPU kernels
+        shapes += moe.shapes(cfg, Shape)
     return shapes
 
 
 # ------------------------------------------------------------------------------------------ candidates
+
+def kernel_specs(cfg, dtype, arch: str, shape: Shape, cand: Candidate) -> list:
+    """The KernelSpecs a build under this candidate's override compiles for shape and that are timed together
+    (none: cuBLAS; moe: the class's gate_up and down)."""
+    if shape.op == moe.OP:
+        return moe.candidate_specs(cfg, dtype, arch, shape, cand)
+    spec = gemv_spec(cfg, dtype, arch, shape, cand)
+    return [] if spec is None else [spec]
+
 
 def gemv_spec(cfg, dtype, arch: str, shape: Shape, cand: Candidate):
     """The KernelSpec a build under this candidate's override would compile for shape (None: cuBLAS)."""
@@ -173,7 +193,10 @@ def gemv_spec(cfg, dtype, arch: str, shape: Shape, cand: Candidate):
 
 def current_choice(cfg, dtype, arch: str, shape: Shape) -> Candidate:
     """What a build with the table as it is gives shape: the runtime's pick (kernels/gemv.pick) among the
-    bundle's GEMV kernels, as a candidate with its fields spelled out; cuBLAS where none serves it."""
+    bundle's GEMV kernels, as a candidate with its fields spelled out; cuBLAS where none serves it. moe: the
+    class's tile."""
+    if shape.op == moe.OP:
+        return Candidate(shape.name, moe.current_fields(cfg, dtype, arch, shape.name))
     from engc.kernels.gemv.specs import gemv_specs
     from engc.compiler.codegen.kernel_spec import TRITON_DTYPE
     from engc.kernels import gemv
@@ -196,7 +219,12 @@ def _fields(spec, silu: bool) -> tuple:
 
 
 def candidates(shape: Shape, current: Candidate, arch: str, sms: int) -> list[Candidate]:
-    """The grid for one shape: cuBLAS, then the current choice, then the rest."""
+    """The grid for one shape: cuBLAS, then the current choice, then the rest (moe: no cuBLAS)."""
+    if shape.op == moe.OP:
+        cur = dict(current.fields)
+        grid = [Candidate(shape.name, tuple(sorted(f.items())))
+                for f in moe.grid(shape.name, arch, cur.get("num_stages", 2))]
+        return list(dict.fromkeys([current] + grid))
     targets = sorted({m * sms for m in TARGET_MULTS})
     if shape.op == "silu_gemv":
         cur = dict(current.fields)
@@ -237,7 +265,29 @@ def choose(plan: TunePlan, measured: list[Measured], margin: float) -> list[Choi
     plain = [s for s in plan.shapes if s.op == "gemv"]
     if plain:
         choices += _choose_plain(plan, plain, time, margin)
+    choices += _choose_moe(plan, [s for s in plan.shapes if s.op == moe.OP], time, margin)
     return sorted(choices, key=lambda c: plan.shapes.index(c.shape))
+
+
+def _choose_moe(plan: TunePlan, shapes: list[Shape], time, margin: float) -> list[Choice]:
+    """One tile per class: the candidate timed at every token count of the class whose time, as a fraction of
+    the current tile's and averaged over them, is least; kept only if under 1 - margin."""
+    out = []
+    for cls in dict.fromkeys(s.name for s in shapes):
+        mine = [s for s in shapes if s.name == cls]
+        cur = plan.current[mine[0]]
+
+        def score(c):
+            return sum(time(s, c) / time(s, cur) for s in mine) / len(mine)
+        timed = [c for c in plan.candidates[mine[0]] if all(time(s, c) < float("inf") for s in mine)]
+        best = min(timed, key=lambda c: (score(c), c != cur), default=cur)
+        win = best != cur and score(best) < 1 - margin
+        chosen = best if win else cur
+        for s in mine:
+            fastest = min(plan.candidates[s], key=lambda c: time(s, c))
+            out.append(Choice(s, cur, time(s, cur), chosen, time(s, chosen), changed=win,
+                              fastest=(fastest, time(s, fastest))))
+    return out
 
 
 def _choose_plain(plan: TunePlan, shapes: list[Shape], time, margin: float) -> list[Choice]:
@@ -288,6 +338,9 @@ def _choose_plain(plan: TunePlan, shapes: list[Shape], time, margin: float) -> l
 def overrides(plan: TunePlan, choices: list[Choice]) -> dict:
     """The choices as `engc build --tune` entries (only what differs from the table)."""
     arch, out = plan.arch, {}
+    for c in choices:
+        if c.shape.op == moe.OP and c.changed:
+            out.update(moe.entries_for(arch, c.shape.name, dict(c.best.fields), dict(c.current.fields)))
     for c in choices:
         if c.shape.op == "silu_gemv" and c.changed:
             key = f"{arch}/gemv/*/{SILU_BUCKET}"

@@ -7,12 +7,14 @@ the GPU machine times the cubins the build itself would ship, not what its own T
 DIR/tune_plan.json holds the plan (model config, shapes, the table's current choice, the candidate grid),
 a kernel record per compiled candidate (codegen/record.kernel_record: the build's own record, with the
 candidate's launch constants), the sha256 of every cubin, the compiling Triton version and a digest of the
-arch's gemv tune entries (a checkout whose table differs would mislabel the current choice). The records
-are stored once per cubin ("kernels": the first of its candidates' records); a candidate names its cubin
-("kernel") and keeps only the launch constants and tune fields in which its record differs from that one
+arch's gemv and moe tune entries and the MoE spec's defaults (a checkout whose differ would mislabel the
+current choice). The records are stored once per cubin ("kernels": the first of its candidates' records); a
+candidate names its cubin ("kernel") and keeps only the launch constants and tune fields in which its record differs from that one
 (the candidates of one cubin differ in those alone, e.g. target_programs), so the file stays small.
 DIR/kernels/<arch>/<sha256[:16]>.cubin: one file per distinct kernel (candidates differing only in a launch
-constant such as target_programs share it). No PTX: the folder is checked to match the GPU's arch.
+constant such as target_programs share it). A candidate of kernels timed together (moe: the class's
+gate_up and down) keeps one such entry per kernel ("parts"), in launch order. No PTX: the folder is checked
+to match the GPU's arch.
 Deterministic: no dates, sorted keys, content-named files.
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ from engc.errors import UserError
 from engc.kernels.gemv import specs as gemv_kernels
 
 FORMAT = "engc-tune-prepare"
-VERSION = 2   # 2: records stored once per cubin, candidates keep their launch/tune differences
+VERSION = 3   # 3: a candidate of several kernels (moe) lists them as parts
 PLAN_FILE = "tune_plan.json"
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -38,10 +40,11 @@ DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 @dataclass
 class Prepared:
     """A loaded tune-prepare folder: the plan, each candidate's kernel record (None: cuBLAS or a config
-    that did not compile) and the folder's provenance (model, arch, sms, triton, engc)."""
+    that did not compile; a list of records for a candidate of several kernels) and the folder's provenance
+    (model, arch, sms, triton, engc)."""
     folder: Path
     plan: tp.TunePlan
-    records: dict   # (Shape, Candidate) -> record | None
+    records: dict   # (Shape, Candidate) -> record | [record, ...] | None
     info: dict
 
     def cubin(self, record: dict) -> bytes:
@@ -58,9 +61,11 @@ class Prepared:
 
 
 def table_digest(arch: str) -> str:
-    """sha256 of the arch's gemv tune entries: what the current choice and the overrides are derived from."""
-    gemv = {k: v for k, v in tune.TUNE.items() if k.startswith(f"{arch}/gemv/")}
-    blob = json.dumps([gemv, list(gemv_kernels.PLAIN_CLASSES)], sort_keys=True, default=list)
+    """sha256 of the arch's gemv and moe tune entries (and the MoE spec's defaults, its entries where the table
+    has none): what the current choice and the overrides are derived from."""
+    from engc.kernels.moe.specs import DEFAULTS as moe_defaults
+    tuned = {k: v for k, v in tune.TUNE.items() if k.startswith((f"{arch}/gemv/", f"{arch}/moe/"))}
+    blob = json.dumps([tuned, list(gemv_kernels.PLAIN_CLASSES), moe_defaults], sort_keys=True, default=list)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -97,10 +102,15 @@ def write(folder: Path, plan: tp.TunePlan, info: dict, say, compiler=compile_can
     from engc.compiler.codegen.record import kernel_record
     import triton
     pairs = [(s, c) for s in plan.shapes for c in plan.candidates[s]]
-    specs = {(s, c): tp.gemv_spec(plan.cfg, plan.dtype, plan.arch, s, c) for s, c in pairs}
+    specs = {}
+    for s, c in pairs:   # the shapes of one moe class share their candidates' kernels
+        key = (s.op, s.name, s.k, s.n, c) if s.op == tp.moe.OP else (s, c)
+        if key not in specs:
+            specs[key] = tp.kernel_specs(plan.cfg, plan.dtype, plan.arch, s, c)
+        specs[(s, c)] = specs[key]
     unique = {}
-    for spec in specs.values():
-        if spec is not None:
+    for group in specs.values():
+        for spec in group:
             unique.setdefault(_compile_key(spec), spec)
     say(f"engc tune: compiling {len(unique)} kernels for {len(pairs)} candidates of {len(plan.shapes)} shapes "
         f"({plan.arch}, Triton {triton.__version__})")
@@ -109,21 +119,28 @@ def write(folder: Path, plan: tp.TunePlan, info: dict, say, compiler=compile_can
     for s in plan.shapes:
         cands = []
         for c in plan.candidates[s]:
-            spec, record = specs[(s, c)], None
-            res = compiled.get(_compile_key(spec)) if spec is not None else None
-            if res is not None:
+            records = []
+            for spec in specs[(s, c)]:
+                res = compiled.get(_compile_key(spec))
+                if res is None:
+                    break
                 cubin, _, meta = res
                 path = f"kernels/{plan.arch}/{hashlib.sha256(cubin).hexdigest()[:16]}.cubin"
                 files[path] = cubin
                 # the build's record, less the PTX and source paths the folder does not carry
-                record = {k: v for k, v in kernel_record(spec, meta, path, "", "").items()
-                          if k not in ("ptx", "source")}
-            cands.append({"bucket": c.bucket, "fields": [list(f) for f in c.fields],
-                          **(_stored(kernels, record) if record is not None else {}),
-                          **({"failed": True} if spec is not None and record is None else {})})
+                records.append({k: v for k, v in kernel_record(spec, meta, path, "", "").items()
+                                if k not in ("ptx", "source")})
+            stored = {}
+            if len(records) != len(specs[(s, c)]):
+                stored = {"failed": True}
+            elif len(records) == 1:
+                stored = _stored(kernels, records[0])
+            elif records:
+                stored = {"parts": [_stored(kernels, r) for r in records]}
+            cands.append({"bucket": c.bucket, "fields": [list(f) for f in c.fields], **stored})
         cur = plan.candidates[s].index(plan.current[s])
         shapes.append({"op": s.op, "name": s.name, "k": s.k, "n": s.n, "per_step": s.per_step, "current": cur,
-                       "candidates": cands})
+                       **({"tokens": s.tokens} if s.tokens else {}), "candidates": cands})
     doc = {"format": FORMAT, "version": VERSION, **info, "arch": plan.arch, "dtype": DTYPE_NAMES[plan.dtype],
            "cfg": plan.cfg.to_dict(), "triton": triton.__version__, "engc": engc_version(),
            "tune_table": table_digest(plan.arch), "shapes": shapes, "kernels": kernels,
@@ -151,8 +168,11 @@ def _stored(kernels: dict, record: dict) -> dict:
     return stored
 
 
-def _record(kernels: dict, cand: dict) -> dict | None:
-    """A candidate's full kernel record from the plan file (None: cuBLAS, or a config that did not compile)."""
+def _record(kernels: dict, cand: dict) -> dict | list | None:
+    """A candidate's full kernel record from the plan file (None: cuBLAS, or a config that did not compile;
+    a list of them for a candidate of several kernels)."""
+    if "parts" in cand:
+        return [_record(kernels, part) for part in cand["parts"]]
     if "kernel" not in cand:
         return None
     base = kernels[cand["kernel"]]
@@ -177,13 +197,13 @@ def load(folder) -> Prepared:
                         "prepare it with this checkout")
     arch = doc["arch"]
     if arch not in tune.ARCHS or doc["tune_table"] != table_digest(arch):
-        raise UserError(f"--from {folder}: prepared with another {arch} gemv tune table than this checkout's; "
+        raise UserError(f"--from {folder}: prepared with another {arch} tune table than this checkout's; "
                         "prepare it again with the engc you run here")
     cfg = ModelConfig.from_dict(doc["cfg"])
     dtype = {v: k for k, v in DTYPE_NAMES.items()}[doc["dtype"]]
     shapes, current, candidates, records = [], {}, {}, {}
     for d in doc["shapes"]:
-        s = tp.Shape(d["op"], d["name"], d["k"], d["n"], d["per_step"])
+        s = tp.Shape(d["op"], d["name"], d["k"], d["n"], d["per_step"], d.get("tokens", 0))
         cands = [tp.Candidate(c["bucket"], tuple(tuple(f) for f in c["fields"])) for c in d["candidates"]]
         shapes.append(s)
         candidates[s], current[s] = cands, cands[d["current"]]

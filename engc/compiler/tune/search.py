@@ -115,7 +115,7 @@ def tune_from(folder: Path, out: Path, opts: TuneOptions, say=None, bench=None, 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**entries, "_meta": meta}, indent=1, sort_keys=True) + "\n")
-    return {"entries": entries, "choices": choices, "meta": meta}
+    return {"entries": entries, "choices": choices, "meta": meta, "plan": plan}
 
 
 def tune(src: str, out: Path, opts: TuneOptions, say=None, bench=None, gpu=None, clock=time.monotonic,
@@ -180,23 +180,52 @@ def _meta(prep: prepared.Prepared, gpu_name, sms, opts, measured, seconds) -> di
 
 
 def summary(result: dict, out: Path) -> list[str]:
-    """The table printed after a run: per shape, the table's choice and time, the best, and the gain."""
+    """The table printed after a run: per shape, the table's choice and time, the best, and the gain (the MoE
+    op's in a table of its own, moe_summary)."""
     rows = [f"{'op':<10} {'shape':<22} {'x/step':>6} {'cuBLAS':>8} {'current':>8} {'best':>8} {'gain':>6}  "
             f"{'current config':<26} chosen"]
     saved = 0.0
-    for c in result["choices"]:
+    moe_rows = moe_summary(result)
+    if moe_rows and not any(c.shape.op != tp.moe.OP for c in result["choices"]):
+        rows = []
+    for c in (c for c in result["choices"] if c.shape.op != tp.moe.OP):
         gain = c.current_us / c.best_us if math.isfinite(c.best_us) and c.best_us else float("nan")
         saved += c.shape.per_step * (c.current_us - c.best_us) if c.changed else 0.0
         rows.append(f"{c.shape.op:<10} {c.shape.label:<22} {c.shape.per_step:>6} {_us(c.cublas_us)} "
                     f"{_us(c.current_us)} {_us(c.best_us)} {gain:5.2f}x  {c.current.label:<26} "
                     f"{c.best.label if c.changed else '(keep)'}")
     n = len(result["entries"])
+    rows += moe_rows
     rows.append(f"wrote {out}: {n} tune entr{'y' if n == 1 else 'ies'}"
-                + (f"; about {saved:.1f} us less GEMV time per decode step" if n else
+                + (f"; about {saved:.1f} us less GEMV time per decode step" if saved else "" if n else
                    f" (nothing beat the table by more than {result['meta']['options']['margin']:.0%})")
                 + f"; build with: engc build SRC --arch {result['meta']['arch']} --tune {out} -o BUNDLE")
     rows.append("per-kernel times (cold L2, each launch from an idle GPU): time the bundle built with it end to "
                 "end before keeping it")
+    return rows
+
+
+def moe_summary(result: dict) -> list[str]:
+    """Per MoE class and token count: the current tile's time, the chosen one's, the fastest at that count
+    alone, and the chosen time's implied rates: the expert bytes read (each expert a batch routes to, once)
+    per second and the GEMMs' TFLOP/s. Times are a layer's gate_up + down launch pair."""
+    choices = [c for c in result["choices"] if c.shape.op == tp.moe.OP]
+    if not choices:
+        return []
+    cfg = result["plan"].cfg
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    rows = [f"{'moe class':<10} {'T':>5} {'x/step':>6} {'current':>9} {'chosen':>9} {'gain':>6} {'GB/s':>7} "
+            f"{'TFLOP/s':>7}  {'current tile':<18} {'chosen tile':<18} fastest at this T alone"]
+    for c in choices:
+        s = c.shape
+        gain = c.current_us / c.best_us if math.isfinite(c.best_us) and c.best_us else float("nan")
+        rate = (lambda v: v / (c.best_us * 1e-6)) if math.isfinite(c.best_us) and c.best_us > 0 else \
+            (lambda v: float("nan"))
+        fastest, fastest_us = c.fastest or (c.best, c.best_us)
+        rows.append(f"{s.name:<10} {s.tokens:>5} {s.per_step:>6} {_us(c.current_us):>9} {_us(c.best_us):>9} "
+                    f"{gain:5.2f}x {rate(tp.moe.expert_bytes(s, e, k)) / 1e9:7.0f} "
+                    f"{rate(tp.moe.flops(s, k)) / 1e12:7.1f}  {c.current.label:<18} "
+                    f"{c.best.label if c.changed else '(keep)':<18} {fastest.label} {_us(fastest_us).strip()}")
     return rows
 
 
