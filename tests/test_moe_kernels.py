@@ -25,7 +25,8 @@ CASES = ["route_softmax_fp32", "route_softmax_renorm_fp32", "route_topk_first_fp
          "route_float32_weights_bf16",
          "route_ties_pick_lower_ids", "decode_fp32", "decode_shared_fp32", "grouped_fp32", "grouped_shared_fp32",
          "grouped_bf16", "decode_bf16", "grouped_many_experts_fp32", "gpu_binding_fp32",
-         "deepseek_v2_decode_fp32", "deepseek_v3_grouped_fp32", "fp8_decode_bf16", "fp8_grouped_bf16",
+         "deepseek_v2_decode_fp32", "deepseek_v3_grouped_fp32",
+         "deepseek_v2_lite_routing_fp32", "deepseek_v2_bf16", "fp8_decode_bf16", "fp8_grouped_bf16",
          "fp8_decode_shared_fp32", "fp8_grouped_fp32", "fp8_deepseek_v3_grouped_bf16", "fp8_gpu_binding_bf16",
          "prefill_fp32", "prefill_bf16", "prefill_shared_fp32", "prefill_many_blocks_fp32",
          "below_prefill_threshold_fp32", "fp8_prefill_fp32"]
@@ -130,6 +131,30 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
     assert seen == {v for a, v in records if a == "sm90"}
 
 
+def test_deepseek_routing_kernel_compiles_and_matches_its_launch_rule():
+    """DeepSeek's routing kernel (only in a DeepSeek bundle) compiles for sm80 and sm90, and forward() launches
+    it, with the node's routing attributes and correction bias, in the compiled parameters' order and types."""
+    import torch
+    from engc.compiler.codegen.record import compile_specs
+    from engc.compiler.codegen.specs import model_specs
+    from engc.kernels import moe as op
+    assert "route_deepseek" not in {s.variant for s in model_specs(_cfg(), torch.bfloat16, "sm90", 16)}
+    cfg = _cfg(family="deepseek_v3", num_experts=8, shared_expert_intermediate_size=40)
+    specs = [s for arch in ("sm80", "sm90") for s in model_specs(cfg, torch.bfloat16, arch, 16)
+             if s.op == "moe" and s.variant == "route_deepseek"]
+    result = compile_specs(specs, jobs=1)
+    assert {r["arch"] for r in result.records} == {"sm80", "sm90"}
+    record = next(r for r in result.records if r["arch"] == "sm90")
+    launches = op.launch_route_deepseek(torch.randn(3, 64, dtype=torch.bfloat16),
+                                        torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8),
+                                        torch.empty(3, 2), torch.empty(3, 2, dtype=torch.int32), torch.empty(3),
+                                        renormalize=1, float32_weights=0, sigmoid_scores=1, n_group=4,
+                                        topk_group=2, group_top2=1, routed_scaling_factor=2.5)
+    (variant, grid, args), = launches
+    assert variant == "route_deepseek" and grid == (3, 1, 1)
+    check_launch(grid, args, record, null_pointers=False)
+
+
 # ---------------------------------------------------------------- the child process (TRITON_INTERPRET=1)
 
 def _cfg(**kw):
@@ -232,17 +257,20 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
     return _rel(out, ref), run.variants
 
 
-def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False):
-    """DeepSeek's routings (groups, scaling; V3's sigmoid scores and correction bias) with ungated shared
-    experts through forward(): the routing as torch ops, the same expert and combine kernels."""
+def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False, groups=True):
+    """DeepSeek's routings (groups, scaling; V3's sigmoid scores and correction bias; V2-Lite's plain softmax
+    top-k in float32 without groups) with ungated shared experts through forward(): the routing kernel of
+    DeepSeek's, the same expert and combine kernels."""
     import torch
     from engc.kernels import moe as op
-    cfg = _cfg(num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=40)
+    cfg = _cfg(family="deepseek_v3" if v3 else "deepseek_v2", num_experts=8, num_experts_per_tok=2,
+               shared_expert_intermediate_size=40)
     specs = _specs(cfg, dtype, {"max_pairs": max_pairs, "BLOCK_N": 32, "BLOCK_K": 32}, fp8=fp8)
     w, r = _weights(cfg, dtype, seed=tokens, shared=40, fp8=fp8)
     x = r(tokens, cfg.hidden_size, std=1.0)
-    attrs = dict(top_k=2, num_experts=8, has_shared_expert=1, shared_ungated=1, n_group=4, topk_group=2,
-                 routed_scaling_factor=2.5 if v3 else 1.5, **({"fp8_experts": 1} if fp8 else {}))
+    attrs = dict(top_k=2, num_experts=8, has_shared_expert=1, shared_ungated=1,
+                 routed_scaling_factor=2.5 if v3 else 1.5 if groups else 1.0,
+                 **({"n_group": 4, "topk_group": 2} if groups else {}), **({"fp8_experts": 1} if fp8 else {}))
     extra = _quant_inputs(w)
     if v3:
         attrs.update(sigmoid_scores=1, correction_bias=1, group_top2=1, renormalize=1)
@@ -251,6 +279,7 @@ def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False):
     ref = op.moe(*inputs, **attrs)
     run = _runner(specs)
     out = op.forward(run, *inputs, consts={v: s.launch for v, s in specs.items()}, **attrs)
+    assert "route_deepseek" in run.variants, run.variants
     return _rel(out, ref), run.variants
 
 
@@ -313,6 +342,8 @@ def main():
         "gpu_binding_fp32": (lambda: check_binding(f32), tol[f32]),
         "deepseek_v2_decode_fp32": (lambda: check_deepseek(f32, 5, v3=False), tol[f32]),
         "deepseek_v3_grouped_fp32": (lambda: check_deepseek(f32, 23, v3=True, max_pairs=4), tol[f32]),
+        "deepseek_v2_lite_routing_fp32": (lambda: check_deepseek(f32, 7, v3=False, groups=False), tol[f32]),
+        "deepseek_v2_bf16": (lambda: check_deepseek(bf16, 6, v3=False), tol[bf16]),
         # fp8 experts: bf16 activations as an fp8 bundle has them (the codes convert exactly, the scale is
         # the epilogue's, so bf16's room is the same); float32 checks the scales' arithmetic itself
         "fp8_decode_bf16": (lambda: check_forward(bf16, 4, fp8=True), tol[bf16]),

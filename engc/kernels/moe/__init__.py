@@ -203,6 +203,21 @@ def launch_route(x, router, shared_gate, weights, ids, shared_weight, softmax_fi
                                           int(softmax_first), int(renormalize), int(float32_weights), 0, 0])]
 
 
+def launch_route_deepseek(x, router, bias, weights, ids, shared_weight, renormalize: int, float32_weights: int,
+                          sigmoid_scores: int = 0, n_group: int = 1, topk_group: int = 1, group_top2: int = 0,
+                          routed_scaling_factor: float = 1.0):
+    """moe_route_deepseek_kernel, grid (T,): route()'s DeepSeek routings. args: x, router, bias [E] f32 (any
+    float32 tensor without one), weights, ids, shared_weight (1 for DeepSeek's ungated shared experts),
+    sigmoid_scores, has_bias, n_group, topk_group, group_top2, renormalize, routed_scaling_factor,
+    float32_weights, scratch, scratch."""
+    if x.shape[0] == 0:
+        return []
+    return [("route_deepseek", (x.shape[0], 1, 1),
+             [x, router, weights if bias is None else bias, weights, ids, shared_weight, int(sigmoid_scores),
+              int(bias is not None), int(n_group), int(topk_group), int(group_top2), int(renormalize),
+              float(routed_scaling_factor), int(float32_weights), 0, 0])]
+
+
 def grouped_variants(num_tokens: int, top_k: int, num_experts: int, consts: dict) -> tuple[str, str] | None:
     """The expert GEMMs' variants for a batch of num_tokens: None for the decode ones (up to
     consts['gate_up_decode']['max_pairs'] pairs: no sort), the prefill pair where the pairs an expert reach
@@ -259,8 +274,8 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, soft
     variants, which skip the sort; more are sorted by expert and padded to BLOCK_M for the grouped GEMMs, the
     prefill pair's where the pairs an expert reach its prefill_min_rows on average (grouped_variants).
     The shared expert is a dense SiLU GLU on every token: its GEMMs are torch's (cuBLAS). DeepSeek's routings
-    (groups, sigmoid scores, the correction bias, the scaling factor) run as the reference's torch ops, which
-    a CUDA graph holds as well; the expert GEMMs and the combine are the same kernels. fp8 experts take the
+    (groups, sigmoid scores, the correction bias, the scaling factor) take their own routing kernel; the
+    expert GEMMs and the combine are the same kernels. fp8 experts take the
     gate_up / down variants the bundle compiled with FP8_W (an fp8 bundle's are all so)."""
     shared, quant, bias = expert_inputs(rest, has_shared_expert, shared_ungated, correction_bias)
     shared_gate_up, shared_down, shared_gate = (list(shared) + [None, None, None])[:3]
@@ -274,13 +289,8 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, soft
     ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
     shared_weight = torch.empty(t if has_shared_expert else 1, dtype=torch.float32, device=x.device)
     if correction_bias or shared_ungated or any(k in routing for k in _DEEPSEEK_ROUTING):
-        w, i = route(x, router, top_k, **routing_of({"softmax_first": softmax_first, "renormalize": renormalize,
-                                                    **routing}, bias))
-        weights.copy_(w if float32_weights else w.to(x.dtype))
-        ids.copy_(i)
-        if has_shared_expert:
-            shared_weight.copy_(torch.ones(t, device=x.device) if shared_ungated
-                                else torch.sigmoid(F.linear(x, shared_gate).float())[:, 0])
+        run(launch_route_deepseek(x, router, bias, weights, ids, shared_weight, renormalize, float32_weights,
+                                  **{k: routing[k] for k in _DEEPSEEK_ROUTING if k in routing}))
     else:
         run(launch_route(x, router, shared_gate if has_shared_expert else router, weights, ids, shared_weight,
                          softmax_first, renormalize, float32_weights))

@@ -1,5 +1,6 @@
 """The MoE kernels of a mixture-of-experts model: routing, the grouped and the decode expert GEMMs, the combine,
-each specialized on the model's hidden size, expert count, top-k and expert intermediate size. An fp8 build's
+each specialized on the model's hidden size, expert count, top-k and expert intermediate size; DeepSeek's
+routings (groups, sigmoid scores, a correction bias) their own routing kernel. An fp8 build's
 expert GEMMs are the FP8_W specialization (float8 weights, a float32 scale per channel: kernels/moe); the same
 variant names, as a bundle's experts are all fp8 or all float."""
 from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
@@ -13,6 +14,7 @@ from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
 # skips the sort.
 DEFAULTS = {
     "route": {"num_warps": 4, "num_stages": 1, "BLOCK_K": 64},
+    "route_deepseek": {"num_warps": 4, "num_stages": 1, "BLOCK_K": 64},
     "gate_up": {"num_warps": 4, "num_stages": 3, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64},
     "down": {"num_warps": 4, "num_stages": 3, "BLOCK_N": 64, "BLOCK_K": 64},   # BLOCK_M: gate_up's
     "gate_up_prefill": {"num_warps": 8, "num_stages": 3, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
@@ -40,6 +42,10 @@ def specs(b: Build) -> list:
     route = {"x_ptr": f"*{t}", "router_ptr": f"*{t}", "shared_gate_ptr": f"*{t}", "weights_ptr": "*fp32",
              "ids_ptr": "*i32", "shared_weight_ptr": "*fp32", "softmax_first": "i32", "renormalize": "i32",
              "float32_weights": "i32"}
+    route_deepseek = {"x_ptr": f"*{t}", "router_ptr": f"*{t}", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
+                      "ids_ptr": "*i32", "shared_weight_ptr": "*fp32", "sigmoid_scores": "i32", "has_bias": "i32",
+                      "n_group": "i32", "topk_group": "i32", "group_top2": "i32", "renormalize": "i32",
+                      "routed_scaling_factor": "fp32", "float32_weights": "i32"}
     combine = {"pairs_ptr": f"*{t}", "shared_ptr": f"*{t}", "shared_weight_ptr": "*fp32", "out_ptr": f"*{t}"}
     # a float32 bundle's GEMMs in full precision, not TF32 (as paged attention's)
     sizes = {"H": h, "INTER": inter, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32", "FP8_W": fp8}
@@ -49,6 +55,9 @@ def specs(b: Build) -> list:
     rows = [
         ("route", "moe_route_kernel", route, {"H": h, "E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k),
                                                "HAS_SHARED": shared}, ()),
+        *([("route_deepseek", "moe_route_deepseek_kernel", route_deepseek,
+            {"H": h, "E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k), "G_PAD": pow2(e), "HAS_SHARED": shared},
+            ())] if cfg.family.startswith("deepseek") else []),
         ("gate_up", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k}, ("BLOCK_M", "BLOCK_N")),
         ("down", "moe_down_kernel", down, {**sizes, "BLOCK_M": block_m["gate_up"]}, ("BLOCK_M", "BLOCK_N")),
         ("gate_up_prefill", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k},

@@ -2,6 +2,10 @@
 
 moe_route_kernel       grid (T,): router logits, softmax, top-k (ties to the lower expert id), the weights;
                        the shared expert's sigmoid gate
+moe_route_deepseek_kernel  grid (T,): DeepSeek's routings: float32 logits, softmax or sigmoid scores, the
+                       correction bias, the experts of the topk_group best of n_group groups (a group scored
+                       by its best expert or its best two), top-k, renormalization, the scaling factor; the
+                       routing's numbers are runtime arguments (the node's attributes), one compiled kernel
 moe_gate_up_kernel     grid (row blocks, cdiv(I, BLOCK_N)): act = silu(x W_gate^T) * (x W_up^T) of the block's
                        expert, for BLOCK_M (token, slot) pairs listed under it (kernels/moe sort_by_expert);
                        BLOCK_M 1 is the decode path: one pair a program, reading only its expert's weights
@@ -172,3 +176,68 @@ def moe_combine_kernel(pairs_ptr, shared_ptr, shared_weight_ptr, out_ptr, H: tl.
         s = tl.load(shared_ptr + t * H + n, mask=mask, other=0.0).to(tl.float32)
         acc += (s * tl.load(shared_weight_ptr + t)).to(dt).to(tl.float32)
     tl.store(out_ptr + t * H + n, acc.to(dt), mask=mask)
+
+
+@triton.jit
+def moe_route_deepseek_kernel(x_ptr, router_ptr, bias_ptr, weights_ptr, ids_ptr, shared_weight_ptr,
+                              sigmoid_scores, has_bias, n_group, topk_group, group_top2, renormalize,
+                              routed_scaling_factor, float32_weights, H: tl.constexpr, E: tl.constexpr,
+                              TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                              G_PAD: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SHARED: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_PAD)
+    dt = x_ptr.dtype.element_ty
+    logits = tl.zeros([E_PAD], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + t * H + kk, mask=kk < H, other=0.0).to(tl.float32)
+        w = tl.load(router_ptr + e[:, None] * H + kk[None, :], mask=(e[:, None] < E) & (kk[None, :] < H),
+                    other=0.0).to(tl.float32)
+        logits += tl.sum(w * x[None, :], axis=1)
+    live = e < E
+    logits = tl.where(live, logits, float("-inf"))
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    scores = tl.where(sigmoid_scores != 0, 1.0 / (1.0 + tl.exp(-logits)), p / tl.sum(p, axis=0))
+    scores = tl.where(live, scores, 0.0)
+    bias = tl.where(has_bias != 0, tl.load(bias_ptr + e, mask=live, other=0.0).to(tl.float32), 0.0)
+    choice = tl.where(live, scores + bias, float("-inf"))
+    # masked experts: 0 under softmax scores (all positive), -inf under a correction bias, as HF masks them
+    masked = tl.where(has_bias != 0, float("-inf"), 0.0)
+    if n_group > 1:
+        size = E // n_group
+        group = e // size
+        g = tl.arange(0, G_PAD)
+        group_scores = tl.full([G_PAD], float("-inf"), tl.float32)
+        for j in range(0, n_group):
+            mine = live & (group == j)
+            best = tl.max(tl.where(mine, choice, float("-inf")), axis=0)
+            first = tl.min(tl.where(mine & (choice == best), e, E_PAD), axis=0)
+            second = tl.max(tl.where(mine & (e != first), choice, float("-inf")), axis=0)
+            score = tl.where(group_top2 != 0, best + second, best)
+            group_scores = tl.where(g == j, score, group_scores)
+        keep = tl.zeros([E_PAD], dtype=tl.int32)
+        for _ in range(0, topk_group):
+            best = tl.max(group_scores, axis=0)
+            pick = tl.min(tl.where(group_scores == best, g, G_PAD), axis=0)
+            keep = tl.where(group == pick, 1, keep)
+            group_scores = tl.where(g == pick, float("-inf"), group_scores)
+        choice = tl.where((keep != 0) & live, choice, tl.where(live, masked, float("-inf")))
+    slot = tl.arange(0, K_PAD)
+    vals = tl.zeros([K_PAD], dtype=tl.float32)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=0)
+        pick = tl.min(tl.where(choice == best, e, E_PAD), axis=0)
+        # the weight is the unbiased score (under a bias) or the choice's value
+        w = tl.where(has_bias != 0, tl.sum(tl.where(e == pick, scores, 0.0), axis=0), best)
+        vals = tl.where(slot == j, w, vals)
+        ids = tl.where(slot == j, pick, ids)
+        choice = tl.where(e == pick, float("-inf"), choice)
+    in_k = slot < TOP_K
+    total = tl.sum(tl.where(in_k, vals, 0.0), axis=0)
+    vals = tl.where(renormalize != 0, vals / (total + 1e-20), vals) * routed_scaling_factor
+    vals = tl.where(float32_weights != 0, vals, vals.to(dt).to(tl.float32))
+    tl.store(weights_ptr + t * TOP_K + slot, vals, mask=in_k)
+    tl.store(ids_ptr + t * TOP_K + slot, ids, mask=in_k)
+    if HAS_SHARED:   # DeepSeek's shared experts are added ungated
+        tl.store(shared_weight_ptr + t, 1.0)
