@@ -118,6 +118,8 @@ def bench_shape(shape: str, args) -> dict:
     res.update(_throughput(shape, engine, cfg, args))
     if not args.quick:
         res.update(_sampled_long_prefill(shape, engine, cfg, args))
+    elif args.sampled:
+        res.update(_sampled(shape, engine, cfg))
     return res
 
 
@@ -230,15 +232,19 @@ def _throughput(shape: str, engine, cfg, args) -> dict:
     return res
 
 
-def _sampled_long_prefill(shape: str, engine, cfg, args) -> dict:
-    """Sampled decoding (temperature, top-k, top-p on the GPU) at LMDeploy's throughput batch; 1000 in /
-    1000 out at batch 64 (--long); one 4k-token prefill against the GEMM peak."""
-    from engc.runtime.sampling import SamplingParams
-    base, res = base_shape(shape), {}
-    n = LMDEPLOY.get(base, {}).get("N", 4)
+def _sampled(shape: str, engine, cfg) -> dict:
+    """Sampled decoding (temperature 0.8, top-k 50, top-p 0.95 on the GPU) at LMDeploy's throughput batch, and
+    its ratio to the greedy figure of the same batch where that ran."""
+    n = LMDEPLOY.get(base_shape(shape), {}).get("N", 4)
     _, total, _ = run_batch(engine, prompts(n, 128, cfg.vocab_size, n + 1), 128,
                             temperature=0.8, top_k=50, top_p=0.95, seed=0)
-    res[f"b{n}_128_128_sampled_out_tok_s"] = round(n * 128 / total, 1)
+    return {f"b{n}_128_128_sampled_out_tok_s": round(n * 128 / total, 1)}
+
+
+def _sampled_long_prefill(shape: str, engine, cfg, args) -> dict:
+    """_sampled; 1000 in / 1000 out at batch 64 (--long); one 4k-token prefill against the GEMM peak."""
+    from engc.runtime.sampling import SamplingParams
+    base, res = base_shape(shape), _sampled(shape, engine, cfg)
     if base == "tiny":
         return res
     if args.long:
@@ -328,7 +334,7 @@ def run(args):
 def _child_command(shape: str, args) -> list[str]:
     cmd = [sys.executable, __file__, "run", "--child", "--shapes", shape, "--cache", args.cache,
            "--out", args.out, "--work", args.work, "--commit", args.commit, "--timeout", str(args.timeout)]
-    for flag in ("long", "serve", "profile_only", "no_hf", "quick", "check_only"):
+    for flag in ("long", "serve", "profile_only", "no_hf", "quick", "check_only", "sampled"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
     for opt in ("tune", "batch_sizes", "ablate", "skip_pass"):
@@ -368,6 +374,8 @@ def main():
     ap.add_argument("--check-only", action="store_true",
                     help="build, load and check against the reference ops (and the float32 oracle, up to the 1B "
                          "shape), no timings")
+    ap.add_argument("--sampled", action="store_true",
+                    help="with --quick: also the sampled figure (temperature 0.8, top-k 50, top-p 0.95)")
     ap.add_argument("--quick", action="store_true",
                     help="batch-1 decode and the two first batch sizes only, reusing a built bundle (A/B runs)")
     ap.add_argument("--tune", default="", help='tune-table entries (JSON {"sm90/op/variant/bucket": {field: '
