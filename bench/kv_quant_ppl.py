@@ -3,10 +3,10 @@
     python bench/kv_quant_ppl.py [--src default] [--work DIR]
 
 Builds one CPU bundle per --kv-cache setting from the same source and scores each on the same windows
-of the held-out half of the default corpus as bench/quant_ppl.py (so "auto" is that table's float
-figure). Every window is one prefill whose queries attend over the quantized cache, so the figure
-includes the quantization of K and V at every position. Also reports how often each quantized bundle's
-greedy next token equals the unquantized one's over those positions. Writes DIR/results.json.
+of the held-out half of the Python language reference as bench/quant_ppl.py (so "auto" is that
+table's float figure). Every window is one prefill whose queries attend over the quantized cache, so
+the figure includes the quantization of K and V at every position. Also reports how often each quantized
+bundle's greedy next token equals the unquantized one's over those positions. Writes DIR/results.json.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engc.compiler.build import BuildOptions, build
-from engc.compiler.quantize.calibration import default_corpus
+from engc.compiler.quantize.calibration import python_reference
 from engc.runtime.eval import EvalOptions, perplexity
 from engc.runtime.loader import load
 
@@ -50,7 +50,7 @@ def main():
     torch.set_num_threads(2)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    text = default_corpus("heldout")
+    text = python_reference("heldout")
     ev = EvalOptions(window=args.window, stride=args.window, max_tokens=args.eval_tokens)
     results, tokens = {}, {}
     for kv in ("auto", "int8", "fp8"):
@@ -67,7 +67,7 @@ def main():
             results[kv]["greedy_agreement_vs_auto"] = float((tokens[kv] == tokens["auto"]).float().mean())
         print(kv, json.dumps(results[kv]), flush=True)
     results["settings"] = {"src": args.src, "window": args.window, "stride": args.window,
-                           "eval_tokens": args.eval_tokens, "text": "default_corpus('heldout')"}
+                           "eval_tokens": args.eval_tokens, "text": "python_reference('heldout')"}
     (work / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True))
     print("| kv cache | perplexity | greedy next token = auto |\n|---|---|---|")
     for kv in ("auto", "int8", "fp8"):

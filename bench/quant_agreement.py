@@ -4,8 +4,9 @@
                                     [--out bench/results/quant_agreement_smollm2.json]
 
 Two measures, both on the CPU reference path:
-- teacher-forced: over held-out real text (the held-out half of the default corpus, which no
-  quantizer calibrates on), windows of --window tokens every --window tokens; at each position, does
+- teacher-forced: over held-out real text (the held-out half of the Python language reference,
+  calibration.python_reference, which no quantizer calibrates on), windows of --window tokens every
+  --window tokens; at each position, does
   the int4 bundle's argmax equal the float bundle's?
 - free-running: greedy 64-token continuations of a few chat prompts (EOS ignored); the length of the
   common prefix of the two continuations, and the fraction of positions that agree.
@@ -24,7 +25,7 @@ import torch
 
 from engc.compiler.build import BuildOptions, build
 from engc.compiler.quantize import QuantOptions
-from engc.compiler.quantize.calibration import default_corpus
+from engc.compiler.quantize.calibration import python_reference
 from engc.compiler.quantize.stream import quantize_checkpoint
 from engc.llm import LLM
 from engc.runtime.eval import _forward
@@ -71,10 +72,10 @@ def main():
     ref, q = LLM(str(work / "b_float")), LLM(str(work / f"b_{key}"))
 
     t = time.monotonic()
-    ids = ref.tokenizer.encode(default_corpus("heldout"), add_special_tokens=False)[:args.eval_tokens]
+    ids = ref.tokenizer.encode(python_reference("heldout"), add_special_tokens=False)[:args.eval_tokens]
     a, b = argmaxes(ref.model, ids, args.window), argmaxes(q.model, ids, args.window)
     teacher = {"positions": a.numel(), "agree": round(float((a == b).float().mean()), 4),
-               "text": f"first {len(ids)} tokens of the held-out half of the default corpus, "
+               "text": f"first {len(ids)} tokens of the held-out half of the Python language reference, "
                        f"windows of {args.window}, no overlap", "seconds": round(time.monotonic() - t, 1)}
     print("teacher-forced", json.dumps(teacher), flush=True)
 

@@ -1,11 +1,13 @@
 """Held-out perplexity of RTN, AWQ and GPTQ int4 vs the float model (SmolLM2-135M-Instruct by default).
 
     python bench/quant_ppl.py [--src default] [--groups 128,32] [--methods rtn,awq,gptq] [--work DIR]
+                              [--calib FILE|reference]
         (a method gptq+act: GPTQ with act-order, its static groups; gptq+act+dynamic: groups in act order)
 
-Calibrates on the calibration half of the default corpus (engc.compiler.quantize.calibration) and
-scores the held-out half, so no evaluated token was seen by a quantizer. Every bundle is scored with
-the same windows and stride. Writes DIR/results.json and prints a markdown table.
+Calibrates on the default corpus (engc.compiler.quantize.calibration: its Python-reference part is the
+calibration half), or with --calib reference on that half alone, and scores the held-out half of the Python language reference, so no evaluated token
+was seen by a quantizer. Every bundle is scored with the same windows and stride. Writes
+DIR/results.json and prints a markdown table.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from engc.compiler.build import BuildOptions, build
 from engc.compiler.quantize import QuantOptions
-from engc.compiler.quantize.calibration import default_corpus
+from engc.compiler.quantize.calibration import python_reference
 from engc.compiler.quantize.stream import quantize_checkpoint
 from engc.runtime.eval import EvalOptions, perplexity
 from engc.runtime.loader import load
@@ -30,6 +32,8 @@ def main():
     ap.add_argument("--work", default="/tmp/engc_quant_bench")
     ap.add_argument("--calib-samples", type=int, default=16)
     ap.add_argument("--calib-seqlen", type=int, default=256)
+    ap.add_argument("--calib", default=None,
+                    help="calibration file; 'reference': the Python reference's calibration half alone")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--stride", type=int, default=512)
     ap.add_argument("--eval-tokens", type=int, default=4096)
@@ -38,7 +42,11 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     results_path = work / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    text = default_corpus("heldout")
+    text = python_reference("heldout")
+    calib = args.calib
+    if calib == "reference":  # the calibration domain of the scored text, and nothing else
+        calib = str(work / "calib_reference.txt")
+        Path(calib).write_text(python_reference("calibration"))
     ev = EvalOptions(window=args.window, stride=args.stride, max_tokens=args.eval_tokens)
 
     def score(key: str, bundle: Path, extra: dict):
@@ -57,7 +65,7 @@ def main():
             if key in results:
                 continue
             method, *flags = m.split("+")
-            opts = QuantOptions(method=method, group_size=g, calib_samples=args.calib_samples,
+            opts = QuantOptions(method=method, group_size=g, calib=calib, calib_samples=args.calib_samples,
                                 calib_seqlen=args.calib_seqlen, act_order="act" in flags,
                                 static_groups="dynamic" not in flags)
             summary = quantize_checkpoint(args.src, work / f"q_{key}", opts)

@@ -181,7 +181,9 @@ def tune_(src, prepare_dir, from_dir, out, arch, sms, ops, dtype, budget_s, marg
 @click.option("--method", default="awq", show_default=True, help="awq, gptq or rtn (round to nearest).")
 @click.option("--bits", default=4, show_default=True, type=int)
 @click.option("--group-size", default=128, show_default=True, type=int, help="32, 64 or 128.")
-@click.option("--calib", default=None, help="Calibration text or JSONL file (default: a built-in corpus).")
+@click.option("--calib", default=None,
+              help="Calibration text or JSONL file (default: engc's corpus of general English prose from five "
+                   "sources, docs/quantization.md).")
 @click.option("--calib-samples", default=64, show_default=True, type=int)
 @click.option("--calib-seqlen", default=256, show_default=True, type=int)
 @click.option("--act-order/--no-act-order", default=None,
@@ -210,6 +212,10 @@ def quantize(src, out, method, bits, group_size, calib, calib_samples, calib_seq
                    f"({summary['format']} layout), {summary['layers']} layers in {summary['seconds']}s; "
                    f"peak RSS {summary['peak_rss_mb']:.0f} MB (one layer's weights: "
                    f"{summary['layer_weights_mb']:.0f} MB)")
+        calib = summary["calibration"]
+        if calib:
+            click.echo(f"calibration: {calib['tokens']} tokens ({calib_samples} x {calib_seqlen}) of "
+                       f"{calib['corpus']}, {calib['corpus_tokens']} tokens")
 
 
 @main.command(name="eval")

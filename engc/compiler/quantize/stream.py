@@ -59,11 +59,11 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
         raise UserError(f"{ckpt.name}: engc quantize does not quantize {cfg.family} models yet (its decoder "
                         "layer is Llama's); engc build takes the float checkpoint")
     check_shapes(cfg, opts.group_size, opts.lm_head)
-    x = None
+    x, calib = None, {}
     if opts.method != "rtn":
         with progress.step("tokenize calibration text"):
             ids = calibration_samples(ckpt.tokenizer_files["tokenizer.json"], opts.calib,
-                                      opts.calib_samples, opts.calib_seqlen)
+                                      opts.calib_samples, opts.calib_seqlen, calib)
         embed = ckpt.get("model.embed_tokens.weight")
         x = embed[ids].float()  # rows first: a float32 copy of a 128k-vocab embedding is 4 layers' worth
         del embed
@@ -108,7 +108,7 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
             "group_size": opts.group_size, "format": opts.format, "layers": cfg.num_layers, "lm_head": opts.lm_head,
             "layer_weights_mb": round(layer_bytes / 2**20, 1), "start_rss_mb": round(start_rss, 1),
             "peak_rss_mb": round(peak_rss_mb(), 1), "layer_end_rss_mb": layer_rss,
-            "seconds": round(time.monotonic() - started, 1)}
+            "seconds": round(time.monotonic() - started, 1), "calibration": calib}
 
 
 def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions):
