@@ -29,7 +29,7 @@ SOURCES = {
                      "wordcloud 1.9.6 sdist, examples/constitution.txt", "public domain"),
     "rainbow": ("encyclopedia, science: Wikipedia's article Rainbow",
                 "wordcloud 1.9.6 sdist, examples/wiki_rainbow.txt", "CC BY-SA, Wikipedia's authors"),
-    "dialogs": ("conversation on 19 topics (history, science, food, sports, ...)",
+    "dialogs": ("conversation, 20 topic files (history, science, food, sports, ...)",
                 "chatterbot-corpus 1.3.3, chatterbot_corpus/data/english", "BSD-3-Clause, Gunther Cox"),
     "python_reference": ("technical documentation: the Python language reference, calibration half",
                          "CPython's pydoc_data.topics", "PSF License"),
