@@ -77,6 +77,34 @@ def test_gpu_sampling_is_seeded_and_top_k_1_is_greedy(gpu_bundle):
     assert run(temperature=0.7, top_k=1, seed=3) == run(temperature=0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not gpu_ready(), reason="needs a CUDA device and engc._native"))])
+def test_a_seeded_request_draws_the_same_tokens_alone_and_in_a_batch_of_64(gpu_bundle, device):
+    """A seed names a request's draws whatever shares its steps: the other 63 rows (other prompts, seeds and
+    settings, some greedy) change the batch's shape and its GEMM tiles, not the request's tokens."""
+    model = load(gpu_bundle, device=device)
+    ids = model.tokenizer.encode(PROMPTS[1])
+    mine = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, top_k=50, top_p=0.95, seed=7)
+
+    def run(others: int):
+        engine = Engine(model, EngineConfig(num_blocks=512, max_num_seqs=64))
+        rng = torch.Generator().manual_seed(0)
+        for i in range(others):
+            prompt = torch.randint(3, model.config.vocab_size, (3 + i % 9,), generator=rng).tolist()
+            engine.add_request(prompt, SamplingParams(max_tokens=8 + i % 12, ignore_eos=True,
+                                                      temperature=0 if i % 4 == 0 else 0.5 + i % 5 / 4,
+                                                      top_k=i % 3 * 20, top_p=1 - i % 2 / 10, seed=i))
+            if i == others // 2:
+                seq = engine.add_request(ids, mine)
+        if not others:
+            seq = engine.add_request(ids, mine)
+        engine.run_to_completion()
+        return seq.output_ids
+
+    alone = run(0)
+    assert len(alone) == 16 and alone == run(63)
+
+
 def test_kernel_selection_by_arch():
     """Own arch: cubins; same major: the older cubins; newer major: portable PTX; older GPU: refused."""
     from engc.errors import BundleError
