@@ -28,7 +28,9 @@ graph's argmax writes them there; keep_tokens copies those of other steps).
 """
 from __future__ import annotations
 
+import gc
 import sys
+from contextlib import contextmanager
 from typing import Callable
 
 import numpy as np
@@ -216,9 +218,10 @@ class GraphedExecutor:
 
     def capture(self, kv_caches: list[torch.Tensor]) -> None:
         """Capture every bucket now (largest first, so the smaller ones reuse its memory pool)."""
-        for b in reversed(self.buckets):
-            for c in self._ctx_buckets(b):
-                self._capture((b, c), kv_caches)
+        with collector_paused():
+            for b in reversed(self.buckets):
+                for c in self._ctx_buckets(b):
+                    self._capture((b, c), kv_caches)
 
     @staticmethod
     def _ctx_buckets(b: int) -> list[int | None]:
@@ -295,14 +298,32 @@ class GraphedExecutor:
                 self.greedy(logits, torch.empty(b, dtype=torch.int64, device=self.device))
         torch.cuda.current_stream().wait_stream(stream)
         graphs = []
-        for turn in range(TURNS):
-            graph = torch.cuda.CUDAGraph()
-            self.facts.for_graph(max_context)
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self._step(b, turn, kv_caches)
-            self.pool = graph.pool()
-            graphs.append((graph, out))
+        with collector_paused():
+            for turn in range(TURNS):
+                graph = torch.cuda.CUDAGraph()
+                self.facts.for_graph(max_context)
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self._step(b, turn, kv_caches)
+                self.pool = graph.pool()
+                graphs.append((graph, out))
         self.graphs[key] = graphs
+
+
+@contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off while graphs record, after one collection. An object the
+    collector frees mid-capture (an earlier engine's graphs, pools or pinned buffers, left in a reference
+    cycle) makes CUDA calls a capture forbids, and the capture fails with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+    at the next launch. torch.cuda.graph no longer collects before capturing; this does. Nested: a no-op."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _to_device(t: torch.Tensor, device) -> torch.Tensor:
