@@ -125,7 +125,9 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
     assert records[("sm90", "down")]["launch"]["BLOCK_M"] == records[("sm90", "gate_up")]["launch"]["BLOCK_M"]
     assert records[("sm90", "down_prefill")]["launch"]["BLOCK_M"] == \
         records[("sm90", "gate_up_prefill")]["launch"]["BLOCK_M"]
-    for tokens in (3, 80, 200):   # the decode path, the grouped one, the prefill one (400 pairs of 6 experts)
+    # the decode path, the grouped one, the prefill one (past prefill_min_rows pairs an expert of the 6)
+    prefill = records[("sm90", "gate_up_prefill")]["launch"]["prefill_min_rows"] * 6 // 2 + 8
+    for tokens in (3, 80, prefill):
         op.forward(check, torch.randn(tokens, 64, dtype=bf), w["router"], w["gate_up"], w["down"], *extra,
                    top_k=2, consts=consts, has_shared_expert=int(bool(shared)), fp8_experts=int(fp8))
     assert seen == {v for a, v in records if a == "sm90"}
