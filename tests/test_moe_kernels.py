@@ -55,7 +55,7 @@ def test_specs_only_for_moe_models():
     dense = [s.op for s in model_specs(_cfg(num_experts=0), torch.bfloat16, "sm90", 16)]
     assert "moe" not in dense
     variants = {s.variant for s in model_specs(_cfg(), torch.bfloat16, "sm90", 16) if s.op == "moe"}
-    assert variants == {"route", "gate_up", "down", "gate_up_prefill", "down_prefill", "gate_up_decode",
+    assert variants == {"router", "route", "gate_up", "down", "gate_up_prefill", "down_prefill", "gate_up_decode",
                         "down_decode", "combine"}
 
 
@@ -94,7 +94,7 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
              if s.op == "moe"]
     result = compile_specs(specs, jobs=1)
     records = {(r["arch"], r["variant"]): r for r in result.records}
-    assert set(records) == {(a, v) for a in archs for v in GEMMS + ("route", "combine")}
+    assert set(records) == {(a, v) for a in archs for v in GEMMS + ("router", "route", "combine")}
     for r in result.records:
         ptx = result.files[r["ptx"]].decode()
         assert result.files[r["cubin"]][:4] == b"\x7fELF" and f".entry {r['entry']}(" in ptx
@@ -220,8 +220,10 @@ def check_route(dtype, softmax_first, renormalize, ties=False, float32_weights=0
     router = torch.zeros_like(w["router"]) if ties else w["router"]
     weights = torch.full((13, 3), float("nan"))
     ids = torch.full((13, 3), -7, dtype=torch.int32)
-    _runner(specs)(op.launch_route(x, router, router, weights, ids, weights, softmax_first, renormalize,
-                                   float32_weights))
+    logits = torch.full((13, 10), float("nan")).to(dtype)
+    run = _runner(specs)
+    run(op.launch_router(x, router, logits, {v: s.launch for v, s in specs.items()}))
+    run(op.launch_route(x, logits, router, weights, ids, weights, softmax_first, renormalize, float32_weights))
     if ties:   # every score equal: the kernel takes the lowest expert ids, in order
         ok = (ids == torch.arange(3, dtype=torch.int32)).all() and torch.allclose(weights, torch.full_like(weights, 0.1 if not renormalize else 1 / 3))
         return 0.0 if ok else float("inf")
@@ -254,7 +256,7 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
     out = op.forward(run, *inputs, consts=consts, **attrs)
     pairs = tokens * top_k
     kind = "_decode" if pairs <= max_pairs else "_prefill" if pairs >= min_rows * experts else ""
-    expected = ["route", "gate_up" + kind, "down" + kind, "combine"]
+    expected = ["router", "route", "gate_up" + kind, "down" + kind, "combine"]
     assert run.variants == expected, run.variants
     return _rel(out, ref), run.variants
 

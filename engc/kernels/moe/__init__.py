@@ -191,15 +191,26 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
 
 # ---- the GPU path: launch rules, and the order the binding runs them in ---------------------------------
 
-def launch_route(x, router, shared_gate, weights, ids, shared_weight, softmax_first: int, renormalize: int,
-                 float32_weights: int = 0):
-    """moe_route_kernel, grid (T,). args: x, router, shared_gate, weights [T, k] f32, ids [T, k] i32,
-    shared_weight [T] f32, softmax_first, renormalize, float32_weights, scratch, scratch. shared_gate and
-    shared_weight are any tensor where the model has no shared expert (the kernel, compiled without it,
-    reads neither)."""
+def launch_router(x, router, logits, consts):
+    """moe_router_kernel, grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E)). args: x, router [E, H], logits [T, E] in
+    the model dtype, T, scratch, scratch."""
     if x.shape[0] == 0:
         return []
-    return [("route", (x.shape[0], 1, 1), [x, router, shared_gate, weights, ids, shared_weight,
+    c = consts["router"]
+    cdiv = lambda a, b: (a + b - 1) // b  # noqa: E731
+    return [("router", (cdiv(x.shape[0], c["BLOCK_T"]), cdiv(router.shape[0], c["BLOCK_E"]), 1),
+             [x, router, logits, x.shape[0], 0, 0])]
+
+
+def launch_route(x, logits, shared_gate, weights, ids, shared_weight, softmax_first: int, renormalize: int,
+                 float32_weights: int = 0):
+    """moe_route_kernel, grid (T,). args: x, logits [T, E] (launch_router's), shared_gate, weights [T, k] f32,
+    ids [T, k] i32, shared_weight [T] f32, softmax_first, renormalize, float32_weights, scratch, scratch.
+    shared_gate and shared_weight are any tensor where the model has no shared expert (the kernel, compiled
+    without it, reads neither)."""
+    if x.shape[0] == 0:
+        return []
+    return [("route", (x.shape[0], 1, 1), [x, logits, shared_gate, weights, ids, shared_weight,
                                           int(softmax_first), int(renormalize), int(float32_weights), 0, 0])]
 
 
@@ -292,7 +303,9 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, soft
         run(launch_route_deepseek(x, router, bias, weights, ids, shared_weight, renormalize, float32_weights,
                                   **{k: routing[k] for k in _DEEPSEEK_ROUTING if k in routing}))
     else:
-        run(launch_route(x, router, shared_gate if has_shared_expert else router, weights, ids, shared_weight,
+        logits = torch.empty(t, e, dtype=x.dtype, device=x.device)
+        run(launch_router(x, router, logits, consts))
+        run(launch_route(x, logits, shared_gate if has_shared_expert else router, weights, ids, shared_weight,
                          softmax_first, renormalize, float32_weights))
     variants = grouped_variants(t, top_k, e, consts)
     if variants is None:

@@ -13,6 +13,8 @@ from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
 # read one expert's rows a program, BLOCK_K wide; up to max_pairs (token, expert) pairs take them, which
 # skips the sort.
 DEFAULTS = {
+    # the router's logits: 16 experts a program (8 programs share Qwen3-30B-A3B's 128 at batch 1), 128-deep K
+    "router": {"num_warps": 4, "num_stages": 3, "BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 128},
     "route": {"num_warps": 4, "num_stages": 1, "BLOCK_K": 64},
     "route_deepseek": {"num_warps": 4, "num_stages": 1, "BLOCK_K": 64},
     "gate_up": {"num_warps": 4, "num_stages": 3, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64},
@@ -39,7 +41,8 @@ def specs(b: Build) -> list:
                "num_pairs": "i32"}
     down = {"act_ptr": f"*{t}", **w, "rows_ptr": "*i32", "block_expert_ptr": "*i32", "weights_ptr": "*fp32",
             "pairs_ptr": f"*{t}", "num_pairs": "i32"}
-    route = {"x_ptr": f"*{t}", "router_ptr": f"*{t}", "shared_gate_ptr": f"*{t}", "weights_ptr": "*fp32",
+    router = {"x_ptr": f"*{t}", "router_ptr": f"*{t}", "logits_ptr": f"*{t}", "T": "i32"}
+    route = {"x_ptr": f"*{t}", "logits_ptr": f"*{t}", "shared_gate_ptr": f"*{t}", "weights_ptr": "*fp32",
              "ids_ptr": "*i32", "shared_weight_ptr": "*fp32", "softmax_first": "i32", "renormalize": "i32",
              "float32_weights": "i32"}
     route_deepseek = {"x_ptr": f"*{t}", "router_ptr": f"*{t}", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
@@ -53,6 +56,8 @@ def specs(b: Build) -> list:
     block_m = {v: make_spec("moe", v, b.arch, "moe_gate_up_kernel", gate_up, {}, "any", overrides=b.ov("moe"),
                             defaults=DEFAULTS[v]).constexprs["BLOCK_M"] for v in ("gate_up", "gate_up_prefill")}
     rows = [
+        ("router", "moe_router_kernel", router, {"H": h, "E": e, "DOT_PRECISION": sizes["DOT_PRECISION"]},
+         ("BLOCK_T", "BLOCK_E")),
         ("route", "moe_route_kernel", route, {"H": h, "E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k),
                                                "HAS_SHARED": shared}, ()),
         *([("route_deepseek", "moe_route_deepseek_kernel", route_deepseek,

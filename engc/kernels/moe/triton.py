@@ -1,6 +1,9 @@
 """The MoE op's kernels: routing, the experts' gate_up (SiLU-and-mul fused) and down GEMMs, the combine.
 
-moe_route_kernel       grid (T,): router logits, softmax, top-k (ties to the lower expert id), the weights;
+moe_router_kernel      grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E)): the router logits x router^T, rounded to the
+                       model dtype as F.linear's; many programs share the router's read (one program a token
+                       reading all of it took ~40 us a layer, a third of a Qwen3-30B-A3B batch-1 step)
+moe_route_kernel       grid (T,): softmax, top-k of those logits (ties to the lower expert id), the weights;
                        the shared expert's sigmoid gate
 moe_route_deepseek_kernel  grid (T,): DeepSeek's routings: float32 logits, softmax or sigmoid scores, the
                        correction bias, the experts of the topk_group best of n_group groups (a group scored
@@ -39,7 +42,23 @@ else:
 
 
 @triton.jit
-def moe_route_kernel(x_ptr, router_ptr, shared_gate_ptr, weights_ptr, ids_ptr, shared_weight_ptr,
+def moe_router_kernel(x_ptr, router_ptr, logits_ptr, T, H: tl.constexpr, E: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + t[:, None].to(tl.int64) * H + kk[None, :], mask=(t[:, None] < T) & (kk[None, :] < H),
+                    other=0.0)
+        w = tl.load(router_ptr + e[None, :] * H + kk[:, None], mask=(e[None, :] < E) & (kk[:, None] < H), other=0.0)
+        acc = _dot(a, w, acc, DOT_PRECISION)
+    tl.store(logits_ptr + t[:, None].to(tl.int64) * E + e[None, :], acc.to(logits_ptr.dtype.element_ty),
+             mask=(t[:, None] < T) & (e[None, :] < E))
+
+
+@triton.jit
+def moe_route_kernel(x_ptr, logits_ptr, shared_gate_ptr, weights_ptr, ids_ptr, shared_weight_ptr,
                      softmax_first, renormalize, float32_weights, H: tl.constexpr, E: tl.constexpr,
                      TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
                      HAS_SHARED: tl.constexpr):
@@ -48,17 +67,13 @@ def moe_route_kernel(x_ptr, router_ptr, shared_gate_ptr, weights_ptr, ids_ptr, s
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     dt = x_ptr.dtype.element_ty
-    logits = tl.zeros([E_PAD], dtype=tl.float32)
-    shared = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + t * H + kk, mask=kk < H, other=0.0).to(tl.float32)
-        w = tl.load(router_ptr + e[:, None] * H + kk[None, :], mask=(e[:, None] < E) & (kk[None, :] < H),
-                    other=0.0).to(tl.float32)
-        logits += tl.sum(w * x[None, :], axis=1)
-        if HAS_SHARED:
+    logits = tl.load(logits_ptr + t * E + e, mask=e < E, other=0.0).to(tl.float32)   # model dtype, as F.linear's
+    if HAS_SHARED:   # the shared expert's gate: one row, read here
+        shared = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + t * H + kk, mask=kk < H, other=0.0).to(tl.float32)
             shared += tl.load(shared_gate_ptr + kk, mask=kk < H, other=0.0).to(tl.float32) * x
-    logits = logits.to(dt).to(tl.float32)          # F.linear's output is in the model dtype
     logits = tl.where(e < E, logits, float("-inf"))
     p = tl.exp(logits - tl.max(logits, axis=0))
     scores = tl.where(softmax_first != 0, p / tl.sum(p, axis=0), logits)
