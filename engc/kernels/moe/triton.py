@@ -285,10 +285,12 @@ def moe_sort_kernel(ids_ptr, rows_ptr, block_expert_ptr, num_pairs, block_m, num
         rank = tl.cumsum(hit, axis=0) - hit
         tl.store(rows_ptr + tl.sum(hit * (rank + base[None, :]), axis=1), i, mask=ok)
         base += tl.sum(hit, axis=0)
-    # the padding rows (num_pairs), shared out among the programs: each expert's rows past its pairs ...
+    # the padding rows (num_pairs), shared out among the programs: each expert's rows past its pairs (fewer
+    # than block_m, 16 at a time) ...
     fill = start + counts
-    for j in range(pid, block_m - 1, programs):
-        tl.store(rows_ptr + fill + j, num_pairs, mask=fill + j < end)
+    for j0 in range(pid * 16, block_m - 1, programs * 16):
+        q = fill[:, None] + j0 + tl.arange(0, 16)[None, :]
+        tl.store(rows_ptr + q, num_pairs, mask=q < end[:, None])
     # ... and the rows past the last expert's, up to the fixed size
     size = num_blocks * block_m
     for q0 in range(tl.sum(padded, axis=0) + pid * SCAN_BLOCK, size, programs * SCAN_BLOCK):
