@@ -4,8 +4,9 @@ As in test_kernels.py, the checks run in one child process (this file as a scrip
 through the specs codegen builds for a small MoE model and the op's own launch rules and forward(), which is
 what the GPU binding runs: the routing variants, the decode path (one (token, expert) pair a program) and the
 grouped paths (pairs sorted by expert, padded to BLOCK_M: the decode-sized batches' small tile and the
-prefill variants' large one), with and without a shared expert, and both with the
-fp8 experts of engc build --quant fp8 (float8 weights, a scale per channel; the FP8_W specialization).
+prefill variants' large one; the sort kernel's schedule exactly sort_by_expert's), with and without a shared
+expert, and both with the fp8 experts of engc build --quant fp8 (float8 weights, a scale per channel; the
+FP8_W specialization).
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ CASES = ["route_softmax_fp32", "route_softmax_renorm_fp32", "route_topk_first_fp
          "deepseek_v2_lite_routing_fp32", "deepseek_v2_bf16", "fp8_decode_bf16", "fp8_grouped_bf16",
          "fp8_decode_shared_fp32", "fp8_grouped_fp32", "fp8_deepseek_v3_grouped_bf16", "fp8_gpu_binding_bf16",
          "prefill_fp32", "prefill_bf16", "prefill_shared_fp32", "prefill_many_blocks_fp32",
-         "below_prefill_threshold_fp32", "fp8_prefill_fp32"]
+         "below_prefill_threshold_fp32", "fp8_prefill_fp32",
+         "sort_one_token", "sort_grouped", "sort_mostly_empty_experts", "sort_all_on_one_expert",
+         "sort_prefill_block", "sort_pow2_experts", "sort_many_programs", "sort_one_program_loops"]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def test_specs_only_for_moe_models():
     assert "moe" not in dense
     variants = {s.variant for s in model_specs(_cfg(), torch.bfloat16, "sm90", 16) if s.op == "moe"}
     assert variants == {"router", "route", "gate_up", "down", "gate_up_prefill", "down_prefill", "gate_up_decode",
-                        "down_decode", "combine"}
+                        "down_decode", "combine", "sort"}
 
 
 GEMMS = ("gate_up", "down", "gate_up_prefill", "down_prefill", "gate_up_decode", "down_decode")
@@ -94,7 +97,7 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
              if s.op == "moe"]
     result = compile_specs(specs, jobs=1)
     records = {(r["arch"], r["variant"]): r for r in result.records}
-    assert set(records) == {(a, v) for a in archs for v in GEMMS + ("router", "route", "combine")}
+    assert set(records) == {(a, v) for a in archs for v in GEMMS + ("router", "route", "combine", "sort")}
     for r in result.records:
         ptx = result.files[r["ptx"]].decode()
         assert result.files[r["cubin"]][:4] == b"\x7fELF" and f".entry {r['entry']}(" in ptx
@@ -256,7 +259,8 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
     out = op.forward(run, *inputs, consts=consts, **attrs)
     pairs = tokens * top_k
     kind = "_decode" if pairs <= max_pairs else "_prefill" if pairs >= min_rows * experts else ""
-    expected = ["router", "route", "gate_up" + kind, "down" + kind, "combine"]
+    expected = ["router", "route", *([] if kind == "_decode" else ["sort"]), "gate_up" + kind, "down" + kind,
+                "combine"]
     assert run.variants == expected, run.variants
     return _rel(out, ref), run.variants
 
@@ -285,6 +289,26 @@ def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False, groups=True
     out = op.forward(run, *inputs, consts={v: s.launch for v, s in specs.items()}, **attrs)
     assert "route_deepseek" in run.variants, run.variants
     return _rel(out, ref), run.variants
+
+
+def check_sort(tokens, top_k, experts, block_m, ids=None, overrides=None):
+    """launch_sort's kernel against sort_by_expert, exactly: every row and block (the outputs start as garbage,
+    so one the kernel leaves unwritten shows). ids: random distinct experts a token by default."""
+    import torch
+    from engc.kernels import moe as op
+    specs = _specs(_cfg(num_experts=experts, num_experts_per_tok=top_k), torch.float32, overrides)
+    if ids is None:
+        g = torch.Generator().manual_seed(tokens)
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids = ids.to(torch.int32)
+    blocks = op.sort_blocks(ids.numel(), experts, block_m)
+    rows = torch.full((blocks * block_m,), -7, dtype=torch.int32)
+    block_expert = torch.full((blocks,), -7, dtype=torch.int32)
+    launches = op.launch_sort(ids, rows, block_expert, block_m, {v: s.launch for v, s in specs.items()})
+    _runner(specs)(launches)
+    ref_rows, ref_blocks = op.sort_by_expert(ids, experts, block_m)
+    ok = torch.equal(rows, ref_rows) and torch.equal(block_expert, ref_blocks)
+    return 0.0 if ok else float("inf"), [grid for _, grid, _ in launches]
 
 
 def check_binding(dtype, fp8=False):
@@ -365,6 +389,21 @@ def main():
         "prefill_many_blocks_fp32": (lambda: check_forward(f32, 150, max_pairs=4, min_rows=8), tol[f32]),
         "below_prefill_threshold_fp32": (lambda: check_forward(f32, 40, max_pairs=4, min_rows=16), tol[f32]),
         "fp8_prefill_fp32": (lambda: check_forward(f32, 40, max_pairs=4, min_rows=8, fp8=True), tol[f32]),
+        # the sort kernel's schedule is sort_by_expert's to the row: one token; a grouped batch; most experts
+        # without pairs (the tail blocks all padding); every pair on one expert; the prefill BLOCK_M; as many
+        # experts as histogram bins (E = E_PAD: the masked lanes of a partial count chunk have no spare bin);
+        # several programs, each ranking a span in several steps, counting in several masked chunks and
+        # sharing out the padding; one program looping over all of it
+        "sort_one_token": (lambda: check_sort(1, 2, 6, 16), 0),
+        "sort_grouped": (lambda: check_sort(37, 2, 6, 16), 0),
+        "sort_mostly_empty_experts": (lambda: check_sort(9, 4, 32, 4), 0),
+        "sort_all_on_one_expert": (lambda: check_sort(50, 2, 10, 8, ids=torch.full((50, 2), 3)), 0),
+        "sort_prefill_block": (lambda: check_sort(150, 2, 6, 64), 0),
+        "sort_pow2_experts": (lambda: check_sort(61, 2, 8, 16, overrides={"SCAN_BLOCK": 32}), 0),
+        "sort_many_programs": (lambda: check_sort(300, 3, 10, 8, overrides={"RANK_BLOCK": 16, "SCAN_BLOCK": 32,
+                                                                           "max_programs": 5}), 0),
+        "sort_one_program_loops": (lambda: check_sort(200, 4, 60, 32, overrides={"RANK_BLOCK": 16,
+                                                                                "max_programs": 1}), 0),
     }
     print_report(checks)
 

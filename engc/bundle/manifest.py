@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 FORMAT = "engc-bundle"
-FORMAT_VERSION = (4, 0)
-# The majors this runtime reads. 4.0: the program has its decode form (passes/decode_form), and the sampling
-# kernel takes min-p and its candidate buffers (an older bundle's cubin has other parameters); a bundle of an
-# older format is refused with a line saying to rebuild it.
-READABLE_MAJORS = (4,)
+FORMAT_VERSION = (5, 0)
+# The majors this runtime reads. 5.0: the program has its decode form (passes/decode_form), the sampling
+# kernel takes min-p and its candidate buffers (an older bundle's cubin has other parameters), and an MoE
+# model's GPU kernels include the router-logits and the expert-sort kernels the MoE op launches; a bundle of
+# an older format is refused with a line saying to rebuild it.
+READABLE_MAJORS = (5,)
 MANIFEST = "manifest.json"
 PROGRAM = "program.onnx"
 WEIGHTS = "weights/rank0.safetensors"

@@ -165,18 +165,23 @@ def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torc
     return out
 
 
-def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
-    """The grouped GEMMs' schedule: each (token, slot) pair listed under its expert, each expert's list padded
-    to a multiple of block_m, so every BLOCK_M rows of the sorted list belong to one expert. The sizes follow
-    from the shapes alone (room for every expert's padding), so nothing waits on the GPU and a CUDA graph
-    can hold it.
+def sort_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The schedule's blocks for num_pairs pairs: room for every expert's padding, so the sizes follow from the
+    shapes alone (nothing waits on the GPU, and a CUDA graph can hold them)."""
+    return (num_pairs + num_experts * (block_m - 1) + block_m - 1) // block_m
 
-    ids [T, k] -> (rows [P] int32: the pair's flat index t * k + slot, T * k for padding;
-                   block_expert [P / block_m] int32: the expert of each block, -1 past the last one)
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
+    """The grouped GEMMs' schedule: each (token, slot) pair listed under its expert, in pair order, each
+    expert's list padded to a multiple of block_m, so every BLOCK_M rows of the sorted list belong to one
+    expert. The reference of moe_sort_kernel (launch_sort), which the GPU path runs.
+
+    ids [T, k] -> (rows [sort_blocks * block_m] int32: the pair's flat index t * k + slot, T * k for padding;
+                   block_expert [sort_blocks] int32: the expert of each block, -1 past the last one)
     """
     flat = ids.reshape(-1).long()
     n, dev = flat.numel(), flat.device
-    blocks = (n + num_experts * (block_m - 1) + block_m - 1) // block_m
+    blocks = sort_blocks(n, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
@@ -229,6 +234,19 @@ def launch_route_deepseek(x, router, bias, weights, ids, shared_weight, renormal
               float(routed_scaling_factor), int(float32_weights), 0, 0])]
 
 
+def launch_sort(ids, rows, block_expert, block_m: int, consts):
+    """moe_sort_kernel, grid (up to max_programs,): sort_by_expert's rows and block_expert, in one launch, for
+    the grouped pair of BLOCK_M block_m (a runtime argument: one kernel serves both pairs). rows and
+    block_expert are sized by sort_blocks. args: ids [T, k] i32, rows, block_expert, num_pairs, block_m,
+    num_blocks, scratch, scratch."""
+    n = ids.numel()
+    if n == 0:
+        return []
+    sort = consts["sort"]
+    programs = min((n + sort["RANK_BLOCK"] - 1) // sort["RANK_BLOCK"], sort["max_programs"])
+    return [("sort", (programs, 1, 1), [ids, rows, block_expert, n, int(block_m), block_expert.numel(), 0, 0])]
+
+
 def grouped_variants(num_tokens: int, top_k: int, num_experts: int, consts: dict) -> tuple[str, str] | None:
     """The expert GEMMs' variants for a batch of num_tokens: None for the decode ones (up to
     consts['gate_up_decode']['max_pairs'] pairs: no sort), the prefill pair where the pairs an expert reach
@@ -246,7 +264,7 @@ def grouped_variants(num_tokens: int, top_k: int, num_experts: int, consts: dict
 
 def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, variants,
                    gate_up_scale=None, down_scale=None):
-    """moe_gate_up_kernel then moe_down_kernel over the schedule rows/block_expert (sort_by_expert with the
+    """moe_gate_up_kernel then moe_down_kernel over the schedule rows/block_expert (launch_sort's with the
     variant's BLOCK_M, or for the decode variants one pair a program: rows = 0..T*k-1, block_expert = ids).
     variants: grouped_variants' (gate_up, down) pair, None for the decode ones. act [len(rows), I], pairs
     [T*k, H] (each pair's weighted expert output). consts: '<variant>' -> {'BLOCK_M', 'BLOCK_N'}.
@@ -282,8 +300,9 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, soft
             shared_ungated: int = 0, correction_bias: int = 0, fp8_experts: int = 0, **routing) -> torch.Tensor:
     """The MoE node on the GPU: run(launches) runs each launch rule's output (the runtime's BundleKernels, or
     the interpreter in the tests). Up to consts['gate_up_decode']['max_pairs'] (token, expert) pairs take the decode
-    variants, which skip the sort; more are sorted by expert and padded to BLOCK_M for the grouped GEMMs, the
-    prefill pair's where the pairs an expert reach its prefill_min_rows on average (grouped_variants).
+    variants, which skip the sort; more are sorted by expert and padded to BLOCK_M for the grouped GEMMs (one
+    launch of the sort kernel, its outputs sized from the shapes), the prefill pair's where the pairs an
+    expert reach its prefill_min_rows on average (grouped_variants).
     The shared expert is a dense SiLU GLU on every token: its GEMMs are torch's (cuBLAS). DeepSeek's routings
     (groups, sigmoid scores, the correction bias, the scaling factor) take their own routing kernel; the
     expert GEMMs and the combine are the same kernels. fp8 experts take the
@@ -312,7 +331,11 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, soft
         rows = torch.arange(t * top_k, dtype=torch.int32, device=x.device)
         block_expert = ids.reshape(-1)
     else:
-        rows, block_expert = sort_by_expert(ids, e, consts[variants[0]]["BLOCK_M"])
+        block_m = consts[variants[0]]["BLOCK_M"]
+        blocks = sort_blocks(t * top_k, e, block_m)
+        rows = torch.empty(blocks * block_m, dtype=torch.int32, device=x.device)
+        block_expert = torch.empty(blocks, dtype=torch.int32, device=x.device)
+        run(launch_sort(ids, rows, block_expert, block_m, consts))
     act = torch.empty(rows.numel(), down.shape[2], dtype=x.dtype, device=x.device)
     pairs = torch.empty(t * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     run(launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, variants, gate_up_scale,

@@ -1,4 +1,5 @@
-"""The MoE op's kernels: routing, the experts' gate_up (SiLU-and-mul fused) and down GEMMs, the combine.
+"""The MoE op's kernels: routing, the sort by expert, the experts' gate_up (SiLU-and-mul fused) and down GEMMs,
+the combine.
 
 moe_router_kernel      grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E)): the router logits x router^T, rounded to the
                        model dtype as F.linear's; many programs share the router's read (one program a token
@@ -9,8 +10,12 @@ moe_route_deepseek_kernel  grid (T,): DeepSeek's routings: float32 logits, softm
                        correction bias, the experts of the topk_group best of n_group groups (a group scored
                        by its best expert or its best two), top-k, renormalization, the scaling factor; the
                        routing's numbers are runtime arguments (the node's attributes), one compiled kernel
+moe_sort_kernel        grid (up to max_programs,): the grouped GEMMs' schedule, sort_by_expert's exactly: a
+                       counting sort of the (token, slot) pairs by expert (each program counts every id, then
+                       ranks its own span in pair order), each expert padded to BLOCK_M rows (a runtime
+                       argument: one kernel serves the grouped and the prefill pairs), each block's expert
 moe_gate_up_kernel     grid (row blocks, cdiv(I, BLOCK_N)): act = silu(x W_gate^T) * (x W_up^T) of the block's
-                       expert, for BLOCK_M (token, slot) pairs listed under it (kernels/moe sort_by_expert);
+                       expert, for BLOCK_M (token, slot) pairs listed under it (moe_sort_kernel's schedule);
                        BLOCK_M 1 is the decode path: one pair a program, reading only its expert's weights
 moe_down_kernel        grid (row blocks, cdiv(H, BLOCK_N)): pairs[pair] = weight[pair] * (act W_down^T)
 moe_combine_kernel     grid (T, cdiv(H, BLOCK)): y[t] = sum over the token's k pairs (+ its gated shared
@@ -256,3 +261,58 @@ def moe_route_deepseek_kernel(x_ptr, router_ptr, bias_ptr, weights_ptr, ids_ptr,
     tl.store(ids_ptr + t * TOP_K + slot, ids, mask=in_k)
     if HAS_SHARED:   # DeepSeek's shared experts are added ungated
         tl.store(shared_weight_ptr + t, 1.0)
+
+
+@triton.jit
+def _count_experts(ids_ptr, lo, hi, E_PAD: tl.constexpr, SCAN_BLOCK: tl.constexpr):
+    """The pairs of each expert among ids[lo:hi]."""
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for c in range(lo, hi, SCAN_BLOCK):
+        i = c + tl.arange(0, SCAN_BLOCK)
+        counts += tl.histogram(tl.load(ids_ptr + i, mask=i < hi, other=0), E_PAD)
+    # the last chunk's lanes past hi were counted as expert 0
+    short = tl.cdiv(hi - lo, SCAN_BLOCK) * SCAN_BLOCK - (hi - lo)
+    return counts - tl.where(tl.arange(0, E_PAD) == 0, short, 0)
+
+
+@triton.jit
+def moe_sort_kernel(ids_ptr, rows_ptr, block_expert_ptr, num_pairs, block_m, num_blocks, E: tl.constexpr,
+                    E_PAD: tl.constexpr, RANK_BLOCK: tl.constexpr, SCAN_BLOCK: tl.constexpr):
+    # A counting sort: every program counts all the ids (a histogram, cheap next to ranking) and ranks its own
+    # span of pairs, so the programs need not wait on one another; no atomics, so the rows are the same each run
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    e = tl.arange(0, E_PAD)
+    span = tl.cdiv(tl.cdiv(num_pairs, programs), RANK_BLOCK) * RANK_BLOCK
+    lo = tl.minimum(pid * span, num_pairs)
+    hi = tl.minimum(lo + span, num_pairs)
+    before = _count_experts(ids_ptr, 0, lo, E_PAD, SCAN_BLOCK)
+    counts = before + _count_experts(ids_ptr, lo, num_pairs, E_PAD, SCAN_BLOCK)
+    padded = (counts + block_m - 1) // block_m * block_m
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+    # a pair's row: its expert's start plus the pairs of that expert before it, in pair order (stable)
+    base = start + before
+    for c in range(lo, hi, RANK_BLOCK):
+        i = c + tl.arange(0, RANK_BLOCK)
+        ok = i < hi
+        hit = (tl.load(ids_ptr + i, mask=ok, other=E_PAD)[:, None] == e[None, :]).to(tl.int32)
+        rank = tl.cumsum(hit, axis=0) - hit
+        tl.store(rows_ptr + tl.sum(hit * (rank + base[None, :]), axis=1), i, mask=ok)
+        base += tl.sum(hit, axis=0)
+    # the padding rows (num_pairs), shared out among the programs: each expert's rows past its pairs (fewer
+    # than block_m, 16 at a time) ...
+    fill = start + counts
+    for j0 in range(pid * 16, block_m - 1, programs * 16):
+        q = fill[:, None] + j0 + tl.arange(0, 16)[None, :]
+        tl.store(rows_ptr + q, num_pairs, mask=q < end[:, None])
+    # ... and the rows past the last expert's, up to the fixed size
+    size = num_blocks * block_m
+    for q0 in range(tl.sum(padded, axis=0) + pid * SCAN_BLOCK, size, programs * SCAN_BLOCK):
+        q = q0 + tl.arange(0, SCAN_BLOCK)
+        tl.store(rows_ptr + q, num_pairs, mask=q < size)
+    # a block's expert: the experts that end at or before its first row (a searchsorted); -1 past the last
+    for b0 in range(pid * RANK_BLOCK, num_blocks, programs * RANK_BLOCK):
+        b = b0 + tl.arange(0, RANK_BLOCK)
+        owner = tl.sum(((end[None, :] <= b[:, None] * block_m) & (e[None, :] < E)).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(owner < E, owner, -1), mask=b < num_blocks)
