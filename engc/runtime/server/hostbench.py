@@ -1,0 +1,99 @@
+"""The server's host path alone: `engc run`'s server over a bundle whose forward is a stub, for measuring what
+the process spends per streamed token outside the model (the engine thread's scheduling, inputs, stop checks
+and detokenizing; the event loop's handoff, chunks and HTTP writes).
+
+    python -m engc.runtime.server.hostbench BUNDLE [--port 23333] [--step-ms 0] [--loop asyncio --http h11]
+    python bench/serve_bench.py run --url http://127.0.0.1:23333 --model hostbench --workload fixed ...
+
+The bundle's tokenizer, scheduler, KV block accounting and output processing are the real ones; only the
+forward and the sampling are replaced: each step's sampled rows get random ordinary tokens (seeded), and a
+step's tokens are ready `--step-ms` after its launch (a sleep, which releases the GIL as a GPU wait does), so
+the host work of the next step overlaps it as on a GPU. On exit (Ctrl-C) it prints the process's CPU seconds
+per streamed token. `--loop asyncio --http h11` is uvicorn without uvloop and httptools, as in an image
+that lacks them.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import time
+
+from engc.runtime.async_engine import AsyncEngine
+from engc.runtime.engine import Engine, EngineConfig
+from engc.runtime.runner import InFlight
+from engc.runtime.sampling import Sampled
+from engc.runtime.server.metrics import Metrics
+
+
+def stub_forward(engine: Engine, step_s: float = 0.0, seed: int = 0) -> None:
+    """Replaces the engine's forward and sampling with random ordinary tokens, ready step_s after launch."""
+    runner, tok = engine.runner, engine.model.tokenizer
+    special = set(tok.eos_token_ids) | {i for i in range(tok.vocab_size) if tok.decode([i]) == ""}
+    ordinary = [i for i in range(min(tok.vocab_size, engine.model.config.vocab_size)) if i not in special]
+    rng = random.Random(seed)
+    device_free = [0.0]   # when the stand-in device finishes the steps launched so far: they run one at a time
+
+    def launch(batch):
+        _, sampled, _ = runner.inputs(batch)   # built as for a real forward: part of the host path
+        step = InFlight(batch, sampled, None)
+        step.tokens = rng.choices(ordinary, k=len(sampled))
+        step.row_of = {seq: i for i, seq in enumerate(sampled)}
+        step.ready = device_free[0] = max(time.perf_counter(), device_free[0]) + step_s
+        return step
+
+    def read(step):
+        wait = step.ready - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return [Sampled(t) for t in step.tokens]
+
+    runner.launch, runner.read = launch, read
+    runner.sample_after_read = lambda step: None
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def main(argv=None) -> None:
+    import uvicorn
+
+    from engc.runtime.loader import load
+    from engc.runtime.server.app import create_app, listening_socket
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bundle")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=23333)
+    ap.add_argument("--model-name", default="hostbench")
+    ap.add_argument("--step-ms", type=float, default=0.0, help="a step's device time (default 0: host only)")
+    ap.add_argument("--max-batch-size", type=int, default=256)
+    ap.add_argument("--num-blocks", type=int, default=8192, help="KV blocks (counted, never written)")
+    ap.add_argument("--loop", default="auto", help="uvicorn's loop: auto, asyncio, uvloop")
+    ap.add_argument("--http", default="auto", help="uvicorn's HTTP protocol: auto, h11, httptools")
+    args = ap.parse_args(argv)
+
+    sock = listening_socket(args.host, args.port)
+    model = load(args.bundle, "cpu")
+    engine = Engine(model, EngineConfig(num_blocks=args.num_blocks, max_num_seqs=args.max_batch_size,
+                                        cuda_graphs=False))
+    stub_forward(engine, args.step_ms / 1000)
+    async_engine = AsyncEngine(engine, Metrics()).start()
+    app = create_app(async_engine, args.model_name)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", loop=args.loop, http=args.http))
+    print(f"hostbench: serving {args.model_name} on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+    start = cpu_seconds()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        async_engine.shutdown()
+        tokens = async_engine.metrics.generation_tokens._value.get()
+        used = cpu_seconds() - start
+        print(f"hostbench: {tokens:.0f} tokens streamed, {used:.2f} CPU s, "
+              f"{1e6 * used / max(tokens, 1):.1f} CPU us a token", flush=True)
+
+
+if __name__ == "__main__":
+    main()
