@@ -1,13 +1,18 @@
 """The engine behind an asyncio server: one thread owns the Engine and drives its step loop.
 
 Requests never touch the Engine directly. They put commands (add, abort, call) on the thread's inbox;
-the thread applies them between steps and hands each request's outputs back to that request's
-asyncio queue. So the Engine stays single-threaded, and a cancelled request frees its blocks before
-the next step.
+the thread applies them between steps. So the Engine stays single-threaded, and a cancelled request frees
+its blocks before the next step.
+
+Outputs go back once a step: all the step's Deltas for an event loop in one call_soon_threadsafe, which
+hands each to its request's stream on the loop. A handoff wakes the loop through its self-pipe (a syscall)
+and runs under the GIL the loop shares with the engine thread, so one a sequence cost as much host time
+at 256 streams as the step itself.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import itertools
 import logging
@@ -24,7 +29,7 @@ log = logging.getLogger("engc.engine")
 _ids = itertools.count()
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     """What one step produced for one sequence of a request, copied out of the engine thread."""
     index: int
@@ -40,10 +45,10 @@ class Delta:
     prompt_logprobs: list[Sampled | None] | None = None   # with a sequence's first delta, where asked
 
 
-@dataclass
+@dataclass(slots=True)
 class _Route:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    stream: "RequestStream"
     index: int
 
 
@@ -77,6 +82,7 @@ class AsyncEngine:
         self._applied = 0   # has one writer, so their difference is the adds in flight without a lock
         self.down: str | None = None      # why the engine stopped for good (EngineDown)
         self.on_down: list = []           # callbacks(reason): the server's exit
+        self.handoffs = 0                 # calls into the event loops (tests count them: one a step)
         if engine.model.tp is not None:   # the watchdog's or a failed step's RankFailure
             engine.model.tp.on_failure.append(self.fail)
 
@@ -99,8 +105,7 @@ class AsyncEngine:
         self.down = reason
         self._stop.set()
         self.inbox.put(("wake",))
-        for route in list(self.routes.values()):
-            self._deliver(route, EngineDown(f"the engine is down: {reason}"))
+        self._post([(route, EngineDown(f"the engine is down: {reason}")) for route in list(self.routes.values())])
         self.routes.clear()
         for callback in list(self.on_down):
             callback(reason)
@@ -164,7 +169,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(prompt_ids, params, priority, rid, session_id)
             except ValueError as e:
-                self._deliver(self.routes.pop(rid), e)
+                self._post([(self.routes.pop(rid), e)])
         elif kind == "abort":
             self.engine.abort(cmd[1])
             self.routes.pop(cmd[1], None)
@@ -183,28 +188,61 @@ class AsyncEngine:
             return
         except Exception:  # noqa: BLE001 - a failed step fails its requests, not the server
             log.exception("engine step failed; aborting the requests in flight")
-            for rid, route in list(self.routes.items()):
+            for rid in self.routes:
                 self.engine.abort(rid)
-                self._deliver(route, EngineError("the engine failed while running this request"))
+            self._post([(route, EngineError("the engine failed while running this request"))
+                        for route in self.routes.values()])
             self.routes.clear()
             return
+        routes, items = self.routes, []
         for out in outputs:
             seq = out.seq
-            route = self.routes.get(seq.request_id)
+            rid = seq.request_id
+            route = routes.get(rid)
             if route is None:
                 continue
             if out.finished:
-                del self.routes[seq.request_id]
-            self._deliver(route, Delta(route.index, out.text_delta, list(out.new_token_ids), list(out.logprobs),
-                                       out.finished, seq.finish_reason, seq.stop_string, len(seq.prompt_ids),
-                                       seq.num_cached_tokens or 0, len(seq.output_ids), out.prompt_logprobs))
+                del routes[rid]
+            items.append((route, Delta(route.index, out.text_delta, out.new_token_ids, out.logprobs, out.finished,
+                                       seq.finish_reason, seq.stop_string, len(seq.prompt_ids),
+                                       seq.num_cached_tokens or 0, len(seq.output_ids), out.prompt_logprobs)))
+        if items:
+            self._post(items)
 
-    @staticmethod
-    def _deliver(route: _Route, item) -> None:
+    def _post(self, items: list[tuple[_Route, object]]) -> None:
+        """Hands (route, Delta or exception) pairs to their streams: one call a loop (a server has one)."""
+        loop = items[0][0].loop if items else None
+        if any(route.loop is not loop for route, _ in items):
+            by_loop: dict = {}
+            for route, item in items:
+                by_loop.setdefault(route.loop, []).append((route, item))
+            for group in by_loop.values():
+                self._post(group)
+            return
+        if loop is None:
+            return
+        self.handoffs += 1
         try:
-            route.loop.call_soon_threadsafe(route.queue.put_nowait, item)
+            loop.call_soon_threadsafe(_dispatch, items, self.metrics)
         except RuntimeError:
-            pass  # the request's event loop is gone; so is the request
+            pass  # the requests' event loop is gone; so are the requests
+
+
+def _dispatch(items: list, metrics) -> None:
+    """On the loop: a step's outputs into their requests' streams."""
+    tokens = 0
+    for route, item in items:
+        stream = route.stream
+        stream.ready.append(item)
+        waiter = stream.waiter
+        if waiter is not None:
+            stream.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+        if item.__class__ is Delta:
+            tokens += len(item.token_ids)
+    if metrics is not None and tokens:
+        metrics.generation_tokens.inc(tokens)
 
 
 @dataclass
@@ -218,8 +256,9 @@ class RequestStream:
     start: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self):
-        loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
+        loop = self.loop = asyncio.get_running_loop()
+        self.ready: collections.deque = collections.deque()   # Deltas (or an exception) handed over, not yet read
+        self.waiter: asyncio.Future | None = None             # set while __anext__ waits for the next handoff
         self.remaining = len(self.prompts)
         self.last_token_at: dict[int, float] = {}
         tag = next(_ids)
@@ -228,8 +267,7 @@ class RequestStream:
             self.request_ids.append(rid)
             session = self.session_id if i == 0 else None
             self.engine._added += 1
-            self.engine.inbox.put(("add", rid, list(ids), params, self.priority, session,
-                                   _Route(loop, self.queue, i)))
+            self.engine.inbox.put(("add", rid, list(ids), params, self.priority, session, _Route(loop, self, i)))
 
     def __aiter__(self):
         return self
@@ -237,7 +275,10 @@ class RequestStream:
     async def __anext__(self) -> Delta:
         if self.remaining == 0:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        if not self.ready:
+            self.waiter = self.loop.create_future()
+            await self.waiter
+        item = self.ready.popleft()
         if isinstance(item, Exception):
             self.remaining = 0
             self.abort()
@@ -246,6 +287,11 @@ class RequestStream:
         if item.finished:
             self.remaining -= 1
         return item
+
+    def pending(self) -> int:
+        """Deltas already handed over that __anext__ returns without waiting (a stream that fell behind
+        the engine writes them out together)."""
+        return len(self.ready) if self.remaining else 0
 
     def abort(self) -> None:
         for rid in self.request_ids:
@@ -269,7 +315,6 @@ class RequestStream:
         elif d.token_ids:
             metrics.tpot.observe((now - last) / len(d.token_ids))
         self.last_token_at[d.index] = now
-        metrics.generation_tokens.inc(len(d.token_ids))
         if d.finished:
             metrics.prompt_tokens.inc(d.prompt_tokens)
             metrics.cached_tokens.inc(d.cached_tokens)
