@@ -18,6 +18,10 @@ from engc.runtime.server.protocol import CountTokensRequest, MessagesRequest
 from engc.runtime.server.tools import CallWatch, ToolSpec, call_input
 
 router = APIRouter()
+dumps = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(obj, ensure_ascii=False), one encoder
+# a text delta's event (event("content_block_delta", ...)) around the text's JSON string
+TEXT_DELTA = ('event: content_block_delta\ndata: {"type": "content_block_delta", "index": 0, '
+              '"delta": {"type": "text_delta", "text": ', '}}\n\n')
 
 
 @router.post("/v1/messages")
@@ -167,7 +171,12 @@ def _stop(d: Delta | None) -> tuple[str, str | None]:
 
 
 def event(kind: str, data: dict) -> str:
-    return f"event: {kind}\ndata: {json.dumps(dict(type=kind, **data), ensure_ascii=False)}\n\n"
+    return f"event: {kind}\ndata: {dumps(dict(type=kind, **data))}\n\n"
+
+
+def text_event(text: str) -> str:
+    """event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}}), filled in."""
+    return f"{TEXT_DELTA[0]}{json.encoder.encode_basestring(text)}{TEXT_DELTA[1]}"
 
 
 def _start(msg_id: str, model: str, prompt_len: int, cached: int) -> str:
@@ -184,7 +193,7 @@ async def _tool_events(stream, msg_id: str, model: str, prompt_len: int, tools: 
     def text_delta(text: str):
         if not text_open:
             yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-        yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+        yield text_event(text)
     async with stream:
         try:
             async for d in stream:
@@ -217,25 +226,30 @@ async def _tool_events(stream, msg_id: str, model: str, prompt_len: int, tools: 
 
 
 async def _events(stream, msg_id: str, model: str, prompt_len: int, tools=None):
+    """A reply without tools, streamed; a stream that fell behind the engine writes the deltas waiting in one
+    write (the events unchanged)."""
+    parts: list[str] = []
     async with stream:
         try:
             first = await stream.__anext__()
-            yield _start(msg_id, model, prompt_len, first.cached_tokens)
-            yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-            yield event("ping", {})
+            parts += [_start(msg_id, model, prompt_len, first.cached_tokens),
+                     event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+                     event("ping", {})]
             last = first
             while True:
                 if last.text:
-                    yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
-                                                                              "text": last.text}})
+                    parts.append(text_event(last.text))
                 if last.finished:
                     break
+                if not stream.pending():
+                    yield "".join(parts)
+                    parts.clear()
                 last = await stream.__anext__()
-            yield event("content_block_stop", {"index": 0})
             stop_reason, stop_sequence = _stop(last)
-            yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                          "usage": {"output_tokens": last.completion_tokens}})
-            yield event("message_stop", {})
+            parts += [event("content_block_stop", {"index": 0}),
+                      event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                              "usage": {"output_tokens": last.completion_tokens}}),
+                      event("message_stop", {})]
+            yield "".join(parts)
         except EngineError as e:
-            yield event("error", {"error": {"type": "api_error", "message": str(e)}})
-
+            yield "".join(parts) + event("error", {"error": {"type": "api_error", "message": str(e)}})
