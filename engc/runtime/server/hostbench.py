@@ -32,6 +32,7 @@ def stub_forward(engine: Engine, step_s: float = 0.0, seed: int = 0) -> None:
     special = set(tok.eos_token_ids) | {i for i in range(tok.vocab_size) if tok.decode([i]) == ""}
     ordinary = [i for i in range(min(tok.vocab_size, engine.model.config.vocab_size)) if i not in special]
     rng = random.Random(seed)
+    engine.stub_steps = 0
     device_free = [0.0]   # when the stand-in device finishes the steps launched so far: they run one at a time
 
     def launch(batch):
@@ -40,6 +41,7 @@ def stub_forward(engine: Engine, step_s: float = 0.0, seed: int = 0) -> None:
         step.tokens = rng.choices(ordinary, k=len(sampled))
         step.row_of = {seq: i for i, seq in enumerate(sampled)}
         step.ready = device_free[0] = max(time.perf_counter(), device_free[0]) + step_s
+        engine.stub_steps += 1
         return step
 
     def read(step):
@@ -91,7 +93,7 @@ def main(argv=None) -> None:
         async_engine.shutdown()
         tokens = async_engine.metrics.generation_tokens._value.get()
         used = cpu_seconds() - start
-        print(f"hostbench: {tokens:.0f} tokens streamed, {used:.2f} CPU s, "
+        print(f"hostbench: {tokens:.0f} tokens streamed in {engine.stub_steps} steps, {used:.2f} CPU s, "
               f"{1e6 * used / max(tokens, 1):.1f} CPU us a token", flush=True)
 
 
