@@ -122,3 +122,17 @@ def test_a_failed_step_ends_each_stream_with_its_error_after_what_it_streamed(sr
     assert kinds[-1] == "error" and "message_stop" not in kinds
     srv.wait_idle()
     srv.call(lambda e: e.check_integrity())
+
+
+def test_settle_heap_leaves_what_start_up_made_out_of_collections():
+    import gc
+
+    from engc.runtime.server.app import settle_heap
+    threshold = gc.get_threshold()
+    kept = [[i] for i in range(1000)]   # objects alive at start-up
+    try:
+        settle_heap()
+        assert gc.get_freeze_count() >= len(kept) and gc.get_threshold()[0] == 10_000
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import hmac
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -240,6 +241,17 @@ def build_server(bundle: str, config: EngineConfig, model_name: str | None = Non
     return create_app(engine, name, api_key, max_body_bytes), engine
 
 
+def settle_heap() -> None:
+    """Takes what start-up left alive (the model's modules and tensors, the tokenizer, the app: some 10^5 objects)
+    out of the garbage collector's view, and lets it collect the young generation less often. A full collection
+    otherwise walks all of it every few hundred requests (0.18 s a time on the SmolLM2 bundle, on this project's
+    2-core CPU) with the GIL held: every stream and the engine's next step wait that long. What requests
+    allocate is still collected."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
+
+
 def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int = 23333,
           model_name: str | None = None, api_key: str | None = None, device: str = "auto",
           max_body_bytes: int | None = None, tp: int | None = None) -> None:
@@ -264,6 +276,7 @@ def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int 
         timer.daemon = True
         timer.start()
     engine.on_down.append(exit_after_drain)
+    settle_heap()
     try:
         server.run(sockets=[sock])
     finally:

@@ -15,9 +15,12 @@ that lacks them.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import resource
 import time
+
+import torch
 
 from engc.runtime.async_engine import AsyncEngine
 from engc.runtime.engine import Engine, EngineConfig
@@ -63,7 +66,7 @@ def main(argv=None) -> None:
     import uvicorn
 
     from engc.runtime.loader import load
-    from engc.runtime.server.app import create_app, listening_socket
+    from engc.runtime.server.app import create_app, listening_socket, settle_heap
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundle")
@@ -79,13 +82,29 @@ def main(argv=None) -> None:
 
     sock = listening_socket(args.host, args.port)
     model = load(args.bundle, "cpu")
-    engine = Engine(model, EngineConfig(num_blocks=args.num_blocks, max_num_seqs=args.max_batch_size,
-                                        cuda_graphs=False))
+    zeros = torch.zeros
+    torch.zeros = torch.empty   # the KV cache: the stub never reads or writes it, so its pages stay untouched
+    try:
+        engine = Engine(model, EngineConfig(num_blocks=args.num_blocks, max_num_seqs=args.max_batch_size,
+                                            cuda_graphs=False))
+    finally:
+        torch.zeros = zeros
     stub_forward(engine, args.step_ms / 1000)
     async_engine = AsyncEngine(engine, Metrics()).start()
     app = create_app(async_engine, args.model_name)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", loop=args.loop, http=args.http))
     print(f"hostbench: serving {args.model_name} on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+    pauses = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}   # collections and seconds by generation
+    began = [0.0]
+
+    def gc_timer(phase, info):
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses[info["generation"]][0] += 1
+            pauses[info["generation"]][1] += time.perf_counter() - began[0]
+    gc.callbacks.append(gc_timer)
+    settle_heap()   # as engc run does
     start = cpu_seconds()
     try:
         server.run(sockets=[sock])
@@ -95,6 +114,7 @@ def main(argv=None) -> None:
         used = cpu_seconds() - start
         print(f"hostbench: {tokens:.0f} tokens streamed in {engine.stub_steps} steps, {used:.2f} CPU s, "
               f"{1e6 * used / max(tokens, 1):.1f} CPU us a token", flush=True)
+        print("hostbench: gc " + ", ".join(f"gen{g} {n} in {t:.3f} s" for g, (n, t) in pauses.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from ray import serve
 from ray.serve import Application
 
 from engc.runtime.engine import EngineConfig
-from engc.runtime.server.app import build_server
+from engc.runtime.server.app import build_server, settle_heap
 
 
 @serve.ingress()
@@ -25,6 +25,7 @@ class EngcReplica:
     def __init__(self, bundle: str, model_name: str | None, engine: dict, api_key: str | None, device: str):
         # not self.app: the ingress wrapper's property of that name is Serve's
         self.server, self.engine = build_server(bundle, EngineConfig(**engine), model_name, api_key, device)
+        settle_heap()   # the replica serves as engc run does
 
     def __serve_build_asgi_app__(self):
         return self.server
