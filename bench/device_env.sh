@@ -20,7 +20,7 @@ T0=$(date +%s)
 rm -rf /tmp/gb
 mkdir -p "$OUT" /tmp/gb
 el() { echo $(( $(date +%s) - T0 ))s; }
-python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic gguf llguidance jsonschema \
+python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn uvloop httptools pydantic gguf llguidance jsonschema \
   > /tmp/gb/pip.log 2>&1 \
   || tail -5 /tmp/gb/pip.log
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/gb/pip2.log 2>&1 || tail -20 /tmp/gb/pip2.log
