@@ -211,21 +211,15 @@ class AsyncEngine:
 
     def _post(self, items: list[tuple[_Route, object]]) -> None:
         """Hands (route, Delta or exception) pairs to their streams: one call a loop (a server has one)."""
-        loop = items[0][0].loop if items else None
-        if any(route.loop is not loop for route, _ in items):
-            by_loop: dict = {}
-            for route, item in items:
-                by_loop.setdefault(route.loop, []).append((route, item))
-            for group in by_loop.values():
-                self._post(group)
-            return
-        if loop is None:
-            return
-        self.handoffs += 1
-        try:
-            loop.call_soon_threadsafe(_dispatch, items, self.metrics)
-        except RuntimeError:
-            pass  # the requests' event loop is gone; so are the requests
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for pair in items:
+            by_loop.setdefault(pair[0].loop, []).append(pair)
+        for loop, group in by_loop.items():
+            self.handoffs += 1
+            try:
+                loop.call_soon_threadsafe(_dispatch, group, self.metrics)
+            except RuntimeError:
+                pass  # the requests' event loop is gone; so are the requests
 
 
 def _dispatch(items: list, metrics) -> None:

@@ -196,14 +196,17 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
 
 # ---- the GPU path: launch rules, and the order the binding runs them in ---------------------------------
 
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
 def launch_router(x, router, logits, consts):
     """moe_router_kernel, grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E)). args: x, router [E, H], logits [T, E] in
     the model dtype, T, scratch, scratch."""
     if x.shape[0] == 0:
         return []
     c = consts["router"]
-    cdiv = lambda a, b: (a + b - 1) // b  # noqa: E731
-    return [("router", (cdiv(x.shape[0], c["BLOCK_T"]), cdiv(router.shape[0], c["BLOCK_E"]), 1),
+    return [("router", (_cdiv(x.shape[0], c["BLOCK_T"]), _cdiv(router.shape[0], c["BLOCK_E"]), 1),
              [x, router, logits, x.shape[0], 0, 0])]
 
 
@@ -243,7 +246,7 @@ def launch_sort(ids, rows, block_expert, block_m: int, consts):
     if n == 0:
         return []
     sort = consts["sort"]
-    programs = min((n + sort["RANK_BLOCK"] - 1) // sort["RANK_BLOCK"], sort["max_programs"])
+    programs = min(_cdiv(n, sort["RANK_BLOCK"]), sort["max_programs"])
     return [("sort", (programs, 1, 1), [ids, rows, block_expert, n, int(block_m), block_expert.numel(), 0, 0])]
 
 
@@ -276,11 +279,10 @@ def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, co
     gate_up_variant, down_variant = variants or ("gate_up_decode", "down_decode")
     blocks = block_expert.numel()
     inter, hidden = down.shape[2], down.shape[1]
-    cdiv = lambda a, b: (a + b - 1) // b  # noqa: E731
-    return [(gate_up_variant, (blocks, cdiv(inter, consts[gate_up_variant]["BLOCK_N"]), 1),
+    return [(gate_up_variant, (blocks, _cdiv(inter, consts[gate_up_variant]["BLOCK_N"]), 1),
              [x, gate_up, gate_up if gate_up_scale is None else gate_up_scale, rows, block_expert, act,
               num_pairs, 0, 0]),
-            (down_variant, (blocks, cdiv(hidden, consts[down_variant]["BLOCK_N"]), 1),
+            (down_variant, (blocks, _cdiv(hidden, consts[down_variant]["BLOCK_N"]), 1),
              [act, down, down if down_scale is None else down_scale, rows, block_expert, weights, pairs,
               num_pairs, 0, 0])]
 
