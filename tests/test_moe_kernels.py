@@ -137,27 +137,34 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
 
 
 def test_deepseek_routing_kernel_compiles_and_matches_its_launch_rule():
-    """DeepSeek's routing kernel (only in a DeepSeek bundle) compiles for sm80 and sm90, and forward() launches
-    it, with the node's routing attributes and correction bias, in the compiled parameters' order and types."""
+    """DeepSeek's routing kernels (only in a DeepSeek bundle: the float32-logits router and the routing) compile
+    for sm80 and sm90, and forward() launches them, with the node's routing attributes and correction bias, in
+    the compiled parameters' order and types."""
     import torch
     from engc.compiler.codegen.record import compile_specs
     from engc.compiler.codegen.specs import model_specs
     from engc.kernels import moe as op
-    assert "route_deepseek" not in {s.variant for s in model_specs(_cfg(), torch.bfloat16, "sm90", 16)}
+    deepseek = {"router_deepseek", "route_deepseek"}
+    assert not deepseek & {s.variant for s in model_specs(_cfg(), torch.bfloat16, "sm90", 16)}
     cfg = _cfg(family="deepseek_v3", num_experts=8, shared_expert_intermediate_size=40)
     specs = [s for arch in ("sm80", "sm90") for s in model_specs(cfg, torch.bfloat16, arch, 16)
-             if s.op == "moe" and s.variant == "route_deepseek"]
+             if s.op == "moe" and s.variant in deepseek]
     result = compile_specs(specs, jobs=1)
-    assert {r["arch"] for r in result.records} == {"sm80", "sm90"}
-    record = next(r for r in result.records if r["arch"] == "sm90")
-    launches = op.launch_route_deepseek(torch.randn(3, 64, dtype=torch.bfloat16),
-                                        torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8),
+    assert {(r["arch"], r["variant"]) for r in result.records} == {(a, v) for a in ("sm80", "sm90") for v in deepseek}
+    records = {r["variant"]: r for r in result.records if r["arch"] == "sm90"}
+    x, logits = torch.randn(3, 64, dtype=torch.bfloat16), torch.empty(3, 8)
+    consts = {s.variant: s.launch for s in specs if s.arch == "sm90"}
+    (variant, grid, args), = op.launch_router(x, torch.randn(8, 64, dtype=torch.bfloat16), logits, consts,
+                                              "router_deepseek")
+    assert variant == "router_deepseek"
+    check_launch(grid, args, records[variant], null_pointers=False)
+    launches = op.launch_route_deepseek(x, logits, torch.randn(8),
                                         torch.empty(3, 2), torch.empty(3, 2, dtype=torch.int32), torch.empty(3),
                                         renormalize=1, float32_weights=0, sigmoid_scores=1, n_group=4,
                                         topk_group=2, group_top2=1, routed_scaling_factor=2.5)
     (variant, grid, args), = launches
     assert variant == "route_deepseek" and grid == (3, 1, 1)
-    check_launch(grid, args, record, null_pointers=False)
+    check_launch(grid, args, records[variant], null_pointers=False)
 
 
 # ---------------------------------------------------------------- the child process (TRITON_INTERPRET=1)
@@ -287,7 +294,7 @@ def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False, groups=True
     ref = op.moe(*inputs, **attrs)
     run = _runner(specs)
     out = op.forward(run, *inputs, consts={v: s.launch for v, s in specs.items()}, **attrs)
-    assert "route_deepseek" in run.variants, run.variants
+    assert {"router_deepseek", "route_deepseek"} <= set(run.variants), run.variants
     return _rel(out, ref), run.variants
 
 

@@ -200,13 +200,13 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def launch_router(x, router, logits, consts):
+def launch_router(x, router, logits, consts, variant: str = "router"):
     """moe_router_kernel, grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E)). args: x, router [E, H], logits [T, E] in
-    the model dtype, T, scratch, scratch."""
+    the model dtype ("router") or float32 ("router_deepseek"), T, scratch, scratch."""
     if x.shape[0] == 0:
         return []
-    c = consts["router"]
-    return [("router", (_cdiv(x.shape[0], c["BLOCK_T"]), _cdiv(router.shape[0], c["BLOCK_E"]), 1),
+    c = consts[variant]
+    return [(variant, (_cdiv(x.shape[0], c["BLOCK_T"]), _cdiv(router.shape[0], c["BLOCK_E"]), 1),
              [x, router, logits, x.shape[0], 0, 0])]
 
 
@@ -222,17 +222,18 @@ def launch_route(x, logits, shared_gate, weights, ids, shared_weight, softmax_fi
                                           int(softmax_first), int(renormalize), int(float32_weights), 0, 0])]
 
 
-def launch_route_deepseek(x, router, bias, weights, ids, shared_weight, renormalize: int, float32_weights: int,
+def launch_route_deepseek(x, logits, bias, weights, ids, shared_weight, renormalize: int, float32_weights: int,
                           sigmoid_scores: int = 0, n_group: int = 1, topk_group: int = 1, group_top2: int = 0,
                           routed_scaling_factor: float = 1.0):
-    """moe_route_deepseek_kernel, grid (T,): route()'s DeepSeek routings. args: x, router, bias [E] f32 (any
-    float32 tensor without one), weights, ids, shared_weight (1 for DeepSeek's ungated shared experts),
+    """moe_route_deepseek_kernel, grid (T,): route()'s DeepSeek routings. args: x (its dtype), logits [T, E]
+    float32 (launch_router's "router_deepseek"), bias [E] f32 (any float32 tensor without one), weights, ids,
+    shared_weight (1 for DeepSeek's ungated shared experts),
     sigmoid_scores, has_bias, n_group, topk_group, group_top2, renormalize, routed_scaling_factor,
     float32_weights, scratch, scratch."""
     if x.shape[0] == 0:
         return []
     return [("route_deepseek", (x.shape[0], 1, 1),
-             [x, router, weights if bias is None else bias, weights, ids, shared_weight, int(sigmoid_scores),
+             [x, logits, weights if bias is None else bias, weights, ids, shared_weight, int(sigmoid_scores),
               int(bias is not None), int(n_group), int(topk_group), int(group_top2), int(renormalize),
               float(routed_scaling_factor), int(float32_weights), 0, 0])]
 
@@ -321,7 +322,9 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, soft
     ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
     shared_weight = torch.empty(t if has_shared_expert else 1, dtype=torch.float32, device=x.device)
     if correction_bias or shared_ungated or any(k in routing for k in _DEEPSEEK_ROUTING):
-        run(launch_route_deepseek(x, router, bias, weights, ids, shared_weight, renormalize, float32_weights,
+        logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
+        run(launch_router(x, router, logits, consts, "router_deepseek"))
+        run(launch_route_deepseek(x, logits, bias, weights, ids, shared_weight, renormalize, float32_weights,
                                   **{k: routing[k] for k in _DEEPSEEK_ROUTING if k in routing}))
     else:
         logits = torch.empty(t, e, dtype=x.dtype, device=x.device)

@@ -17,7 +17,8 @@ DEFAULTS = {
     # the router's logits: 16 experts a program (8 programs share Qwen3-30B-A3B's 128 at batch 1), 128-deep K
     "router": {"num_warps": 4, "num_stages": 3, "BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 128},
     "route": {"num_warps": 4, "num_stages": 1, "BLOCK_K": 64},
-    "route_deepseek": {"num_warps": 4, "num_stages": 1, "BLOCK_K": 64},
+    "router_deepseek": {"num_warps": 4, "num_stages": 3, "BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 128},
+    "route_deepseek": {"num_warps": 4, "num_stages": 1},
     "gate_up": {"num_warps": 4, "num_stages": 3, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64},
     "down": {"num_warps": 4, "num_stages": 3, "BLOCK_N": 64, "BLOCK_K": 64},   # BLOCK_M: gate_up's
     "gate_up_prefill": {"num_warps": 8, "num_stages": 3, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
@@ -47,7 +48,7 @@ def specs(b: Build) -> list:
     route = {"x_ptr": f"*{t}", "logits_ptr": f"*{t}", "shared_gate_ptr": f"*{t}", "weights_ptr": "*fp32",
              "ids_ptr": "*i32", "shared_weight_ptr": "*fp32", "softmax_first": "i32", "renormalize": "i32",
              "float32_weights": "i32"}
-    route_deepseek = {"x_ptr": f"*{t}", "router_ptr": f"*{t}", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
+    route_deepseek = {"x_ptr": f"*{t}", "logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
                       "ids_ptr": "*i32", "shared_weight_ptr": "*fp32", "sigmoid_scores": "i32", "has_bias": "i32",
                       "n_group": "i32", "topk_group": "i32", "group_top2": "i32", "renormalize": "i32",
                       "routed_scaling_factor": "fp32", "float32_weights": "i32"}
@@ -64,8 +65,11 @@ def specs(b: Build) -> list:
          ("BLOCK_T", "BLOCK_E")),
         ("route", "moe_route_kernel", route, {"H": h, "E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k),
                                                "HAS_SHARED": shared}, ()),
-        *([("route_deepseek", "moe_route_deepseek_kernel", route_deepseek,
-            {"H": h, "E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k), "G_PAD": pow2(e), "HAS_SHARED": shared},
+        # DeepSeek's routers compute float32 logits (HF casts both operands): the router kernel storing float32
+        *([("router_deepseek", "moe_router_kernel", {**router, "logits_ptr": "*fp32"},
+            {"H": h, "E": e, "DOT_PRECISION": sizes["DOT_PRECISION"]}, ("BLOCK_T", "BLOCK_E")),
+           ("route_deepseek", "moe_route_deepseek_kernel", route_deepseek,
+            {"E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k), "G_PAD": pow2(e), "HAS_SHARED": shared},
             ())] if cfg.family.startswith("deepseek") else []),
         ("gate_up", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k}, ("BLOCK_M", "BLOCK_N")),
         ("down", "moe_down_kernel", down, {**sizes, "BLOCK_M": block_m["gate_up"]}, ("BLOCK_M", "BLOCK_N")),

@@ -6,7 +6,8 @@ moe_router_kernel      grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E)): the router log
                        reading all of it took ~40 us a layer, a third of a Qwen3-30B-A3B batch-1 step)
 moe_route_kernel       grid (T,): softmax, top-k of those logits (ties to the lower expert id), the weights;
                        the shared expert's sigmoid gate
-moe_route_deepseek_kernel  grid (T,): DeepSeek's routings: float32 logits, softmax or sigmoid scores, the
+moe_route_deepseek_kernel  grid (T,): DeepSeek's routings of moe_router_kernel's float32 logits (its
+                       float32-output specialization, as HF computes them), softmax or sigmoid scores, the
                        correction bias, the experts of the topk_group best of n_group groups (a group scored
                        by its best expert or its best two), top-k, renormalization, the scaling factor; the
                        routing's numbers are runtime arguments (the node's attributes), one compiled kernel
@@ -199,23 +200,17 @@ def moe_combine_kernel(pairs_ptr, shared_ptr, shared_weight_ptr, out_ptr, H: tl.
 
 
 @triton.jit
-def moe_route_deepseek_kernel(x_ptr, router_ptr, bias_ptr, weights_ptr, ids_ptr, shared_weight_ptr,
+def moe_route_deepseek_kernel(x_ptr, logits_ptr, bias_ptr, weights_ptr, ids_ptr, shared_weight_ptr,
                               sigmoid_scores, has_bias, n_group, topk_group, group_top2, renormalize,
-                              routed_scaling_factor, float32_weights, H: tl.constexpr, E: tl.constexpr,
-                              TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                              G_PAD: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SHARED: tl.constexpr):
+                              routed_scaling_factor, float32_weights, E: tl.constexpr, TOP_K: tl.constexpr,
+                              E_PAD: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr,
+                              HAS_SHARED: tl.constexpr):
+    # x_ptr is read for its dtype only (the weights' rounding); the float32 logits are moe_router_kernel's
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     dt = x_ptr.dtype.element_ty
-    logits = tl.zeros([E_PAD], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + t * H + kk, mask=kk < H, other=0.0).to(tl.float32)
-        w = tl.load(router_ptr + e[:, None] * H + kk[None, :], mask=(e[:, None] < E) & (kk[None, :] < H),
-                    other=0.0).to(tl.float32)
-        logits += tl.sum(w * x[None, :], axis=1)
     live = e < E
-    logits = tl.where(live, logits, float("-inf"))
+    logits = tl.load(logits_ptr + t * E + e, mask=live, other=float("-inf"))
     p = tl.exp(logits - tl.max(logits, axis=0))
     scores = tl.where(sigmoid_scores != 0, 1.0 / (1.0 + tl.exp(-logits)), p / tl.sum(p, axis=0))
     scores = tl.where(live, scores, 0.0)
