@@ -12,13 +12,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from engc.runtime.async_engine import Delta, EngineError
-from engc.runtime.server.app import APIError, ServerState
+from engc.runtime.server.app import APIError, ServerState, dumps
 from engc.runtime.server.formats import anthropic_format
 from engc.runtime.server.protocol import CountTokensRequest, MessagesRequest
 from engc.runtime.server.tools import CallWatch, ToolSpec, call_input
 
 router = APIRouter()
-dumps = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(obj, ensure_ascii=False), one encoder
 # a text delta's event (event("content_block_delta", ...)) around the text's JSON string
 TEXT_DELTA = ('event: content_block_delta\ndata: {"type": "content_block_delta", "index": 0, '
               '"delta": {"type": "text_delta", "text": ', '}}\n\n')

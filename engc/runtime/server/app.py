@@ -12,6 +12,7 @@ import asyncio
 import errno
 import gc
 import hmac
+import json
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +28,10 @@ from engc.runtime.async_engine import AsyncEngine, EngineDown, QueueFull
 from engc.runtime.engine import Engine, EngineConfig
 from engc.runtime.sampling import SamplingParams
 from engc.runtime.server.metrics import Metrics
+
+# json.dumps(obj, ensure_ascii=False) with one encoder for the process, not a new one a call: both APIs' streamed
+# events are written with it
+dumps = json.JSONEncoder(ensure_ascii=False).encode
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}

@@ -17,15 +17,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from engc.runtime.async_engine import Delta, EngineError
-from engc.runtime.server.app import APIError, ServerState
+from engc.runtime.server.app import APIError, ServerState, dumps
 from engc.runtime.server.echo import Echo, read_prompts
 from engc.runtime.server.formats import openai_format
 from engc.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from engc.runtime.server.tools import CallWatch, ToolSpec
 
 router = APIRouter()
-# json.dumps(obj, ensure_ascii=False) without a new encoder a call
-dumps = json.JSONEncoder(ensure_ascii=False).encode
 quote = json.encoder.encode_basestring   # a str as its JSON string (ensure_ascii=False): what dumps writes
 
 
