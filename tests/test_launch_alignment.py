@@ -64,8 +64,9 @@ def test_a_misaligned_view_is_refused_by_name_before_launch(kernels):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 def test_gpu_sampler_parameter_rows_start_aligned(rows, monkeypatch):
-    """SamplingKernels uploads temperature, top_k, top_p, the draws and min_p as one [5, n] block; each row it
-    passes must start 16-byte aligned (one sequence once put top_p 8 bytes off, which the launch check refused)."""
+    """SamplingKernels uploads temperature, top_k, top_p, the draws and min_p as one [5, n] block and passes its
+    rows (top_k as an int32 view); each must start 16-byte aligned (one sequence once put top_p 8 bytes off,
+    which the launch check refused)."""
     from engc.runtime.sampler import SamplingKernels
     from engc.runtime.sampling import SamplingParams
     from engc.runtime.sequence import Sequence
@@ -86,6 +87,8 @@ def test_gpu_sampler_parameter_rows_start_aligned(rows, monkeypatch):
     assert grid[0] == rows
     for t in args[1:6]:
         assert t.data_ptr() % 16 == 0 and t.shape[0] >= rows
+    assert len({t.untyped_storage().data_ptr() for t in args[1:6]}) == 1   # one block, one upload
+    assert [t.dtype for t in args[1:6]] == [torch.float32, torch.int32, torch.float32, torch.float32, torch.float32]
     assert args[1][:rows].tolist() == pytest.approx([0.5 + i for i in range(rows)])
     assert args[2][:rows].tolist() == [3] * rows and args[3][:rows].tolist() == pytest.approx([0.9] * rows)
     assert args[5][:rows].tolist() == pytest.approx([0.05] * rows)

@@ -23,19 +23,67 @@ TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of Fr
         "Hello, world! How are you today? engc compiles models ahead of time. ")
 
 
+def splitmix64_uniform(key: int, count: int) -> float:
+    """splitmix64's output number count + 1 from the state key, its top 24 bits as a fraction of 2^24, in
+    Python's integers: what the device sampler draws for a sequence's draw number `count`."""
+    z = (key + (count + 1) * 0x9E3779B97F4A7C15) % 2**64
+    z = (z ^ z >> 30) * 0xBF58476D1CE4E5B9 % 2**64
+    z = (z ^ z >> 27) * 0x94D049BB133111EB % 2**64
+    return ((z ^ z >> 31) >> 40) / 2**24
+
+
+def reference_parameters(seqs):
+    """SamplingKernels' contract on the CPU, the kernel's inputs: each row's settings, and one uniform a
+    sampled row, the next of its sequence's counter-based stream (draw_key, draws; draws then advances); a
+    greedy row draws nothing (0)."""
+    uniform = []
+    for s in seqs:
+        uniform.append(0.0 if s.params.greedy else splitmix64_uniform(s.draw_key, s.draws))
+        s.draws += not s.params.greedy
+    p = [s.params for s in seqs]
+    return (torch.tensor([q.temperature for q in p]), torch.tensor([q.top_k for q in p], dtype=torch.int32),
+            torch.tensor([q.top_p for q in p]), torch.tensor(uniform), torch.tensor([q.min_p for q in p]))
+
+
 class ReferenceSampler:
-    """SamplingKernels' contract on the CPU: one uniform draw per row from the row's generator."""
+    """SamplingKernels on the CPU: its parameters (reference_parameters) through the kernel's reference."""
 
     def __call__(self, logits, seqs):
-        p = [s.params for s in seqs]
-        uniform = [0.0 if q.greedy else float(torch.rand((), generator=s.generator)) for q, s in zip(p, seqs)]
-        return sampling.sample(logits, torch.tensor([q.temperature for q in p]),
-                               torch.tensor([q.top_k for q in p], dtype=torch.int32),
-                               torch.tensor([q.top_p for q in p]), torch.tensor(uniform),
-                               torch.tensor([q.min_p for q in p]))
+        return sampling.sample(logits, *reference_parameters(seqs))
 
     def greedy(self, logits):
         return argmax.argmax(logits)
+
+
+def test_sampling_kernels_upload_what_the_reference_draws(monkeypatch):
+    """The device sampler's parameter block holds, row for row, what reference_parameters gives the same
+    sequences, step after step, whatever the batch: rows join, leave and move, greedy rows among them."""
+    from engc.runtime.sampler import SamplingKernels
+    from engc.runtime.sequence import Sequence
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+
+    class Kernels:
+        consts = {"sampling": {"logits_fp32": {"CAP": 16}}}
+
+        def run(self, op, launches):
+            (_variant, (rows, _, _), args), = launches
+            self.inputs = [t[:rows].clone() for t in args[1:6]]
+
+    kernels = Kernels()
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=1), SamplingParams(temperature=0.7, top_k=5, seed=2),
+              SamplingParams(temperature=0), SamplingParams(temperature=1.2, min_p=0.1),   # unseeded
+              SamplingParams(temperature=0.5, top_k=1, seed=3), SamplingParams(temperature=0.8, seed=2**70 + 5)]
+    mine = [Sequence([1], p) for p in params]
+    theirs = [Sequence([1], p) for p in params]
+    for a, b in zip(mine, theirs):
+        b.draw_key = a.draw_key   # the unseeded row's key is random
+    sampler = SamplingKernels(kernels, torch.device("cpu"))
+    for rows in ([0, 1, 2, 3, 4, 5], [5, 3, 0], [1], [2, 4, 1, 0, 3, 5], [3, 5, 1, 0]):
+        sampler(torch.zeros(len(rows), 8), [mine[i] for i in rows])
+        want = reference_parameters([theirs[i] for i in rows])
+        for got, expected in zip(kernels.inputs, want):
+            assert got.dtype == expected.dtype and torch.equal(got, expected.to(got.dtype)), rows
+    assert [s.draws for s in mine] == [s.draws for s in theirs] == [4, 4, 0, 4, 0, 4]
 
 
 @pytest.fixture(scope="module")

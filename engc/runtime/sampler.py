@@ -1,9 +1,10 @@
 """The sampler: a step's logits and their sequences in, one token a row (and logprobs where asked) out.
 
 Sampler.sample is the one entry point, with two implementations: DeviceSampler draws where the logits are
-(an argmax, or on a GPU the bundle's sampling kernel: one uniform a row from the sequence's generator, so
-a seeded row draws the same way whatever shares its batch); HostSampler draws on the host row by row
-(sample_row), for the rows no device sampler takes (non-greedy rows on a CPU engine).
+(an argmax, or on a GPU the bundle's sampling kernel: one uniform a sampled row, counter-based on the sequence's
+key (sampling.uniforms), so a seeded row draws the same way whatever shares its batch); HostSampler draws on
+the host row by row (sample_row, from the sequence's torch generator), for the rows no device sampler takes
+(non-greedy rows on a CPU engine).
 
 Logits processors run before the draw, on a copy: repetition, presence and frequency penalties (in float32
 on the row's float32 logits, the host sampler's arithmetic, so a greedy row takes the same token on either
@@ -14,6 +15,7 @@ step with such a row only once the step before it is read; logprobs do not.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain, compress
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
@@ -21,7 +23,7 @@ import torch
 
 from engc.kernels import argmax, sampling
 from engc.runtime.constrained import Constraint, fill_masks, mask_words, unpack
-from engc.runtime.sampling import Sampled, SamplingParams
+from engc.runtime.sampling import Sampled, SamplingParams, uniforms
 from engc.runtime.sequence import Sequence
 from engc.runtime.transfers import upload
 
@@ -316,19 +318,51 @@ class SamplingKernels:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The sampled ids, [len(seqs)] int64 on the device; nothing here waits for the GPU."""
-        rows = [(s.params.temperature, s.params.top_k, s.params.top_p,
-                 0.0 if s.params.greedy else float(torch.rand((), generator=s.generator)), s.params.min_p)
-                for s in seqs]
-        # Padded to 4 rows so each parameter's row below starts 16 bytes aligned, as the kernel assumes
-        # (BundleKernels.run refuses a misaligned argument; one sequence put top_p 8 bytes off).
-        rows += [(1.0, 0, 1.0, 0.0, 0.0)] * (-len(rows) % 4)
         # pinned, so the upload does not wait for the step still running on the GPU
-        params = torch.tensor(rows, dtype=torch.float32).pin_memory().to(self.device, non_blocking=True)
-        params = params.T.contiguous()
+        params = torch.from_numpy(parameter_block(seqs)).pin_memory().to(self.device, non_blocking=True)
+        # the block's rows are the kernel's arguments as they are: views, no device work before the launch
         temperature, top_p, uniform, min_p = params[0], params[2], params[3], params[4]
-        top_k = params[1].to(torch.int32)
+        top_k = params[1].view(torch.int32)   # the int32 bits parameter_block wrote
         out = torch.empty(len(seqs), dtype=torch.int64, device=self.device)
         # the candidate buffers come from the caching allocator: no host sync, and a graph keeps its own
         self.kernels.run("sampling", sampling.launch(logits.contiguous(), temperature, top_k, top_p, uniform,
                                                      min_p, out, self.kernels.consts["sampling"]))
         return out
+
+
+# a padding column: temperature 1, top_k 0 (int32 0 has float32 0.0's bits), top_p 1, no draw, min_p 0
+_PADDING = np.array([[1.0], [0.0], [1.0], [0.0], [0.0]], dtype=np.float32)
+
+
+def parameter_block(seqs: list[Sequence]) -> np.ndarray:
+    """The sampling kernel's row parameters as it reads them, one block to upload: [5, rows padded to a
+    multiple of 4] float32, its rows temperature, top_k (int32 bits), top_p, the uniform draws, min_p.
+
+    Padded so that each parameter's row starts 16 bytes aligned, as the kernel assumes (BundleKernels.run
+    refuses a misaligned argument; unpadded, one sequence's block would put top_p 8 bytes off)."""
+    n = len(seqs)
+    block = np.empty((5, n + -n % 4), dtype=np.float32)
+    block[:, n:] = _PADDING
+    settings = np.fromiter(chain.from_iterable([s.params.kernel_row for s in seqs]), dtype=np.float64,
+                           count=4 * n).reshape(n, 4)
+    block[0, :n], block[2, :n], block[4, :n] = settings[:, 0], settings[:, 2], settings[:, 3]
+    block[1].view(np.int32)[:n] = settings[:, 1]
+    block[3, :n] = draw_uniforms(seqs)
+    return block
+
+
+def draw_uniforms(seqs: list[Sequence]) -> np.ndarray:
+    """[len(seqs)] float32: a sampled row's next uniform (sampling.uniforms of its draw_key and draws, which
+    then counts it); 0 for a greedy row, which draws nothing."""
+    sampled = [not s.params.greedy for s in seqs]
+    drawing = list(compress(seqs, sampled))
+    keys = np.fromiter([s.draw_key for s in drawing], dtype=np.uint64, count=len(drawing))
+    counts = np.fromiter([s.draws for s in drawing], dtype=np.uint64, count=len(drawing))
+    for s in drawing:
+        s.draws += 1
+    drawn = uniforms(keys, counts)
+    if len(drawing) == len(seqs):
+        return drawn
+    out = np.zeros(len(seqs), dtype=np.float32)
+    out[np.array(sampled, dtype=bool)] = drawn
+    return out

@@ -1,9 +1,12 @@
-"""Sampling parameters, a sampled token (Sampled) and a sequence's generator; the samplers are in sampler.py."""
+"""Sampling parameters, a sampled token (Sampled), a sequence's generator (the host sampler's) and its
+counter-based uniform draws (the device sampler's); the samplers are in sampler.py."""
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from engc.runtime.constrained.grammars import Grammar
@@ -51,8 +54,9 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
 
-    @property
+    @cached_property
     def greedy(self) -> bool:
+        """Cached: the device sampler asks for every row every step."""
         return self.temperature == 0 or self.top_k == 1
 
     @cached_property
@@ -65,6 +69,13 @@ class SamplingParams:
         """Only temperature, top-k, top-p and min-p: what the plain draw (the GPU sampling kernel) does, with no
         penalties, mask or logprobs to add (runtime/sampler.py adds those)."""
         return self.logprobs is None and not self.penalized and self.grammar is None
+
+    @cached_property
+    def kernel_row(self) -> tuple[float, int, float, float]:
+        """(temperature, top_k, top_p, min_p) as the sampling kernel reads them (cached: gathered every step).
+        top_k is capped at int32's largest: the kernel reads it as int32, and any k at or over the vocabulary
+        is off."""
+        return self.temperature, min(self.top_k, 2**31 - 1), self.top_p, self.min_p
 
     @cached_property
     def penalized(self) -> bool:
@@ -86,3 +97,41 @@ def make_generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(seed % 2**64 if seed is not None else int(torch.randint(0, 2**62, ()).item()))
     return g
+
+
+# splitmix64 (Steele, Lea and Flood): a Weyl sequence (state += _WEYL) through a 64-bit finalizer; numpy
+# uint64 scalars, so that the arithmetic stays in uint64 and wraps modulo 2^64
+_WEYL = np.uint64(0x9E3779B97F4A7C15)          # 2^64 over the golden ratio, odd
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_ONE, _S27, _S30, _S31, _S40 = (np.uint64(n) for n in (1, 27, 30, 31, 40))
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, elementwise on a uint64 array (numpy wraps an array's overflow silently; a
+    numpy scalar's with a warning)."""
+    z = (z ^ z >> _S30) * _MIX1
+    z = (z ^ z >> _S27) * _MIX2
+    return z ^ z >> _S31
+
+
+def make_draw_key(seed: int | None) -> int:
+    """The key of a sequence's device draws (uniforms): the seed reduced modulo 2^64 as make_generator reduces
+    it, then mixed (unmixed, two seeds k Weyl steps apart would draw one stream k draws apart; mixed, no simple
+    relation between seeds does); a random key without a seed."""
+    if seed is None:
+        return secrets.randbits(64)
+    return int(_mix64(np.array([seed % 2**64], dtype=np.uint64))[0])
+
+
+def uniforms(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """Draw number `counters[i]` of the sequence keyed `keys[i]`, for every row at once: float32 in [0, 1).
+
+    The device sampler's uniforms are counter-based: a draw is splitmix64's output number counter + 1 from the
+    state key, a function of the sequence's key and of how many it drew before, and of nothing else. So a
+    seeded request draws the same uniforms whatever shares its batch and whichever row it has, and a step's
+    draws are one vectorized call instead of a torch generator call a row. The top 24 bits times 2^-24 are
+    exact in float32: 1.0 never comes up. keys, counters: uint64 arrays of one shape (0-d ones make numpy
+    scalars, whose wrapping numpy would warn of, hence the errstate)."""
+    with np.errstate(over="ignore"):
+        z = _mix64(keys + (counters + _ONE) * _WEYL)
+    return (z >> _S40).astype(np.float32) * np.float32(2.0**-24)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engc.runtime.sampling import Sampled, SamplingParams, make_generator
+from engc.runtime.sampling import Sampled, SamplingParams, make_draw_key, make_generator
 
 _ids = itertools.count()
 IN_FLIGHT = -1  # stands in for a token id still on the device; the executor overwrites it before use
@@ -39,13 +39,16 @@ class Sequence:
     output_text: str = ""
     logprobs: list[Sampled] = field(default_factory=list)
     prompt_logprobs: list[Sampled | None] = field(default_factory=list)   # runtime/scoring.py fills them
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # the host sampler's draws (sample_row)
+    draw_key: int = field(default=0, repr=False)   # the device sampler's draws: sampling.uniforms of the key
+    draws: int = 0                            # and of how many uniforms the device sampler drew before
     arrival: int = field(default_factory=lambda: next(_ids))
     constraint: object | None = None          # a constrained.Constraint (the request's grammar)
     _seen: tuple[set[int], int] | None = field(default=None, repr=False)   # seen_ids and the outputs in it
 
     def __post_init__(self):
         self.generator = make_generator(self.params.seed)
+        self.draw_key = make_draw_key(self.params.seed)
 
     def seen_ids(self) -> set[int]:
         """The distinct ids of the prompt and the output (a repetition penalty's), kept as outputs arrive:
