@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""The sampling kernel alone on the GPU: microseconds a launch at several batch sizes and tile configs, the
+split argmax beside it, for a Llama-3 vocabulary (128,256) of bf16 logits.
+
+    python bench/sampling_kernel_bench.py [--rows 1,32,64,256] [--out FILE.json]
+
+Each config is compiled here by Triton (JIT, not the bundle's AOT cubins) and timed from a CUDA graph of 20
+launches; its tokens must equal the table's config's on the same inputs (same uniforms), or the row says so.
+Rows are sampled as the serving benchmarks sample (temperature 0.8, top-k 50, top-p 0.95) over logits shaped
+like a model's (a few dozen plausible tokens above a normal floor); "greedy" rows have temperature 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engc.kernels.sampling.triton import sample_kernel   # noqa: E402
+
+VOCAB = 128256
+# (BLOCK_V, num_warps, num_stages); the first is the tune table's sampling/*/any
+CONFIGS = [(4096, 8, 1), (4096, 8, 2), (4096, 8, 3), (4096, 16, 1), (4096, 16, 2), (2048, 8, 2), (2048, 4, 2),
+           (8192, 16, 1), (8192, 16, 2), (1024, 4, 3)]
+
+
+def logits_like_a_model(rows: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(rows, VOCAB, device="cuda", generator=gen) * 2.0
+    top = torch.randint(0, VOCAB, (rows, 40), device="cuda", generator=gen)
+    x.scatter_(1, top, 12.0 + 3.0 * torch.rand(rows, 40, device="cuda", generator=gen))
+    return x.to(torch.bfloat16).contiguous()
+
+
+def graph_us(fn, launches: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(launches):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(7):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / launches)
+    return sorted(times)[len(times) // 2]
+
+
+def sampler(logits, params, cfg, cap=2048, small=256):
+    block_v, warps, stages = cfg
+    rows = logits.shape[0]
+    temperature, top_k, top_p, uniform, min_p = params
+    out = torch.empty(rows, dtype=torch.int64, device="cuda")
+    val = torch.empty(rows * cap, dtype=torch.float32, device="cuda")
+    idx = torch.empty(rows * cap, dtype=torch.int32, device="cuda")
+
+    def fn():
+        sample_kernel[(rows,)](logits, temperature, top_k, top_p, uniform, min_p, out, val, idx, VOCAB=VOCAB,
+                               BLOCK_V=block_v, CAP=cap, GROUPS=min(512, block_v), SMALL=small, num_warps=warps,
+                               num_stages=stages)
+    return fn, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,32,64,256")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    res = {"gpu": torch.cuda.get_device_name(), "vocab": VOCAB, "rows": {}}
+    print(f"{'rows':>5} {'mode':>8} " + " ".join(f"{'v%d w%d s%d' % c:>13}" for c in CONFIGS) + "   torch.argmax")
+    for rows in [int(r) for r in args.rows.split(",")]:
+        logits = logits_like_a_model(rows, gen)
+        for mode in ("sampled", "greedy"):
+            temp = 0.0 if mode == "greedy" else 0.8
+            params = (torch.full((rows,), temp, device="cuda"), torch.full((rows,), 50, dtype=torch.int32,
+                      device="cuda"), torch.full((rows,), 0.95, device="cuda"),
+                      torch.rand(rows, device="cuda", generator=gen), torch.zeros(rows, device="cuda"))
+            line, ref = [], None
+            for cfg in CONFIGS:
+                try:
+                    fn, out = sampler(logits, params, cfg)
+                    us = graph_us(fn)
+                    same = ref is None or torch.equal(out, ref)
+                    ref = out.clone() if ref is None else ref
+                    line.append(f"{us:10.1f}{'' if same else ' !='}")
+                    res["rows"].setdefault(str(rows), {}).setdefault(mode, {})["v%d_w%d_s%d" % cfg] = \
+                        {"us": round(us, 2), "same_tokens": same}
+                except Exception as e:   # a config that does not compile or fit: say so, go on
+                    line.append(f"{'fail':>10}")
+                    res["rows"].setdefault(str(rows), {}).setdefault(mode, {})["v%d_w%d_s%d" % cfg] = \
+                        {"error": repr(e)[:200]}
+            am = graph_us(lambda: torch.argmax(logits, -1))
+            res["rows"][str(rows)][mode]["torch_argmax_us"] = round(am, 2)
+            print(f"{rows:>5} {mode:>8} " + " ".join(f"{s:>13}" for s in line) + f"   {am:10.1f}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
