@@ -7,7 +7,8 @@ split argmax beside it, for a Llama-3 vocabulary (128,256) of bf16 logits.
 Each config is compiled here by Triton (JIT, not the bundle's AOT cubins) and timed from a CUDA graph of 20
 launches; its tokens must equal the table's config's on the same inputs (same uniforms), or the row says so.
 Rows are sampled as the serving benchmarks sample (temperature 0.8, top-k 50, top-p 0.95) over logits shaped
-like a model's (a few dozen plausible tokens above a normal floor); "greedy" rows have temperature 0.
+like a model's (a few dozen plausible tokens above a normal floor); "greedy" rows have temperature 0, and
+--modes times each filter alone (which of the kernel's phases a row pays for).
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engc.kernels.sampling.triton import sample_kernel   # noqa: E402
 
 VOCAB = 128256
+# a row's (temperature, top_k, top_p, min_p) in each mode: which of the kernel's paths it takes
+MODES = {"sampled": (0.8, 50, 0.95, 0.0), "greedy": (0.0, 50, 0.95, 0.0), "temperature": (0.8, 0, 1.0, 0.0),
+         "top_k": (0.8, 50, 1.0, 0.0), "top_p": (0.8, 0, 0.95, 0.0), "min_p": (0.8, 0, 1.0, 0.05)}
 # (BLOCK_V, num_warps, num_stages); the first is the tune table's sampling/*/any
 CONFIGS = [(4096, 8, 1), (4096, 8, 2), (4096, 8, 3), (4096, 16, 1), (4096, 16, 2), (2048, 8, 2), (2048, 4, 2),
            (8192, 16, 1), (8192, 16, 2), (1024, 4, 3)]
@@ -74,19 +78,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,32,64,256")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--modes", default="sampled,greedy",
+                    help="comma-separated filters a row uses, each timed alone: " + ", ".join(MODES))
+    ap.add_argument("--table-only", action="store_true", help="only the tune table's config (the first)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "vocab": VOCAB, "rows": {}}
-    print(f"{'rows':>5} {'mode':>8} " + " ".join(f"{'v%d w%d s%d' % c:>13}" for c in CONFIGS) + "   torch.argmax")
+    configs = CONFIGS[:1] if args.table_only else CONFIGS
+    print(f"{'rows':>5} {'mode':>11} " + " ".join(f"{'v%d w%d s%d' % c:>13}" for c in configs) + "   torch.argmax")
     for rows in [int(r) for r in args.rows.split(",")]:
         logits = logits_like_a_model(rows, gen)
-        for mode in ("sampled", "greedy"):
-            temp = 0.0 if mode == "greedy" else 0.8
-            params = (torch.full((rows,), temp, device="cuda"), torch.full((rows,), 50, dtype=torch.int32,
-                      device="cuda"), torch.full((rows,), 0.95, device="cuda"),
-                      torch.rand(rows, device="cuda", generator=gen), torch.zeros(rows, device="cuda"))
+        for mode in args.modes.split(","):
+            temp, top_k, top_p, min_p = MODES[mode]
+            params = (torch.full((rows,), temp, device="cuda"), torch.full((rows,), top_k, dtype=torch.int32,
+                      device="cuda"), torch.full((rows,), top_p, device="cuda"),
+                      torch.rand(rows, device="cuda", generator=gen), torch.full((rows,), min_p, device="cuda"))
             line, ref = [], None
-            for cfg in CONFIGS:
+            for cfg in configs:
                 try:
                     fn, out = sampler(logits, params, cfg)
                     us = graph_us(fn)
@@ -101,7 +109,7 @@ def main() -> None:
                         {"error": repr(e)[:200]}
             am = graph_us(lambda: torch.argmax(logits, -1))
             res["rows"][str(rows)][mode]["torch_argmax_us"] = round(am, 2)
-            print(f"{rows:>5} {mode:>8} " + " ".join(f"{s:>13}" for s in line) + f"   {am:10.1f}", flush=True)
+            print(f"{rows:>5} {mode:>11} " + " ".join(f"{s:>13}" for s in line) + f"   {am:10.1f}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 
