@@ -15,7 +15,8 @@ two servers produce the same number of tokens.
 
 Per level: output tok/s (tokens the server reported, over the level's wall time), TTFT p50/p99 (request sent to
 first content), ITL p50/p99 (gaps between content chunks of a request), errors. A concurrency level keeps N
-requests in flight; a rate level sends Poisson arrivals at that many requests a second.
+requests in flight; a rate level sends Poisson arrivals at that many requests a second. A level's requests are
+shared among client processes (--procs; by default one per 64 streams), so the client is not what is measured.
 """
 from __future__ import annotations
 
@@ -98,9 +99,10 @@ def summarize(level: dict, results: list[dict], seconds: float) -> dict:
             "itl_ms_p50": ms(percentile(itl, 50)), "itl_ms_p99": ms(percentile(itl, 99))}
 
 
-async def run_level(url: str, model: str, requests: list[tuple[str, int]], sampling: dict,
-                    concurrency: int | None = None, rate: float | None = None, seed: int = 0) -> dict:
-    """One level: at most `concurrency` requests in flight, or Poisson arrivals at `rate` a second."""
+async def run_part(url: str, model: str, requests: list[tuple[str, int]], sampling: dict,
+                   concurrency: int | None = None, rate: float | None = None, seed: int = 0) -> list[dict]:
+    """One process's share of a level: at most `concurrency` requests in flight, or Poisson arrivals at `rate`
+    a second; each request's result (one_request's)."""
     limits = httpx.Limits(max_connections=max(concurrency or 0, 1024), max_keepalive_connections=1024)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
         gate = asyncio.Semaphore(concurrency) if concurrency else None
@@ -112,16 +114,58 @@ async def run_level(url: str, model: str, requests: list[tuple[str, int]], sampl
             async with gate:
                 return await one_request(client, url, model, prompt, tokens, sampling)
 
-        started = time.perf_counter()
         tasks = []
         for prompt, tokens in requests:
             tasks.append(asyncio.create_task(send(prompt, tokens)))
             if rate:
                 await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        seconds = time.perf_counter() - started
+        return list(await asyncio.gather(*tasks))
+
+
+def _part(args: tuple) -> list[dict]:
+    """A worker process's share of a level (a top-level function: the spawn context pickles it by name)."""
+    return asyncio.run(run_part(*args))
+
+
+# streams in flight a client process drives: one Python process parsing every streamed event of 256 streams is
+# itself the limit (it held a server's 256-stream figure to about half of what two processes measured)
+PER_PROC = 64
+
+
+def procs_for(concurrency: int | None, rate: float | None, procs: int) -> int:
+    """Client processes for a level: `procs` where given (> 0), else one per PER_PROC streams in flight, one for
+    a rate level."""
+    if procs > 0:
+        return procs
+    return -(-concurrency // PER_PROC) if concurrency else 1
+
+
+def run_level(url: str, model: str, requests: list[tuple[str, int]], sampling: dict, concurrency: int | None = None,
+              rate: float | None = None, seed: int = 0, procs: int = 0) -> dict:
+    """One level over procs_for() client processes, each with its share of the requests and of the concurrency
+    (or of the rate: Poisson arrivals split over processes stay Poisson), timed from the first send to the
+    last answer of all of them."""
+    n = min(procs_for(concurrency, rate, procs), len(requests))
+    if n <= 1:
+        started = time.perf_counter()
+        results = asyncio.run(run_part(url, model, requests, sampling, concurrency, rate, seed))
+    else:
+        shares = [requests[i::n] for i in range(n)]
+        parts = [(url, model, share, sampling, concurrency and (concurrency // n + (i < concurrency % n)),
+                  rate and rate / n, seed + i) for i, share in enumerate(shares)]
+        import concurrent.futures
+        import multiprocessing
+        with concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_ready, range(n)))   # the workers started and imported before the clock starts
+            started = time.perf_counter()
+            results = [r for part in pool.map(_part, parts) for r in part]
+    seconds = time.perf_counter() - started
     level = {"concurrency": concurrency} if concurrency else {"rate": rate}
-    return summarize(level, results, seconds)
+    return {**summarize(level, results, seconds), "client_processes": n}
+
+
+def _ready(_: int) -> bool:
+    return True
 
 
 def run(args) -> dict:
@@ -131,12 +175,12 @@ def run(args) -> dict:
     report = {"label": args.label, "url": args.url, "model": args.model, "workload": args.workload,
               "sampling": sampling, "levels": []}
     warm = workload("fixed", 2, args.seed + 1, 16, 8)
-    asyncio.run(run_level(args.url, args.model, warm, sampling, concurrency=2))
+    run_level(args.url, args.model, warm, sampling, concurrency=2, procs=1)
     for kind, value in levels:
         # a level sends at least 4 rounds of its concurrency, so the tail of a batch is not all it measures
         n = max(args.requests, 4 * value) if kind == "concurrency" else args.requests
         reqs = workload(args.workload, n, args.seed, args.input_words, args.output_len)
-        result = asyncio.run(run_level(args.url, args.model, reqs, sampling, seed=args.seed, **{kind: value}))
+        result = run_level(args.url, args.model, reqs, sampling, seed=args.seed, procs=args.procs, **{kind: value})
         print(json.dumps(result), flush=True)
         report["levels"].append(result)
     if args.out:
@@ -184,6 +228,9 @@ def main(argv=None) -> None:
     r.add_argument("--top-p", type=float, default=0.95)
     r.add_argument("--top-k", type=int, default=50)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--procs", type=int, default=0,
+                   help=f"client processes a level (default: one per {PER_PROC} streams in flight, one for a rate "
+                        "level)")
     r.add_argument("--out")
     p = sub.add_parser("plot", help="output tok/s against ITL p99 of several runs, as a PNG")
     p.add_argument("files", nargs="+")

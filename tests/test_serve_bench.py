@@ -1,5 +1,6 @@
 """bench/serve_bench.py against a live engc server: every level streams its requests with no error, reports
-throughput and latency percentiles from the server's own usage, and the plot is written."""
+throughput and latency percentiles from the server's own usage (a level shared by several client processes
+too), and the plot is written."""
 import json
 import sys
 from pathlib import Path
@@ -24,6 +25,13 @@ def test_levels_against_a_live_server(tiny_bundle, tmp_path):
         main(["run", "--url", server.url, "--model", server.model, "--label", "engc", "--workload", "fixed",
               "--input-words", "6", "--output-len", "5", "--concurrency", "1,3", "--rates", "50",
               "--requests", "6", "--out", str(out)])
+        # a level shared by two client processes: every request answered, counted once
+        main(["run", "--url", server.url, "--model", server.model, "--workload", "fixed", "--input-words", "6",
+              "--output-len", "5", "--concurrency", "4", "--procs", "2", "--requests", "8",
+              "--out", str(tmp_path / "two.json")])
+    two, = json.loads((tmp_path / "two.json").read_text())["levels"]
+    assert two["client_processes"] == 2 and two["requests"] == 16 and two["errors"] == 0, two
+    assert two["output_tok_s"] > 0 and two["itl_ms_p50"] is not None
     report = json.loads(out.read_text())
     assert [lv.get("concurrency") or lv.get("rate") for lv in report["levels"]] == [1, 3, 50.0]
     for lv in report["levels"]:
