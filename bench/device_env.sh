@@ -53,7 +53,7 @@ PY
 # clean: the checkpoints and bundles of earlier gb runs off the 64 GB disk. 8b-int4 and 8b-int4-qhead, then 8b,
 # in one command filled it (16 GB a bf16 8B checkpoint and as much a bundle): clean before a shape that
 # shares nothing with the last
-clean() { rm -rf /tmp/engc_work; }
+clean() { rm -rf /tmp/engc_work /dev/shm/engc_work; }
 
 # finish: everything under /tmp/gb back as one file ($OUT returns at most 8)
 finish() { (cd /tmp && tar czf "$OUT/gb.tgz" gb); echo "done $(el)"; }

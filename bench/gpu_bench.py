@@ -127,11 +127,11 @@ def bench_shape(shape: str, args) -> dict:
 
 
 def _checkpoint_and_bundle(shape: str, args, res: dict) -> tuple[Path, Path]:
-    """The shape's checkpoint and bundle under --work, made where missing (--quick reuses a built bundle);
-    a --tune table or a --skip-pass gets a bundle of its own."""
+    """The shape's checkpoint and bundle under --work (the checkpoint under --ckpt-work where given), made where
+    missing (--quick reuses a built bundle); a --tune table or a --skip-pass gets a bundle of its own."""
     from engc.compiler.build import BuildOptions, build
     work = Path(args.work)
-    ckpt, bundle = checkpoint_dir(work, shape), work / f"bundle-{shape}"
+    ckpt, bundle = checkpoint_dir(Path(args.ckpt_work or work), shape), work / f"bundle-{shape}"
     if args.tune:
         import hashlib
         bundle = bundle.with_name(bundle.name + "-tuned-" + hashlib.sha256(args.tune.encode()).hexdigest()[:8])
@@ -339,7 +339,8 @@ def run(args):
 
 def _child_command(shape: str, args) -> list[str]:
     cmd = [sys.executable, __file__, "run", "--child", "--shapes", shape, "--cache", args.cache,
-           "--out", args.out, "--work", args.work, "--commit", args.commit, "--timeout", str(args.timeout)]
+           "--out", args.out, "--work", args.work, "--ckpt-work", args.ckpt_work, "--commit", args.commit,
+           "--timeout", str(args.timeout)]
     for flag in ("long", "serve", "profile_only", "no_hf", "quick", "check_only", "sampled"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
@@ -371,6 +372,9 @@ def main():
     ap.add_argument("--cache", default=str(ROOT / ".kcache"))
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/engc_bench"))
     ap.add_argument("--work", default="/tmp/engc_work")
+    ap.add_argument("--ckpt-work", default="",
+                    help="where the checkpoints go (default: --work); /dev/shm where checkpoint and bundle together "
+                         "outgrow the disk (DeepSeek-V2-Lite: 31 GB each against the H200 machine's 64 GB)")
     ap.add_argument("--commit", default="", help="recorded in each JSON")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--long", action="store_true", help="also 1000 in / 1000 out at batch 64")
