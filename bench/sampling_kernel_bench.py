@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engc.kernels.sampling.triton import sample_kernel   # noqa: E402
+from timing import graph_replay_ms   # noqa: E402
 
 VOCAB = 128256
 # a row's (temperature, top_k, top_p, min_p) in each mode: which of the kernel's paths it takes
@@ -40,23 +42,14 @@ def logits_like_a_model(rows: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def graph_us(fn, launches: int = 20) -> float:
+    """Microseconds a launch of fn, from replays of a graph of `launches` of them back to back."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(launches):
             fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / launches)
-    return sorted(times)[len(times) // 2]
+    return graph_replay_ms(g) * 1000 / launches
 
 
 def sampler(logits, params, cfg, cap=2048, small=256):
@@ -94,6 +87,7 @@ def main() -> None:
                       device="cuda"), torch.full((rows,), top_p, device="cuda"),
                       torch.rand(rows, device="cuda", generator=gen), torch.full((rows,), min_p, device="cuda"))
             line, ref = [], None
+            figures = res["rows"].setdefault(str(rows), {}).setdefault(mode, {})
             for cfg in configs:
                 try:
                     fn, out = sampler(logits, params, cfg)
@@ -101,14 +95,12 @@ def main() -> None:
                     same = ref is None or torch.equal(out, ref)
                     ref = out.clone() if ref is None else ref
                     line.append(f"{us:10.1f}{'' if same else ' !='}")
-                    res["rows"].setdefault(str(rows), {}).setdefault(mode, {})["v%d_w%d_s%d" % cfg] = \
-                        {"us": round(us, 2), "same_tokens": same}
+                    figures["v%d_w%d_s%d" % cfg] = {"us": round(us, 2), "same_tokens": same}
                 except Exception as e:   # a config that does not compile or fit: say so, go on
                     line.append(f"{'fail':>10}")
-                    res["rows"].setdefault(str(rows), {}).setdefault(mode, {})["v%d_w%d_s%d" % cfg] = \
-                        {"error": repr(e)[:200]}
+                    figures["v%d_w%d_s%d" % cfg] = {"error": repr(e)[:200]}
             am = graph_us(lambda: torch.argmax(logits, -1))
-            res["rows"][str(rows)][mode]["torch_argmax_us"] = round(am, 2)
+            figures["torch_argmax_us"] = round(am, 2)
             print(f"{rows:>5} {mode:>11} " + " ".join(f"{s:>13}" for s in line) + f"   {am:10.1f}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))

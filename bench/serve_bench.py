@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import random
 import time
 from pathlib import Path
@@ -122,6 +124,11 @@ async def run_part(url: str, model: str, requests: list[tuple[str, int]], sampli
         return list(await asyncio.gather(*tasks))
 
 
+def _ready(_: int) -> bool:
+    """A no-op each worker runs once, so the pool's processes have started before a level is timed."""
+    return True
+
+
 def _part(args: tuple) -> list[dict]:
     """A worker process's share of a level (a top-level function: the spawn context pickles it by name)."""
     return asyncio.run(run_part(*args))
@@ -153,19 +160,13 @@ def run_level(url: str, model: str, requests: list[tuple[str, int]], sampling: d
         shares = [requests[i::n] for i in range(n)]
         parts = [(url, model, share, sampling, concurrency and (concurrency // n + (i < concurrency % n)),
                   rate and rate / n, seed + i) for i, share in enumerate(shares)]
-        import concurrent.futures
-        import multiprocessing
         with concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
-            list(pool.map(_ready, range(n)))   # the workers started and imported before the clock starts
+            list(pool.map(_ready, range(n)))
             started = time.perf_counter()
             results = [r for part in pool.map(_part, parts) for r in part]
     seconds = time.perf_counter() - started
     level = {"concurrency": concurrency} if concurrency else {"rate": rate}
     return {**summarize(level, results, seconds), "client_processes": n}
-
-
-def _ready(_: int) -> bool:
-    return True
 
 
 def run(args) -> dict:

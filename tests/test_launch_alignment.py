@@ -70,7 +70,6 @@ def test_gpu_sampler_parameter_rows_start_aligned(rows, monkeypatch):
     from engc.runtime.sampler import SamplingKernels
     from engc.runtime.sampling import SamplingParams
     from engc.runtime.sequence import Sequence
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)   # no accelerator here to pin for
 
     class Kernels:
         consts = {"sampling": {"logits_fp32": {"CAP": 16}}}

@@ -318,8 +318,7 @@ class SamplingKernels:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The sampled ids, [len(seqs)] int64 on the device; nothing here waits for the GPU."""
-        # pinned, so the upload does not wait for the step still running on the GPU
-        params = torch.from_numpy(parameter_block(seqs)).pin_memory().to(self.device, non_blocking=True)
+        params = upload(torch.from_numpy(parameter_block(seqs)), self.device)
         # the block's rows are the kernel's arguments as they are: views, no device work before the launch
         temperature, top_p, uniform, min_p = params[0], params[2], params[3], params[4]
         top_k = params[1].view(torch.int32)   # the int32 bits parameter_block wrote
