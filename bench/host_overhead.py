@@ -20,6 +20,7 @@ import argparse
 import cProfile
 import pstats
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -128,21 +129,20 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=5, help="best of this many timed runs")
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs, a fresh engine each (best and median printed)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-overlap", action="store_true", help="synchronous steps (EngineConfig.overlap off)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.Tensor.pin_memory = lambda self: self      # no CUDA here: the staging buffer is plain memory
     model = load(args.bundle)
-    print(f"{'batch':>5} {'stops':>5} {'ms/step':>8}")
+    print(f"{'batch':>5} {'stops':>5} {'best ms':>8} {'median':>8}")
     for batch in args.batch:
         for stops in ((), STOPS):
-            best = float("inf")
-            for _ in range(args.repeat):
-                engine = make_engine(model, batch, args.prompt_len, args.steps, stops, not args.no_overlap)
-                best = min(best, time_steps(engine, args.steps))
-            print(f"{batch:>5} {'yes' if stops else 'no':>5} {best:8.3f}", flush=True)
+            runs = [time_steps(make_engine(model, batch, args.prompt_len, args.steps, stops, not args.no_overlap),
+                               args.steps) for _ in range(args.repeat)]
+            print(f"{batch:>5} {'yes' if stops else 'no':>5} {min(runs):8.3f} {statistics.median(runs):8.3f}",
+                  flush=True)
             if args.profile:
                 time_steps(make_engine(model, batch, args.prompt_len, args.steps, stops, not args.no_overlap),
                            args.steps, True)
