@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""The sampling kernel alone on the GPU: microseconds a launch at several batch sizes and tile configs, the
-split argmax beside it, for a Llama-3 vocabulary (128,256) of bf16 logits.
+"""The sampling kernels alone on the GPU: microseconds a draw (the op's four launches) at several batch sizes
+and tile configs, torch.argmax beside it, for a Llama-3 vocabulary (128,256) of bf16 logits.
 
     python bench/sampling_kernel_bench.py [--rows 1,32,64,256] [--out FILE.json]
 
-Each config is compiled here by Triton (JIT, not the bundle's AOT cubins) and timed from a CUDA graph of 20
-launches; its tokens must equal the table's config's on the same inputs (same uniforms), or the row says so.
+Each config is the tune table's entry with overrides, built by the op's own spec builder and launch rule,
+compiled here by Triton (JIT, not the bundle's AOT cubins) and timed from a CUDA graph of 20 draws; its tokens
+must equal the table's config's on the same inputs (same uniforms), or the row says so.
 Rows are sampled as the serving benchmarks sample (temperature 0.8, top-k 50, top-p 0.95) over logits shaped
 like a model's (a few dozen plausible tokens above a normal floor); "greedy" rows have temperature 0, and
 --modes times each filter alone (which of the kernel's phases a row pays for).
@@ -22,16 +23,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engc.kernels.sampling.triton import sample_kernel   # noqa: E402
+from engc.bundle.model_config import ModelConfig   # noqa: E402
+from engc.compiler.codegen.kernel_spec import Build   # noqa: E402
+from engc.kernels import sampling   # noqa: E402
+from engc.kernels.sampling.specs import specs as sampling_specs   # noqa: E402
 from timing import graph_replay_ms   # noqa: E402
 
 VOCAB = 128256
 # a row's (temperature, top_k, top_p, min_p) in each mode: which of the kernel's paths it takes
 MODES = {"sampled": (0.8, 50, 0.95, 0.0), "greedy": (0.0, 50, 0.95, 0.0), "temperature": (0.8, 0, 1.0, 0.0),
          "top_k": (0.8, 50, 1.0, 0.0), "top_p": (0.8, 0, 0.95, 0.0), "min_p": (0.8, 0, 1.0, 0.05)}
-# (BLOCK_V, num_warps, num_stages); the first is the tune table's sampling/*/any
-CONFIGS = [(4096, 8, 1), (4096, 8, 2), (4096, 8, 3), (4096, 16, 1), (4096, 16, 2), (2048, 8, 2), (2048, 4, 2),
-           (8192, 16, 1), (8192, 16, 2), (1024, 4, 3)]
+# overrides of the tune table's sampling/*/any entry; the first ({}) is the table's own
+CONFIGS = [{}, {"block": 1024, "max_splits": 64}, {"block": 4096, "max_splits": 32}, {"num_warps": 4},
+           {"block": 1024, "max_splits": 64, "num_warps": 4}, {"groups": 32}, {"max_splits": 16},
+           {"num_warps": 16}]
 
 
 def logits_like_a_model(rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -52,18 +57,27 @@ def graph_us(fn, launches: int = 20) -> float:
     return graph_replay_ms(g) * 1000 / launches
 
 
-def sampler(logits, params, cfg, cap=2048, small=256):
-    block_v, warps, stages = cfg
-    rows = logits.shape[0]
+def label(cfg: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in cfg.items()) or "table"
+
+
+def sampler(logits, params, cfg):
+    """A draw's launches over logits with the table's entry overridden by cfg, as a function to time."""
+    cfg_ = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=1,
+                       num_heads=4, num_kv_heads=4, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                       max_position_embeddings=256, tie_word_embeddings=False)
+    arch = "sm%d%d" % torch.cuda.get_device_capability()
+    specs = {s.variant: s for s in sampling_specs(Build(cfg=cfg_, t="bf16", arch=arch, block_size=16,
+                                                        overrides={"sampling": cfg}))}
+    consts = {v: s.launch for v, s in specs.items()}
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device="cuda")
     temperature, top_k, top_p, uniform, min_p = params
-    out = torch.empty(rows, dtype=torch.int64, device="cuda")
-    val = torch.empty(rows * cap, dtype=torch.float32, device="cuda")
-    idx = torch.empty(rows * cap, dtype=torch.int32, device="cuda")
+    launches = sampling.launch(logits, temperature, top_k, top_p, uniform, min_p, out, consts)
 
     def fn():
-        sample_kernel[(rows,)](logits, temperature, top_k, top_p, uniform, min_p, out, val, idx, VOCAB=VOCAB,
-                               BLOCK_V=block_v, CAP=cap, GROUPS=min(512, block_v), SMALL=small, num_warps=warps,
-                               num_stages=stages)
+        for variant, grid, args in launches:
+            s = specs[variant]
+            s.fn()[grid](*args[:-2], **s.constexprs, num_warps=s.num_warps, num_stages=s.num_stages)
     return fn, out
 
 
@@ -78,7 +92,10 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "vocab": VOCAB, "rows": {}}
     configs = CONFIGS[:1] if args.table_only else CONFIGS
-    print(f"{'rows':>5} {'mode':>11} " + " ".join(f"{'v%d w%d s%d' % c:>13}" for c in configs) + "   torch.argmax")
+    for i, cfg in enumerate(configs):
+        print(f"config {i}: {label(cfg)}")
+    print(f"{'rows':>5} {'mode':>11} " + " ".join(f"{'config %d' % i:>13}" for i in range(len(configs)))
+          + "   torch.argmax")
     for rows in [int(r) for r in args.rows.split(",")]:
         logits = logits_like_a_model(rows, gen)
         for mode in args.modes.split(","):
@@ -95,10 +112,10 @@ def main() -> None:
                     same = ref is None or torch.equal(out, ref)
                     ref = out.clone() if ref is None else ref
                     line.append(f"{us:10.1f}{'' if same else ' !='}")
-                    figures["v%d_w%d_s%d" % cfg] = {"us": round(us, 2), "same_tokens": same}
+                    figures[label(cfg)] = {"us": round(us, 2), "same_tokens": same}
                 except Exception as e:   # a config that does not compile or fit: say so, go on
                     line.append(f"{'fail':>10}")
-                    figures["v%d_w%d_s%d" % cfg] = {"error": repr(e)[:200]}
+                    figures[label(cfg)] = {"error": repr(e)[:200]}
             am = graph_us(lambda: torch.argmax(logits, -1))
             figures["torch_argmax_us"] = round(am, 2)
             print(f"{rows:>5} {mode:>11} " + " ".join(f"{s:>13}" for s in line) + f"   {am:10.1f}", flush=True)

@@ -17,7 +17,7 @@ TINY = ModelConfig(family="qwen3", vocab_size=512, hidden_size=64, intermediate_
 EXPECTED = {("rms_norm", "rms_norm"), ("rms_norm", "add_rms_norm"), ("silu_mul", "default"),
             ("qk_norm", "default"), ("rotary", "pos_i64"), ("rotary", "pos_i32"),
             ("paged_attention", "decode"), ("paged_attention", "decode_rotary"), ("paged_attention", "prefill"),
-            ("sampling", "logits_bf16"), ("sampling", "logits_fp32"),
+            *[("sampling", f"{stage}_{lt}") for stage in ("stats", "bound", "compact", "finish") for lt in ("bf16", "fp32")],
             ("gemv", "silu_k128_m1"), ("gemv", "k64_m1_n4k1024w4"),
             ("argmax", "partial_bf16"), ("argmax", "partial_fp32"), ("argmax", "final")}
 

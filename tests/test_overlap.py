@@ -63,10 +63,10 @@ def test_sampling_kernels_upload_what_the_reference_draws(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
 
     class Kernels:
-        consts = {"sampling": {"logits_fp32": {"CAP": 16}}}
+        consts = {"sampling": {"stats_fp32": {"SPLITS": 2, "NGROUPS": 8, "NCAND": 16}}}
 
         def run(self, op, launches):
-            (_variant, (rows, _, _), args), = launches
+            (_variant, (rows, _, _), args) = launches[1]    # bound: every row parameter
             self.inputs = [t[:rows].clone() for t in args[1:6]]
 
     kernels = Kernels()

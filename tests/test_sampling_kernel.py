@@ -2,9 +2,9 @@
 
 Every draw must be the reference's token for the same uniform. A difference is accepted only where it is a
 float summation-order tie: the reference gives the kernel's token for the uniform, top_p or min_p nudged by
-1e-5 relative. Small BLOCK_V / CAP overrides keep the interpreter fast and put each path in reach: the
-candidate path (top-k, top-p without top-k, min-p), its overflow into the streaming radix fallback, the
-temperature-only draw, greedy and non-finite rows. The passes over the row are counted from the
+1e-5 relative. Small tiles keep the interpreter fast and put each path in reach: the candidate path
+(top-k, top-p without top-k, min-p) with its small and full gathers, its overflow into the streaming radix
+fallback, the temperature-only draw, greedy and non-finite rows, with the row in several slices and in one. The passes over the row are counted from the
 interpreter's loads, so the read budget of each case is tested too.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pytest
 from interpreted import interpreted_report, print_report
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ["rows_fp32", "rows_bf16", "rows_wide_groups_fp32", "distribution_fp32", "distribution_bf16", "passes"]
+CASES = ["rows_fp32", "rows_bf16", "rows_wide_groups_fp32", "rows_one_slice_bf16", "distribution_fp32",
+         "distribution_bf16", "passes"]
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,24 @@ def test_sampling_kernel_matches_reference(report, case):
 def _cuda() -> bool:
     import torch
     return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_the_kernels_compile_at_a_large_vocabulary(arch):
+    """The tune table's tiles at a 128k vocabulary compile for each arch (no GPU needed): 32 slices, the small
+    and the full gather of the finish both present (the interpreter runs the tiny tiles, not these)."""
+    import torch
+    from engc.compiler.codegen.aot import compile_spec
+    from engc.compiler.codegen.specs import model_specs
+    from test_kernels import _cfg
+    specs = {s.variant: s for s in model_specs(_cfg(vocab_size=128256), torch.bfloat16, arch, 16)
+             if s.op == "sampling"}
+    assert set(specs) == {f"{st}_{lt}" for st in ("stats", "bound", "compact", "finish") for lt in ("bf16", "fp32")}
+    finish = specs["finish_bf16"].constexprs
+    assert finish["SPLITS"] > 1 and finish["NCAND"] > finish["SMALL"] > 0
+    for spec in specs.values():
+        cubin, _ptx, _meta = compile_spec(spec)
+        assert len(cubin) > 0, spec.variant
 
 
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
@@ -66,7 +85,8 @@ def test_the_compiled_kernel_draws_the_references_tokens_on_a_gpu():
 # ---------------------------------------------------------------- the child process (TRITON_INTERPRET=1)
 
 V = 3000
-SMALL_TILES = {"BLOCK_V": 512, "cap": 256, "small": 64, "groups": 256}
+# 8 slices of 375 tokens (two 256-lane blocks each), 32 lane groups and 32 candidate slots a slice
+SMALL_TILES = {"block": 256, "max_splits": 8, "groups": 32, "cap_s": 32, "small": 64}
 
 
 def _specs(overrides=None):
@@ -82,14 +102,15 @@ def _launch(specs, logits, rows, uniform):
     from engc.kernels import sampling as op
     from test_kernels import _run
     consts = {v: s.launch for v, s in specs.items()}
-    cap = next(iter(consts.values()))["CAP"]
+    c = next(iter(consts.values()))
     b = len(rows)
     params = [torch.tensor([r[i] for r in rows], dtype=torch.float32) for i in range(4)]
     top_k = params[1].to(torch.int32)
     out = torch.full((b,), -1, dtype=torch.int64)
-    ws = (torch.full((b * cap,), float("nan")), torch.full((b * cap,), -1, dtype=torch.int32))
+    f, i = op.row_sizes(c)
+    ws = (torch.full((b * f,), float("nan")), torch.full((b * i,), -1, dtype=torch.int32))
     _run(specs, op.launch(logits, params[0], top_k, params[2], uniform, params[3], out, consts, ws))
-    return out, ws[1].view(b, cap)
+    return out, op.candidate_indices(ws[1], b, c)
 
 
 def _unexplained(logits, rows, uniform, got):
@@ -112,7 +133,7 @@ def _unexplained(logits, rows, uniform, got):
 def check_rows(dtype, overrides=None):
     import torch
     specs = _specs(overrides)
-    block_v = (overrides or SMALL_TILES)["BLOCK_V"]
+    groups = next(iter(specs.values())).launch["NGROUPS"]
     gen = torch.Generator().manual_seed(7)
     rows = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.8, 50, 0.95, 0.0), (0.7, 50, 1.0, 0.0),
             (1.3, 0, 0.9, 0.0), (0.8, 20, 0.5, 0.0), (1.0, 1, 1.0, 0.0), (2.0, V - 1, 0.99, 0.0),
@@ -122,7 +143,7 @@ def check_rows(dtype, overrides=None):
             (1.0, 0, 0.5, 0.0),          # 17: the top-p crossing inside the top plateau of 20 ties
             (1.0, 50, 0.9, 0.0),         # 18: flat row: more than CAP candidates, the radix fallback
             (1.0, 0, 0.9, 0.0),          # 19: flat row, top-p without top-k: the fallback too
-            (0.9, block_v + 1, 0.95, 0.0),   # k above the lane count: the fallback
+            (0.9, groups + 1, 0.95, 0.0),    # k above the group count: the fallback
             (0.9, 0, 1.0, 0.0), (1.2, 10, 0.8, 0.0), (0.7, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0)]
     b = len(rows)
     logits = (torch.randn(b, V, generator=gen) * 3).to(dtype)
@@ -216,9 +237,13 @@ def main():
     print_report({
         "rows_fp32": (lambda: check_rows(f32), 0),
         "rows_bf16": (lambda: check_rows(bf16), 0),
-        # top-k bound from whole lanes (as many groups as lanes), 2 candidate slots read at first
-        "rows_wide_groups_fp32": (lambda: check_rows(f32, {"BLOCK_V": 256, "cap": 512, "small": 2,
-                                                           "groups": 256}), 0),
+        # bounds from whole lanes (as many groups as lanes), 2 candidates gathered at first, so the full
+        # gather of every slice's slots serves most rows
+        "rows_wide_groups_fp32": (lambda: check_rows(f32, {"block": 256, "max_splits": 4, "groups": 256,
+                                                           "cap_s": 128, "small": 2}), 0),
+        # the row in one slice (the bound's draw and the finish's gather over one)
+        "rows_one_slice_bf16": (lambda: check_rows(bf16, {"block": 512, "max_splits": 1, "groups": 64,
+                                                          "cap_s": 256, "small": 64}), 0),
         "distribution_fp32": (lambda: check_distribution(f32), 0),
         "distribution_bf16": (lambda: check_distribution(bf16), 0),
         "passes": (check_passes, 0),

@@ -62,19 +62,35 @@ def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
 _TRITON_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def workspace(rows: int, cap: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's CAP candidate slots: scaled logit (float32) and token index (int32), [rows * cap] each."""
-    return (torch.empty(rows * cap, dtype=torch.float32, device=device),
-            torch.empty(rows * cap, dtype=torch.int32, device=device))
+def row_sizes(consts: dict) -> tuple[int, int]:
+    """Entries a row takes in each workspace (kernels/sampling/triton.py reads them at these offsets):
+    float32 [slice maxima | slice masses | group maxima | group masses | candidate values | m, Z] and
+    int32 [slice argmaxes | slice candidate counts | candidate indices | mode, bound key, top-p flag]."""
+    s, ng, nc = consts["SPLITS"], consts["NGROUPS"], consts["NCAND"]
+    return 2 * s + 2 * ng + nc + 2, 2 * s + nc + 3
+
+
+def workspace(rows: int, consts: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launches' float32 and int32 workspaces for `rows` rows (consts: a variant's record 'launch')."""
+    f, i = row_sizes(consts)
+    return (torch.empty(rows * f, dtype=torch.float32, device=device),
+            torch.empty(rows * i, dtype=torch.int32, device=device))
+
+
+def candidate_indices(iws: torch.Tensor, rows: int, consts: dict) -> torch.Tensor:
+    """The candidate slots' token indices, [rows, SPLITS * CAP_S], slice by slice (what compact wrote)."""
+    _, i = row_sizes(consts)
+    s = consts["SPLITS"]
+    return iws.view(rows, i)[:, 2 * s:2 * s + consts["NCAND"]]
 
 
 def launch(logits, temperature, top_k, top_p, uniform, min_p, out, consts, workspace_=None):
-    """Launch rule of sample_kernel: [(variant, grid, args)]; variant 'logits_<dtype>' (fp32, bf16, fp16).
+    """Launch rule: [(variant, grid, args)] for 'stats_<dtype>', 'bound_<dtype>', 'compact_<dtype>' and
+    'finish_<dtype>' (fp32, bf16, fp16 logits).
 
     logits contiguous [B, V]; temperature, top_p, uniform, min_p float32 [B]; top_k int32 [B]; out int64 [B].
-    consts: variant -> record 'launch' ({'CAP': candidate slots a row}); workspace_: (values, indices) of
-    at least rows * CAP entries, else allocated here (on the logits' device, no host sync).
-    args: logits, temperature, top_k, top_p, uniform, min_p, out, cand_val, cand_idx, 0, 0.
+    consts: variant -> record 'launch' ({'SPLITS', 'NGROUPS', 'NCAND'}); workspace_: (fws, iws) of at least
+    rows * row_sizes entries, else allocated here (on the logits' device, no host sync).
     """
     assert logits.is_contiguous()
     assert (temperature.dtype == top_p.dtype == uniform.dtype == min_p.dtype == torch.float32
@@ -83,6 +99,12 @@ def launch(logits, temperature, top_k, top_p, uniform, min_p, out, consts, works
     rows = logits.shape[0]
     if rows == 0:
         return []
-    variant = f"logits_{_TRITON_NAME[logits.dtype]}"
-    val, idx = workspace_ if workspace_ is not None else workspace(rows, consts[variant]["CAP"], logits.device)
-    return [(variant, (rows, 1, 1), [logits, temperature, top_k, top_p, uniform, min_p, out, val, idx, 0, 0])]
+    lt = _TRITON_NAME[logits.dtype]
+    c = consts[f"stats_{lt}"]
+    fws, iws = workspace_ if workspace_ is not None else workspace(rows, c, logits.device)
+    splits = c["SPLITS"]
+    return [(f"stats_{lt}", (rows, splits, 1), [logits, temperature, top_k, top_p, min_p, fws, iws, 0, 0]),
+            (f"bound_{lt}", (rows, 1, 1), [logits, temperature, top_k, top_p, uniform, min_p, out, fws, iws, 0, 0]),
+            (f"compact_{lt}", (rows, splits, 1), [logits, temperature, fws, iws, 0, 0]),
+            (f"finish_{lt}", (rows, 1, 1), [logits, temperature, top_k, top_p, uniform, min_p, out, fws, iws,
+                                           0, 0])]

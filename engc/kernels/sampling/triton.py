@@ -1,33 +1,42 @@
-"""Sampling kernel: one program per row, streaming the row in BLOCK_V chunks (it never fits in registers).
+"""Sampling kernels: each row is cut into SPLITS slices of CHUNK tokens so that a row's reads spread over many
+programs (one program streaming a 128k-entry row is latency-bound: ~0.1 ms whatever the batch). Four launches:
 
-The common rows read the logits twice:
-  pass 1   the argmax and max logit, each lane's own maximum, and (where the row needs the total mass Z)
-           each lane's online softmax sum. A greedy row ends here.
-  bound    a lower bound L of the final threshold, from registers only:
-             top-k (0 < k <= BLOCK_V): the k-th largest maximum of GROUPS lane groups (of the lanes for
-               k > GROUPS): k groups each hold a logit >= it, so the k-th largest logit is >= it;
-             top-p without top-k: the largest key at or above which the lanes' maxima and masses prove
-               p * Z of mass (_mass_bound), so the top-p threshold is >= it;
+  stats    grid (rows, SPLITS): each slice's maximum and first index of it, the maxima of its GROUPS lane
+           groups and, where the row needs the total mass Z, the slice's and each group's mass.
+  bound    grid (rows,): the row's argmax (a greedy row ends here), m = max s, Z, and a lower bound L of the
+           final threshold from the groups alone:
+             top-k (k <= NGROUPS): the k-th largest group maximum (k groups each hold a token >= it);
+             top-p without top-k: the largest key at or above which the groups' maxima and masses prove
+               p * Z of mass (_mass_bound);
              min-p: m + log(min_p), less a rounding margin.
-  pass 2   the tokens with s >= L are compacted, in vocabulary order, into the row's CAP slots of the
-           launch's candidate buffers (value and index).
-  finish   over the candidates in registers: the exact top-k threshold and top-p threshold (radix selects
-           over the candidates' keys), min-p, and the inverse-CDF draw in vocabulary order.
-Rows with no filter (temperature only) take pass 1 with Z and one streaming draw. Where more than CAP
-tokens reach L (flat logits, large k, a top-p set wider than CAP), or k > BLOCK_V, the row falls back to
-thresholds found by a radix-4 search streaming the row, 16 passes for each, correct for any input. The
-top-k bound compares the tokens' own scaled values (no rounding to slip); the min-p bound keeps a margin
-far above the rounding of exp and log; the top-p bound may slip by rounding, so the finish checks that the
-top-p threshold lies among the candidates and the row falls back where it does not.
+           A row with no filter (temperature only) draws here: the slice where the running mass passes
+           u * Z from the slices' masses, then the token inside that slice.
+  compact  grid (rows, SPLITS): each slice stores its tokens with s >= L, in vocabulary order, into its CAP_S
+           candidate slots, and how many there are.
+  finish   grid (rows,): the slices' candidates gathered in vocabulary order into registers (SMALL of them
+           where they fit, else all NCAND), then the exact top-k and top-p thresholds (radix selects over
+           the candidates' keys), min-p, and the inverse-CDF draw in vocabulary order.
+Where a slice holds more than CAP_S tokens >= L (flat logits, large k, a wide top-p set), or k > NGROUPS, the
+finish falls back to thresholds found by a radix-4 search streaming the whole row, 16 passes for each, correct
+for any input. The top-k bound compares the tokens' own scaled values (no rounding to slip); the min-p bound
+keeps a margin far above the rounding of exp and log; the top-p bound may slip by rounding, so the finish
+checks that the top-p threshold lies among the candidates and falls back where it does not.
 
 Thresholds compare order-preserving int32 keys of the scaled logits (as int64, so a prefix plus a digit
 never overflows); -0.0 takes +0.0's key, since the reference compares the floats.
+
+The launches share two per-row workspaces (layouts in __init__.py): float32 fws [FROW] and int32 iws [IROW].
 """
 import triton
 import triton.language as tl
 
+from engc.kernels import pdl
+
 KEY_MIN = tl.constexpr(-2147483648)       # the smallest key: no threshold
 BELOW_ALL = tl.constexpr(-2147483649)     # an empty candidate slot's key: below any threshold
+DONE = tl.constexpr(0)                    # a row's mode after bound: its token is out already
+CANDIDATES = tl.constexpr(1)              # compact its slices, then finish from the candidates
+FALLBACK = tl.constexpr(2)                # finish by streaming radix searches over the row
 
 
 @triton.jit
@@ -38,9 +47,33 @@ def _order_key(x):
 
 
 @triton.jit
-def _scaled(row_ptr, offs, temperature, VOCAB: tl.constexpr):
-    x = tl.load(row_ptr + offs, mask=offs < VOCAB, other=float("-inf")).to(tl.float32)
+def _key_value(key):
+    """The float whose _order_key is key (the key's bit map is its own inverse)."""
+    k32 = key.to(tl.int32)
+    return (k32 ^ ((k32 >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scaled(row_ptr, offs, hi, temperature):
+    x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
     return x / temperature
+
+
+@triton.jit
+def _row_params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, VOCAB: tl.constexpr):
+    """(t, greedy, k, use_k, top_p, use_p, min_p, use_min, need_z): need_z where the row needs Z (the top-p
+    bound without top-k, or the draw of a row with no filter)."""
+    temperature = tl.load(temperature_ptr + row)
+    greedy = temperature == 0.0
+    t = tl.where(greedy, 1.0, temperature)
+    k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.load(min_p_ptr + row)
+    use_k = (k > 0) & (k < VOCAB)
+    use_p = top_p < 1.0
+    use_min = min_p > 0.0
+    need_z = (~greedy) & (~use_k) & (use_p | (~use_min))
+    return t, greedy, k, use_k, top_p, use_p, min_p, use_min, need_z
 
 
 @triton.jit
@@ -59,28 +92,20 @@ def _select(keys, weights, target, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _key_value(key):
-    """The float whose _order_key is key (the key's bit map is its own inverse)."""
-    k32 = key.to(tl.int32)
-    return (k32 ^ ((k32 >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _mass_bound(lane_keys, lane_s, lane_z, m, target, PER_LANE: tl.constexpr):
-    """A key t at or below the top-p threshold, from pass 1's lanes: lane j (maximum s_j, mass Z_j over at
-    most PER_LANE tokens) holds, at or above t <= s_j, at least max(exp(s_j - m), Z_j - (PER_LANE - 1)
-    exp(t - m)), since its other tokens below t hold less than exp(t - m) each. The largest t (to 16 bits)
-    where these lower bounds sum to target leaves at least target of mass at or above t in the row."""
-    top = tl.where(lane_s == float("-inf"), 0.0, tl.exp(lane_s - m))
-    mass = tl.where(lane_s == float("-inf"), 0.0, lane_z * top)
+def _mass_bound(keys, top, mass, m, target, PER_GROUP: tl.constexpr):
+    """A key t at or below the top-p threshold, from the groups: group j (largest token's mass top_j =
+    exp(s_j - m), total mass mass_j over at most PER_GROUP tokens) holds, at or above t <= s_j, at least
+    max(top_j, mass_j - (PER_GROUP - 1) exp(t - m)), since its other tokens below t hold less than
+    exp(t - m) each. The largest t (to 16 bits) where these lower bounds sum to target leaves at least
+    target of mass at or above t in the row."""
     digits = tl.arange(0, 4).to(tl.int64)
     prefix = tl.full([], KEY_MIN, tl.int64)
     for p in tl.static_range(8):
         shift = 30 - 2 * p
         cands = prefix + (digits << shift)
-        room = (PER_LANE - 1) * tl.exp(tl.minimum(_key_value(cands) - m, 80.0))
+        room = (PER_GROUP - 1) * tl.exp(tl.minimum(_key_value(cands) - m, 80.0))
         held = tl.maximum(top[:, None], mass[:, None] - room[None, :])
-        total = tl.sum(tl.where(lane_keys[:, None] >= cands[None, :], held, 0.0), axis=0)
+        total = tl.sum(tl.where(keys[:, None] >= cands[None, :], held, 0.0), axis=0)
         best = tl.max(tl.where(total >= target, digits, 0), axis=0)
         prefix = prefix + (best << shift)
     return prefix
@@ -88,7 +113,7 @@ def _mass_bound(lane_keys, lane_s, lane_z, m, target, PER_LANE: tl.constexpr):
 
 @triton.jit
 def _radix_search(row_ptr, temperature, m, floor_key, target, USE_MASS: tl.constexpr,
-                  VOCAB: tl.constexpr, BLOCK_V: tl.constexpr):
+                  VOCAB: tl.constexpr, BLOCK: tl.constexpr):
     """Largest key t with F(t) >= target, F(t) = count (or exp mass) of tokens with key >= max(t, floor),
     streaming the row 16 times (the fallback)."""
     digits = tl.arange(0, 4).to(tl.int64)
@@ -96,10 +121,10 @@ def _radix_search(row_ptr, temperature, m, floor_key, target, USE_MASS: tl.const
     for p in range(16):
         shift = 30 - 2 * p
         cands = prefix + (digits << shift)
-        acc = tl.zeros([BLOCK_V, 4], tl.float32)
-        for start in range(0, VOCAB, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            s = _scaled(row_ptr, offs, temperature, VOCAB)
+        acc = tl.zeros([BLOCK, 4], tl.float32)
+        for start in range(0, VOCAB, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            s = _scaled(row_ptr, offs, VOCAB, temperature)
             key = _order_key(s)
             ok = (offs < VOCAB) & (key >= floor_key)
             ge = (key[:, None] >= cands[None, :]) & ok[:, None]
@@ -114,11 +139,11 @@ def _radix_search(row_ptr, temperature, m, floor_key, target, USE_MASS: tl.const
 
 
 @triton.jit
-def _kept_mass(row_ptr, t, m, floor_key, min_p, VOCAB: tl.constexpr, BLOCK_V: tl.constexpr):
-    z = tl.zeros([BLOCK_V], tl.float32)
-    for start in range(0, VOCAB, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        s = _scaled(row_ptr, offs, t, VOCAB)
+def _kept_mass(row_ptr, t, m, floor_key, min_p, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+    z = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, VOCAB, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        s = _scaled(row_ptr, offs, VOCAB, t)
         e = tl.exp(s - m)
         keep = (offs < VOCAB) & (_order_key(s) >= floor_key) & (e >= min_p)
         z += tl.where(keep, e, 0.0)
@@ -126,67 +151,60 @@ def _kept_mass(row_ptr, t, m, floor_key, min_p, VOCAB: tl.constexpr, BLOCK_V: tl
 
 
 @triton.jit
-def _draw_stream(row_ptr, t, m, floor_key, min_p, target, VOCAB: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Inverse CDF in vocabulary order over the row: the chunk where the running kept mass passes target,
-    then the token inside it (the last kept token where rounding leaves target unreached)."""
-    running = tl.zeros([], tl.float32)
-    before = tl.zeros([], tl.float32)
+def _draw_stream(row_ptr, lo, hi, t, m, floor_key, min_p, target, before, BLOCK: tl.constexpr):
+    """Inverse CDF in vocabulary order over tokens [lo, hi) that follow `before` of kept mass: the block where
+    the running kept mass passes target, then the token inside it (the last kept token of the range where
+    rounding leaves target unreached)."""
+    running = tl.zeros([], tl.float32) + before
+    at_cross = running
     cross = tl.full([], -1, tl.int32)
-    lane_last = tl.full([BLOCK_V], -1, tl.int32)
-    for start in range(0, VOCAB, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        s = _scaled(row_ptr, offs, t, VOCAB)
+    lane_last = tl.full([BLOCK], -1, tl.int32)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        s = _scaled(row_ptr, offs, hi, t)
         e = tl.exp(s - m)
-        keep = (offs < VOCAB) & (_order_key(s) >= floor_key) & (e >= min_p)
+        keep = (offs < hi) & (_order_key(s) >= floor_key) & (e >= min_p)
         chunk = tl.sum(tl.where(keep, e, 0.0), axis=0)
         hit = (cross < 0) & (running + chunk > target)
         cross = tl.where(hit, start, cross)
-        before = tl.where(hit, running, before)
+        at_cross = tl.where(hit, running, at_cross)
         running += chunk
         lane_last = tl.maximum(lane_last, tl.where(keep, offs, -1))
     chosen = tl.max(lane_last, axis=0)
     if cross >= 0:
-        offs = cross + tl.arange(0, BLOCK_V)
-        s = _scaled(row_ptr, offs, t, VOCAB)
+        offs = cross + tl.arange(0, BLOCK)
+        s = _scaled(row_ptr, offs, hi, t)
         e = tl.exp(s - m)
-        keep = (offs < VOCAB) & (_order_key(s) >= floor_key) & (e >= min_p)
-        cum = tl.cumsum(tl.where(keep, e, 0.0), axis=0) + before
-        first = tl.min(tl.where(keep & (cum > target), offs, VOCAB), axis=0)
-        last_in_chunk = tl.max(tl.where(keep, offs, -1), axis=0)
-        chosen = tl.where(first < VOCAB, first, last_in_chunk)
+        keep = (offs < hi) & (_order_key(s) >= floor_key) & (e >= min_p)
+        cum = tl.cumsum(tl.where(keep, e, 0.0), axis=0) + at_cross
+        first = tl.min(tl.where(keep & (cum > target), offs, hi), axis=0)
+        last_in_block = tl.max(tl.where(keep, offs, -1), axis=0)
+        chosen = tl.where(first < hi, first, last_in_block)
     return chosen
 
 
 @triton.jit
-def _compact(row_ptr, t, bound_key, val_ptr, idx_ptr, VOCAB: tl.constexpr, BLOCK_V: tl.constexpr,
-             CAP: tl.constexpr):
-    """Stores the tokens with key >= bound_key (scaled value, index) in vocabulary order, the first CAP of
-    them; returns how many there are (more than CAP: the candidates are incomplete)."""
-    count = tl.zeros([], tl.int32)
-    for start in range(0, VOCAB, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        s = _scaled(row_ptr, offs, t, VOCAB)
-        take = (offs < VOCAB) & (_order_key(s) >= bound_key)
-        n = tl.sum(take.to(tl.int32), axis=0)
-        if n > 0:       # a chunk without candidates skips the scan
-            pos = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            ok = take & (pos < CAP)
-            tl.store(val_ptr + pos, s, mask=ok)
-            tl.store(idx_ptr + pos, offs, mask=ok)
-        count += n
-    return count
+def _gather(val_ptr, idx_ptr, counts, total, VOCAB: tl.constexpr, SPLITS: tl.constexpr, CAP_S: tl.constexpr,
+            N: tl.constexpr):
+    """The first N candidates in vocabulary order (slice by slice, each slice's in order): values, indices,
+    validity (total <= N of them are real)."""
+    c = tl.arange(0, N)
+    incl = tl.cumsum(counts, axis=0)
+    slice_of = tl.sum((incl[None, :] <= c[:, None]).to(tl.int32), axis=1)
+    first = tl.sum(tl.where(tl.arange(0, SPLITS)[None, :] == slice_of[:, None], (incl - counts)[None, :], 0),
+                   axis=1)
+    valid = c < total
+    src = slice_of * CAP_S + c - first
+    cs = tl.load(val_ptr + src, mask=valid, other=float("-inf"))
+    ci = tl.load(idx_ptr + src, mask=valid, other=VOCAB)
+    return cs, ci, valid
 
 
 @triton.jit
-def _finish(val_ptr, idx_ptr, count, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u,
-            VOCAB: tl.constexpr, N: tl.constexpr):
-    """The token drawn from the candidates (all tokens >= the bound, in vocabulary order, count <= N);
+def _finish(cs, ci, valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u, VOCAB: tl.constexpr):
+    """The token drawn from the candidates (cs, ci where valid: all tokens >= the bound, in vocabulary order);
     -1 where the top-p threshold falls below the bound and min-p does not cover it (only rounding in the
     bound can do that; the caller falls back)."""
-    c = tl.arange(0, N)
-    valid = c < count
-    cs = tl.load(val_ptr + c, mask=valid, other=float("-inf"))
-    ci = tl.load(idx_ptr + c, mask=valid, other=VOCAB)
     ckey = tl.where(valid, _order_key(cs), BELOW_ALL)
     e = tl.where(valid, tl.exp(cs - m), 0.0)
     floor_key = tl.full([], KEY_MIN, tl.int64)
@@ -213,33 +231,28 @@ def _finish(val_ptr, idx_ptr, count, m, k, use_k, top_p, min_p, z_row, p_may_fal
 
 
 @triton.jit
-def sample_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniform_ptr, min_p_ptr, out_ptr,
-                  cand_val_ptr, cand_idx_ptr,
-                  VOCAB: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr, GROUPS: tl.constexpr,
-                  SMALL: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def sample_stats_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fws_ptr, iws_ptr,
+                        VOCAB: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                        GROUPS: tl.constexpr, NGROUPS: tl.constexpr, NCAND: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    row, part = tl.program_id(0).to(tl.int64), tl.program_id(1)
     row_ptr = logits_ptr + row * VOCAB
-    temperature = tl.load(temperature_ptr + row)
-    greedy = temperature == 0.0
-    t = tl.where(greedy, 1.0, temperature)
-    k = tl.load(top_k_ptr + row)
-    top_p = tl.load(top_p_ptr + row)
-    min_p = tl.load(min_p_ptr + row)
-    use_k = (k > 0) & (k < VOCAB)
-    use_p = top_p < 1.0
-    use_min = min_p > 0.0
-    # Z from pass 1: for the top-p bound without top-k, and for the draw of a row with no filter
-    need_z = (~greedy) & (~use_k) & (use_p | (~use_min))
-
-    # Pass 1: argmax (first index on ties; each lane keeps its earliest maximum), each lane's max logit
-    # and, where needed, each lane's mass sum(exp((x - lane max) / t)), one exp a token.
-    lane_best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    lane_idx = tl.zeros([BLOCK_V], tl.int32)
-    lane_z = tl.zeros([BLOCK_V], tl.float32)
+    fws = fws_ptr + row * (2 * SPLITS + 2 * NGROUPS + NCAND + 2)
+    iws = iws_ptr + row * (2 * SPLITS + NCAND + 3)
+    t, greedy, k, use_k, top_p, use_p, min_p, use_min, need_z = _row_params(
+        temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, VOCAB)
+    lo = part * CHUNK
+    hi = tl.minimum(lo + CHUNK, VOCAB)
+    # Each lane keeps its earliest maximum (argmax: first index on ties) and, where needed, its mass
+    # sum(exp((x - lane max) / t)), one exp a token.
+    lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_idx = tl.zeros([BLOCK], tl.int32)
+    lane_z = tl.zeros([BLOCK], tl.float32)
     if need_z:
-        for start in range(0, VOCAB, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            x = tl.load(row_ptr + offs, mask=offs < VOCAB, other=float("-inf")).to(tl.float32)
+        for start in range(0, CHUNK, BLOCK):
+            offs = lo + start + tl.arange(0, BLOCK)
+            x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
             x = tl.where(x != x, float("inf"), x)     # NaN counts as the maximum (kernels/argmax says why)
             take = x > lane_best
             e = tl.exp((tl.minimum(x, lane_best) - tl.maximum(x, lane_best)) / t)
@@ -248,72 +261,181 @@ def sample_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniform_ptr
             lane_idx = tl.where(take, offs, lane_idx)
             lane_best = tl.where(take, x, lane_best)
     else:
-        for start in range(0, VOCAB, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            x = tl.load(row_ptr + offs, mask=offs < VOCAB, other=float("-inf")).to(tl.float32)
+        for start in range(0, CHUNK, BLOCK):
+            offs = lo + start + tl.arange(0, BLOCK)
+            x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
             x = tl.where(x != x, float("inf"), x)
             take = x > lane_best
             lane_idx = tl.where(take, offs, lane_idx)
             lane_best = tl.where(take, x, lane_best)
-    best_val = tl.max(lane_best, axis=0)
-    best_idx = tl.min(tl.where(lane_best == best_val, lane_idx, VOCAB), axis=0)
+    best = tl.max(lane_best, axis=0)
+    tl.store(fws + part, best)
+    tl.store(iws + part, tl.min(tl.where(lane_best == best, lane_idx, VOCAB), axis=0))
+    if not greedy:
+        g = tl.arange(0, GROUPS)
+        tl.store(fws + 2 * SPLITS + part * GROUPS + g,
+                 tl.max(tl.reshape(lane_best, [GROUPS, BLOCK // GROUPS]), axis=1))
+        if need_z:
+            # masses relative to the slice's maximum (the bound rescales them to the row's)
+            w = tl.where(lane_best == float("-inf"), 0.0, lane_z * tl.exp((lane_best - best) / t))
+            tl.store(fws + SPLITS + part, tl.sum(w, axis=0))
+            tl.store(fws + 2 * SPLITS + NGROUPS + part * GROUPS + g,
+                     tl.sum(tl.reshape(w, [GROUPS, BLOCK // GROUPS]), axis=1))
+
+
+@triton.jit
+def sample_bound_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniform_ptr, min_p_ptr, out_ptr,
+                        fws_ptr, iws_ptr, VOCAB: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+                        BLOCK: tl.constexpr, GROUPS: tl.constexpr, NGROUPS: tl.constexpr, NCAND: tl.constexpr,
+                        PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * VOCAB
+    fws = fws_ptr + row * (2 * SPLITS + 2 * NGROUPS + NCAND + 2)
+    iws = iws_ptr + row * (2 * SPLITS + NCAND + 3)
+    t, greedy, k, use_k, top_p, use_p, min_p, use_min, need_z = _row_params(
+        temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, VOCAB)
+    sl = tl.arange(0, SPLITS)
+    part_max = tl.load(fws + sl)
+    best_val = tl.max(part_max, axis=0)
+    best_idx = tl.min(tl.where(part_max == best_val, tl.load(iws + sl), VOCAB), axis=0)
+    mode_ptr = iws + 2 * SPLITS + NCAND
     # NaN or +inf logits (or none above -inf) leave no distribution to draw from: such a row takes its
     # argmax, a valid id (an id outside the vocabulary would stop the engine at the next embedding gather)
     if greedy | (best_val == float("inf")) | (best_val == float("-inf")):
         tl.store(out_ptr + row, best_idx.to(tl.int64))
+        tl.store(mode_ptr, tl.full([], DONE, tl.int32))
         return
     m = best_val / t    # the max scaled logit (the max token's own scaled value)
-    z_row = tl.sum(tl.where(lane_best == float("-inf"), 0.0, lane_z * tl.exp((lane_best - best_val) / t)), axis=0)
     u = tl.load(uniform_ptr + row)
+    # each slice's mass relative to m (0 where the row does not need Z: part_z is not written then)
+    scale = tl.where(part_max == float("-inf"), 0.0, tl.exp((part_max - best_val) / t))
+    slice_z = tl.where(need_z, tl.load(fws + SPLITS + sl) * scale, 0.0)
+    z_row = tl.sum(slice_z, axis=0)
+    if need_z & (~use_p):
+        # no filter: the slice where the running mass passes u * Z, then the token inside it
+        target = u * z_row
+        cum = tl.cumsum(slice_z, axis=0)
+        j = tl.min(tl.where(cum > target, sl, SPLITS), axis=0)
+        chosen = tl.full([], VOCAB - 1, tl.int32)     # rounding left target unreached: the last token
+        if j < SPLITS:
+            before = tl.sum(tl.where(sl < j, slice_z, 0.0), axis=0)
+            lo = j * CHUNK
+            chosen = _draw_stream(row_ptr, lo, tl.minimum(lo + CHUNK, VOCAB), t, m, KEY_MIN, 0.0, target,
+                                  before, BLOCK)
+        tl.store(out_ptr + row, chosen.to(tl.int64))
+        tl.store(mode_ptr, tl.full([], DONE, tl.int32))
+        return
 
-    # The bound L (a key) below which no token can be kept, where one is known without reading the row.
+    # The bound L (a key) below which no token can be kept, where one is known from the groups alone.
     # Group maxima are tokens of the row: the k-th largest of them is at or below the k-th largest token.
     margin = 1e-3 + tl.abs(m) * 1e-6     # in scaled-logit units: rounding of exp, log and the division
     min_key = _order_key(m + tl.log(tl.maximum(min_p, 1e-30)) - margin)
-    lane_keys = _order_key(lane_best / t)
-    group_best = tl.max(tl.reshape(lane_best, [GROUPS, BLOCK_V // GROUPS]), axis=1) / t
-    group_keys = _order_key(group_best)
+    gi = tl.arange(0, NGROUPS)
+    group_max = tl.load(fws + 2 * SPLITS + gi)
+    group_keys = _order_key(group_max / t)
     bound_key = tl.full([], KEY_MIN, tl.int64)
     p_key = tl.full([], KEY_MIN, tl.int64)
     if use_k:
-        if k <= GROUPS:
-            bound_key = _select(group_keys, tl.full([GROUPS], 1.0, tl.float32), k.to(tl.float32), 8)
-        elif k <= BLOCK_V:
-            bound_key = _select(lane_keys, tl.full([BLOCK_V], 1.0, tl.float32), k.to(tl.float32), 8)
+        if k <= NGROUPS:
+            bound_key = _select(group_keys, tl.full([NGROUPS], 1.0, tl.float32), k.to(tl.float32), 8)
     elif use_p:
-        p_key = _mass_bound(lane_keys, lane_best / t, lane_z, m, top_p * z_row * (1.0 + 1e-5),
-                            (VOCAB + BLOCK_V - 1) // BLOCK_V)
+        top = tl.where(group_max == float("-inf"), 0.0, tl.exp((group_max - best_val) / t))
+        slice_scale = tl.reshape(tl.broadcast_to(scale[:, None], [SPLITS, GROUPS]), [NGROUPS])
+        mass = tl.load(fws + 2 * SPLITS + NGROUPS + gi) * slice_scale
+        per_group = (BLOCK // GROUPS) * ((CHUNK + BLOCK - 1) // BLOCK)
+        p_key = _mass_bound(group_keys, top, mass, m, top_p * z_row * (1.0 + 1e-5), per_group)
         bound_key = tl.where(use_min, tl.maximum(p_key, min_key), p_key)
     elif use_min:
         bound_key = min_key
-    candidates = (use_k & (k <= BLOCK_V)) | ((~use_k) & (use_p | use_min))
-    p_may_fall_below = (~use_min) | (p_key >= min_key)
+    candidates = (use_k & (k <= NGROUPS)) | ((~use_k) & (use_p | use_min))
+    tl.store(fws + 2 * SPLITS + 2 * NGROUPS + NCAND, m)
+    tl.store(fws + 2 * SPLITS + 2 * NGROUPS + NCAND + 1, z_row)
+    tl.store(mode_ptr, tl.where(candidates, CANDIDATES, FALLBACK))
+    tl.store(mode_ptr + 1, bound_key.to(tl.int32))
+    tl.store(mode_ptr + 2, ((~use_min) | (p_key >= min_key)).to(tl.int32))
 
+
+@triton.jit
+def sample_compact_kernel(logits_ptr, temperature_ptr, fws_ptr, iws_ptr, VOCAB: tl.constexpr,
+                          SPLITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, CAP_S: tl.constexpr,
+                          NGROUPS: tl.constexpr, NCAND: tl.constexpr, PDL: tl.constexpr):
+    """Stores the slice's tokens with key >= the bound (scaled value, index) in vocabulary order, the first
+    CAP_S of them, and how many there are (more than CAP_S: the candidates are incomplete)."""
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    row, part = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    iws = iws_ptr + row * (2 * SPLITS + NCAND + 3)
+    if tl.load(iws + 2 * SPLITS + NCAND) != CANDIDATES:
+        return
+    bound_key = tl.load(iws + 2 * SPLITS + NCAND + 1).to(tl.int64)
+    t = tl.load(temperature_ptr + row)
+    row_ptr = logits_ptr + row * VOCAB
+    val_ptr = fws_ptr + row * (2 * SPLITS + 2 * NGROUPS + NCAND + 2) + 2 * SPLITS + 2 * NGROUPS + part * CAP_S
+    idx_ptr = iws + 2 * SPLITS + part * CAP_S
+    lo = part * CHUNK
+    hi = tl.minimum(lo + CHUNK, VOCAB)
+    count = tl.zeros([], tl.int32)
+    for start in range(0, CHUNK, BLOCK):
+        offs = lo + start + tl.arange(0, BLOCK)
+        s = _scaled(row_ptr, offs, hi, t)
+        take = (offs < hi) & (_order_key(s) >= bound_key)
+        n = tl.sum(take.to(tl.int32), axis=0)
+        if n > 0:       # a block without candidates skips the scan
+            pos = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            ok = take & (pos < CAP_S)
+            tl.store(val_ptr + pos, s, mask=ok)
+            tl.store(idx_ptr + pos, offs, mask=ok)
+        count += n
+    tl.store(iws + SPLITS + part, count)
+
+
+@triton.jit
+def sample_finish_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniform_ptr, min_p_ptr, out_ptr,
+                         fws_ptr, iws_ptr, VOCAB: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                         CAP_S: tl.constexpr, SMALL: tl.constexpr, NGROUPS: tl.constexpr, NCAND: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    fws = fws_ptr + row * (2 * SPLITS + 2 * NGROUPS + NCAND + 2)
+    iws = iws_ptr + row * (2 * SPLITS + NCAND + 3)
+    mode = tl.load(iws + 2 * SPLITS + NCAND)
+    if mode == DONE:
+        return
+    t, greedy, k, use_k, top_p, use_p, min_p, use_min, need_z = _row_params(
+        temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, VOCAB)
+    row_ptr = logits_ptr + row * VOCAB
+    m = tl.load(fws + 2 * SPLITS + 2 * NGROUPS + NCAND)
+    z_row = tl.load(fws + 2 * SPLITS + 2 * NGROUPS + NCAND + 1)
+    p_may_fall_below = tl.load(iws + 2 * SPLITS + NCAND + 2) != 0
+    u = tl.load(uniform_ptr + row)
     chosen = tl.full([], -1, tl.int32)
-    if candidates:
-        val_ptr = cand_val_ptr + row * CAP
-        idx_ptr = cand_idx_ptr + row * CAP
-        count = _compact(row_ptr, t, bound_key, val_ptr, idx_ptr, VOCAB, BLOCK_V, CAP)
-        tl.debug_barrier()      # the candidates other threads stored are read below
-        if count <= SMALL:
-            chosen = _finish(val_ptr, idx_ptr, count, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u,
-                             VOCAB, SMALL)
-        elif count <= CAP:
-            chosen = _finish(val_ptr, idx_ptr, count, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u,
-                             VOCAB, CAP)
+    if mode == CANDIDATES:
+        counts = tl.load(iws + SPLITS + tl.arange(0, SPLITS))
+        total = tl.sum(counts, axis=0)
+        val_ptr = fws + 2 * SPLITS + 2 * NGROUPS
+        idx_ptr = iws + 2 * SPLITS
+        if tl.max(counts, axis=0) <= CAP_S:
+            # (each branch's registers keep their own names: Triton merges same-named values of the two)
+            if total <= SMALL:
+                cs, ci, valid = _gather(val_ptr, idx_ptr, counts, total, VOCAB, SPLITS, CAP_S, SMALL)
+                chosen = _finish(cs, ci, valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u, VOCAB)
+            else:
+                all_s, all_i, all_valid = _gather(val_ptr, idx_ptr, counts, total, VOCAB, SPLITS, CAP_S, NCAND)
+                chosen = _finish(all_s, all_i, all_valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u,
+                                 VOCAB)
     if chosen < 0:
-        if need_z & (~use_p):     # temperature only: Z is pass 1's
-            chosen = _draw_stream(row_ptr, t, m, KEY_MIN, 0.0, u * z_row, VOCAB, BLOCK_V)
-        else:
-            floor_key = tl.full([], KEY_MIN, tl.int64)
+        floor_key = tl.full([], KEY_MIN, tl.int64)
+        if use_k:
+            floor_key = _radix_search(row_ptr, t, m, floor_key, k.to(tl.float32), False, VOCAB, BLOCK)
+        if use_p:
+            z = z_row      # without top-k, the stats'
             if use_k:
-                floor_key = _radix_search(row_ptr, t, m, floor_key, k.to(tl.float32), False, VOCAB, BLOCK_V)
-            if use_p:
-                z = z_row      # without top-k, pass 1's
-                if use_k:
-                    z = _kept_mass(row_ptr, t, m, floor_key, 0.0, VOCAB, BLOCK_V)
-                tp = _radix_search(row_ptr, t, m, floor_key, top_p * z, True, VOCAB, BLOCK_V)
-                floor_key = tl.minimum(tp, _order_key(m))
-            target = u * _kept_mass(row_ptr, t, m, floor_key, min_p, VOCAB, BLOCK_V)
-            chosen = _draw_stream(row_ptr, t, m, floor_key, min_p, target, VOCAB, BLOCK_V)
+                z = _kept_mass(row_ptr, t, m, floor_key, 0.0, VOCAB, BLOCK)
+            tp = _radix_search(row_ptr, t, m, floor_key, top_p * z, True, VOCAB, BLOCK)
+            floor_key = tl.minimum(tp, _order_key(m))
+        target = u * _kept_mass(row_ptr, t, m, floor_key, min_p, VOCAB, BLOCK)
+        chosen = _draw_stream(row_ptr, 0, VOCAB, t, m, floor_key, min_p, target, 0.0, BLOCK)
     tl.store(out_ptr + row, chosen.to(tl.int64))
