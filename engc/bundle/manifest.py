@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 FORMAT = "engc-bundle"
-FORMAT_VERSION = (5, 0)
-# The majors this runtime reads. 5.0: the program has its decode form (passes/decode_form), the sampling
-# kernel takes min-p and its candidate buffers (an older bundle's cubin has other parameters), and an MoE
+FORMAT_VERSION = (6, 0)
+# The majors this runtime reads. 6.0: the program has its decode form (passes/decode_form), sampling is the
+# four launches of kernels/sampling (stats, bound, compact, finish over a row cut into slices), and an MoE
 # model's GPU kernels include the router-logits and the expert-sort kernels the MoE op launches; a bundle of
 # an older format is refused with a line saying to rebuild it.
-READABLE_MAJORS = (5,)
+READABLE_MAJORS = (6,)
 MANIFEST = "manifest.json"
 PROGRAM = "program.onnx"
 WEIGHTS = "weights/rank0.safetensors"
