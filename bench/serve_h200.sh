@@ -39,7 +39,7 @@ if [ "${SERVE_LOCAL:-0}" = 1 ]; then
   SHAPE=${SHAPE:-tiny}
   CONC=${CONC:-1,2}
   REQS=${REQS:-3}
-  RATES=${RATES:-}
+  RATES=${RATES-}
   RATE_REQS=${RATE_REQS:-4}
   BUDGET=${BUDGET:-900}
   LMD=${LMD:-$([ -n "${LMD_LAUNCH:-}" ] && echo 1 || echo 0)}
@@ -52,7 +52,7 @@ else
   SHAPE=${SHAPE:-8b}
   CONC=${CONC:-1,16,64,256}
   REQS=${REQS:-20}             # c=1: 20 requests; c=16/64/256: serve_bench sends 4x the concurrency
-  RATES=${RATES:-8,32}         # the short rate sweep (Poisson arrivals), each server's only when time allows
+  RATES=${RATES-8,32}          # the short rate sweep (Poisson arrivals), each server's only when time allows
   RATE_REQS=${RATE_REQS:-128}
   BUDGET=${BUDGET:-545}        # the device command's limit is 560 s
   LMD=${LMD:-1}
