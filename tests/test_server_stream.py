@@ -1,6 +1,8 @@
-"""How the server's engine thread hands outputs to the event loop: once a step, whatever the number of streams."""
+"""How the server's engine thread hands outputs to the event loop: once a step, whatever the number of streams;
+and how many tokens a reader gets a wake (one while the readers keep up, several merged under a large step)."""
 import asyncio
 import json
+import time
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ def test_one_handoff_a_step_for_all_streams(model):
 
     def counted():
         nonlocal steps_with_outputs
+        time.sleep(0.02)   # a step's device time, the GIL released: the readers keep up
         outputs = step()
         steps_with_outputs += bool(outputs)
         return outputs
@@ -50,10 +53,10 @@ def test_one_handoff_a_step_for_all_streams(model):
     assert async_engine.handoffs < n * tokens // 2   # one a step, not one a sequence's token
 
 
-def test_a_stream_that_fell_behind_reads_its_deltas_without_waiting(model):
+def test_a_stream_that_fell_behind_reads_its_waiting_deltas_as_one(model):
     engine = Engine(model, EngineConfig(num_blocks=64, cuda_graphs=False))
     async_engine = AsyncEngine(engine).start()
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
 
     async def run():
         stream = async_engine.generate([(model.tokenizer.encode("Paris is"), params)])
@@ -61,15 +64,77 @@ def test_a_stream_that_fell_behind_reads_its_deltas_without_waiting(model):
             first = await stream.__anext__()
             while not (stream.ready and stream.ready[-1].finished):   # the engine finishes the rest meanwhile
                 await asyncio.sleep(0.01)
-            behind = stream.pending()
+            behind = list(stream.ready)
             rest = [d async for d in stream]
         return first, behind, rest, stream.pending()
     try:
         first, behind, rest, left = asyncio.run(run())
     finally:
         async_engine.shutdown()
-    assert behind == len(rest) >= 1 and rest[-1].finished and left == 0
-    assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 6
+    assert len(first.token_ids) == 1 and len(behind) == 5 and left == 0
+    (merged,) = rest
+    assert merged.token_ids == [t for d in behind for t in d.token_ids]
+    assert merged.text == "".join(d.text for d in behind)
+    assert [x.token for x in merged.logprobs] == merged.token_ids
+    assert merged.finished and merged.finish_reason == behind[-1].finish_reason == "length"
+    assert merged.completion_tokens == 6 and merged.prompt_tokens == behind[0].prompt_tokens
+
+
+def _stream_all(model, flush_streams: int, n: int = 8, tokens: int = 12):
+    """n greedy streams decoded in one batch: each stream's deltas as its reader got them."""
+    engine = Engine(model, EngineConfig(num_blocks=256, cuda_graphs=False))
+    step = engine.step
+    engine.step = lambda: time.sleep(0.02) or step()   # a step's device time, the GIL released
+    async_engine = AsyncEngine(engine, flush_streams=flush_streams).start()
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+
+    async def run():
+        async def one(i):
+            return [d async for d in async_engine.generate([(model.tokenizer.encode(f"stream {i} says"), params)])]
+        return await asyncio.gather(*(one(i) for i in range(n)))
+    try:
+        return asyncio.run(run())
+    finally:
+        async_engine.shutdown()
+
+
+def test_readers_of_a_large_step_get_several_tokens_a_wake_and_the_same_answer(model):
+    alone, paced = _stream_all(model, 64), _stream_all(model, 2)   # 8 streams: every token, or every 4th step
+    for one_each, grouped in zip(alone, paced):
+        assert [len(d.token_ids) for d in one_each] == [1] * 12   # the readers keep up: one delta a token
+        assert [t for d in grouped for t in d.token_ids] == [t for d in one_each for t in d.token_ids]
+        assert "".join(d.text for d in grouped) == "".join(d.text for d in one_each)
+        assert len(grouped[0].token_ids) == 1   # the first token is never held
+        assert len(grouped) < 12 and max(len(d.token_ids) for d in grouped) == 4
+        assert grouped[-1].finished and [d.finished for d in grouped].count(True) == 1
+        assert grouped[-1].completion_tokens == 12
+
+
+def test_a_held_reader_is_woken_by_a_step_without_its_sequence():
+    from collections import deque
+    from types import SimpleNamespace
+
+    from engc.runtime.async_engine import Delta, _Outbox
+
+    class Reader:
+        def __init__(self):
+            self.ready, self.waiter, self.woken = deque(), object(), 0
+
+        def wake(self):   # as RequestStream.wake: a reader not waiting is left alone
+            if self.waiter is not None:
+                self.waiter, self.woken = None, self.woken + 1
+
+    def delta(i, n):
+        return Delta(0, "x", [i], [], False, None, None, 3, 0, n)
+    outbox = _Outbox(SimpleNamespace(flush_streams=2, metrics=None))
+    readers = [Reader() for _ in range(4)]
+    outbox.dispatch([(SimpleNamespace(stream=r), delta(i, 2)) for i, r in enumerate(readers)])
+    assert [r.woken for r in readers] == [0, 0, 0, 0] and [len(r.ready) for r in readers] == [1, 1, 1, 1]
+    outbox.dispatch([(SimpleNamespace(stream=r), delta(i, 3)) for i, r in enumerate(readers[:3])])
+    assert [r.woken for r in readers] == [1, 1, 1, 1]   # two waiting each, and the fourth got none this step
+    first = Reader()
+    outbox.dispatch([(SimpleNamespace(stream=r), delta(i, 1)) for i, r in enumerate([first] + readers[1:])])
+    assert first.woken == 1   # a sequence's first token goes out at once
 
 
 @pytest.mark.parametrize("kind", ["chat.completion", "text_completion"])
@@ -136,3 +201,35 @@ def test_settle_heap_leaves_what_start_up_made_out_of_collections():
     finally:
         gc.unfreeze()
         gc.set_threshold(*threshold)
+
+
+def test_grouped_chunks_carry_every_token_once(srv):
+    """Four streams of one step, each reader woken every fourth step: the chunks carry several tokens (their
+    logprobs one entry a token), and each stream's text, tokens and usage are those of its peers, whose
+    rows in the batch are the same."""
+    import httpx
+    body = {"model": srv.model, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True,
+            "logprobs": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "Count with me"}]}
+
+    async def one(client):
+        r = await client.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        return [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+
+    async def four():
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*(one(client) for _ in range(4)))
+    srv.engine.flush_streams = 1
+    try:
+        streams = asyncio.run(four())
+    finally:
+        srv.engine.flush_streams = 64
+    answers = []
+    for events in streams:
+        chunks = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["logprobs"]]
+        tokens = [[t["token"] for t in c["logprobs"]["content"]] for c in chunks]
+        assert sum(map(len, tokens)) == events[-1]["usage"]["completion_tokens"] == 16
+        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+        answers.append(("".join(c["delta"].get("content", "") for c in chunks), sum(tokens, []), tokens))
+    assert len({(text, tuple(ids)) for text, ids, _ in answers}) == 1
+    assert any(len(group) > 1 for _, _, groups in answers for group in groups)

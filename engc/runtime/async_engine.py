@@ -8,6 +8,13 @@ Outputs go back once a step: all the step's Deltas for an event loop in one call
 hands each to its request's stream on the loop. A handoff wakes the loop through its self-pipe (a syscall)
 and runs under the GIL the loop shares with the engine thread, so one a sequence cost as much host time
 at 256 streams as the step itself.
+
+A stream's reader takes every delta waiting for it as one (RequestStream.__anext__ merges them), so each
+wake of a reader is one event and one socket write, whatever the tokens. With more streams in a step than
+`flush_streams`, a reader is woken every ceil(streams / flush_streams) steps instead of every step (_Outbox):
+a write a stream a step cost more host time at 256 streams than the engine's own step (CPU harness,
+server/hostbench.py), and the loop and the engine thread share one core. Below that, every token is its own
+event as soon as its step ends.
 """
 from __future__ import annotations
 
@@ -70,9 +77,12 @@ class QueueFull(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, metrics=None):
+    def __init__(self, engine: Engine, metrics=None, flush_streams: int = 64):
+        """flush_streams: the streams of a step whose readers are all woken at once (the module's doc)."""
         self.engine = engine
         self.metrics = metrics
+        self.flush_streams = flush_streams
+        self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.routes: dict[str, _Route] = {}
         self.stats = engine.stats()
@@ -216,27 +226,48 @@ class AsyncEngine:
             by_loop.setdefault(pair[0].loop, []).append(pair)
         for loop, group in by_loop.items():
             self.handoffs += 1
+            outbox = self._outboxes.get(loop)
+            if outbox is None:
+                outbox = self._outboxes[loop] = _Outbox(self)
             try:
-                loop.call_soon_threadsafe(_dispatch, group, self.metrics)
+                loop.call_soon_threadsafe(outbox.dispatch, group)
             except RuntimeError:
-                pass  # the requests' event loop is gone; so are the requests
+                self._outboxes.pop(loop, None)   # the requests' event loop is gone; so are the requests
 
 
-def _dispatch(items: list, metrics) -> None:
-    """On the loop: a step's outputs into their requests' streams."""
-    tokens = 0
-    for route, item in items:
-        stream = route.stream
-        stream.ready.append(item)
-        waiter = stream.waiter
-        if waiter is not None:
-            stream.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-        if item.__class__ is Delta:
-            tokens += len(item.token_ids)
-    if metrics is not None and tokens:
-        metrics.generation_tokens.inc(tokens)
+class _Outbox:
+    """A loop's side of the handoff: each step's outputs into their requests' streams, and which readers
+    that wakes. A reader waiting on a step of more than flush_streams streams is left to sleep while it has
+    fewer than ceil(streams / flush_streams) deltas waiting, unless the delta is its sequence's first or last
+    (time to the first token and the end are never held) or an error; a reader held at one step and given
+    nothing at the next is woken then, so a sequence the engine pauses (preempted) does not hold its
+    tokens back."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self.held: dict[int, RequestStream] = {}
+
+    def dispatch(self, items: list) -> None:
+        """On the loop: one step's (route, Delta or exception) pairs."""
+        tokens, every = 0, -(-len(items) // self.engine.flush_streams)
+        was_held, held = self.held, {}
+        for route, item in items:
+            stream = route.stream
+            stream.ready.append(item)
+            if item.__class__ is Delta:
+                tokens += len(item.token_ids)
+                if every > 1 and stream.waiter is not None and len(stream.ready) < every and not item.finished \
+                        and item.completion_tokens > len(item.token_ids):
+                    held[id(stream)] = stream
+                    continue
+            stream.wake()
+        for key, stream in was_held.items():
+            if key not in held:
+                stream.wake()
+        self.held = held
+        metrics = self.engine.metrics
+        if metrics is not None and tokens:
+            metrics.generation_tokens.inc(tokens)
 
 
 @dataclass
@@ -267,6 +298,7 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> Delta:
+        """The next delta: all of one sequence's deltas waiting at the front, merged into one."""
         if self.remaining == 0:
             raise StopAsyncIteration
         if not self.ready:
@@ -277,10 +309,34 @@ class RequestStream:
             self.remaining = 0
             self.abort()
             raise item
+        if self.ready:
+            item = self._merge(item)
         self._observe(item)
         if item.finished:
             self.remaining -= 1
         return item
+
+    def wake(self) -> None:
+        """Lets __anext__ read what was handed over (on the loop)."""
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _merge(self, first: Delta) -> Delta:
+        """first with the deltas of its sequence that follow it in ready, as one delta: their text, tokens
+        and logprobs one after the other, the counts and the finish of the last."""
+        ready, run = self.ready, [first]
+        while ready and ready[0].__class__ is Delta and ready[0].index == first.index and not run[-1].finished:
+            run.append(ready.popleft())
+        if len(run) == 1:
+            return first
+        last = run[-1]
+        return Delta(first.index, "".join(d.text for d in run), [t for d in run for t in d.token_ids],
+                     [x for d in run for x in d.logprobs], last.finished, last.finish_reason, last.stop_string,
+                     last.prompt_tokens, last.cached_tokens, last.completion_tokens,
+                     next((d.prompt_logprobs for d in run if d.prompt_logprobs is not None), None))
 
     def pending(self) -> int:
         """Deltas already handed over that __anext__ returns without waiting (a stream that fell behind
