@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import resource
 import time
@@ -62,6 +63,16 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def thread_cpu_seconds(native_id: int) -> float:
+    """One thread's CPU seconds (Linux; 0 elsewhere): the engine thread's share of the process's."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
+
+
 def main(argv=None) -> None:
     import uvicorn
 
@@ -76,6 +87,8 @@ def main(argv=None) -> None:
     ap.add_argument("--step-ms", type=float, default=0.0, help="a step's device time (default 0: host only)")
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--num-blocks", type=int, default=8192, help="KV blocks (counted, never written)")
+    ap.add_argument("--flush-streams", type=int, default=64,
+                    help="AsyncEngine's flush_streams: above it a step's readers are woken every few steps")
     ap.add_argument("--loop", default="auto", help="uvicorn's loop: auto, asyncio, uvloop")
     ap.add_argument("--http", default="auto", help="uvicorn's HTTP protocol: auto, h11, httptools")
     args = ap.parse_args(argv)
@@ -90,7 +103,7 @@ def main(argv=None) -> None:
     finally:
         torch.zeros = zeros
     stub_forward(engine, args.step_ms / 1000)
-    async_engine = AsyncEngine(engine, Metrics()).start()
+    async_engine = AsyncEngine(engine, Metrics(), args.flush_streams).start()
     app = create_app(async_engine, args.model_name)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", loop=args.loop, http=args.http))
     print(f"hostbench: serving {args.model_name} on http://{args.host}:{sock.getsockname()[1]}", flush=True)
@@ -105,15 +118,17 @@ def main(argv=None) -> None:
             pauses[info["generation"]][1] += time.perf_counter() - began[0]
     gc.callbacks.append(gc_timer)
     settle_heap()   # as engc run does
-    start = cpu_seconds()
+    start, engine_start = cpu_seconds(), thread_cpu_seconds(async_engine.thread.native_id)
     try:
         server.run(sockets=[sock])
     finally:
+        engine_used = thread_cpu_seconds(async_engine.thread.native_id) - engine_start
         async_engine.shutdown()
         tokens = async_engine.metrics.generation_tokens._value.get()
         used = cpu_seconds() - start
         print(f"hostbench: {tokens:.0f} tokens streamed in {engine.stub_steps} steps, {used:.2f} CPU s, "
-              f"{1e6 * used / max(tokens, 1):.1f} CPU us a token", flush=True)
+              f"{1e6 * used / max(tokens, 1):.1f} CPU us a token ({1e6 * engine_used / max(tokens, 1):.1f} in the "
+              "engine thread)", flush=True)
         print("hostbench: gc " + ", ".join(f"gen{g} {n} in {t:.3f} s" for g, (n, t) in pauses.items()), flush=True)
 
 
