@@ -107,7 +107,7 @@ def test_lru_evicts_oldest_cached_blocks_first():
     alloc = BlockAllocator(4, 2)
     a, b = alloc.allocate(), alloc.allocate()
     hashes = []
-    alloc.register([1, 2, 3, 4], 4, [a, b], hashes)
+    alloc.register([1, 2, 3, 4], [a, b], hashes)
     alloc.release([a, b])
     assert alloc.num_free == 4 and len(alloc.cached) == 2
     taken = [alloc.allocate() for _ in range(3)]  # two never-hashed blocks, then the chain's tail

@@ -14,6 +14,7 @@ LRU list; it is reused on a match, and evicted (oldest first) only when no never
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict, deque
 
 import torch
@@ -24,7 +25,7 @@ from engc.kernels import kv_quant
 
 def chain_hash(prev: bytes, tokens: list[int]) -> bytes:
     h = hashlib.blake2b(prev, digest_size=16)
-    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens))
+    h.update(struct.pack(f"<{len(tokens)}i", *tokens))   # each a 4-byte little-endian int32
     return h.digest()
 
 
@@ -100,15 +101,16 @@ class BlockAllocator:
         self.hit_tokens += len(blocks) * bs
         return blocks
 
-    def register(self, token_ids: list[int], num_computed: int, table: list[int], hashes: list[bytes]) -> None:
-        """Hashes every block of `table` that is full and computed and not yet in `hashes`."""
+    def register(self, tokens: list[int], table: list[int], hashes: list[bytes]) -> None:
+        """Hashes the full blocks of `table` that follow the ones in `hashes`; `tokens` are their tokens (whole
+        blocks, computed)."""
         if not self.prefix_cache:
             return
         bs = self.block_size
-        for i in range(len(hashes), num_computed // bs):
-            h = chain_hash(hashes[-1] if hashes else b"", token_ids[i * bs:(i + 1) * bs])
+        for at in range(0, len(tokens) - bs + 1, bs):
+            h = chain_hash(hashes[-1] if hashes else b"", tokens[at:at + bs])
+            block = table[len(hashes)]
             hashes.append(h)
-            block = table[i]
             if h not in self.by_hash and self.block_hash[block] is None:
                 self.by_hash[h] = block
                 self.block_hash[block] = h

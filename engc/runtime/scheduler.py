@@ -11,7 +11,9 @@ blocks run short.
 """
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
+from operator import attrgetter
 
 from engc.runtime import scoring
 from engc.runtime.kv_cache import BlockAllocator
@@ -41,9 +43,11 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         budget, batch = self.max_batched_tokens, []
         scored = scoring.MAX_ROWS   # rows left this step for prompt logprobs (runtime/scoring.py)
-        self.running.sort(key=_order)
-        for seq in list(self.running):
-            if seq.status is not Status.RUNNING or budget == 0 or seq.ends_in_flight:
+        bs = self.allocator.block_size
+        for seq in list(self.running):   # in _order: kept sorted as sequences join
+            if budget == 0:
+                break
+            if seq.status is not _RUNNING or seq.ends_in_flight:
                 continue  # preempted below to make room for a higher-priority sequence, or done once read
             n = min(seq.num_pending, budget)
             if scoring.wants(seq):
@@ -51,7 +55,9 @@ class Scheduler:
                 if n == 0:
                     continue
                 scored -= n
-            while not self._reserve(seq, seq.num_computed + n):
+            end = seq.num_computed + n
+            # most decode steps: the last block still has room, and nothing is reserved
+            while end > len(seq.block_table) * bs and not self._reserve(seq, end):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -77,19 +83,22 @@ class Scheduler:
                 self.prompt_tokens += len(seq.prompt_ids)
                 self.cached_tokens += seq.num_computed
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            bisect.insort(self.running, seq, key=_order)
             batch.append((seq, n))
             budget -= n
         return batch
 
     def commit(self, batch: list[tuple[Sequence, int]]) -> None:
         """After a step ran the batch: its tokens are in the cache, and newly full blocks are hashed."""
-        bs = self.allocator.block_size
+        bs, total, hashed = self.allocator.block_size, 0, self.allocator.prefix_cache
         for seq, n in batch:
             seq.num_computed += n
-            self.computed_tokens += n
-            if seq.num_computed // bs > len(seq.block_hashes):  # a block filled: only then build token_ids
-                self.allocator.register(seq.token_ids, seq.num_computed, seq.block_table, seq.block_hashes)
+            total += n
+            full = seq.num_computed // bs
+            if hashed and full > len(seq.block_hashes):  # a block filled: its tokens are known
+                self.allocator.register(seq.tokens(len(seq.block_hashes) * bs, full * bs), seq.block_table,
+                                        seq.block_hashes)
+        self.computed_tokens += total
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq in self.running:
@@ -150,5 +159,5 @@ class Scheduler:
             self.allocator.release(self.sessions.popitem(last=False)[1])
 
 
-def _order(seq: Sequence):
-    return (seq.priority, seq.arrival)
+_RUNNING = Status.RUNNING   # a module global reads faster than an enum member (a check a sequence a step)
+_order = attrgetter("priority", "arrival")   # (priority, arrival): lower runs first, then older

@@ -20,6 +20,9 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+_FINISHED = Status.FINISHED   # a module global reads faster than an enum member, and `finished` is read often
+
+
 @dataclass(eq=False)
 class Sequence:
     prompt_ids: list[int]
@@ -64,6 +67,8 @@ class Sequence:
         A token still in flight reads as IN_FLIGHT; the executor takes its id from the device.
         """
         p = len(self.prompt_ids)
+        if start >= p + len(self.output_ids):   # all in flight: an overlapped decode step's row
+            return [IN_FLIGHT] * (end - start)
         if start >= p:
             ids = self.output_ids[start - p:end - p]
         else:
@@ -84,7 +89,7 @@ class Sequence:
     @property
     def num_pending(self) -> int:
         """Tokens not yet in the KV cache: the prompt (or its rest) at first, then the last sample."""
-        return self.num_tokens - self.num_computed
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_in_flight - self.num_computed   # num_tokens
 
     @property
     def ends_in_flight(self) -> bool:
@@ -94,4 +99,4 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.status is Status.FINISHED
+        return self.status is _FINISHED
