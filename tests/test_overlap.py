@@ -510,6 +510,7 @@ def test_penalty_logprobs_and_json_rows_are_sampled_where_the_logits_are(with_sa
     assert [len(r[5]) for r in results] == [len(results[0][0]), 0, 24, 0, 0, 0, 24]
     device = run(model, True, [(i, p, None) for i, p in zip(ids, greedy)], graphed=graphed)[0]
     monkeypatch.setattr(sampler.DeviceSampler, "takes", lambda self, seq: False)
+    monkeypatch.setattr(sampler.DeviceSampler, "takes_all", lambda self, seqs: False)
     host = run(model, True, [(i, p, None) for i, p in zip(ids, greedy)], graphed=graphed)[0]
     assert "sample_now" in calls
     for d, h in zip(device, host):
@@ -629,6 +630,7 @@ def test_gpu_rows_with_penalties_logprobs_and_masks_sampled_on_the_device(gpu_bu
     device = run(model, True, [(i, p, None) for i, p in zip(ids, greedy)], config=config)[0]
     from engc.runtime.sampler import DeviceSampler
     monkeypatch.setattr(DeviceSampler, "takes", lambda self, seq: False)
+    monkeypatch.setattr(DeviceSampler, "takes_all", lambda self, seqs: False)
     host = run(model, True, [(i, p, None) for i, p in zip(ids, greedy)], config=config)[0]
     for a, b in zip(device, host):
         assert a[:5] == b[:5] and [x[0] for x in a[5]] == [x[0] for x in b[5]]

@@ -23,6 +23,7 @@ row's logits go to the host (sampler.sample_now). launch holds these rules.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from engc.runtime import sampler, scoring
 from engc.runtime.executor import TokenFill
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import LoadedModel
-from engc.runtime.sampler import DeviceSampler, Logprobs, follows_last_token
+from engc.runtime.sampler import DeviceSampler, Logprobs, any_follows_last_token
 from engc.runtime.sampling import Sampled
 from engc.runtime.sequence import Sequence
 from engc.runtime.transfers import Readback
@@ -97,9 +98,9 @@ class ModelRunner:
             graphed = self.executor.step_tokens   # a graphed decode step's greedy tokens, already on their way
             if sampled and graphed is not None and all(s.params.plain_greedy for s in sampled):
                 self._keep(step, graphed[0], None, graphed[1])
-            elif not all(self.sampler.takes(s) for s in sampled):
+            elif not self.sampler.takes_all(sampled):
                 self._keep(step, None)    # sampled when read (sampler.sample_now), at once
-            elif any(follows_last_token(s) for s in sampled):
+            elif any_follows_last_token(sampled):
                 step.after_read = True    # sampled once the step before is read (sample_after_read)
             else:
                 self._keep(step, *self.sampler.sample(logits, sampled) if sampled else (None, None))
@@ -153,45 +154,68 @@ class ModelRunner:
                ) -> tuple[dict[str, torch.Tensor], list[Sequence], TokenFill | None]:
         """The batch's program inputs (host tensors), the sequences sampled (one logits row each) and the
         rows whose input id is a token still in flight."""
-        bs = self.model.block_size
-        ids, positions, slots, ctx, starts, sample_at, sampled = [], [], [], [], [0], [], []
+        # One pass over the sequences gathers what only they know; the arithmetic over rows and tokens is
+        # numpy's, at once for the whole batch (this runs every step, over every sequence).
+        ids, computed, counts, tables, sample_at, sampled = [], [], [], [], [], []
         fill_rows, fill_src = [], []   # rows whose token is still on the device, and where it is there
-        width = max(len(seq.block_table) for seq, _ in batch)
-        tables = []  # flat, row after row, each padded to width
+        row_of = self.in_flight.row_of if self.in_flight is not None else None
+        end = 0
         for seq, n in batch:
-            start, end, table = seq.num_computed, seq.num_computed + n, seq.block_table
-            ids += seq.tokens(start, end)
-            if n == 1:  # a decode row: the common case, without building ranges
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                positions += range(start, end)
-                slots += [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
-            ctx.append(end)
-            starts.append(starts[-1] + n)
-            if end == seq.num_tokens:  # this chunk reaches the last token (known or in flight): sample next
-                sample_at.append(starts[-1] - 1)
+            start = seq.num_computed
+            ids += seq.tokens(start, start + n)
+            computed.append(start)
+            counts.append(n)
+            tables.append(seq.block_table)
+            end += n
+            if start + n == seq.num_tokens:  # this chunk reaches the last token (known or in flight): sample next
+                sample_at.append(end - 1)
                 sampled.append(seq)
                 if seq.num_in_flight:  # its last token is the one in flight
-                    fill_rows.append(starts[-1] - 1)
-                    fill_src.append(self.in_flight.row_of[seq])
-            tables += table
-            tables += [0] * (width - len(table))
+                    fill_rows.append(end - 1)
+                    fill_src.append(row_of[seq])
+        # numpy turns a list of ints into an array several times faster than torch.tensor does
+        computed = np.array(computed, dtype=np.int64)
+        if end == len(batch):   # a token a row (every row has one at least): a decode step
+            starts = np.arange(end + 1, dtype=np.int32)
+            rows, positions = starts[:-1], computed   # each token's row, and position
+            context = np.add(computed, 1, dtype=np.int32, casting="unsafe")
+        else:
+            counts = np.array(counts, dtype=np.int64)
+            starts = np.zeros(len(batch) + 1, dtype=np.int32)
+            np.cumsum(counts, out=starts[1:])
+            rows = np.repeat(np.arange(len(batch)), counts)
+            positions = np.arange(end) + (computed - starts[:-1])[rows]
+            context = np.add(computed, counts, dtype=np.int32, casting="unsafe")
+        block_tables = _padded(tables)
+        block, offset = np.divmod(positions, self.model.block_size)
+        slots = np.multiply(block_tables[rows, block], self.model.block_size, dtype=np.int64)
+        slots += offset
         # Built on the host; a GPU executor moves them (and reads host-side facts from them first).
-        # numpy turns a list of ints into an array several times faster than torch.tensor does.
         inputs = {
             "input_ids": _host(ids, np.int64),
-            "positions": _host(positions, np.int64),
-            "slot_mapping": _host(slots, np.int64),
-            "block_tables": _host(tables, np.int32).view(len(batch), width),
-            "context_lens": _host(ctx, np.int32),
-            "query_start_loc": _host(starts, np.int32),
+            "positions": torch.from_numpy(positions),
+            "slot_mapping": torch.from_numpy(slots),
+            "block_tables": torch.from_numpy(block_tables),
+            "context_lens": torch.from_numpy(context),
+            "query_start_loc": torch.from_numpy(starts),
             "logits_indices": _host(sample_at, np.int64),
         }
         fill = None
         if fill_rows:
             fill = TokenFill(_host(fill_rows, np.int64), _host(fill_src, np.int64), self.in_flight.tokens)
         return inputs, sampled, fill
+
+
+def _padded(tables: list[list[int]]) -> np.ndarray:
+    """The block tables as one int32 array, each row padded with zeros to the longest."""
+    lengths = [len(t) for t in tables]
+    width = max(lengths)
+    if min(lengths) == width:
+        return np.array(tables, dtype=np.int32).reshape(len(tables), width)
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    out[np.arange(width) < np.array(lengths)[:, None]] = np.fromiter(chain.from_iterable(tables), np.int32,
+                                                                     sum(lengths))
+    return out
 
 
 def _host(values: list[int], dtype) -> torch.Tensor:

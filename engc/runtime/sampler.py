@@ -37,6 +37,11 @@ def follows_last_token(seq: Sequence) -> bool:
     return seq.constraint is not None or seq.params.penalized
 
 
+def any_follows_last_token(seqs: list[Sequence]) -> bool:
+    # follows_last_token written out: a call a row would be a good part of a large batch's check
+    return any(s.constraint is not None or s.params.penalized for s in seqs)
+
+
 @dataclass
 class Logprobs:
     """Of the rows that asked for logprobs: the sampled token's logprob and the top K of each row (K the
@@ -140,8 +145,9 @@ PROCESSORS = (Penalties, GrammarMasks)
 def processed(logits: torch.Tensor, seqs: list[Sequence], up: Upload) -> torch.Tensor:
     """The logits the draw reads: the processors applied to the live rows on a copy (float32 where a row is
     penalized, as on the host); the logits themselves where no processor has a row."""
-    live = [(i, s) for i, s in enumerate(seqs) if not s.finished]
-    work = [(p, rows) for p in PROCESSORS if (rows := p.rows(live))]
+    # every processor's rows follow their last token: the others are left out at once (most rows, most steps)
+    live = [(i, s) for i, s in enumerate(seqs) if (s.constraint is not None or s.params.penalized) and not s.finished]
+    work = [(p, rows) for p in PROCESSORS if live and (rows := p.rows(live))]
     if not work:
         return logits
     float32 = any(p.float32 for p, _ in work)
@@ -187,6 +193,9 @@ class DeviceSampler:
 
     def takes(self, seq: Sequence) -> bool:
         return seq.params.greedy or self.kernels is not None
+
+    def takes_all(self, seqs: list[Sequence]) -> bool:
+        return self.kernels is not None or all(s.params.greedy for s in seqs)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, Logprobs | None]:
         """(tokens [rows] int64, logprobs or None) where the logits are; nothing here waits for the GPU."""
