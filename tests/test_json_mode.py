@@ -130,7 +130,7 @@ def test_engine_outputs_are_json_objects(tiny_bundle):
     """A random tiny model in JSON mode: every output is a prefix of an object, and those that stop are whole
     objects that json.loads reads (the stop is the object's close, whose text is kept)."""
     from engc.runtime.loader import load
-    from engc.runtime.sampling import Sampled, SamplingParams
+    from engc.runtime.sampling import SamplingParams
     model = load(tiny_bundle("llama"), device="cpu")
     engine, seqs = json_mode_runs(model, sampled=16, max_tokens=48, max_num_seqs=16)
     stopped = [s for s in seqs if s.finish_reason == "stop"]
@@ -142,5 +142,5 @@ def test_engine_outputs_are_json_objects(tiny_bundle):
     # a token that cannot continue the object (sampled where a mask was ignored) ends the output without its text
     prompt = model.tokenizer.encode("Hello, world!")
     seq = engine.add_request(prompt, SamplingParams(max_tokens=8, grammar=OBJECT))
-    engine.output.process(seq, Sampled(model.tokenizer.encode("x", add_special_tokens=False)[0]))
+    engine.output.process(seq, model.tokenizer.encode("x", add_special_tokens=False)[0])
     assert seq.finish_reason == "stop" and seq.output_text == "" and not engine.has_work

@@ -140,11 +140,12 @@ class Engine:
         ago has its extra token dropped."""
         if step is None or not step.sampled:
             return []
-        outputs = []
-        for seq, s in zip(step.sampled, self.runner.read(step)):
+        outputs, process = [], self.output.process
+        tokens, samples = self.runner.read(step)
+        for i, seq in enumerate(step.sampled):
             seq.num_in_flight = 0
             if not seq.finished:
-                outputs.append(self.output.process(seq, s))
+                outputs.append(process(seq, tokens[i], samples[i] if samples is not None else None))
         return outputs
 
     def stats(self) -> dict:

@@ -125,17 +125,21 @@ class ModelRunner:
         step, self.in_flight = self.in_flight, None
         return step
 
-    def read(self, step: InFlight) -> list[Sampled | None]:
-        """The step's samples, row for row: from the device copy, or sampled on the host now (None: a row
-        that finished meanwhile)."""
+    def read(self, step: InFlight) -> tuple[list[int | None], list[Sampled | None] | None]:
+        """The step's tokens, row for row, from the device copy or sampled on the host now (None: a row that
+        finished meanwhile); and their Sampled where rows carry more than the token (logprobs, the host
+        sampler's rows), else None: most steps need no object a row."""
         if step.tokens is None:
-            return sampler.sample_now(step.logits, step.sampled, self.sampler)
+            samples = sampler.sample_now(step.logits, step.sampled, self.sampler)
+            return [s.token if s is not None else None for s in samples], samples
         if step.ready is not None:
             step.ready.synchronize()
-        samples = [Sampled(t) for t in step.host.tolist()]
-        if step.logprobs is not None:
-            step.logprobs.fill(samples, step.sampled)
-        return samples
+        tokens = step.host.tolist()
+        if step.logprobs is None:
+            return tokens, None
+        samples = [Sampled(t) for t in tokens]
+        step.logprobs.fill(samples, step.sampled)
+        return tokens, samples
 
     def _keep(self, step: InFlight, tokens: torch.Tensor | None, logprobs: Logprobs | None = None,
               host: torch.Tensor | None = None) -> None:

@@ -135,13 +135,21 @@ class IncrementalDecoder:
         self.read_offset = len(self.ids)
         self.whole = False   # whether the text read so far ends in a whole character (known after a delta)
 
-    def step(self, new_ids: list[int]) -> str:
-        if self.whole and self.piece is not None and len(new_ids) == 1 and self.read_offset == len(self.ids):
-            text = self.piece(new_ids[0])
+    def add(self, token: int) -> str:
+        """step([token]), without the list (a decode step calls this for every sequence)."""
+        if self.whole and self.piece is not None and self.read_offset == len(self.ids):
+            text = self.piece(token)
             if text and "\ufffd" not in text:   # the token's bytes are whole characters themselves
-                self.ids.append(new_ids[0])
-                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                self.ids.append(token)
+                self.prefix_offset = self.read_offset
+                self.read_offset += 1
                 return text
+        return self._decoded([token])
+
+    def step(self, new_ids: list[int]) -> str:
+        return self.add(new_ids[0]) if len(new_ids) == 1 else self._decoded(new_ids)
+
+    def _decoded(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
         prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
         full = self.decode(self.ids[self.prefix_offset:])

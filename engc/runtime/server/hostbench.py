@@ -26,7 +26,6 @@ import torch
 from engc.runtime.async_engine import AsyncEngine
 from engc.runtime.engine import Engine, EngineConfig
 from engc.runtime.runner import InFlight
-from engc.runtime.sampling import Sampled
 from engc.runtime.server.metrics import Metrics
 
 
@@ -52,7 +51,7 @@ def stub_forward(engine: Engine, step_s: float = 0.0, seed: int = 0) -> None:
         wait = step.ready - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
-        return [Sampled(t) for t in step.tokens]
+        return step.tokens, None
 
     runner.launch, runner.read = launch, read
     runner.sample_after_read = lambda step: None
