@@ -40,6 +40,9 @@ class Readback:
         """An event after the work queued so far (tokens on a GPU), else None."""
         if not tokens.is_cuda:
             return None
-        ready = torch.cuda.Event()
+        # blocking: the engine thread sleeps in synchronize() until the GPU gets there, where a default event
+        # spins a core all the while (the GPU step is the longer one whenever the host keeps up), a core the
+        # server's event loop and request threads need
+        ready = torch.cuda.Event(blocking=True)
         ready.record()
         return ready
