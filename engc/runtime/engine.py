@@ -130,7 +130,7 @@ class Engine:
     def _commit(self, step: InFlight) -> None:
         """The step's K/V count as cached and its samples as in flight. After the step before it was read:
         blocks hashed here hold known tokens only; sequences that finished in that read are left out."""
-        self.scheduler.commit([(seq, n) for seq, n in step.batch if not seq.finished])
+        self.scheduler.commit(step.batch)
         for seq in step.sampled:
             if not seq.finished:
                 seq.num_in_flight = 1

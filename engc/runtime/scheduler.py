@@ -49,7 +49,9 @@ class Scheduler:
                 break
             if seq.status is not _RUNNING or seq.ends_in_flight:
                 continue  # preempted below to make room for a higher-priority sequence, or done once read
-            n = min(seq.num_pending, budget)
+            n = seq.num_pending
+            if n > budget:
+                n = budget
             if scoring.wants(seq):
                 n = min(n, scored)
                 if n == 0:
@@ -89,9 +91,12 @@ class Scheduler:
         return batch
 
     def commit(self, batch: list[tuple[Sequence, int]]) -> None:
-        """After a step ran the batch: its tokens are in the cache, and newly full blocks are hashed."""
+        """After a step ran the batch: its tokens are in the cache, and newly full blocks are hashed. A sequence
+        that finished meanwhile is left out (its blocks are gone)."""
         bs, total, hashed = self.allocator.block_size, 0, self.allocator.prefix_cache
         for seq, n in batch:
+            if seq.status is _FINISHED:
+                continue
             seq.num_computed += n
             total += n
             full = seq.num_computed // bs
@@ -159,5 +164,5 @@ class Scheduler:
             self.allocator.release(self.sessions.popitem(last=False)[1])
 
 
-_RUNNING = Status.RUNNING   # a module global reads faster than an enum member (a check a sequence a step)
+_RUNNING, _FINISHED = Status.RUNNING, Status.FINISHED   # module globals read faster than enum members
 _order = attrgetter("priority", "arrival")   # (priority, arrival): lower runs first, then older
