@@ -34,9 +34,8 @@ VOCAB = 128256
 MODES = {"sampled": (0.8, 50, 0.95, 0.0), "greedy": (0.0, 50, 0.95, 0.0), "temperature": (0.8, 0, 1.0, 0.0),
          "top_k": (0.8, 50, 1.0, 0.0), "top_p": (0.8, 0, 0.95, 0.0), "min_p": (0.8, 0, 1.0, 0.05)}
 # overrides of the tune table's sampling/*/any entry; the first ({}) is the table's own
-CONFIGS = [{}, {"block": 1024, "max_splits": 64}, {"block": 4096, "max_splits": 32}, {"num_warps": 4},
-           {"block": 1024, "max_splits": 64, "num_warps": 4}, {"groups": 32}, {"max_splits": 16},
-           {"num_warps": 16}]
+CONFIGS = [{}, {"radix": 4}, {"radix": 1}, {"num_warps": 8}, {"radix": 4, "num_warps": 8}, {"max_splits": 16},
+           {"radix": 4, "max_splits": 16}, {"groups": 32, "radix": 4}]
 
 
 def logits_like_a_model(rows: int, gen: torch.Generator) -> torch.Tensor:

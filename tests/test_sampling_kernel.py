@@ -18,8 +18,8 @@ import pytest
 from interpreted import interpreted_report, print_report
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ["rows_fp32", "rows_bf16", "rows_wide_groups_fp32", "rows_one_slice_bf16", "distribution_fp32",
-         "distribution_bf16", "passes"]
+CASES = ["rows_fp32", "rows_bf16", "rows_wide_groups_fp32", "rows_radix4_fp32", "rows_one_slice_bf16",
+         "distribution_fp32", "distribution_bf16", "passes"]
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +241,8 @@ def main():
         # gather of every slice's slots serves most rows
         "rows_wide_groups_fp32": (lambda: check_rows(f32, {"block": 256, "max_splits": 4, "groups": 256,
                                                            "cap_s": 128, "small": 2}), 0),
+        # thresholds selected 4 bits a step (the table's choice is measured, both must be exact)
+        "rows_radix4_fp32": (lambda: check_rows(f32, {**SMALL_TILES, "radix": 4}), 0),
         # the row in one slice (the bound's draw and the finish's gather over one)
         "rows_one_slice_bf16": (lambda: check_rows(bf16, {"block": 512, "max_splits": 1, "groups": 64,
                                                           "cap_s": 256, "small": 64}), 0),

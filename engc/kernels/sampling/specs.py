@@ -10,9 +10,9 @@ _KERNELS = {"stats": ("sample_stats_kernel", ("temperature_ptr", "top_k_ptr", "t
             "compact": ("sample_compact_kernel", ("temperature_ptr",)),
             "finish": ("sample_finish_kernel", tuple(_PARAMS)[:6])}
 _CONSTS = {"stats": ("VOCAB", "SPLITS", "CHUNK", "BLOCK", "GROUPS", "NGROUPS", "NCAND"),
-           "bound": ("VOCAB", "SPLITS", "CHUNK", "BLOCK", "GROUPS", "NGROUPS", "NCAND"),
+           "bound": ("VOCAB", "SPLITS", "CHUNK", "BLOCK", "GROUPS", "NGROUPS", "NCAND", "RADIX"),
            "compact": ("VOCAB", "SPLITS", "CHUNK", "BLOCK", "CAP_S", "NGROUPS", "NCAND"),
-           "finish": ("VOCAB", "SPLITS", "BLOCK", "CAP_S", "SMALL", "NGROUPS", "NCAND")}
+           "finish": ("VOCAB", "SPLITS", "BLOCK", "CAP_S", "SMALL", "NGROUPS", "NCAND", "RADIX")}
 
 
 def specs(b: Build) -> list:
@@ -21,7 +21,8 @@ def specs(b: Build) -> list:
     vocab = b.cfg.vocab_size
     # a row in slices of at least one BLOCK each (its lanes), at most max_splits of them (a power of two: the
     # bound and finish load them all); the lane groups a slice keeps maxima of, the candidate slots a slice
-    # has, the smaller gathered set the finish reads where the candidates fit in it
+    # has, the smaller gathered set the finish reads where the candidates fit in it; the bits a step of the
+    # threshold selects (1, 2 or 4: they divide the 16 bits of a bound and the 32 of a key)
     block = min(entry["block"], pow2(vocab))
     splits = 1
     while splits * 2 <= entry["max_splits"] and splits * 2 * block <= vocab:
@@ -30,7 +31,7 @@ def specs(b: Build) -> list:
     cap_s = entry["cap_s"]
     every = {"VOCAB": vocab, "SPLITS": splits, "CHUNK": -(-vocab // splits), "BLOCK": block, "GROUPS": groups,
              "NGROUPS": splits * groups, "NCAND": splits * cap_s, "CAP_S": cap_s,
-             "SMALL": min(entry["small"], splits * cap_s)}
+             "SMALL": min(entry["small"], splits * cap_s), "RADIX": entry["radix"]}
     out = []
     for lt in sorted({b.t, "fp32"}):
         for stage, (fn, params) in _KERNELS.items():

@@ -15,7 +15,7 @@ programs (one program streaming a 128k-entry row is latency-bound: ~0.1 ms whate
            candidate slots, and how many there are.
   finish   grid (rows,): the slices' candidates gathered in vocabulary order into registers (SMALL of them
            where they fit, else all NCAND), then the exact top-k and top-p thresholds (radix selects over
-           the candidates' keys), min-p, and the inverse-CDF draw in vocabulary order.
+           the candidates' keys, RADIX bits a step), min-p, and the inverse-CDF draw in vocabulary order.
 Where a slice holds more than CAP_S tokens >= L (flat logits, large k, a wide top-p set), or k > NGROUPS, the
 finish falls back to thresholds found by a radix-4 search streaming the whole row, 16 passes for each, correct
 for any input. The top-k bound compares the tokens' own scaled values (no rounding to slip); the min-p bound
@@ -77,13 +77,14 @@ def _row_params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, VOCAB: tl
 
 
 @triton.jit
-def _select(keys, weights, target, STEPS: tl.constexpr):
-    """Over register values: the largest key t (to 2 * STEPS high bits; fewer bits give a t at or below
-    the exact one) with sum(weights of keys >= t) >= target."""
-    digits = tl.arange(0, 4).to(tl.int64)
+def _select(keys, weights, target, BITS: tl.constexpr, RADIX: tl.constexpr):
+    """Over register values: the largest key t (to its BITS high bits, RADIX bits a step; fewer bits give a
+    t at or below the exact one) with sum(weights of keys >= t) >= target. A step is one reduction over
+    [len(keys), 2^RADIX]: wider digits take fewer dependent steps for more work each."""
+    digits = tl.arange(0, 1 << RADIX).to(tl.int64)
     prefix = tl.full([], KEY_MIN, tl.int64)
-    for p in tl.static_range(STEPS):
-        shift = 30 - 2 * p
+    for p in tl.static_range(BITS // RADIX):
+        shift = 32 - RADIX * (p + 1)
         cands = prefix + (digits << shift)
         total = tl.sum(tl.where(keys[:, None] >= cands[None, :], weights[:, None], 0.0), axis=0)
         best = tl.max(tl.where(total >= target, digits, 0), axis=0)
@@ -92,16 +93,16 @@ def _select(keys, weights, target, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _mass_bound(keys, top, mass, m, target, PER_GROUP: tl.constexpr):
+def _mass_bound(keys, top, mass, m, target, PER_GROUP: tl.constexpr, RADIX: tl.constexpr):
     """A key t at or below the top-p threshold, from the groups: group j (largest token's mass top_j =
     exp(s_j - m), total mass mass_j over at most PER_GROUP tokens) holds, at or above t <= s_j, at least
     max(top_j, mass_j - (PER_GROUP - 1) exp(t - m)), since its other tokens below t hold less than
     exp(t - m) each. The largest t (to 16 bits) where these lower bounds sum to target leaves at least
     target of mass at or above t in the row."""
-    digits = tl.arange(0, 4).to(tl.int64)
+    digits = tl.arange(0, 1 << RADIX).to(tl.int64)
     prefix = tl.full([], KEY_MIN, tl.int64)
-    for p in tl.static_range(8):
-        shift = 30 - 2 * p
+    for p in tl.static_range(16 // RADIX):
+        shift = 32 - RADIX * (p + 1)
         cands = prefix + (digits << shift)
         room = (PER_GROUP - 1) * tl.exp(tl.minimum(_key_value(cands) - m, 80.0))
         held = tl.maximum(top[:, None], mass[:, None] - room[None, :])
@@ -201,7 +202,8 @@ def _gather(val_ptr, idx_ptr, counts, total, VOCAB: tl.constexpr, SPLITS: tl.con
 
 
 @triton.jit
-def _finish(cs, ci, valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u, VOCAB: tl.constexpr):
+def _finish(cs, ci, valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u, VOCAB: tl.constexpr,
+            RADIX: tl.constexpr):
     """The token drawn from the candidates (cs, ci where valid: all tokens >= the bound, in vocabulary order);
     -1 where the top-p threshold falls below the bound and min-p does not cover it (only rounding in the
     bound can do that; the caller falls back)."""
@@ -209,14 +211,14 @@ def _finish(cs, ci, valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u
     e = tl.where(valid, tl.exp(cs - m), 0.0)
     floor_key = tl.full([], KEY_MIN, tl.int64)
     if use_k:
-        floor_key = _select(ckey, valid.to(tl.float32), k.to(tl.float32), 16)
+        floor_key = _select(ckey, valid.to(tl.float32), k.to(tl.float32), 32, RADIX)
     ok = tl.full([], 1, tl.int32)
     if top_p < 1.0:
         mass = tl.where(ckey >= floor_key, e, 0.0)
         have = tl.sum(mass, axis=0)
         target = top_p * tl.where(use_k, have, z_row)
         if have >= target:
-            tp = tl.minimum(_select(ckey, mass, target, 16), _order_key(m))   # the max token always stays
+            tp = tl.minimum(_select(ckey, mass, target, 32, RADIX), _order_key(m))   # the max token always stays
             floor_key = tl.maximum(floor_key, tp)
         else:
             ok = tl.where(p_may_fall_below, 0, 1)
@@ -287,7 +289,7 @@ def sample_stats_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p
 def sample_bound_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniform_ptr, min_p_ptr, out_ptr,
                         fws_ptr, iws_ptr, VOCAB: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
                         BLOCK: tl.constexpr, GROUPS: tl.constexpr, NGROUPS: tl.constexpr, NCAND: tl.constexpr,
-                        PDL: tl.constexpr):
+                        RADIX: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -339,13 +341,13 @@ def sample_bound_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, unifo
     p_key = tl.full([], KEY_MIN, tl.int64)
     if use_k:
         if k <= NGROUPS:
-            bound_key = _select(group_keys, tl.full([NGROUPS], 1.0, tl.float32), k.to(tl.float32), 8)
+            bound_key = _select(group_keys, tl.full([NGROUPS], 1.0, tl.float32), k.to(tl.float32), 16, RADIX)
     elif use_p:
         top = tl.where(group_max == float("-inf"), 0.0, tl.exp((group_max - best_val) / t))
         slice_scale = tl.reshape(tl.broadcast_to(scale[:, None], [SPLITS, GROUPS]), [NGROUPS])
         mass = tl.load(fws + 2 * SPLITS + NGROUPS + gi) * slice_scale
         per_group = (BLOCK // GROUPS) * ((CHUNK + BLOCK - 1) // BLOCK)
-        p_key = _mass_bound(group_keys, top, mass, m, top_p * z_row * (1.0 + 1e-5), per_group)
+        p_key = _mass_bound(group_keys, top, mass, m, top_p * z_row * (1.0 + 1e-5), per_group, RADIX)
         bound_key = tl.where(use_min, tl.maximum(p_key, min_key), p_key)
     elif use_min:
         bound_key = min_key
@@ -395,7 +397,7 @@ def sample_compact_kernel(logits_ptr, temperature_ptr, fws_ptr, iws_ptr, VOCAB: 
 def sample_finish_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniform_ptr, min_p_ptr, out_ptr,
                          fws_ptr, iws_ptr, VOCAB: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
                          CAP_S: tl.constexpr, SMALL: tl.constexpr, NGROUPS: tl.constexpr, NCAND: tl.constexpr,
-                         PDL: tl.constexpr):
+                         RADIX: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -421,11 +423,12 @@ def sample_finish_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, unif
             # (each branch's registers keep their own names: Triton merges same-named values of the two)
             if total <= SMALL:
                 cs, ci, valid = _gather(val_ptr, idx_ptr, counts, total, VOCAB, SPLITS, CAP_S, SMALL)
-                chosen = _finish(cs, ci, valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u, VOCAB)
+                chosen = _finish(cs, ci, valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u, VOCAB,
+                                 RADIX)
             else:
                 all_s, all_i, all_valid = _gather(val_ptr, idx_ptr, counts, total, VOCAB, SPLITS, CAP_S, NCAND)
                 chosen = _finish(all_s, all_i, all_valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u,
-                                 VOCAB)
+                                 VOCAB, RADIX)
     if chosen < 0:
         floor_key = tl.full([], KEY_MIN, tl.int64)
         if use_k:
