@@ -1,8 +1,9 @@
 """ModelRunner: a step's inputs, the forward, the sampling where the logits are and the tokens' read-back.
 
 It owns the executor (on a GPU the GraphedExecutor and its CUDA graphs), the step in flight and the
-sampler. Eager and graphed executors share one interface: step_tokens (a graphed all-greedy step's own
-tokens, else None) and keep_tokens (tokens the next graphed step's fills read).
+sampler. Eager and graphed executors share one interface: step_tokens (a graphed step's own tokens, drawn
+in the graph from the rows' parameters the runner staged, else None), draws_in_graph (whether graphs draw)
+and keep_tokens (tokens the next graphed step's fills read).
 
 Overlap (one step of lookahead): a step whose tokens can be sampled where the logits are is launched,
 and its tokens are read back only during the next step, after that step is launched in turn. So on a
