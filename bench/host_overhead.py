@@ -90,8 +90,8 @@ def make_engine(model, batch: int, prompt_len: int, steps: int, stops: tuple[str
     ex.graphs = {(b, c): [(fake, fake)] * 2 for b in ex.buckets for c in ex._ctx_buckets(b)}
     graphed_forward = ex.forward
 
-    def forward(inputs, kv_caches, fill=None):   # a graphed step's greedy tokens, as its argmax would leave them
-        out = graphed_forward(inputs, kv_caches, fill)
+    def forward(inputs, kv_caches, fill=None, draws=None):   # a graphed step's tokens, as its argmax leaves them
+        out = graphed_forward(inputs, kv_caches, fill, draws=draws)
         if ex.step_tokens is not None:
             tokens = fake.next_tokens(inputs["input_ids"].shape[0])
             ex.step_tokens = (tokens, tokens)

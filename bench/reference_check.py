@@ -74,11 +74,12 @@ def _small_cache(layer, dtype=None):
 class _Eager:
     """An executor run eagerly on the model's device, with the engine's executor interface."""
     step_tokens = None
+    draws_in_graph = False
 
     def __init__(self, executor, device):
         self.executor, self.device = executor, device
 
-    def forward(self, inputs, kv, fill=None):
+    def forward(self, inputs, kv, fill=None, draws=None):
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
         if fill is not None:  # the engine's overlapped step: rows whose input id is still on the device
             fill.apply(inputs["input_ids"], fill.rows.to(self.device), fill.src.to(self.device))

@@ -45,11 +45,21 @@ def reference_parameters(seqs):
             torch.tensor([q.top_p for q in p]), torch.tensor(uniform), torch.tensor([q.min_p for q in p]))
 
 
-class ReferenceSampler:
-    """SamplingKernels on the CPU: its parameters (reference_parameters) through the kernel's reference."""
+def block_parameters(block, n):
+    """The kernel's inputs from a parameter block (sampler.parameter_block) of n rows."""
+    return tuple(torch.from_numpy(block[i, :n].view("<i4") if i == 1 else block[i, :n].copy()) for i in range(5))
 
-    def __call__(self, logits, seqs):
-        return sampling.sample(logits, *reference_parameters(seqs))
+
+class ReferenceSampler:
+    """SamplingKernels on the CPU: its parameters (reference_parameters, or the block the runner made for a
+    graph's draw) through the kernel's reference; draw: a decode graph's, over staged parameters."""
+
+    def __call__(self, logits, seqs, draws=None):
+        params = reference_parameters(seqs) if draws is None else block_parameters(draws, len(seqs))
+        return sampling.sample(logits, *params)
+
+    def draw(self, logits, temperature, top_k, top_p, uniform, min_p, out):
+        out.copy_(sampling.sample(logits, temperature, top_k, top_p, uniform, min_p))
 
     def greedy(self, logits):
         return argmax.argmax(logits)
@@ -118,9 +128,11 @@ class ReplayOnCpu:
 
 
 def cpu_graphed(engine):
-    """engine's executor as the GPU's GraphedExecutor: staging, padding, device-side fills, on the CPU."""
+    """engine's executor as the GPU's GraphedExecutor: staging, padding, device-side fills, on the CPU; its
+    graphs end with the draw where the model has a (reference) sampler, else with the argmax."""
+    sampler = engine.model.sampler
     ex = GraphedExecutor(engine.runner.executor, StepFacts(), -(-engine.max_context // engine.model.block_size),
-                         engine.config.max_num_seqs, "cpu", True)
+                         engine.config.max_num_seqs, "cpu", True, draw=sampler.draw if sampler is not None else None)
 
     def capture(key, kv_caches):
         graphs = [ReplayOnCpu(lambda t=turn: ex._step(key[0], t, kv_caches)) for turn in range(2)]
@@ -268,8 +280,8 @@ def test_graphed_greedy_steps_take_the_graphs_tokens(model, monkeypatch):
     cpu_graphed(engine)
     calls, turns = [], []
     sample = engine.runner.sampler.draw
-    monkeypatch.setattr(engine.runner.sampler, "draw", lambda logits, seqs: calls.append(len(seqs)) or
-                        sample(logits, seqs))
+    monkeypatch.setattr(engine.runner.sampler, "draw", lambda logits, seqs, draws=None: calls.append(len(seqs))
+                        or sample(logits, seqs, draws))
     send = engine.runner.executor.staged.send
     monkeypatch.setattr(engine.runner.executor.staged, "send", lambda *a: turns.append(send(*a)) or turns[-1])
     seqs = [engine.add_request(i, greedy) for i in ids]
@@ -303,8 +315,8 @@ def test_large_buckets_sample_outside_their_graphs(model, monkeypatch):
     cpu_graphed(engine)
     calls = []
     sample = engine.runner.sampler.draw
-    monkeypatch.setattr(engine.runner.sampler, "draw", lambda logits, seqs: calls.append(len(seqs)) or
-                        sample(logits, seqs))
+    monkeypatch.setattr(engine.runner.sampler, "draw", lambda logits, seqs, draws=None: calls.append(len(seqs))
+                        or sample(logits, seqs, draws))
     seqs = [engine.add_request(i, greedy) for i in ids]
     engine.run_to_completion()
     assert [s.output_ids for s in seqs] == [r[0] for r in eager]
@@ -678,3 +690,31 @@ def test_gpu_large_buckets_match_eager(gpu_bundle):  # noqa: F811
         config = EngineConfig(num_blocks=8 * n, max_num_seqs=64, cuda_graphs=graphs)
         runs[graphs], _, _ = run(model, True, [(i, p, None) for i, p in zip(ids, params)], config=config)
     assert runs[True] == runs[False]
+
+
+def test_graphs_draw_the_sampled_rows_themselves(with_sampler, monkeypatch):
+    """With the sampling kernels the decode graphs end with the draw: a sampled decode step stages its rows'
+    parameters with the inputs and takes the graph's tokens (the eager sampler sees only prefill steps and the
+    rows with penalties), and every row gets what eager steps give it."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+    model = with_sampler
+    ids = prompts(model, 6)
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(4)]
+    params += [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+               SamplingParams(max_tokens=10, temperature=0.7, min_p=0.05, seed=11, ignore_eos=True)]
+    eager, _, _ = run(model, True, [(i, p, None) for i, p in zip(ids, params)])
+    drawn, eager_rows = [], []
+    draw = model.sampler.draw
+    monkeypatch.setattr(model.sampler, "draw", lambda logits, t, *rest: drawn.append(int((t > 0).sum()))
+                        or draw(logits, t, *rest))
+    engine = Engine(model, EngineConfig(overlap=True))
+    cpu_graphed(engine)
+    sample = engine.runner.sampler.draw
+    monkeypatch.setattr(engine.runner.sampler, "draw", lambda logits, seqs, draws=None:
+                        eager_rows.append(len(seqs)) or sample(logits, seqs, draws))
+    seqs = [engine.add_request(i, p) for i, p in zip(ids, params)]
+    engine.run_to_completion()
+    assert [s.output_ids for s in seqs] == [r[0] for r in eager]
+    assert max(drawn) == 5 and sum(drawn) >= 5 * 9     # the graphs drew the five sampled rows, step after step
+    assert len(eager_rows) <= 2                         # the prefill steps only

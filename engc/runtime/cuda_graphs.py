@@ -8,7 +8,9 @@ A decode step of a small model is a few hundred short launches; replaying them a
 the host from the critical path. The whole step is in the graph, not only the forward pass: the graph
 reads its inputs from pinned host memory (the host writes them there; nothing is copied before the
 replay), puts the previous step's tokens into the rows still waiting for them, runs the program, takes
-the greedy tokens and writes them back into pinned host memory. Each operation outside a graph leaves a
+the step's tokens (drawn by the bundle's sampling kernels from the sampling parameters staged with the
+inputs, or the greedy argmax where a bundle has no sampling kernels) and writes them back into pinned host
+memory. Each operation outside a graph leaves a
 gap on the GPU (copy-engine hand-offs, the start of the graph after a kernel), while back-to-back graphs
 follow one another with almost none (bench/results/HISTORY.md). The two copies are kernels reading and writing pinned host memory over PCIe
 (mapped_view; unified addressing, every 64-bit CUDA platform); where torch cannot address it so, decode
@@ -20,11 +22,12 @@ padded rows write no KV (slot -1), read a one-token context, and their logits ar
 
 Every row of a graphed step is sampled, so the program runs its decode form (Executor.forward(decode=True)):
 no gather of the sampled rows, and the logits stay in the head's dtype (no float32 cast) for the argmax and
-the sampler, which read either; the host sampler casts what it reads.
+the sampler, which read either; the host sampler casts what it reads. A row the kernels cannot draw for
+(penalties, a grammar, logprobs) is staged greedy and sampled again after the replay, where the logits are.
 
 Overlapped steps (runner.py) launch step N+1 before the host has read step N's tokens: rows whose input
 id is such a token take it from `last_tokens`, where every step leaves its tokens on the device (the
-graph's argmax writes them there; keep_tokens copies those of other steps).
+graph's draw writes them there; keep_tokens copies those of other steps).
 """
 from __future__ import annotations
 
@@ -46,15 +49,18 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # from them (bench/results/HISTORY.md).
 CTX_BUCKETS = (255,)
 CTX_BUCKETED_UP_TO = 4
-# The largest bucket whose graphs end with the greedy argmax and the tokens' write-back. A sampled step
-# (temperature) runs the argmax for nothing: cheap up to here (32 rows x a 128k vocab: 16 MB of float32
-# logits), not at 256 rows (131 MB) on a small model's short steps. Larger buckets end with the logits;
-# the engine samples (greedy too) outside the graph and copies the tokens back.
+# Without the bundle's sampling kernels, the largest bucket whose graphs end with the greedy argmax and the
+# tokens' write-back (a sampled step runs it for nothing: cheap up to here, not at 256 rows of a small model's
+# short steps); larger buckets end with the logits, sampled outside the graph. With the kernels every graph
+# ends with the draw.
 GREEDY_UP_TO = 32
 # int64 fields first (two int32 words each), then int32 fields; block_tables last so a step copies
 # only the rows it uses. fill_sel: where each row's input id comes from (see StagedInputs.pool).
 I64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices", "fill_sel")
 I32_FIELDS = ("context_lens", "query_start_loc")
+# The sampling kernels' row parameters (kernels/sampling), float32 but top_k (int32), one word a row; a
+# greedy row has temperature 0, the value every row is staged with when the engine sends none.
+DRAW_FIELDS = ("temperature", "top_k", "top_p", "uniform", "min_p")
 TURNS = 2
 
 
@@ -108,6 +114,9 @@ class StagedInputs:
         for name in I32_FIELDS:
             self.offsets[name] = at = _aligned(at)
             at += max_batch + 1
+        for name in DRAW_FIELDS:
+            self.offsets[name] = at = _aligned(at)
+            at += max_batch
         self.offsets["block_tables"] = at = _aligned(at)
         self.size = _aligned(at + max_batch * max_blocks)   # whole 16-byte lines: turn 1's row aligned too
         cuda = torch.device(device).type == "cuda"
@@ -126,11 +135,13 @@ class StagedInputs:
         self.last_tokens = self.pool[:max_batch]
         self.ids = torch.zeros(max_batch, dtype=torch.int64, device=device)    # after the fill
         self.dev = self._views(self.device)
+        self.draw_dev = self._draw_views(self.device)
         tokens = torch.zeros(TURNS, max_batch, dtype=torch.int64)
         self.tokens = tokens.pin_memory() if cuda else tokens     # each turn's greedy tokens, for the host
         self.tokens_dev = mapped_view(self.tokens) if cuda else self.tokens
         cpus = [self._views(host) for host in stack]    # where the host writes each turn's inputs
         self.cpu_np = [{name: view.numpy() for name, view in cpu.items()} for cpu in cpus]
+        self.draw_np = [{name: view.numpy() for name, view in self._draw_views(host).items()} for host in stack]
         self.own_ids = (self.ids_base + torch.arange(max_batch)).numpy()
         for views in (*cpus, self.dev):
             views["query_start_loc"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))
@@ -146,6 +157,15 @@ class StagedInputs:
         views["context_lens"] = views["context_lens"][:n]
         views["block_tables"] = buf[o["block_tables"]:o["block_tables"] + n * self.width].view(n, self.width)
         return views
+
+    def _draw_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        o, n = self.offsets, self.n
+        return {name: buf[o[name]:o[name] + n] if name == "top_k" else buf[o[name]:o[name] + n].view(torch.float32)
+                for name in DRAW_FIELDS}
+
+    def draw_inputs(self, b: int) -> list[torch.Tensor]:
+        """The bucket's staged sampling parameters, in the sampling kernels' order."""
+        return [self.draw_dev[name][:b] for name in DRAW_FIELDS]
 
     def used(self, b: int) -> int:
         """int32 words a bucket of b rows reads: every field, and b rows of block tables."""
@@ -168,8 +188,10 @@ class StagedInputs:
         """Inside the graph: the step's tokens (last_tokens) into turn's pinned host row."""
         _kernel_copy(self.tokens_dev[turn, :b], self.last_tokens[:b])
 
-    def send(self, inputs: dict[str, torch.Tensor], n: int, b: int, fill: TokenFill | None) -> int:
-        """Writes a step's inputs into the next host buffer; returns its turn (the graph to replay)."""
+    def send(self, inputs: dict[str, torch.Tensor], n: int, b: int, fill: TokenFill | None,
+             draws: np.ndarray | None = None) -> int:
+        """Writes a step's inputs into the next host buffer; returns its turn (the graph to replay). draws:
+        the rows' sampling parameters (sampler.parameter_block), None for greedy rows."""
         # Written through numpy views of the pinned buffer: a numpy slice assignment costs a fraction
         # of a torch copy_ call, and this runs every decode step.
         turn, cpu = self.turn, self.cpu_np[self.turn]
@@ -185,20 +207,32 @@ class StagedInputs:
             sel[fill.rows.numpy()] = fill.src.numpy()
         width = inputs["block_tables"].shape[1]
         cpu["block_tables"][:n, :width] = inputs["block_tables"].numpy()
+        draw = self.draw_np[turn]
+        if draws is None:
+            draw["temperature"][:b] = 0.0
+        else:
+            for i, name in enumerate(DRAW_FIELDS):
+                draw[name][:n] = draws[i, :n].view(np.int32) if name == "top_k" else draws[i, :n]
+            draw["temperature"][n:b] = 0.0
         return turn
 
 
 class GraphedExecutor:
     """Executor.forward with decode batches served from captured graphs, everything else eager.
 
-    greedy(logits, out): the argmax the graphs of up to GREEDY_UP_TO rows end with (the bundle's kernel);
-    after such a replay `step_tokens` holds its tokens (device rows, pinned host rows) for the engine,
-    which uses them when the step was all greedy and samples from the logits otherwise."""
+    draw(logits, temperature, top_k, top_p, uniform, min_p, out): the bundle's sampling kernels, which every
+    graph ends with (draws_in_graph), over the parameters the engine stages with a step's inputs; without
+    them, greedy(logits, out): the argmax the graphs of up to GREEDY_UP_TO rows end with. After such a replay
+    `step_tokens` holds its tokens (device rows, pinned host rows) for the engine, which uses them when it
+    staged the rows' draws or the step was all greedy, and samples from the logits otherwise."""
 
     def __init__(self, executor: Executor, facts: StepFacts, max_blocks_per_seq: int,
                  max_batch: int = 256, device: str | torch.device = "cuda", enabled: bool = True,
-                 greedy: Callable[[torch.Tensor, torch.Tensor], None] | None = None):
+                 greedy: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                 draw: Callable[..., None] | None = None):
         self.executor = executor
+        self.draw = draw
+        self.draws_in_graph = draw is not None
         self.facts = facts
         self.device = device
         self.enabled = enabled
@@ -234,9 +268,10 @@ class GraphedExecutor:
         return b, c
 
     def forward(self, inputs: dict[str, torch.Tensor], kv_caches: list[torch.Tensor],
-                fill: TokenFill | None = None) -> torch.Tensor:
+                fill: TokenFill | None = None, draws: np.ndarray | None = None) -> torch.Tensor:
         """inputs are host tensors (the engine builds them there); they reach the GPU without a sync, so
-        the host can go on while earlier steps still run."""
+        the host can go on while earlier steps still run. draws: the rows' sampling parameters for a graph's
+        draw (sampler.parameter_block), None: greedy rows."""
         n = inputs["input_ids"].shape[0]
         self.step_tokens = None
         # one token a row, each sampled: the graph's logits and tokens are row for row the sampled ones
@@ -254,10 +289,10 @@ class GraphedExecutor:
         key = self.graph_key(n, int(inputs["context_lens"].max()))
         if key not in self.graphs:
             self._capture(key, kv_caches)
-        turn = self.staged.send(inputs, n, key[0], fill)
+        turn = self.staged.send(inputs, n, key[0], fill, draws)
         graph, out = self.graphs[key][turn]
         graph.replay()
-        if key[0] <= GREEDY_UP_TO:
+        if self._ends_with_tokens(key[0]):
             self.step_tokens = (self.staged.last_tokens[:n], self.staged.tokens[turn, :n])
             self.tokens_kept = True
         return out[:n]
@@ -273,10 +308,16 @@ class GraphedExecutor:
         """One decode step of bucket b from host buffer `turn`: what a graph holds."""
         self.staged.stage(b, turn)
         logits = self.executor.forward(self.staged.bucket_inputs(b), kv_caches, decode=True)
-        if b <= GREEDY_UP_TO:
+        if self.draw is not None:
+            self.draw(logits, *self.staged.draw_inputs(b), self.staged.last_tokens[:b])
+        elif b <= GREEDY_UP_TO:
             self.greedy(logits, self.staged.last_tokens[:b])
+        if self._ends_with_tokens(b):
             self.staged.export(b, turn)
         return logits
+
+    def _ends_with_tokens(self, b: int) -> bool:
+        return self.draw is not None or b <= GREEDY_UP_TO
 
     def _capture(self, key: tuple[int, int | None], kv_caches: list[torch.Tensor]) -> None:
         b, max_context = key
@@ -294,7 +335,9 @@ class GraphedExecutor:
             # warm-up: allocator and cuBLAS handles (the forward only: the staging would read a host
             # buffer the engine may be writing)
             logits = self.executor.forward(inputs, kv_caches, decode=True)
-            if b <= GREEDY_UP_TO:
+            if self.draw is not None:
+                self.draw(logits, *self.staged.draw_inputs(b), torch.empty(b, dtype=torch.int64, device=self.device))
+            elif b <= GREEDY_UP_TO:
                 self.greedy(logits, torch.empty(b, dtype=torch.int64, device=self.device))
         torch.cuda.current_stream().wait_stream(stream)
         graphs = []

@@ -34,6 +34,7 @@ class Executor:
     takes no tokens itself (step_tokens stays None) and fills read tokens where they are (keep_tokens)."""
 
     step_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    draws_in_graph = False      # nothing samples inside an eager step: its rows are sampled after it
 
     def __init__(self, program: Program, weights: dict[str, torch.Tensor],
                  ops: dict[tuple[str, str], Callable], before_forward: Callable[[], None] | None = None):
@@ -71,9 +72,10 @@ class Executor:
                 for i, node in enumerate(nodes)]
 
     def forward(self, inputs: dict[str, torch.Tensor], kv_caches: list[torch.Tensor],
-                fill: TokenFill | None = None, decode: bool = False) -> torch.Tensor:
+                fill: TokenFill | None = None, decode: bool = False, draws=None) -> torch.Tensor:
         """The program's logits for the batch. decode: a step whose every row is sampled (logits_indices is
-        arange over the rows): the program's decode form, its logits in the head's dtype (passes/decode_form)."""
+        arange over the rows): the program's decode form, its logits in the head's dtype (passes/decode_form).
+        draws: what a graphed executor's draw reads (GraphedExecutor.forward); unused by an eager step."""
         if self.before_forward is not None:
             self.before_forward()
         if fill is not None:

@@ -1,8 +1,9 @@
 """ModelRunner: a step's inputs, the forward, the sampling where the logits are and the tokens' read-back.
 
 It owns the executor (on a GPU the GraphedExecutor and its CUDA graphs), the step in flight and the
-sampler. Eager and graphed executors share one interface: step_tokens (a graphed all-greedy step's own
-tokens, else None) and keep_tokens (tokens the next graphed step's fills read).
+sampler. Eager and graphed executors share one interface: step_tokens (a graphed step's own tokens, drawn
+in the graph from the rows' parameters the runner staged, else None), draws_in_graph (whether graphs draw)
+and keep_tokens (tokens the next graphed step's fills read).
 
 Overlap (one step of lookahead): a step whose tokens can be sampled where the logits are is launched,
 and its tokens are read back only during the next step, after that step is launched in turn. So on a
@@ -63,9 +64,9 @@ class ModelRunner:
             from engc.runtime.cuda_graphs import GraphedExecutor
             from engc.runtime.gpu_ops import warm_cublas
             warm_cublas(model.dtype, model.device)
-            greedy = None if model.sampler is None else model.sampler.greedy
+            greedy, draw = (None, None) if model.sampler is None else (model.sampler.greedy, model.sampler.draw)
             self.executor = GraphedExecutor(model.executor, model.step_facts, -(-max_context // model.block_size),
-                                            max_num_seqs, model.device, cuda_graphs, greedy)
+                                            max_num_seqs, model.device, cuda_graphs, greedy, draw)
             if cuda_graphs:   # every tensor-parallel rank captures the same graphs, collectives included
                 self.executor.capture(kv.layers)
         if model.tp is not None and model.tp.rank == 0:   # each forward's inputs go to the workers first
@@ -90,23 +91,35 @@ class ModelRunner:
         scored = scoring.rows_of(batch)
         if scored is not None:   # prompt rows to score: their logits come after the sampled rows'
             inputs["logits_indices"] = torch.cat([inputs["logits_indices"], _host(scored.rows, np.int64)])
+        draws = self._graph_draws(sampled)
         with torch.inference_mode():
-            logits = self.executor.forward(inputs, self.kv.layers, fill)
+            logits = self.executor.forward(inputs, self.kv.layers, fill, draws=draws)
             if scored is not None:
                 logits, prompt_logits = logits[:len(sampled)], logits[len(sampled):]
             step = InFlight(batch, sampled, logits)
-            graphed = self.executor.step_tokens   # a graphed decode step's greedy tokens, already on their way
-            if sampled and graphed is not None and all(s.params.plain_greedy for s in sampled):
+            graphed = self.executor.step_tokens   # a graphed decode step's tokens, already on their way
+            if sampled and graphed is not None and (draws is not None or all(s.params.plain_greedy
+                                                                              for s in sampled)):
                 self._keep(step, graphed[0], None, graphed[1])
             elif not self.sampler.takes_all(sampled):
                 self._keep(step, None)    # sampled when read (sampler.sample_now), at once
             elif any_follows_last_token(sampled):
                 step.after_read = True    # sampled once the step before is read (sample_after_read)
             else:
-                self._keep(step, *self.sampler.sample(logits, sampled) if sampled else (None, None))
+                self._keep(step, *self.sampler.sample(logits, sampled, draws) if sampled else (None, None))
             if scored is not None:   # after the step's sampling is queued: this reads results back
                 scoring.score(prompt_logits, scored)
         return step
+
+    def _graph_draws(self, sampled: list[Sequence]):
+        """The rows' parameters for a graph that samples, where its kernels draw every row and not every row
+        is greedy (a greedy step needs none: the graph stages its rows greedy). Made once: where the step
+        runs eagerly after all, its sampler takes these (each block makes the rows' next draws)."""
+        if not sampled or not self.executor.draws_in_graph or all(s.params.plain_greedy for s in sampled):
+            return None
+        if not all(s.params.device_sampleable for s in sampled):
+            return None
+        return sampler.parameter_block(sampled)
 
     def sample_after_read(self, step: InFlight) -> None:
         """Samples a step whose rows follow their last token, now that the step before it is read."""

@@ -197,18 +197,20 @@ class DeviceSampler:
     def takes_all(self, seqs: list[Sequence]) -> bool:
         return self.kernels is not None or all(s.params.greedy for s in seqs)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, Logprobs | None]:
-        """(tokens [rows] int64, logprobs or None) where the logits are; nothing here waits for the GPU."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], draws: np.ndarray | None = None
+               ) -> tuple[torch.Tensor, Logprobs | None]:
+        """(tokens [rows] int64, logprobs or None) where the logits are; nothing here waits for the GPU.
+        draws: the rows' parameter_block where one was made for them already."""
         def up(t):
             return upload(t, logits.device)
-        tokens = self.draw(processed(logits, seqs, up), seqs)
+        tokens = self.draw(processed(logits, seqs, up), seqs, draws)
         return tokens, logprobs_of(logits, tokens, seqs, up)
 
-    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence], draws: np.ndarray | None = None) -> torch.Tensor:
         """One argmax when every row is greedy, else the sampling kernel."""
         if all(s.params.greedy for s in seqs):
             return self.kernels.greedy(logits) if self.kernels is not None else logits.argmax(-1)
-        return self.kernels(logits, seqs)
+        return self.kernels(logits, seqs, draws)
 
 
 class HostSampler:
@@ -325,9 +327,10 @@ class SamplingKernels:
         self.kernels.run("argmax", argmax.launch(logits.contiguous(), out, self.kernels.consts["argmax"]))
         return out
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The sampled ids, [len(seqs)] int64 on the device; nothing here waits for the GPU."""
-        params = upload(torch.from_numpy(parameter_block(seqs)), self.device)
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], draws: np.ndarray | None = None) -> torch.Tensor:
+        """The sampled ids, [len(seqs)] int64 on the device; nothing here waits for the GPU. draws: the rows'
+        parameter_block where one was made for them already (each makes the rows' next uniforms)."""
+        params = upload(torch.from_numpy(parameter_block(seqs) if draws is None else draws), self.device)
         # the block's rows are the kernel's arguments as they are: views, no device work before the launch
         temperature, top_p, uniform, min_p = params[0], params[2], params[3], params[4]
         top_k = params[1].view(torch.int32)   # the int32 bits parameter_block wrote
@@ -336,6 +339,13 @@ class SamplingKernels:
         self.kernels.run("sampling", sampling.launch(logits.contiguous(), temperature, top_k, top_p, uniform,
                                                      min_p, out, self.kernels.consts["sampling"]))
         return out
+
+    def draw(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+             uniform: torch.Tensor, min_p: torch.Tensor, out: torch.Tensor) -> None:
+        """A decode graph's draw (cuda_graphs): the rows' parameters already on the device, staged with the
+        step's inputs, the tokens into out."""
+        self.kernels.run("sampling", sampling.launch(logits.contiguous(), temperature, top_k, top_p, uniform,
+                                                     min_p, out, self.kernels.consts["sampling"]))
 
 
 # a padding column: temperature 1, top_k 0 (int32 0 has float32 0.0's bits), top_p 1, no draw, min_p 0

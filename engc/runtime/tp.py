@@ -144,13 +144,13 @@ class Leader:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def forward(self, inputs: dict[str, torch.Tensor], kv_caches, fill=None):
+    def forward(self, inputs: dict[str, torch.Tensor], kv_caches, fill=None, draws=None):
         if fill is not None:
             inputs["input_ids"].index_copy_(0, fill.rows, fill.tokens.index_select(0, fill.src.to(
                 fill.tokens.device)).to(inputs["input_ids"].device))
         self.group.send({k: v.numpy() for k, v in inputs.items()})
         try:
-            return self.inner.forward(inputs, kv_caches, None)
+            return self.inner.forward(inputs, kv_caches, None, draws=draws)
         except Exception as e:  # noqa: BLE001 - the ranks are out of step: nothing can go on
             raise self.group.fail(self.group.failure or
                                   f"a step failed on rank 0 ({e.__class__.__name__}: {str(e)[:200]})") from e
