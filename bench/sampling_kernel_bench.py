@@ -87,10 +87,13 @@ def main() -> None:
     ap.add_argument("--modes", default="sampled,greedy",
                     help="comma-separated filters a row uses, each timed alone: " + ", ".join(MODES))
     ap.add_argument("--table-only", action="store_true", help="only the tune table's config (the first)")
+    ap.add_argument("--configs", default=None, help="comma-separated indices into CONFIGS (default: all)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "vocab": VOCAB, "rows": {}}
     configs = CONFIGS[:1] if args.table_only else CONFIGS
+    if args.configs:
+        configs = [CONFIGS[int(i)] for i in args.configs.split(",")]
     for i, cfg in enumerate(configs):
         print(f"config {i}: {label(cfg)}")
     print(f"{'rows':>5} {'mode':>11} " + " ".join(f"{'config %d' % i:>13}" for i in range(len(configs)))
