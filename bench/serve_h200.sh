@@ -400,7 +400,8 @@ note engc ready_s "$READY_E"
 BENCH_E_S=0
 if [[ "$READY_E" =~ ^[0-9.]+$ ]]; then
   t=$(now)
-  bench_server engc http://127.0.0.1:$PORT_E $(( t + $(min 220 $(( $(left) - 150 > 40 ? $(left) - 150 : 40 ))) ))
+  KEEP=$([ "$LMD" = 1 ] && echo 150 || echo 20)   # what LMDeploy's run needs after engc's levels
+  bench_server engc http://127.0.0.1:$PORT_E $(( t + $(min 220 $(( $(left) - KEEP > 40 ? $(left) - KEEP : 40 ))) ))
   BENCH_E_S=$(( $(now) - t ))
   note engc bench_s $BENCH_E_S
   echo "[engc bench ${BENCH_E_S}s $(el)]"

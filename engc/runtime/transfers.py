@@ -40,9 +40,10 @@ class Readback:
         """An event after the work queued so far (tokens on a GPU), else None."""
         if not tokens.is_cuda:
             return None
-        # blocking: the engine thread sleeps in synchronize() until the GPU gets there, where a default event
-        # spins a core all the while (the GPU step is the longer one whenever the host keeps up), a core the
-        # server's event loop and request threads need
-        ready = torch.cuda.Event(blocking=True)
+        # A default (spinning) event: synchronize() returns as the GPU gets there, with the interpreter lock
+        # released while it spins, at the price of one busy core. A blocking event sleeps instead and wakes
+        # tens of microseconds late, every step: on the H200 the 1B model's batch-1 decode fell from 1,150
+        # to 1,074 tok/s with it.
+        ready = torch.cuda.Event()
         ready.record()
         return ready
