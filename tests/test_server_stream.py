@@ -54,26 +54,49 @@ def test_one_handoff_a_step_for_all_streams(model):
 
 
 def test_a_stream_that_fell_behind_reads_its_waiting_deltas_as_one(model):
+    """The engine runs ahead of a reader: what waits for it is read as one delta. The test paces the engine
+    itself (a step a permit), so the first read comes before the last token on any machine, loaded or not."""
+    import threading
     engine = Engine(model, EngineConfig(num_blocks=64, cuda_graphs=False))
-    step = engine.step
-    engine.step = lambda: time.sleep(0.02) or step()   # so the first read comes before the last token
+    gate, step, stepped = threading.Semaphore(0), engine.step, []
+
+    def paced():
+        gate.acquire(timeout=60)
+        outputs = step()
+        stepped.append(len(outputs))
+        return outputs
+    engine.step = paced
     async_engine = AsyncEngine(engine).start()
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+
+    async def until(ready, what):
+        deadline = time.monotonic() + 60
+        while not ready():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.005)
 
     async def run():
         stream = async_engine.generate([(model.tokenizer.encode("Paris is"), params)])
         async with stream:
+            while not stream.ready:          # one step at a time until the first token is there
+                n = len(stepped)
+                gate.release()
+                await until(lambda: len(stepped) > n, "a step did not run")
+                await asyncio.sleep(0.05)    # its outputs reach the stream
             first = await stream.__anext__()
-            while not (stream.ready and stream.ready[-1].finished):   # the engine finishes the rest meanwhile
-                await asyncio.sleep(0.01)
+            for _ in range(8):               # the rest, while the reader is away
+                gate.release()
+            await until(lambda: stream.ready and stream.ready[-1].finished, "the engine did not finish")
             behind = list(stream.ready)
             rest = [d async for d in stream]
         return first, behind, rest, stream.pending()
     try:
         first, behind, rest, left = asyncio.run(run())
     finally:
+        for _ in range(64):
+            gate.release()
         async_engine.shutdown()
-    assert behind and len(first.token_ids) + len(behind) == 6 and left == 0
+    assert behind and len(first.token_ids) + sum(len(d.token_ids) for d in behind) == 6 and left == 0
     (merged,) = rest
     assert merged.token_ids == [t for d in behind for t in d.token_ids]
     assert merged.text == "".join(d.text for d in behind)
@@ -82,32 +105,67 @@ def test_a_stream_that_fell_behind_reads_its_waiting_deltas_as_one(model):
     assert merged.completion_tokens == 6 and merged.prompt_tokens == behind[0].prompt_tokens
 
 
-def _stream_all(model, flush_streams: int, n: int = 8, tokens: int = 12):
-    """n greedy streams decoded in one batch: each stream's deltas as its reader got them."""
+def _stream_all(model, monkeypatch, flush_streams: int, drain: bool, n: int = 8, tokens: int = 12):
+    """n greedy streams decoded in one batch: each stream's deltas as its reader got them. The test paces
+    the engine, a step a permit: the next step waits until this one's outputs are in the streams and, with
+    drain, until every reader has read them (readers that keep up, on any machine, loaded or not)."""
+    import threading
+    from engc.runtime import async_engine as ae
     engine = Engine(model, EngineConfig(num_blocks=256, cuda_graphs=False))
-    step = engine.step
-    engine.step = lambda: time.sleep(0.02) or step()   # a step's device time, the GIL released
+    gate, step, stepped, dispatched = threading.Semaphore(0), engine.step, [], [0]
+
+    def paced():
+        gate.acquire(timeout=60)
+        outputs = step()
+        stepped.append(bool(outputs))
+        return outputs
+    engine.step = paced
+    dispatch = ae._Outbox.dispatch
+
+    def counted(self, items):
+        dispatch(self, items)
+        dispatched[0] += 1
+    monkeypatch.setattr(ae._Outbox, "dispatch", counted)
     async_engine = AsyncEngine(engine, flush_streams=flush_streams).start()
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
 
+    async def until(ready, what):
+        deadline = time.monotonic() + 60
+        while not ready():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.002)
+
     async def run():
-        async def one(i):
-            return [d async for d in async_engine.generate([(model.tokenizer.encode(f"stream {i} says"), params)])]
-        return await asyncio.gather(*(one(i) for i in range(n)))
+        streams = [async_engine.generate([(model.tokenizer.encode(f"stream {i} says"), params)]) for i in range(n)]
+
+        async def read(stream):
+            return [d async for d in stream]
+        readers = [asyncio.ensure_future(read(s)) for s in streams]
+        while not all(r.done() for r in readers):
+            k = len(stepped)
+            gate.release()
+            await until(lambda: len(stepped) > k or all(r.done() for r in readers), "a step did not run")
+            await until(lambda: dispatched[0] >= sum(stepped), "a step's outputs did not reach the streams")
+            if drain:
+                await until(lambda: not any(s.ready for s in streams), "a reader did not read")
+        return [r.result() for r in readers]
     try:
         return asyncio.run(run())
     finally:
+        for _ in range(64):
+            gate.release()
         async_engine.shutdown()
 
 
-def test_readers_of_a_large_step_get_several_tokens_a_wake_and_the_same_answer(model):
-    alone, paced = _stream_all(model, 64), _stream_all(model, 2)   # 8 streams: every token, or every 4th step
+def test_readers_of_a_large_step_get_several_tokens_a_wake_and_the_same_answer(model, monkeypatch):
+    # 8 streams: woken every step (readers that keep up), or every 4th step
+    alone, paced = _stream_all(model, monkeypatch, 64, drain=True), _stream_all(model, monkeypatch, 2, drain=False)
     for one_each, grouped in zip(alone, paced):
         assert [len(d.token_ids) for d in one_each] == [1] * 12   # the readers keep up: one delta a token
         assert [t for d in grouped for t in d.token_ids] == [t for d in one_each for t in d.token_ids]
         assert "".join(d.text for d in grouped) == "".join(d.text for d in one_each)
         assert len(grouped[0].token_ids) == 1   # the first token is never held
-        assert len(grouped) < 12 and max(len(d.token_ids) for d in grouped) >= 4   # 4 a wake, or more if late
+        assert len(grouped) < 12 and max(len(d.token_ids) for d in grouped) >= 4   # 4 a wake
         assert grouped[-1].finished and [d.finished for d in grouped].count(True) == 1
         assert grouped[-1].completion_tokens == 12
 
