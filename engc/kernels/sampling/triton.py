@@ -60,6 +60,12 @@ def _scaled(row_ptr, offs, hi, temperature):
 
 
 @triton.jit
+def _row_workspace(fws_ptr, iws_ptr, row, SPLITS: tl.constexpr, NGROUPS: tl.constexpr, NCAND: tl.constexpr):
+    """Where the row's float32 and int32 workspaces start (their layouts: __init__.row_sizes)."""
+    return (fws_ptr + row * (2 * SPLITS + 2 * NGROUPS + NCAND + 2), iws_ptr + row * (2 * SPLITS + NCAND + 3))
+
+
+@triton.jit
 def _row_params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, VOCAB: tl.constexpr):
     """(t, greedy, k, use_k, top_p, use_p, min_p, use_min, need_z): need_z where the row needs Z (the top-p
     bound without top-k, or the draw of a row with no filter)."""
@@ -240,8 +246,7 @@ def sample_stats_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p
     pdl.launch_dependents(PDL)
     row, part = tl.program_id(0).to(tl.int64), tl.program_id(1)
     row_ptr = logits_ptr + row * VOCAB
-    fws = fws_ptr + row * (2 * SPLITS + 2 * NGROUPS + NCAND + 2)
-    iws = iws_ptr + row * (2 * SPLITS + NCAND + 3)
+    fws, iws = _row_workspace(fws_ptr, iws_ptr, row, SPLITS, NGROUPS, NCAND)
     t, greedy, k, use_k, top_p, use_p, min_p, use_min, need_z = _row_params(
         temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, VOCAB)
     lo = part * CHUNK
@@ -294,8 +299,7 @@ def sample_bound_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, unifo
     pdl.launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * VOCAB
-    fws = fws_ptr + row * (2 * SPLITS + 2 * NGROUPS + NCAND + 2)
-    iws = iws_ptr + row * (2 * SPLITS + NCAND + 3)
+    fws, iws = _row_workspace(fws_ptr, iws_ptr, row, SPLITS, NGROUPS, NCAND)
     t, greedy, k, use_k, top_p, use_p, min_p, use_min, need_z = _row_params(
         temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, VOCAB)
     sl = tl.arange(0, SPLITS)
@@ -368,13 +372,13 @@ def sample_compact_kernel(logits_ptr, temperature_ptr, fws_ptr, iws_ptr, VOCAB: 
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     row, part = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    iws = iws_ptr + row * (2 * SPLITS + NCAND + 3)
+    fws, iws = _row_workspace(fws_ptr, iws_ptr, row, SPLITS, NGROUPS, NCAND)
     if tl.load(iws + 2 * SPLITS + NCAND) != CANDIDATES:
         return
     bound_key = tl.load(iws + 2 * SPLITS + NCAND + 1).to(tl.int64)
     t = tl.load(temperature_ptr + row)
     row_ptr = logits_ptr + row * VOCAB
-    val_ptr = fws_ptr + row * (2 * SPLITS + 2 * NGROUPS + NCAND + 2) + 2 * SPLITS + 2 * NGROUPS + part * CAP_S
+    val_ptr = fws + 2 * SPLITS + 2 * NGROUPS + part * CAP_S
     idx_ptr = iws + 2 * SPLITS + part * CAP_S
     lo = part * CHUNK
     hi = tl.minimum(lo + CHUNK, VOCAB)
@@ -401,8 +405,7 @@ def sample_finish_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, unif
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
-    fws = fws_ptr + row * (2 * SPLITS + 2 * NGROUPS + NCAND + 2)
-    iws = iws_ptr + row * (2 * SPLITS + NCAND + 3)
+    fws, iws = _row_workspace(fws_ptr, iws_ptr, row, SPLITS, NGROUPS, NCAND)
     mode = tl.load(iws + 2 * SPLITS + NCAND)
     if mode == DONE:
         return
