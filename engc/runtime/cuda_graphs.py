@@ -232,7 +232,6 @@ class GraphedExecutor:
                  draw: Callable[..., None] | None = None):
         self.executor = executor
         self.draw = draw
-        self.draws_in_graph = draw is not None
         self.facts = facts
         self.device = device
         self.enabled = enabled
@@ -308,16 +307,24 @@ class GraphedExecutor:
         """One decode step of bucket b from host buffer `turn`: what a graph holds."""
         self.staged.stage(b, turn)
         logits = self.executor.forward(self.staged.bucket_inputs(b), kv_caches, decode=True)
-        if self.draw is not None:
-            self.draw(logits, *self.staged.draw_inputs(b), self.staged.last_tokens[:b])
-        elif b <= GREEDY_UP_TO:
-            self.greedy(logits, self.staged.last_tokens[:b])
         if self._ends_with_tokens(b):
+            self._tokens(logits, b, self.staged.last_tokens[:b])
             self.staged.export(b, turn)
         return logits
 
+    @property
+    def draws_in_graph(self) -> bool:
+        return self.draw is not None
+
     def _ends_with_tokens(self, b: int) -> bool:
         return self.draw is not None or b <= GREEDY_UP_TO
+
+    def _tokens(self, logits: torch.Tensor, b: int, out: torch.Tensor) -> None:
+        """A graph's tokens into out: drawn from the staged parameters, or the greedy argmax."""
+        if self.draw is not None:
+            self.draw(logits, *self.staged.draw_inputs(b), out)
+        else:
+            self.greedy(logits, out)
 
     def _capture(self, key: tuple[int, int | None], kv_caches: list[torch.Tensor]) -> None:
         b, max_context = key
@@ -335,10 +342,8 @@ class GraphedExecutor:
             # warm-up: allocator and cuBLAS handles (the forward only: the staging would read a host
             # buffer the engine may be writing)
             logits = self.executor.forward(inputs, kv_caches, decode=True)
-            if self.draw is not None:
-                self.draw(logits, *self.staged.draw_inputs(b), torch.empty(b, dtype=torch.int64, device=self.device))
-            elif b <= GREEDY_UP_TO:
-                self.greedy(logits, torch.empty(b, dtype=torch.int64, device=self.device))
+            if self._ends_with_tokens(b):
+                self._tokens(logits, b, torch.empty(b, dtype=torch.int64, device=self.device))
         torch.cuda.current_stream().wait_stream(stream)
         graphs = []
         with collector_paused():

@@ -335,15 +335,14 @@ class SamplingKernels:
         temperature, top_p, uniform, min_p = params[0], params[2], params[3], params[4]
         top_k = params[1].view(torch.int32)   # the int32 bits parameter_block wrote
         out = torch.empty(len(seqs), dtype=torch.int64, device=self.device)
-        # the candidate buffers come from the caching allocator: no host sync, and a graph keeps its own
-        self.kernels.run("sampling", sampling.launch(logits.contiguous(), temperature, top_k, top_p, uniform,
-                                                     min_p, out, self.kernels.consts["sampling"]))
+        self.draw(logits, temperature, top_k, top_p, uniform, min_p, out)
         return out
 
     def draw(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
              uniform: torch.Tensor, min_p: torch.Tensor, out: torch.Tensor) -> None:
-        """A decode graph's draw (cuda_graphs): the rows' parameters already on the device, staged with the
-        step's inputs, the tokens into out."""
+        """The sampling kernels over rows whose parameters are on the device (uploaded, or staged with a decode
+        graph's inputs), the tokens into out."""
+        # the kernels' workspaces come from the caching allocator: no host sync, and a graph keeps its own
         self.kernels.run("sampling", sampling.launch(logits.contiguous(), temperature, top_k, top_p, uniform,
                                                      min_p, out, self.kernels.consts["sampling"]))
 
