@@ -53,48 +53,64 @@ def test_one_handoff_a_step_for_all_streams(model):
     assert async_engine.handoffs < n * tokens // 2   # one a step, not one a sequence's token
 
 
+async def _until(ready, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not ready():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.002)
+
+
+class _Paced:
+    """engine.step run a step a permit, so a test paces the engine itself and holds on a loaded machine as on
+    an idle one; `stepped` records whether each step had outputs. free() lets it run (before shutdown)."""
+
+    def __init__(self, engine):
+        import threading
+        self.gate, self.stepped, step = threading.Semaphore(0), [], engine.step
+
+        def paced():
+            self.gate.acquire(timeout=60)
+            outputs = step()
+            self.stepped.append(bool(outputs))
+            return outputs
+        engine.step = paced
+
+    async def step(self, unless=lambda: False) -> None:
+        """One step, run to its end (unless `unless()` holds first: no step is coming)."""
+        k = len(self.stepped)
+        self.gate.release()
+        await _until(lambda: len(self.stepped) > k or unless(), "a step did not run")
+
+    def free(self) -> None:
+        for _ in range(64):
+            self.gate.release()
+
+
 def test_a_stream_that_fell_behind_reads_its_waiting_deltas_as_one(model):
     """The engine runs ahead of a reader: what waits for it is read as one delta. The test paces the engine
-    itself (a step a permit), so the first read comes before the last token on any machine, loaded or not."""
-    import threading
+    (a step a permit), so the first read comes before the last token on any machine, loaded or not."""
     engine = Engine(model, EngineConfig(num_blocks=64, cuda_graphs=False))
-    gate, step, stepped = threading.Semaphore(0), engine.step, []
-
-    def paced():
-        gate.acquire(timeout=60)
-        outputs = step()
-        stepped.append(len(outputs))
-        return outputs
-    engine.step = paced
+    paced = _Paced(engine)
     async_engine = AsyncEngine(engine).start()
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
-
-    async def until(ready, what):
-        deadline = time.monotonic() + 60
-        while not ready():
-            assert time.monotonic() < deadline, what
-            await asyncio.sleep(0.005)
 
     async def run():
         stream = async_engine.generate([(model.tokenizer.encode("Paris is"), params)])
         async with stream:
             while not stream.ready:          # one step at a time until the first token is there
-                n = len(stepped)
-                gate.release()
-                await until(lambda: len(stepped) > n, "a step did not run")
+                await paced.step()
                 await asyncio.sleep(0.05)    # its outputs reach the stream
             first = await stream.__anext__()
             for _ in range(8):               # the rest, while the reader is away
-                gate.release()
-            await until(lambda: stream.ready and stream.ready[-1].finished, "the engine did not finish")
+                paced.gate.release()
+            await _until(lambda: stream.ready and stream.ready[-1].finished, "the engine did not finish")
             behind = list(stream.ready)
             rest = [d async for d in stream]
         return first, behind, rest, stream.pending()
     try:
         first, behind, rest, left = asyncio.run(run())
     finally:
-        for _ in range(64):
-            gate.release()
+        paced.free()
         async_engine.shutdown()
     assert behind and len(first.token_ids) + sum(len(d.token_ids) for d in behind) == 6 and left == 0
     (merged,) = rest
@@ -109,17 +125,9 @@ def _stream_all(model, monkeypatch, flush_streams: int, drain: bool, n: int = 8,
     """n greedy streams decoded in one batch: each stream's deltas as its reader got them. The test paces
     the engine, a step a permit: the next step waits until this one's outputs are in the streams and, with
     drain, until every reader has read them (readers that keep up, on any machine, loaded or not)."""
-    import threading
     from engc.runtime import async_engine as ae
     engine = Engine(model, EngineConfig(num_blocks=256, cuda_graphs=False))
-    gate, step, stepped, dispatched = threading.Semaphore(0), engine.step, [], [0]
-
-    def paced():
-        gate.acquire(timeout=60)
-        outputs = step()
-        stepped.append(bool(outputs))
-        return outputs
-    engine.step = paced
+    paced, dispatched = _Paced(engine), [0]
     dispatch = ae._Outbox.dispatch
 
     def counted(self, items):
@@ -129,12 +137,6 @@ def _stream_all(model, monkeypatch, flush_streams: int, drain: bool, n: int = 8,
     async_engine = AsyncEngine(engine, flush_streams=flush_streams).start()
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
 
-    async def until(ready, what):
-        deadline = time.monotonic() + 60
-        while not ready():
-            assert time.monotonic() < deadline, what
-            await asyncio.sleep(0.002)
-
     async def run():
         streams = [async_engine.generate([(model.tokenizer.encode(f"stream {i} says"), params)]) for i in range(n)]
 
@@ -142,18 +144,15 @@ def _stream_all(model, monkeypatch, flush_streams: int, drain: bool, n: int = 8,
             return [d async for d in stream]
         readers = [asyncio.ensure_future(read(s)) for s in streams]
         while not all(r.done() for r in readers):
-            k = len(stepped)
-            gate.release()
-            await until(lambda: len(stepped) > k or all(r.done() for r in readers), "a step did not run")
-            await until(lambda: dispatched[0] >= sum(stepped), "a step's outputs did not reach the streams")
+            await paced.step(unless=lambda: all(r.done() for r in readers))
+            await _until(lambda: dispatched[0] >= sum(paced.stepped), "a step's outputs did not reach the streams")
             if drain:
-                await until(lambda: not any(s.ready for s in streams), "a reader did not read")
+                await _until(lambda: not any(s.ready for s in streams), "a reader did not read")
         return [r.result() for r in readers]
     try:
         return asyncio.run(run())
     finally:
-        for _ in range(64):
-            gate.release()
+        paced.free()
         async_engine.shutdown()
 
 
