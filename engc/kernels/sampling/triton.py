@@ -7,7 +7,7 @@ programs (one program streaming a 128k-entry row is latency-bound: ~0.1 ms whate
            final threshold from the groups alone:
              top-k (k <= NGROUPS): the k-th largest group maximum (k groups each hold a token >= it);
              top-p without top-k: the largest key at or above which the groups' maxima and masses prove
-               p * Z of mass (_mass_bound);
+               p * Z of mass (thresholds.mass_bound);
              min-p: m + log(min_p), less a rounding margin.
            A row with no filter (temperature only) draws here: the slice where the running mass passes
            u * Z from the slices' masses, then the token inside that slice.
@@ -22,8 +22,8 @@ for any input. The top-k bound compares the tokens' own scaled values (no roundi
 keeps a margin far above the rounding of exp and log; the top-p bound may slip by rounding, so the finish
 checks that the top-p threshold lies among the candidates and falls back where it does not.
 
-Thresholds compare order-preserving int32 keys of the scaled logits (as int64, so a prefix plus a digit
-never overflows); -0.0 takes +0.0's key, since the reference compares the floats.
+Thresholds are order keys of the scaled logits; thresholds.py holds the keys, the radix selects over
+registers and the fallback's searches streaming the row.
 
 The launches share two per-row workspaces (layouts in __init__.py): float32 fws [FROW] and int32 iws [IROW].
 """
@@ -31,32 +31,11 @@ import triton
 import triton.language as tl
 
 from engc.kernels import pdl
+from engc.kernels.sampling import thresholds
 
-KEY_MIN = tl.constexpr(-2147483648)       # the smallest key: no threshold
-BELOW_ALL = tl.constexpr(-2147483649)     # an empty candidate slot's key: below any threshold
 DONE = tl.constexpr(0)                    # a row's mode after bound: its token is out already
 CANDIDATES = tl.constexpr(1)              # compact its slices, then finish from the candidates
 FALLBACK = tl.constexpr(2)                # finish by streaming radix searches over the row
-
-
-@triton.jit
-def _order_key(x):
-    x = tl.where(x == 0.0, 0.0, x)
-    bits = x.to(tl.int32, bitcast=True)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
-
-
-@triton.jit
-def _key_value(key):
-    """The float whose _order_key is key (the key's bit map is its own inverse)."""
-    k32 = key.to(tl.int32)
-    return (k32 ^ ((k32 >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _scaled(row_ptr, offs, hi, temperature):
-    x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
-    return x / temperature
 
 
 @triton.jit
@@ -83,114 +62,6 @@ def _row_params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, VOCAB: tl
 
 
 @triton.jit
-def _select(keys, weights, target, BITS: tl.constexpr, RADIX: tl.constexpr):
-    """Over register values: the largest key t (to its BITS high bits, RADIX bits a step; fewer bits give a
-    t at or below the exact one) with sum(weights of keys >= t) >= target. A step is one reduction over
-    [len(keys), 2^RADIX]: wider digits take fewer dependent steps for more work each."""
-    digits = tl.arange(0, 1 << RADIX).to(tl.int64)
-    prefix = tl.full([], KEY_MIN, tl.int64)
-    for p in tl.static_range(BITS // RADIX):
-        shift = 32 - RADIX * (p + 1)
-        cands = prefix + (digits << shift)
-        total = tl.sum(tl.where(keys[:, None] >= cands[None, :], weights[:, None], 0.0), axis=0)
-        best = tl.max(tl.where(total >= target, digits, 0), axis=0)
-        prefix = prefix + (best << shift)
-    return prefix
-
-
-@triton.jit
-def _mass_bound(keys, top, mass, m, target, PER_GROUP: tl.constexpr, RADIX: tl.constexpr):
-    """A key t at or below the top-p threshold, from the groups: group j (largest token's mass top_j =
-    exp(s_j - m), total mass mass_j over at most PER_GROUP tokens) holds, at or above t <= s_j, at least
-    max(top_j, mass_j - (PER_GROUP - 1) exp(t - m)), since its other tokens below t hold less than
-    exp(t - m) each. The largest t (to 16 bits) where these lower bounds sum to target leaves at least
-    target of mass at or above t in the row."""
-    digits = tl.arange(0, 1 << RADIX).to(tl.int64)
-    prefix = tl.full([], KEY_MIN, tl.int64)
-    for p in tl.static_range(16 // RADIX):
-        shift = 32 - RADIX * (p + 1)
-        cands = prefix + (digits << shift)
-        room = (PER_GROUP - 1) * tl.exp(tl.minimum(_key_value(cands) - m, 80.0))
-        held = tl.maximum(top[:, None], mass[:, None] - room[None, :])
-        total = tl.sum(tl.where(keys[:, None] >= cands[None, :], held, 0.0), axis=0)
-        best = tl.max(tl.where(total >= target, digits, 0), axis=0)
-        prefix = prefix + (best << shift)
-    return prefix
-
-
-@triton.jit
-def _radix_search(row_ptr, temperature, m, floor_key, target, USE_MASS: tl.constexpr,
-                  VOCAB: tl.constexpr, BLOCK: tl.constexpr):
-    """Largest key t with F(t) >= target, F(t) = count (or exp mass) of tokens with key >= max(t, floor),
-    streaming the row 16 times (the fallback)."""
-    digits = tl.arange(0, 4).to(tl.int64)
-    prefix = tl.full([], KEY_MIN, tl.int64)
-    for p in range(16):
-        shift = 30 - 2 * p
-        cands = prefix + (digits << shift)
-        acc = tl.zeros([BLOCK, 4], tl.float32)
-        for start in range(0, VOCAB, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            s = _scaled(row_ptr, offs, VOCAB, temperature)
-            key = _order_key(s)
-            ok = (offs < VOCAB) & (key >= floor_key)
-            ge = (key[:, None] >= cands[None, :]) & ok[:, None]
-            if USE_MASS:
-                acc += tl.where(ge, tl.exp(s - m)[:, None], 0.0)
-            else:
-                acc += ge.to(tl.float32)
-        total = tl.sum(acc, axis=0)
-        best = tl.max(tl.where(total >= target, digits, 0), axis=0)
-        prefix = prefix + (best << shift)
-    return prefix
-
-
-@triton.jit
-def _kept_mass(row_ptr, t, m, floor_key, min_p, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
-    z = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, VOCAB, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        s = _scaled(row_ptr, offs, VOCAB, t)
-        e = tl.exp(s - m)
-        keep = (offs < VOCAB) & (_order_key(s) >= floor_key) & (e >= min_p)
-        z += tl.where(keep, e, 0.0)
-    return tl.sum(z, axis=0)
-
-
-@triton.jit
-def _draw_stream(row_ptr, lo, hi, t, m, floor_key, min_p, target, before, BLOCK: tl.constexpr):
-    """Inverse CDF in vocabulary order over tokens [lo, hi) that follow `before` of kept mass: the block where
-    the running kept mass passes target, then the token inside it (the last kept token of the range where
-    rounding leaves target unreached)."""
-    running = tl.zeros([], tl.float32) + before
-    at_cross = running
-    cross = tl.full([], -1, tl.int32)
-    lane_last = tl.full([BLOCK], -1, tl.int32)
-    for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        s = _scaled(row_ptr, offs, hi, t)
-        e = tl.exp(s - m)
-        keep = (offs < hi) & (_order_key(s) >= floor_key) & (e >= min_p)
-        chunk = tl.sum(tl.where(keep, e, 0.0), axis=0)
-        hit = (cross < 0) & (running + chunk > target)
-        cross = tl.where(hit, start, cross)
-        at_cross = tl.where(hit, running, at_cross)
-        running += chunk
-        lane_last = tl.maximum(lane_last, tl.where(keep, offs, -1))
-    chosen = tl.max(lane_last, axis=0)
-    if cross >= 0:
-        offs = cross + tl.arange(0, BLOCK)
-        s = _scaled(row_ptr, offs, hi, t)
-        e = tl.exp(s - m)
-        keep = (offs < hi) & (_order_key(s) >= floor_key) & (e >= min_p)
-        cum = tl.cumsum(tl.where(keep, e, 0.0), axis=0) + at_cross
-        first = tl.min(tl.where(keep & (cum > target), offs, hi), axis=0)
-        last_in_block = tl.max(tl.where(keep, offs, -1), axis=0)
-        chosen = tl.where(first < hi, first, last_in_block)
-    return chosen
-
-
-@triton.jit
 def _gather(val_ptr, idx_ptr, counts, total, VOCAB: tl.constexpr, SPLITS: tl.constexpr, CAP_S: tl.constexpr,
             N: tl.constexpr):
     """The first N candidates in vocabulary order (slice by slice, each slice's in order): values, indices,
@@ -213,18 +84,19 @@ def _finish(cs, ci, valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u
     """The token drawn from the candidates (cs, ci where valid: all tokens >= the bound, in vocabulary order);
     -1 where the top-p threshold falls below the bound and min-p does not cover it (only rounding in the
     bound can do that; the caller falls back)."""
-    ckey = tl.where(valid, _order_key(cs), BELOW_ALL)
+    ckey = tl.where(valid, thresholds.order_key(cs), thresholds.BELOW_ALL)
     e = tl.where(valid, tl.exp(cs - m), 0.0)
-    floor_key = tl.full([], KEY_MIN, tl.int64)
+    floor_key = tl.full([], thresholds.KEY_MIN, tl.int64)
     if use_k:
-        floor_key = _select(ckey, valid.to(tl.float32), k.to(tl.float32), 32, RADIX)
+        floor_key = thresholds.select(ckey, valid.to(tl.float32), k.to(tl.float32), 32, RADIX)
     ok = tl.full([], 1, tl.int32)
     if top_p < 1.0:
         mass = tl.where(ckey >= floor_key, e, 0.0)
         have = tl.sum(mass, axis=0)
         target = top_p * tl.where(use_k, have, z_row)
         if have >= target:
-            tp = tl.minimum(_select(ckey, mass, target, 32, RADIX), _order_key(m))   # the max token always stays
+            # the max token always stays
+            tp = tl.minimum(thresholds.select(ckey, mass, target, 32, RADIX), thresholds.order_key(m))
             floor_key = tl.maximum(floor_key, tp)
         else:
             ok = tl.where(p_may_fall_below, 0, 1)
@@ -328,8 +200,8 @@ def sample_bound_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, unifo
         if j < SPLITS:
             before = tl.sum(tl.where(sl < j, slice_z, 0.0), axis=0)
             lo = j * CHUNK
-            chosen = _draw_stream(row_ptr, lo, tl.minimum(lo + CHUNK, VOCAB), t, m, KEY_MIN, 0.0, target,
-                                  before, BLOCK)
+            chosen = thresholds.draw_stream(row_ptr, lo, tl.minimum(lo + CHUNK, VOCAB), t, m, thresholds.KEY_MIN,
+                                            0.0, target, before, BLOCK)
         tl.store(out_ptr + row, chosen.to(tl.int64))
         tl.store(mode_ptr, tl.full([], DONE, tl.int32))
         return
@@ -337,21 +209,22 @@ def sample_bound_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, unifo
     # The bound L (a key) below which no token can be kept, where one is known from the groups alone.
     # Group maxima are tokens of the row: the k-th largest of them is at or below the k-th largest token.
     margin = 1e-3 + tl.abs(m) * 1e-6     # in scaled-logit units: rounding of exp, log and the division
-    min_key = _order_key(m + tl.log(tl.maximum(min_p, 1e-30)) - margin)
+    min_key = thresholds.order_key(m + tl.log(tl.maximum(min_p, 1e-30)) - margin)
     gi = tl.arange(0, NGROUPS)
     group_max = tl.load(fws + 2 * SPLITS + gi)
-    group_keys = _order_key(group_max / t)
-    bound_key = tl.full([], KEY_MIN, tl.int64)
-    p_key = tl.full([], KEY_MIN, tl.int64)
+    group_keys = thresholds.order_key(group_max / t)
+    bound_key = tl.full([], thresholds.KEY_MIN, tl.int64)
+    p_key = tl.full([], thresholds.KEY_MIN, tl.int64)
     if use_k:
         if k <= NGROUPS:
-            bound_key = _select(group_keys, tl.full([NGROUPS], 1.0, tl.float32), k.to(tl.float32), 16, RADIX)
+            bound_key = thresholds.select(group_keys, tl.full([NGROUPS], 1.0, tl.float32), k.to(tl.float32), 16,
+                                          RADIX)
     elif use_p:
         top = tl.where(group_max == float("-inf"), 0.0, tl.exp((group_max - best_val) / t))
         slice_scale = tl.reshape(tl.broadcast_to(scale[:, None], [SPLITS, GROUPS]), [NGROUPS])
         mass = tl.load(fws + 2 * SPLITS + NGROUPS + gi) * slice_scale
         per_group = (BLOCK // GROUPS) * ((CHUNK + BLOCK - 1) // BLOCK)
-        p_key = _mass_bound(group_keys, top, mass, m, top_p * z_row * (1.0 + 1e-5), per_group, RADIX)
+        p_key = thresholds.mass_bound(group_keys, top, mass, m, top_p * z_row * (1.0 + 1e-5), per_group, RADIX)
         bound_key = tl.where(use_min, tl.maximum(p_key, min_key), p_key)
     elif use_min:
         bound_key = min_key
@@ -385,8 +258,8 @@ def sample_compact_kernel(logits_ptr, temperature_ptr, fws_ptr, iws_ptr, VOCAB: 
     count = tl.zeros([], tl.int32)
     for start in range(0, CHUNK, BLOCK):
         offs = lo + start + tl.arange(0, BLOCK)
-        s = _scaled(row_ptr, offs, hi, t)
-        take = (offs < hi) & (_order_key(s) >= bound_key)
+        s = thresholds.scaled(row_ptr, offs, hi, t)
+        take = (offs < hi) & (thresholds.order_key(s) >= bound_key)
         n = tl.sum(take.to(tl.int32), axis=0)
         if n > 0:       # a block without candidates skips the scan
             pos = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
@@ -433,15 +306,15 @@ def sample_finish_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, unif
                 chosen = _finish(all_s, all_i, all_valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u,
                                  VOCAB, RADIX)
     if chosen < 0:
-        floor_key = tl.full([], KEY_MIN, tl.int64)
+        floor_key = tl.full([], thresholds.KEY_MIN, tl.int64)
         if use_k:
-            floor_key = _radix_search(row_ptr, t, m, floor_key, k.to(tl.float32), False, VOCAB, BLOCK)
+            floor_key = thresholds.radix_search(row_ptr, t, m, floor_key, k.to(tl.float32), False, VOCAB, BLOCK)
         if use_p:
             z = z_row      # without top-k, the stats'
             if use_k:
-                z = _kept_mass(row_ptr, t, m, floor_key, 0.0, VOCAB, BLOCK)
-            tp = _radix_search(row_ptr, t, m, floor_key, top_p * z, True, VOCAB, BLOCK)
-            floor_key = tl.minimum(tp, _order_key(m))
-        target = u * _kept_mass(row_ptr, t, m, floor_key, min_p, VOCAB, BLOCK)
-        chosen = _draw_stream(row_ptr, 0, VOCAB, t, m, floor_key, min_p, target, 0.0, BLOCK)
+                z = thresholds.kept_mass(row_ptr, t, m, floor_key, 0.0, VOCAB, BLOCK)
+            tp = thresholds.radix_search(row_ptr, t, m, floor_key, top_p * z, True, VOCAB, BLOCK)
+            floor_key = tl.minimum(tp, thresholds.order_key(m))
+        target = u * thresholds.kept_mass(row_ptr, t, m, floor_key, min_p, VOCAB, BLOCK)
+        chosen = thresholds.draw_stream(row_ptr, 0, VOCAB, t, m, floor_key, min_p, target, 0.0, BLOCK)
     tl.store(out_ptr + row, chosen.to(tl.int64))
