@@ -33,7 +33,7 @@ from engc.runtime import sampler, scoring
 from engc.runtime.executor import TokenFill
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import LoadedModel
-from engc.runtime.sampler import DeviceSampler, Logprobs, any_follows_last_token
+from engc.runtime.sampler import DeviceSampler, Logprobs, follows_last_token
 from engc.runtime.sampling import Sampled
 from engc.runtime.sequence import Sequence
 from engc.runtime.transfers import Readback
@@ -103,7 +103,7 @@ class ModelRunner:
                 self._keep(step, graphed[0], None, graphed[1])
             elif not self.sampler.takes_all(sampled):
                 self._keep(step, None)    # sampled when read (sampler.sample_now), at once
-            elif any_follows_last_token(sampled):
+            elif any(map(follows_last_token, sampled)):
                 step.after_read = True    # sampled once the step before is read (sample_after_read)
             else:
                 self._keep(step, *self.sampler.sample(logits, sampled, draws) if sampled else (None, None))

@@ -37,11 +37,6 @@ def follows_last_token(seq: Sequence) -> bool:
     return seq.constraint is not None or seq.params.penalized
 
 
-def any_follows_last_token(seqs: list[Sequence]) -> bool:
-    # follows_last_token written out: a call a row would be a good part of a large batch's check
-    return any(s.constraint is not None or s.params.penalized for s in seqs)
-
-
 @dataclass
 class Logprobs:
     """Of the rows that asked for logprobs: the sampled token's logprob and the top K of each row (K the
@@ -146,7 +141,7 @@ def processed(logits: torch.Tensor, seqs: list[Sequence], up: Upload) -> torch.T
     """The logits the draw reads: the processors applied to the live rows on a copy (float32 where a row is
     penalized, as on the host); the logits themselves where no processor has a row."""
     # every processor's rows follow their last token: the others are left out at once (most rows, most steps)
-    live = [(i, s) for i, s in enumerate(seqs) if (s.constraint is not None or s.params.penalized) and not s.finished]
+    live = [(i, s) for i, s in enumerate(seqs) if follows_last_token(s) and not s.finished]
     work = [(p, rows) for p in PROCESSORS if live and (rows := p.rows(live))]
     if not work:
         return logits
