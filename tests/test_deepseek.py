@@ -143,7 +143,7 @@ def test_fp8_latent_cache(family, tiny_dir, tmp_path):
     ("deepseek_v2", {"kv_lora_rank": 56}), ("deepseek_v3", {"kv_lora_rank": 56, "q_lora_rank": 32}),
 ], ids=["v2-cpu", "v3-cpu", "v2-sm90", "v3-sm90"])
 def test_fp8_bundle_close_to_float_bundle(family, overrides, tiny_dir, tiny_bundle, tmp_path):
-    """--quant fp8: the routed experts float8 (weight-only), the latent attention's projections (q or q_a and
+    """--quant fp8: the routed experts float8 (W8A8), the latent attention's projections (q or q_a and
     q_b, kv_a, o) and the dense first layer's MLP FP8Linear (W8A8); the absorbed decode's w_uk / w_uv, the
     router and the shared experts stay in the model dtype. Logits and greedy tokens near the float bundle's."""
     from test_moe import check_fp8_close, fp8_experts_bundle

@@ -5,8 +5,8 @@ through the specs codegen builds for a small MoE model and the op's own launch r
 what the GPU binding runs: the routing variants, the decode path (one (token, expert) pair a program) and the
 grouped paths (pairs sorted by expert, padded to BLOCK_M: the decode-sized batches' small tile and the
 prefill variants' large one; the sort kernel's schedule exactly sort_by_expert's), with and without a shared
-expert, and both with the fp8 experts of engc build --quant fp8 (float8 weights, a scale per channel; the
-FP8_W specialization).
+expert, and both with the fp8 experts of engc build --quant fp8 (float8 weights, a scale per channel, inputs
+quantized per row: the FP8_W specialization, W8A8).
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
     """Every MoE kernel compiles ahead of time for both archs (no GPU), and each launch forward() makes, on
     both paths, passes the compiled kernel's parameters in order, with the recorded types. fp8 experts: sm90
     only (--quant fp8 refuses archs without FP8 support, sm80 among them: test_moe.py), float8 weight
-    pointers converted in the kernel, float32 scales."""
+    pointers, float32 scales, the grouped GEMMs' dots float8 x float8 wgmma."""
     import torch
     from engc.compiler.codegen.record import compile_specs
     from engc.compiler.codegen.specs import model_specs
@@ -105,6 +105,8 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
             w_type = {a["name"]: a["type"] for a in r["args"]}["w_ptr"]
             assert w_type == ("*fp8e4nv" if fp8 else "*bf16")
             assert ("e4m3" in ptx) == fp8   # the codes' conversion, only in the fp8 specialization
+            if fp8 and "decode" not in r["variant"]:   # W8A8: the grouped dots on the FP8 tensor cores
+                assert ".f32.e4m3.e4m3" in ptx and "wgmma" in ptx, r["variant"]
     consts = {v: r["launch"] for (a, v), r in records.items() if a == "sm90"}
     seen = set()
 
@@ -379,8 +381,9 @@ def main():
         "deepseek_v3_grouped_fp32": (lambda: check_deepseek(f32, 23, v3=True, max_pairs=4), tol[f32]),
         "deepseek_v2_lite_routing_fp32": (lambda: check_deepseek(f32, 7, v3=False, groups=False), tol[f32]),
         "deepseek_v2_bf16": (lambda: check_deepseek(bf16, 6, v3=False), tol[bf16]),
-        # fp8 experts: bf16 activations as an fp8 bundle has them (the codes convert exactly, the scale is
-        # the epilogue's, so bf16's room is the same); float32 checks the scales' arithmetic itself
+        # fp8 experts (W8A8): bf16 activations as an fp8 bundle has them, quantized per row inside the
+        # kernels as the reference quantizes them (the same codes: only the sums' order differs, so bf16's
+        # room is the same); float32 checks the scales' arithmetic itself
         "fp8_decode_bf16": (lambda: check_forward(bf16, 4, fp8=True), tol[bf16]),
         "fp8_grouped_bf16": (lambda: check_forward(bf16, 29, max_pairs=4, renormalize=1, fp8=True), tol[bf16]),
         "fp8_decode_shared_fp32": (lambda: check_forward(f32, 3, shared=40, fp8=True), tol[f32]),
@@ -418,4 +421,6 @@ def main():
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     sys.path.insert(0, str(ROOT))
+    from test_fp8 import _patch_interpreter_fp8_cast
+    _patch_interpreter_fp8_cast()   # fp8 experts quantize their inputs: the GPU's rounding, bit for bit
     main()

@@ -1,5 +1,6 @@
 """--quant fp8: every decoder-layer projection Gemm becomes ai.engc::FP8Linear (W8A8, kernels/fp8_quant), and
-every MoE node's experts become float8 with per-channel scales (weight-only, kernels/moe fp8_experts).
+every MoE node's experts become float8 with per-channel scales (W8A8 too: the expert kernels quantize their
+inputs per row; kernels/moe fp8_experts).
 
 Runs after fuse_parallel_gemms, so the fused qkv and gate_up weights are quantized once, whole. The
 scales are per output channel (row of the [N, K] weight), so quantizing the fused weight gives exactly
@@ -27,7 +28,7 @@ FP8_MANIFEST = {"method": "fp8", "bits": 8, "format": "float8_e4m3fn",
                 "activations": f"per token, absmax/{FP8_MAX:g}, dynamic",
                 "scope": "decoder-layer projections (qkv, o, gate_up, down); embeddings and lm_head unquantized"}
 FP8_EXPERTS = {"experts": f"MoE experts' gate_up and down: per output channel per expert, absmax/{FP8_MAX:g}, "
-                          "static; weight-only (activations in the model dtype); router and shared expert "
+                          "static; activations per token (gate_up) and per pair (down), absmax/448, dynamic; router and shared expert "
                           "unquantized"}
 
 

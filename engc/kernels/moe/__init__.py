@@ -32,11 +32,12 @@ DeepSeek's routings (absent: as above):
                      are cast to the model dtype first (Qwen-MoE, OLMoE). Alike in float32 bundles.
 y excludes the residual: the decoder adds it in the next norm, as it does for a dense MLP.
 
-fp8 experts are weight-only (W8A16): the activations stay in the model dtype. A decode step is bound by the
-bytes of the experts it reads, and float8 halves them; a prefill's grouped GEMMs keep bf16 tensor-core math
-(the codes convert exactly to bf16), so quantizing the activations too would buy little there and cost a
-quantization launch a step. The scale is per output channel, so it factors out of the K sum: the kernels dot
-the codes and multiply the float32 sum by the scale once, in the epilogue, as the reference here does.
+fp8 experts are W8A8, as the dense fp8 projections (kernels/fp8_quant's fp8_linear is the reference of
+each expert GEMM): each token's row of x is quantized per token for gate_up, each pair's SiLU-GLU output per
+row for down, and the GEMMs take float8 x float8 products summed in float32 times both scales. A decode
+step is bound by the bytes of the experts it reads, which float8 halves; at batch sizes where every expert is
+read, the float8 tensor cores keep the grouped GEMMs at the copy rate, where converting the codes to bf16
+for a bf16 dot halved it.
 The router, the shared expert and its gate stay in the model dtype: the shared expert's GEMMs are dense
 (the library's, like the router's), not the grouped kernels, and DeepSeek's MLA projections and dense
 layers are Gemms the dense pass quantizes (W8A8).
@@ -49,6 +50,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engc.kernels.fp8_quant import fp8_linear
 from engc.kernels.int4_linear.layout import dequantize
 
 
@@ -111,17 +113,12 @@ def glu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Ten
     return F.linear(F.silu(gate) * up, down)
 
 
-def fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (q [N, K] float8 * scale [N, None]).T as the fp8 expert kernels compute it: the codes times x
-    summed in float32, times the channel's scale, rounded once to x's dtype."""
-    return ((x.float() @ q.float().t()) * scale.float()).to(x.dtype)
-
-
 def fp8_glu(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
             down_scale: torch.Tensor) -> torch.Tensor:
-    """glu() of one fp8 expert: the same roundings (gate, up, silu, product, output), fp8_matmul's GEMMs."""
-    gate, up = fp8_matmul(x, gate_up, gate_up_scale).chunk(2, dim=-1)
-    return fp8_matmul(F.silu(gate) * up, down, down_scale)
+    """glu() of one fp8 expert: the same roundings (gate, up, silu, product, output), each GEMM W8A8 as the
+    dense fp8 projections' (fp8_linear: the input quantized per row, float32 products)."""
+    gate, up = fp8_linear(x, gate_up, gate_up_scale).chunk(2, dim=-1)
+    return fp8_linear(F.silu(gate) * up, down, down_scale)
 
 
 def expert_inputs(rest: tuple, has_shared_expert: int, shared_ungated: int, correction_bias: int) -> tuple:

@@ -1,9 +1,11 @@
 """The MoE kernels of a mixture-of-experts model: routing, the grouped and the decode expert GEMMs, the combine,
 each specialized on the model's hidden size, expert count, top-k and expert intermediate size; DeepSeek's
 routings (groups, sigmoid scores, a correction bias) their own routing kernel. An fp8 build's
-expert GEMMs are the FP8_W specialization (float8 weights, a float32 scale per channel: kernels/moe); the same
-variant names, as a bundle's experts are all fp8 or all float."""
+expert GEMMs are the FP8_W specialization (float8 weights with a float32 scale per channel, activations
+quantized per row inside the kernels: kernels/moe); the same variant names, as a bundle's experts are all fp8
+or all float."""
 from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
+from engc.kernels.fp8_quant import FP8_MAX, MIN_AMAX
 
 # Untuned starting points (no tune-table line yet; `engc tune --ops moe` measures them): BLOCK_M 16 keeps the
 # padding of a lightly loaded expert small (a decode-sized batch: a few to tens of pairs an expert); the
@@ -56,7 +58,8 @@ def specs(b: Build) -> list:
             "num_blocks": "i32"}
     combine = {"pairs_ptr": f"*{t}", "shared_ptr": f"*{t}", "shared_weight_ptr": "*fp32", "out_ptr": f"*{t}"}
     # a float32 bundle's GEMMs in full precision, not TF32 (as paged attention's)
-    sizes = {"H": h, "INTER": inter, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32", "FP8_W": fp8}
+    sizes = {"H": h, "INTER": inter, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32", "FP8_W": fp8,
+             "FP8_MAX": FP8_MAX, "MIN_AMAX": MIN_AMAX}
     # each down GEMM walks the schedule its gate_up one does: the same BLOCK_M
     block_m = {v: make_spec("moe", v, b.arch, "moe_gate_up_kernel", gate_up, {}, "any", overrides=b.ov("moe"),
                             defaults=DEFAULTS[v]).constexprs["BLOCK_M"] for v in ("gate_up", "gate_up_prefill")}

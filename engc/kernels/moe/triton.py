@@ -25,16 +25,24 @@ moe_combine_kernel     grid (T, cdiv(H, BLOCK)): y[t] = sum over the token's k p
 Accumulation is float32; outputs round to the storage dtype where the reference's torch ops do (the GLU's
 silu and product, each expert's output before it is weighted).
 
-FP8_W (an fp8 bundle's experts, kernels/moe fp8_experts): the weight tiles are float8 e4m3 codes, converted
-to the activations' dtype for the grouped dot (exactly: e4m3 fits in bf16, fp16 and fp32) or to float32 for
-the decode GEMV, and the float32 accumulator times the output channel's scale (w_scale_ptr, [E, N]) before
-the rounding; without FP8_W the kernels read no scale.
+FP8_W (an fp8 bundle's experts, kernels/moe fp8_experts) is W8A8, as the dense fp8 projections: the weight
+tiles are float8 e4m3 codes with a float32 scale per output channel (w_scale_ptr, [E, N]), and each program
+quantizes its input rows itself (x's tokens for gate_up, act's rows for down; kernels/fp8_rows: a pass over
+the rows for their absmax ahead of the K loop, then each K tile scaled and rounded on its way into the dot),
+so no launch is added and the codes are the reference's bit for bit. The grouped variants dot the codes on
+the FP8 tensor cores with the operands swapped (the weight tile [BLOCK_N, BLOCK_K] as the MMA's A operand,
+the few rows an expert has as its narrow N side; fp8 wgmma wants both operands K-contiguous, which the
+weights' [N, K] rows and the gathered input rows are), as kernels/fp8_linear does; a bf16 dot of converted
+codes ran at half the copy rate. The decode GEMV widens both codes to float32 (exact products). The float32
+sums are multiplied by the channel's and the row's scales before the rounding; without FP8_W the kernels read
+no scale.
 """
 import os
 
 import triton
 import triton.language as tl
 
+from engc.kernels import fp8_rows
 from engc.kernels.silu_rows import silu_times_up
 
 if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter's bf16/fp16 tl.dot is wrong: the same products in fp32
@@ -105,10 +113,17 @@ def moe_route_kernel(x_ptr, logits_ptr, shared_gate_ptr, weights_ptr, ids_ptr, s
 
 
 @triton.jit
+def _gemv_step(acc, a, w, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc [1, BLOCK_N] += a [1, BLOCK_K] . w [BLOCK_K, BLOCK_N] in float32 (decode: no tensor-core tile to
+    fill; float8 codes widen exactly, and their products are exact in float32)."""
+    return acc + tl.sum(a.to(tl.float32).reshape(BLOCK_K, 1) * w.to(tl.float32), axis=0).reshape(1, BLOCK_N)
+
+
+@triton.jit
 def moe_gate_up_kernel(x_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, act_ptr, num_pairs,
                        H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       FP8_W: tl.constexpr):
+                       FP8_W: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     # blocks past the last expert's are padding (expert -1): every row and column masked off
@@ -120,29 +135,46 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, ac
     token = (pair // TOP_K).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < tl.where(live, INTER, 0)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if FP8_W:   # each token's scale: a pass over its row ahead of the K loop
+        x_scale = fp8_rows.row_scales(x_ptr, token, valid, H, BLOCK_M, BLOCK_K, FP8_MAX, MIN_AMAX)
+    if FP8_W and BLOCK_M > 1:   # swap AB: [BLOCK_N, BLOCK_M] accumulators (see the module's docstring)
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + token[:, None] * H + kk[None, :], mask=valid[:, None] & (kk[None, :] < H), other=0.0)
-        w_mask = n_ok[None, :] & (kk[:, None] < H)
-        wg = tl.load(w_base + n[None, :] * H + kk[:, None], mask=w_mask, other=0.0)
-        wu = tl.load(w_base + (n[None, :] + INTER) * H + kk[:, None], mask=w_mask, other=0.0)
-        if BLOCK_M == 1:   # decode: a GEMV, no tensor-core tile to fill
-            af = a.to(tl.float32)
-            acc_g += tl.sum(af.reshape(BLOCK_K, 1) * wg.to(tl.float32), axis=0).reshape(1, BLOCK_N)
-            acc_u += tl.sum(af.reshape(BLOCK_K, 1) * wu.to(tl.float32), axis=0).reshape(1, BLOCK_N)
+        if FP8_W:
+            a = fp8_rows.quantize_tile(a, x_scale, FP8_MAX)
+        if FP8_W and BLOCK_M > 1:
+            w_mask = n_ok[:, None] & (kk[None, :] < H)
+            wg = tl.load(w_base + n[:, None] * H + kk[None, :], mask=w_mask, other=0.0)
+            wu = tl.load(w_base + (n[:, None] + INTER) * H + kk[None, :], mask=w_mask, other=0.0)
+            acc_g = _dot(wg, tl.trans(a), acc_g, DOT_PRECISION)
+            acc_u = _dot(wu, tl.trans(a), acc_u, DOT_PRECISION)
         else:
-            if FP8_W:   # the codes as the activations' dtype: the bf16 tensor-core dot of float experts
-                wg = wg.to(x_ptr.dtype.element_ty)
-                wu = wu.to(x_ptr.dtype.element_ty)
-            acc_g = _dot(a, wg, acc_g, DOT_PRECISION)
-            acc_u = _dot(a, wu, acc_u, DOT_PRECISION)
-    if FP8_W:   # each output channel's scale, out of the K sum
-        s_base = w_scale_ptr + tl.maximum(expert, 0).to(tl.int64) * (2 * INTER)
-        acc_g = acc_g * tl.load(s_base + n, mask=n_ok, other=0.0)[None, :]
-        acc_u = acc_u * tl.load(s_base + INTER + n, mask=n_ok, other=0.0)[None, :]
+            w_mask = n_ok[None, :] & (kk[:, None] < H)
+            wg = tl.load(w_base + n[None, :] * H + kk[:, None], mask=w_mask, other=0.0)
+            wu = tl.load(w_base + (n[None, :] + INTER) * H + kk[:, None], mask=w_mask, other=0.0)
+            if BLOCK_M == 1:
+                acc_g = _gemv_step(acc_g, a, wg, BLOCK_K, BLOCK_N)
+                acc_u = _gemv_step(acc_u, a, wu, BLOCK_K, BLOCK_N)
+            else:
+                acc_g = _dot(a, wg, acc_g, DOT_PRECISION)
+                acc_u = _dot(a, wu, acc_u, DOT_PRECISION)
     dt = act_ptr.dtype.element_ty
+    if FP8_W:   # the codes' sums times each output channel's and each row's scale
+        s_base = w_scale_ptr + tl.maximum(expert, 0).to(tl.int64) * (2 * INTER)
+        s_g = tl.load(s_base + n, mask=n_ok, other=0.0)
+        s_u = tl.load(s_base + INTER + n, mask=n_ok, other=0.0)
+        if BLOCK_M > 1:
+            acc_g = tl.trans(acc_g * s_g[:, None] * x_scale[None, :])
+            acc_u = tl.trans(acc_u * s_u[:, None] * x_scale[None, :])
+        else:
+            acc_g = acc_g * s_g[None, :] * x_scale[:, None]
+            acc_u = acc_u * s_u[None, :] * x_scale[:, None]
     # F.linear rounds gate and up to the model dtype before the silu
     act = silu_times_up(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), dt)
     tl.store(act_ptr + offs_m.to(tl.int64)[:, None] * INTER + n[None, :], act,
@@ -152,7 +184,8 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, ac
 @triton.jit
 def moe_down_kernel(act_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, weights_ptr, pairs_ptr, num_pairs,
                     H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_W: tl.constexpr):
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_W: tl.constexpr,
+                    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     live = expert >= 0
@@ -162,21 +195,35 @@ def moe_down_kernel(act_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, wei
     valid = pair < tl.where(live, num_pairs, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < tl.where(live, H, 0)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if FP8_W:   # each act row's scale
+        a_scale = fp8_rows.row_scales(act_ptr, offs_m, valid, INTER, BLOCK_M, BLOCK_K, FP8_MAX, MIN_AMAX)
+    if FP8_W and BLOCK_M > 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(act_ptr + offs_m.to(tl.int64)[:, None] * INTER + kk[None, :],
                     mask=valid[:, None] & (kk[None, :] < INTER), other=0.0)
-        w = tl.load(w_base + n[None, :] * INTER + kk[:, None], mask=n_ok[None, :] & (kk[:, None] < INTER),
-                    other=0.0)
-        if BLOCK_M == 1:
-            acc += tl.sum(a.to(tl.float32).reshape(BLOCK_K, 1) * w.to(tl.float32), axis=0).reshape(1, BLOCK_N)
-        elif FP8_W:
-            acc = _dot(a, w.to(act_ptr.dtype.element_ty), acc, DOT_PRECISION)
+        if FP8_W:
+            a = fp8_rows.quantize_tile(a, a_scale, FP8_MAX)
+        if FP8_W and BLOCK_M > 1:
+            w = tl.load(w_base + n[:, None] * INTER + kk[None, :], mask=n_ok[:, None] & (kk[None, :] < INTER),
+                        other=0.0)
+            acc = _dot(w, tl.trans(a), acc, DOT_PRECISION)
         else:
-            acc = _dot(a, w, acc, DOT_PRECISION)
+            w = tl.load(w_base + n[None, :] * INTER + kk[:, None], mask=n_ok[None, :] & (kk[:, None] < INTER),
+                        other=0.0)
+            if BLOCK_M == 1:
+                acc = _gemv_step(acc, a, w, BLOCK_K, BLOCK_N)
+            else:
+                acc = _dot(a, w, acc, DOT_PRECISION)
     if FP8_W:
-        acc = acc * tl.load(w_scale_ptr + tl.maximum(expert, 0).to(tl.int64) * H + n, mask=n_ok, other=0.0)[None, :]
+        s = tl.load(w_scale_ptr + tl.maximum(expert, 0).to(tl.int64) * H + n, mask=n_ok, other=0.0)
+        if BLOCK_M > 1:
+            acc = tl.trans(acc * s[:, None] * a_scale[None, :])
+        else:
+            acc = acc * s[None, :] * a_scale[:, None]
     dt = pairs_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
     y = acc.to(dt).to(tl.float32) * weight[:, None]
