@@ -22,7 +22,7 @@ from test_kernels import _rel, _run
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CASES = ["route_softmax_fp32", "route_softmax_renorm_fp32", "route_topk_first_fp32", "route_bf16",
+CASES = ["route_softmax_fp32", "route_tiled_router_fp32", "route_softmax_renorm_fp32", "route_topk_first_fp32", "route_bf16",
          "route_float32_weights_bf16",
          "route_ties_pick_lower_ids", "decode_fp32", "decode_shared_fp32", "grouped_fp32", "grouped_shared_fp32",
          "grouped_bf16", "decode_bf16", "grouped_many_experts_fp32", "gpu_binding_fp32",
@@ -58,7 +58,7 @@ def test_specs_only_for_moe_models():
     dense = [s.op for s in model_specs(_cfg(num_experts=0), torch.bfloat16, "sm90", 16)]
     assert "moe" not in dense
     variants = {s.variant for s in model_specs(_cfg(), torch.bfloat16, "sm90", 16) if s.op == "moe"}
-    assert variants == {"router", "route", "gate_up", "down", "gate_up_prefill", "down_prefill", "gate_up_decode",
+    assert variants == {"router", "router_small", "route", "gate_up", "down", "gate_up_prefill", "down_prefill", "gate_up_decode",
                         "down_decode", "combine", "sort"}
 
 
@@ -97,7 +97,7 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
              if s.op == "moe"]
     result = compile_specs(specs, jobs=1)
     records = {(r["arch"], r["variant"]): r for r in result.records}
-    assert set(records) == {(a, v) for a in archs for v in GEMMS + ("router", "route", "combine", "sort")}
+    assert set(records) == {(a, v) for a in archs for v in GEMMS + ("router", "router_small", "route", "combine", "sort")}
     for r in result.records:
         ptx = result.files[r["ptx"]].decode()
         assert result.files[r["cubin"]][:4] == b"\x7fELF" and f".entry {r['entry']}(" in ptx
@@ -146,7 +146,7 @@ def test_deepseek_routing_kernel_compiles_and_matches_its_launch_rule():
     from engc.compiler.codegen.record import compile_specs
     from engc.compiler.codegen.specs import model_specs
     from engc.kernels import moe as op
-    deepseek = {"router_deepseek", "route_deepseek"}
+    deepseek = {"router_deepseek", "router_deepseek_small", "route_deepseek"}
     assert not deepseek & {s.variant for s in model_specs(_cfg(), torch.bfloat16, "sm90", 16)}
     cfg = _cfg(family="deepseek_v3", num_experts=8, shared_expert_intermediate_size=40)
     specs = [s for arch in ("sm80", "sm90") for s in model_specs(cfg, torch.bfloat16, arch, 16)
@@ -156,10 +156,12 @@ def test_deepseek_routing_kernel_compiles_and_matches_its_launch_rule():
     records = {r["variant"]: r for r in result.records if r["arch"] == "sm90"}
     x, logits = torch.randn(3, 64, dtype=torch.bfloat16), torch.empty(3, 8)
     consts = {s.variant: s.launch for s in specs if s.arch == "sm90"}
-    (variant, grid, args), = op.launch_router(x, torch.randn(8, 64, dtype=torch.bfloat16), logits, consts,
-                                              "router_deepseek")
-    assert variant == "router_deepseek"
-    check_launch(grid, args, records[variant], null_pointers=False)
+    for tokens, expected in ((3, "router_deepseek_small"), (40, "router_deepseek")):   # decode's few, prefill's many
+        (variant, grid, args), = op.launch_router(torch.randn(tokens, 64, dtype=torch.bfloat16),
+                                                  torch.randn(8, 64, dtype=torch.bfloat16), torch.empty(tokens, 8),
+                                                  consts, "router_deepseek")
+        assert variant == expected
+        check_launch(grid, args, records[variant], null_pointers=False)
     launches = op.launch_route_deepseek(x, logits, torch.randn(8),
                                         torch.empty(3, 2), torch.empty(3, 2, dtype=torch.int32), torch.empty(3),
                                         renormalize=1, float32_weights=0, sigmoid_scores=1, n_group=4,
@@ -222,20 +224,22 @@ def _quant_inputs(w) -> list:
     return [w["gate_up_scale"], w["down_scale"]] if "gate_up_scale" in w else []
 
 
-def check_route(dtype, softmax_first, renormalize, ties=False, float32_weights=0):
+def check_route(dtype, softmax_first, renormalize, ties=False, float32_weights=0, tokens=13):
+    """The router and routing kernels against route(): 13 tokens take the small router, 40 the tiled one."""
     import torch
     from engc.kernels import moe as op
     cfg = _cfg(num_experts=10, num_experts_per_tok=3)
     specs = _specs(cfg, dtype)
     w, r = _weights(cfg, dtype)
-    x = r(13, 64, std=1.0)
+    x = r(tokens, 64, std=1.0)
     router = torch.zeros_like(w["router"]) if ties else w["router"]
-    weights = torch.full((13, 3), float("nan"))
-    ids = torch.full((13, 3), -7, dtype=torch.int32)
-    logits = torch.full((13, 10), float("nan")).to(dtype)
+    weights = torch.full((tokens, 3), float("nan"))
+    ids = torch.full((tokens, 3), -7, dtype=torch.int32)
+    logits = torch.full((tokens, 10), float("nan")).to(dtype)
     run = _runner(specs)
     run(op.launch_router(x, router, logits, {v: s.launch for v, s in specs.items()}))
     run(op.launch_route(x, logits, router, weights, ids, weights, softmax_first, renormalize, float32_weights))
+    assert run.variants[0] == ("router_small" if tokens <= 16 else "router"), run.variants
     if ties:   # every score equal: the kernel takes the lowest expert ids, in order
         ok = (ids == torch.arange(3, dtype=torch.int32)).all() and torch.allclose(weights, torch.full_like(weights, 0.1 if not renormalize else 1 / 3))
         return 0.0 if ok else float("inf")
@@ -268,7 +272,8 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
     out = op.forward(run, *inputs, consts=consts, **attrs)
     pairs = tokens * top_k
     kind = "_decode" if pairs <= max_pairs else "_prefill" if pairs >= min_rows * experts else ""
-    expected = ["router", "route", *([] if kind == "_decode" else ["sort"]), "gate_up" + kind, "down" + kind,
+    router = "router_small" if tokens <= specs["router_small"].launch["max_tokens"] else "router"
+    expected = [router, "route", *([] if kind == "_decode" else ["sort"]), "gate_up" + kind, "down" + kind,
                 "combine"]
     assert run.variants == expected, run.variants
     return _rel(out, ref), run.variants
@@ -296,7 +301,8 @@ def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False, groups=True
     ref = op.moe(*inputs, **attrs)
     run = _runner(specs)
     out = op.forward(run, *inputs, consts={v: s.launch for v, s in specs.items()}, **attrs)
-    assert {"router_deepseek", "route_deepseek"} <= set(run.variants), run.variants
+    assert run.variants[:2] == ["router_deepseek_small" if tokens <= 16 else "router_deepseek", "route_deepseek"], \
+        run.variants
     return _rel(out, ref), run.variants
 
 
@@ -363,6 +369,7 @@ def main():
     tol = {f32: 1e-5, bf16: 4e-2}
     checks = {
         "route_softmax_fp32": (lambda: check_route(f32, 1, 0), 1e-6),
+        "route_tiled_router_fp32": (lambda: check_route(f32, 1, 0, tokens=40), 1e-6),
         "route_softmax_renorm_fp32": (lambda: check_route(f32, 1, 1), 1e-6),
         "route_topk_first_fp32": (lambda: check_route(f32, 0, 0), 1e-6),
         "route_bf16": (lambda: check_route(bf16, 1, 1), tol[bf16]),

@@ -199,9 +199,13 @@ def _cdiv(a: int, b: int) -> int:
 
 def launch_router(x, router, logits, consts, variant: str = "router"):
     """moe_router_kernel, grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E)). args: x, router [E, H], logits [T, E] in
-    the model dtype ("router") or float32 ("router_deepseek"), T, scratch, scratch."""
+    the model dtype ("router") or float32 ("router_deepseek"), T, scratch, scratch. Up to the "_small"
+    variant's max_tokens tokens take it (absent from a bundle compiled without it: the tiled one)."""
     if x.shape[0] == 0:
         return []
+    small = consts.get(variant + "_small")
+    if small and x.shape[0] <= small["max_tokens"]:
+        variant = variant + "_small"
     c = consts[variant]
     return [(variant, (_cdiv(x.shape[0], c["BLOCK_T"]), _cdiv(router.shape[0], c["BLOCK_E"]), 1),
              [x, router, logits, x.shape[0], 0, 0])]

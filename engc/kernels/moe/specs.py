@@ -20,6 +20,10 @@ DEFAULTS = {
     "router": {"num_warps": 4, "num_stages": 3, "BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 128},
     "route": {"num_warps": 4, "num_stages": 1, "BLOCK_K": 64},
     "router_deepseek": {"num_warps": 4, "num_stages": 3, "BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 128},
+    # up to max_tokens tokens (decode steps): a token and two experts a program, the hidden size 1024 at a time
+    "router_small": {"num_warps": 4, "num_stages": 2, "BLOCK_T": 1, "BLOCK_E": 2, "BLOCK_K": 1024, "max_tokens": 16},
+    "router_deepseek_small": {"num_warps": 4, "num_stages": 2, "BLOCK_T": 1, "BLOCK_E": 2, "BLOCK_K": 1024,
+                              "max_tokens": 16},
     "route_deepseek": {"num_warps": 4, "num_stages": 1},
     "gate_up": {"num_warps": 4, "num_stages": 3, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64},
     "down": {"num_warps": 4, "num_stages": 3, "BLOCK_N": 64, "BLOCK_K": 64},   # BLOCK_M: gate_up's
@@ -66,11 +70,15 @@ def specs(b: Build) -> list:
     rows = [
         ("router", "moe_router_kernel", router, {"H": h, "E": e, "DOT_PRECISION": sizes["DOT_PRECISION"]},
          ("BLOCK_T", "BLOCK_E")),
+        ("router_small", "moe_router_kernel", router, {"H": h, "E": e, "DOT_PRECISION": sizes["DOT_PRECISION"]},
+         ("BLOCK_T", "BLOCK_E", "max_tokens")),
         ("route", "moe_route_kernel", route, {"H": h, "E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k),
                                                "HAS_SHARED": shared}, ()),
         # DeepSeek's routers compute float32 logits (HF casts both operands): the router kernel storing float32
         *([("router_deepseek", "moe_router_kernel", {**router, "logits_ptr": "*fp32"},
             {"H": h, "E": e, "DOT_PRECISION": sizes["DOT_PRECISION"]}, ("BLOCK_T", "BLOCK_E")),
+           ("router_deepseek_small", "moe_router_kernel", {**router, "logits_ptr": "*fp32"},
+            {"H": h, "E": e, "DOT_PRECISION": sizes["DOT_PRECISION"]}, ("BLOCK_T", "BLOCK_E", "max_tokens")),
            ("route_deepseek", "moe_route_deepseek_kernel", route_deepseek,
             {"E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k), "G_PAD": pow2(e), "HAS_SHARED": shared},
             ())] if cfg.family.startswith("deepseek") else []),

@@ -3,7 +3,10 @@ the combine.
 
 moe_router_kernel      grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E)): the router logits x router^T, rounded to the
                        model dtype as F.linear's; many programs share the router's read (one program a token
-                       reading all of it took ~40 us a layer, a third of a Qwen3-30B-A3B batch-1 step)
+                       reading all of it took ~40 us a layer, a third of a Qwen3-30B-A3B batch-1 step). The
+                       "_small" variants (a decode step's few tokens) give each program one token and two
+                       experts, summed without tensor cores: 64 programs at Qwen3-30B-A3B's 128 experts, each
+                       a short row read, where 16-expert tiles left 8 programs looping over the hidden size
 moe_route_kernel       grid (T,): softmax, top-k of those logits (ties to the lower expert id), the weights;
                        the shared expert's sigmoid gate
 moe_route_deepseek_kernel  grid (T,): DeepSeek's routings of moe_router_kernel's float32 logits (its
@@ -65,8 +68,14 @@ def moe_router_kernel(x_ptr, router_ptr, logits_ptr, T, H: tl.constexpr, E: tl.c
         kk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + t[:, None].to(tl.int64) * H + kk[None, :], mask=(t[:, None] < T) & (kk[None, :] < H),
                     other=0.0)
-        w = tl.load(router_ptr + e[None, :] * H + kk[:, None], mask=(e[None, :] < E) & (kk[:, None] < H), other=0.0)
-        acc = _dot(a, w, acc, DOT_PRECISION)
+        if BLOCK_T >= 16 and BLOCK_E >= 16:
+            w = tl.load(router_ptr + e[None, :] * H + kk[:, None], mask=(e[None, :] < E) & (kk[:, None] < H),
+                        other=0.0)
+            acc = _dot(a, w, acc, DOT_PRECISION)
+        else:   # the small variants: a few experts a program, products summed in float32 (no tile to fill)
+            w = tl.load(router_ptr + e[:, None] * H + kk[None, :], mask=(e[:, None] < E) & (kk[None, :] < H),
+                        other=0.0)
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     tl.store(logits_ptr + t[:, None].to(tl.int64) * E + e[None, :], acc.to(logits_ptr.dtype.element_ty),
              mask=(t[:, None] < T) & (e[None, :] < E))
 
