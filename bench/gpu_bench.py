@@ -104,8 +104,10 @@ def bench_shape(shape: str, args) -> dict:
                                            max_batched_tokens=8192, kv_memory_fraction=kv_fraction)))
     res["kv_blocks"] = engine.kv.allocator.num_blocks
     if args.profile_only:
-        res.update(kernel_profile(engine, cfg, Path(args.out), shape))
-        for n in (1, 32):
+        # batch 1 and the shape's first throughput batch (--batch-sizes), 32 without one
+        profiled = (1, ([n for n in batches_of(args, base_shape(shape)) if n > 1] or [32])[0])
+        res.update(kernel_profile(engine, cfg, Path(args.out), shape, profiled))
+        for n in profiled:
             res.update(step_timeline(engine, cfg, Path(args.out), shape, n))
         return res
     # correctness: GPU kernels vs the reference ops on the same weights (prefill + 16 greedy tokens)
