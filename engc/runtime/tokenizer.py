@@ -18,10 +18,6 @@ from tokenizers import decoders
 from engc.errors import UserError
 
 
-LONG_TEXT = 1 << 16   # characters: a text this long is encoded without holding the GIL (the server's other
-                     # threads, its event loop included, run meanwhile)
-
-
 class Tokenizer:
     def __init__(self, folder: Path, model_eos_ids: tuple[int, ...] = ()):
         self.tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
@@ -44,15 +40,17 @@ class Tokenizer:
         # decodes UTF-8, so a token after text that ends in a whole character adds exactly its own text
         self.joins_bytes = isinstance(self.tok.decoder, decoders.ByteLevel)
         self._pieces: dict[int, str] = {}
+        # the batch calls let go of the GIL while they work (encode holds it throughout), so the server's event loop
+        # and engine thread run while a worker thread tokenizes a prompt; the fast one (tokenizers >= 0.20) also
+        # skips the offsets, which nothing here reads: ~10% less CPU than encode for a 300-token prompt
+        self._encode_batch = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
 
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) > LONG_TEXT:   # encode_batch lets go of the GIL while it works; encode holds it throughout
-            return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
