@@ -292,3 +292,84 @@ def test_grouped_chunks_carry_every_token_once(srv):
         answers.append(("".join(c["delta"].get("content", "") for c in chunks), sum(tokens, []), tokens))
     assert len({(text, tuple(ids)) for text, ids, _ in answers}) == 1
     assert any(len(group) > 1 for _, _, groups in answers for group in groups)
+
+
+async def _event_stream(events, receive):
+    """(sent messages, the response's outcome) of an EventStream over `events`."""
+    from engc.runtime.server.app import EventStream
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+    await EventStream(events)({"type": "http"}, receive, send)
+    return sent
+
+
+def test_an_event_stream_sends_its_events_and_ends_the_body_with_the_last():
+    from engc.runtime.server.app import Last
+
+    async def never():
+        await asyncio.Event().wait()
+
+    async def events(last):
+        yield "data: 1\n\n"
+        yield "data: ü\n\n"
+        if last:
+            yield Last("data: [DONE]\n\n")
+            yield "data: never sent\n\n"
+    for last in (True, False):
+        sent = asyncio.run(_event_stream(events(last), never))
+        assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+        assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
+        bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
+        end = [(b"data: [DONE]\n\n", False)] if last else [(b"", False)]
+        assert bodies == [(b"data: 1\n\n", True), ("data: ü\n\n".encode(), True)] + end
+
+
+def test_an_event_stream_whose_client_goes_stops_its_events_and_returns():
+    gone, cleaned = asyncio.Event(), []
+
+    async def receive():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def events():
+        try:
+            yield "data: 1\n\n"
+            gone.set()   # the client leaves while the next event is awaited
+            await asyncio.Event().wait()
+            yield "data: never\n\n"
+        finally:
+            cleaned.append(True)   # an `async with stream` aborts its request here
+
+    async def run():
+        sent = await _event_stream(events(), receive)
+        task = asyncio.current_task()
+        return sent, task.cancelling() if hasattr(task, "cancelling") else 0
+    sent, cancelling = asyncio.run(run())
+    assert [m.get("body") for m in sent[1:]] == [b"data: 1\n\n"] and cleaned == [True]
+    assert cancelling == 0   # the disconnect's cancel is the response's own, taken back
+
+
+def test_an_event_stream_cancelled_from_outside_is_cancelled():
+    started, cleaned = asyncio.Event(), []
+
+    async def never():
+        await asyncio.Event().wait()
+
+    async def events():
+        try:
+            started.set()
+            await asyncio.Event().wait()
+            yield "data: never\n\n"
+        finally:
+            cleaned.append(True)
+
+    async def run():
+        task = asyncio.ensure_future(_event_stream(events(), never))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(run())
+    assert cleaned == [True]

@@ -9,10 +9,9 @@ import json
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from engc.runtime.async_engine import Delta, EngineError
-from engc.runtime.server.app import APIError, ServerState, dumps
+from engc.runtime.server.app import APIError, EventStream, Last, ServerState, dumps
 from engc.runtime.server.formats import anthropic_format
 from engc.runtime.server.protocol import CountTokensRequest, MessagesRequest
 from engc.runtime.server.tools import CallWatch, ToolSpec, call_input
@@ -37,8 +36,7 @@ async def messages(req: MessagesRequest, request: Request):
     msg_id = f"msg_{uuid.uuid4().hex}"
     if req.stream:
         events = _tool_events if tools.active else _events
-        return StreamingResponse(events(stream, msg_id, s.model_name, len(prompt_ids), tools),
-                                 media_type="text/event-stream")
+        return EventStream(events(stream, msg_id, s.model_name, len(prompt_ids), tools))
     text, last = await _whole(stream)
     content, stop_reason, stop_sequence = _answer(text, last, tools)
     return {"id": msg_id, "type": "message", "role": "assistant", "model": s.model_name,
@@ -204,7 +202,7 @@ async def _tool_events(stream, msg_id: str, model: str, prompt_len: int, tools: 
                         yield e
                     text_open = True
         except EngineError as e:
-            yield event("error", {"error": {"type": "api_error", "message": str(e)}})
+            yield Last(event("error", {"error": {"type": "api_error", "message": str(e)}}))
             return
     content, calls, whole = watch.finish(_stop(last)[0] == "max_tokens")
     if content or not (calls or text_open):
@@ -221,7 +219,7 @@ async def _tool_events(stream, msg_id: str, model: str, prompt_len: int, tools: 
     stop_reason, stop_sequence = ("tool_use", None) if calls and whole else _stop(last)
     yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                   "usage": {"output_tokens": last.completion_tokens}})
-    yield event("message_stop", {})
+    yield Last(event("message_stop", {}))
 
 
 async def _events(stream, msg_id: str, model: str, prompt_len: int, tools=None):
@@ -249,6 +247,6 @@ async def _events(stream, msg_id: str, model: str, prompt_len: int, tools=None):
                       event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                               "usage": {"output_tokens": last.completion_tokens}}),
                       event("message_stop", {})]
-            yield "".join(parts)
+            yield Last("".join(parts))
         except EngineError as e:
-            yield "".join(parts) + event("error", {"error": {"type": "api_error", "message": str(e)}})
+            yield Last("".join(parts) + event("error", {"error": {"type": "api_error", "message": str(e)}}))

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engc.errors import UserError
@@ -42,6 +42,54 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class Last(str):
+    """An event stream's final event: EventStream writes it with the end of the body, in one write."""
+
+
+class EventStream(StreamingResponse):
+    """A text/event-stream response from an async iterator of str events: the same bytes as StreamingResponse's,
+    and the same end when the client goes (the iterator is cancelled where it waits, so its `async with stream`
+    aborts the request). It streams in the request's own task beside one watcher task that waits for the
+    disconnect, where StreamingResponse (under uvicorn's ASGI spec 2.3) starts an anyio task group of two tasks and
+    a cancel scope a response; and a Last event goes out with the end of the body in one write, not two."""
+
+    def __init__(self, events):
+        super().__init__(events, media_type="text/event-stream")
+
+    async def __call__(self, scope, receive, send) -> None:
+        task = asyncio.current_task()
+        ended, gone = False, False
+
+        async def watch():
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not ended:
+                gone = True
+                task.cancel()
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await self._send_events(send)
+        except asyncio.CancelledError:
+            if not gone:   # cancelled from outside (the server shutting down): not this response's to swallow
+                raise
+            if hasattr(task, "uncancel"):   # Python 3.11+: the task is not being cancelled any more
+                task.uncancel()
+        finally:
+            ended = True
+            watcher.cancel()
+            await self.body_iterator.aclose()   # left at a yield (the client went during a write): its cleanup now
+
+    async def _send_events(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for event in self.body_iterator:
+            last = event.__class__ is Last
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": not last})
+            if last:
+                return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 @dataclass

@@ -14,10 +14,9 @@ import uuid
 from dataclasses import replace
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from engc.runtime.async_engine import Delta, EngineError
-from engc.runtime.server.app import APIError, ServerState, dumps
+from engc.runtime.server.app import APIError, EventStream, Last, ServerState, dumps
 from engc.runtime.server.echo import Echo, read_prompts
 from engc.runtime.server.formats import openai_format
 from engc.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -61,7 +60,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     out = _Output(s, req, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", [len(prompt_ids)], tools)
     stream = await s.stream(prompts, req.priority, req.session_id)
     if req.stream:
-        return StreamingResponse(_events(stream, out), media_type="text/event-stream")
+        return EventStream(_events(stream, out))
     return await _collect(stream, out)
 
 
@@ -79,7 +78,7 @@ async def completions(req: CompletionRequest, request: Request):
     out = _Output(s, req, f"cmpl-{uuid.uuid4().hex}", "text_completion", [len(x) for x in id_lists], echo=echo)
     stream = await s.stream(prompts, req.priority, req.session_id)
     if req.stream:
-        return StreamingResponse(_events(stream, out), media_type="text/event-stream")
+        return EventStream(_events(stream, out))
     return await _collect(stream, out)
 
 
@@ -268,7 +267,7 @@ async def _events(stream, out: _Output):
         except EngineError as e:
             parts.append(sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}}))
     parts.append("data: [DONE]\n\n")
-    yield "".join(parts)
+    yield Last("".join(parts))
 
 
 def _tool_chunks(out: _Output, d: Delta, watch: CallWatch):
