@@ -65,7 +65,9 @@ _TRITON_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 def row_sizes(consts: dict) -> tuple[int, int]:
     """Entries a row takes in each workspace (kernels/sampling/triton.py reads them at these offsets):
     float32 [slice maxima | slice masses | group maxima | group masses | candidate values | m, Z] and
-    int32 [slice argmaxes | slice candidate counts | candidate indices | mode, bound key, top-p flag]."""
+    int32 [slice argmaxes | slice candidate counts | candidate indices | mode, bound key, top-p flag].
+    The finish copies its gathered candidates' keys and masses over the group maxima and masses (read by the
+    bound alone) to rank them."""
     s, ng, nc = consts["SPLITS"], consts["NGROUPS"], consts["NCAND"]
     return 2 * s + 2 * ng + nc + 2, 2 * s + nc + 3
 

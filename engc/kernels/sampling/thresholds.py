@@ -2,9 +2,12 @@
 
 A threshold compares order-preserving int32 keys of the scaled logits (held as int64, so a prefix plus a digit
 never overflows); -0.0 takes +0.0's key, since the reference compares the floats. select and mass_bound find a
-key over values in registers, a radix digit of RADIX bits a step; radix_search, kept_mass and draw_stream are
-the fallback, streaming the whole row (correct for any input, 16 passes a search). Only the compiler imports
-this module (through triton.py); codegen records it beside the kernel source (record.py).
+key over values in registers, a radix digit of RADIX bits a step; ranks gives every candidate its count and
+mass of candidates at or above it, from which the finish reads the same thresholds without a chain of
+dependent reductions (is_select checks a mass threshold against the select's own sums); radix_search,
+kept_mass and draw_stream are the fallback, streaming the whole row (correct for any input, 16 passes a
+search). Only the compiler imports this module (through triton.py); codegen records it beside the kernel
+source (record.py).
 """
 import triton
 import triton.language as tl
@@ -42,11 +45,48 @@ def select(keys, weights, target, BITS: tl.constexpr, RADIX: tl.constexpr):
     prefix = tl.full([], KEY_MIN, tl.int64)
     for p in tl.static_range(BITS // RADIX):
         shift = 32 - RADIX * (p + 1)
-        cands = prefix + (digits << shift)
-        total = tl.sum(tl.where(keys[:, None] >= cands[None, :], weights[:, None], 0.0), axis=0)
+        total = totals(keys, weights, prefix + (digits << shift))
         best = tl.max(tl.where(total >= target, digits, 0), axis=0)
         prefix = prefix + (best << shift)
     return prefix
+
+
+@triton.jit
+def totals(keys, weights, cands):
+    """sum(weights of keys >= c) for each c of cands, one reduction over [len(keys), len(cands)]: a select
+    step's sums (is_select checks a threshold with the same tile, so it sees the same roundings)."""
+    return tl.sum(tl.where(keys[:, None] >= cands[None, :], weights[:, None], 0.0), axis=0)
+
+
+@triton.jit
+def ranks(keys, key_ptr, weight_ptr, n, STEP: tl.constexpr):
+    """For each of keys (int32, KEY_MIN in an empty slot): how many of the n candidates at key_ptr (their
+    int32 keys, stored as float32 bits) are at or above it, and the sum of those candidates' weights
+    (weight_ptr, summed in the candidates' order). The candidates stream STEP a loop step, each loaded by
+    every thread alike, so no thread waits on another: no reduction, no barrier."""
+    at_least = tl.zeros(keys.shape, tl.int32)
+    held = tl.zeros(keys.shape, tl.float32)
+    for start in range(0, n, STEP):
+        for d in tl.static_range(STEP):
+            j = start + d
+            key_j = tl.load(key_ptr + j, mask=j < n, other=0.0).to(tl.int32, bitcast=True)
+            weight_j = tl.load(weight_ptr + j, mask=j < n, other=0.0)
+            above = (key_j >= keys) & (j < n)
+            at_least += above.to(tl.int32)
+            held += tl.where(above, weight_j, 0.0)
+    return at_least, held
+
+
+@triton.jit
+def is_select(keys, weights, target, t, RADIX: tl.constexpr):
+    """Whether t is select(keys, weights, target, 32, RADIX)'s answer, from one step's sums (totals): at or
+    above t they reach target (or t is KEY_MIN, the answer where nothing does) and above t they do not. A
+    step's sum cannot rise as its threshold does (leaves only drop to 0, and each rounding is monotone), so
+    the select's search ends at t exactly where these hold."""
+    digits = tl.arange(0, 1 << RADIX).to(tl.int64)
+    total = totals(keys, weights, tl.where(digits == 0, t, t + 1))
+    holds = tl.where(digits == 0, (total >= target) | (t == KEY_MIN), total < target)
+    return tl.min(holds.to(tl.int32), axis=0) != 0
 
 
 @triton.jit

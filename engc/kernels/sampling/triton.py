@@ -14,8 +14,12 @@ programs (one program streaming a 128k-entry row is latency-bound: ~0.1 ms whate
   compact  grid (rows, SPLITS): each slice stores its tokens with s >= L, in vocabulary order, into its CAP_S
            candidate slots, and how many there are.
   finish   grid (rows,): the slices' candidates gathered in vocabulary order into registers (SMALL of them
-           where they fit, else all NCAND), then the exact top-k and top-p thresholds (radix selects over
-           the candidates' keys, RADIX bits a step), min-p, and the inverse-CDF draw in vocabulary order.
+           where they fit, else all NCAND), then the exact top-k and top-p thresholds, min-p, and the
+           inverse-CDF draw in vocabulary order. The thresholds of at most SMALL candidates come from their
+           ranks, each candidate's count and mass of candidates at or above it (the candidates streamed
+           PAIRWISE a loop step past all of them at once, no reduction until the thresholds are read off);
+           those of more from radix selects over the keys, a dependent reduction for every RADIX bits. Both
+           give the same keys.
 Where a slice holds more than CAP_S tokens >= L (flat logits, large k, a wide top-p set), or k > NGROUPS, the
 finish falls back to thresholds found by a radix-4 search streaming the whole row, 16 passes for each, correct
 for any input. The top-k bound compares the tokens' own scaled values (no rounding to slip); the min-p bound
@@ -23,7 +27,7 @@ keeps a margin far above the rounding of exp and log; the top-p bound may slip b
 checks that the top-p threshold lies among the candidates and falls back where it does not.
 
 Thresholds are order keys of the scaled logits; thresholds.py holds the keys, the radix selects over
-registers and the fallback's searches streaming the row.
+registers, the ranks, and the fallback's searches streaming the row.
 
 The launches share two per-row workspaces (layouts in __init__.py): float32 fws [FROW] and int32 iws [IROW].
 """
@@ -79,25 +83,56 @@ def _gather(val_ptr, idx_ptr, counts, total, VOCAB: tl.constexpr, SPLITS: tl.con
 
 
 @triton.jit
-def _finish(cs, ci, valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u, VOCAB: tl.constexpr,
-            RADIX: tl.constexpr):
-    """The token drawn from the candidates (cs, ci where valid: all tokens >= the bound, in vocabulary order);
-    -1 where the top-p threshold falls below the bound and min-p does not cover it (only rounding in the
-    bound can do that; the caller falls back)."""
+def _finish(cs, ci, valid, total, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u, key_ptr, weight_ptr,
+            VOCAB: tl.constexpr, RADIX: tl.constexpr, PAIRWISE: tl.constexpr):
+    """(token, floor key, ranked) drawn from the candidates (cs, ci where valid, the first total: all tokens
+    >= the bound, in vocabulary order); token -1 where the top-p threshold falls below the bound and min-p
+    does not cover it (only rounding in the bound can do that; the caller falls back).
+
+    PAIRWISE 0: the thresholds from radix selects, 32 / RADIX dependent reductions each. PAIRWISE n: from
+    each candidate's rank, its count and mass of candidates at or above it (thresholds.ranks, the
+    candidates copied to key_ptr and weight_ptr and streamed n a step). Both give the same keys: top-k's
+    counts are exact, and a top-p key stands where the select's own sums confirm it (thresholds.is_select),
+    else the select runs (ranked 0 then; rounding alone leads there).
+    """
     ckey = tl.where(valid, thresholds.order_key(cs), thresholds.BELOW_ALL)
     e = tl.where(valid, tl.exp(cs - m), 0.0)
     floor_key = tl.full([], thresholds.KEY_MIN, tl.int64)
+    ranked = tl.full([], 1, tl.int32)
+    if PAIRWISE:
+        # int32 keys, KEY_MIN in an empty slot: no candidate has that key (it is a NaN's, and a row with a
+        # NaN is drawn by its argmax), so an empty slot is never counted above a candidate and, picked, gives
+        # no threshold
+        keys32 = tl.where(valid, ckey, thresholds.KEY_MIN).to(tl.int32)
+        c = tl.arange(0, cs.shape[0])
+        tl.store(key_ptr + c, keys32.to(tl.float32, bitcast=True))
+        tl.store(weight_ptr + c, e)
+        tl.debug_barrier()      # every thread's copy written before any thread reads the others'
+        # a candidate's mass sums every candidate at or above it: at or above the top-k threshold, that is
+        # the mass the select would sum there, so one pass serves both thresholds
+        at_least, held = thresholds.ranks(keys32, key_ptr, weight_ptr,
+                                          tl.where(use_k | (top_p < 1.0), total, 0), PAIRWISE)
     if use_k:
-        floor_key = thresholds.select(ckey, valid.to(tl.float32), k.to(tl.float32), 32, RADIX)
+        if PAIRWISE:
+            floor_key = tl.max(tl.where(at_least >= k, keys32, thresholds.KEY_MIN), axis=0).to(tl.int64)
+        else:
+            floor_key = thresholds.select(ckey, valid.to(tl.float32), k.to(tl.float32), 32, RADIX)
     ok = tl.full([], 1, tl.int32)
     if top_p < 1.0:
         mass = tl.where(ckey >= floor_key, e, 0.0)
         have = tl.sum(mass, axis=0)
         target = top_p * tl.where(use_k, have, z_row)
         if have >= target:
+            if PAIRWISE:
+                tp = tl.max(tl.where((keys32 >= floor_key) & (held >= target), keys32, thresholds.KEY_MIN),
+                            axis=0).to(tl.int64)
+                if not thresholds.is_select(ckey, mass, target, tp, RADIX):
+                    tp = thresholds.select(ckey, mass, target, 32, RADIX)
+                    ranked = tl.full([], 0, tl.int32)
+            else:
+                tp = thresholds.select(ckey, mass, target, 32, RADIX)
             # the max token always stays
-            tp = tl.minimum(thresholds.select(ckey, mass, target, 32, RADIX), thresholds.order_key(m))
-            floor_key = tl.maximum(floor_key, tp)
+            floor_key = tl.maximum(floor_key, tl.minimum(tp, thresholds.order_key(m)))
         else:
             ok = tl.where(p_may_fall_below, 0, 1)
     kept = (ckey >= floor_key) & (e >= min_p)
@@ -107,7 +142,7 @@ def _finish(cs, ci, valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u
     first = tl.min(tl.where(kept & (cum > target), ci, VOCAB), axis=0)
     last = tl.max(tl.where(kept, ci, -1), axis=0)
     chosen = tl.where(first < VOCAB, first, last)
-    return tl.where(ok != 0, chosen, -1)
+    return tl.where(ok != 0, chosen, -1), floor_key, ranked
 
 
 @triton.jit
@@ -274,7 +309,7 @@ def sample_compact_kernel(logits_ptr, temperature_ptr, fws_ptr, iws_ptr, VOCAB: 
 def sample_finish_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, uniform_ptr, min_p_ptr, out_ptr,
                          fws_ptr, iws_ptr, VOCAB: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
                          CAP_S: tl.constexpr, SMALL: tl.constexpr, NGROUPS: tl.constexpr, NCAND: tl.constexpr,
-                         RADIX: tl.constexpr, PDL: tl.constexpr):
+                         RADIX: tl.constexpr, PAIRWISE: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -299,12 +334,16 @@ def sample_finish_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, unif
             # (each branch's registers keep their own names: Triton merges same-named values of the two)
             if total <= SMALL:
                 cs, ci, valid = _gather(val_ptr, idx_ptr, counts, total, VOCAB, SPLITS, CAP_S, SMALL)
-                chosen = _finish(cs, ci, valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u, VOCAB,
-                                 RADIX)
+                # the ranks' copy of the candidates goes over the group maxima and masses (read by the bound
+                # alone; specs.py turns the ranks off where SMALL exceeds NGROUPS)
+                chosen, small_floor, small_ranked = _finish(cs, ci, valid, total, m, k, use_k, top_p, min_p,
+                                                            z_row, p_may_fall_below, u, fws + 2 * SPLITS,
+                                                            fws + 2 * SPLITS + NGROUPS, VOCAB, RADIX, PAIRWISE)
             else:
                 all_s, all_i, all_valid = _gather(val_ptr, idx_ptr, counts, total, VOCAB, SPLITS, CAP_S, NCAND)
-                chosen = _finish(all_s, all_i, all_valid, m, k, use_k, top_p, min_p, z_row, p_may_fall_below, u,
-                                 VOCAB, RADIX)
+                chosen, all_floor, all_ranked = _finish(all_s, all_i, all_valid, total, m, k, use_k, top_p,
+                                                        min_p, z_row, p_may_fall_below, u, fws, fws, VOCAB,
+                                                        RADIX, 0)
     if chosen < 0:
         floor_key = tl.full([], thresholds.KEY_MIN, tl.int64)
         if use_k:
