@@ -6,6 +6,11 @@ float summation-order tie: the reference gives the kernel's token for the unifor
 (top-k, top-p without top-k, min-p) with its small and full gathers, its overflow into the streaming radix
 fallback, the temperature-only draw, greedy and non-finite rows, with the row in several slices and in one. The passes over the row are counted from the
 interpreter's loads, so the read budget of each case is tested too.
+
+The small gather's thresholds come from pairwise ranks (the tune entry's `pairwise`), the full gather's from
+radix selects; both must give the same keys, so the same tokens for the same uniforms: the pairwise_* cases
+draw with pairwise ranks and without (pairwise 0: selects only) and want every token and threshold equal,
+through the four launches and through the finish alone over candidate sets made to order.
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ from interpreted import interpreted_report, print_report
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ["rows_fp32", "rows_bf16", "rows_wide_groups_fp32", "rows_radix4_fp32", "rows_one_slice_bf16",
-         "distribution_fp32", "distribution_bf16", "passes"]
+         "distribution_fp32", "distribution_bf16", "passes", "pairwise_rows_fp32", "pairwise_rows_bf16",
+         "pairwise_finish", "pairwise_finish_radix4"]
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +101,9 @@ def _specs(overrides=None):
     return model_specs(_cfg(vocab_size=V), torch.bfloat16, overrides={"sampling": overrides or SMALL_TILES})["sampling"]
 
 
-def _launch(specs, logits, rows, uniform):
+def _launch(specs, logits, rows, uniform, paths=None):
     """The kernel's tokens and candidate indices (a workspace prefilled with -1) for rows of
-    (temperature, top_k, top_p, min_p)."""
+    (temperature, top_k, top_p, min_p); paths: a list extended with each row's way through the finish."""
     import torch
     from engc.kernels import sampling as op
     from test_kernels import _run
@@ -110,7 +116,29 @@ def _launch(specs, logits, rows, uniform):
     f, i = op.row_sizes(c)
     ws = (torch.full((b * f,), float("nan")), torch.full((b * i,), -1, dtype=torch.int32))
     _run(specs, op.launch(logits, params[0], top_k, params[2], uniform, params[3], out, consts, ws))
+    if paths is not None:
+        paths += _paths(ws[1], b, specs)
     return out, op.candidate_indices(ws[1], b, c)
+
+
+def _paths(iws, rows, specs):
+    """Each row's way through the finish, from the int32 workspace: 'done' (drawn by the bound), 'small' or
+    'all' (the candidates gathered, SMALL of them or every slot), 'stream' (a slice overflowed, or k above the
+    groups; a candidate row whose top-p threshold the bound missed streams too, and reads 'small' or 'all')."""
+    from engc.kernels import sampling as op
+    c = specs["finish_fp32"].constexprs
+    _, width = op.row_sizes(c)
+    s, ncand = c["SPLITS"], c["NCAND"]
+    out = []
+    for r in iws.view(rows, width):
+        mode, counts = int(r[2 * s + ncand]), r[s:2 * s]
+        if mode != 1:
+            out.append("done" if mode == 0 else "stream")
+        elif int(counts.max()) > c["CAP_S"]:
+            out.append("stream")
+        else:
+            out.append("small" if int(counts.sum()) <= c["SMALL"] else "all")
+    return out
 
 
 def _unexplained(logits, rows, uniform, got):
@@ -130,10 +158,9 @@ def _unexplained(logits, rows, uniform, got):
     return bad, ties
 
 
-def check_rows(dtype, overrides=None):
+def _rows_and_logits(dtype, groups):
+    """check_rows' rows (temperature, top_k, top_p, min_p) and logits: every path, ties, non-finite rows."""
     import torch
-    specs = _specs(overrides)
-    groups = next(iter(specs.values())).launch["NGROUPS"]
     gen = torch.Generator().manual_seed(7)
     rows = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.8, 50, 0.95, 0.0), (0.7, 50, 1.0, 0.0),
             (1.3, 0, 0.9, 0.0), (0.8, 20, 0.5, 0.0), (1.0, 1, 1.0, 0.0), (2.0, V - 1, 0.99, 0.0),
@@ -156,6 +183,14 @@ def check_rows(dtype, overrides=None):
     logits[-3, :] = float("-inf")
     logits[-2, 77] = float("inf")
     logits[-1, :] = float("nan")
+    return rows, logits, gen
+
+
+def check_rows(dtype, overrides=None):
+    import torch
+    specs = _specs(overrides)
+    rows, logits, gen = _rows_and_logits(dtype, next(iter(specs.values())).launch["NGROUPS"])
+    b = len(rows)
     bad, ties = [], 0
     for trial in range(2):
         uniform = torch.rand(b, generator=gen)
@@ -172,6 +207,148 @@ def check_rows(dtype, overrides=None):
         bad += b_
         ties += t_
     return (len(bad), bad[:3]) if bad else (0, {"ties": ties})
+
+
+def _model_like(gen, rows: int, tied: bool = False):
+    """Logits as a model's (a normal floor, 40 plausible tokens well above it): a top-k, top-p or min-p set
+    of a few dozen tokens, the small gather's size; tied: those 40 on 4 levels, so a threshold lands in ties."""
+    import torch
+    x = torch.randn(rows, V, generator=gen) * 2.0
+    top = torch.stack([torch.randperm(V, generator=gen)[:40] for _ in range(rows)])
+    high = 12.0 + 3.0 * torch.rand(rows, 40, generator=gen)
+    x.scatter_(1, top, high.round() if tied else high)
+    return x
+
+
+def check_pairwise_rows(dtype):
+    """The four launches with the small gather's thresholds from ranks and from selects (pairwise 0), on the
+    same rows and uniforms: the same token in every row, the reference's (up to summation-order ties).
+    Rows of every path: check_rows' (the full gather, the fallback, greedy, non-finite) and model-like rows
+    whose candidates fit the small gather, each filter alone and together, thresholds in ties."""
+    import torch
+    tiles = {**SMALL_TILES, "small": 32}      # 32 gathered first: some of check_rows' rows need every slot
+    ranked_specs = _specs({**tiles, "pairwise": 8})
+    selects_specs = _specs({**tiles, "pairwise": 0})
+    assert ranked_specs["finish_fp32"].constexprs["PAIRWISE"] == 8
+    assert selects_specs["finish_fp32"].constexprs["PAIRWISE"] == 0
+    rows, logits, gen = _rows_and_logits(dtype, ranked_specs["finish_fp32"].launch["NGROUPS"])
+    kinds = [(0.8, 20, 0.95, 0.0), (0.8, 25, 1.0, 0.0), (0.8, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.1),
+             (1.0, 10, 0.8, 0.02), (0.7, 0, 0.5, 0.0), (0.8, 0, 0.95, 0.1), (1.0, 3, 1.0, 0.0)]
+    tied = [(1.0, 15, 1.0, 0.0), (1.0, 0, 0.6, 0.0), (1.0, 12, 0.7, 0.0), (1.0, 0, 1.0, 0.3)]
+    rows = rows + kinds + tied
+    logits = torch.cat([logits, _model_like(gen, len(kinds)).to(dtype),
+                        _model_like(gen, len(tied), tied=True).to(dtype)])
+    b = len(rows)
+    bad, ties, paths = [], 0, []
+    for trial in range(2):
+        uniform = torch.rand(b, generator=gen)
+        ranked, _ = _launch(ranked_specs, logits, rows, uniform, paths)
+        selected, _ = _launch(selects_specs, logits, rows, uniform)
+        differ = [(i, rows[i], int(ranked[i]), int(selected[i])) for i in range(b) if ranked[i] != selected[i]]
+        assert not differ, differ[:3]
+        b_, t_ = _unexplained(logits, rows, uniform, ranked)
+        bad += b_
+        ties += t_
+    small = {rows[i % b] for i, p in enumerate(paths) if p == "small"}
+    assert set(kinds + tied) <= small, sorted(set(kinds + tied) - small)   # each of these took the ranks
+    assert {"all", "stream", "done"} <= set(paths), set(paths)
+    seen = {p: paths.count(p) for p in sorted(set(paths))}
+    return (len(bad), bad[:3]) if bad else (0, {"ties": ties, "paths": seen})
+
+
+def check_pairwise_finish(radix):
+    """The finish alone (a probe kernel around triton._gather and _finish) over candidate sets made to
+    order: one candidate, a few, exactly the gather's N, ties (all equal, a few levels), k above the count,
+    each filter alone and together. Thresholds from ranks (1, 3 and 8 candidates a step) and from selects:
+    the same token and threshold key in every row, the reference's token (up to summation-order ties), and
+    every top-p key from ranks confirmed by the selects' sums (ranked: no select ran)."""
+    import torch
+    gen = torch.Generator().manual_seed(3)
+    splits, cap, n, chunk = 4, 32, 64, 500
+    vocab = splits * chunk
+    sets = []        # (per-slice counts, values kind)
+    for counts in ([1, 0, 0, 0], [0, 0, 2, 0], [2, 1, 1, 1], [5, 9, 0, 3], [12, 11, 10, 7], [16, 16, 16, 16],
+                   [32, 32, 0, 0], [0, 31, 1, 32]):
+        for kind in ("normal", "levels", "equal"):
+            sets.append((counts, kind))
+    filters = lambda c: [(5, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.1), (10, 0.8, 0.05), (c + 3, 0.9, 0.0),
+                         (c, 0.5, 0.0), (1, 1.0, 0.0), (0, 0.0, 0.0), (3, 0.3, 0.0), (c - 1 or 1, 0.99, 0.2)]
+    logits, rows, slots = [], [], []
+    for counts, kind in sets:
+        total = sum(counts)
+        idx = torch.cat([s * chunk + torch.randperm(chunk, generator=gen)[:c].sort().values
+                         for s, c in enumerate(counts)])
+        val = {"normal": torch.randn(total, generator=gen) * 2,
+               "levels": torch.randint(0, 4, (total,), generator=gen).float() / 2,
+               "equal": torch.full((total,), 1.5)}[kind]
+        row = torch.full((vocab,), float("-inf"))
+        row[idx] = val
+        for k, p, mp in filters(total):
+            logits.append(row)
+            rows.append((1.0, k, p, mp))
+            slots.append((counts, idx, val))
+    b = len(rows)
+    vals = torch.full((b, splits * cap), float("nan"))
+    idxs = torch.full((b, splits * cap), -1, dtype=torch.int32)
+    counts_t = torch.zeros(b, splits, dtype=torch.int32)
+    for r, (counts, idx, val) in enumerate(slots):
+        at = 0
+        for s, c in enumerate(counts):
+            vals[r, s * cap:s * cap + c] = val[at:at + c]
+            idxs[r, s * cap:s * cap + c] = idx[at:at + c].to(torch.int32)
+            counts_t[r, s] = c
+            at += c
+    logits = torch.stack(logits)
+    m = logits.max(1).values
+    z = torch.exp(logits - m[:, None]).sum(1)
+    k = torch.tensor([r[1] for r in rows], dtype=torch.int32)
+    top_p, min_p = (torch.tensor([r[i] for r in rows], dtype=torch.float32) for i in (2, 3))
+    bad, ties, unconfirmed = [], 0, []
+    for trial in range(2):
+        uniform = torch.rand(b, generator=gen)
+        got = {}
+        for pairwise in (0, 1, 3, 8):
+            out = torch.zeros(b, 3, dtype=torch.int64)
+            finish_probe[(b,)](vals, idxs, counts_t, m, z, k, top_p, min_p, uniform,
+                               torch.full((b, 2 * n), float("nan")), out, VOCAB=vocab, SPLITS=splits, CAP_S=cap,
+                               N=n, RADIX=radix, PAIRWISE=pairwise)
+            got[pairwise] = out
+        for pairwise in (1, 3, 8):
+            differ = (got[pairwise][:, :2] != got[0][:, :2]).any(1).nonzero().flatten().tolist()
+            assert not differ, [(i, rows[i], got[pairwise][i].tolist(), got[0][i].tolist()) for i in differ[:3]]
+            unconfirmed += [(pairwise, i, rows[i]) for i in range(b)
+                            if 0.0 < rows[i][2] < 1.0 and int(got[pairwise][i, 2]) != 1]
+        b_, t_ = _unexplained(logits, rows, uniform, got[8][:, 0])
+        bad += b_
+        ties += t_
+    assert not unconfirmed, unconfirmed[:3]
+    return (len(bad), bad[:3]) if bad else (0, {"rows": b, "ties": ties})
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":     # the child: the probe kernel for check_pairwise_finish
+    import triton
+    import triton.language as tl
+
+    from engc.kernels.sampling import triton as sampling_kernels
+
+    @triton.jit
+    def finish_probe(val_ptr, idx_ptr, counts_ptr, m_ptr, z_ptr, k_ptr, top_p_ptr, min_p_ptr, uniform_ptr,
+                     scratch_ptr, out_ptr, VOCAB: tl.constexpr, SPLITS: tl.constexpr, CAP_S: tl.constexpr,
+                     N: tl.constexpr, RADIX: tl.constexpr, PAIRWISE: tl.constexpr):
+        """A row's finish (a program a row) from its candidate slots: token, threshold key, ranked."""
+        row = tl.program_id(0)
+        counts = tl.load(counts_ptr + row * SPLITS + tl.arange(0, SPLITS))
+        total = tl.sum(counts, axis=0)
+        cs, ci, valid = sampling_kernels._gather(val_ptr + row * SPLITS * CAP_S, idx_ptr + row * SPLITS * CAP_S,
+                                                 counts, total, VOCAB, SPLITS, CAP_S, N)
+        k = tl.load(k_ptr + row)
+        chosen, floor_key, ranked = sampling_kernels._finish(
+            cs, ci, valid, total, tl.load(m_ptr + row), k, (k > 0) & (k < VOCAB), tl.load(top_p_ptr + row),
+            tl.load(min_p_ptr + row), tl.load(z_ptr + row), total < 0, tl.load(uniform_ptr + row),
+            scratch_ptr + row * 2 * N, scratch_ptr + row * 2 * N + N, VOCAB, RADIX, PAIRWISE)
+        tl.store(out_ptr + row * 3, chosen.to(tl.int64))
+        tl.store(out_ptr + row * 3 + 1, floor_key)
+        tl.store(out_ptr + row * 3 + 2, ranked.to(tl.int64))
 
 
 def check_distribution(dtype):
@@ -249,6 +426,10 @@ def main():
         "distribution_fp32": (lambda: check_distribution(f32), 0),
         "distribution_bf16": (lambda: check_distribution(bf16), 0),
         "passes": (check_passes, 0),
+        "pairwise_rows_fp32": (lambda: check_pairwise_rows(f32), 0),
+        "pairwise_rows_bf16": (lambda: check_pairwise_rows(bf16), 0),
+        "pairwise_finish": (lambda: check_pairwise_finish(2), 0),
+        "pairwise_finish_radix4": (lambda: check_pairwise_finish(4), 0),
     })
 
 
