@@ -3,6 +3,7 @@
 and tile configs, torch.argmax beside it, for a Llama-3 vocabulary (128,256) of bf16 logits.
 
     python bench/sampling_kernel_bench.py [--rows 1,32,64,256] [--out FILE.json]
+    python bench/sampling_kernel_bench.py --configs 0,8 --modes sampled,top_k,top_p,min_p   # ranks vs selects
 
 Each config is the tune table's entry with overrides, built by the op's own spec builder and launch rule,
 compiled here by Triton (JIT, not the bundle's AOT cubins) and timed from a CUDA graph of 20 draws; its tokens
@@ -33,9 +34,12 @@ VOCAB = 128256
 # a row's (temperature, top_k, top_p, min_p) in each mode: which of the kernel's paths it takes
 MODES = {"sampled": (0.8, 50, 0.95, 0.0), "greedy": (0.0, 50, 0.95, 0.0), "temperature": (0.8, 0, 1.0, 0.0),
          "top_k": (0.8, 50, 1.0, 0.0), "top_p": (0.8, 0, 0.95, 0.0), "min_p": (0.8, 0, 1.0, 0.05)}
-# overrides of the tune table's sampling/*/any entry; the first ({}) is the table's own
+# overrides of the tune table's sampling/*/any entry; the first ({}) is the table's own. pairwise: the small
+# gather's thresholds from ranks, its candidates streamed that many a step (0: from radix selects, as the full
+# gather's): --configs 0,8 times the table against selects alone, 0,9,10 the ranks' step
 CONFIGS = [{}, {"radix": 4}, {"radix": 1}, {"num_warps": 8}, {"radix": 4, "num_warps": 8}, {"max_splits": 16},
-           {"radix": 4, "max_splits": 16}, {"groups": 32, "radix": 4}]
+           {"radix": 4, "max_splits": 16}, {"groups": 32, "radix": 4}, {"pairwise": 0}, {"pairwise": 4},
+           {"pairwise": 16}]
 
 
 def logits_like_a_model(rows: int, gen: torch.Generator) -> torch.Tensor:
