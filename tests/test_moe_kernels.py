@@ -94,11 +94,15 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
     cfg = _cfg(shared_expert_intermediate_size=shared)
     archs = ("sm90",) if fp8 else ("sm80", "sm90")
     specs = [s for arch in archs for s in model_specs(cfg, torch.bfloat16, arch, 16, quant="fp8" if fp8 else "none")
-             if s.op == "moe"]
+             if s.op == "moe" or (s.op == "fp8_quant" and s.variant in ("k64", "k48"))]   # x's and act's widths
     result = compile_specs(specs, jobs=1)
     records = {(r["arch"], r["variant"]): r for r in result.records}
-    assert set(records) == {(a, v) for a in archs for v in GEMMS + ("router", "router_small", "route", "combine", "sort")}
+    quant = {("sm90", "k64"), ("sm90", "k48")} if fp8 else set()
+    assert set(records) == {(a, v) for a in archs for v in GEMMS + ("router", "router_small", "route", "combine",
+                                                                    "sort")} | quant
     for r in result.records:
+        if r["op"] != "moe":
+            continue
         ptx = result.files[r["ptx"]].decode()
         assert result.files[r["cubin"]][:4] == b"\x7fELF" and f".entry {r['entry']}(" in ptx
         if r["variant"] in GEMMS:
@@ -134,7 +138,7 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
     prefill = records[("sm90", "gate_up_prefill")]["launch"]["prefill_min_rows"] * 6 // 2 + 8
     for tokens in (3, 80, prefill):
         op.forward(check, torch.randn(tokens, 64, dtype=bf), w["router"], w["gate_up"], w["down"], *extra,
-                   top_k=2, consts=consts, has_shared_expert=int(bool(shared)), fp8_experts=int(fp8))
+                   top_k=2, consts=consts, quant=check, has_shared_expert=int(bool(shared)), fp8_experts=int(fp8))
     assert seen == {v for a, v in records if a == "sm90"}
 
 
@@ -184,10 +188,12 @@ def _cfg(**kw):
 
 
 def _specs(cfg, dtype, overrides=None, fp8=False):
+    """The MoE op's specs by variant, and with fp8 experts the fp8_quant ones that quantize their inputs (their
+    variant names, k<width>, are none of the MoE op's)."""
     from engc.compiler.codegen.specs import model_specs
     return {s.variant: s for s in model_specs(cfg, dtype, "sm90", 16, {"moe": overrides} if overrides else None,
                                               quant="fp8" if fp8 else "none")
-            if s.op == "moe"}
+            if s.op in ("moe", "fp8_quant")}
 
 
 def _runner(specs):
@@ -269,12 +275,13 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
     ref = op.moe(*inputs, **attrs)
     run = _runner(specs)
     consts = {v: s.launch for v, s in specs.items()}
-    out = op.forward(run, *inputs, consts=consts, **attrs)
+    out = op.forward(run, *inputs, consts=consts, quant=run, **attrs)
     pairs = tokens * top_k
     kind = "_decode" if pairs <= max_pairs else "_prefill" if pairs >= min_rows * experts else ""
     router = "router_small" if tokens <= specs["router_small"].launch["max_tokens"] else "router"
-    expected = [router, "route", *([] if kind == "_decode" else ["sort"]), "gate_up" + kind, "down" + kind,
-                "combine"]
+    quant_x, quant_act = ([f"k{cfg.hidden_size}"], [f"k{cfg.moe_intermediate_size}"]) if fp8 else ([], [])
+    expected = [router, "route", *([] if kind == "_decode" else ["sort"]), *quant_x, "gate_up" + kind, *quant_act,
+                "down" + kind, "combine"]
     assert run.variants == expected, run.variants
     return _rel(out, ref), run.variants
 
@@ -300,7 +307,7 @@ def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False, groups=True
     inputs = [x, w["router"], w["gate_up"], w["down"], w["shared_gate_up"], w["shared_down"], *extra]
     ref = op.moe(*inputs, **attrs)
     run = _runner(specs)
-    out = op.forward(run, *inputs, consts={v: s.launch for v, s in specs.items()}, **attrs)
+    out = op.forward(run, *inputs, consts={v: s.launch for v, s in specs.items()}, quant=run, **attrs)
     assert run.variants[:2] == ["router_deepseek_small" if tokens <= 16 else "router_deepseek", "route_deepseek"], \
         run.variants
     return _rel(out, ref), run.variants
@@ -339,11 +346,11 @@ def check_binding(dtype, fp8=False):
             self.ran = _runner(specs)
 
         def run(self, name, launches):
-            assert name == "moe"
+            assert name in (("moe", "fp8_quant") if fp8 else ("moe",)), name
             self.ran(launches)
 
         def has(self, name):
-            return name == "moe"
+            return name in (("moe", "fp8_quant") if fp8 else ("moe",))
 
         def consts(self, name):
             return {v: s.launch for v, s in specs.items()}

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 FORMAT = "engc-bundle"
-FORMAT_VERSION = (6, 0)
-# The majors this runtime reads. 6.0: the program has its decode form (passes/decode_form), sampling is the
-# four launches of kernels/sampling (stats, bound, compact, finish over a row cut into slices), and an MoE
-# model's GPU kernels include the router-logits and the expert-sort kernels the MoE op launches; a bundle of
-# an older format is refused with a line saying to rebuild it.
-READABLE_MAJORS = (6,)
+FORMAT_VERSION = (7, 0)
+# The majors this runtime reads. 7.0: the program has its decode form (passes/decode_form), sampling is the
+# four launches of kernels/sampling (stats, bound, compact, finish over a row cut into slices), an MoE
+# model's GPU kernels include the router-logits and the expert-sort kernels the MoE op launches, and its
+# expert GEMMs take their inputs' row scales (fp8 experts are W8A8, their inputs quantized by the fp8_quant
+# kernels); a bundle of an older format is refused with a line saying to rebuild it.
+READABLE_MAJORS = (7,)
 MANIFEST = "manifest.json"
 PROGRAM = "program.onnx"
 WEIGHTS = "weights/rank0.safetensors"

@@ -15,7 +15,9 @@ def fp8_quant_specs(cfg, t: str, arch: str, overrides=None) -> list:
     if arch not in FP8_ARCHS:
         raise UserError(f"--quant fp8 needs FP8 tensor cores (sm89 or newer); {arch} has none")
     types = {"x_ptr": f"*{t}", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
-    widths = [(f"k{k}", k, False) for k in projection_input_widths(cfg)]
+    # the MoE experts' inputs too (kernels/moe): the hidden size is a projection's, the experts' width is theirs
+    moe = {cfg.moe_intermediate_size} if cfg.num_experts else set()
+    widths = [(f"k{k}", k, False) for k in sorted(set(projection_input_widths(cfg)) | moe)]
     return [make_spec("fp8_quant", variant, arch, "fp8_quant_kernel", types,
                       {"K": k, "BLOCK": pow2(k), "FP8_MAX": FP8_MAX, "MIN_AMAX": MIN_AMAX, "SILU": silu},
                       tune.block_bucket(pow2(k)), overrides=overrides)

@@ -33,11 +33,11 @@ DeepSeek's routings (absent: as above):
 y excludes the residual: the decoder adds it in the next norm, as it does for a dense MLP.
 
 fp8 experts are W8A8, as the dense fp8 projections (kernels/fp8_quant's fp8_linear is the reference of
-each expert GEMM): each token's row of x is quantized per token for gate_up, each pair's SiLU-GLU output per
-row for down, and the GEMMs take float8 x float8 products summed in float32 times both scales. A decode
-step is bound by the bytes of the experts it reads, which float8 halves; at batch sizes where every expert is
-read, the float8 tensor cores keep the grouped GEMMs at the copy rate, where converting the codes to bf16
-for a bf16 dot halved it.
+each expert GEMM): x is quantized per token for gate_up and each pair's SiLU-GLU output per row for down, by
+the fp8 program's own quantization kernel (kernels/fp8_quant), and the GEMMs take float8 x float8 products
+summed in float32 times both scales. A decode step is bound by the bytes of the experts it reads, which
+float8 halves; at batch sizes where every expert is read, the float8 tensor cores keep the grouped GEMMs at
+the copy rate.
 The router, the shared expert and its gate stay in the model dtype: the shared expert's GEMMs are dense
 (the library's, like the router's), not the grouped kernels, and DeepSeek's MLA projections and dense
 layers are Gemms the dense pass quantizes (W8A8).
@@ -50,6 +50,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engc.kernels import fp8_quant
 from engc.kernels.fp8_quant import fp8_linear
 from engc.kernels.int4_linear.layout import dequantize
 
@@ -267,26 +268,42 @@ def grouped_variants(num_tokens: int, top_k: int, num_experts: int, consts: dict
     return "gate_up", "down"
 
 
-def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, variants,
-                   gate_up_scale=None, down_scale=None):
-    """moe_gate_up_kernel then moe_down_kernel over the schedule rows/block_expert (launch_sort's with the
-    variant's BLOCK_M, or for the decode variants one pair a program: rows = 0..T*k-1, block_expert = ids).
-    variants: grouped_variants' (gate_up, down) pair, None for the decode ones. act [len(rows), I], pairs
-    [T*k, H] (each pair's weighted expert output). consts: '<variant>' -> {'BLOCK_M', 'BLOCK_N'}.
-    fp8 experts: gate_up_scale [E, 2I] and down_scale [E, H] float32, each the argument after its weight;
-    float experts pass the weight itself there (the kernel, compiled without FP8_W, reads no scale)."""
+def launch_gate_up(x, gate_up, rows, block_expert, act, num_pairs: int, consts, variant: str,
+                   gate_up_scale=None, x_scale=None):
+    """moe_gate_up_kernel over the schedule rows/block_expert (launch_sort's with the variant's BLOCK_M, or for
+    the decode variant one pair a program: rows = 0..T*k-1, block_expert = ids), grid (blocks,
+    cdiv(I, BLOCK_N)). act [len(rows), I]. fp8 experts: x float8 [T, H] with x_scale [T] (kernels/fp8_quant's
+    per-token quantization) and gate_up_scale [E, 2I]; float experts pass x and the weight where the scales
+    go (the kernel, compiled without FP8_W, reads neither). args: x, x_scale, gate_up, gate_up_scale, rows,
+    block_expert, act, num_pairs, scratch, scratch."""
+    if num_pairs == 0:
+        return []
+    inter = gate_up.shape[1] // 2
+    return [(variant, (block_expert.numel(), _cdiv(inter, consts[variant]["BLOCK_N"]), 1),
+             [x, x if x_scale is None else x_scale, gate_up, gate_up if gate_up_scale is None else gate_up_scale,
+              rows, block_expert, act, num_pairs, 0, 0])]
+
+
+def launch_down(act, down, rows, block_expert, weights, pairs, consts, variant: str, down_scale=None,
+                act_scale=None):
+    """moe_down_kernel over gate_up's schedule, grid (blocks, cdiv(H, BLOCK_N)): pairs [T*k, H] (each pair's
+    weighted expert output). fp8 experts: act float8 [len(rows), I] with act_scale [len(rows)] and down_scale
+    [E, H]. args: act, act_scale, down, down_scale, rows, block_expert, weights, pairs, num_pairs, scratch,
+    scratch."""
     num_pairs = weights.numel()
     if num_pairs == 0:
         return []
+    return [(variant, (block_expert.numel(), _cdiv(down.shape[1], consts[variant]["BLOCK_N"]), 1),
+             [act, act if act_scale is None else act_scale, down, down if down_scale is None else down_scale, rows,
+              block_expert, weights, pairs, num_pairs, 0, 0])]
+
+
+def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, variants):
+    """Float experts' gate_up then down launches (launch_gate_up, launch_down). variants: grouped_variants'
+    (gate_up, down) pair, None for the decode ones. consts: '<variant>' -> {'BLOCK_M', 'BLOCK_N'}."""
     gate_up_variant, down_variant = variants or ("gate_up_decode", "down_decode")
-    blocks = block_expert.numel()
-    inter, hidden = down.shape[2], down.shape[1]
-    return [(gate_up_variant, (blocks, _cdiv(inter, consts[gate_up_variant]["BLOCK_N"]), 1),
-             [x, gate_up, gate_up if gate_up_scale is None else gate_up_scale, rows, block_expert, act,
-              num_pairs, 0, 0]),
-            (down_variant, (blocks, _cdiv(hidden, consts[down_variant]["BLOCK_N"]), 1),
-             [act, down, down if down_scale is None else down_scale, rows, block_expert, weights, pairs,
-              num_pairs, 0, 0])]
+    return (launch_gate_up(x, gate_up, rows, block_expert, act, weights.numel(), consts, gate_up_variant)
+            + launch_down(act, down, rows, block_expert, weights, pairs, consts, down_variant))
 
 
 def launch_combine(pairs, shared, shared_weight, out, consts):
@@ -299,7 +316,15 @@ def launch_combine(pairs, shared, shared_weight, out, consts):
              [pairs, shared, shared_weight, out, 0, 0])]
 
 
-def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, softmax_first: int = 1,
+def _quantized(quant, x):
+    """x [M, K] as float8 codes and a scale a row, by quant(launches) (fp8_quant's kernel, variant k<K>)."""
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    quant(fp8_quant.launch(x, q, scale))
+    return q, scale
+
+
+def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quant=None, softmax_first: int = 1,
             renormalize: int = 0, has_shared_expert: int = 0, group_size: int = 0, float32_weights: int = 0,
             shared_ungated: int = 0, correction_bias: int = 0, fp8_experts: int = 0, **routing) -> torch.Tensor:
     """The MoE node on the GPU: run(launches) runs each launch rule's output (the runtime's BundleKernels, or
@@ -310,10 +335,12 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, soft
     The shared expert is a dense SiLU GLU on every token: its GEMMs are torch's (cuBLAS). DeepSeek's routings
     (groups, sigmoid scores, the correction bias, the scaling factor) take their own routing kernel; the
     expert GEMMs and the combine are the same kernels. fp8 experts take the
-    gate_up / down variants the bundle compiled with FP8_W (an fp8 bundle's are all so)."""
-    shared, quant, bias = expert_inputs(rest, has_shared_expert, shared_ungated, correction_bias)
+    gate_up / down variants the bundle compiled with FP8_W (an fp8 bundle's are all so), their inputs
+    quantized per row first by quant(launches), which runs kernels/fp8_quant's launches (the fp8 program's
+    own per-token quantization, with a variant for the experts' intermediate size)."""
+    shared, scales, bias = expert_inputs(rest, has_shared_expert, shared_ungated, correction_bias)
     shared_gate_up, shared_down, shared_gate = (list(shared) + [None, None, None])[:3]
-    gate_up_scale, down_scale = quant if fp8_experts else (None, None)
+    gate_up_scale, down_scale = scales if fp8_experts else (None, None)
     assert not group_size, "int4 experts have no GPU kernels: engc build refuses such a GPU bundle"
     t, e = x.shape[0], gate_up.shape[0]
     out = torch.empty_like(x)
@@ -344,8 +371,15 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, soft
         run(launch_sort(ids, rows, block_expert, block_m, consts))
     act = torch.empty(rows.numel(), down.shape[2], dtype=x.dtype, device=x.device)
     pairs = torch.empty(t * top_k, x.shape[1], dtype=x.dtype, device=x.device)
-    run(launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, variants, gate_up_scale,
-                       down_scale))
+    gate_up_variant, down_variant = variants or ("gate_up_decode", "down_decode")
+    if fp8_experts:   # W8A8: each GEMM's input quantized per row by fp8_quant's kernel first
+        xq, x_scale = _quantized(quant, x)
+        run(launch_gate_up(xq, gate_up, rows, block_expert, act, t * top_k, consts, gate_up_variant, gate_up_scale,
+                           x_scale))
+        act, act_scale = _quantized(quant, act)
+        run(launch_down(act, down, rows, block_expert, weights, pairs, consts, down_variant, down_scale, act_scale))
+    else:
+        run(launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, variants))
     shared = glu(x, shared_gate_up, shared_down) if has_shared_expert else pairs
     run(launch_combine(pairs, shared, shared_weight, out, consts))
     return out

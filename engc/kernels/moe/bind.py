@@ -10,6 +10,7 @@ def gpu_ops(ctx) -> dict:
         return {}
 
     def moe_gpu(*xs, **attrs):
-        return (forward(lambda launches: ctx.run("moe", launches), *xs, consts=ctx.consts("moe"), **attrs),)
+        return (forward(lambda launches: ctx.run("moe", launches), *xs, consts=ctx.consts("moe"),
+                        quant=lambda launches: ctx.run("fp8_quant", launches), **attrs),)
 
     return {(ENGC_DOMAIN, "MoE"): moe_gpu}

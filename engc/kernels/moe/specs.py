@@ -1,11 +1,10 @@
 """The MoE kernels of a mixture-of-experts model: routing, the grouped and the decode expert GEMMs, the combine,
 each specialized on the model's hidden size, expert count, top-k and expert intermediate size; DeepSeek's
 routings (groups, sigmoid scores, a correction bias) their own routing kernel. An fp8 build's
-expert GEMMs are the FP8_W specialization (float8 weights with a float32 scale per channel, activations
-quantized per row inside the kernels: kernels/moe); the same variant names, as a bundle's experts are all fp8
-or all float."""
+expert GEMMs are the FP8_W specialization (float8 weights with a float32 scale per channel, inputs quantized
+per row by the fp8 program's fp8_quant kernels: kernels/moe); the same variant names, as a bundle's experts
+are all fp8 or all float."""
 from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
-from engc.kernels.fp8_quant import FP8_MAX, MIN_AMAX
 
 # Untuned starting points (no tune-table line yet; `engc tune --ops moe` measures them): BLOCK_M 16 keeps the
 # padding of a lightly loaded expert small (a decode-sized batch: a few to tens of pairs an expert); the
@@ -44,11 +43,14 @@ def specs(b: Build) -> list:
     t, h, e, k, inter = b.t, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     shared = int(cfg.shared_expert_intermediate_size > 0)
     fp8 = b.quant == "fp8"
-    # float experts pass the weight as w_scale_ptr (unread): its type is the weight's
+    # fp8 experts: float8 inputs and weights, each with its float32 scales; float experts pass the input and
+    # the weight where the scales go (unread): their types are the input's and the weight's
     w = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"} if fp8 else {"w_ptr": f"*{t}", "w_scale_ptr": f"*{t}"}
-    gate_up = {"x_ptr": f"*{t}", **w, "rows_ptr": "*i32", "block_expert_ptr": "*i32", "act_ptr": f"*{t}",
-               "num_pairs": "i32"}
-    down = {"act_ptr": f"*{t}", **w, "rows_ptr": "*i32", "block_expert_ptr": "*i32", "weights_ptr": "*fp32",
+    x_in = {"x_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32"} if fp8 else {"x_ptr": f"*{t}", "x_scale_ptr": f"*{t}"}
+    act_in = {"act_ptr": "*fp8e4nv", "act_scale_ptr": "*fp32"} if fp8 else {"act_ptr": f"*{t}",
+                                                                          "act_scale_ptr": f"*{t}"}
+    gate_up = {**x_in, **w, "rows_ptr": "*i32", "block_expert_ptr": "*i32", "act_ptr": f"*{t}", "num_pairs": "i32"}
+    down = {**act_in, **w, "rows_ptr": "*i32", "block_expert_ptr": "*i32", "weights_ptr": "*fp32",
             "pairs_ptr": f"*{t}", "num_pairs": "i32"}
     router = {"x_ptr": f"*{t}", "router_ptr": f"*{t}", "logits_ptr": f"*{t}", "T": "i32"}
     route = {"x_ptr": f"*{t}", "logits_ptr": f"*{t}", "shared_gate_ptr": f"*{t}", "weights_ptr": "*fp32",
@@ -62,8 +64,7 @@ def specs(b: Build) -> list:
             "num_blocks": "i32"}
     combine = {"pairs_ptr": f"*{t}", "shared_ptr": f"*{t}", "shared_weight_ptr": "*fp32", "out_ptr": f"*{t}"}
     # a float32 bundle's GEMMs in full precision, not TF32 (as paged attention's)
-    sizes = {"H": h, "INTER": inter, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32", "FP8_W": fp8,
-             "FP8_MAX": FP8_MAX, "MIN_AMAX": MIN_AMAX}
+    sizes = {"H": h, "INTER": inter, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32", "FP8_W": fp8}
     # each down GEMM walks the schedule its gate_up one does: the same BLOCK_M
     block_m = {v: make_spec("moe", v, b.arch, "moe_gate_up_kernel", gate_up, {}, "any", overrides=b.ov("moe"),
                             defaults=DEFAULTS[v]).constexprs["BLOCK_M"] for v in ("gate_up", "gate_up_prefill")}

@@ -28,24 +28,23 @@ moe_combine_kernel     grid (T, cdiv(H, BLOCK)): y[t] = sum over the token's k p
 Accumulation is float32; outputs round to the storage dtype where the reference's torch ops do (the GLU's
 silu and product, each expert's output before it is weighted).
 
-FP8_W (an fp8 bundle's experts, kernels/moe fp8_experts) is W8A8, as the dense fp8 projections: the weight
-tiles are float8 e4m3 codes with a float32 scale per output channel (w_scale_ptr, [E, N]), and each program
-quantizes its input rows itself (x's tokens for gate_up, act's rows for down; kernels/fp8_rows: a pass over
-the rows for their absmax ahead of the K loop, then each K tile scaled and rounded on its way into the dot),
-so no launch is added and the codes are the reference's bit for bit. The grouped variants dot the codes on
-the FP8 tensor cores with the operands swapped (the weight tile [BLOCK_N, BLOCK_K] as the MMA's A operand,
-the few rows an expert has as its narrow N side; fp8 wgmma wants both operands K-contiguous, which the
-weights' [N, K] rows and the gathered input rows are), as kernels/fp8_linear does; a bf16 dot of converted
-codes ran at half the copy rate. The decode GEMV widens both codes to float32 (exact products). The float32
-sums are multiplied by the channel's and the row's scales before the rounding; without FP8_W the kernels read
-no scale.
+FP8_W (an fp8 bundle's experts, kernels/moe fp8_experts) is W8A8, as the dense fp8 projections: the weights
+are float8 e4m3 codes with a float32 scale per output channel (w_scale_ptr, [E, N]), and the inputs come
+quantized per row by kernels/fp8_quant (x's tokens for gate_up, act's rows for down; x_scale_ptr /
+act_scale_ptr their scales). The grouped variants dot the codes on the FP8 tensor cores with the operands
+swapped (the weight tile [BLOCK_N, BLOCK_K] as the MMA's A operand, the few rows an expert has as its narrow
+N side; fp8 wgmma wants both operands K-contiguous, which the weights' [N, K] rows and the gathered input
+rows are), as kernels/fp8_linear does; both operands stream from memory into the MMA as float tiles do.
+Converting float8 weight tiles to bf16 in registers for a bf16 dot ran at half the copy rate, and so did
+quantizing the input tile in registers inside the K loop. The decode GEMV widens both codes to float32
+(exact products). The float32 sums are multiplied by the channel's and the row's scales before the rounding;
+without FP8_W the kernels read no scale.
 """
 import os
 
 import triton
 import triton.language as tl
 
-from engc.kernels import fp8_rows
 from engc.kernels.silu_rows import silu_times_up
 
 if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter's bf16/fp16 tl.dot is wrong: the same products in fp32
@@ -129,10 +128,10 @@ def _gemv_step(acc, a, w, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, act_ptr, num_pairs,
+def moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, act_ptr, num_pairs,
                        H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       FP8_W: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+                       FP8_W: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     # blocks past the last expert's are padding (expert -1): every row and column masked off
@@ -144,9 +143,8 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, ac
     token = (pair // TOP_K).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < tl.where(live, INTER, 0)
-    if FP8_W:   # each token's scale: a pass over its row ahead of the K loop
-        x_scale = fp8_rows.row_scales(x_ptr, token, valid, H, BLOCK_M, BLOCK_K, FP8_MAX, MIN_AMAX)
-    if FP8_W and BLOCK_M > 1:   # swap AB: [BLOCK_N, BLOCK_M] accumulators (see the module's docstring)
+    SWAP: tl.constexpr = FP8_W and BLOCK_M > 1   # [BLOCK_N, BLOCK_M] accumulators (the module's docstring)
+    if SWAP:
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -155,9 +153,7 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, ac
     for k0 in range(0, H, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + token[:, None] * H + kk[None, :], mask=valid[:, None] & (kk[None, :] < H), other=0.0)
-        if FP8_W:
-            a = fp8_rows.quantize_tile(a, x_scale, FP8_MAX)
-        if FP8_W and BLOCK_M > 1:
+        if SWAP:
             w_mask = n_ok[:, None] & (kk[None, :] < H)
             wg = tl.load(w_base + n[:, None] * H + kk[None, :], mask=w_mask, other=0.0)
             wu = tl.load(w_base + (n[:, None] + INTER) * H + kk[None, :], mask=w_mask, other=0.0)
@@ -174,11 +170,12 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, ac
                 acc_g = _dot(a, wg, acc_g, DOT_PRECISION)
                 acc_u = _dot(a, wu, acc_u, DOT_PRECISION)
     dt = act_ptr.dtype.element_ty
-    if FP8_W:   # the codes' sums times each output channel's and each row's scale
+    if FP8_W:   # the codes' sums times each output channel's and each token's scale
         s_base = w_scale_ptr + tl.maximum(expert, 0).to(tl.int64) * (2 * INTER)
         s_g = tl.load(s_base + n, mask=n_ok, other=0.0)
         s_u = tl.load(s_base + INTER + n, mask=n_ok, other=0.0)
-        if BLOCK_M > 1:
+        x_scale = tl.load(x_scale_ptr + token, mask=valid, other=0.0)
+        if SWAP:
             acc_g = tl.trans(acc_g * s_g[:, None] * x_scale[None, :])
             acc_u = tl.trans(acc_u * s_u[:, None] * x_scale[None, :])
         else:
@@ -191,10 +188,9 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, ac
 
 
 @triton.jit
-def moe_down_kernel(act_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, weights_ptr, pairs_ptr, num_pairs,
-                    H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_W: tl.constexpr,
-                    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+def moe_down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, weights_ptr, pairs_ptr,
+                    num_pairs, H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_W: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     live = expert >= 0
@@ -204,9 +200,8 @@ def moe_down_kernel(act_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, wei
     valid = pair < tl.where(live, num_pairs, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < tl.where(live, H, 0)
-    if FP8_W:   # each act row's scale
-        a_scale = fp8_rows.row_scales(act_ptr, offs_m, valid, INTER, BLOCK_M, BLOCK_K, FP8_MAX, MIN_AMAX)
-    if FP8_W and BLOCK_M > 1:
+    SWAP: tl.constexpr = FP8_W and BLOCK_M > 1
+    if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -214,9 +209,7 @@ def moe_down_kernel(act_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, wei
         kk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(act_ptr + offs_m.to(tl.int64)[:, None] * INTER + kk[None, :],
                     mask=valid[:, None] & (kk[None, :] < INTER), other=0.0)
-        if FP8_W:
-            a = fp8_rows.quantize_tile(a, a_scale, FP8_MAX)
-        if FP8_W and BLOCK_M > 1:
+        if SWAP:
             w = tl.load(w_base + n[:, None] * INTER + kk[None, :], mask=n_ok[:, None] & (kk[None, :] < INTER),
                         other=0.0)
             acc = _dot(w, tl.trans(a), acc, DOT_PRECISION)
@@ -227,9 +220,10 @@ def moe_down_kernel(act_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, wei
                 acc = _gemv_step(acc, a, w, BLOCK_K, BLOCK_N)
             else:
                 acc = _dot(a, w, acc, DOT_PRECISION)
-    if FP8_W:
+    if FP8_W:   # times each output channel's and each act row's scale
         s = tl.load(w_scale_ptr + tl.maximum(expert, 0).to(tl.int64) * H + n, mask=n_ok, other=0.0)
-        if BLOCK_M > 1:
+        a_scale = tl.load(act_scale_ptr + offs_m, mask=valid, other=0.0)
+        if SWAP:
             acc = tl.trans(acc * s[:, None] * a_scale[None, :])
         else:
             acc = acc * s[None, :] * a_scale[:, None]
