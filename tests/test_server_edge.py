@@ -79,6 +79,34 @@ def test_surrogate_escapes_are_read_as_json_reads_them():
         assert edge.lone_surrogate(text.encode()) == lone, text
 
 
+def test_ids_are_uuid4s_that_do_not_repeat():
+    """edge.uuid4_hex: uuid.uuid4().hex's form; random.seed() elsewhere and a fork do not make it repeat ids."""
+    import os
+    import random
+    import uuid
+    ids = set()
+    for _ in range(2000):
+        h = edge.uuid4_hex()
+        u = uuid.UUID(h)
+        assert (u.hex, u.version, u.variant, len(h)) == (h, 4, uuid.RFC_4122, 32)
+        ids.add(h)
+    random.seed(0)
+    ids.add(edge.uuid4_hex())
+    random.seed(0)
+    ids.add(edge.uuid4_hex())
+    assert len(ids) == 2002
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: its first id, to the parent
+        os.write(write, edge.uuid4_hex().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    assert len(child) == 32 and child != edge.uuid4_hex()
+
+
 def test_a_body_over_the_limit_is_refused_unread(srv, monkeypatch):
     """A 20 MB chat message: 413 from the size limit, before anything parses or tokenizes it, whether the
     client declares the length or streams the body chunked; /health answers meanwhile and after."""

@@ -6,12 +6,12 @@ the prefix cache, cache_read_input_tokens the ones that were; their sum is the p
 from __future__ import annotations
 
 import json
-import uuid
 
 from fastapi import APIRouter, Request
 
 from engc.runtime.async_engine import Delta, EngineError
 from engc.runtime.server.app import APIError, EventStream, Last, ServerState, dumps
+from engc.runtime.server.edge import uuid4_hex
 from engc.runtime.server.formats import anthropic_format
 from engc.runtime.server.protocol import CountTokensRequest, MessagesRequest
 from engc.runtime.server.tools import CallWatch, ToolSpec, call_input
@@ -33,7 +33,7 @@ async def messages(req: MessagesRequest, request: Request):
     params = s.params(len(prompt_ids), req.max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                       top_p=req.top_p, top_k=req.top_k, stop=tuple(req.stop_sequences or ()), **constraint)
     stream = await s.stream([(prompt_ids, params)], 0, req.session_id)
-    msg_id = f"msg_{uuid.uuid4().hex}"
+    msg_id = f"msg_{uuid4_hex()}"
     if req.stream:
         events = _tool_events if tools.active else _events
         return EventStream(events(stream, msg_id, s.model_name, len(prompt_ids), tools))

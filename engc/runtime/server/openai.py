@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import uuid
 from dataclasses import replace
 
 from fastapi import APIRouter, Request
@@ -18,6 +17,7 @@ from fastapi import APIRouter, Request
 from engc.runtime.async_engine import Delta, EngineError
 from engc.runtime.server.app import APIError, EventStream, Last, ServerState, dumps
 from engc.runtime.server.echo import Echo, read_prompts
+from engc.runtime.server.edge import uuid4_hex
 from engc.runtime.server.formats import openai_format
 from engc.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from engc.runtime.server.tools import CallWatch, ToolSpec
@@ -57,7 +57,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prompts = _prompts(s, [prompt_ids], req, max_tokens, logprobs, constraint)
-    out = _Output(s, req, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", [len(prompt_ids)], tools)
+    out = _Output(s, req, f"chatcmpl-{uuid4_hex()}", "chat.completion", [len(prompt_ids)], tools)
     stream = await s.stream(prompts, req.priority, req.session_id)
     if req.stream:
         return EventStream(_events(stream, out))
@@ -75,7 +75,7 @@ async def completions(req: CompletionRequest, request: Request):
     max_tokens = 1 if echo is not None and echo.scoring_only else req.max_tokens
     prompts = _prompts(s, id_lists, req, max_tokens, req.logprobs,
                        {"grammar": openai_format(req), "prompt_logprobs": echo.k if echo else None})
-    out = _Output(s, req, f"cmpl-{uuid.uuid4().hex}", "text_completion", [len(x) for x in id_lists], echo=echo)
+    out = _Output(s, req, f"cmpl-{uuid4_hex()}", "text_completion", [len(x) for x in id_lists], echo=echo)
     stream = await s.stream(prompts, req.priority, req.session_id)
     if req.stream:
         return EventStream(_events(stream, out))
