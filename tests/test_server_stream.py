@@ -196,6 +196,33 @@ def test_a_held_reader_is_woken_by_a_step_without_its_sequence():
     assert first.woken == 1   # a sequence's first token goes out at once
 
 
+def test_merged_deltas_stop_at_another_sequence_an_error_or_the_end():
+    from collections import deque
+    from types import SimpleNamespace
+
+    from engc.runtime.async_engine import Delta, RequestStream
+
+    def delta(index, n, finished=False, logprobs=(), prompt_logprobs=None):
+        return Delta(index, f"<{index}.{n}>", [10 * index + n], list(logprobs), finished,
+                     "length" if finished else None, None, 3, 1, n, prompt_logprobs)
+
+    def merge(first, *rest):
+        reader = SimpleNamespace(ready=deque(rest))
+        return RequestStream._merge(reader, first), list(reader.ready)
+    error = RuntimeError("a broken step")
+    merged, left = merge(delta(0, 1, prompt_logprobs=["p"]), delta(0, 2, logprobs=["a"]), delta(0, 3), delta(1, 1),
+                         delta(0, 4))
+    assert (merged.text, merged.token_ids, merged.logprobs, merged.completion_tokens) == \
+        ("<0.1><0.2><0.3>", [1, 2, 3], ["a"], 3)
+    assert merged.prompt_logprobs == ["p"] and [d.token_ids for d in left] == [[11], [4]]
+    merged, left = merge(delta(0, 1), delta(0, 2, finished=True), delta(0, 3))
+    assert merged.token_ids == [1, 2] and merged.finished and merged.finish_reason == "length" and len(left) == 1
+    merged, left = merge(delta(0, 1), error, delta(0, 2))
+    assert merged.token_ids == [1] and left[0] is error
+    first = delta(0, 1, finished=True)
+    assert merge(first, delta(0, 2))[0] is first
+
+
 @pytest.mark.parametrize("kind", ["chat.completion", "text_completion"])
 @pytest.mark.parametrize("usage", [False, True])
 def test_text_chunks_are_the_chunks_json_dumps_writes(kind, usage):

@@ -253,13 +253,17 @@ class _Outbox:
         was_held, held = self.held, {}
         for route, item in items:
             stream = route.stream
-            stream.ready.append(item)
-            if item.__class__ is Delta:
+            ready = stream.ready
+            ready.append(item)
+            is_delta = item.__class__ is Delta
+            if is_delta:
                 tokens += len(item.token_ids)
-                if every > 1 and stream.waiter is not None and len(stream.ready) < every and not item.finished \
-                        and item.completion_tokens > len(item.token_ids):
-                    held[id(stream)] = stream
-                    continue
+            if stream.waiter is None:   # not waiting: its reader takes this when it next asks
+                continue
+            if is_delta and every > 1 and len(ready) < every and not item.finished \
+                    and item.completion_tokens > len(item.token_ids):
+                held[id(stream)] = stream
+                continue
             stream.wake()
         for key, stream in was_held.items():
             if key not in held:
@@ -305,7 +309,7 @@ class RequestStream:
             self.waiter = self.loop.create_future()
             await self.waiter
         item = self.ready.popleft()
-        if isinstance(item, Exception):
+        if item.__class__ is not Delta:   # an exception
             self.remaining = 0
             self.abort()
             raise item
@@ -327,16 +331,26 @@ class RequestStream:
     def _merge(self, first: Delta) -> Delta:
         """first with the deltas of its sequence that follow it in ready, as one delta: their text, tokens
         and logprobs one after the other, the counts and the finish of the last."""
-        ready, run = self.ready, [first]
-        while ready and ready[0].__class__ is Delta and ready[0].index == first.index and not run[-1].finished:
-            run.append(ready.popleft())
-        if len(run) == 1:
+        ready, index, last = self.ready, first.index, first
+        texts, tokens, logprobs, prompt_logprobs = [first.text], None, None, first.prompt_logprobs
+        while ready and not last.finished:
+            d = ready[0]
+            if d.__class__ is not Delta or d.index != index:
+                break
+            ready.popleft()
+            if tokens is None:
+                tokens, logprobs = list(first.token_ids), list(first.logprobs)
+            texts.append(d.text)
+            tokens += d.token_ids
+            if d.logprobs:
+                logprobs += d.logprobs
+            if prompt_logprobs is None:
+                prompt_logprobs = d.prompt_logprobs
+            last = d
+        if last is first:
             return first
-        last = run[-1]
-        return Delta(first.index, "".join(d.text for d in run), [t for d in run for t in d.token_ids],
-                     [x for d in run for x in d.logprobs], last.finished, last.finish_reason, last.stop_string,
-                     last.prompt_tokens, last.cached_tokens, last.completion_tokens,
-                     next((d.prompt_logprobs for d in run if d.prompt_logprobs is not None), None))
+        return Delta(index, "".join(texts), tokens, logprobs, last.finished, last.finish_reason, last.stop_string,
+                     last.prompt_tokens, last.cached_tokens, last.completion_tokens, prompt_logprobs)
 
     def pending(self) -> int:
         """Deltas already handed over that __anext__ returns without waiting (a stream that fell behind
@@ -356,9 +370,10 @@ class RequestStream:
             self.abort()
 
     def _observe(self, d: Delta) -> None:
-        metrics, now = self.engine.metrics, time.perf_counter()
+        metrics = self.engine.metrics
         if metrics is None:
             return
+        now = time.perf_counter()
         last = self.last_token_at.get(d.index)
         if last is None:
             metrics.ttft.observe(now - self.start)
