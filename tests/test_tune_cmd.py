@@ -516,11 +516,11 @@ class _StandIn:
             e = int(be[r // bm])
             if pair >= n or e < 0:
                 continue
-            if gate_up:
+            if gate_up:   # act has a row a pair, as the kernel writes it
                 g, u = F.linear(x[pair // (n // x.shape[0])], w[e]).chunk(2)
-                act[r] = F.silu(g) * u
+                act[pair] = F.silu(g) * u
             else:
-                pairs[pair] = (F.linear(act[r], w[e]) * weights.view(-1)[pair]).to(pairs.dtype)
+                pairs[pair] = (F.linear(act[pair], w[e]) * weights.view(-1)[pair]).to(pairs.dtype)
 
 
 @pytest.mark.parametrize("cls", ["grouped", "prefill", "decode"])

@@ -68,7 +68,7 @@ class MoeBench:
                 block_expert = ids.reshape(-1)
             else:
                 rows, block_expert = op.sort_by_expert(ids, self.e, block_m)
-            act = torch.empty(rows.numel(), self.i, dtype=self.dtype, device=self.device)
+            act = torch.empty(ids.numel(), self.i, dtype=self.dtype, device=self.device)   # a row a pair
             self._schedules[key] = (rows, block_expert, act)
         return self._schedules[key]
 

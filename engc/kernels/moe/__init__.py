@@ -272,7 +272,7 @@ def launch_gate_up(x, gate_up, rows, block_expert, act, num_pairs: int, consts, 
                    gate_up_scale=None, x_scale=None):
     """moe_gate_up_kernel over the schedule rows/block_expert (launch_sort's with the variant's BLOCK_M, or for
     the decode variant one pair a program: rows = 0..T*k-1, block_expert = ids), grid (blocks,
-    cdiv(I, BLOCK_N)). act [len(rows), I]. fp8 experts: x float8 [T, H] with x_scale [T] (kernels/fp8_quant's
+    cdiv(I, BLOCK_N)). act [T*k, I], a row a (token, slot) pair. fp8 experts: x float8 [T, H] with x_scale [T] (kernels/fp8_quant's
     per-token quantization) and gate_up_scale [E, 2I]; float experts pass x and the weight where the scales
     go (the kernel, compiled without FP8_W, reads neither). args: x, x_scale, gate_up, gate_up_scale, rows,
     block_expert, act, num_pairs, scratch, scratch."""
@@ -287,7 +287,7 @@ def launch_gate_up(x, gate_up, rows, block_expert, act, num_pairs: int, consts, 
 def launch_down(act, down, rows, block_expert, weights, pairs, consts, variant: str, down_scale=None,
                 act_scale=None):
     """moe_down_kernel over gate_up's schedule, grid (blocks, cdiv(H, BLOCK_N)): pairs [T*k, H] (each pair's
-    weighted expert output). fp8 experts: act float8 [len(rows), I] with act_scale [len(rows)] and down_scale
+    weighted expert output). fp8 experts: act float8 [T*k, I] with act_scale [T*k] and down_scale
     [E, H]. args: act, act_scale, down, down_scale, rows, block_expert, weights, pairs, num_pairs, scratch,
     scratch."""
     num_pairs = weights.numel()
@@ -369,7 +369,7 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
         rows = torch.empty(blocks * block_m, dtype=torch.int32, device=x.device)
         block_expert = torch.empty(blocks, dtype=torch.int32, device=x.device)
         run(launch_sort(ids, rows, block_expert, block_m, consts))
-    act = torch.empty(rows.numel(), down.shape[2], dtype=x.dtype, device=x.device)
+    act = torch.empty(t * top_k, down.shape[2], dtype=x.dtype, device=x.device)
     pairs = torch.empty(t * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     gate_up_variant, down_variant = variants or ("gate_up_decode", "down_decode")
     if fp8_experts:   # W8A8: each GEMM's input quantized per row by fp8_quant's kernel first

@@ -18,10 +18,10 @@ moe_sort_kernel        grid (up to max_programs,): the grouped GEMMs' schedule, 
                        counting sort of the (token, slot) pairs by expert (each program counts every id, then
                        ranks its own span in pair order), each expert padded to BLOCK_M rows (a runtime
                        argument: one kernel serves the grouped and the prefill pairs), each block's expert
-moe_gate_up_kernel     grid (row blocks, cdiv(I, BLOCK_N)): act = silu(x W_gate^T) * (x W_up^T) of the block's
+moe_gate_up_kernel     grid (row blocks, cdiv(I, BLOCK_N)): act[pair] = silu(x W_gate^T) * (x W_up^T) of the block's
                        expert, for BLOCK_M (token, slot) pairs listed under it (moe_sort_kernel's schedule);
                        BLOCK_M 1 is the decode path: one pair a program, reading only its expert's weights
-moe_down_kernel        grid (row blocks, cdiv(H, BLOCK_N)): pairs[pair] = weight[pair] * (act W_down^T)
+moe_down_kernel        grid (row blocks, cdiv(H, BLOCK_N)): pairs[pair] = weight[pair] * (act[pair] W_down^T)
 moe_combine_kernel     grid (T, cdiv(H, BLOCK)): y[t] = sum over the token's k pairs (+ its gated shared
                        expert's output, whose two GEMMs are the library's: they are dense)
 
@@ -30,7 +30,7 @@ silu and product, each expert's output before it is weighted).
 
 FP8_W (an fp8 bundle's experts, kernels/moe fp8_experts) is W8A8, as the dense fp8 projections: the weights
 are float8 e4m3 codes with a float32 scale per output channel (w_scale_ptr, [E, N]), and the inputs come
-quantized per row by kernels/fp8_quant (x's tokens for gate_up, act's rows for down; x_scale_ptr /
+quantized per row by kernels/fp8_quant (x's tokens for gate_up, act's pairs for down; x_scale_ptr /
 act_scale_ptr their scales). The grouped variants dot the codes on the FP8 tensor cores with the operands
 swapped (the weight tile [BLOCK_N, BLOCK_K] as the MMA's A operand, the few rows an expert has as its narrow
 N side; fp8 wgmma wants both operands K-contiguous, which the weights' [N, K] rows and the gathered input
@@ -183,8 +183,8 @@ def moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, rows_ptr, block_e
             acc_u = acc_u * s_u[None, :] * x_scale[:, None]
     # F.linear rounds gate and up to the model dtype before the silu
     act = silu_times_up(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), dt)
-    tl.store(act_ptr + offs_m.to(tl.int64)[:, None] * INTER + n[None, :], act,
-             mask=valid[:, None] & n_ok[None, :])
+    # act is indexed by pair, not by schedule row: no padding rows to size, quantize or skip
+    tl.store(act_ptr + pair.to(tl.int64)[:, None] * INTER + n[None, :], act, mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -207,7 +207,7 @@ def moe_down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, rows_ptr, block_
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(act_ptr + offs_m.to(tl.int64)[:, None] * INTER + kk[None, :],
+        a = tl.load(act_ptr + pair.to(tl.int64)[:, None] * INTER + kk[None, :],
                     mask=valid[:, None] & (kk[None, :] < INTER), other=0.0)
         if SWAP:
             w = tl.load(w_base + n[:, None] * INTER + kk[None, :], mask=n_ok[:, None] & (kk[None, :] < INTER),
@@ -222,7 +222,7 @@ def moe_down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, rows_ptr, block_
                 acc = _dot(a, w, acc, DOT_PRECISION)
     if FP8_W:   # times each output channel's and each act row's scale
         s = tl.load(w_scale_ptr + tl.maximum(expert, 0).to(tl.int64) * H + n, mask=n_ok, other=0.0)
-        a_scale = tl.load(act_scale_ptr + offs_m, mask=valid, other=0.0)
+        a_scale = tl.load(act_scale_ptr + pair, mask=valid, other=0.0)
         if SWAP:
             acc = tl.trans(acc * s[:, None] * a_scale[None, :])
         else:
