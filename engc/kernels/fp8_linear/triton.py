@@ -26,7 +26,20 @@ previous kernel before it touches x, its scales, the partials or the counters, a
 import triton
 import triton.language as tl
 
-from engc.kernels import fp8_rows, gemm_tiles, pdl
+from engc.kernels import gemm_tiles, pdl
+
+
+@triton.jit
+def _row_scales(x_ptr, rows, row_mask, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """Per-token scale of x's rows: absmax / 448, as kernels/fp8_quant computes it."""
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for t in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * K + offs_k[None, :], mask=row_mask[:, None] & (offs_k < K)[None, :],
+                    other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    return tl.math.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX)
 
 
 @triton.jit
@@ -56,7 +69,7 @@ def fp8_linear_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
     row_mask = rows < M
     x_rows = x_ptr + rows[:, None] * K
     if QUANT_X:
-        x_scale = fp8_rows.row_scales(x_ptr, rows, row_mask, K, BLOCK_M, BLOCK_K, FP8_MAX, MIN_AMAX)
+        x_scale = _row_scales(x_ptr, rows, row_mask, K, BLOCK_M, BLOCK_K, FP8_MAX, MIN_AMAX)
     else:
         x_scale = tl.load(x_scale_ptr + rows, mask=row_mask, other=0.0)
 
@@ -68,7 +81,8 @@ def fp8_linear_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
         w = gemm_tiles.load_w_tile(w_rows, offs_k, k_mask, K, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if QUANT_X:
-            x = fp8_rows.quantize_tile(x, x_scale, FP8_MAX)
+            x = tl.clamp(tl.math.div_rn(x.to(tl.float32), x_scale[:, None]), -FP8_MAX, FP8_MAX)
+            x = x.to(w.dtype)
         acc = tl.dot(w, tl.trans(x), acc)
 
     if splits == 1:

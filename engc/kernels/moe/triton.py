@@ -35,8 +35,8 @@ act_scale_ptr their scales). The grouped variants dot the codes on the FP8 tenso
 swapped (the weight tile [BLOCK_N, BLOCK_K] as the MMA's A operand, the few rows an expert has as its narrow
 N side; fp8 wgmma wants both operands K-contiguous, which the weights' [N, K] rows and the gathered input
 rows are), as kernels/fp8_linear does; both operands stream from memory into the MMA as float tiles do.
-Converting float8 weight tiles to bf16 in registers for a bf16 dot ran at half the copy rate, and so did
-quantizing the input tile in registers inside the K loop. The decode GEMV widens both codes to float32
+Converting float8 weight tiles to bf16 in registers for a bf16 dot ran at half the copy rate, and quantizing
+the input tile in registers inside the K loop at a fifth of it. The decode GEMV widens both codes to float32
 (exact products). The float32 sums are multiplied by the channel's and the row's scales before the rounding;
 without FP8_W the kernels read no scale.
 """
