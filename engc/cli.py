@@ -374,11 +374,14 @@ def chat(bundle, system, device, tp, **sampling):
                    "(for a router or proxy to send elsewhere); default: no limit.")
 @click.option("--max-body-bytes", default=None, type=click.IntRange(1), metavar="BYTES",
               help="Largest request body; a larger one is refused (413) unread. Default: 1 MiB + 64 a context token.")
+@click.option("--max-context", default=None, type=click.IntRange(1), metavar="TOKENS",
+              help="Longest sequence (prompt plus output) served; default: the model's positions, as the KV "
+                   "cache allows. Lower, each decode step stages narrower block tables.")
 @_device_option
 @click.option("--tp", default=None, type=click.IntRange(1),
               help=_TP_HELP + ", spawned here; under torchrun (RANK, WORLD_SIZE set) rank 0 serves.")
 def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_prefill_tokens,
-        cache_max_entry_count, num_blocks, no_prefix_cache, max_waiting, max_body_bytes, device, tp):
+        cache_max_entry_count, num_blocks, no_prefix_cache, max_waiting, max_body_bytes, max_context, device, tp):
     """Serve BUNDLE over HTTP with OpenAI- and Anthropic-compatible APIs (see docs/serving.md)."""
     from engc.runtime.engine import EngineConfig
     from engc.runtime.server.app import serve
@@ -386,7 +389,8 @@ def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_pref
     if num_blocks:
         extra["num_blocks"] = num_blocks
     config = EngineConfig(max_num_seqs=max_batch_size, max_batched_tokens=max_prefill_tokens,
-                          prefix_cache=not no_prefix_cache, max_waiting=max_waiting, **extra)
+                          prefix_cache=not no_prefix_cache, max_waiting=max_waiting, max_context=max_context,
+                          **extra)
     serve(str(bundle), config, host, port, served_model_name, api_key, device, max_body_bytes, tp)
 
 

@@ -718,3 +718,23 @@ def test_graphs_draw_the_sampled_rows_themselves(with_sampler, monkeypatch):
     assert [s.output_ids for s in seqs] == [r[0] for r in eager]
     assert max(drawn) == 5 and sum(drawn) >= 5 * 9     # the graphs drew the five sampled rows, step after step
     assert len(eager_rows) <= 2                         # the prefill steps only
+
+
+def test_max_context_caps_each_sequence_and_narrows_the_staged_tables(model, monkeypatch):
+    """EngineConfig.max_context (`engc run --max-context`): prompts reaching it are refused with the engine's
+    line, a sequence stops at it with finish reason length, graphed and not alike, and the decode graphs
+    stage block tables of its width, not the model's positions' (a cap above those is refused)."""
+    from engc.errors import UserError
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+    ids = prompts(model, 1, length=60)[0][:40]
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    for graphed in (False, True):
+        (out,), engine, _ = run(model, True, [(ids, params, None)], config=EngineConfig(max_context=48),
+                                graphed=graphed)
+        assert engine.max_context == 48 and len(out[0]) == 48 - len(ids) and out[3] == "length"
+        assert not graphed or engine.runner.executor.graphs   # its decode steps went through the graphs
+        with pytest.raises(ValueError, match="context is 48 tokens"):
+            engine.check_request(ids + ids[:8], params)
+    assert engine.runner.executor.staged.width == -(-48 // model.block_size)   # the graphed run's
+    with pytest.raises(UserError, match="more than the model's"):
+        Engine(model, EngineConfig(max_context=model.config.max_position_embeddings + 1))

@@ -13,6 +13,7 @@ from functools import cached_property
 
 from llguidance import LLTokenizer
 
+from engc.errors import UserError
 from engc.runtime.constrained import Matchers, constraint_for, vocab_of
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import LoadedModel
@@ -34,10 +35,18 @@ class EngineConfig:
     cuda_graphs: bool = True            # capture decode graphs at start (GPU only)
     overlap: bool = True                # launch step N+1 before reading step N's tokens (same outputs)
     max_waiting: int | None = None      # server: a request that would make more sequences wait is a 429
+    # Prompt plus output tokens a sequence may reach; None: the model's positions, bounded by the KV cache.
+    # Lower than the model's, it also narrows the block tables each decode step stages for its CUDA graph
+    # (a 128k-position model's are 8,192 entries a row).
+    max_context: int | None = None
 
 
-def context_limit(model: LoadedModel, num_blocks: int) -> int:
-    return min(model.config.max_position_embeddings, num_blocks * model.block_size)
+def context_limit(model: LoadedModel, num_blocks: int, cap: int | None = None) -> int:
+    """The longest sequence the engine runs: the model's positions, the KV cache's tokens, the user's cap."""
+    positions = model.config.max_position_embeddings
+    if cap is not None and cap > positions:
+        raise UserError(f"--max-context {cap} is more than the model's {positions} positions")
+    return min(positions, num_blocks * model.block_size, cap or positions)
 
 
 class Engine:
@@ -50,11 +59,12 @@ class Engine:
         if model.tp is not None:   # the workers (runtime/tp.py) size their caches and graphs as rank 0 does
             num_blocks = model.tp.setup_workers(num_blocks, {
                 "num_blocks": config.num_blocks, "kv_memory_fraction": config.kv_memory_fraction,
-                "max_num_seqs": config.max_num_seqs, "cuda_graphs": config.cuda_graphs})
+                "max_num_seqs": config.max_num_seqs, "cuda_graphs": config.cuda_graphs,
+                "max_context": config.max_context})
         self.kv = KVCache(model.kv_config, num_blocks, model.block_size, kv_dtype, model.device, config.prefix_cache)
         self.scheduler = Scheduler(self.kv.allocator, config.max_num_seqs, config.max_batched_tokens,
                                    config.max_sessions)
-        self.max_context = context_limit(model, num_blocks)
+        self.max_context = context_limit(model, num_blocks, config.max_context)
         self.runner = ModelRunner(model, self.kv, self.max_context, config.max_num_seqs, config.cuda_graphs,
                                   config.overlap)
         self.output = OutputProcessor(model.tokenizer, self.max_context, self._finish)

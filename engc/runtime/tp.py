@@ -267,8 +267,8 @@ def serve_worker(group: Group, bundle: str, device: str) -> None:
     num_blocks = group.agree_blocks(setup["num_blocks"] or KVCache.default_num_blocks(
         model.kv_config, model.block_size, kv_dtype, model.device, setup["kv_memory_fraction"]))
     kv = KVCache(model.kv_config, num_blocks, model.block_size, kv_dtype, model.device, False)
-    runner = ModelRunner(model, kv, context_limit(model, num_blocks), setup["max_num_seqs"], setup["cuda_graphs"],
-                         False)
+    runner = ModelRunner(model, kv, context_limit(model, num_blocks, setup["max_context"]), setup["max_num_seqs"],
+                         setup["cuda_graphs"], False)
     runner.follow()
     group.close()
 
