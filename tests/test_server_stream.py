@@ -378,6 +378,24 @@ def test_an_event_stream_whose_client_goes_stops_its_events_and_returns():
     assert cancelling == 0   # the disconnect's cancel is the response's own, taken back
 
 
+def test_an_event_stream_whose_receive_fails_stops_and_raises_it():
+    cleaned = []
+
+    async def receive():
+        raise OSError("the connection broke")
+
+    async def events():
+        try:
+            yield "data: 1\n\n"
+            await asyncio.Event().wait()
+            yield "data: never\n\n"
+        finally:
+            cleaned.append(True)
+    with pytest.raises(OSError, match="broke"):
+        asyncio.run(_event_stream(events(), receive))
+    assert cleaned == [True]
+
+
 def test_an_event_stream_cancelled_from_outside_is_cancelled():
     started, cleaned = asyncio.Event(), []
 

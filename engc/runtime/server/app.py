@@ -60,12 +60,15 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         task = asyncio.current_task()
-        ended, gone = False, False
+        ended, gone, failed = False, False, None
 
         async def watch():
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            nonlocal gone, failed
+            try:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+            except Exception as e:  # noqa: BLE001 - the stream ends and the response raises it, as StreamingResponse's
+                failed = e
             if not ended:
                 gone = True
                 task.cancel()
@@ -81,6 +84,8 @@ class EventStream(StreamingResponse):
             ended = True
             watcher.cancel()
             await self.body_iterator.aclose()   # left at a yield (the client went during a write): its cleanup now
+        if failed is not None:
+            raise failed
 
     async def _send_events(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
