@@ -142,7 +142,7 @@ def test_launch_rules_match_records(runs):
 
 
 _TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "i32": torch.int32,
-          "i64": torch.int64, "fp8e4nv": torch.float8_e4m3fn}
+          "i64": torch.int64, "fp8e4nv": torch.float8_e4m3fn, "u8": torch.uint8}
 
 
 def check_launch(grid, args, rec: dict, null_pointers: bool = True) -> None:

@@ -176,10 +176,21 @@ def test_what_moe_lacks_is_refused_in_one_line(tiny_dir, tmp_path):
     # fp8 experts need the FP8 conversions of sm89+, as the dense fp8 projections do
     assert_one_line_error(engc("build", tiny_dir("mixtral"), "-o", tmp_path / "b", "--arch", "sm80", "--quant", "fp8"),
                           "fp8", "sm80")
+
+
+def test_int4_experts_build_for_the_gpu(tiny_dir, tmp_path):
+    """An int4 MoE checkpoint (engc quantize's, AWQ/GPTQ's) builds for the GPU: its expert GEMMs are the INT4_W
+    specialization, reading the engc int4 layout's words, scales and zero points."""
+    from test_cli import engc
     r = engc("quantize", tiny_dir("qwen3_moe"), "--method", "rtn", "--group-size", "32", "-o", tmp_path / "q")
     assert r.returncode == 0, r.stderr
-    assert_one_line_error(engc("build", tmp_path / "q", "-o", tmp_path / "b", "--arch", "sm80"),
-                          "int4 experts", "sm80")
+    build(str(tmp_path / "q"), tmp_path / "b", BuildOptions(archs=("cpu", "sm90")))
+    manifest = json.loads((tmp_path / "b/manifest.json").read_text())
+    gemms = [r for r in manifest["kernels"] if r["op"] == "moe" and r["variant"].startswith(("gate_up", "down"))]
+    assert len(gemms) == 6
+    for r in gemms:
+        types = {a["name"]: a["type"] for a in r["args"]}
+        assert (types["w_ptr"], types["w_zero_ptr"]) == ("*i32", "*u8"), r["variant"]
 
 
 # ---- fp8 experts (engc build --quant fp8) -------------------------------------------------------------

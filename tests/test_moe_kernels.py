@@ -29,7 +29,8 @@ CASES = ["route_softmax_fp32", "route_tiled_router_fp32", "route_softmax_renorm_
          "deepseek_v2_decode_fp32", "deepseek_v3_grouped_fp32",
          "deepseek_v2_lite_routing_fp32", "deepseek_v2_bf16", "fp8_decode_bf16", "fp8_grouped_bf16",
          "fp8_decode_shared_fp32", "fp8_grouped_fp32", "fp8_deepseek_v3_grouped_bf16", "fp8_gpu_binding_bf16",
-         "prefill_fp32", "prefill_bf16", "prefill_shared_fp32", "prefill_many_blocks_fp32",
+         "int4_decode_bf16", "int4_grouped_bf16", "int4_grouped_shared_fp32", "int4_prefill_fp32",
+         "int4_whole_row_group_fp32", "prefill_fp32", "prefill_bf16", "prefill_shared_fp32", "prefill_many_blocks_fp32",
          "below_prefill_threshold_fp32", "fp8_prefill_fp32",
          "sort_one_token", "sort_grouped", "sort_mostly_empty_experts", "sort_all_on_one_expert",
          "sort_prefill_block", "sort_pow2_experts", "sort_many_programs", "sort_one_program_loops"]
@@ -142,6 +143,45 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
     assert seen == {v for a, v in records if a == "sm90"}
 
 
+def test_int4_expert_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules():
+    """int4 experts (the INT4_W specialization, groups of 32): the expert GEMMs compile for both archs with
+    int32 packed weights, model-dtype scales and uint8 zero points, and every launch forward() makes on the
+    decode, grouped and prefill paths passes the compiled kernel's parameters in order."""
+    import torch
+    from engc.compiler.codegen.record import compile_specs
+    from engc.compiler.codegen.specs import model_specs
+    from engc.kernels import moe as op
+    cfg = _cfg(moe_intermediate_size=64)
+    specs = [s for arch in ("sm80", "sm90") for s in model_specs(cfg, torch.bfloat16, arch, 16, int4_experts=32)
+             if s.op == "moe"]
+    result = compile_specs(specs, jobs=1)
+    records = {(r["arch"], r["variant"]): r for r in result.records}
+    for r in result.records:
+        if r["variant"] in GEMMS:
+            types = {a["name"]: a["type"] for a in r["args"]}
+            assert (types["w_ptr"], types["w_scale_ptr"], types["w_zero_ptr"]) == ("*i32", "*bf16", "*u8")
+    consts = {v: r["launch"] for (a, v), r in records.items() if a == "sm90"}
+    seen = set()
+
+    def check(launches):
+        for variant, grid, args in launches:
+            seen.add(variant)
+            check_launch(grid, args, records[("sm90", variant)], null_pointers=False)
+            if variant == "route":   # stand in for the kernel: a routing the schedule can be made from
+                args[3].fill_(0.5)
+                args[4].copy_(torch.arange(args[4].numel()).reshape(args[4].shape) % 6)
+
+    bf = torch.bfloat16
+    packed = (torch.zeros(6, 128, 8, dtype=torch.int32), torch.zeros(6, 64, 8, dtype=torch.int32))
+    int4 = (torch.ones(6, 128, 2, dtype=bf), torch.zeros(6, 128, 2, dtype=torch.uint8),
+            torch.ones(6, 64, 2, dtype=bf), torch.zeros(6, 64, 2, dtype=torch.uint8))
+    prefill = records[("sm90", "gate_up_prefill")]["launch"]["prefill_min_rows"] * 6 // 2 + 8
+    for tokens in (3, 80, prefill):
+        op.forward(check, torch.randn(tokens, 64, dtype=bf), torch.randn(6, 64, dtype=bf), *packed, *int4, top_k=2,
+                   consts=consts, group_size=32)
+    assert seen == {v for a, v in records if a == "sm90"}
+
+
 def test_deepseek_routing_kernel_compiles_and_matches_its_launch_rule():
     """DeepSeek's routing kernels (only in a DeepSeek bundle: the float32-logits router and the routing) compile
     for sm80 and sm90, and forward() launches them, with the node's routing attributes and correction bias, in
@@ -187,12 +227,12 @@ def _cfg(**kw):
     return ModelConfig(**base)
 
 
-def _specs(cfg, dtype, overrides=None, fp8=False):
+def _specs(cfg, dtype, overrides=None, fp8=False, int4=0):
     """The MoE op's specs by variant, and with fp8 experts the fp8_quant ones that quantize their inputs (their
-    variant names, k<width>, are none of the MoE op's)."""
+    variant names, k<width>, are none of the MoE op's); int4: the experts' group size."""
     from engc.compiler.codegen.specs import model_specs
     return {s.variant: s for s in model_specs(cfg, dtype, "sm90", 16, {"moe": overrides} if overrides else None,
-                                              quant="fp8" if fp8 else "none")
+                                              quant="fp8" if fp8 else "none", int4_experts=int4)
             if s.op in ("moe", "fp8_quant")}
 
 
@@ -207,7 +247,7 @@ def _runner(specs):
     return run
 
 
-def _weights(cfg, dtype, seed=0, shared=0, fp8=False):
+def _weights(cfg, dtype, seed=0, shared=0, fp8=False, int4=0):
     """Random weights; fp8: the experts float8 and their scales as engc build --quant fp8 makes them, each
     channel's scale spread over two decades (a kernel that dropped or misplaced one would be far off)."""
     import torch
@@ -222,11 +262,21 @@ def _weights(cfg, dtype, seed=0, shared=0, fp8=False):
         for name in ("gate_up", "down"):
             spread = torch.logspace(-1, 1, w[name].shape[1])[torch.randperm(w[name].shape[1], generator=g)]
             w[name], w[name + "_scale"] = _quantize_experts_rows(w[name].float() * spread[:, None])
+    if int4:   # the engc int4 layout: every code, zero point and (spread) scale drawn at random
+        from engc.kernels.int4_linear.layout import pack_int4
+        for name in ("gate_up", "down"):
+            e_, n, k = w[name].shape
+            q = torch.randint(0, 16, (e_, n, k), generator=g, dtype=torch.uint8)
+            w[name] = torch.stack([pack_int4(q[i]) for i in range(e_)])
+            w[name + "_zeros"] = torch.randint(0, 16, (e_, n, -(-k // int4)), generator=g, dtype=torch.uint8)
+            w[name + "_scales"] = (torch.rand(e_, n, -(-k // int4), generator=g) * 0.02 + 0.002).to(dtype)
     return w, r
 
 
 def _quant_inputs(w) -> list:
-    """The node's fp8 inputs (after the shared expert's), absent for float experts."""
+    """The node's fp8 or int4 inputs (after the shared expert's), absent for float experts."""
+    if "gate_up_zeros" in w:
+        return [w["gate_up_scales"], w["gate_up_zeros"], w["down_scales"], w["down_zeros"]]
     return [w["gate_up_scale"], w["down_scale"]] if "gate_up_scale" in w else []
 
 
@@ -258,18 +308,20 @@ def check_route(dtype, softmax_first, renormalize, ties=False, float32_weights=0
 
 
 def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, softmax_first=1, renormalize=0,
-                  fp8=False, min_rows=10 ** 6):
+                  fp8=False, min_rows=10 ** 6, int4=0):
     """forward() against the reference; min_rows: the prefill variants' prefill_min_rows (by default out of
     reach, so a grouped case stays on the small-tile pair)."""
     from engc.kernels import moe as op
-    cfg = _cfg(num_experts=experts, num_experts_per_tok=top_k, shared_expert_intermediate_size=shared)
+    # int4: the layout packs 32 inputs a chunk, so the experts' width is 64 there
+    cfg = _cfg(num_experts=experts, num_experts_per_tok=top_k, shared_expert_intermediate_size=shared,
+               **({"moe_intermediate_size": 64} if int4 else {}))
     specs = _specs(cfg, dtype, {"max_pairs": max_pairs, "prefill_min_rows": min_rows, "BLOCK_N": 32, "BLOCK_K": 32},
-                   fp8=fp8)
+                   fp8=fp8, int4=int4)
     assert specs["gate_up_prefill"].constexprs["BLOCK_M"] > specs["gate_up"].constexprs["BLOCK_M"]
-    w, r = _weights(cfg, dtype, seed=tokens, shared=shared, fp8=fp8)
+    w, r = _weights(cfg, dtype, seed=tokens, shared=shared, fp8=fp8, int4=int4)
     x = r(tokens, cfg.hidden_size, std=1.0)
     attrs = dict(top_k=top_k, softmax_first=softmax_first, renormalize=renormalize, has_shared_expert=int(bool(shared)),
-                 **({"fp8_experts": 1} if fp8 else {}))
+                 **({"fp8_experts": 1} if fp8 else {}), **({"group_size": int4} if int4 else {}))
     shared_inputs = [w["shared_gate_up"], w["shared_down"], w["shared_gate"]] if shared else []
     inputs = [x, w["router"], w["gate_up"], w["down"], *shared_inputs, *_quant_inputs(w)]
     ref = op.moe(*inputs, **attrs)
@@ -405,6 +457,13 @@ def main():
         "fp8_deepseek_v3_grouped_bf16": (lambda: check_deepseek(bf16, 23, v3=True, max_pairs=4, fp8=True),
                                          tol[bf16]),
         "fp8_gpu_binding_bf16": (lambda: check_binding(bf16, fp8=True), tol[bf16]),
+        # int4 experts (W4A16, the engc int4 layout, groups of 32): decode, grouped, with a shared expert,
+        # prefill; a group as wide as the row (per-channel scales of a checkpoint whose group covers K)
+        "int4_decode_bf16": (lambda: check_forward(bf16, 4, int4=32), tol[bf16]),
+        "int4_grouped_bf16": (lambda: check_forward(bf16, 29, max_pairs=4, renormalize=1, int4=32), tol[bf16]),
+        "int4_grouped_shared_fp32": (lambda: check_forward(f32, 21, shared=40, max_pairs=4, int4=32), tol[f32]),
+        "int4_prefill_fp32": (lambda: check_forward(f32, 40, max_pairs=4, min_rows=8, int4=32), tol[f32]),
+        "int4_whole_row_group_fp32": (lambda: check_forward(f32, 9, max_pairs=4, int4=64), tol[f32]),
         # the prefill variants (BLOCK_M 64): 80 pairs of 6 experts reach 8 an expert; 300 fill several blocks
         # of some experts; 80 pairs short of 16 an expert stay on the small-tile pair
         "prefill_fp32": (lambda: check_forward(f32, 40, max_pairs=4, min_rows=8), tol[f32]),

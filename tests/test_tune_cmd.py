@@ -496,7 +496,7 @@ class _StandIn:
 
     def __init__(self, record, tensors, broken=False):
         self.record, self.tensors, self.broken = record, tensors, broken
-        self.signature = "p" * (7 if record["entry"].startswith("moe_gate_up") else 8) + "i"
+        self.signature = "p" * (8 if record["entry"].startswith("moe_gate_up") else 9) + "i"
         self.grids = []
 
     def launch(self, grid, ptrs, stream):
@@ -507,10 +507,10 @@ class _StandIn:
         t = self.tensors()
         bm = self.record["launch"].get("BLOCK_M", 1)
         gate_up = self.record["entry"].startswith("moe_gate_up")
-        if gate_up:   # float experts: the scale pointers (after x and after w) are x's and w's, unread
-            x, _, w, _, rows, be, act, n = (t[p] if i < 7 else p for i, p in enumerate(ptrs))
+        if gate_up:   # float experts: the scale and zero pointers (after x, after w) are x's and w's, unread
+            x, _, w, _, _, rows, be, act, n = (t[p] if i < 8 else p for i, p in enumerate(ptrs))
         else:
-            act, _, w, _, rows, be, weights, pairs, n = (t[p] if i < 8 else p for i, p in enumerate(ptrs))
+            act, _, w, _, _, rows, be, weights, pairs, n = (t[p] if i < 9 else p for i, p in enumerate(ptrs))
         assert grid[0] * bm == rows.numel()
         for r, pair in enumerate(rows.tolist()):
             e = int(be[r // bm])

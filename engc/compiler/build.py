@@ -101,7 +101,7 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
         if fp8 and opts.archs != ("cpu",):
             check_fp8_shapes(cfg)
         if cfg.num_experts:
-            check_moe_build(cfg, ckpt.hf_config, [a for a in opts.archs if a != "cpu"], graph)
+            check_moe_build(cfg, ckpt.hf_config, [a for a in opts.archs if a != "cpu"])
         if opts.tp != 1:   # first: every later pass works on the shard shapes
             passes.insert(0, tp_pass(cfg, opts.tp))
         for p in passes:
@@ -119,7 +119,7 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
                                         Path(opts.kernel_cache) if opts.kernel_cache else None,
                                         quant="fp8" if fp8 else "none", kv_cache=opts.kv_cache,
                                         int4_group_sizes=int4_group_sizes(graph),
-                                        int4_lm_head=has_int4_lm_head(graph))
+                                        int4_lm_head=has_int4_lm_head(graph), int4_experts=int4_experts(graph))
             files.update(result.files)
             kernels = result.records
 
@@ -160,6 +160,11 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
 def int4_group_sizes(graph) -> tuple[int, ...]:
     """The group sizes of the program's int4 projections: each gets its own GEMV/GEMM kernels."""
     return tuple(sorted({int(n.attrs["group_size"]) for n in graph.nodes if n.op == "QLinear"}))
+
+
+def int4_experts(graph) -> int:
+    """The MoE experts' int4 group size (one for every MoE node of a checkpoint), 0 where they are not int4."""
+    return max((int(n.attrs.get("group_size") or 0) for n in graph.nodes if n.op == "MoE"), default=0)
 
 
 def has_int4_lm_head(graph) -> bool:

@@ -60,13 +60,14 @@ def sources_digest() -> str:
 
 def compile_cached(cfg: ModelConfig, dtype: torch.dtype, archs: list[str], block_size: int,
                    cache_dir: Path | None, quant: str = "none", kv_cache: str = "auto", int4_group_sizes=(),
-                   int4_lm_head: bool = False):
+                   int4_lm_head: bool = False, int4_experts: int = 0):
     """compile_kernels, answered from cache_dir when it already holds this exact compilation."""
     from engc.compiler import tune
     from engc.compiler.codegen import CodegenResult, compile_kernels
     if cache_dir is None:
         return compile_kernels(cfg, dtype, archs, block_size, quant=quant, kv_cache=kv_cache,
-                               int4_group_sizes=int4_group_sizes, int4_lm_head=int4_lm_head)
+                               int4_group_sizes=int4_group_sizes, int4_lm_head=int4_lm_head,
+                               int4_experts=int4_experts)
     key = hashlib.sha256(json.dumps({"model": cfg.to_dict(), "dtype": str(dtype), "archs": sorted(archs),
                                      "block_size": block_size, "sources": sources_digest(), "quant": quant,
                                      "kv_cache": kv_cache,
@@ -74,7 +75,8 @@ def compile_cached(cfg: ModelConfig, dtype: torch.dtype, archs: list[str], block
                                      "tune": hashlib.sha256(json.dumps(tune.TUNE, sort_keys=True, default=str)
                                                             .encode()).hexdigest(),
                                      **({"int4_group_sizes": sorted(set(int4_group_sizes))} if int4_group_sizes else {}),
-                                     **({"int4_lm_head": True} if int4_lm_head else {})},
+                                     **({"int4_lm_head": True} if int4_lm_head else {}),
+                                     **({"int4_experts": int4_experts} if int4_experts else {})},
                                     sort_keys=True).encode()).hexdigest()[:32]
     entry = Path(cache_dir) / key
     if (entry / "records.json").is_file():
@@ -82,7 +84,8 @@ def compile_cached(cfg: ModelConfig, dtype: torch.dtype, archs: list[str], block
         files = {rel: (entry / "files" / rel).read_bytes() for rel in json.loads((entry / "files.json").read_text())}
         return CodegenResult(files=files, records=records)
     result = compile_kernels(cfg, dtype, archs, block_size, quant=quant, kv_cache=kv_cache,
-                               int4_group_sizes=int4_group_sizes, int4_lm_head=int4_lm_head)
+                               int4_group_sizes=int4_group_sizes, int4_lm_head=int4_lm_head,
+                               int4_experts=int4_experts)
     for rel, data in result.files.items():
         (entry / "files" / rel).parent.mkdir(parents=True, exist_ok=True)
         (entry / "files" / rel).write_bytes(data)

@@ -86,6 +86,7 @@ class Build:
     kv: torch.dtype | None = None       # a quantized KV cache's code dtype (--kv-cache int8|fp8), else None
     int4_group_sizes: tuple = ()        # group sizes of the program's int4 QLinears
     int4_lm_head: bool = False          # the lm_head is a QLinear too: no dense Gemm is left
+    int4_experts: int = 0               # the MoE experts' int4 group size (0: float or fp8 experts)
     overrides: dict = field(default_factory=dict)   # op -> tune overrides (bench sweeps)
 
     def ov(self, op: str):

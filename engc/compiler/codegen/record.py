@@ -137,7 +137,7 @@ def compile_specs(specs: list[KernelSpec], progress: Callable[[str], None] | Non
 def compile_kernels(cfg: ModelConfig, dtype: torch.dtype, archs: list[str], block_size: int,
                     progress: Callable[[str], None] | None = None, jobs: int | None = None,
                     quant: str = "none", kv_cache: str = "auto", int4_group_sizes=(),
-                    int4_lm_head: bool = False) -> CodegenResult:
+                    int4_lm_head: bool = False, int4_experts: int = 0) -> CodegenResult:
     """Compile every kernel cfg needs for each arch ("sm80", "sm90"), for a KV cache of block_size tokens.
 
     jobs: compiler processes (default: default_jobs(); 1 compiles in this process).
@@ -145,9 +145,11 @@ def compile_kernels(cfg: ModelConfig, dtype: torch.dtype, archs: list[str], bloc
     kv_cache: the build's --kv-cache ('int8'/'fp8': rotary and attention on a quantized KV cache).
     int4_group_sizes: group sizes of the program's int4 QLinears (adds the W4A16 GEMV/GEMM per size).
     int4_lm_head: the lm_head is an int4 QLinear (no dense GEMV / skinny GEMM is built).
+    int4_experts: the MoE experts' int4 group size (0: not int4).
     """
     specs = [s for arch in sorted(set(archs))
              for s in model_specs(cfg, dtype, arch, block_size, quant=quant, kv_cache=kv_cache,
-                                       int4_group_sizes=int4_group_sizes, int4_lm_head=int4_lm_head)]
+                                       int4_group_sizes=int4_group_sizes, int4_lm_head=int4_lm_head,
+                                       int4_experts=int4_experts)]
     # CUDA C++ kernels (nvcc) join where the tune table prefers them to a Triton kernel of the same op.
     return add_selected_cuda(compile_specs(specs, progress, jobs), specs, cfg, progress)

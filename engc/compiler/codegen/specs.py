@@ -13,14 +13,15 @@ from engc.kernels import kv_quant, parts
 
 
 def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int, overrides=None,
-                quant: str = "none", kv_cache: str = "auto", int4_group_sizes=(), int4_lm_head: bool = False) -> list:
+                quant: str = "none", kv_cache: str = "auto", int4_group_sizes=(), int4_lm_head: bool = False,
+                int4_experts: int = 0) -> list:
     """Every kernel the model needs on one arch. overrides: op -> tune overrides (bench sweeps).
     quant: the build's --quant ('none' for float or int4-from-checkpoint; 'fp8' adds fp8_quant, fp8_linear
     and the norms' fp8-out variants).
     kv_cache: the build's --kv-cache ('auto': the model dtype; 'int8'/'fp8': rotary and paged attention
     specialized on that quantized cache). int4_group_sizes: group sizes of the program's int4 QLinears.
     int4_lm_head: the lm_head is a QLinear too (`engc quantize --lm-head`): no dense Gemm is left, so no
-    GEMV or skinny GEMM is built."""
+    GEMV or skinny GEMM is built. int4_experts: the MoE experts' int4 group size (0: not int4)."""
     if arch not in tune.ARCHS:
         raise UserError(f"unsupported arch '{arch}': engc builds kernels for {', '.join(tune.ARCHS)}")
     if dtype not in TRITON_DTYPE:
@@ -34,5 +35,6 @@ def model_specs(cfg: ModelConfig, dtype: torch.dtype, arch: str, block_size: int
         raise UserError(f"--kv-cache fp8 needs sm89 or newer (e4m3 conversions); {arch} has none: "
                         "use --kv-cache int8")
     b = Build(cfg=cfg, t=t, arch=arch, block_size=block_size, quant=quant, kv=kv,
-              int4_group_sizes=tuple(int4_group_sizes), int4_lm_head=int4_lm_head, overrides=overrides or {})
+              int4_group_sizes=tuple(int4_group_sizes), int4_lm_head=int4_lm_head, int4_experts=int4_experts,
+              overrides=overrides or {})
     return [spec for op in parts("specs") for spec in op.specs(b)]

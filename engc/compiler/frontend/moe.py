@@ -188,15 +188,12 @@ def _int4_experts(g: Graph, ckpt, per: list[str], names: tuple, p: str, dtype: t
                                            for key in ("scales", "zeros")]}
 
 
-def check_moe_build(cfg, hf: dict, gpu_archs: list[str], graph: Graph) -> None:
-    """What a GPU bundle of an MoE model would lack, refused in one line: int4 experts (no grouped int4 kernel
-    yet) and OLMoE's q/k norm where a projection is narrower than the hidden size (the RMSNorm kernel is
-    specialized on the hidden size; OLMoE's released shapes have q and k that wide). fp8 experts have their
-    kernels (passes/quantize_fp8, kernels/moe), on the archs --quant fp8 allows."""
+def check_moe_build(cfg, hf: dict, gpu_archs: list[str]) -> None:
+    """What a GPU bundle of an MoE model would lack, refused in one line: OLMoE's q/k norm where a projection
+    is narrower than the hidden size (the RMSNorm kernel is specialized on the hidden size; OLMoE's released
+    shapes have q and k that wide). fp8 and int4 experts have their kernels (kernels/moe's FP8_W and INT4_W
+    specializations), on the archs --quant fp8 allows for the former."""
     from engc.compiler.frontend.families import family_of
-    if gpu_archs and any(n.op == "MoE" and n.attrs.get("group_size") for n in graph.nodes):
-        raise UserError(f"{cfg.family}: int4 experts have no GPU kernel yet; build with --arch cpu, not "
-                        f"{','.join(gpu_archs)}")
     if gpu_archs and family_of(hf).qk_norm_projection and \
             (cfg.q_size, cfg.kv_size) != (cfg.hidden_size, cfg.hidden_size):
         raise UserError(f"{cfg.family}: q/k norm over projections {cfg.q_size} and {cfg.kv_size} wide, not the "

@@ -269,33 +269,34 @@ def grouped_variants(num_tokens: int, top_k: int, num_experts: int, consts: dict
 
 
 def launch_gate_up(x, gate_up, rows, block_expert, act, num_pairs: int, consts, variant: str,
-                   gate_up_scale=None, x_scale=None):
+                   gate_up_scale=None, x_scale=None, gate_up_zero=None):
     """moe_gate_up_kernel over the schedule rows/block_expert (launch_sort's with the variant's BLOCK_M, or for
     the decode variant one pair a program: rows = 0..T*k-1, block_expert = ids), grid (blocks,
     cdiv(I, BLOCK_N)). act [T*k, I], a row a (token, slot) pair. fp8 experts: x float8 [T, H] with x_scale [T] (kernels/fp8_quant's
     per-token quantization) and gate_up_scale [E, 2I]; float experts pass x and the weight where the scales
-    go (the kernel, compiled without FP8_W, reads neither). args: x, x_scale, gate_up, gate_up_scale, rows,
-    block_expert, act, num_pairs, scratch, scratch."""
+    go (the kernel, compiled without FP8_W, reads neither). int4 experts: gate_up int32 [E, 2I, H / 8], its
+    scales and uint8 zeros [E, 2I, H / group] (the engc int4 layout). args: x, x_scale, gate_up, gate_up_scale,
+    gate_up_zero, rows, block_expert, act, num_pairs, scratch, scratch."""
     if num_pairs == 0:
         return []
-    inter = gate_up.shape[1] // 2
+    inter = gate_up.shape[1] // 2   # 2I rows whatever the weights' form
     return [(variant, (block_expert.numel(), _cdiv(inter, consts[variant]["BLOCK_N"]), 1),
              [x, x if x_scale is None else x_scale, gate_up, gate_up if gate_up_scale is None else gate_up_scale,
-              rows, block_expert, act, num_pairs, 0, 0])]
+              gate_up if gate_up_zero is None else gate_up_zero, rows, block_expert, act, num_pairs, 0, 0])]
 
 
 def launch_down(act, down, rows, block_expert, weights, pairs, consts, variant: str, down_scale=None,
-                act_scale=None):
+                act_scale=None, down_zero=None):
     """moe_down_kernel over gate_up's schedule, grid (blocks, cdiv(H, BLOCK_N)): pairs [T*k, H] (each pair's
     weighted expert output). fp8 experts: act float8 [T*k, I] with act_scale [T*k] and down_scale
-    [E, H]. args: act, act_scale, down, down_scale, rows, block_expert, weights, pairs, num_pairs, scratch,
-    scratch."""
+    [E, H]; int4 experts: down int32 [E, H, I / 8] with its scales and zeros. args: act, act_scale, down,
+    down_scale, down_zero, rows, block_expert, weights, pairs, num_pairs, scratch, scratch."""
     num_pairs = weights.numel()
     if num_pairs == 0:
         return []
     return [(variant, (block_expert.numel(), _cdiv(down.shape[1], consts[variant]["BLOCK_N"]), 1),
-             [act, act if act_scale is None else act_scale, down, down if down_scale is None else down_scale, rows,
-              block_expert, weights, pairs, num_pairs, 0, 0])]
+             [act, act if act_scale is None else act_scale, down, down if down_scale is None else down_scale,
+              down if down_zero is None else down_zero, rows, block_expert, weights, pairs, num_pairs, 0, 0])]
 
 
 def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, variants):
@@ -341,7 +342,8 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
     shared, scales, bias = expert_inputs(rest, has_shared_expert, shared_ungated, correction_bias)
     shared_gate_up, shared_down, shared_gate = (list(shared) + [None, None, None])[:3]
     gate_up_scale, down_scale = scales if fp8_experts else (None, None)
-    assert not group_size, "int4 experts have no GPU kernels: engc build refuses such a GPU bundle"
+    int4 = dict(gate_up_scale=scales[0], gate_up_zero=scales[1], down_scale=scales[2], down_zero=scales[3]) \
+        if group_size else None
     t, e = x.shape[0], gate_up.shape[0]
     out = torch.empty_like(x)
     if t == 0:
@@ -369,7 +371,7 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
         rows = torch.empty(blocks * block_m, dtype=torch.int32, device=x.device)
         block_expert = torch.empty(blocks, dtype=torch.int32, device=x.device)
         run(launch_sort(ids, rows, block_expert, block_m, consts))
-    act = torch.empty(t * top_k, down.shape[2], dtype=x.dtype, device=x.device)
+    act = torch.empty(t * top_k, gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)   # I, packed or not
     pairs = torch.empty(t * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     gate_up_variant, down_variant = variants or ("gate_up_decode", "down_decode")
     if fp8_experts:   # W8A8: each GEMM's input quantized per row by fp8_quant's kernel first
@@ -378,6 +380,11 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
                            x_scale))
         act, act_scale = _quantized(quant, act)
         run(launch_down(act, down, rows, block_expert, weights, pairs, consts, down_variant, down_scale, act_scale))
+    elif int4:   # W4A16: the kernels' INT4_W specialization dequantizes each weight tile
+        run(launch_gate_up(x, gate_up, rows, block_expert, act, t * top_k, consts, gate_up_variant,
+                           int4["gate_up_scale"], gate_up_zero=int4["gate_up_zero"]))
+        run(launch_down(act, down, rows, block_expert, weights, pairs, consts, down_variant, int4["down_scale"],
+                        down_zero=int4["down_zero"]))
     else:
         run(launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, variants))
     shared = glu(x, shared_gate_up, shared_down) if has_shared_expert else pairs

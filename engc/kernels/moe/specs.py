@@ -3,7 +3,8 @@ each specialized on the model's hidden size, expert count, top-k and expert inte
 routings (groups, sigmoid scores, a correction bias) their own routing kernel. An fp8 build's
 expert GEMMs are the FP8_W specialization (float8 weights with a float32 scale per channel, inputs quantized
 per row by the fp8 program's fp8_quant kernels: kernels/moe); the same variant names, as a bundle's experts
-are all fp8 or all float."""
+are all fp8 or all float. int4 experts (an AWQ/GPTQ checkpoint's, engc quantize's) are the INT4_W
+specialization, their group size."""
 from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
 
 # Untuned starting points (no tune-table line yet; `engc tune --ops moe` measures them): BLOCK_M 16 keeps the
@@ -45,7 +46,13 @@ def specs(b: Build) -> list:
     fp8 = b.quant == "fp8"
     # fp8 experts: float8 inputs and weights, each with its float32 scales; float experts pass the input and
     # the weight where the scales go (unread): their types are the input's and the weight's
-    w = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"} if fp8 else {"w_ptr": f"*{t}", "w_scale_ptr": f"*{t}"}
+    int4 = b.int4_experts   # the experts' int4 group size (0: float or fp8 experts)
+    if int4:   # the engc int4 layout: packed words, scales in the model dtype, uint8 zero points
+        w = {"w_ptr": "*i32", "w_scale_ptr": f"*{t}", "w_zero_ptr": "*u8"}
+    elif fp8:   # float experts pass the weight where zeros go (unread)
+        w = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "w_zero_ptr": "*fp8e4nv"}
+    else:
+        w = {"w_ptr": f"*{t}", "w_scale_ptr": f"*{t}", "w_zero_ptr": f"*{t}"}
     x_in = {"x_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32"} if fp8 else {"x_ptr": f"*{t}", "x_scale_ptr": f"*{t}"}
     act_in = {"act_ptr": "*fp8e4nv", "act_scale_ptr": "*fp32"} if fp8 else {"act_ptr": f"*{t}",
                                                                           "act_scale_ptr": f"*{t}"}
@@ -64,7 +71,8 @@ def specs(b: Build) -> list:
             "num_blocks": "i32"}
     combine = {"pairs_ptr": f"*{t}", "shared_ptr": f"*{t}", "shared_weight_ptr": "*fp32", "out_ptr": f"*{t}"}
     # a float32 bundle's GEMMs in full precision, not TF32 (as paged attention's)
-    sizes = {"H": h, "INTER": inter, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32", "FP8_W": fp8}
+    sizes = {"H": h, "INTER": inter, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32", "FP8_W": fp8,
+             "INT4_W": int4}
     # each down GEMM walks the schedule its gate_up one does: the same BLOCK_M
     block_m = {v: make_spec("moe", v, b.arch, "moe_gate_up_kernel", gate_up, {}, "any", overrides=b.ov("moe"),
                             defaults=DEFAULTS[v]).constexprs["BLOCK_M"] for v in ("gate_up", "gate_up_prefill")}

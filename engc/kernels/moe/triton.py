@@ -39,6 +39,10 @@ Converting float8 weight tiles to bf16 in registers for a bf16 dot ran at half t
 the input tile in registers inside the K loop at a fifth of it. The decode GEMV widens both codes to float32
 (exact products). The float32 sums are multiplied by the channel's and the row's scales before the rounding;
 without FP8_W the kernels read no scale.
+
+INT4_W (the group size of int4 experts from an AWQ/GPTQ checkpoint or engc quantize; 0 for others) is W4A16:
+the weights are the engc int4 layout (kernels/int4_linear/layout), each tile dequantized in registers as the
+layout's dequantize computes it (bit for bit), then the float dot or GEMV; w_zero_ptr is read only then.
 """
 import os
 
@@ -128,15 +132,38 @@ def _gemv_step(acc, a, w, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, act_ptr, num_pairs,
-                       H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+def _int4_tile(q_base, s_base, z_base, n, kk, n_ok, K: tl.constexpr, GROUP: tl.constexpr):
+    """w[k, n] of an int4 expert (kernels/int4_linear/layout: row n's words [K / 8], input 32c + 4j + i in
+    nibble j of word 4c + i; scales and uint8 zeros [N, cdiv(K, GROUP)]) for kk (BLOCK_K) x n (BLOCK_N),
+    dequantized as the layout's dequantize: (q - zero) in the scales' dtype, times the scale."""
+    word = (kk // 32) * 4 + kk % 4
+    shift = (kk % 32) // 4 * 4
+    mask = n_ok[None, :] & (kk[:, None] < K)
+    packed = tl.load(q_base + n[None, :].to(tl.int64) * (K // 8) + word[:, None], mask=mask, other=0)
+    q = (packed >> shift[:, None]) & 0xF   # an arithmetic shift: the mask drops the sign bits
+    groups: tl.constexpr = (K + GROUP - 1) // GROUP
+    at = n[None, :].to(tl.int64) * groups + (kk // GROUP)[:, None]
+    scale = tl.load(s_base + at, mask=mask, other=0.0)
+    zero = tl.load(z_base + at, mask=mask, other=0).to(tl.int32)
+    # (q - zero) times the scale is exact in float32 (a 5-bit integer times a model-dtype value); rounded
+    # once to the model dtype it is torch's product in that dtype
+    return ((q - zero).to(tl.float32) * scale.to(tl.float32)).to(scale.dtype)
+
+
+@triton.jit
+def moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, rows_ptr, block_expert_ptr, act_ptr,
+                       num_pairs, H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       FP8_W: tl.constexpr):
+                       FP8_W: tl.constexpr, INT4_W: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     # blocks past the last expert's are padding (expert -1): every row and column masked off
     live = expert >= 0
-    w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * (2 * INTER * H)
+    e64 = tl.maximum(expert, 0).to(tl.int64)
+    # int4 experts: w_ptr their packed words (8 inputs a word), w_scale_ptr / w_zero_ptr each row's groups'
+    W_ROW: tl.constexpr = H // 8 if INT4_W else H
+    GROUPS: tl.constexpr = (H + INT4_W - 1) // INT4_W if INT4_W else 1
+    w_base = w_ptr + e64 * (2 * INTER * W_ROW)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(rows_ptr + offs_m)
     valid = pair < tl.where(live, num_pairs, 0)
@@ -160,9 +187,16 @@ def moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, rows_ptr, block_e
             acc_g = _dot(wg, tl.trans(a), acc_g, DOT_PRECISION)
             acc_u = _dot(wu, tl.trans(a), acc_u, DOT_PRECISION)
         else:
-            w_mask = n_ok[None, :] & (kk[:, None] < H)
-            wg = tl.load(w_base + n[None, :] * H + kk[:, None], mask=w_mask, other=0.0)
-            wu = tl.load(w_base + (n[None, :] + INTER) * H + kk[:, None], mask=w_mask, other=0.0)
+            if INT4_W:
+                g_base = e64 * (2 * INTER * GROUPS)
+                wg = _int4_tile(w_base, w_scale_ptr + g_base, w_zero_ptr + g_base, n, kk, n_ok, H, INT4_W)
+                u_base = g_base + INTER * GROUPS
+                wu = _int4_tile(w_base + INTER * W_ROW, w_scale_ptr + u_base, w_zero_ptr + u_base, n, kk, n_ok, H,
+                                INT4_W)
+            else:
+                w_mask = n_ok[None, :] & (kk[:, None] < H)
+                wg = tl.load(w_base + n[None, :] * H + kk[:, None], mask=w_mask, other=0.0)
+                wu = tl.load(w_base + (n[None, :] + INTER) * H + kk[:, None], mask=w_mask, other=0.0)
             if BLOCK_M == 1:
                 acc_g = _gemv_step(acc_g, a, wg, BLOCK_K, BLOCK_N)
                 acc_u = _gemv_step(acc_u, a, wu, BLOCK_K, BLOCK_N)
@@ -188,13 +222,17 @@ def moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, rows_ptr, block_e
 
 
 @triton.jit
-def moe_down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, weights_ptr, pairs_ptr,
-                    num_pairs, H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_W: tl.constexpr):
+def moe_down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, rows_ptr, block_expert_ptr, weights_ptr,
+                    pairs_ptr, num_pairs, H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_W: tl.constexpr,
+                    INT4_W: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     live = expert >= 0
-    w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * (H * INTER)
+    e64 = tl.maximum(expert, 0).to(tl.int64)
+    W_ROW: tl.constexpr = INTER // 8 if INT4_W else INTER
+    GROUPS: tl.constexpr = (INTER + INT4_W - 1) // INT4_W if INT4_W else 1
+    w_base = w_ptr + e64 * (H * W_ROW)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(rows_ptr + offs_m)
     valid = pair < tl.where(live, num_pairs, 0)
@@ -214,8 +252,12 @@ def moe_down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, rows_ptr, block_
                         other=0.0)
             acc = _dot(w, tl.trans(a), acc, DOT_PRECISION)
         else:
-            w = tl.load(w_base + n[None, :] * INTER + kk[:, None], mask=n_ok[None, :] & (kk[:, None] < INTER),
-                        other=0.0)
+            if INT4_W:
+                g_base = e64 * (H * GROUPS)
+                w = _int4_tile(w_base, w_scale_ptr + g_base, w_zero_ptr + g_base, n, kk, n_ok, INTER, INT4_W)
+            else:
+                w = tl.load(w_base + n[None, :] * INTER + kk[:, None], mask=n_ok[None, :] & (kk[:, None] < INTER),
+                            other=0.0)
             if BLOCK_M == 1:
                 acc = _gemv_step(acc, a, w, BLOCK_K, BLOCK_N)
             else:
