@@ -5,7 +5,8 @@ float32 bundles: greedy tokens on the GPU (CUDA graphs on and off) are the CPU r
 kernels' decode path (a few (token, expert) pairs) and grouped path (a prefill's pairs sorted per expert), and
 MLA's cache write, absorbed split-KV decode and reduce. bfloat16 bundles: each prompt token's log-probability
 on the GPU (the prefill's kernels, tensor-core math) within bf16's reach of the float32 CPU's; `--quant fp8`
-bundles (float8 experts, W8A8 projections): the GPU's within the same reach of the same bundle on the CPU.
+bundles (float8 experts, W8A8 projections) and int4 experts (engc quantize's): the GPU's within the same reach
+of the same bundle on the CPU.
 
 As tests/test_gpu.py: ENGC_KERNEL_CACHE names a kernel cache filled on a CPU machine (bench/fake_sm90.py).
 """
@@ -79,6 +80,21 @@ def test_fp8_prompt_logprobs_near_the_cpus(family, tiny_dir, tmp_path):
     # the fp8 GEMM's widths are multiples of 16: DeepSeek's latent plus rope key (kv_a's rows) is 56 + 8 wide
     src = tiny_dir(family, kv_lora_rank=56) if family == "deepseek_v2" else tiny_dir(family)
     bundle = _build(src, tmp_path / "fp8", "bfloat16", quant="fp8")
+    ids = load(bundle).tokenizer.encode(LONG)
+    cpu = _prompt_logprobs(bundle, "cpu", ids)
+    gpu = _prompt_logprobs(bundle, "cuda", ids)
+    assert gpu.shape == cpu.shape
+    assert (gpu - cpu).abs().max() < 0.1, (gpu - cpu).abs().max()
+
+
+@needs_gpu
+def test_int4_experts_prompt_logprobs_near_the_cpus(tiny_dir, tmp_path):
+    """An int4 MoE checkpoint (engc quantize's RTN, groups of 32): the GPU's INT4_W expert kernels (decode and
+    the prefill's grouped pairs) against the same bundle on the CPU."""
+    from test_cli import engc
+    r = engc("quantize", tiny_dir("qwen3_moe"), "--method", "rtn", "--group-size", "32", "-o", tmp_path / "q")
+    assert r.returncode == 0, r.stderr
+    bundle = _build(tmp_path / "q", tmp_path / "b", "bfloat16")
     ids = load(bundle).tokenizer.encode(LONG)
     cpu = _prompt_logprobs(bundle, "cpu", ids)
     gpu = _prompt_logprobs(bundle, "cuda", ids)
