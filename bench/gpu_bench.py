@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from reference_check import check_against_reference  # noqa: E402
-from shapes import (INT4_GROUP, base_shape, checkpoint_dir, dtype_of, is_int4, is_int4_head, is_variant,  # noqa: E402
-                    kv_cache_of, make_checkpoint, model_config, prompts, quant_of, step_weight_bytes)
+from shapes import (INT4_GROUP, base_shape, checkpoint_dir, dtype_of, is_int4, is_int4_head, is_moe,  # noqa: E402
+                    is_variant, kv_cache_of, make_checkpoint, model_config, prompts, quant_of, step_weight_bytes)
 from step_profile import decode_breakdown, kernel_profile, step_timeline  # noqa: E402
 from timing import COPY_BW, frac_of_gemm_peak, synced  # noqa: E402
 
@@ -72,7 +72,8 @@ def prepare(args):
             r = compile_cached(model_config(shape), dtype_of(shape), ["sm90"], 16, Path(args.cache),
                                kv_cache=kv_cache_of(shape), quant="fp8" if quant_of(shape) == "fp8" else "none",
                                int4_group_sizes=(INT4_GROUP,) if is_int4(shape) else (),
-                               int4_lm_head=is_int4_head(shape))
+                               int4_lm_head=is_int4_head(shape),
+                               int4_experts=INT4_GROUP if is_int4(shape) and is_moe(shape) else 0)
             print(f"{shape}: {len(r.records)} kernels in {time.time() - t:.1f}s")
 
 

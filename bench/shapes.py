@@ -8,8 +8,9 @@ whole-model ones a third), "qwen3moe48" all of them for a machine with the room,
 
 A shape name may carry build variants after its base: "-kv8" / "-kvfp8" build with --kv-cache int8 / fp8,
 "-fp8" with --quant fp8 (W8A8 projections); these share the base shape's checkpoint. "-int4" is a random
-AutoAWQ-GEMM int4 g128 checkpoint of that shape (its own folder), which `engc build` repacks as it would a
-real one; "-int4-qhead" has its lm_head in int4 too (as `engc quantize --lm-head` writes it).
+AutoAWQ-GEMM int4 g128 checkpoint of that shape (its own folder; an MoE shape's experts per expert, as AWQ
+MoE checkpoints have them), which `engc build` repacks as it would a real one; "-int4-qhead" has its lm_head in
+int4 too (as `engc quantize --lm-head` writes it).
 """
 from __future__ import annotations
 
