@@ -300,8 +300,9 @@ def launch_down(act, down, rows, block_expert, weights, pairs, consts, variant: 
 
 
 def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, variants):
-    """Float experts' gate_up then down launches (launch_gate_up, launch_down). variants: grouped_variants'
-    (gate_up, down) pair, None for the decode ones. consts: '<variant>' -> {'BLOCK_M', 'BLOCK_N'}."""
+    """Float experts' gate_up then down launches (launch_gate_up, launch_down), as forward() makes them: engc
+    tune's MoE bench launches a candidate's pair so. variants: grouped_variants' (gate_up, down) pair, None for
+    the decode ones. consts: '<variant>' -> {'BLOCK_M', 'BLOCK_N'}."""
     gate_up_variant, down_variant = variants or ("gate_up_decode", "down_decode")
     return (launch_gate_up(x, gate_up, rows, block_expert, act, weights.numel(), consts, gate_up_variant)
             + launch_down(act, down, rows, block_expert, weights, pairs, consts, down_variant))
@@ -341,9 +342,14 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
     own per-token quantization, with a variant for the experts' intermediate size)."""
     shared, scales, bias = expert_inputs(rest, has_shared_expert, shared_ungated, correction_bias)
     shared_gate_up, shared_down, shared_gate = (list(shared) + [None, None, None])[:3]
-    gate_up_scale, down_scale = scales if fp8_experts else (None, None)
-    int4 = dict(gate_up_scale=scales[0], gate_up_zero=scales[1], down_scale=scales[2], down_zero=scales[3]) \
-        if group_size else None
+    # each GEMM's weight quantization inputs, as its launch rule names them (none for float experts)
+    if fp8_experts:
+        gate_up_q, down_q = dict(gate_up_scale=scales[0]), dict(down_scale=scales[1])
+    elif group_size:
+        gate_up_q = dict(gate_up_scale=scales[0], gate_up_zero=scales[1])
+        down_q = dict(down_scale=scales[2], down_zero=scales[3])
+    else:
+        gate_up_q, down_q = {}, {}
     t, e = x.shape[0], gate_up.shape[0]
     out = torch.empty_like(x)
     if t == 0:
@@ -374,19 +380,14 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
     act = torch.empty(t * top_k, gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)   # I, packed or not
     pairs = torch.empty(t * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     gate_up_variant, down_variant = variants or ("gate_up_decode", "down_decode")
-    if fp8_experts:   # W8A8: each GEMM's input quantized per row by fp8_quant's kernel first
-        xq, x_scale = _quantized(quant, x)
-        run(launch_gate_up(xq, gate_up, rows, block_expert, act, t * top_k, consts, gate_up_variant, gate_up_scale,
-                           x_scale))
-        act, act_scale = _quantized(quant, act)
-        run(launch_down(act, down, rows, block_expert, weights, pairs, consts, down_variant, down_scale, act_scale))
-    elif int4:   # W4A16: the kernels' INT4_W specialization dequantizes each weight tile
-        run(launch_gate_up(x, gate_up, rows, block_expert, act, t * top_k, consts, gate_up_variant,
-                           int4["gate_up_scale"], gate_up_zero=int4["gate_up_zero"]))
-        run(launch_down(act, down, rows, block_expert, weights, pairs, consts, down_variant, int4["down_scale"],
-                        down_zero=int4["down_zero"]))
-    else:
-        run(launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, variants))
+    # W8A8: each GEMM's input quantized per row by fp8_quant's kernel first (int4 experts are W4A16: the
+    # kernels' INT4_W specialization dequantizes each weight tile)
+    x_in, x_scale = _quantized(quant, x) if fp8_experts else (x, None)
+    run(launch_gate_up(x_in, gate_up, rows, block_expert, act, t * top_k, consts, gate_up_variant, x_scale=x_scale,
+                       **gate_up_q))
+    act_in, act_scale = _quantized(quant, act) if fp8_experts else (act, None)
+    run(launch_down(act_in, down, rows, block_expert, weights, pairs, consts, down_variant, act_scale=act_scale,
+                    **down_q))
     shared = glu(x, shared_gate_up, shared_down) if has_shared_expert else pairs
     run(launch_combine(pairs, shared, shared_weight, out, consts))
     return out

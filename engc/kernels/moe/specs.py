@@ -44,12 +44,13 @@ def specs(b: Build) -> list:
     t, h, e, k, inter = b.t, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     shared = int(cfg.shared_expert_intermediate_size > 0)
     fp8 = b.quant == "fp8"
-    # fp8 experts: float8 inputs and weights, each with its float32 scales; float experts pass the input and
-    # the weight where the scales go (unread): their types are the input's and the weight's
+    # fp8 experts: float8 inputs and weights, each with its float32 scales; int4 experts: the engc int4
+    # layout's packed words, model-dtype scales and uint8 zero points. A pointer a form does not read is
+    # passed the input or the weight itself (unread), so its type is theirs.
     int4 = b.int4_experts   # the experts' int4 group size (0: float or fp8 experts)
-    if int4:   # the engc int4 layout: packed words, scales in the model dtype, uint8 zero points
+    if int4:
         w = {"w_ptr": "*i32", "w_scale_ptr": f"*{t}", "w_zero_ptr": "*u8"}
-    elif fp8:   # float experts pass the weight where zeros go (unread)
+    elif fp8:
         w = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "w_zero_ptr": "*fp8e4nv"}
     else:
         w = {"w_ptr": f"*{t}", "w_scale_ptr": f"*{t}", "w_zero_ptr": f"*{t}"}
