@@ -164,6 +164,20 @@ def check_launch(grid, args, rec: dict, null_pointers: bool = True) -> None:
             assert isinstance(value, int) and not isinstance(value, bool), (where, spec)
 
 
+def launch_checker(records: dict, arch: str = "sm90", stand_in=None):
+    """A run(launches) for an op's forward() that check_launch-es every launch against records[(arch, variant)]
+    (null pointers allowed) and notes its variant in .seen; stand_in(variant, args), where given, then does what
+    a launch's kernel would where the next launch rule needs its outputs."""
+    def run(launches):
+        for variant, grid, args in launches:
+            run.seen.add(variant)
+            check_launch(grid, args, records[(arch, variant)], null_pointers=False)
+            if stand_in is not None:
+                stand_in(variant, args)
+    run.seen = set()
+    return run
+
+
 def test_tune_entry_recorded_and_unknown_arch_refused():
     from engc.compiler.codegen import model_specs
     from engc.errors import UserError

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from interpreted import interpreted_report, print_report
-from test_codegen import check_launch
+from test_codegen import launch_checker
 from test_kernels import _rel, _run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,18 +61,13 @@ def test_mla_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rule(kv_cach
     for r in result.records:
         assert result.files[r["cubin"]][:4] == b"\x7fELF" and f".entry {r['entry']}(" in result.files[r["ptx"]].decode()
     consts = {v: r["launch"] for (a, v), r in records.items() if a == "sm90"}
-    seen = set()
-
-    def check(launches):
-        for variant, grid, args in launches:
-            seen.add(variant)
-            check_launch(grid, args, records[("sm90", variant)], null_pointers=False)
+    check = launch_checker(records)
 
     case = _case(torch.bfloat16, [(1, 40), (1, 7)], kv=torch.float8_e4m3fn if kv_cache == "fp8" else None)
     op.forward(check, *case["inputs"], kv_scale=case["kv_scale"], **case["attrs"], max_context_len=40, consts=consts)
     # a CUDA graph's capture knows no context length: the block table's capacity stands in
     op.forward(check, *case["inputs"], kv_scale=case["kv_scale"], **case["attrs"], max_context_len=None, consts=consts)
-    assert seen == {"write", "decode", "reduce"}
+    assert check.seen == {"write", "decode", "reduce"}
 
 
 def test_deepseek_v2_lite_shape_compiles():

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from interpreted import interpreted_report, print_report
-from test_codegen import check_launch
+from test_codegen import check_launch, launch_checker
 from test_kernels import _rel, _run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,15 +113,7 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
             if fp8 and "decode" not in r["variant"]:   # W8A8: the grouped dots on the FP8 tensor cores
                 assert ".f32.e4m3.e4m3" in ptx and "wgmma" in ptx, r["variant"]
     consts = {v: r["launch"] for (a, v), r in records.items() if a == "sm90"}
-    seen = set()
-
-    def check(launches):
-        for variant, grid, args in launches:
-            seen.add(variant)
-            check_launch(grid, args, records[("sm90", variant)], null_pointers=False)
-            if variant == "route":   # stand in for the kernel: a routing the schedule can be made from
-                args[3].fill_(0.5)
-                args[4].copy_(torch.arange(args[4].numel()).reshape(args[4].shape) % 6)
+    check = launch_checker(records, stand_in=_routing_stand_in)
 
     bf = torch.bfloat16
     w = dict(router=torch.randn(6, 64, dtype=bf), gate_up=torch.randn(6, 96, 64, dtype=bf),
@@ -140,7 +132,16 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
     for tokens in (3, 80, prefill):
         op.forward(check, torch.randn(tokens, 64, dtype=bf), w["router"], w["gate_up"], w["down"], *extra,
                    top_k=2, consts=consts, quant=check, has_shared_expert=int(bool(shared)), fp8_experts=int(fp8))
-    assert seen == {v for a, v in records if a == "sm90"}
+    assert check.seen == {v for a, v in records if a == "sm90"}
+
+
+def _routing_stand_in(variant, args):
+    """The route kernel's stand-in for the launch checks: a routing (every weight 0.5, experts in turn) the
+    schedule can be made from."""
+    import torch
+    if variant == "route":
+        args[3].fill_(0.5)
+        args[4].copy_(torch.arange(args[4].numel()).reshape(args[4].shape) % 6)
 
 
 def test_int4_expert_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules():
@@ -161,15 +162,7 @@ def test_int4_expert_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rule
             types = {a["name"]: a["type"] for a in r["args"]}
             assert (types["w_ptr"], types["w_scale_ptr"], types["w_zero_ptr"]) == ("*i32", "*bf16", "*u8")
     consts = {v: r["launch"] for (a, v), r in records.items() if a == "sm90"}
-    seen = set()
-
-    def check(launches):
-        for variant, grid, args in launches:
-            seen.add(variant)
-            check_launch(grid, args, records[("sm90", variant)], null_pointers=False)
-            if variant == "route":   # stand in for the kernel: a routing the schedule can be made from
-                args[3].fill_(0.5)
-                args[4].copy_(torch.arange(args[4].numel()).reshape(args[4].shape) % 6)
+    check = launch_checker(records, stand_in=_routing_stand_in)
 
     bf = torch.bfloat16
     packed = (torch.zeros(6, 128, 8, dtype=torch.int32), torch.zeros(6, 64, 8, dtype=torch.int32))
@@ -179,7 +172,7 @@ def test_int4_expert_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rule
     for tokens in (3, 80, prefill):
         op.forward(check, torch.randn(tokens, 64, dtype=bf), torch.randn(6, 64, dtype=bf), *packed, *int4, top_k=2,
                    consts=consts, group_size=32)
-    assert seen == {v for a, v in records if a == "sm90"}
+    assert check.seen == {v for a, v in records if a == "sm90"}
 
 
 def test_deepseek_routing_kernel_compiles_and_matches_its_launch_rule():
