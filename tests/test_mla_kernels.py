@@ -20,7 +20,8 @@ from test_kernels import _rel, _run
 ROOT = Path(__file__).resolve().parents[1]
 
 CASES = ["decode_split_fp32", "decode_one_split_fp32", "extend_fp32", "prefill_and_decode_fp32", "decode_bf16",
-         "decode_fp8_cache_fp32", "gpu_binding_fp32", "prefill_decompressed_fp32", "prefill_decompressed_fp8_cache_fp32"]
+         "decode_fp8_cache_fp32", "gpu_binding_fp32", "decode_query_tiles_fp32", "prefill_decompressed_fp32",
+         "prefill_decompressed_fp8_cache_fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def test_mla_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rule(kv_cach
              if s.op == "mla_attention"]
     result = compile_specs(specs, jobs=1)
     records = {(r["arch"], r["variant"]): r for r in result.records}
-    assert set(records) == {(a, v) for a in archs for v in ("write", "decode", "reduce")}
+    assert set(records) == {(a, v) for a in archs for v in ("write", "query", "decode", "reduce")}
     for r in result.records:
         assert result.files[r["cubin"]][:4] == b"\x7fELF" and f".entry {r['entry']}(" in result.files[r["ptx"]].decode()
     consts = {v: r["launch"] for (a, v), r in records.items() if a == "sm90"}
@@ -67,7 +68,7 @@ def test_mla_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rule(kv_cach
     op.forward(check, *case["inputs"], kv_scale=case["kv_scale"], **case["attrs"], max_context_len=40, consts=consts)
     # a CUDA graph's capture knows no context length: the block table's capacity stands in
     op.forward(check, *case["inputs"], kv_scale=case["kv_scale"], **case["attrs"], max_context_len=None, consts=consts)
-    assert check.seen == {"write", "decode", "reduce"}
+    assert check.seen == {"write", "query", "decode", "reduce"}
 
 
 def test_deepseek_v2_lite_shape_compiles():
@@ -83,7 +84,7 @@ def test_deepseek_v2_lite_shape_compiles():
              if s.op == "mla_attention"]
     records = compile_specs(specs, jobs=1).records
     assert {(r["arch"], r["variant"]) for r in records} == {(a, v) for a in ("sm80", "sm90")
-                                                            for v in ("write", "decode", "reduce")}
+                                                            for v in ("write", "query", "decode", "reduce")}
     assert all(r["shared_mem"] <= 100 * 1024 for r in records)
 
 
@@ -156,13 +157,19 @@ def _runner(specs):
     return run
 
 
-def check_forward(dtype, seqs, min_split_tokens=16, kv=None, kv_cache="auto"):
+def check_forward(dtype, seqs, min_split_tokens=16, kv=None, kv_cache="auto", query_tiles=None):
     """forward() (torch + the interpreted kernels) against the reference on a copy of the same cache; the
-    cache rows each writes must agree too."""
+    cache rows each writes must agree too. query_tiles: the query kernel's BLOCK_T / BLOCK_R / BLOCK_S instead of
+    its defaults (which fit the small model's rows and latent in one program)."""
+    import dataclasses
     import torch
     from engc.kernels import mla_attention as op
     case = _case(dtype, seqs, kv=kv)
     specs = _specs(dtype, {"min_split_tokens": min_split_tokens, "target_programs": 64}, kv_cache)
+    if query_tiles:
+        q = specs["query"]
+        specs["query"] = dataclasses.replace(q, constexprs={**q.constexprs, **query_tiles},
+                                             launch={**q.launch, **query_tiles})
     consts = {v: s.launch for v, s in specs.items()}
     inputs, scale = case["inputs"], case["kv_scale"]
     ref_inputs = list(inputs)
@@ -240,6 +247,10 @@ def main():
         "extend_fp32": (lambda: check_forward(f32, [(5, 21), (3, 3)]), tol[f32]),
         "prefill_and_decode_fp32": (lambda: check_forward(f32, [(9, 9), (1, 30), (2, 17)]), tol[f32]),
         "decode_bf16": (lambda: check_forward(bf16, [(1, 40), (1, 18)]), tol[bf16]),
+        # the query kernel cut into two row blocks, two latent blocks and three chunks of query_start_loc
+        "decode_query_tiles_fp32": (lambda: check_forward(f32, [(1, 3 + 2 * i) for i in range(20)] + [(2, 9)],
+                                                          query_tiles={"BLOCK_T": 16, "BLOCK_R": 16, "BLOCK_S": 8}),
+                                    tol[f32]),
         "decode_fp8_cache_fp32": (lambda: check_forward(f32, [(1, 35), (2, 12)], kv=torch.float8_e4m3fn,
                                                         kv_cache="fp8"), tol[f32]),
         "gpu_binding_fp32": (lambda: check_binding(f32), tol[f32]),

@@ -186,6 +186,18 @@ def launch(q_abs, kv_cache, block_tables, context_lens, query_start_loc, row_seq
             ("reduce", (t, h, 1), [partial, lse, o_lat, splits, 0, 0])]
 
 
+def launch_query(q, positions, inv_freq, w_uk, query_start_loc, q_abs, row_seq, *, consts: dict):
+    """mla_query_kernel, grid (row blocks, heads, latent blocks): q [T, H * (nope + rope)] -> q_abs [T, H, R + rope]
+    (q_nope @ w_uk per head, then the rotated rope query) and row_seq [T] int32. positions int64.
+    args: q, positions, inv_freq, w_uk, query_start_loc, q_abs, row_seq, num_rows, num_seqs, scratch, scratch."""
+    t, heads, r = q_abs.shape[0], q_abs.shape[1], w_uk.shape[2]
+    if t == 0:
+        return []
+    c = consts["query"]
+    return [("query", (_cdiv(t, c["BLOCK_T"]), heads, _cdiv(r, c["BLOCK_R"])),
+             [q, positions, inv_freq, w_uk, query_start_loc, q_abs, row_seq, t, query_start_loc.shape[0] - 1, 0, 0])]
+
+
 def launch_write(ckv, kv_norm, positions, inv_freq, slot_mapping, kv_cache, eps: float, kv_scale=None):
     """mla_write_kernel, grid (T,): each token's latent normed and rope key rotated into its cache row.
     positions and slot_mapping int64. args: ckv, kv_norm, positions, inv_freq, slot_mapping, kv_cache, kv_scale
@@ -201,24 +213,24 @@ def forward(run, q, ckv, kv_norm, positions, inv_freq, kv_cache, slot_mapping, b
             qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, scale: float, eps: float,
             max_context_len: int | None, consts: dict, max_query_len: int = 1) -> torch.Tensor:
     """The node on the GPU: the cache write (a kernel: a padded row's negative slot must write nothing, which
-    torch could only do by a masked index that waits on the GPU), q's rope and the absorption (bmm) as torch
-    ops, then the attention kernels. run(launches) runs a launch rule's output (BundleKernels, or the
-    interpreter in the tests). Nothing here waits on the GPU, so a CUDA graph can hold it. A step whose
+    torch could only do by a masked index that waits on the GPU), the query kernel (q's absorption into the
+    latent, its rope, each row's sequence), the attention kernels, and the value up-projection (bmm).
+    run(launches) runs a launch rule's output (BundleKernels, or the interpreter in the tests). Nothing here waits on the GPU, so a CUDA graph can hold it. A step whose
     longest query (max_query_len, the host's) absorbs() would not take takes the decompressed form instead."""
     t = q.shape[0]
     if max_context_len is None:   # a CUDA graph's capture: the block table's capacity
         max_context_len = block_tables.shape[1] * kv_cache.shape[2]
-    run(launch_write(ckv, kv_norm, positions.to(torch.int64), inv_freq, slot_mapping.to(torch.int64), kv_cache,
-                     eps, kv_scale))
-    q_nope, q_pe = rotated_query(q, positions, inv_freq, num_heads, qk_nope_head_dim, qk_rope_head_dim)
+    positions = positions.to(torch.int64)
+    run(launch_write(ckv, kv_norm, positions, inv_freq, slot_mapping.to(torch.int64), kv_cache, eps, kv_scale))
     if not absorbs(max_query_len, kv_lora_rank, qk_nope_head_dim, v_head_dim):   # a long prefill
+        q_nope, q_pe = rotated_query(q, positions, inv_freq, num_heads, qk_nope_head_dim, qk_rope_head_dim)
         tables = block_tables[:, :_cdiv(max_context_len, kv_cache.shape[2])]   # no key past the longest context
         o = attend_decompressed_batched(q_nope.to(q.dtype), q_pe.to(q.dtype), kv_cache, tables, context_lens,
                                         query_start_loc, w_uk, w_uv, scale, kv_lora_rank, max_query_len, kv_scale)
         return o.reshape(t, num_heads * v_head_dim).to(q.dtype).contiguous()
-    q_lat = torch.bmm(q_nope.to(q.dtype).transpose(0, 1), w_uk).transpose(0, 1)          # [T, H, R]
-    q_abs = torch.cat([q_lat, q_pe.to(q.dtype)], dim=-1).contiguous()
-    row_seq = row_sequences(query_start_loc, t).to(torch.int32)
+    q_abs = torch.empty(t, num_heads, kv_lora_rank + qk_rope_head_dim, dtype=q.dtype, device=q.device)
+    row_seq = torch.empty(t, dtype=torch.int32, device=q.device)
+    run(launch_query(q, positions, inv_freq, w_uk, query_start_loc, q_abs, row_seq, consts=consts))
     splits = splits_for(t, max_context_len, consts)
     partial = torch.empty(t, num_heads, splits, kv_lora_rank, dtype=torch.float32, device=q.device)
     lse = torch.empty(t, num_heads, splits, dtype=torch.float32, device=q.device)

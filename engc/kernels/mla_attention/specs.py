@@ -1,5 +1,6 @@
-"""The MLA kernels a latent-attention model needs: the cache write (norm, rope, quantize), the absorbed attention
-over the latent cache (split-KV) and its reduce, specialized on the heads, the latent and rope widths, the KV page and the cache's format."""
+"""The MLA kernels a latent-attention model needs: the cache write (norm, rope, quantize), the decode query
+(absorbed latent query, rope, each row's sequence), the absorbed attention over the latent cache (split-KV) and
+its reduce, specialized on the heads, the latent and rope widths, the KV page and the cache's format."""
 from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
 from engc.kernels import kv_quant
 
@@ -11,6 +12,9 @@ _DEFAULTS = {
                "max_splits": 16, "min_split_tokens": 256},
     "reduce": {"num_warps": 4, "num_stages": 1},
     "write": {"num_warps": 4, "num_stages": 1},
+    # BLOCK_T 16: tl.dot's smallest tile, one program for a decode step's rows up to 16; BLOCK_R 64 cuts a
+    # 512-wide latent into 8 programs a head, so a batch-1 step still spreads w_uk's reads over 128 programs
+    "query": {"num_warps": 4, "num_stages": 1, "BLOCK_T": 16, "BLOCK_R": 64, "BLOCK_S": 64},
 }
 
 
@@ -42,4 +46,12 @@ def specs(b: Build) -> list:
                       {"R": r, "ROPE": rope, "R_PAD": pow2(r), "HALF_PAD": pow2(rope // 2),
                        "KV_QUANT": kv_quant.KV_QUANT_CODE[b.kv]}, "any",
                       overrides=b.ov("mla_attention"), defaults=_DEFAULTS["write"])
-    return [write, decode, reduce]
+    query_types = {"q_ptr": f"*{t}", "positions_ptr": "*i64", "inv_freq_ptr": "*fp32", "w_uk_ptr": f"*{t}",
+                   "query_start_loc_ptr": "*i32", "q_abs_ptr": f"*{t}", "row_seq_ptr": "*i32", "num_rows": "i32",
+                   "num_seqs": "i32"}
+    nope = cfg.qk_nope_head_dim
+    query = make_spec("mla_attention", "query", b.arch, "mla_query_kernel", query_types,
+                      {"NUM_HEADS": cfg.num_heads, "NOPE": nope, "ROPE": rope, "R": r, "NOPE_PAD": max(16, pow2(nope)),
+                       "HALF_PAD": pow2(rope // 2), "DOT_PRECISION": decode.constexprs["DOT_PRECISION"]}, "any",
+                      launch_keys=("BLOCK_T", "BLOCK_R"), overrides=b.ov("mla_attention"), defaults=_DEFAULTS["query"])
+    return [write, query, decode, reduce]

@@ -6,6 +6,10 @@ with two dots, latent (R wide) and rope key (ROPE wide), and sums the tile's lat
 the cache serves all the heads in the block. Each split writes its output normalized by its own sum and the
 log-sum-exp; mla_reduce_kernel weighs the splits together. Rows past the first of a sequence see fewer keys
 (causal), so the same kernel serves decode (one row, split-KV) and prefill/extend rows.
+
+mla_query_kernel makes the decode kernel's query in one launch where torch would take about twenty small
+ones: each head's q_nope times its w_uk (a BLOCK_T x BLOCK_R tile of the latent query per program), the rope
+dims rotated, and each row's sequence found in query_start_loc.
 """
 import triton
 import triton.language as tl
@@ -132,3 +136,48 @@ def mla_write_kernel(ckv_ptr, kv_norm_ptr, positions_ptr, inv_freq_ptr, slot_map
         tl.store(dst + dr, latent.to(cache_ptr.dtype.element_ty), mask=r_ok)
         tl.store(dst + R + d, o1.to(cache_ptr.dtype.element_ty), mask=d_ok)
         tl.store(dst + R + HALF + d, o2.to(cache_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def mla_query_kernel(q_ptr, positions_ptr, inv_freq_ptr, w_uk_ptr, query_start_loc_ptr, q_abs_ptr, row_seq_ptr,
+                     num_rows, num_seqs, NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                     R: tl.constexpr, NOPE_PAD: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (row block, head, latent block): q_abs[rows, head, block] = q_nope @ w_uk[head][:, block]; the
+    first latent block's programs also write the head's rotated rope query (rounded as rotary.rotate rounds)
+    and head 0's the rows' sequences (searchsorted over query_start_loc[1:], clamped to the last)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    r_block = tl.program_id(2)
+    ok = rows < num_rows
+    QW: tl.constexpr = NOPE + ROPE
+    W: tl.constexpr = R + ROPE
+    src = q_ptr + rows[:, None].to(tl.int64) * (NUM_HEADS * QW) + head * QW
+    dst = q_abs_ptr + (rows[:, None].to(tl.int64) * NUM_HEADS + head) * W
+    dn = tl.arange(0, NOPE_PAD)
+    n_ok = dn < NOPE
+    q_nope = tl.load(src + dn[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0)
+    dr = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = dr < R
+    w = tl.load(w_uk_ptr + (head * NOPE + dn[:, None]).to(tl.int64) * R + dr[None, :],
+                mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    q_lat = tl.dot(q_nope, w, input_precision=DOT_PRECISION)
+    tl.store(dst + dr[None, :], q_lat.to(q_abs_ptr.dtype.element_ty), mask=ok[:, None] & r_ok[None, :])
+    if r_block == 0:
+        HALF: tl.constexpr = ROPE // 2
+        d = tl.arange(0, HALF_PAD)
+        pe_ok = ok[:, None] & (d < HALF)[None, :]
+        pos = tl.load(positions_ptr + rows, mask=ok, other=0).to(tl.float32)
+        angle = pos[:, None] * tl.load(inv_freq_ptr + d, mask=d < HALF, other=0.0)[None, :]
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        x1 = tl.load(src + NOPE + d[None, :], mask=pe_ok, other=0.0).to(tl.float32)
+        x2 = tl.load(src + NOPE + HALF + d[None, :], mask=pe_ok, other=0.0).to(tl.float32)
+        tl.store(dst + R + d[None, :], (x1 * cos - x2 * sin).to(q_abs_ptr.dtype.element_ty), mask=pe_ok)
+        tl.store(dst + R + HALF + d[None, :], (x2 * cos + x1 * sin).to(q_abs_ptr.dtype.element_ty), mask=pe_ok)
+        if head == 0:
+            seq = tl.zeros([BLOCK_T], tl.int32)
+            for s0 in range(0, num_seqs, BLOCK_S):
+                s = s0 + tl.arange(0, BLOCK_S)
+                ends = tl.load(query_start_loc_ptr + 1 + s, mask=s < num_seqs, other=2147483647)
+                seq += tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), 1)
+            tl.store(row_seq_ptr + rows, tl.minimum(seq, tl.maximum(num_seqs - 1, 0)), mask=ok)
