@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from reference_check import check_against_reference  # noqa: E402
 from shapes import (INT4_GROUP, base_shape, checkpoint_dir, dtype_of, is_int4, is_int4_head, is_moe,  # noqa: E402
-                    is_variant, kv_cache_of, make_checkpoint, model_config, prompts, quant_of, step_weight_bytes)
+                    is_variant, kv_cache_of, long_context_of, make_checkpoint, model_config, prompts, quant_of,
+                    step_weight_bytes)
 from step_profile import decode_breakdown, kernel_profile, step_timeline  # noqa: E402
 from timing import COPY_BW, frac_of_gemm_peak, synced  # noqa: E402
 
@@ -120,6 +121,8 @@ def bench_shape(shape: str, args) -> dict:
         res["check"] = {"error": repr(e)[:500]}
     if args.check_only:
         return res
+    if long_context_of(shape):   # its short-prompt figures are the base shape's
+        return {**res, **_long_context(shape, engine, cfg)}
     res.update(_decode(shape, engine, cfg, args))
     res.update(_throughput(shape, engine, cfg, args))
     if not args.quick:
@@ -268,6 +271,26 @@ def _sampled_long_prefill(shape: str, engine, cfg, args) -> dict:
     res["prefill_4k_s"] = round(dt, 4)
     res["prefill_4k_tflops"] = round(flops / dt / 1e12, 1)
     res["prefill_4k_frac_of_gemm_peak"] = frac_of_gemm_peak(flops / dt)
+    return res
+
+
+def _long_context(shape: str, engine, cfg) -> dict:
+    """One prompt of the variant's length (32,768 tokens for "-32k"), prefilled in the engine's chunks, against the
+    GEMM peak; then the decode step at that context, for 1 and 8 sequences. Each timed run follows an untimed one
+    of the same size with other prompts (the long steps' first allocations), and no two prompts share a prefix."""
+    n, vocab = long_context_of(shape), cfg.vocab_size
+    _, params = step_weight_bytes(shape, cfg)
+    flops = 2 * params * n + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n   # causal
+    res = {"long_prompt_tokens": n, "prefill_chunk_tokens": engine.config.max_batched_tokens}
+    for b, seed in ((1, 11), (8, 21)):
+        run_batch(engine, prompts(b, n, vocab, seed), 2)
+        _, total, first = run_batch(engine, prompts(b, n, vocab, seed + 1), 65)
+        if b == 1:
+            res["prefill_long_s"] = round(first, 3)
+            res["prefill_long_tflops"] = round(flops / first / 1e12, 1)
+            res["prefill_long_frac_of_gemm_peak"] = frac_of_gemm_peak(flops / first)
+        res[f"decode_at_long_b{b}_ms_per_step"] = round(1000 * (total - first) / 64, 3)
+        res[f"decode_at_long_b{b}_out_tok_s"] = round(b * 64 / (total - first), 1)
     return res
 
 

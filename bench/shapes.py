@@ -10,7 +10,8 @@ A shape name may carry build variants after its base: "-kv8" / "-kvfp8" build wi
 "-fp8" with --quant fp8 (W8A8 projections); these share the base shape's checkpoint. "-int4" is a random
 AutoAWQ-GEMM int4 g128 checkpoint of that shape (its own folder; an MoE shape's experts per expert, as AWQ
 MoE checkpoints have them), which `engc build` repacks as it would a real one; "-int4-qhead" has its lm_head in
-int4 too (as `engc quantize --lm-head` writes it).
+int4 too (as `engc quantize --lm-head` writes it). "-32k" raises max_position_embeddings for a 32,768-token prompt
+and its decode steps (gpu_bench's long-context figures); its folder links the base checkpoint's weights.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ SHAPES["qwen3moe4"] = dict(SHAPES["qwen3moe"], num_hidden_layers=4)
 MOE_FAMILY["qwen3moe48"] = MOE_FAMILY["qwen3moe4"] = MOE_FAMILY["qwen3moe"]
 KV_VARIANTS = {"kv8": "int8", "kvfp8": "fp8"}   # shape suffix -> --kv-cache
 INT4_GROUP = 128
+LONG_CONTEXT = {"32k": 32768}   # shape suffix -> the long-context figures' prompt tokens
 
 
 def base_shape(shape: str) -> str:
@@ -77,9 +79,14 @@ def quant_of(shape: str) -> str:
     return "fp8" if "fp8" in _variants(shape) else "auto"
 
 
+def long_context_of(shape: str) -> int:
+    """The prompt tokens of a long-context variant ("-32k"), else 0."""
+    return next((LONG_CONTEXT[v] for v in _variants(shape) if v in LONG_CONTEXT), 0)
+
+
 def is_variant(shape: str) -> bool:
-    """Built differently from its base shape (another KV cache, quantization or checkpoint)."""
-    return kv_cache_of(shape) != "auto" or quant_of(shape) != "auto" or is_int4(shape)
+    """Built differently from its base shape (another KV cache, quantization, checkpoint or context)."""
+    return kv_cache_of(shape) != "auto" or quant_of(shape) != "auto" or is_int4(shape) or bool(long_context_of(shape))
 
 
 def is_deepseek(shape: str) -> bool:
@@ -101,6 +108,8 @@ def hf_config(shape: str) -> dict:
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     cfg.update(SHAPES[base_shape(shape)])
     cfg.update(MOE_FAMILY.get(base_shape(shape), {}))
+    if long_context_of(shape):   # the prompt, the decode steps after it, and a block's slack
+        cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], long_context_of(shape) + 1024)
     return cfg
 
 
@@ -119,8 +128,10 @@ def dtype_of(shape: str):
 
 
 def checkpoint_dir(work: Path, shape: str) -> Path:
-    """One checkpoint per base shape and weight format: '-int4' and '-int4-qhead' have their own."""
-    return work / f"ckpt-{base_shape(shape)}{'-int4' if is_int4(shape) else ''}{'-qhead' if is_int4_head(shape) else ''}"
+    """One checkpoint per base shape and weight format: '-int4' and '-int4-qhead' have their own, and a long-context
+    variant its own config.json."""
+    return work / (f"ckpt-{base_shape(shape)}{'-int4' if is_int4(shape) else ''}{'-qhead' if is_int4_head(shape) else ''}"
+                   f"{''.join('-' + v for v in _variants(shape) if v in LONG_CONTEXT)}")
 
 
 def plain_bundle(shape: str, work: str, cache: str) -> Path:
@@ -140,6 +151,8 @@ def make_checkpoint(shape: str, folder: Path) -> None:
     """A sharded HF folder of the shape: seed-0 random weights (on the GPU, for speed), unit norms, and a
     word-level tokenizer whose tokens are 't<id>'."""
     from safetensors.torch import save_file
+    if long_context_of(shape):
+        return _long_context_checkpoint(shape, folder)
     if is_deepseek(shape):
         return make_deepseek_v2_lite(folder, _deepseek_layers(shape))
     folder.mkdir(parents=True, exist_ok=True)
@@ -173,6 +186,22 @@ def make_checkpoint(shape: str, folder: Path) -> None:
                       **weights.proj(p + "mlp.down_proj", h, i)})
         save_file(t, str(folder / f"model-layer{layer:03d}.safetensors"))
     _write_index(folder)
+
+
+def _long_context_checkpoint(shape: str, folder: Path) -> None:
+    """The base shape's checkpoint (made where missing) under a config.json with room for the long prompt: its
+    weight files linked, not copied (an 8B checkpoint is 16 GB of the GPU machine's 64 GB disk)."""
+    short = "-".join(v for v in shape.split("-") if v not in LONG_CONTEXT)
+    base = checkpoint_dir(folder.parent, short)
+    if not (base / "config.json").exists():
+        make_checkpoint(short, base)
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in base.iterdir():
+        if f.name != "config.json" and not (folder / f.name).exists():
+            (folder / f.name).symlink_to(f.resolve())
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["max_position_embeddings"] = hf_config(shape)["max_position_embeddings"]
+    (folder / "config.json").write_text(json.dumps(cfg))
 
 
 def _moe_layer(cfg: dict, p: str, weights) -> dict:
