@@ -86,7 +86,7 @@ def make_engine(model, batch: int, prompt_len: int, steps: int, stops: tuple[str
     text = re.sub(r"#+", "", Path(__file__).parents[1].joinpath("docs/architecture.md").read_text())
     text_ids = model.tokenizer.encode(text, add_special_tokens=False)
     fake = FakeModel(model.config.vocab_size, text_ids, cuda_graphs.BUCKETS[-1])
-    ex = GraphedExecutor(fake, StepFacts(), -(-engine.max_context // bs), batch, "cpu", True)
+    ex = GraphedExecutor(fake, StepFacts(), -(-engine.max_context // bs), batch, "cpu", True, block_size=bs)
     ex.graphs = {(b, c): [(fake, fake)] * 2 for b in ex.buckets for c in ex._ctx_buckets(b)}
     graphed_forward = ex.forward
 

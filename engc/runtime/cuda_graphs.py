@@ -1,8 +1,11 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket (and staging turn), captured once.
 
-Small batches also get a graph per context bucket: the split-KV decode sizes its grid from the longest
-context a graph may see, and a graph captured for the block table's full capacity (8k tokens) would run
-30+ splits even for a 130-token chat, each costing latency. Large batches fill the GPU with (sequence, head) pairs anyway, so they keep one graph.
+Each batch bucket also gets graphs for shorter contexts than the block table's capacity (the model's
+positions, 128k for many): the split-KV decode sizes its grid from the longest context a graph may see,
+and a graph captured for the capacity would run 30+ splits even for a 130-token chat, each costing
+latency; and the graph stages each row's block table only as wide as its context bucket needs, so a batch
+of 256 short chats copies 256 KB of tables over PCIe, not 8 MB (256 rows of 8,192 blocks). Small batches
+have a 255-token bucket (one KV tile a split); every batch a NARROW_CONTEXT one.
 
 A decode step of a small model is a few hundred short launches; replaying them as one graph removes
 the host from the critical path. The whole step is in the graph, not only the forward pass: the graph
@@ -49,13 +52,17 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # from them (bench/results/HISTORY.md).
 CTX_BUCKETS = (255,)
 CTX_BUCKETED_UP_TO = 4
+# The context bucket of every batch bucket, where the capacity is larger: most chats fit it, and its graphs
+# stage 256 blocks a row (page 16) where a 128k-position model's capacity is 8,192.
+NARROW_CONTEXT = 4096
 # Without the bundle's sampling kernels, the largest bucket whose graphs end with the greedy argmax and the
 # tokens' write-back (a sampled step runs it for nothing: cheap up to here, not at 256 rows of a small model's
 # short steps); larger buckets end with the logits, sampled outside the graph. With the kernels every graph
 # ends with the draw.
 GREEDY_UP_TO = 32
 # int64 fields first (two int32 words each), then int32 fields; block_tables last so a step copies
-# only the rows it uses. fill_sel: where each row's input id comes from (see StagedInputs.pool).
+# only the rows it uses, each as wide as its graph's context bucket (a [rows, width] block at the region's
+# start). fill_sel: where each row's input id comes from (see StagedInputs.pool).
 I64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices", "fill_sel")
 I32_FIELDS = ("context_lens", "query_start_loc")
 # The sampling kernels' row parameters (kernels/sampling), float32 but top_k (int32), one word a row; a
@@ -142,6 +149,7 @@ class StagedInputs:
         cpus = [self._views(host) for host in stack]    # where the host writes each turn's inputs
         self.cpu_np = [{name: view.numpy() for name, view in cpu.items()} for cpu in cpus]
         self.draw_np = [{name: view.numpy() for name, view in self._draw_views(host).items()} for host in stack]
+        self.tables_np = [self._tables(host).numpy() for host in stack]
         self.own_ids = (self.ids_base + torch.arange(max_batch)).numpy()
         for views in (*cpus, self.dev):
             views["query_start_loc"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))
@@ -155,8 +163,12 @@ class StagedInputs:
         views = {name: buf[o[name]:o[name] + 2 * n].view(torch.int64) for name in I64_FIELDS}
         views.update({name: buf[o[name]:o[name] + n + 1] for name in I32_FIELDS})
         views["context_lens"] = views["context_lens"][:n]
-        views["block_tables"] = buf[o["block_tables"]:o["block_tables"] + n * self.width].view(n, self.width)
         return views
+
+    def _tables(self, buf: torch.Tensor) -> torch.Tensor:
+        """The block tables' region of buf, flat: a step's rows are its first rows x width words."""
+        o = self.offsets["block_tables"]
+        return buf[o:o + self.n * self.width]
 
     def _draw_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         o, n = self.offsets, self.n
@@ -167,20 +179,21 @@ class StagedInputs:
         """The bucket's staged sampling parameters, in the sampling kernels' order."""
         return [self.draw_dev[name][:b] for name in DRAW_FIELDS]
 
-    def used(self, b: int) -> int:
-        """int32 words a bucket of b rows reads: every field, and b rows of block tables."""
-        return self.offsets["block_tables"] + b * self.width
+    def used(self, b: int, width: int) -> int:
+        """int32 words a bucket of b rows reads: every field, and b rows of block tables width blocks wide."""
+        return self.offsets["block_tables"] + b * width
 
-    def bucket_inputs(self, b: int) -> dict[str, torch.Tensor]:
+    def bucket_inputs(self, b: int, width: int) -> dict[str, torch.Tensor]:
         views = {name: (t[:b + 1] if name == "query_start_loc" else t[:b]) for name, t in self.dev.items()
                  if name != "fill_sel"}
         views["input_ids"] = self.ids[:b]
+        views["block_tables"] = self._tables(self.device)[:b * width].view(b, width)
         return views
 
-    def stage(self, b: int, turn: int) -> None:
+    def stage(self, b: int, turn: int, width: int) -> None:
         """Inside the graph: turn's host buffer into the device one, then each row's input id from the
         staged ids or the previous step's tokens."""
-        used = self.used(b)
+        used = self.used(b, width)
         _kernel_copy(self.device[:used], self.host_stack[turn, :used])
         torch.index_select(self.pool, 0, self.dev["fill_sel"][:b], out=self.ids[:b])
 
@@ -188,10 +201,12 @@ class StagedInputs:
         """Inside the graph: the step's tokens (last_tokens) into turn's pinned host row."""
         _kernel_copy(self.tokens_dev[turn, :b], self.last_tokens[:b])
 
-    def send(self, inputs: dict[str, torch.Tensor], n: int, b: int, fill: TokenFill | None,
+    def send(self, inputs: dict[str, torch.Tensor], n: int, b: int, width: int, fill: TokenFill | None,
              draws: np.ndarray | None = None) -> int:
-        """Writes a step's inputs into the next host buffer; returns its turn (the graph to replay). draws:
-        the rows' sampling parameters (sampler.parameter_block), None for greedy rows."""
+        """Writes a step's inputs into the next host buffer; returns its turn (the graph to replay). width: the
+        graph's block-table width, which holds every block of the rows' contexts (blocks past them, reserved
+        for tokens to come, are left out: no kernel reads them). draws: the rows' sampling parameters
+        (sampler.parameter_block), None for greedy rows."""
         # Written through numpy views of the pinned buffer: a numpy slice assignment costs a fraction
         # of a torch copy_ call, and this runs every decode step.
         turn, cpu = self.turn, self.cpu_np[self.turn]
@@ -205,8 +220,8 @@ class StagedInputs:
         sel[:b] = self.own_ids[:b]
         if fill is not None:
             sel[fill.rows.numpy()] = fill.src.numpy()
-        width = inputs["block_tables"].shape[1]
-        cpu["block_tables"][:n, :width] = inputs["block_tables"].numpy()
+        cols = min(width, inputs["block_tables"].shape[1])
+        self.tables_np[turn][:b * width].reshape(b, width)[:n, :cols] = inputs["block_tables"].numpy()[:, :cols]
         draw = self.draw_np[turn]
         if draws is None:
             draw["temperature"][:b] = 0.0
@@ -229,8 +244,9 @@ class GraphedExecutor:
     def __init__(self, executor: Executor, facts: StepFacts, max_blocks_per_seq: int,
                  max_batch: int = 256, device: str | torch.device = "cuda", enabled: bool = True,
                  greedy: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-                 draw: Callable[..., None] | None = None):
+                 draw: Callable[..., None] | None = None, *, block_size: int):
         self.executor = executor
+        self.block_size = block_size
         self.draw = draw
         self.facts = facts
         self.device = device
@@ -256,15 +272,21 @@ class GraphedExecutor:
                 for c in self._ctx_buckets(b):
                     self._capture((b, c), kv_caches)
 
-    @staticmethod
-    def _ctx_buckets(b: int) -> list[int | None]:
-        return [None] + (list(CTX_BUCKETS) if b <= CTX_BUCKETED_UP_TO else [])
+    def _ctx_buckets(self, b: int) -> list[int | None]:
+        """The context buckets of batch bucket b, shortest first, then None (the block table's capacity)."""
+        short = list(CTX_BUCKETS) if b <= CTX_BUCKETED_UP_TO else []
+        capacity = self.staged.width * self.block_size
+        return [c for c in (*short, NARROW_CONTEXT) if c < capacity] + [None]
 
     def graph_key(self, n: int, max_context: int) -> tuple[int, int | None]:
         """The graph a decode batch of n rows whose longest context is max_context replays."""
         b = next(x for x in self.buckets if x >= n)
-        c = next((c for c in self._ctx_buckets(b)[1:] if c >= max_context), None)
+        c = next((c for c in self._ctx_buckets(b)[:-1] if c >= max_context), None)
         return b, c
+
+    def table_width(self, max_context: int | None) -> int:
+        """Blocks a row of a context bucket's graph stages: its contexts' blocks (the capacity for None)."""
+        return self.staged.width if max_context is None else -(-max_context // self.block_size)
 
     def forward(self, inputs: dict[str, torch.Tensor], kv_caches: list[torch.Tensor],
                 fill: TokenFill | None = None, draws: np.ndarray | None = None) -> torch.Tensor:
@@ -288,7 +310,7 @@ class GraphedExecutor:
         key = self.graph_key(n, int(inputs["context_lens"].max()))
         if key not in self.graphs:
             self._capture(key, kv_caches)
-        turn = self.staged.send(inputs, n, key[0], fill, draws)
+        turn = self.staged.send(inputs, n, key[0], self.table_width(key[1]), fill, draws)
         graph, out = self.graphs[key][turn]
         graph.replay()
         if self._ends_with_tokens(key[0]):
@@ -303,10 +325,10 @@ class GraphedExecutor:
         if self.tokens_kept:
             self.staged.last_tokens[:tokens.shape[0]].copy_(tokens)
 
-    def _step(self, b: int, turn: int, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """One decode step of bucket b from host buffer `turn`: what a graph holds."""
-        self.staged.stage(b, turn)
-        logits = self.executor.forward(self.staged.bucket_inputs(b), kv_caches, decode=True)
+    def _step(self, b: int, width: int, turn: int, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """One decode step of bucket b (block tables width wide) from host buffer `turn`: what a graph holds."""
+        self.staged.stage(b, turn, width)
+        logits = self.executor.forward(self.staged.bucket_inputs(b, width), kv_caches, decode=True)
         if self._ends_with_tokens(b):
             self._tokens(logits, b, self.staged.last_tokens[:b])
             self.staged.export(b, turn)
@@ -328,7 +350,7 @@ class GraphedExecutor:
 
     def _capture(self, key: tuple[int, int | None], kv_caches: list[torch.Tensor]) -> None:
         b, max_context = key
-        inputs = self.staged.bucket_inputs(b)
+        inputs = self.staged.bucket_inputs(b, self.table_width(max_context))
         # The warm-up below really runs: on inputs left by an earlier step (a lazy capture while serving)
         # it would write K/V into slots that may belong to another sequence now. Padded rows write none.
         inputs["slot_mapping"].fill_(-1)
@@ -351,7 +373,7 @@ class GraphedExecutor:
                 graph = torch.cuda.CUDAGraph()
                 self.facts.for_graph(max_context)
                 with torch.cuda.graph(graph, pool=self.pool):
-                    out = self._step(b, turn, kv_caches)
+                    out = self._step(b, self.table_width(max_context), turn, kv_caches)
                 self.pool = graph.pool()
                 graphs.append((graph, out))
         self.graphs[key] = graphs

@@ -66,7 +66,8 @@ class ModelRunner:
             warm_cublas(model.dtype, model.device)
             greedy, draw = (None, None) if model.sampler is None else (model.sampler.greedy, model.sampler.draw)
             self.executor = GraphedExecutor(model.executor, model.step_facts, -(-max_context // model.block_size),
-                                            max_num_seqs, model.device, cuda_graphs, greedy, draw)
+                                            max_num_seqs, model.device, cuda_graphs, greedy, draw,
+                                            block_size=model.block_size)
             if cuda_graphs:   # every tensor-parallel rank captures the same graphs, collectives included
                 self.executor.capture(kv.layers)
         if model.tp is not None and model.tp.rank == 0:   # each forward's inputs go to the workers first
