@@ -2,8 +2,9 @@
 
 Each view is lazy, like the checkpoint: a renamed tensor loads its source; a split one loads the fused
 source and takes its rows (the passes fuse q/k/v and gate/up again into the GEMMs the GPU runs).
-- text_part: a multimodal checkpoint's language model (Gemma 3: `language_model.model.*` in the released
-  files, `model.language_model.*` as transformers 5 saves them); the vision tower is left out.
+- text_part: a multimodal checkpoint's language model (Gemma 3: `language_model.model.*` and
+  `language_model.lm_head.*` in the released files, `model.language_model.*` and `lm_head.*` as transformers
+  5 saves them); the vision tower is left out.
 - phi3: `qkv_proj` rows are q, k, v; `gate_up_proj` rows are gate, then up.
 - internlm2: `attention.wqkv` rows are grouped per KV head, [q heads of the group..., k, v] (the published
   modeling code's rearrange "(h gs d)"), `w1`/`w3`/`w2` are gate/up/down, `attention_norm`/`ffn_norm` the
@@ -12,6 +13,15 @@ source and takes its rows (the passes fuse q/k/v and gate/up again into the GEMM
   rotated dims pair up as rotate-half pairs across the whole head (i with i + head_dim/2) and the
   unrotated dims sit where the rotary frequencies are zero (rope.py pads them): the rotary op stays one
   formula; q.k is a sum over the same products, and v is untouched.
+
+A quantized projection in the engc int4 layout (frontend/quantized.py) has every tensor N-major, one row an
+output, like a float weight: qweight [N, K/8], scales and zeros [N, groups] (and a GGUF's offsets), while
+its act-order `perm` belongs to the inputs. So splitting a fused projection, or permuting q and k rows, is
+the same row operation on each of them, `perm` shared by the parts; LongRoPE's row scaling scales a quantized
+row's scales (and offsets), its dequantized value being (q - zero) * scale (+ offset).
+
+engc quantize writes its output back through the same tables (quantize/source_layout.py): LAYER_TENSORS,
+join_rows (split_rows' inverse) and the row permutation's inverse.
 """
 from __future__ import annotations
 
@@ -25,18 +35,27 @@ from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.errors import UserError
 
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.lm_head.", "lm_head."))
+                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
 
-_INTERNLM2_NAMES = (
-    (r"model\.tok_embeddings\.", "model.embed_tokens."),
-    (r"output\.", "lm_head."),
-    (r"(model\.layers\.\d+\.)attention\.wo\.", r"\1self_attn.o_proj."),
-    (r"(model\.layers\.\d+\.)feed_forward\.w1\.", r"\1mlp.gate_proj."),
-    (r"(model\.layers\.\d+\.)feed_forward\.w3\.", r"\1mlp.up_proj."),
-    (r"(model\.layers\.\d+\.)feed_forward\.w2\.", r"\1mlp.down_proj."),
-    (r"(model\.layers\.\d+\.)attention_norm\.", r"\1input_layernorm."),
-    (r"(model\.layers\.\d+\.)ffn_norm\.", r"\1post_attention_layernorm."),
-)
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+# each layout's layer tensors (relative to the layer) that Llama names otherwise: the source name -> the Llama
+# names of the parts its rows hold, in order (one part: a rename)
+LAYER_TENSORS = {
+    "llama": {},
+    "phi3": {"self_attn.qkv_proj": QKV, "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
+    "internlm2": {"attention.wqkv": QKV, "attention.wo": ("self_attn.o_proj",),
+                  "feed_forward.w1": ("mlp.gate_proj",), "feed_forward.w3": ("mlp.up_proj",),
+                  "feed_forward.w2": ("mlp.down_proj",), "attention_norm": ("input_layernorm",),
+                  "ffn_norm": ("post_attention_layernorm",)},
+}
+# the tensors outside the layers that Llama names otherwise: source prefix -> Llama's
+GLOBAL_NAMES = {"internlm2": (("model.tok_embeddings.", "model.embed_tokens."), ("output.", "lm_head."))}
+# tensors of a projection whose rows are its outputs (float weight and bias; the engc int4 layout's), and the
+# ones that belong to its inputs, which the parts of a fused projection share
+ROW_TENSORS = ("weight", "bias", "qweight", "scales", "zeros", "offsets")
+INPUT_TENSORS = ("perm",)
+# what LongRoPE's row scaling multiplies: a float row, or the scale (and offset) of a quantized one
+SCALED_TENSORS = ("weight", "bias", "scales", "offsets")
 
 
 def text_config(hf: dict) -> dict:
@@ -62,32 +81,31 @@ def text_part(ckpt: Checkpoint) -> Checkpoint:
     return dataclasses.replace(ckpt, hf_config=config, loaders=loaders)
 
 
+def text_source_prefix(names) -> tuple[str, str]:
+    """The prefixes a multimodal checkpoint holds its text model's `model.` and `lm_head.` tensors under."""
+    model = next((old for old, new in _TEXT_PREFIXES if new == "model." and any(n.startswith(old) for n in names)),
+                 _TEXT_PREFIXES[0][0])
+    return model, "language_model.lm_head." if model == "language_model.model." else "lm_head."
+
+
 def llama_names(ckpt: Checkpoint, layout: str, cfg: ModelConfig, rotary_dim: int,
                 rope_factor: float = 1.0) -> Checkpoint:
     """ckpt under HF Llama's tensor names (layout: a Family's layout fact), with q/k rows permuted for a
     partial rotary width. rope_factor: LongRoPE's multiplier of the rotated dims of q and k, which the
     lowering folds into the attention scale as its square; the unrotated dims of q are divided by that
     square here, so their share of q.k stays as HF has it."""
-    loaders = dict(ckpt.loaders)
-    if layout == "phi3":
-        loaders = _split_fused(loaders, "self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"),
-                               lambda w: w.split([cfg.q_size, cfg.kv_size, cfg.kv_size]), "self_attn.")
-        loaders = _split_fused(loaders, "mlp.gate_up_proj", ("gate_proj", "up_proj"),
-                               lambda w: w.chunk(2), "mlp.")
-    elif layout == "internlm2":
-        loaders = _renamed(loaders, _INTERNLM2_NAMES)
-        loaders = _split_fused(loaders, "attention.wqkv", ("q_proj", "k_proj", "v_proj"),
-                               lambda w: _grouped_qkv(w, cfg), "self_attn.")
-    elif layout != "llama":
+    if layout not in LAYER_TENSORS:
         raise ValueError(f"unknown layout {layout}")
+    loaders = _layer_view(_renamed(ckpt.loaders, GLOBAL_NAMES.get(layout, ())), layout, cfg)
     if rotary_dim < cfg.head_dim and rope_factor != 1.0:
-        for name in [n for n in loaders if re.fullmatch(r"model\.layers\.\d+\.self_attn\.q_proj\.(weight|bias)", n)]:
-            loaders[name] = _rows_scaled(loaders[name], rotary_dim, cfg.head_dim, cfg.num_heads, rope_factor ** -2)
+        for name in _head_rows(loaders, "q_proj", SCALED_TENSORS):
+            loaders[name] = _lazy(head_rows_scaled, loaders[name], rotary_dim, cfg.head_dim, cfg.num_heads,
+                                  rope_factor ** -2, name.endswith(".weight") or name.endswith(".bias"))
     if rotary_dim < cfg.head_dim:
         perm = partial_rotary_order(cfg.head_dim, rotary_dim)
         for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads)):
-            for name in [n for n in loaders if re.fullmatch(rf"model\.layers\.\d+\.self_attn\.{proj}\.(weight|bias)", n)]:
-                loaders[name] = _rows_permuted(loaders[name], perm, heads)
+            for name in _head_rows(loaders, proj, ROW_TENSORS):
+                loaders[name] = _lazy(head_rows_permuted, loaders[name], perm, heads)
     return dataclasses.replace(ckpt, loaders=loaders)
 
 
@@ -99,54 +117,81 @@ def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
                       torch.arange(2 * r + p, head_dim)])
 
 
-def _rows_permuted(load, perm: torch.Tensor, heads: int):
-    def permuted():
-        w = load()
-        return w.reshape(heads, perm.numel(), *w.shape[1:])[:, perm].reshape(w.shape).contiguous()
-    return permuted
+def head_rows_permuted(w: torch.Tensor, perm: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows [heads * head_dim, ...] with each head's rows in the order perm."""
+    return w.reshape(heads, perm.numel(), *w.shape[1:])[:, perm].reshape(w.shape).contiguous()
 
 
-def _rows_scaled(load, start: int, head_dim: int, heads: int, factor: float):
-    def scaled():
-        w = load()
-        rows = w.reshape(heads, head_dim, *w.shape[1:]).clone()
-        rows[:, start:] = (rows[:, start:].double() * factor).to(w.dtype)
-        return rows.reshape(w.shape)
-    return scaled
+def head_rows_scaled(w: torch.Tensor, start: int, head_dim: int, heads: int, factor: float,
+                     keep_dtype: bool = True) -> torch.Tensor:
+    """Each head's rows from `start` on multiplied by factor (in float64, then rounded once: to w's dtype, or
+    to float32 where keep_dtype is False, as for a quantized row's scales, which the build casts anyway)."""
+    rows = w.reshape(heads, head_dim, *w.shape[1:]).double()
+    rows[:, start:] *= factor
+    return rows.reshape(w.shape).to(w.dtype if keep_dtype else torch.float32)
 
 
-def _renamed(loaders: dict, rules) -> dict:
+def split_rows(layout: str, source: str, cfg: ModelConfig, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A fused projection's row tensor (LAYER_TENSORS) -> its parts' rows, in the table's order."""
+    if source == "attention.wqkv":   # internlm2: [KV heads, group q heads + k + v, head_dim] rows
+        group = cfg.num_heads // cfg.num_kv_heads
+        rows = w.reshape(cfg.num_kv_heads, group + 2, cfg.head_dim, *w.shape[1:])
+        return (rows[:, :group].reshape(cfg.q_size, *w.shape[1:]), rows[:, group].reshape(cfg.kv_size, *w.shape[1:]),
+                rows[:, group + 1].reshape(cfg.kv_size, *w.shape[1:]))
+    if source == "self_attn.qkv_proj":
+        return w.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+    return w.chunk(2)   # gate_up_proj
+
+
+def join_rows(layout: str, source: str, cfg: ModelConfig, parts) -> torch.Tensor:
+    """split_rows' inverse: the parts' row tensors -> the fused projection's."""
+    if source == "attention.wqkv":
+        q, k, v = parts
+        rest = q.shape[1:]
+        return torch.cat([q.reshape(cfg.num_kv_heads, -1, cfg.head_dim, *rest),
+                          k.reshape(cfg.num_kv_heads, 1, cfg.head_dim, *rest),
+                          v.reshape(cfg.num_kv_heads, 1, cfg.head_dim, *rest)], dim=1).reshape(-1, *rest)
+    return torch.cat(list(parts))
+
+
+def _lazy(fn, load, *args):
+    return lambda: fn(load(), *args)
+
+
+def _head_rows(loaders: dict, proj: str, tensors) -> list[str]:
+    kinds = "|".join(tensors)
+    return [n for n in loaders if re.fullmatch(rf"model\.layers\.\d+\.self_attn\.{proj}\.({kinds})", n)]
+
+
+def _renamed(loaders: dict, prefixes) -> dict:
     out = {}
     for name, load in loaders.items():
-        for pattern, repl in rules:
-            new, n = re.subn("^" + pattern, repl, name)
-            if n:
-                name = new
+        for old, new in prefixes:
+            if name.startswith(old):
+                name = new + name[len(old):]
                 break
         out[name] = load
     return out
 
 
-def _split_fused(loaders: dict, fused: str, parts: tuple[str, ...], split, prefix: str) -> dict:
-    """Each model.layers.{i}.{fused}.weight/.bias as the parts' tensors (split: tensor -> parts in order)."""
+def _layer_view(loaders: dict, layout: str, cfg: ModelConfig) -> dict:
+    """Each model.layers.{i}.{source}.{tensor} of the layout's table under its parts' Llama names: renamed, or
+    for a fused source its row tensors split and its input tensors shared."""
+    table = LAYER_TENSORS[layout]
     out = {}
     for name, load in loaders.items():
-        m = re.fullmatch(rf"(model\.layers\.\d+\.){re.escape(fused)}\.(\w+)", name)
-        if m is None:
+        m = re.fullmatch(r"(model\.layers\.\d+\.)(.+)\.(\w+)", name)
+        if m is None or m.group(2) not in table:
             out[name] = load
             continue
-        if m.group(2) not in ("weight", "bias"):
-            raise UserError(f"checkpoint tensor '{name}': a quantized fused projection is not supported "
-                            "(build from a float checkpoint, or a GGUF without --quant keep)")
-        for i, part in enumerate(parts):
-            out[f"{m.group(1)}{prefix}{part}.{m.group(2)}"] = (
-                lambda load=load, i=i: split(load())[i].contiguous())
+        prefix, source, tensor = m.groups()
+        parts = table[source]
+        if len(parts) == 1 or tensor in INPUT_TENSORS:
+            out.update({f"{prefix}{part}.{tensor}": load for part in parts})
+        elif tensor in ROW_TENSORS:
+            for i, part in enumerate(parts):
+                out[f"{prefix}{part}.{tensor}"] = (
+                    lambda load=load, i=i, source=source: split_rows(layout, source, cfg, load())[i].contiguous())
+        else:
+            raise UserError(f"checkpoint tensor '{name}': engc does not read a fused projection's '{tensor}'")
     return out
-
-
-def _grouped_qkv(w: torch.Tensor, cfg: ModelConfig):
-    """InternLM2's wqkv rows [KV heads, group q heads + k + v, head_dim] -> q, k, v rows."""
-    group = cfg.num_heads // cfg.num_kv_heads
-    rows = w.reshape(cfg.num_kv_heads, group + 2, cfg.head_dim, *w.shape[1:])
-    q = rows[:, :group].reshape(cfg.q_size, *w.shape[1:])
-    return q, rows[:, group].reshape(cfg.kv_size, *w.shape[1:]), rows[:, group + 1].reshape(cfg.kv_size, *w.shape[1:])

@@ -3,7 +3,9 @@
 Each quantized projection `P` (P.qweight, P.qzeros, P.scales[, P.g_idx] in the file) is offered as
 P.qweight, P.scales, P.zeros[, P.perm] laid out as kernels/int4_linear wants them; the decoder lowers
 a projection that has P.qweight to QLinear, the lm_head too where the checkpoint quantized it
-(GPTQModel's `lm_head: true`). Everything else passes through from the HF folder reader.
+(GPTQModel's `lm_head: true`). Everything else passes through from the HF folder reader. A fused projection
+(Phi-3's qkv_proj and gate_up_proj, InternLM2's wqkv, as AutoAWQ and GPTQModel quantize them whole) is repacked
+whole too: frontend/layouts.py splits its N-major rows into the parts the lowering reads, `perm` shared.
 """
 from __future__ import annotations
 
