@@ -28,7 +28,9 @@ def write_streaming(path: Path, tensors: dict[str, Callable[[], torch.Tensor]],
     with tempfile.TemporaryFile(dir=path.parent) as data:
         for name in sorted(tensors):
             t = tensors[name]().contiguous().cpu()
-            raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            # flat first: torch calls a [N, 1] transpose contiguous while its last stride is N, and a dtype view
+            # wants a last stride of 1
+            raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
             data.write(raw)
             header[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
                             "data_offsets": [offset, offset + len(raw)]}
