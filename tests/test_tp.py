@@ -20,40 +20,64 @@ from test_cli import assert_one_line_error, engc
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "Hello"]
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "ENGC_TP_TIMEOUT_S": "60"}
 # a dense model with one KV head (replicated on both ranks), a tied head and an odd vocabulary (the last
-# rank's lm_head rows padded); Mixtral's experts; Qwen2-MoE's shared expert beside a dense layer
-CASES = {"llama": dict(num_key_value_heads=1, vocab_size=321), "mixtral": {}, "qwen2_moe": {}}
+# rank's lm_head rows padded); Mixtral's experts; Qwen2-MoE's shared expert beside a dense layer; DeepSeek's
+# latent attention (V2 without q_lora, V3 with it: q_a replicated, q_b by heads) and shared experts
+CASES = {"llama": dict(num_key_value_heads=1, vocab_size=321), "mixtral": {}, "qwen2_moe": {},
+         "deepseek_v2": {}, "deepseek_v3": {}}
 
 
 def _greedy(bundle, **kw):
+    """Each prompt's greedy tokens and their log-probabilities (and the top two's)."""
     import engc as engc_api
     llm = engc_api.LLM(str(bundle), device="cpu", **kw)
     try:
-        params = engc_api.SamplingParams(temperature=0, max_tokens=10)
-        return [c.token_ids for c in llm.generate(PROMPTS, params)]
+        params = engc_api.SamplingParams(temperature=0, max_tokens=10, logprobs=2)
+        seqs = [llm.engine.add_request(llm.encode(p, False), params) for p in PROMPTS]
+        llm.engine.run_to_completion()
+        return [(s.output_ids, [[x.logprob] + [v for _, v in x.top] for x in s.logprobs]) for s in seqs]
     finally:
         llm.close()
+
+
+# int4 from engc quantize (RTN): llama's projections in groups of 32 (o and down split by words and groups) and
+# of 64 (o's 64 inputs are one group: each rank keeps the scales); Qwen3-MoE's experts (an intermediate of 64,
+# 32 a rank: the int4 layout's chunk and the group)
+INT4_CASES = {"llama-int4": ("llama", {}, 32), "llama-int4-g64": ("llama", {}, 64),
+              "qwen3_moe-int4": ("qwen3_moe", dict(moe_intermediate_size=64), 32)}
 
 
 @pytest.fixture(scope="module")
 def tp_bundles(tiny_dir, tmp_path_factory):
     made = {}
 
-    def make(family: str):
-        if family not in made:
-            src, root = tiny_dir(family, **CASES[family]), tmp_path_factory.mktemp(f"tp_{family}")
+    def make(case: str):
+        if case not in made:
+            root = tmp_path_factory.mktemp(f"tp_{case}")
+            if case in INT4_CASES:
+                from engc.compiler.quantize import QuantOptions
+                from engc.compiler.quantize.stream import quantize_checkpoint
+                family, overrides, group = INT4_CASES[case]
+                src = root / "int4"
+                quantize_checkpoint(str(tiny_dir(family, **overrides)), src, QuantOptions(method="rtn", group_size=group))
+            else:
+                src = tiny_dir(case, **CASES[case])
             build(str(src), root / "tp1", BuildOptions())
             build(str(src), root / "tp2", BuildOptions(tp=2))
-            made[family] = root / "tp1", root / "tp2"
-        return made[family]
+            made[case] = root / "tp1", root / "tp2"
+        return made[case]
     return make
 
 
-@pytest.mark.parametrize("family", list(CASES))
+@pytest.mark.parametrize("family", [*CASES, *INT4_CASES])
 def test_tp2_decodes_the_tokens_of_tp1(family, tp_bundles, monkeypatch):
     monkeypatch.setenv("ENGC_TP_TIMEOUT_S", "60")
     tp1, tp2 = tp_bundles(family)
+    import torch
     expected = _greedy(tp1)
-    assert _greedy(tp2, tp=2) == expected
+    for (tokens, logprobs), (tokens1, logprobs1) in zip(_greedy(tp2, tp=2), expected):
+        # the ranks' partial sums add in another order than one GEMM's: the same tokens, logprobs to rounding
+        assert tokens == tokens1
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(logprobs1), atol=1e-4)
 
 
 def test_rank_files_hold_the_shards(tp_bundles):
@@ -87,6 +111,18 @@ def test_what_does_not_shard_is_refused_in_one_line(tiny_dir, tp_bundles, tmp_pa
                           "--tp 3", "4 attention heads do not divide over 3 ranks")
     assert_one_line_error(engc("build", tiny_dir("olmoe"), "-o", tmp_path / "b", "--tp", "2"),
                           "q/k norm over the whole projection does not shard")
+    from engc.compiler.quantize import QuantOptions
+    from engc.compiler.quantize.stream import quantize_checkpoint
+    act_order = tmp_path / "act_order"
+    quantize_checkpoint(str(tiny_dir("llama")), act_order, QuantOptions(
+        method="gptq", group_size=32, act_order=True, static_groups=False, calib_samples=2, calib_seqlen=16))
+    assert_one_line_error(engc("build", act_order, "-o", tmp_path / "b", "--tp", "2"),
+                          "is act-order int4 (desc_act)")
+    wide_groups = tmp_path / "wide_groups"   # down's 192 inputs, 96 a rank, in groups of 64
+    quantize_checkpoint(str(tiny_dir("llama", intermediate_size=192)), wide_groups,
+                        QuantOptions(method="rtn", group_size=64))
+    assert_one_line_error(engc("build", wide_groups, "-o", tmp_path / "b", "--tp", "2"),
+                          "not a multiple of 32 and of its int4 group size 64")
     _, tp2 = tp_bundles("mixtral")
     assert_one_line_error(engc("generate", tp2, "--prompt", "hi", "--tp", "4", "--device", "cpu"),
                           "built for 2 ranks")

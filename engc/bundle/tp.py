@@ -2,8 +2,8 @@
 
 A TP bundle has one program for all ranks and one weight file a rank (weights/rank<r>.safetensors), laid
 out Megatron-style by compiler/passes/shard_tp.py: attention by heads (KV heads replicated where there
-are fewer than ranks), the MLP's and the experts' intermediate by columns then rows, the embedding
-replicated and the lm_head by vocabulary rows. The rank's ModelConfig is what its kernels are compiled
+are fewer than ranks; a latent-attention cache whole on every rank), the MLP's and the experts'
+intermediate by columns then rows, the embedding replicated and the lm_head by vocabulary rows. The rank's ModelConfig is what its kernels are compiled
 for and what its KV cache holds.
 """
 from __future__ import annotations
@@ -23,8 +23,6 @@ def shard_problem(cfg: ModelConfig, tp: int) -> str | None:
         return f"--tp must be at least 1, got {tp}"
     if tp == 1:
         return None
-    if getattr(cfg, "kv_lora_rank", 0):
-        return f"{cfg.family}: latent attention (kv_lora_rank) does not shard by heads yet; build with --tp 1"
     if cfg.num_heads % tp:
         return f"{cfg.num_heads} attention heads do not divide over {tp} ranks"
     kv = cfg.num_kv_heads

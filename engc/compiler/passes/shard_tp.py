@@ -6,7 +6,13 @@ intermediate columns) need no communication; the row-parallel ones after them (o
 partial sum that an AllReduce completes, so a layer costs two all-reduces. A MoE layer splits every
 expert's (and the shared expert's) intermediate the same way, keeping the router whole: each rank runs
 the same routing and the same kernels on narrower experts, so no rank idles when the router favours some
-experts, and one AllReduce completes the layer.
+experts, and one AllReduce completes the layer. Latent attention (DeepSeek) splits by heads too: q (or q_b
+after the replicated q_a and its norm) by rows, each head's w_uk and w_uv, o by columns; the latent's
+down-projection kv_a is replicated, since every head reads the whole latent, and so is each rank's latent
+cache (one row a token, whatever the heads). int4 weights (QLinear, int4 experts) split like float ones: their
+codes, scales and zeros by output rows; along the input (o, down) by 8-input words and whole groups, so a rank's
+slice must be a multiple of the layout's 32-input chunk and of the group size, and act-order's input
+permutation, which spans the ranks' slices, is refused.
 
 The embedding stays whole on every rank: a lookup reads only the step's rows, and a vocabulary-parallel
 one would cost one more all-reduce a step for memory the lm_head saves anyway. The lm_head is split by
@@ -27,11 +33,13 @@ from engc.bundle.tp import kv_head_of, shard_problem, vocab_rows
 from engc.compiler.ir import Graph, Node
 from engc.errors import UserError
 
-_PROJECTION = re.compile(r"layers\.\d+\.(q|k|v|o|gate|up|down)\.(weight|bias)$")
+_PROJECTION = re.compile(r"layers\.\d+\.(q|q_a|q_b|kv_a|k|v|o|gate|up|down)\.(weight|bias|qweight)$")
+# latent attention's down-projections: every rank reads the whole latent (and q's) they make
+_REPLICATED = ("q_a", "kv_a")
 _HEADS = ("RotaryKVWrite", "PagedAttention", "QKNorm", "QKNormUnitOffset")
 # nodes that compute the same on a shard as on the whole (per row, per head, or replicated weights)
 _AS_IS = {"Gather", "Concat", "Cast", "Mul", "RMSNorm", "AddRMSNorm", "RMSNormUnitOffset",
-          "AddRMSNormUnitOffset", "SiluMul", "GeluTanhMul", "LogitSoftcap"}
+          "AddRMSNormUnitOffset", "SiluMul", "GeluTanhMul", "LogitSoftcap", "LatentRMSNorm"}
 
 
 def tp_pass(cfg: ModelConfig, tp: int):
@@ -57,32 +65,32 @@ def _shard(g: Graph, cfg: ModelConfig, tp: int) -> Graph:
             continue
         if node.op in _HEADS:
             node.attrs.update(num_heads=per_rank_heads, num_kv_heads=kv_head_of(cfg, tp, 0)[1])
-        elif node.op == "Gemm" and node.inputs[0] == head_gather.outputs[0]:
+        elif node.op in ("Gemm", "QLinear") and node.inputs[0] == head_gather.outputs[0]:
             _shard_head(g, node, cfg, tp)
-        elif node.op == "Gemm":
+        elif node.op in ("Gemm", "QLinear"):
             m = _PROJECTION.match(node.inputs[1])
             if m is None:
                 raise UserError(f"--tp {tp}: the projection '{node.inputs[1]}' has no tensor-parallel layout")
             kind = m.group(1)
-            for w in node.inputs[1:]:
-                if kind == "q":
-                    _rows(g, w, lambda r, n=per_rank_heads * d: slice(r * n, (r + 1) * n))
-                elif kind in ("k", "v"):
-                    _rows(g, w, lambda r: slice(*(h * d for h in _span(kv_head_of(cfg, tp, r)))))
-                elif kind in inter:
-                    _rows(g, w, lambda r, n=inter[kind]: slice(r * n, (r + 1) * n))
-                else:   # o, down: split by input columns, summed by an AllReduce
-                    width = per_rank_heads * d if kind == "o" else inter["gate"]
-                    _cols(g, w, lambda r, n=width: slice(r * n, (r + 1) * n))
-            if kind in ("o", "down"):
+            if kind in _REPLICATED:
+                continue
+            if kind in ("q", "q_b"):
+                _out_rows(g, node, lambda r, n=per_rank_heads * d: slice(r * n, (r + 1) * n))
+            elif kind in ("k", "v"):
+                _out_rows(g, node, lambda r: slice(*(h * d for h in _span(kv_head_of(cfg, tp, r)))))
+            elif kind in inter:
+                _out_rows(g, node, lambda r, n=inter[kind]: slice(r * n, (r + 1) * n))
+            else:   # o, down: split by input columns, summed by an AllReduce
+                width = per_rank_heads * (cfg.v_head_dim or d) if kind == "o" else inter["gate"]
+                _in_cols(g, node, width, tp)
                 _all_reduce(g, node)
+        elif node.op == "MLAAttention":
+            node.attrs["num_heads"] = per_rank_heads
+            for w in node.inputs[10:12]:   # w_uk [H, nope, R], w_uv [H, v, R]: this rank's heads
+                _rows(g, w, lambda r, n=per_rank_heads: slice(r * n, (r + 1) * n))
         elif node.op == "MoE":
-            if node.attrs.get("group_size"):
-                raise UserError(f"--tp {tp}: int4 experts do not shard yet; build the float checkpoint")
-            _shard_moe(g, node, cfg.moe_intermediate_size // tp, cfg.shared_expert_intermediate_size // tp)
+            _shard_moe(g, node, cfg.moe_intermediate_size // tp, cfg.shared_expert_intermediate_size // tp, tp)
             _all_reduce(g, node)
-        elif node.op == "QLinear":
-            raise UserError(f"--tp {tp}: int4 projections do not shard yet; build the float checkpoint")
         else:
             raise UserError(f"--tp {tp}: {node.op} nodes do not shard yet")
     return g
@@ -113,6 +121,37 @@ def _cols(g: Graph, name: str, cols) -> None:
     _per_rank(g, name, lambda t, r: t[:, cols(r)])
 
 
+def _out_rows(g: Graph, node: Node, rows) -> None:
+    """A column-parallel projection: the rank's output rows of each weight (an int4 one's codes, scales, zeros
+    and offsets are all [N, ...]); act-order's input permutation is the whole input's, on every rank."""
+    for w in node.inputs[1:]:
+        if not w.endswith(".perm"):
+            _rows(g, w, rows)
+
+
+def _in_cols(g: Graph, node: Node, width: int, tp: int) -> None:
+    """A row-parallel projection: the rank's `width` input columns, of int4 codes (8 a word) and of the groups
+    they span, where the engc int4 layout's 32-input chunks and the groups fit a rank's slice."""
+    group = node.attrs.get("group_size", 0)
+    per_channel = group >= width * tp   # one group spans the whole input: every rank keeps its scales
+    if node.op == "QLinear":
+        if node.attrs.get("act_order"):
+            raise UserError(f"--tp {tp}: '{node.inputs[1]}' is act-order int4 (desc_act), whose input order "
+                            "spans the ranks' slices; quantize without act-order or build with --tp 1")
+        if width % 32 or (not per_channel and width % group):
+            raise UserError(f"--tp {tp}: '{node.inputs[1]}' would give a rank {width} inputs, not a multiple of "
+                            f"32 and of its int4 group size {group}")
+    for w in node.inputs[1:]:
+        key = w.rsplit(".", 1)[1]
+        if key in ("weight", "qweight"):
+            per = width // 8 if key == "qweight" else width
+            _cols(g, w, lambda r, n=per: slice(r * n, (r + 1) * n))
+        elif key in ("scales", "zeros", "offsets") and not per_channel:
+            _cols(g, w, lambda r, n=width // group: slice(r * n, (r + 1) * n))
+        elif key not in ("scales", "zeros", "offsets"):
+            raise UserError(f"--tp {tp}: '{w}' of a row-parallel projection does not shard")
+
+
 def _all_reduce(g: Graph, node: Node) -> None:
     """node's output becomes a partial sum; an AllReduce right after it restores the value its users read."""
     out = node.outputs[0]
@@ -121,30 +160,42 @@ def _all_reduce(g: Graph, node: Node) -> None:
 
 
 def _shard_head(g: Graph, node: Node, cfg: ModelConfig, tp: int) -> None:
-    """The lm_head split by vocabulary rows (the last rank's padded with zeros), its logits gathered whole."""
+    """The lm_head split by vocabulary rows (the last rank's padded with zeros: an int4 head's zero codes, scales
+    and zero points give zero logits too), its logits gathered whole."""
     rows = vocab_rows(cfg, tp)
-    source = node.inputs[1]
-    load = g.weights[source]
 
-    def shard(rank: int) -> torch.Tensor:
+    def shard(load, rank: int) -> torch.Tensor:
         part = load()[rank * rows:(rank + 1) * rows]
         return torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])]).contiguous()
-    g.weights["lm_head.weight"] = lambda: shard(g.rank)   # a tied head gets its own (sharded) tensor
-    node.inputs[1] = "lm_head.weight"
+    if node.op == "Gemm":   # a tied head gets its own (sharded) tensor
+        g.weights["lm_head.weight"] = lambda load=g.weights[node.inputs[1]]: shard(load, g.rank)
+        node.inputs[1] = "lm_head.weight"
+    else:
+        for w in node.inputs[1:]:
+            if not w.endswith(".perm"):
+                g.weights[w] = lambda load=g.weights[w]: shard(load, g.rank)
     out = node.outputs[0]
     node.outputs[0] = out + ".shard"
     g.nodes.insert(g.nodes.index(node) + 1, Node("AllGather", [out + ".shard"], [out], {"size": cfg.vocab_size}))
 
 
-def _shard_moe(g: Graph, node: Node, inter: int, shared: int) -> None:
-    """Every expert's gate and up rows and down columns of this rank's intermediate slice; the router and the
-    shared expert's gate stay whole."""
+def _shard_moe(g: Graph, node: Node, inter: int, shared: int, tp: int) -> None:
+    """Every expert's gate and up rows and down columns of this rank's intermediate slice (int4 experts: their
+    codes, scales and zeros likewise, down's by words and groups); the router and the shared expert's gate stay
+    whole."""
     def cut(i: int):
         return lambda r: slice(r * i, (r + 1) * i)
     _, _, gate_up, down, *rest = node.inputs
-    # [E, 2I, H]: gate rows then up rows, each sliced
-    _per_rank(g, gate_up, lambda t, r: torch.cat([half[:, cut(inter)(r)] for half in t.chunk(2, dim=1)], dim=1))
-    _per_rank(g, down, lambda t, r: t[:, :, cut(inter)(r)])
+    group = node.attrs.get("group_size", 0)
+    if group and (inter % 32 or inter % group):
+        raise UserError(f"--tp {tp}: int4 experts would give a rank {inter} intermediate columns, not a multiple "
+                        f"of 32 and of their group size {group}")
+    # [E, 2I, ...]: gate rows then up rows, each sliced
+    for w in [gate_up] + [n for n in node.inputs if n.startswith(gate_up + ".")]:
+        _per_rank(g, w, lambda t, r: torch.cat([half[:, cut(inter)(r)] for half in t.chunk(2, dim=1)], dim=1))
+    _per_rank(g, down, lambda t, r: t[:, :, cut(inter // 8 if group else inter)(r)])
+    for w in [n for n in node.inputs if n.startswith(down + ".")]:   # int4 scales and zeros [E, H, I / group]
+        _per_rank(g, w, lambda t, r: t[:, :, cut(inter // group)(r)])
     if node.attrs.get("has_shared_expert"):
         shared_gate_up, shared_down = rest[:2]
         _per_rank(g, shared_gate_up, lambda t, r: torch.cat([half[cut(shared)(r)] for half in t.chunk(2)]))
