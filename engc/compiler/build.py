@@ -16,6 +16,7 @@ from engc.bundle.writer import write_bundle
 from engc.compiler.frontend.bos import with_bos
 from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.decoder import lower
+from engc.compiler.frontend.fp8_checkpoint import is_block_fp8
 from engc.compiler.frontend.moe import check_moe_build
 from engc.compiler.ir import to_onnx
 from engc.compiler.passes import PASSES
@@ -23,7 +24,8 @@ from engc.compiler.passes.decode_form import add_decode_form
 from engc.compiler.passes.fuse_fp8_input_quant import fuse_fp8_input_quant
 from engc.compiler.passes.quantize_kv_cache import KV_CACHE_PASSES
 from engc.compiler.passes.shard_tp import tp_pass
-from engc.compiler.passes.quantize_fp8 import check_fp8_shapes, check_fp8_targets, fp8_manifest, quantize_fp8
+from engc.compiler.passes.quantize_fp8 import (check_fp8_shapes, check_fp8_targets, fp8_manifest, fp8_target_problem,
+                                               quantize_fp8)
 from engc.errors import UserError
 from engc.progress import Progress
 
@@ -38,7 +40,8 @@ class BuildOptions:
     kv_block_size: int = KV_BLOCK_SIZE
     kernel_cache: str | None = None   # folder of compiled kernels to reuse (see kernel_cache.py)
     kv_cache: str = "auto"       # auto: the model dtype; int8 / fp8 (e4m3): codes + per-token scales
-    quant: str = "auto"          # auto: as the checkpoint is (float, or AWQ/GPTQ int4 repacked); fp8: W8A8;
+    quant: str = "auto"          # auto: as the checkpoint is (float, AWQ/GPTQ int4 repacked, block-scaled float8
+                                 # as fp8 where the targets run it); fp8: W8A8;
                                  # keep: a GGUF's 4-bit projections stay 4-bit (frontend/gguf_quant.py)
     tune: dict | None = None     # tune-table entries merged over the table for this build (--tune FILE)
     tp: int = 1                  # tensor-parallel ranks: one weight file a rank (passes/shard_tp.py)
@@ -60,10 +63,14 @@ def read_source(src: str, keep_quant: bool = False) -> Checkpoint:
     if not path.exists():
         raise UserError(f"{src}: no such file or folder")
     if path.is_dir():
+        from engc.compiler.frontend.fp8_checkpoint import read_fp8_folder
         from engc.compiler.frontend.hf import read_hf_folder
         from engc.compiler.frontend.quantized import is_quantized, read_quantized_folder
         config = path / "config.json"
-        if config.is_file() and is_quantized(json.loads(config.read_text() or "{}")):
+        hf = json.loads(config.read_text() or "{}") if config.is_file() else {}
+        if is_block_fp8(hf):
+            return read_fp8_folder(path)
+        if is_quantized(hf):
             return read_quantized_folder(path)
         return read_hf_folder(path)
     if path.suffix.lower() == ".gguf":
@@ -79,13 +86,17 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
     if opts.quant not in ("auto", "fp8", "keep"):
         raise UserError(f"unknown --quant '{opts.quant}'; known: auto, fp8, keep (int4 comes from AWQ/GPTQ "
                         "checkpoints, see engc quantize, or from a GGUF's 4-bit weights with keep)")
-    fp8 = opts.quant == "fp8"
     if opts.kv_cache != "auto" and opts.kv_cache not in KV_CACHE_PASSES:
         raise UserError(f"unknown --kv-cache '{opts.kv_cache}'; known: auto, {', '.join(KV_CACHE_PASSES)}")
-    if fp8:
+    if opts.quant == "fp8":
         check_fp8_targets(opts.archs, dtype_name)
     with progress.step("read checkpoint"):
         ckpt = read_source(src, keep_quant=opts.quant == "keep")
+    # a block-scaled float8 checkpoint stays float8 where the targets have FP8 tensor cores (else it is read
+    # dequantized, as a float one)
+    fp8_source = is_block_fp8(ckpt.hf_config)
+    fp8 = opts.quant == "fp8" or (opts.quant == "auto" and fp8_source
+                                  and fp8_target_problem(opts.archs, dtype_name) is None)
     if fp8 and _quantization(ckpt):
         raise UserError(f"{ckpt.name} is already quantized ({_quantization(ckpt)['method']} int4); "
                         "--quant fp8 needs a float checkpoint")
@@ -135,7 +146,8 @@ def build(src: str, out: Path, opts: BuildOptions, progress: Progress | None = N
     manifest = {
         "source": {"name": ckpt.name, "sha256": ckpt.source_sha256()},
         "model": cfg.to_dict(), "dtype": dtype_name, "tp": opts.tp,
-        "quantization": fp8_manifest(graph) if fp8 else _quantization(ckpt),
+        "quantization": ({**fp8_manifest(graph), **({"source_format": "fp8 block-scaled"} if fp8_source else {})}
+                         if fp8 else _quantization(ckpt)),
         "archs": list(opts.archs), "kv_block_size": opts.kv_block_size, "kv_cache": opts.kv_cache,
         "program": mf.PROGRAM, "weights": [weight_file(r) for r in range(opts.tp)], "kernels": kernels,
         "passes": [p.__name__ for p in passes],
@@ -186,8 +198,10 @@ def tokenizer_files(ckpt: Checkpoint) -> dict[str, bytes]:
 
 
 def _quantization(ckpt: Checkpoint) -> dict | None:
+    """The manifest's quantization entry of a checkpoint that stays quantized as it was (int4, a GGUF's kept
+    4-bit); None for float ones and block-scaled float8 ones, which read as float."""
     qc = ckpt.hf_config.get("quantization_config")
-    if not qc:
+    if not qc or is_block_fp8(ckpt.hf_config):
         return None
     if qc.get("quant_method") == "gguf":
         from engc.compiler.frontend.gguf_quant import describe as describe_gguf

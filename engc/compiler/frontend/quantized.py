@@ -24,7 +24,9 @@ GPTQ_ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
 
 
 def is_quantized(hf_config: dict) -> bool:
-    return bool(hf_config.get("quantization_config"))
+    """An int4 checkpoint (AWQ, GPTQ) this reader takes; block-scaled float8 ones are fp8_checkpoint.py's."""
+    qc = hf_config.get("quantization_config")
+    return bool(qc) and qc.get("quant_method") != "fp8"
 
 
 def read_quantized_folder(path: Path) -> Checkpoint:

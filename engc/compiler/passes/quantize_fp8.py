@@ -40,13 +40,21 @@ def fp8_manifest(g: Graph) -> dict:
 
 def check_fp8_targets(archs: tuple[str, ...], dtype_name: str) -> None:
     """FP8 GEMMs need FP8 tensor cores; a CPU target runs the op's reference (exact emulation)."""
+    problem = fp8_target_problem(archs, dtype_name)
+    if problem:
+        raise UserError(problem)
+
+
+def fp8_target_problem(archs: tuple[str, ...], dtype_name: str) -> str | None:
+    """Why --quant fp8 cannot build for these targets (one line), or None."""
     old = [a for a in archs if a != "cpu" and a not in FP8_ARCHS]
     if old:
-        raise UserError(f"--quant fp8 needs FP8 tensor cores (sm89 or newer); {', '.join(old)} has none: "
-                        "drop it from --arch or build without --quant")
+        return (f"--quant fp8 needs FP8 tensor cores (sm89 or newer); {', '.join(old)} has none: "
+                "drop it from --arch or build without --quant")
     if any(a != "cpu" for a in archs) and dtype_name != "bfloat16":
-        raise UserError(f"--quant fp8 on a GPU builds bfloat16 bundles (row-wise scaled FP8 GEMMs write "
-                        f"bf16), not {dtype_name}")
+        return (f"--quant fp8 on a GPU builds bfloat16 bundles (row-wise scaled FP8 GEMMs write "
+                f"bf16), not {dtype_name}")
+    return None
 
 
 def check_fp8_shapes(cfg: ModelConfig) -> None:
