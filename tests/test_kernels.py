@@ -128,7 +128,13 @@ def check_rms_norm(dtype):
     out, res = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
     _run(specs, op.launch(parts, w, 1e-6, out, residual=r, residual_out=res, partials=True))
     exact = 0.0 if dtype != torch.float32 or torch.equal(res, s_ref) else float("inf")
-    return max(e1, e2, _rel(out, y_ref), exact)
+    e3 = _rel(out, y_ref)
+    # DeepSeek's q_a_layernorm (LatentRMSNorm): the plain norm's variant of q_lora_rank's width, 40 here
+    specs = {s.variant: s for s in rms_norm_specs(_cfg(hidden_size=200, q_lora_rank=40), TRITON_DTYPE[dtype], "sm90")}
+    latent, lw = torch.randn(5, 40, dtype=dtype), torch.randn(40, dtype=dtype)
+    out = torch.full_like(latent, float("nan"))
+    _run(specs, op.launch(latent, lw, 1e-6, out, latent=True))
+    return max(e1, e2, e3, exact, _rel(out, op.rms_norm(latent, lw, 1e-6)))
 
 
 def check_gelu_tanh_mul(dtype):

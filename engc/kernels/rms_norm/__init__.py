@@ -41,10 +41,13 @@ MAX_SPLITS = 16   # the most partials it sums (the int4 GEMV's tune entries spli
 FP8_VARIANTS = {"rms_norm": "rms_norm_fp8", "add_rms_norm": "add_rms_norm_fp8"}
 # Gemma's (1 + weight) norms in half-precision bundles (ai.engc::RMSNormUnitOffset / AddRMSNormUnitOffset)
 UNIT_OFFSET_VARIANTS = {"rms_norm": "rms_norm_unit_offset", "add_rms_norm": "add_rms_norm_unit_offset"}
+# The plain norm specialized on q_lora_rank rather than the hidden size: DeepSeek's q_a_layernorm
+# (ai.engc::LatentRMSNorm, kernels/mla_attention)
+LATENT_VARIANT = "rms_norm_latent"
 
 
 def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=None, partials: bool = False,
-           scale=None, unit_offset: bool = False):
+           scale=None, unit_offset: bool = False, latent: bool = False):
     """Launch rule of the AOT kernel rms_norm_kernel: [(variant, grid, args)], nothing to launch for 0 rows.
 
     x, out (and residual, residual_out): contiguous [..., hidden]; weight [hidden]. Without residual the
@@ -53,7 +56,8 @@ def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=
     rows, hidden], and a residual comes too: variant 'add_rms_norm_partials', which sums the splits in
     order first and rounds to out's dtype. With scale (float32 [rows]), out is float8_e4m3fn and takes the
     output quantized a row (FP8_VARIANTS; not with partials). unit_offset: Gemma's (1 + weight) norm
-    (UNIT_OFFSET_VARIANTS). args, in the kernel's order:
+    (UNIT_OFFSET_VARIANTS). latent: the plain norm of q_lora_rank-wide rows (LATENT_VARIANT). args, in the
+    kernel's order:
         x, residual, weight, out, residual_out, eps (fp32), splits, scale, global_scratch=0, profile_scratch=0
     (the 'rms_norm' variant ignores the residual slots; they carry x and out; splits is read by the
     partials variant alone; scale by the fp8 variants alone: the others take the weight there, their
@@ -77,6 +81,9 @@ def launch(x, weight, eps: float, out, residual=None, residual_out=None, consts=
     if unit_offset:
         assert not partials and scale is None
         variant = UNIT_OFFSET_VARIANTS[variant]
+    if latent:
+        assert variant == "rms_norm", "the latent variant is the plain norm"
+        variant = LATENT_VARIANT
     if rows == 0:
         return []
     return [(variant, (rows, 1, 1), [x, residual, weight, out, residual_out, float(eps), splits,

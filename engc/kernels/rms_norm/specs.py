@@ -1,11 +1,12 @@
 """The rms_norm kernels a model needs: the norm and the residual-add norm; for int4 programs also the
 residual-add norm that sums a split-K GEMV's fp32 partials (PARTIALS_VARIANT, for QLinearAddRMSNorm); for
 fp8 programs also both norms writing float8 codes and a scale a row (FP8_VARIANTS, for RMSNormFP8 /
-AddRMSNormFP8); for Gemma's (1 + weight) norm in half precision both norms so (UNIT_OFFSET_VARIANTS)."""
+AddRMSNormFP8); for Gemma's (1 + weight) norm in half precision both norms so (UNIT_OFFSET_VARIANTS); for
+latent attention with q_lora_rank the plain norm of that width (LATENT_VARIANT, for LatentRMSNorm)."""
 from engc.compiler import tune
 from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
 from engc.kernels.fp8_quant import FP8_MAX, MIN_AMAX
-from engc.kernels.rms_norm import FP8_VARIANTS, MAX_SPLITS, PARTIALS_VARIANT, UNIT_OFFSET_VARIANTS
+from engc.kernels.rms_norm import FP8_VARIANTS, LATENT_VARIANT, MAX_SPLITS, PARTIALS_VARIANT, UNIT_OFFSET_VARIANTS
 
 
 def specs(b: Build) -> list:
@@ -24,11 +25,18 @@ def rms_norm_specs(cfg, t: str, arch: str, overrides=None, partials: bool = Fals
     variants += [(PARTIALS_VARIANT, True, True, False, False)] if partials else []
     variants += [(FP8_VARIANTS[v], res, False, True, False) for v, res in plain] if fp8 else []
     variants += [(UNIT_OFFSET_VARIANTS[v], res, False, False, True) for v, res in plain] if unit_offset else []
-    return [make_spec("rms_norm", variant, arch, "rms_norm_kernel",
-                      dict(types, **({"x_ptr": "*fp32"} if part else {}),
-                           **({"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"} if q else {})),
-                      {"HIDDEN": cfg.hidden_size, "BLOCK": block, "HAS_RESIDUAL": has_res, "PARTIALS": part,
-                       "MAX_SPLITS": MAX_SPLITS if part else 1, "FP8_OUT": q, "FP8_MAX": FP8_MAX,
-                       "MIN_AMAX": MIN_AMAX, "UNIT_OFFSET": unit},
-                      tune.block_bucket(block), overrides=overrides)
-            for variant, has_res, part, q, unit in variants]
+    specs = [make_spec("rms_norm", variant, arch, "rms_norm_kernel",
+                       dict(types, **({"x_ptr": "*fp32"} if part else {}),
+                            **({"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"} if q else {})),
+                       {"HIDDEN": cfg.hidden_size, "BLOCK": block, "HAS_RESIDUAL": has_res, "PARTIALS": part,
+                        "MAX_SPLITS": MAX_SPLITS if part else 1, "FP8_OUT": q, "FP8_MAX": FP8_MAX,
+                        "MIN_AMAX": MIN_AMAX, "UNIT_OFFSET": unit},
+                       tune.block_bucket(block), overrides=overrides)
+             for variant, has_res, part, q, unit in variants]
+    if cfg.q_lora_rank:   # without a kernel of that width the GPU ran the norm's torch reference, ~6 launches a layer
+        width = pow2(cfg.q_lora_rank)
+        specs.append(make_spec("rms_norm", LATENT_VARIANT, arch, "rms_norm_kernel", types,
+                               {"HIDDEN": cfg.q_lora_rank, "BLOCK": width, "HAS_RESIDUAL": False, "PARTIALS": False,
+                                "MAX_SPLITS": 1, "FP8_OUT": False, "FP8_MAX": FP8_MAX, "MIN_AMAX": MIN_AMAX,
+                                "UNIT_OFFSET": False}, tune.block_bucket(width), overrides=overrides))
+    return specs
