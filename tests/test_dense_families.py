@@ -213,15 +213,6 @@ def test_gpu_greedy_matches_cpu(family, tiny_dir, qwen2_src, tmp_path):
     assert greedy(tmp_path / "b", "cuda", graphs=False) == cpu
 
 
-@pytest.mark.parametrize("family", ["gemma2", "phi3"])
-def test_quantize_refused(family, tiny_dir, tmp_path):
-    """engc quantize's layer is Llama's: other blocks or tensor layouts are refused in one line."""
-    from engc.compiler.quantize.options import QuantOptions
-    from engc.compiler.quantize.stream import quantize_checkpoint
-    with pytest.raises(UserError, match=f"does not quantize {family} models"):
-        quantize_checkpoint(str(tiny_dir(family)), tmp_path / "q", QuantOptions(method="rtn", group_size=32))
-
-
 # HF tensor -> llama.cpp's name, as its converter writes Gemma 2/3 and Phi-3 (no q/k row permutation there)
 _GGUF_STEMS = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",

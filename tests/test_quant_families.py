@@ -1,4 +1,5 @@
-"""engc build of pre-quantized fused (Phi-3) and grouped (InternLM2) checkpoints.
+"""engc quantize of Gemma 2, Gemma 3, Phi-3 (partial rotary, LongRoPE) and InternLM2, and engc build of
+pre-quantized fused (Phi-3) and grouped (InternLM2) checkpoints.
 
 The oracle is transformers' float32 model with the weights dequantized from the written files by
 test_quant_e2e's unpacking (written from the AWQ / GPTQ format descriptions, not from engc's code), in the
@@ -13,6 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engc.compiler.build import BuildOptions, build
+from engc.compiler.frontend.decoder import _rope_table, resolve_config
+from engc.compiler.quantize import QuantOptions
+from engc.compiler.quantize.layer import DecoderLayer
+from engc.compiler.quantize.stream import first_layer_input, llama_view, quantize_checkpoint
 from test_dense_families import _internlm2_tensors, _relaid
 from test_quant_e2e import bundle_logits, dequant_awq, dequant_gptq
 
@@ -99,6 +104,34 @@ def assert_bundle_matches(bundle, oracle):
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 
 
+FAMILIES = ("gemma2", "gemma3_text", "phi3", "internlm2")
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_family_builds_and_matches_its_dequantized_weights(family, method, tiny_dir, internlm2_src,
+                                                                     tmp_path):
+    """Each method writes the family's own checkpoint (fused and grouped projections quantized whole, phi3's
+    GPTQ with its groups in act order, so the parts share a g_idx), engc build reads it, and the bundle's
+    logits are the float model's of the dequantized weights."""
+    src = source_of(family, tiny_dir, internlm2_src)
+    extra = {"act_order": True, "static_groups": False} if (family, method) == ("phi3", "gptq") else {}
+    quantize_checkpoint(str(src), tmp_path / "q", QuantOptions(method=method, group_size=32, **CALIB, **extra))
+    written = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["weight_map"]
+    fused = {"phi3": ("self_attn.qkv_proj", "mlp.gate_up_proj"), "internlm2": ("attention.wqkv", "feed_forward.w1")}
+    for name in fused.get(family, ("self_attn.q_proj", "mlp.gate_proj")):   # the source family's own names
+        assert f"model.layers.0.{name}.qweight" in written and f"model.layers.0.{name}.weight" not in written
+    build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())
+    oracle = oracle_of(tmp_path / "q", internlm2_src, tmp_path)
+    assert_bundle_matches(tmp_path / "b", oracle)
+    if method == "rtn":   # no calibration moved the weights: each is its float source's, rounded, in its rows
+        float_src = internlm2_src[1] if family == "internlm2" else src
+        expected = {k: v for f in float_src.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+        dequantized = load_file(str(oracle / "model.safetensors"))
+        for name, w in expected.items():
+            if ".layers." in name and name.endswith("proj.weight"):
+                err = (dequantized[name] - w).norm() / w.norm()
+                assert err < 0.1, (name, err)   # g32 RTN of these weights: about 0.08
 
 
 def awq_pack(w: torch.Tensor, group: int) -> dict:
@@ -137,3 +170,85 @@ def test_prequantized_fused_checkpoint_builds(family, tiny_dir, internlm2_src, t
     _relaid(src, tmp_path / "q", cfg, lambda t: out)
     build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())
     assert_bundle_matches(tmp_path / "b", oracle_of(tmp_path / "q", internlm2_src, tmp_path))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantizer_layer_is_the_hf_layer(family, tiny_dir, internlm2_src):
+    """Each layer of the quantizer (the build's view of the weights, the ModelConfig's facts) against the HF
+    decoder layer's output on the same input, and the first layer's input against HF's embedding output."""
+    from engc.compiler.build import read_source
+    src = source_of(family, tiny_dir, internlm2_src)
+    source = read_source(str(src))
+    cfg = resolve_config(source.hf_config)
+    view = llama_view(source, cfg)
+    hf_folder = internlm2_src[1] if family == "internlm2" else src
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
+    seen = []
+    hooks = [layer.register_forward_hook(
+        lambda m, args, kwargs, out: seen.append((args[0] if args else kwargs["hidden_states"],
+                                                  out[0] if isinstance(out, tuple) else out)), with_kwargs=True)
+        for layer in model.model.layers]
+    ids = torch.tensor([IDS[:20]])
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    assert torch.allclose(first_layer_input(view, cfg, ids), seen[0][0], atol=1e-6)
+    rope = _rope_table(cfg, cfg.rope_theta, cfg.rope_scaling)
+    local = _rope_table(cfg, cfg.local_rope_theta, None) if cfg.local_rope_theta else None
+    for i, (x, expected) in enumerate(seen):
+        prefix = f"model.layers.{i}."
+        weights = {n[len(prefix):]: view.get(n).float() for n in view.names() if n.startswith(prefix)}
+        with torch.no_grad():
+            ours = DecoderLayer(cfg, weights, rope, i, local).forward(x)
+        assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-5), (i, (ours - expected).abs().max())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_awq_scales_fold_into_the_right_ops(family, tiny_dir, internlm2_src, monkeypatch):
+    """AWQ's scales, folded into the op before each projection group (a (1 + w) norm as (1 + w) / s - 1, the
+    MLP's input norm, v's and up's rows), leave the float layer's output as it was: the clipping search,
+    which does change weights, is left out."""
+    from engc.compiler.build import read_source
+    from engc.compiler.quantize import awq
+    monkeypatch.setattr(awq, "clip_weight", lambda w, *args: w)
+    source = read_source(str(source_of(family, tiny_dir, internlm2_src)))
+    cfg = resolve_config(source.hf_config)
+    view = llama_view(source, cfg)
+    rope = _rope_table(cfg, cfg.rope_theta, cfg.rope_scaling)
+    local = _rope_table(cfg, cfg.local_rope_theta, None) if cfg.local_rope_theta else None
+    weights = {n[len("model.layers.0."):]: view.get(n).float() for n in view.names() if n.startswith("model.layers.0.")}
+    x = torch.randn(4, 20, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = DecoderLayer(cfg, dict(weights), rope, 0, local).forward(x)
+        layer = DecoderLayer(cfg, dict(weights), rope, 0, local)
+        awq.awq_layer(layer, x, 32, grid=4)
+        assert any(not torch.equal(layer.w[k], weights[k]) for k in weights if "norm" in k)
+        assert torch.allclose(layer.forward(x), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_multimodal_gemma3_quantizes_its_text_part(tiny_dir, internlm2_src, tmp_path):
+    """A gemma3 checkpoint (text_config, language_model.* tensors, a vision tower) is written as one: its
+    language model's layers and, with --lm-head, its head quantized under their own prefixes, the vision
+    tower as it was, the text config untied."""
+    src = tiny_dir("gemma3_text")
+    text = json.loads((src / "config.json").read_text())
+    vision = torch.ones(8)
+    _relaid(src, tmp_path / "mm", {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+                                   "text_config": {k: v for k, v in text.items() if k != "architectures"},
+                                   "vision_config": {"model_type": "siglip_vision_model"}},
+            lambda t: {"language_model." + k: v for k, v in t.items()} | {"vision_tower.post_layernorm.weight": vision})
+    quantize_checkpoint(str(tmp_path / "mm"), tmp_path / "q", QuantOptions(method="gptq", group_size=32, lm_head=True,
+                                                                           **CALIB))
+    tensors = {k: v for f in (tmp_path / "q").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert torch.equal(tensors["vision_tower.post_layernorm.weight"], vision)
+    assert {"language_model.model.layers.0.self_attn.q_proj.qweight", "language_model.lm_head.qweight"} <= set(tensors)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["text_config"]["tie_word_embeddings"] is False
+    build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())
+    # the oracle: the text model of the dequantized weights
+    text_only = tmp_path / "text"
+    text_config = dict(text, tie_word_embeddings=False, quantization_config=config["quantization_config"])
+    _relaid(tmp_path / "q", text_only, text_config,
+            lambda t: {k[len("language_model."):]: v for k, v in tensors.items() if k.startswith("language_model.")})
+    assert_bundle_matches(tmp_path / "b", oracle_of(text_only, internlm2_src, tmp_path))

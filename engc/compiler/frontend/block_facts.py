@@ -57,13 +57,10 @@ def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positi
     return facts
 
 
-def llama_block(cfg: ModelConfig, family: Family) -> bool:
-    """Whether the model's blocks compute Llama's math under Llama's tensor names (what engc quantize's
-    plain-torch layer computes)."""
-    return (family.layout == "llama" and cfg.hidden_act == "silu" and not cfg.attn_scale
-            and not cfg.attn_logit_softcap and not cfg.final_logit_softcap and not cfg.layer_windows
-            and not cfg.rotary_dim and cfg.rope_attention_factor == 1.0 and not cfg.norm_unit_offset
-            and not cfg.sandwich_norms and not cfg.embed_scale and not cfg.kv_lora_rank)
+def quantizer_computes(cfg: ModelConfig) -> bool:
+    """Whether engc quantize's layer (quantize/layer.py, driven by these ModelConfig fields) computes the
+    model's blocks: every block the lowering computes but multi-head latent attention (DeepSeek)."""
+    return not cfg.kv_lora_rank
 
 
 def rotary_dim(hf: dict, head_dim: int) -> int:

@@ -59,12 +59,13 @@ SCALED_TENSORS = ("weight", "bias", "scales", "offsets")
 
 
 def text_config(hf: dict) -> dict:
-    """A multimodal config.json's text_config, with the token ids and tying the outer config holds."""
+    """A multimodal config.json's text_config, with the token ids, tying and quantization (an AWQ / GPTQ
+    checkpoint's group size) the outer config holds."""
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise UserError(f"config.json of model_type '{hf.get('model_type')}' lacks text_config")
     config = {**text, "model_type": text.get("model_type") or f"{hf['model_type']}_text"}
-    for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings"):
+    for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings", "quantization_config"):
         if key not in config and key in hf:
             config[key] = hf[key]
     return config

@@ -1,11 +1,11 @@
 """AWQ (Lin et al. 2023): activation-aware per-input-channel scales, then a weight clipping search.
 
-For each group of projections that read one input (qkv after input_layernorm, gate/up after
-post_attention_layernorm, down after up, o after v when the shapes allow), search s = x_mean^a /
+For each group of projections that read one input (qkv after input_layernorm, gate/up after the MLP's
+input norm, down after up, o after v when the shapes allow), search s = x_mean^a /
 w_mean^(1-a) over a grid of a in [0, 1), scoring each candidate by the MSE of the *block output*
 (attention or MLP output, or the projection's own for down/o) with the scaled weights fake-quantized.
-The best s is folded into the previous op (norm weight or projection rows) and multiplied into the
-projections, so the float network is unchanged and only quantization error moves. Then, per output
+The best s is folded into the previous op (a norm's scale, w or Gemma's 1 + w, or projection rows) and
+multiplied into the projections, so the float network is unchanged and only quantization error moves. Then, per output
 channel and group, the clipping range max|w| * (1 - i/grid), i < grid/2, minimizing the projection's
 output error on a token sample. This is the search of the paper and of AutoAWQ.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engc.compiler.quantize.layer import DecoderLayer, batched
+from engc.compiler.quantize.layer import ATTN_NORM, DecoderLayer, batched
 from engc.compiler.quantize.rtn import fake_quantize, pad_groups
 
 CLIP_TOKENS = 512       # tokens sampled for the clipping search
@@ -26,7 +26,7 @@ def awq_layer(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int =
     w, cfg = layer.w, layer.cfg
     h = batched(layer.attn_in, x)
     qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
-    _scale(layer, "input_layernorm", qkv, h, lambda inp: batched(layer.attention, inp), group_size, grid)
+    _scale(layer, ATTN_NORM, qkv, h, lambda inp: batched(layer.attention, inp), group_size, grid)
     h = batched(layer.attn_in, x)
     if cfg.num_heads == cfg.num_kv_heads:  # v -> o folds only when v's outputs are o's inputs one to one
         ctx = batched(layer.attn_context, h)
@@ -34,7 +34,7 @@ def awq_layer(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int =
                lambda inp: layer.linear(inp, "self_attn.o_proj"), group_size, grid)
     x_mid = x + batched(layer.attention, h)
     m = batched(layer.mlp_in, x_mid)
-    _scale(layer, "post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], m,
+    _scale(layer, layer.mlp_norm, ["mlp.gate_proj", "mlp.up_proj"], m,
            lambda inp: batched(layer.mlp, inp), group_size, grid)
     m = batched(layer.mlp_in, x_mid)
     act = batched(layer.mlp_act, m)
@@ -45,7 +45,7 @@ def awq_layer(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int =
     # errors pass through the softmax, which a per-projection MSE does not see)
     h = batched(layer.attn_in, x)
     ctx = batched(layer.attn_context, h)
-    m = batched(layer.mlp_in, x + layer.linear(ctx, "self_attn.o_proj"))
+    m = batched(layer.mlp_in, x + layer.attn_out(ctx))
     act = batched(layer.mlp_act, m)
     for name, inp in (("self_attn.v_proj", h), ("self_attn.o_proj", ctx), ("mlp.gate_proj", m),
                       ("mlp.up_proj", m), ("mlp.down_proj", act)):
@@ -79,7 +79,7 @@ def _scale(layer: DecoderLayer, prev: str, names: list[str], inp: torch.Tensor, 
         w[n + ".weight"] = orig * best
     prev_w = prev + ".weight"
     if prev.endswith("layernorm"):
-        w[prev_w] = w[prev_w] / best
+        layer.divide_norm(prev, best)
     else:  # a projection: its output rows (and bias) feed the scaled inputs
         w[prev_w] = w[prev_w] / best[:, None]
         if prev + ".bias" in w:

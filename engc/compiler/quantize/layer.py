@@ -1,8 +1,12 @@
 """One decoder layer in plain torch, over a batch of calibration sequences [B, T, hidden].
 
-Built from the same op references the runtime uses (engc.kernels), so the quantizer sees exactly the
-network the bundle runs, without transformers. Weights are a dict keyed by HF names relative to the
-layer ("self_attn.q_proj.weight", ...); the quantizers swap entries of it and re-run pieces.
+Built from the same op references the runtime uses (engc.kernels) and driven by the resolved ModelConfig
+alone, so the quantizer sees exactly the network the bundle runs, for every family the lowering computes
+(frontend/decoder.py), without transformers: (1 + weight) norms and Gemma's sandwich norms, q/k norms,
+the GLU's activation, the attention's scale and soft-cap, each layer's window and rope table. Weights are a
+dict keyed by Llama's names relative to the layer ("self_attn.q_proj.weight", ...) as frontend/layouts.py
+shows every layout (q/k rows in the partial rotary order, LongRoPE's scaling applied); the quantizers swap
+entries of it and re-run pieces.
 """
 from __future__ import annotations
 
@@ -10,18 +14,43 @@ import torch
 import torch.nn.functional as F
 
 from engc.bundle.model_config import ModelConfig
-from engc.kernels.rms_norm import rms_norm
+from engc.kernels.rms_norm import rms_norm, rms_norm_unit_offset
 from engc.kernels.rotary import cos_sin, rotate
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+ATTN_NORM = "input_layernorm"
+GLU_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda g: F.gelu(g, approximate="tanh")}
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor):
-        self.cfg, self.w, self.inv_freq = cfg, weights, inv_freq
+    """inv_freq: the rope table of the global layers, as the build makes it (zeros for a partial rotary's
+    unrotated dims); local_inv_freq: the one of the layers with a window where it differs (Gemma 3); index:
+    the layer's number, for its window."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor,
+                 index: int = 0, local_inv_freq: torch.Tensor | None = None):
+        self.cfg, self.w, self.index = cfg, weights, index
         self.moe = None   # an MoE layer's MLP in place of the dense one (quantize/experts.py: MoeMlp)
         self._rotary: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.window = 0
+        if cfg is not None:
+            self.window = cfg.layer_windows[index] if cfg.layer_windows else cfg.sliding_window
+        self.inv_freq = local_inv_freq if local_inv_freq is not None and self.window else inv_freq
+
+    @property
+    def mlp_norm(self) -> str:
+        """The norm whose output the MLP reads (AWQ folds gate/up's scales into it)."""
+        return "pre_feedforward_layernorm" if self.cfg.sandwich_norms else "post_attention_layernorm"
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        norm = rms_norm_unit_offset if self.cfg.norm_unit_offset else rms_norm
+        return norm(x, self.w[name + ".weight"], self.cfg.rms_norm_eps)
+
+    def divide_norm(self, name: str, s: torch.Tensor) -> None:
+        """The norm's output divided by s per channel: its scale is w, or 1 + w for a unit-offset norm."""
+        w = self.w[name + ".weight"]
+        self.w[name + ".weight"] = (1 + w) / s - 1 if self.cfg.norm_unit_offset else w / s
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
@@ -29,7 +58,7 @@ class DecoderLayer:
     # --- the pieces, each taking the input of its first projection ------------------------------
 
     def attn_in(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.w["input_layernorm.weight"], self.cfg.rms_norm_eps)
+        return self.norm(x, ATTN_NORM)
 
     def attn_context(self, h: torch.Tensor) -> torch.Tensor:
         """Normed hidden [B, T, D] -> attention output before o_proj [B, T, heads * head_dim]."""
@@ -39,20 +68,26 @@ class DecoderLayer:
         k = self.linear(h, "self_attn.k_proj").view(b * t, c.num_kv_heads, c.head_dim)
         v = self.linear(h, "self_attn.v_proj").view(b, t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q = rms_norm(q, self.w["self_attn.q_norm.weight"], c.rms_norm_eps)
-            k = rms_norm(k, self.w["self_attn.k_norm.weight"], c.rms_norm_eps)
+            q, k = self.norm(q, "self_attn.q_norm"), self.norm(k, "self_attn.k_norm")
         cos, sin = self.rotary(b, t)
         q = rotate(q, cos, sin).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
         k = rotate(k, cos, sin).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = v.transpose(1, 2)
         rep = c.num_heads // c.num_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        # the lowering's PagedAttention scale: LongRoPE's factor multiplies both q and k's rotated dims
+        scale = (c.attn_scale or c.head_dim ** -0.5) * c.rope_attention_factor ** 2
+        pos = torch.arange(t)
         mask = None
-        if c.sliding_window:
-            pos = torch.arange(t)
-            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - c.sliding_window)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           scale=c.head_dim ** -0.5)
+        if self.window:
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
+        if c.attn_logit_softcap:   # capped after the scale, before the mask (kernels/paged_attention)
+            scores = q @ k.transpose(-1, -2) * scale
+            scores = torch.tanh(scores / c.attn_logit_softcap) * c.attn_logit_softcap
+            visible = mask if mask is not None else pos[None, :] <= pos[:, None]
+            o = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
         return o.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim)
 
     def rotary(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,20 +96,26 @@ class DecoderLayer:
             self._rotary[(b, t)] = cos_sin(torch.arange(t).repeat(b), self.inv_freq)
         return self._rotary[(b, t)]
 
+    def attn_out(self, context: torch.Tensor) -> torch.Tensor:
+        """o_proj of the attention's context, and Gemma's norm of it before the residual add."""
+        out = self.linear(context, "self_attn.o_proj")
+        return self.norm(out, "post_attention_layernorm") if self.cfg.sandwich_norms else out
+
     def attention(self, h: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.attn_context(h), "self_attn.o_proj")
+        return self.attn_out(self.attn_context(h))
 
     def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.w["post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
+        return self.norm(x, self.mlp_norm)
 
     def mlp_act(self, h: torch.Tensor) -> torch.Tensor:
-        # silu_mul's arithmetic on the two halves it would split, without concatenating them first
-        return F.silu(self.linear(h, "mlp.gate_proj")) * self.linear(h, "mlp.up_proj")
+        # silu_mul's / gelu_tanh_mul's arithmetic on the two halves they would split, without concatenating them
+        return GLU_ACTIVATIONS[self.cfg.hidden_act](self.linear(h, "mlp.gate_proj")) * self.linear(h, "mlp.up_proj")
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.moe is not None:
             return self.moe(self, h)
-        return self.linear(self.mlp_act(h), "mlp.down_proj")
+        out = self.linear(self.mlp_act(h), "mlp.down_proj")
+        return self.norm(out, "post_feedforward_layernorm") if self.cfg.sandwich_norms else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attn_in(x))

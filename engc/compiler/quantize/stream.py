@@ -4,6 +4,8 @@ Per layer: load its float weights from the checkpoint, run the calibration activ
 (layer.py), let the method choose the int4 weights (rtn.py, awq.py, gptq.py), write that layer's
 shard, compute the next layer's input through the *quantized* layer, drop everything else. The peak is
 one layer's weights plus the activations of the calibration set, whatever the depth of the model.
+The layers are read under Llama's names as the build reads them (frontend/layouts.py) and written back in
+the source's names and layout (source_layout.py).
 """
 from __future__ import annotations
 
@@ -15,11 +17,11 @@ import torch
 from safetensors.torch import save_file
 
 from engc.atomic import atomic_folder
-from engc.compiler.frontend.block_facts import llama_block
+from engc.compiler.frontend.block_facts import quantizer_computes
 from engc.compiler.frontend.checkpoint import Checkpoint
-from engc.compiler.frontend.decoder import head_source, resolve_config
+from engc.compiler.frontend.decoder import _rope_table, head_source, resolve_config
 from engc.compiler.frontend.families import family_of
-from engc.compiler.frontend.rope import inv_freq
+from engc.compiler.frontend.layouts import llama_names, text_part
 from engc.compiler.quantize.awq import awq_layer
 from engc.compiler.quantize.calibration import calibration_samples
 from engc.compiler.quantize.experts import MoeMlp, gptq_experts, moe_linears
@@ -29,6 +31,7 @@ from engc.compiler.quantize.head import quantize_head
 from engc.compiler.quantize.layer import LINEARS, DecoderLayer, batched
 from engc.compiler.quantize.options import QuantOptions
 from engc.compiler.quantize.rtn import quantize_rtn
+from engc.compiler.quantize.source_layout import SourceNames, source_layer
 from engc.errors import UserError
 from engc.progress import Progress
 
@@ -47,36 +50,40 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
     opts.validate()
     started, start_rss = time.monotonic(), current_rss_mb()
     refuse_quantized_config(Path(src) / "config.json")  # before read_source, which may not read its method
-    ckpt = read_source(src)
-    refuse_quantized(ckpt)
-    cfg = resolve_config(ckpt.hf_config)
+    source = read_source(src)
+    refuse_quantized(source)
+    cfg = resolve_config(source.hf_config)
+    names = SourceNames.of(source)
+    ckpt = llama_view(source, cfg)
     if cfg.num_experts and (opts.method == "awq" or (opts.method == "gptq" and qk_norm_projection(ckpt))):
         # experts.py says why AWQ; layer.py's attention norms q and k per head, not OLMoE's whole projections
         raise UserError(f"{ckpt.name}: engc quantize quantizes {cfg.family} models with --method "
                         f"{'rtn or gptq' if opts.method == 'awq' else 'rtn'}, not {opts.method}, so far")
-    # layer.py's block is Llama's, under Llama's names (RTN of an MoE layer runs no block: it reads weights)
-    if (not cfg.num_experts or cfg.kv_lora_rank) and not llama_block(cfg, family_of(ckpt.hf_config)):
-        raise UserError(f"{ckpt.name}: engc quantize does not quantize {cfg.family} models yet (its decoder "
-                        "layer is Llama's); engc build takes the float checkpoint")
+    if not quantizer_computes(cfg):
+        raise UserError(f"{ckpt.name}: engc quantize does not quantize {cfg.family} models (its layer computes no "
+                        "multi-head latent attention); engc build takes the float checkpoint")
     check_shapes(cfg, opts.group_size, opts.lm_head)
     x, calib = None, {}
     if opts.method != "rtn":
         with progress.step("tokenize calibration text"):
             ids = calibration_samples(ckpt.tokenizer_files["tokenizer.json"], opts.calib,
                                       opts.calib_samples, opts.calib_seqlen, calib)
-        embed = ckpt.get("model.embed_tokens.weight")
-        x = embed[ids].float()  # rows first: a float32 copy of a 128k-vocab embedding is 4 layers' worth
-        del embed
-    rope = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        x = first_layer_input(ckpt, cfg, ids)
+    # the build's rope tables: a partial rotary's padded with zeros, the local layers' own base (Gemma 3)
+    rope = (_rope_table(cfg, cfg.rope_theta, cfg.rope_scaling),
+            _rope_table(cfg, cfg.local_rope_theta, None) if cfg.local_rope_theta else None)
     out = Path(out).resolve()
-    rest_names = [n for n in ckpt.names() if not n.startswith("model.layers.")
-                  and not (opts.lm_head and n == "lm_head.weight")]  # --lm-head: written quantized instead
+    head = head_source(ckpt, cfg)
+    # the source's tensors outside the layers (a multimodal checkpoint's vision tower too), as they are;
+    # --lm-head: the head is written quantized instead
+    rest_names = [n for n in source.names() if not names.is_layer_tensor(n)
+                  and not (opts.lm_head and head == "lm_head.weight" and n == names.head + "weight")]
     shards = cfg.num_layers + len(rest_names) + opts.lm_head
     index, layer_bytes, layer_rss = {}, 0, []
     with atomic_folder(out) as tmp:
         bar = progress.bar(f"quantize {opts.method} g{opts.group_size}", total=cfg.num_layers)
         for i in range(cfg.num_layers):
-            tensors, x, nbytes = quantize_layer(ckpt, cfg, rope, i, x, opts)
+            tensors, x, nbytes = quantize_layer(ckpt, cfg, rope, i, x, opts, names)
             layer_bytes = max(layer_bytes, nbytes)
             shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
             save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
@@ -88,22 +95,23 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
         bar.close()
         if opts.lm_head:  # one more "layer": the head is loaded, quantized, written and freed (head.py)
             with progress.step(f"quantize lm_head ({'rtn' if opts.method == 'rtn' else 'gptq'})"):
-                tensors = quantize_head(ckpt.get(head_source(ckpt, cfg)), ckpt.get("model.norm.weight"), x,
+                norm = ckpt.get("model.norm.weight").float()
+                tensors = quantize_head(ckpt.get(head), norm + 1 if cfg.norm_unit_offset else norm, x,
                                         cfg.rms_norm_eps, opts, pack_of(opts))
             shard = f"model-{shards:05d}-of-{shards:05d}.safetensors"
-            save_file({f"lm_head.{k}": t.contiguous() for k, t in tensors.items()}, str(tmp / shard),
+            save_file({f"{names.head}{k}": t.contiguous() for k, t in tensors.items()}, str(tmp / shard),
                       metadata={"format": "pt"})
-            index.update({f"lm_head.{k}": shard for k in tensors})
+            index.update({f"{names.head}{k}": shard for k in tensors})
             del tensors
             release_freed_memory()
         del x
         # embedding, lm_head, final norm: one shard each, so at most one of them is in memory
         for j, name in enumerate(rest_names, cfg.num_layers + 1):
             shard = f"model-{j:05d}-of-{shards:05d}.safetensors"
-            save_file({name: ckpt.get(name).contiguous()}, str(tmp / shard), metadata={"format": "pt"})
+            save_file({name: source.get(name).contiguous()}, str(tmp / shard), metadata={"format": "pt"})
             index[name] = shard
             release_freed_memory()
-        write_metadata(tmp, ckpt, opts, index)
+        write_metadata(tmp, source, opts, index)
     return {"out": str(out), "model": ckpt.name, "method": opts.method, "bits": opts.bits,
             "group_size": opts.group_size, "format": opts.format, "layers": cfg.num_layers, "lm_head": opts.lm_head,
             "layer_weights_mb": round(layer_bytes / 2**20, 1), "start_rss_mb": round(start_rss, 1),
@@ -111,7 +119,25 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
             "seconds": round(time.monotonic() - started, 1), "calibration": calib}
 
 
-def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions):
+def first_layer_input(ckpt: Checkpoint, cfg, ids: torch.Tensor) -> torch.Tensor:
+    """The calibration windows' embeddings [samples, seqlen, hidden] in float32, as the first layer reads them."""
+    embed = ckpt.get("model.embed_tokens.weight")
+    x = embed[ids].float()  # rows first: a float32 copy of a 128k-vocab embedding is 4 layers' worth
+    if cfg.embed_scale:   # Gemma: as HF scales it, by sqrt(hidden_size) rounded to the embedding's dtype
+        x *= torch.tensor(cfg.embed_scale, dtype=embed.dtype).float()
+    return x
+
+
+def llama_view(source: Checkpoint, cfg) -> Checkpoint:
+    """The source as the build reads it: a multimodal checkpoint's text part, under Llama's names."""
+    text = text_part(source) if family_of(source.hf_config).text_config else source
+    return llama_names(text, family_of(text.hf_config).layout, cfg, cfg.rotary_dim or cfg.head_dim,
+                       cfg.rope_attention_factor)
+
+
+def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions, names: SourceNames):
+    """Layer i of the view ckpt quantized: (its tensors under the source's names, the next layer's input,
+    the bytes of its float32 weights)."""
     prefix = f"model.layers.{i}."
     dtypes, weights = {}, {}
     for n in ckpt.names():  # one source tensor at a time, kept only as float32
@@ -121,38 +147,41 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions):
             del t
     nbytes = sum(t.numel() * 4 for t in weights.values())
     linears = moe_linears(ckpt.hf_config, i, weights, dtypes) or LINEARS   # an MoE layer's: each expert's too
-    layer = DecoderLayer(cfg, weights, rope)
+    layer = DecoderLayer(cfg, weights, rope[0], i, rope[1])
     if linears is not LINEARS:
         layer.moe = MoeMlp(ckpt.hf_config, linears)
     missing = [n for n in linears if n + ".weight" not in layer.w]
     if missing:
         raise UserError(f"checkpoint {ckpt.name} is missing tensor '{prefix}{missing[0]}.weight'")
-    pack = pack_of(opts)
-    tensors = {}
+    # kept as QuantizedWeights (uint8 codes) until the layer is done: the source layout may join them
+    keep = lambda qw: qw  # noqa: E731
     with torch.no_grad():
         if opts.method == "gptq" and layer.moe is not None:   # attention's stages, then expert by expert
-            packed = {**gptq_layer(layer, x, opts, pack, GPTQ_STAGES[:2]), **gptq_experts(layer, x, opts, pack)}
+            quantized = {**gptq_layer(layer, x, opts, keep, GPTQ_STAGES[:2]), **gptq_experts(layer, x, opts, keep)}
         elif opts.method == "gptq":
-            packed = gptq_layer(layer, x, opts, pack)
+            quantized = gptq_layer(layer, x, opts, keep)
         else:
             if opts.method == "awq":
                 awq_layer(layer, x, opts.group_size, opts.awq_grid)
-            packed = {}
-            for n in linears:  # packed as it goes: never all seven uint8 copies at once
+            quantized = {}
+            for n in linears:
                 # popped: the float weight is freed once quantized, before its dequantized copy exists
-                qw = quantize_rtn(layer.w.pop(n + ".weight"), opts.group_size)
-                packed[n] = pack(qw)
+                quantized[n] = qw = quantize_rtn(layer.w.pop(n + ".weight"), opts.group_size)
                 if x is not None:  # calibrated: the next layer's input comes through the quantized layer
                     layer.w[n + ".weight"] = qw.dequantize()
                 del qw
         if x is not None:
             x = batched(layer.forward, x)
-    for key, t in layer.w.items():  # norms and biases, AWQ's folded scales included
-        if key.rsplit(".", 1)[0] not in linears or key.endswith(".bias"):
-            tensors[prefix + key] = t.to(dtypes[key]).contiguous()
-    for n, parts in packed.items():
-        for key, t in parts.items():
-            tensors[f"{prefix}{n}.{key}"] = t
+    floats = {key: t for key, t in layer.w.items()   # norms and biases, AWQ's folded scales included
+              if key.rsplit(".", 1)[0] not in linears or key.endswith(".bias")}
+    del layer
+    quantized, floats = source_layer(names, cfg, quantized, floats, dtypes)
+    out = names.layer(i)
+    tensors = {out + key: t.contiguous() for key, t in floats.items()}
+    pack = pack_of(opts)
+    for n in list(quantized):   # popped as packed: never a projection's codes and its packing both a layer long
+        for key, t in pack(quantized.pop(n)).items():
+            tensors[f"{out}{n}.{key}"] = t
     return tensors, x, nbytes
 
 
@@ -216,6 +245,8 @@ def write_metadata(folder: Path, ckpt: Checkpoint, opts: QuantOptions, index: di
     config = dict(ckpt.hf_config, quantization_config=qc)
     if opts.lm_head:  # the head is written explicitly: transformers must not re-tie it to the embedding
         config["tie_word_embeddings"] = False
+        if isinstance(config.get("text_config"), dict):   # a multimodal config's language model says it too
+            config["text_config"] = dict(config["text_config"], tie_word_embeddings=False)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if opts.format == "gptq":
         (folder / "quantize_config.json").write_text(json.dumps(qc, indent=2, sort_keys=True) + "\n")
