@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from reference_check import check_against_reference  # noqa: E402
 from shapes import (INT4_GROUP, base_shape, checkpoint_dir, dtype_of, is_int4, is_int4_head, is_moe,  # noqa: E402
                     is_variant, kv_cache_of, long_context_of, make_checkpoint, model_config, prompts, quant_of,
-                    step_weight_bytes)
+                    step_weight_bytes, tp_of)
 from step_profile import decode_breakdown, kernel_profile, step_timeline  # noqa: E402
 from timing import COPY_BW, frac_of_gemm_peak, synced  # noqa: E402
 
@@ -65,12 +65,14 @@ def skip_pass(name: str) -> None:
 
 
 def prepare(args):
+    from engc.bundle.tp import rank_config
     from engc.compiler import tune
     from engc.compiler.kernel_cache import compile_cached
     with tune.overridden(tune_overrides(args)):
         for shape in args.shapes.split(","):
             t = time.time()
-            r = compile_cached(model_config(shape), dtype_of(shape), ["sm90"], 16, Path(args.cache),
+            r = compile_cached(rank_config(model_config(shape), tp_of(shape)), dtype_of(shape), ["sm90"], 16,
+                               Path(args.cache),
                                kv_cache=kv_cache_of(shape), quant="fp8" if quant_of(shape) == "fp8" else "none",
                                int4_group_sizes=(INT4_GROUP,) if is_int4(shape) else (),
                                int4_lm_head=is_int4_head(shape),
@@ -85,6 +87,7 @@ def bench_shape(shape: str, args) -> dict:
     from engc.bundle.reader import open_bundle
     from engc.runtime.engine import Engine, EngineConfig
     from engc.runtime.loader import load
+    from engc.runtime.tp import load_rank
     res = {"shape": shape, "gpu": torch.cuda.get_device_name(), "commit": args.commit, "tune": args.tune,
            "skip_pass": args.skip_pass,
            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d")}
@@ -96,7 +99,9 @@ def bench_shape(shape: str, args) -> dict:
     if not args.profile_only and not args.quick:
         res.update(_start_up(shape, ckpt, bundle, args))
     _, res["verify_hashes_s"] = synced(lambda: open_bundle(bundle))
-    model, res["load_s"] = synced(lambda: load(bundle, device="cuda"))
+    # a -tp<N> bundle: rank 0 here, the others in processes of their own on the next GPUs (runtime/tp.py)
+    model, res["load_s"] = synced(lambda: load(bundle, device="cuda") if tp_of(shape) == 1
+                                  else load_rank(str(bundle), "cuda", tp_of(shape)))
     cfg = model.config
     # A MoE shape's reference check (its torch op gathers each pair's expert weights: GBs at 40 tokens) needs
     # room the default KV fraction leaves none of; 0.7 still holds millions of tokens on these shapes
@@ -150,7 +155,7 @@ def _checkpoint_and_bundle(shape: str, args, res: dict) -> tuple[Path, Path]:
     if not (args.quick and (bundle / "manifest.json").exists()):
         build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="float32" if base_shape(shape) == "tiny"
                                               else "bfloat16", kernel_cache=args.cache, kv_cache=kv_cache_of(shape),
-                                              quant=quant_of(shape), tune=tune_overrides(args)))
+                                              quant=quant_of(shape), tune=tune_overrides(args), tp=tp_of(shape)))
         res["build_s"] = round(time.perf_counter() - t, 1)
     res["env"] = {k: v for k, v in os.environ.items() if k.startswith("ENGC_")}
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -208,7 +213,8 @@ def _decode(shape: str, engine, cfg, args) -> dict:
     decode_tps = 127 / (total - first)
     kv_bytes = 2 * cfg.num_layers * cfg.kv_size * 2 * 192  # average context ~192 tokens
     res = {"b1_decode_tok_s": round(decode_tps, 1),
-           "b1_frac_of_copy_roofline": round(decode_tps * (wbytes + kv_bytes) / COPY_BW, 3),
+           # N ranks read their shares of the weights side by side: N GPUs' copy bandwidth
+           "b1_frac_of_copy_roofline": round(decode_tps * (wbytes + kv_bytes) / (COPY_BW * tp_of(shape)), 3),
            "b1_vs_lmdeploy": round(decode_tps / LMDEPLOY.get(base, {}).get("b1", float("nan")), 3)}
     res.update(decode_breakdown(engine, ids, Path(args.out) / f"profile_{shape}.txt"))
     n = LMDEPLOY.get(base, {}).get("N")

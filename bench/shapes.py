@@ -11,7 +11,8 @@ A shape name may carry build variants after its base: "-kv8" / "-kvfp8" build wi
 AutoAWQ-GEMM int4 g128 checkpoint of that shape (its own folder; an MoE shape's experts per expert, as AWQ
 MoE checkpoints have them), which `engc build` repacks as it would a real one; "-int4-qhead" has its lm_head in
 int4 too (as `engc quantize --lm-head` writes it). "-32k" raises max_position_embeddings for a 32,768-token prompt
-and its decode steps (gpu_bench's long-context figures); its folder links the base checkpoint's weights.
+and its decode steps (gpu_bench's long-context figures); its folder links the base checkpoint's weights. "-tp2"
+(any "-tp<N>") builds with --tp N and runs its ranks on N GPUs.
 """
 from __future__ import annotations
 
@@ -79,6 +80,11 @@ def quant_of(shape: str) -> str:
     return "fp8" if "fp8" in _variants(shape) else "auto"
 
 
+def tp_of(shape: str) -> int:
+    """The tensor-parallel ranks of a "-tp<N>" variant, else 1."""
+    return next((int(v[2:]) for v in _variants(shape) if v.startswith("tp") and v[2:].isdigit()), 1)
+
+
 def long_context_of(shape: str) -> int:
     """The prompt tokens of a long-context variant ("-32k"), else 0."""
     return next((LONG_CONTEXT[v] for v in _variants(shape) if v in LONG_CONTEXT), 0)
@@ -86,7 +92,8 @@ def long_context_of(shape: str) -> int:
 
 def is_variant(shape: str) -> bool:
     """Built differently from its base shape (another KV cache, quantization, checkpoint or context)."""
-    return kv_cache_of(shape) != "auto" or quant_of(shape) != "auto" or is_int4(shape) or bool(long_context_of(shape))
+    return (kv_cache_of(shape) != "auto" or quant_of(shape) != "auto" or is_int4(shape) or bool(long_context_of(shape))
+            or tp_of(shape) > 1)
 
 
 def is_deepseek(shape: str) -> bool:
