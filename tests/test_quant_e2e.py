@@ -111,6 +111,19 @@ def test_quantized_program_fuses_qkv_and_gate_up(tiny_dir, tmp_path):
     assert "Gemm" in ops and "Concat" not in ops
 
 
+def test_act_order_projections_of_one_input_fuse_with_their_one_permutation(tiny_dir, tmp_path):
+    """GPTQ act-order without static groups orders q, k and v's inputs (and gate and up's) by one Hessian: the
+    parts fuse, keeping one perm (test_quantized_bundle_matches_dequantized_hf checks the numbers)."""
+    from engc.bundle.program import parse_program
+    quantize_checkpoint(str(tiny_dir("llama")), tmp_path / "q", QuantOptions(
+        method="gptq", group_size=32, act_order=True, static_groups=False, **CALIB))
+    build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())
+    program = parse_program((tmp_path / "b" / "program.onnx").read_bytes())
+    assert "Concat" not in [n.op for n in program.nodes]
+    perms = [w for n in program.nodes for w in n.inputs if w.endswith(".perm")]
+    assert len(perms) == 2 * 4   # a layer's qkv, gate_up, o and down
+
+
 def test_eval_reports_same_ppl_for_float_and_close_for_int4(tiny_dir, tiny_bundle, tmp_path):
     text = " ".join(["The quick brown fox jumps over the lazy dog. Paris is the capital of France."] * 8)
     quantize_checkpoint(str(tiny_dir("llama")), tmp_path / "q", QuantOptions(method="gptq", group_size=32, **CALIB))

@@ -3,7 +3,8 @@
 One wide GEMM reads the activation once and launches once; the fused weight is the concatenation of
 the parts along the output dimension (rows of a Gemm's transposed weight; rows of the N-major engc
 int4 layout's qweight, scales, zeros and offsets), so the Concat's output is unchanged and downstream ops never
-notice. act-order QLinears are left alone: each part may order its inputs differently.
+notice. act-order QLinears fuse where their input permutations are equal, as GPTQ's are for projections of one
+input (one Hessian orders them), and keep that one permutation; otherwise they are left alone.
 """
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ def fuse_parallel_gemms(g: Graph) -> Graph:
         inputs = [first.inputs[0]]
         for pos, axis in enumerate(_OUT_AXIS[first.op][:len(first.inputs) - 1], start=1):
             suffix = first.inputs[pos].rsplit(".", 1)[1]
+            if suffix == "perm":   # one input order for all the parts (_fusable checked they agree)
+                for other in parts[1:]:
+                    g.weights.pop(other.inputs[pos])
+                inputs.append(first.inputs[pos])
+                continue
             inputs.append(_fuse_weights(g, [p.inputs[pos] for p in parts], f"{name}.{suffix}", axis))
         fused = Node(first.op, inputs, [name], dict(first.attrs), first.domain)
         at = g.nodes.index(first)
@@ -42,7 +48,9 @@ def _fusable(g: Graph, concat: Node, parts: list[Node | None]) -> bool:
         if any(p.op != "Gemm" or p.attrs.get("transB") != 1 for p in parts):
             return False
     elif op == "QLinear":
-        if any(p.op != "QLinear" or p.attrs != parts[0].attrs for p in parts) or parts[0].attrs.get("act_order"):
+        if any(p.op != "QLinear" or p.attrs != parts[0].attrs for p in parts):
+            return False
+        if parts[0].attrs.get("act_order") and not _same_permutation(g, parts):
             return False
     else:
         return False
@@ -51,6 +59,13 @@ def _fusable(g: Graph, concat: Node, parts: list[Node | None]) -> bool:
     # each part must feed only the Concat, and its weights nothing else (they are about to vanish)
     return all(g.consumers(p.outputs[0]) == [concat] and
                all(len(g.consumers(w)) == 1 for w in p.inputs[1:]) for p in parts)
+
+
+def _same_permutation(g: Graph, parts: list[Node]) -> bool:
+    """The act-order QLinears' input permutations (their .perm weights, loaded: a few KB) are one."""
+    perms = [next(w for w in p.inputs[1:] if w.endswith(".perm")) for p in parts]
+    first = g.weights[perms[0]]()
+    return all(torch.equal(first, g.weights[w]()) for w in perms[1:])
 
 
 def _fuse_weights(g: Graph, names: list[str], fused_name: str, axis: int) -> str:
