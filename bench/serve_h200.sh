@@ -155,7 +155,8 @@ t = time.perf_counter()
 if not (bundle / "manifest.json").exists():
     build(str(ckpt), bundle, BuildOptions(archs=("sm90",) if device == "cuda" else ("cpu",),
                                           dtype="float32" if shape == "tiny" else "bfloat16", kernel_cache=cache,
-                                          kv_cache=shapes.kv_cache_of(shape), quant=shapes.quant_of(shape)))
+                                          kv_cache=shapes.kv_cache_of(shape), quant=shapes.quant_of(shape),
+                                          tp=shapes.tp_of(shape)))
     res["build_s"] = round(time.perf_counter() - t, 1)
 manifest = json.loads((bundle / "manifest.json").read_text())
 res["kernels_compiled_by_triton"] = sorted({k["triton_version"] for k in manifest.get("kernels", [])

@@ -150,7 +150,7 @@ def plain_bundle(shape: str, work: str, cache: str) -> Path:
         make_checkpoint(shape, ckpt)
     if not (bundle / "manifest.json").exists():
         build(str(ckpt), bundle, BuildOptions(archs=("sm90",), dtype="bfloat16", kernel_cache=cache,
-                                              kv_cache=kv_cache_of(shape), quant=quant_of(shape)))
+                                              kv_cache=kv_cache_of(shape), quant=quant_of(shape), tp=tp_of(shape)))
     return bundle
 
 
