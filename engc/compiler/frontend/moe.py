@@ -122,14 +122,11 @@ def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: i
     gated = ex.shared_experts_count_key is None   # Qwen2-MoE's shared expert has a sigmoid gate; DeepSeek's none
     if shared:
         se = f"model.layers.{layer}.mlp.{'shared_expert' if gated else 'shared_experts'}."
-        if ckpt.has(se + "gate_proj.qweight"):
-            raise UserError("an int4 shared expert is not supported (engc quantize keeps it float): "
-                            f"'{se}gate_proj' is quantized")
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            _check_present(ckpt, f"{se}{n}.weight")
-        g.weights[p + "shared.gate_up"] = lambda: torch.cat(
-            [ckpt.get(se + "gate_proj.weight"), ckpt.get(se + "up_proj.weight")]).to(dtype)
-        inputs += [p + "shared.gate_up", weight(p + "shared.down", se + "down_proj.weight")]
+        get = _shared_expert_loaders(ckpt, se, weight.quant_config, hf["hidden_size"],
+                                     counts["shared_expert_intermediate_size"])
+        g.weights[p + "shared.gate_up"] = lambda: torch.cat([get["gate_proj"](), get["up_proj"]()]).to(dtype)
+        g.weights[p + "shared.down"] = lambda: get["down_proj"]().to(dtype).contiguous()
+        inputs += [p + "shared.gate_up", p + "shared.down"]
         if gated:
             inputs.append(weight(p + "shared.gate", f"model.layers.{layer}.mlp.shared_expert_gate.weight"))
     renormalize = hf.get(ex.renormalize, False) if isinstance(ex.renormalize, str) else ex.renormalize
@@ -199,6 +196,20 @@ def check_moe_build(cfg, hf: dict, gpu_archs: list[str]) -> None:
         raise UserError(f"{cfg.family}: q/k norm over projections {cfg.q_size} and {cfg.kv_size} wide, not the "
                         f"hidden size {cfg.hidden_size}, has no GPU kernel; build with --arch cpu, not "
                         f"{','.join(gpu_archs)}")
+
+
+def _shared_expert_loaders(ckpt, se: str, qc: dict, hidden: int, inter: int) -> dict:
+    """Loaders of the shared expert's float gate, up and down weights: an int4 one (AutoAWQ quantizes
+    DeepSeek's) is dequantized, the MoE node computing the shared expert as dense GEMMs."""
+    from engc.compiler.frontend.quantized import dequantized
+    out = {}
+    for n, k in (("gate_proj", hidden), ("up_proj", hidden), ("down_proj", inter)):
+        if ckpt.has(f"{se}{n}.qweight"):
+            out[n] = dequantized(ckpt.get, ckpt.has, se + n, qc, k)
+        else:
+            _check_present(ckpt, f"{se}{n}.weight")
+            out[n] = lambda n=n: ckpt.get(f"{se}{n}.weight")
+    return out
 
 
 def _check_present(ckpt, name: str) -> None:

@@ -19,6 +19,7 @@ from engc.compiler.quantize.formats import AWQ_ORDER, NATURAL, unpack_columns, u
 from engc.errors import UserError
 from engc.kernels import int4_linear
 from engc.kernels.int4_linear import check_shape, pack_int4
+from engc.kernels.int4_linear.layout import dequantize
 
 GPTQ_ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
 
@@ -122,3 +123,17 @@ def _pack(codes, qc: dict):
     if why:
         raise UserError(f"int4 projection with {k} inputs: {why}")
     return pack_int4(codes.T.contiguous())
+
+
+def dequantized(get, has, prefix: str, qc: dict, in_features: int):
+    """A loader of the float weight [N, K] of the int4 projection `prefix` (engc layout, as read_quantized_folder
+    offers it; get(name) loads one of its tensors, has(name) says whether there is one), for a projection the build lays out as float: DeepSeek's
+    kv_b_proj, split per head into the attention's w_uk / w_uv, and its shared experts, which the MoE node
+    computes as dense GEMMs. An act-order weight's sorted input columns go back to channel order."""
+    def load():
+        scales = get(prefix + ".scales").float()
+        w = dequantize(get(prefix + ".qweight"), scales, get(prefix + ".zeros"), group_size(qc, in_features))
+        if has(prefix + ".perm"):   # sorted column j reads input perm[j]
+            w = torch.empty_like(w).index_copy_(1, get(prefix + ".perm").long(), w)
+        return w
+    return load
