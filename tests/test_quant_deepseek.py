@@ -43,8 +43,9 @@ def test_prequantized_awq_deepseek_builds(family, tiny_dir, tmp_path):
             out.update({k[:-len("weight")] + part: t for part, t in awq_pack(v, 32).items()})
         else:
             out[k] = v
+    q = "self_attn.q_b_proj" if family == "deepseek_v3" else "self_attn.q_proj"
     for name in ("self_attn.kv_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.o_proj", "mlp.experts.0.down_proj",
-                 "mlp.shared_experts.gate_proj", "self_attn.q_b_proj" if family == "deepseek_v3" else "self_attn.q_proj"):
+                 "mlp.shared_experts.gate_proj", q):
         assert f"model.layers.1.{name}.qweight" in out, name
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
@@ -52,3 +53,101 @@ def test_prequantized_awq_deepseek_builds(family, tiny_dir, tmp_path):
     _relaid(src, tmp_path / "q", cfg, lambda t: out)
     build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())
     assert_bundle_matches(tmp_path / "b", oracle_of(tmp_path / "q", None, tmp_path))
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_quantized_deepseek_builds_and_matches_its_dequantized_weights(family, method, tiny_dir, tmp_path):
+    """engc quantize writes DeepSeek's own checkpoint: every attention projection but kv_b_proj int4, each
+    expert int4, the dense first layer's MLP int4; kv_b_proj, the shared experts, the router and its bias
+    float and named in modules_to_not_convert. engc build reads it, and the bundle's logits are the float
+    model's of the dequantized weights."""
+    src = source(family, tiny_dir)
+    quantize_checkpoint(str(src), tmp_path / "q", QuantOptions(method=method, group_size=32, **CALIB))
+    written = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["weight_map"]
+    q = ("self_attn.q_a_proj", "self_attn.q_b_proj") if family == "deepseek_v3" else ("self_attn.q_proj",)
+    for name in q + ("self_attn.kv_a_proj_with_mqa", "self_attn.o_proj", "mlp.experts.7.down_proj"):
+        assert f"model.layers.1.{name}.qweight" in written and f"model.layers.1.{name}.weight" not in written
+    assert "model.layers.0.mlp.gate_proj.qweight" in written   # the dense first layer
+    for name in ("self_attn.kv_b_proj.weight", "mlp.shared_experts.down_proj.weight", "mlp.gate.weight"):
+        assert f"model.layers.1.{name}" in written
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc["modules_to_not_convert"] == ["kv_b_proj", "shared_experts"]
+    build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())
+    oracle = oracle_of(tmp_path / "q", None, tmp_path)
+    assert_bundle_matches(tmp_path / "b", oracle)
+    if method == "rtn":   # no calibration moved the weights: each is its float source's, rounded, in its rows
+        expected, dequantized = tensors_of(src), load_file(str(oracle / "model.safetensors"))
+        for name, w in expected.items():
+            if ".layers." in name and name.endswith(("proj.weight", "proj_with_mqa.weight")):
+                err = (dequantized[name] - w).norm() / w.norm()
+                assert 0 <= err < 0.1, (name, err)
+
+
+def hf_layer_io(src, ids):
+    """Each HF decoder layer's (input, output) on ids, and the model."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    seen = []
+    hooks = [layer.register_forward_hook(
+        lambda m, args, kwargs, out: seen.append((args[0] if args else kwargs["hidden_states"],
+                                                  out[0] if isinstance(out, tuple) else out)), with_kwargs=True)
+        for layer in model.model.layers]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_quantizer_layer_is_the_hf_layer(family, tiny_dir):
+    """The quantizer's layer (MLA from kernels/mla_attention's references, DeepSeek's routing from kernels/moe,
+    ungated shared experts) against HF's decoder layers: the dense first one and an MoE one."""
+    from engc.compiler.build import read_source
+    from engc.compiler.frontend.families import family_of
+    from engc.compiler.frontend.mla import interleaved
+    from engc.compiler.quantize.experts import MoeMlp, moe_linears
+    from engc.compiler.quantize.mla_layer import MlaLayer, attention_linears
+    src = source(family, tiny_dir)
+    view = llama_view(read_source(str(src)), resolve_config(json.loads((src / "config.json").read_text())))
+    cfg = resolve_config(view.hf_config)
+    ids = torch.tensor([IDS[:20]])
+    seen = hf_layer_io(src, ids)
+    assert torch.allclose(first_layer_input(view, cfg, ids), seen[0][0], atol=1e-6)
+    rope = _rope_table(cfg, cfg.rope_theta, cfg.rope_scaling)
+    for i, (x, expected) in enumerate(seen):
+        prefix = f"model.layers.{i}."
+        weights = {n[len(prefix):]: view.get(n).float() for n in view.names() if n.startswith(prefix)}
+        layer = MlaLayer(cfg, weights, rope, i, interleaved(view.hf_config, family_of(view.hf_config)))
+        moe = moe_linears(view.hf_config, i, weights, {k: v.dtype for k, v in weights.items()},
+                          attention_linears(cfg))
+        assert (moe is None) == (i == 0)   # first_k_dense_replace = 1
+        if moe:
+            layer.moe = MoeMlp(view.hf_config, moe)
+        with torch.no_grad():
+            ours = layer.forward(x)
+        assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-5), (i, (ours - expected).abs().max())
+
+
+def test_awq_of_deepseek_is_refused_in_one_line(tiny_dir, tmp_path):
+    """AWQ's scale search has no single MLP input for experts that each see other tokens (quantize/experts.py),
+    and every DeepSeek model has experts."""
+    from engc.errors import UserError
+    with pytest.raises(UserError, match="deepseek_v2 models with --method rtn or gptq, not awq"):
+        quantize_checkpoint(str(source("deepseek_v2", tiny_dir)), tmp_path / "q", QuantOptions(method="awq", **CALIB))
+    assert not (tmp_path / "q").exists()
+
+
+def test_dequantized_act_order_projection_is_in_channel_order():
+    """An act-order int4 kv_b_proj or shared expert (GPTQ desc_act: its input columns sorted by group, `perm`
+    saying which input each sorted column reads) is dequantized back into the checkpoint's channel order."""
+    from engc.compiler.frontend.quantized import dequantized
+    from engc.kernels.int4_linear import pack_int4
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (8, 64), generator=gen, dtype=torch.uint8)
+    scales, zeros = torch.rand(8, 2, generator=gen) + 0.5, torch.randint(0, 16, (8, 2), generator=gen, dtype=torch.uint8)
+    perm = torch.randperm(64, generator=gen)
+    sorted_w = (codes.float() - zeros.float().repeat_interleave(32, 1)) * scales.repeat_interleave(32, 1)
+    tensors = {"p.qweight": pack_int4(codes), "p.scales": scales, "p.zeros": zeros, "p.perm": perm}
+    w = dequantized(tensors.__getitem__, tensors.__contains__, "p", {"group_size": 32}, 64)()
+    assert torch.equal(w[:, perm], sorted_w)   # x @ w.T == x[:, perm] @ sorted_w.T, QLinear's act-order math

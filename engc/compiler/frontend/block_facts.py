@@ -6,7 +6,6 @@ compute is refused here, with the key named.
 """
 from __future__ import annotations
 
-from engc.bundle.model_config import ModelConfig
 from engc.compiler.frontend.families import Family
 from engc.compiler.frontend.rope import attention_factor, context_limit, layer_type_rope
 from engc.errors import UserError
@@ -55,12 +54,6 @@ def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positi
     if family.sliding_window_pattern:
         facts.update(_interleaved(hf, family, window))
     return facts
-
-
-def quantizer_computes(cfg: ModelConfig) -> bool:
-    """Whether engc quantize's layer (quantize/layer.py, driven by these ModelConfig fields) computes the
-    model's blocks: every block the lowering computes but multi-head latent attention (DeepSeek)."""
-    return not cfg.kv_lora_rank
 
 
 def rotary_dim(hf: dict, head_dim: int) -> int:

@@ -22,6 +22,11 @@ from engc.compiler.ir import Graph
 from engc.errors import UserError
 
 
+# q_a_layernorm's and kv_a_layernorm's epsilon: DeepSeek's modeling code (and transformers') makes both norms with
+# its RMSNorm's default, whatever rms_norm_eps says (the released configs set rms_norm_eps to the same 1e-6)
+LATENT_NORM_EPS = 1e-6
+
+
 def mla_facts(hf: dict) -> dict:
     """ModelConfig fields of a latent-attention model: head_dim is q.k's width (nope + rope); num_kv_heads is
     num_heads (each head has its own key and value once decompressed)."""
@@ -89,7 +94,7 @@ def lower_mla(g: Graph, h: str, weight, cfg, hf: dict, family: Family, layer: in
     if cfg.q_lora_rank:
         qa = gemm(h, "q_a", "q_a_proj", cfg.hidden_size)
         qa = g.add("LatentRMSNorm", [qa, weight(p + "q_a_norm.weight", a + "q_a_layernorm.weight")],
-                   p + "q_a.normed", eps=cfg.rms_norm_eps)
+                   p + "q_a.normed", eps=LATENT_NORM_EPS)
         q = gemm(qa, "q_b", "q_b_proj", cfg.q_lora_rank, q_rows)
     else:
         q = gemm(h, "q", "q_proj", cfg.hidden_size, q_rows)
@@ -104,7 +109,7 @@ def lower_mla(g: Graph, h: str, weight, cfg, hf: dict, family: Family, layer: in
                                   "rope.inv_freq", f"kv_cache.{layer}", "slot_mapping", "block_tables",
                                   "context_lens", "query_start_loc", p + "attn.w_uk", p + "attn.w_uv"], p + "attn",
                  num_heads=heads, kv_lora_rank=r, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
-                 v_head_dim=cfg.v_head_dim, scale=scale, eps=cfg.rms_norm_eps)
+                 v_head_dim=cfg.v_head_dim, scale=scale, eps=LATENT_NORM_EPS)
     return gemm(attn, "o", "o_proj", heads * cfg.v_head_dim)
 
 

@@ -127,9 +127,10 @@ def _pack(codes, qc: dict):
 
 def dequantized(get, has, prefix: str, qc: dict, in_features: int):
     """A loader of the float weight [N, K] of the int4 projection `prefix` (engc layout, as read_quantized_folder
-    offers it; get(name) loads one of its tensors, has(name) says whether there is one), for a projection the build lays out as float: DeepSeek's
-    kv_b_proj, split per head into the attention's w_uk / w_uv, and its shared experts, which the MoE node
-    computes as dense GEMMs. An act-order weight's sorted input columns go back to channel order."""
+    offers it; get(name) loads one of its tensors, has(name) says whether there is one), for a projection the
+    build lays out as float: DeepSeek's kv_b_proj, split per head into the attention's w_uk / w_uv, and its
+    shared experts, which the MoE node computes as dense GEMMs. An act-order weight's sorted input columns go
+    back to channel order."""
     def load():
         scales = get(prefix + ".scales").float()
         w = dequantize(get(prefix + ".qweight"), scales, get(prefix + ".zeros"), group_size(qc, in_features))

@@ -1,5 +1,6 @@
 """engc quantize of a mixture-of-experts layer: the attention projections and each expert's three, one by one
-in the layer's stream; the router, the norms and the shared expert stay float.
+in the layer's stream; the router (and DeepSeek-V3's correction bias), the norms and the shared experts stay
+float.
 
 RTN reads the weights alone. GPTQ quantizes each expert from the calibration tokens the router sends it
 (gptq_experts), and the next layer's input comes through the quantized MoE (MoeMlp, the MoE op's math on
@@ -11,20 +12,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engc.compiler.frontend.block_facts import with_defaults
 from engc.compiler.frontend.families import family_of
-from engc.compiler.frontend.moe import is_moe_layer
+from engc.compiler.frontend.moe import _routing_attrs, is_moe_layer
 from engc.compiler.quantize.layer import LINEARS
-from engc.kernels.moe import route
-
-ATTENTION = LINEARS[:4]
+from engc.kernels.moe import glu, route, routing_of
 
 
-def moe_linears(hf: dict, layer: int, weights: dict, dtypes: dict) -> tuple[str, ...] | None:
-    """The projections engc quantize packs in an MoE layer (None for a dense one), as HF per-expert names
-    relative to the layer, as the family's per-expert checkpoints name them. Fused experts (transformers'
-    experts.gate_up_proj / down_proj) in `weights` are split into those names in place, so the written
-    checkpoint has one int4 projection per expert, as AutoAWQ and GPTQ tools write MoE models (dtypes, the
-    source dtype of each name, learns the new names)."""
+def moe_linears(hf: dict, layer: int, weights: dict, dtypes: dict, attention: tuple[str, ...] = LINEARS[:4]) \
+        -> tuple[str, ...] | None:
+    """The projections engc quantize packs in an MoE layer (None for a dense one): the attention's, then each
+    expert's as HF per-expert names relative to the layer, as the family's per-expert checkpoints name them.
+    Fused experts (transformers' experts.gate_up_proj / down_proj) in `weights` are split into those names in
+    place, so the written checkpoint has one int4 projection per expert, as AutoAWQ and GPTQ tools write MoE
+    models (dtypes, the source dtype of each name, learns the new names)."""
     family = family_of(hf)
     if not is_moe_layer(hf, family, layer):
         return None
@@ -42,26 +43,31 @@ def moe_linears(hf: dict, layer: int, weights: dict, dtypes: dict) -> tuple[str,
             weights[f"{ex.block}.gate.weight"] = weights.pop("mlp.gate.weight")
             dtypes[f"{ex.block}.gate.weight"] = dtypes["mlp.gate.weight"]
     experts = sorted({int(k.split(".")[2]) for k in weights if k.startswith(f"{ex.block}.experts.")})
-    return ATTENTION + tuple(f"{ex.block}.experts.{e}.{n}" for e in experts for n in (gate, up, down))
+    return attention + tuple(f"{ex.block}.experts.{e}.{n}" for e in experts for n in (gate, up, down))
 
 
 class MoeMlp:
     """An MoE layer's MLP over the layer's weight dict (per-expert names, as moe_linears leaves them): the
-    MoE op's routing and its experts' SiLU GLUs, one expert at a time (nothing stacked, so no second copy of
-    the layer's experts), plus the float shared expert behind its sigmoid gate."""
+    MoE op's routing (kernels/moe's route, with the lowering's attributes of DeepSeek's routings) and its
+    experts' SiLU GLUs, one expert at a time (nothing stacked, so no second copy of the layer's experts), plus
+    the float shared expert: behind its sigmoid gate (Qwen2-MoE), or ungated (DeepSeek's shared_experts)."""
 
     def __init__(self, hf: dict, linears: tuple[str, ...]):
         family = family_of(hf)
         ex = family.experts
+        hf = with_defaults(hf, family)
         self.block = ex.block
-        self.experts = [linears[i:i + 3] for i in range(len(ATTENTION), len(linears), 3)]   # (gate, up, down)
+        names = [n for n in linears if n.startswith(f"{ex.block}.experts.")]
+        self.experts = [names[i:i + 3] for i in range(0, len(names), 3)]   # (gate, up, down)
         self.top_k = hf["num_experts_per_tok"]
-        self.renormalize = int(bool(hf.get(ex.renormalize, False) if isinstance(ex.renormalize, str)
-                                    else ex.renormalize))
+        renormalize = int(bool(hf.get(ex.renormalize, False) if isinstance(ex.renormalize, str)
+                               else ex.renormalize))
+        self.routing = {"softmax_first": 1, "renormalize": renormalize, **_routing_attrs(hf, ex.routing)}
 
     def routed(self, layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [N, H] -> (weights [N, k], ids [N, k]) as the MoE op routes."""
-        return route(h, layer.w[f"{self.block}.gate.weight"], self.top_k, 1, self.renormalize)
+        bias = layer.w.get(f"{self.block}.gate.e_score_correction_bias")
+        return route(h, layer.w[f"{self.block}.gate.weight"], self.top_k, **routing_of(self.routing, bias))
 
     def __call__(self, layer, h: torch.Tensor) -> torch.Tensor:
         shape, h = h.shape, h.reshape(-1, h.shape[-1])
@@ -76,6 +82,9 @@ class MoeMlp:
             se = "mlp.shared_expert."
             act = F.silu(layer.linear(h, se + "gate_proj")) * layer.linear(h, se + "up_proj")
             out += torch.sigmoid(layer.linear(h, "mlp.shared_expert_gate")) * layer.linear(act, se + "down_proj")
+        elif "mlp.shared_experts.gate_proj.weight" in layer.w:
+            w = lambda n: layer.w[f"mlp.shared_experts.{n}.weight"]  # noqa: E731
+            out += glu(h, torch.cat([w("gate_proj"), w("up_proj")]), w("down_proj"))
         return out.reshape(shape)
 
 

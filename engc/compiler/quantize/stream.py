@@ -17,18 +17,19 @@ import torch
 from safetensors.torch import save_file
 
 from engc.atomic import atomic_folder
-from engc.compiler.frontend.block_facts import quantizer_computes
 from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.decoder import _rope_table, head_source, resolve_config
 from engc.compiler.frontend.families import family_of
 from engc.compiler.frontend.layouts import llama_names, text_part
+from engc.compiler.frontend.mla import interleaved
 from engc.compiler.quantize.awq import awq_layer
 from engc.compiler.quantize.calibration import calibration_samples
 from engc.compiler.quantize.experts import MoeMlp, gptq_experts, moe_linears
 from engc.compiler.quantize.formats import to_awq, to_gptq
 from engc.compiler.quantize.gptq import Hessian, gptq_quantize
 from engc.compiler.quantize.head import quantize_head
-from engc.compiler.quantize.layer import LINEARS, DecoderLayer, batched
+from engc.compiler.quantize.layer import DecoderLayer, batched
+from engc.compiler.quantize.mla_layer import MLP_LINEARS, MlaLayer, attention_linears, gptq_stages
 from engc.compiler.quantize.options import QuantOptions
 from engc.compiler.quantize.rtn import quantize_rtn
 from engc.compiler.quantize.source_layout import SourceNames, source_layer
@@ -59,9 +60,6 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
         # experts.py says why AWQ; layer.py's attention norms q and k per head, not OLMoE's whole projections
         raise UserError(f"{ckpt.name}: engc quantize quantizes {cfg.family} models with --method "
                         f"{'rtn or gptq' if opts.method == 'awq' else 'rtn'}, not {opts.method}, so far")
-    if not quantizer_computes(cfg):
-        raise UserError(f"{ckpt.name}: engc quantize does not quantize {cfg.family} models (its layer computes no "
-                        "multi-head latent attention); engc build takes the float checkpoint")
     check_shapes(cfg, opts.group_size, opts.lm_head)
     x, calib = None, {}
     if opts.method != "rtn":
@@ -111,7 +109,7 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
             save_file({name: source.get(name).contiguous()}, str(tmp / shard), metadata={"format": "pt"})
             index[name] = shard
             release_freed_memory()
-        write_metadata(tmp, source, opts, index)
+        write_metadata(tmp, source, opts, index, float_modules(cfg, source.hf_config))
     return {"out": str(out), "model": ckpt.name, "method": opts.method, "bits": opts.bits,
             "group_size": opts.group_size, "format": opts.format, "layers": cfg.num_layers, "lm_head": opts.lm_head,
             "layer_weights_mb": round(layer_bytes / 2**20, 1), "start_rss_mb": round(start_rss, 1),
@@ -146,9 +144,15 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions, n
             dtypes[n[len(prefix):]], weights[n[len(prefix):]] = t.dtype, t.float()
             del t
     nbytes = sum(t.numel() * 4 for t in weights.values())
-    linears = moe_linears(ckpt.hf_config, i, weights, dtypes) or LINEARS   # an MoE layer's: each expert's too
-    layer = DecoderLayer(cfg, weights, rope[0], i, rope[1])
-    if linears is not LINEARS:
+    attention = attention_linears(cfg)
+    moe = moe_linears(ckpt.hf_config, i, weights, dtypes, attention)   # an MoE layer's: each expert's too
+    linears = moe or attention + MLP_LINEARS
+    if cfg.kv_lora_rank:   # DeepSeek's latent attention (mla_layer.py)
+        layer = MlaLayer(cfg, weights, rope[0], i, interleaved(ckpt.hf_config, family_of(ckpt.hf_config)))
+        attn_stages = gptq_stages(cfg)
+    else:
+        layer, attn_stages = DecoderLayer(cfg, weights, rope[0], i, rope[1]), GPTQ_STAGES[:2]
+    if moe:
         layer.moe = MoeMlp(ckpt.hf_config, linears)
     missing = [n for n in linears if n + ".weight" not in layer.w]
     if missing:
@@ -157,9 +161,9 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions, n
     keep = lambda qw: qw  # noqa: E731
     with torch.no_grad():
         if opts.method == "gptq" and layer.moe is not None:   # attention's stages, then expert by expert
-            quantized = {**gptq_layer(layer, x, opts, keep, GPTQ_STAGES[:2]), **gptq_experts(layer, x, opts, keep)}
+            quantized = {**gptq_layer(layer, x, opts, keep, attn_stages), **gptq_experts(layer, x, opts, keep)}
         elif opts.method == "gptq":
-            quantized = gptq_layer(layer, x, opts, keep)
+            quantized = gptq_layer(layer, x, opts, keep, attn_stages + GPTQ_STAGES[2:])
         else:
             if opts.method == "awq":
                 awq_layer(layer, x, opts.group_size, opts.awq_grid)
@@ -232,7 +236,9 @@ def check_shapes(cfg, group_size: int, lm_head: bool = False) -> None:
     packing needs multiples of 8."""
     for what, dim in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
                       ("num_heads * head_dim", cfg.q_size), ("num_kv_heads * head_dim", cfg.kv_size),
-                      ("moe_intermediate_size", cfg.moe_intermediate_size)):
+                      ("moe_intermediate_size", cfg.moe_intermediate_size), ("q_lora_rank", cfg.q_lora_rank),
+                      ("kv_lora_rank + qk_rope_head_dim", cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+                      ("num_heads * v_head_dim", cfg.num_heads * cfg.v_head_dim)):
         if dim % 8:
             raise UserError(f"{what} {dim} is not a multiple of 8, which packing int4 weights needs")
     if lm_head and cfg.vocab_size % 8:
@@ -240,8 +246,20 @@ def check_shapes(cfg, group_size: int, lm_head: bool = False) -> None:
                         "pack the lm_head's outputs 8 to a word (qzeros; AWQ's qweight too)")
 
 
-def write_metadata(folder: Path, ckpt: Checkpoint, opts: QuantOptions, index: dict) -> None:
-    qc = quantization_config(opts)
+def float_modules(cfg, hf: dict) -> list[str]:
+    """The modules of the written checkpoint that engc quantize keeps float, as AutoAWQ and GPTQModel name such
+    exclusions (quantization_config's modules_to_not_convert, matched as parts of module names): DeepSeek's
+    kv_b_proj (small, and split per head at build: mla_layer.py) and the shared experts (experts.py)."""
+    ex = family_of(hf).experts
+    keep = ["kv_b_proj"] if cfg.kv_lora_rank else []
+    if cfg.shared_expert_intermediate_size:
+        keep.append("shared_experts" if ex.shared_experts_count_key else "shared_expert")
+    return keep
+
+
+def write_metadata(folder: Path, ckpt: Checkpoint, opts: QuantOptions, index: dict,
+                   keep_float: list[str] = ()) -> None:
+    qc = quantization_config(opts, keep_float)
     config = dict(ckpt.hf_config, quantization_config=qc)
     if opts.lm_head:  # the head is written explicitly: transformers must not re-tie it to the embedding
         config["tie_word_embeddings"] = False
@@ -256,16 +274,17 @@ def write_metadata(folder: Path, ckpt: Checkpoint, opts: QuantOptions, index: di
         (folder / name).write_bytes(data)
 
 
-def quantization_config(opts: QuantOptions) -> dict:
+def quantization_config(opts: QuantOptions, keep_float: list[str] = ()) -> dict:
     meta = {"quantizer": ["engc"], "method": opts.method}
+    keep = {"modules_to_not_convert": list(keep_float)} if keep_float else {}
     if opts.format == "awq":
         # "lm_head" as vLLM's AWQ configs read it; AutoAWQ itself never quantizes the head
         return {"quant_method": "awq", "bits": opts.bits, "group_size": opts.group_size,
-                "zero_point": True, "version": "gemm", "modules_to_not_convert": None, "meta": meta,
+                "zero_point": True, "version": "gemm", "modules_to_not_convert": None, "meta": meta, **keep,
                 **({"lm_head": True} if opts.lm_head else {})}
     return {"quant_method": "gptq", "bits": opts.bits, "group_size": opts.group_size,
             "desc_act": opts.act_order, "sym": False, "true_sequential": True, "static_groups": opts.act_order and opts.static_groups,
-            "damp_percent": opts.damp, "checkpoint_format": "gptq", "lm_head": opts.lm_head, "meta": meta}
+            "damp_percent": opts.damp, "checkpoint_format": "gptq", "lm_head": opts.lm_head, "meta": meta, **keep}
 
 
 def release_freed_memory() -> None:
