@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from engc.errors import UserError
+from engc.runtime.config import EngineConfig
 
 
 # click 8.2+ asks for help on a bare `engc` by raising this usage error; help it stays
@@ -377,20 +378,23 @@ def chat(bundle, system, device, tp, **sampling):
 @click.option("--max-context", default=None, type=click.IntRange(1), metavar="TOKENS",
               help="Longest sequence (prompt plus output) served; default: the model's positions, as the KV "
                    "cache allows. Lower, each decode step stages narrower block tables.")
+@click.option("--engine-process/--no-engine-process", default=EngineConfig.engine_process, show_default=True,
+              help="Run the engine in a process of its own, the HTTP server in this one (each its own GIL and "
+                   "core); --no-engine-process runs it in a thread of the server's process.")
 @_device_option
 @click.option("--tp", default=None, type=click.IntRange(1),
               help=_TP_HELP + ", spawned here; under torchrun (RANK, WORLD_SIZE set) rank 0 serves.")
 def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_prefill_tokens,
-        cache_max_entry_count, num_blocks, no_prefix_cache, max_waiting, max_body_bytes, max_context, device, tp):
+        cache_max_entry_count, num_blocks, no_prefix_cache, max_waiting, max_body_bytes, max_context, engine_process,
+        device, tp):
     """Serve BUNDLE over HTTP with OpenAI- and Anthropic-compatible APIs (see docs/serving.md)."""
-    from engc.runtime.engine import EngineConfig
     from engc.runtime.server.app import serve
     extra = {"kv_memory_fraction": cache_max_entry_count} if cache_max_entry_count else {}
     if num_blocks:
         extra["num_blocks"] = num_blocks
     config = EngineConfig(max_num_seqs=max_batch_size, max_batched_tokens=max_prefill_tokens,
                           prefix_cache=not no_prefix_cache, max_waiting=max_waiting, max_context=max_context,
-                          **extra)
+                          engine_process=engine_process, **extra)
     serve(str(bundle), config, host, port, served_model_name, api_key, device, max_body_bytes, tp)
 
 

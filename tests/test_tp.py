@@ -165,7 +165,7 @@ def test_a_dead_rank_makes_the_server_answer_503_and_exit(tp_bundles):
                 assert proc.poll() is None, proc.stderr.read()
                 time.sleep(0.1)
         assert status == 200, answer
-        workers = _children(proc.pid)
+        workers = [w for child in _children(proc.pid) for w in _children(child)]   # the engine's process's
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
         for _ in range(300):

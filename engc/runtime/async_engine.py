@@ -1,44 +1,40 @@
-"""The engine behind an asyncio server: one thread owns the Engine and drives its step loop.
+"""The engine behind an asyncio server: the request side (EngineFront: generate -> RequestStream, abort,
+queued, call, fail) over an engine that steps elsewhere, in a thread of this process (AsyncEngine, here) or in
+a process of its own (EngineClient, engine_process.py).
 
-Requests never touch the Engine directly. They put commands (add, abort, call) on the thread's inbox;
-the thread applies them between steps. So the Engine stays single-threaded, and a cancelled request frees
-its blocks before the next step.
-
-Outputs go back once a step: all the step's Deltas for an event loop in one call_soon_threadsafe, which
+Outputs come back once a step: all the step's Deltas for an event loop in one call_soon_threadsafe, which
 hands each to its request's stream on the loop. A handoff wakes the loop through its self-pipe (a syscall)
-and runs under the GIL the loop shares with the engine thread, so one a sequence cost as much host time
-at 256 streams as the step itself.
+and runs under the loop's GIL, so one a sequence cost as much host time at 256 streams as the step itself.
 
 A stream's reader takes every delta waiting for it as one (RequestStream.__anext__ merges them), so each
 wake of a reader is one event and one socket write, whatever the tokens. With more streams in a step than
 `flush_streams`, a reader is woken every ceil(streams / flush_streams) steps instead of every step (_Outbox):
 a write a stream a step cost more host time at 256 streams than the engine's own step (CPU harness,
-server/hostbench.py), and the loop and the engine thread share one core. Below that, every token is its own
-event as soon as its step ends.
+server/hostbench.py). Below that, every token is its own event as soon as its step ends.
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import concurrent.futures
 import itertools
-import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
-from engc.runtime.engine import Engine
+from engc.runtime.engine import Engine, EngineConfig
 from engc.runtime.sampling import Sampled, SamplingParams
-from engc.runtime.tp import RankFailure
+from engc.runtime.step_loop import EngineDown, EngineError, StepLoop
+from engc.runtime.tokenizer import Tokenizer
 
-log = logging.getLogger("engc.engine")
+__all__ = ["AsyncEngine", "Delta", "EngineDown", "EngineError", "EngineFront", "QueueFull", "RequestStream"]
 _ids = itertools.count()
 
 
 @dataclass(slots=True)
 class Delta:
-    """What one step produced for one sequence of a request, copied out of the engine thread."""
+    """What one step produced for one sequence of a request, copied out of the engine's thread."""
     index: int
     text: str
     token_ids: list[int]
@@ -59,68 +55,71 @@ class _Route:
     index: int
 
 
-class EngineError(RuntimeError):
-    """The step loop failed while this request was in flight (a bug, reported as a 500)."""
-    status = 500
-
-
-class EngineDown(EngineError):
-    """The engine stopped for good: a tensor-parallel rank died or its collectives failed (runtime/tp.py).
-    Every request, in flight or new, gets a 503, and the server exits."""
-    status = 503
-
-
 class QueueFull(RuntimeError):
     """More sequences would wait for a place in the running batch than EngineConfig.max_waiting allows. The
     server answers 429 at once, so a router or proxy in front can send the request to another replica or
     another model instead of queueing it here."""
 
 
-class AsyncEngine:
-    def __init__(self, engine: Engine, metrics=None, flush_streams: int = 64):
+class EngineFront(abc.ABC):
+    """What the server holds: the engine's fixed facts (the bundle's manifest, tokenizer, config, max_context,
+    block_size, vocab_size, check_request) and the request side. A subclass says where commands go
+    (submit_add, submit_abort, submit_call) and feeds each step's (route, Delta or exception) pairs to _post
+    and its stats to .stats."""
+    manifest: dict
+    tokenizer: Tokenizer
+    config: EngineConfig
+    max_context: int
+    block_size: int
+    vocab_size: int
+
+    def __init__(self, metrics=None, flush_streams: int = 64):
         """flush_streams: the streams of a step whose readers are all woken at once (the module's doc)."""
-        self.engine = engine
         self.metrics = metrics
         self.flush_streams = flush_streams
         self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.routes: dict[str, _Route] = {}
-        self.stats = engine.stats()
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="engc-engine", daemon=True)
-        self._added = 0     # sequences put on the inbox (request side) and applied (engine thread): each counter
-        self._applied = 0   # has one writer, so their difference is the adds in flight without a lock
+        self.stats: dict = {"waiting": 0, "running": 0, "applied": 0}
+        self.added = 0                    # sequences sent to the engine; stats["applied"]: those it took
         self.down: str | None = None      # why the engine stopped for good (EngineDown)
         self.on_down: list = []           # callbacks(reason): the server's exit
         self.handoffs = 0                 # calls into the event loops (tests count them: one a step)
-        if engine.model.tp is not None:   # the watchdog's or a failed step's RankFailure
-            engine.model.tp.on_failure.append(self.fail)
 
-    def start(self) -> "AsyncEngine":
-        self.thread.start()
-        return self
+    @abc.abstractmethod
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError with a one-line reason if the engine would refuse the request (from any thread)."""
 
+    @abc.abstractmethod
+    def submit_add(self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int,
+                   session_id: str | None, route: _Route) -> None:
+        """Queues a sequence; its deltas go to route."""
+
+    @abc.abstractmethod
+    def submit_abort(self, rid: str) -> None:
+        """The sequence rid ends and frees its blocks before the engine's next step."""
+
+    @abc.abstractmethod
+    def submit_call(self, fn) -> concurrent.futures.Future:
+        """fn(engine) run between steps; across a process boundary fn must pickle (a module's function)."""
+
+    @abc.abstractmethod
     def shutdown(self) -> None:
-        self._stop.set()
-        self.inbox.put(("wake",))
-        self.thread.join(timeout=10)
-        if self.engine.model.tp is not None:   # after the loop: no step is sent past the workers' stop
-            self.engine.model.tp.close()
+        """Stops the engine (and a tensor-parallel bundle's other ranks)."""
+
+    def _stopping(self) -> None:
+        """fail's part that stops the engine's side."""
 
     def fail(self, reason: str) -> None:
-        """The engine cannot go on: requests in flight and to come get EngineDown, the loop ends, and the
-        on_down callbacks run (once). Called from the engine thread or the tensor-parallel watchdog."""
+        """The engine cannot go on: requests in flight and to come get EngineDown, and the on_down callbacks
+        run (once). Called from the engine's thread, a watchdog, or the reader of the engine's process."""
         if self.down is not None:
             return
         self.down = reason
-        self._stop.set()
-        self.inbox.put(("wake",))
+        self._stopping()
         self._post([(route, EngineDown(f"the engine is down: {reason}")) for route in list(self.routes.values())])
         self.routes.clear()
         for callback in list(self.on_down):
             callback(reason)
-
-    # --- the request side (event loop) ---------------------------------------------------------
 
     def generate(self, prompts: list[tuple[list[int], SamplingParams]], priority: int = 0,
                  session_id: str | None = None) -> "RequestStream":
@@ -129,95 +128,22 @@ class AsyncEngine:
         if self.down is not None:
             raise EngineDown(f"the engine is down: {self.down}")
         for ids, params in prompts:
-            self.engine.check_request(ids, params)
-        limit = self.engine.config.max_waiting
+            self.check_request(ids, params)
+        limit = self.config.max_waiting
         if limit is not None and self.queued(len(prompts)) > limit:
             raise QueueFull(f"the queue is full: more than {limit} requests would wait for a place in the batch")
         return RequestStream(self, prompts, priority, session_id)
 
     def queued(self, more: int = 0) -> int:
         """Sequences that would wait for a place in the running batch with `more` added: those the engine
-        holds waiting, plus the adds it has not seen yet beyond the batch's free places. Read from the
-        request side, so the engine's part is its stats of the last step."""
+        held waiting at its last stats, plus the adds it had not taken by then beyond the batch's free places."""
         s = self.stats
-        free = max(self.engine.config.max_num_seqs - s["running"], 0)
-        return s["waiting"] + max(self._added - self._applied + more - free, 0)
+        free = max(self.config.max_num_seqs - s["running"], 0)
+        return s["waiting"] + max(self.added - s["applied"] + more - free, 0)
 
     async def call(self, fn):
-        """Runs fn(engine) in the engine thread between steps and returns its result."""
+        """Runs fn(engine) between steps and returns its result."""
         return await asyncio.wrap_future(self.submit_call(fn))
-
-    def submit_call(self, fn) -> concurrent.futures.Future:
-        future = concurrent.futures.Future()
-        self.inbox.put(("call", fn, future))
-        return future
-
-    # --- the engine thread -----------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                cmd = self.inbox.get(timeout=0.5) if not self.engine.has_work else self.inbox.get_nowait()
-            except queue.Empty:
-                cmd = None
-            while cmd is not None:
-                self._apply(cmd)
-                try:
-                    cmd = self.inbox.get_nowait()
-                except queue.Empty:
-                    cmd = None
-            if self.engine.has_work:
-                self._step()
-            self.stats = self.engine.stats()
-
-    def _apply(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, rid, prompt_ids, params, priority, session_id, route = cmd
-            self._applied += 1
-            self.routes[rid] = route
-            try:
-                self.engine.add_request(prompt_ids, params, priority, rid, session_id)
-            except ValueError as e:
-                self._post([(self.routes.pop(rid), e)])
-        elif kind == "abort":
-            self.engine.abort(cmd[1])
-            self.routes.pop(cmd[1], None)
-        elif kind == "call":
-            _, fn, future = cmd
-            try:
-                future.set_result(fn(self.engine))
-            except Exception as e:  # noqa: BLE001 - handed to the caller
-                future.set_exception(e)
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except RankFailure as e:   # the ranks are out of step: the engine stops, the server with it
-            self.fail(str(e))
-            return
-        except Exception:  # noqa: BLE001 - a failed step fails its requests, not the server
-            log.exception("engine step failed; aborting the requests in flight")
-            for rid in self.routes:
-                self.engine.abort(rid)
-            self._post([(route, EngineError("the engine failed while running this request"))
-                        for route in self.routes.values()])
-            self.routes.clear()
-            return
-        routes, items = self.routes, []
-        for out in outputs:
-            seq = out.seq
-            rid = seq.request_id
-            route = routes.get(rid)
-            if route is None:
-                continue
-            if out.finished:
-                del routes[rid]
-            items.append((route, Delta(route.index, out.text_delta, out.new_token_ids, out.logprobs, out.finished,
-                                       seq.finish_reason, seq.stop_string, len(seq.prompt_ids),
-                                       seq.num_cached_tokens or 0, len(seq.output_ids), out.prompt_logprobs)))
-        if items:
-            self._post(items)
 
     def _post(self, items: list[tuple[_Route, object]]) -> None:
         """Hands (route, Delta or exception) pairs to their streams: one call a loop (a server has one)."""
@@ -235,6 +161,59 @@ class AsyncEngine:
                 self._outboxes.pop(loop, None)   # the requests' event loop is gone; so are the requests
 
 
+class AsyncEngine(EngineFront):
+    """The engine in a thread of the server's process (StepLoop): the library's and the tests' way, and
+    `engc run --no-engine-process`. The thread and the event loop share one GIL."""
+
+    def __init__(self, engine: Engine, metrics=None, flush_streams: int = 64):
+        super().__init__(metrics, flush_streams)
+        self.engine = engine
+        self.manifest = engine.model.bundle.manifest
+        self.tokenizer = engine.model.tokenizer
+        self.config = engine.config
+        self.max_context = engine.max_context
+        self.block_size = engine.model.block_size
+        self.vocab_size = engine.model.config.vocab_size
+        self.step_loop = StepLoop(engine, self._deliver, self.fail, Delta, self.routes)
+        self.stats = self.step_loop.stats
+        self.thread = threading.Thread(target=self.step_loop.run, name="engc-engine", daemon=True)
+        if engine.model.tp is not None:   # the watchdog's or a failed step's RankFailure
+            engine.model.tp.on_failure.append(self.fail)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.engine.check_request(prompt_ids, params)
+
+    def start(self) -> "AsyncEngine":
+        self.thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self.step_loop.stop()
+        self.thread.join(timeout=10)
+        if self.engine.model.tp is not None:   # after the loop: no step is sent past the workers' stop
+            self.engine.model.tp.close()
+
+    def _stopping(self) -> None:
+        self.step_loop.stop()
+
+    def _deliver(self, items: list) -> None:
+        self.stats = self.step_loop.stats
+        if items:
+            self._post(items)
+
+    def submit_add(self, rid, prompt_ids, params, priority, session_id, route) -> None:
+        self.added += 1
+        self.step_loop.inbox.put(("add", rid, prompt_ids, params, priority, session_id, route))
+
+    def submit_abort(self, rid: str) -> None:
+        self.step_loop.inbox.put(("abort", rid))
+
+    def submit_call(self, fn) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        self.step_loop.inbox.put(("call", fn, future))
+        return future
+
+
 class _Outbox:
     """A loop's side of the handoff: each step's outputs into their requests' streams, and which readers
     that wakes. A reader waiting on a step of more than flush_streams streams is left to sleep while it has
@@ -243,7 +222,7 @@ class _Outbox:
     nothing at the next is woken then, so a sequence the engine pauses (preempted) does not hold its
     tokens back."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: EngineFront):
         self.engine = engine
         self.held: dict[int, RequestStream] = {}
 
@@ -277,7 +256,7 @@ class _Outbox:
 @dataclass
 class RequestStream:
     """An async iterator over a request's Deltas; leaving it early (or `async with`) aborts the rest."""
-    engine: AsyncEngine
+    engine: EngineFront
     prompts: list
     priority: int = 0
     session_id: str | None = None
@@ -295,8 +274,7 @@ class RequestStream:
             rid = f"req-{tag}-{i}"
             self.request_ids.append(rid)
             session = self.session_id if i == 0 else None
-            self.engine._added += 1
-            self.engine.inbox.put(("add", rid, list(ids), params, self.priority, session, _Route(loop, self, i)))
+            self.engine.submit_add(rid, list(ids), params, self.priority, session, _Route(loop, self, i))
 
     def __aiter__(self):
         return self
@@ -359,7 +337,7 @@ class RequestStream:
 
     def abort(self) -> None:
         for rid in self.request_ids:
-            self.engine.inbox.put(("abort", rid))
+            self.engine.submit_abort(rid)
 
     async def __aenter__(self):
         return self

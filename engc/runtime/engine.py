@@ -8,12 +8,13 @@ it from one worker.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
+from typing import Callable
 
 from llguidance import LLTokenizer
 
 from engc.errors import UserError
+from engc.runtime.config import EngineConfig
 from engc.runtime.constrained import Matchers, constraint_for, vocab_of
 from engc.runtime.kv_cache import KVCache
 from engc.runtime.loader import LoadedModel
@@ -24,29 +25,27 @@ from engc.runtime.scheduler import Scheduler
 from engc.runtime.sequence import Sequence
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    num_blocks: int = 0                 # KV blocks; 0: 512 on the CPU, kv_memory_fraction of free GPU memory
-    max_num_seqs: int = 256
-    max_batched_tokens: int = 2048      # per-step token budget: bounds a prefill chunk
-    prefix_cache: bool = True           # reuse the K/V of full blocks whose token prefix was seen
-    max_sessions: int = 64              # chats whose KV is held between requests (session_id)
-    kv_memory_fraction: float = 0.85    # of the GPU memory free after weights, when num_blocks is 0
-    cuda_graphs: bool = True            # capture decode graphs at start (GPU only)
-    overlap: bool = True                # launch step N+1 before reading step N's tokens (same outputs)
-    max_waiting: int | None = None      # server: a request that would make more sequences wait is a 429
-    # Prompt plus output tokens a sequence may reach; None: the model's positions, bounded by the KV cache.
-    # Lower than the model's, it also narrows the block tables each decode step stages for its CUDA graph
-    # (a 128k-position model's are 8,192 entries a row).
-    max_context: int | None = None
-
-
 def context_limit(model: LoadedModel, num_blocks: int, cap: int | None = None) -> int:
     """The longest sequence the engine runs: the model's positions, the KV cache's tokens, the user's cap."""
     positions = model.config.max_position_embeddings
     if cap is not None and cap > positions:
         raise UserError(f"--max-context {cap} is more than the model's {positions} positions")
     return min(positions, num_blocks * model.block_size, cap or positions)
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, max_context: int, vocab_size: int,
+                  matchers: Callable[[], Matchers]) -> None:
+    """Raises ValueError with a one-line reason if an engine of this context and vocabulary would refuse the
+    request; a grammar is compiled by matchers() (and kept there)."""
+    params.validate()
+    if params.grammar is not None:
+        matchers().built(params.grammar)   # a special token it names is not there: a ValueError
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if len(prompt_ids) >= max_context:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this engine's context is {max_context} tokens")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size})")
 
 
 class Engine:
@@ -86,17 +85,7 @@ class Engine:
         Reads only fixed state (and compiles the request's grammar, kept for add_request), so the server calls
         it from any thread before queueing a request, and a slow grammar is compiled there, not between steps.
         """
-        params.validate()
-        if params.grammar is not None:
-            self.matchers.built(params.grammar)   # a special token it names is not there: a ValueError
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= self.max_context:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this engine's context is "
-                             f"{self.max_context} tokens")
-        vocab = self.model.config.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"token ids must be in [0, {vocab})")
+        check_request(prompt_ids, params, self.max_context, self.model.config.vocab_size, lambda: self.matchers)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
                     request_id: str | None = None, session_id: str | None = None) -> Sequence:

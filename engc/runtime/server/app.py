@@ -1,4 +1,5 @@
-"""The FastAPI app: routes of both APIs over one AsyncEngine, error shapes, API key, health, metrics.
+"""The FastAPI app: routes of both APIs over one engine (an EngineFront: async_engine.py, engine_process.py),
+error shapes, API key, health, metrics.
 
 Every error a client can cause leaves as a 4xx in the shape of the API it called (OpenAI's
 {"error": {...}} or Anthropic's {"type": "error", ...}); anything else is a 500 in the same shape,
@@ -24,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engc.errors import UserError
-from engc.runtime.async_engine import AsyncEngine, EngineDown, QueueFull
+from engc.runtime.async_engine import AsyncEngine, EngineDown, EngineFront, QueueFull
 from engc.runtime.engine import Engine, EngineConfig
 from engc.runtime.sampling import SamplingParams
 from engc.runtime.server.metrics import Metrics
@@ -99,7 +100,7 @@ class EventStream(StreamingResponse):
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineFront
     model_name: str
     api_key: str | None
     metrics: Metrics
@@ -113,11 +114,11 @@ class ServerState:
 
     @property
     def tokenizer(self):
-        return self.engine.engine.model.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_context(self) -> int:
-        return self.engine.engine.max_context
+        return self.engine.max_context
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -154,7 +155,7 @@ class ServerState:
                 # a grammar compiles over the vocabulary where the request is checked (the first one also
                 # builds llguidance's vocabulary, ~0.3 s; a pathological regex takes longer): in a worker
                 # thread, so the loop keeps serving; generate's own check then finds it compiled
-                await self.off_loop(lambda: [self.engine.engine.check_request(ids, p) for ids, p in prompts])
+                await self.off_loop(lambda: [self.engine.check_request(ids, p) for ids, p in prompts])
             return self.engine.generate(prompts, priority, session_id)
         except ValueError as e:
             raise APIError(400, str(e)) from None
@@ -180,7 +181,7 @@ def default_max_body_bytes(max_context: int) -> int:
     return (1 << 20) + 64 * max_context
 
 
-def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+def create_app(engine: EngineFront, model_name: str, api_key: str | None = None,
                max_body_bytes: int | None = None) -> FastAPI:
     from engc.runtime.server import anthropic, openai
     from engc.runtime.server.edge import Edge
@@ -191,9 +192,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     metrics = engine.metrics or Metrics()
     engine.metrics = metrics
     metrics.bind(lambda: engine.stats)
-    metrics.bind_gateway(lambda: engine.stats, model_name, engine.engine.model.block_size,
-                         engine.engine.config.prefix_cache)
-    limit = max_body_bytes or default_max_body_bytes(engine.engine.max_context)
+    metrics.bind_gateway(lambda: engine.stats, model_name, engine.block_size, engine.config.prefix_cache)
+    limit = max_body_bytes or default_max_body_bytes(engine.max_context)
     app.state.engc = ServerState(engine, model_name, api_key, metrics, int(time.time()), limit)
 
     @app.exception_handler(APIError)
@@ -238,7 +238,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
-        if engine.down is not None:   # a tensor-parallel rank died: the server is on its way out
+        if engine.down is not None:   # the engine's process or a tensor-parallel rank died: the server is leaving
             return JSONResponse({"status": "down", "reason": engine.down}, status_code=503)
         return {"status": "ok"}
 
@@ -272,8 +272,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = document(app, model_name, engine.engine.model.config.vocab_size, api_key,
-                                          engine.engine.config.max_waiting is not None)
+            app.openapi_schema = document(app, model_name, engine.vocab_size, api_key,
+                                          engine.config.max_waiting is not None)
         return app.openapi_schema
     app.openapi = openapi
     return app
@@ -289,13 +289,21 @@ def _authorized(request: Request, key: str) -> bool:
 
 def build_server(bundle: str, config: EngineConfig, model_name: str | None = None,
                  api_key: str | None = None, device: str = "cpu",
-                 max_body_bytes: int | None = None, tp: int | None = None) -> tuple[FastAPI, AsyncEngine]:
-    """tp: the ranks the command line asked for (checked against the bundle's; runtime/tp.py). On a rank
-    other than 0 of a tensor-parallel launch this serves as a worker and exits."""
+                 max_body_bytes: int | None = None, tp: int | None = None) -> tuple[FastAPI, EngineFront]:
+    """The app over an engine in a process of its own (config.engine_process) or in a thread of this one.
+    tp: the ranks the command line asked for (checked against the bundle's; runtime/tp.py). On a rank other
+    than 0 of a tensor-parallel launch this serves as a worker and exits."""
+    import functools
+    import os
+    from engc.runtime.engine_process import EngineClient, load_engine
     from engc.runtime.tp import load_rank
-    model = load_rank(bundle, device, tp)
-    engine = AsyncEngine(Engine(model, config), Metrics()).start()
-    name = model_name or model.bundle.manifest.get("source", {}).get("name") or "engc"
+    outside_worker = int(os.environ.get("RANK", "0")) != 0   # an outside launcher's rank > 0 serves no HTTP
+    if config.engine_process and not outside_worker:
+        engine = EngineClient.start(bundle, config, functools.partial(load_engine, bundle, config, device, tp),
+                                    Metrics())
+    else:
+        engine = AsyncEngine(Engine(load_rank(bundle, device, tp), config), Metrics()).start()
+    name = model_name or engine.manifest.get("source", {}).get("name") or "engc"
     return create_app(engine, name, api_key, max_body_bytes), engine
 
 
@@ -315,7 +323,7 @@ def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int 
           max_body_bytes: int | None = None, tp: int | None = None) -> None:
     """Serves until interrupted. The address is taken before the model loads, so a port in use is one
     line at once, not an error after the load; port 0 takes a free port and says which. If the engine
-    goes down (a tensor-parallel rank died), it answers 503 for ENGC_DOWN_DRAIN_S seconds (default 3: a
+    goes down (its process or a tensor-parallel rank died), it answers 503 for ENGC_DOWN_DRAIN_S seconds (default 3: a
     load balancer sees /health fail) and exits with one line and status 1."""
     import os
     import threading

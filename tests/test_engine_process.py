@@ -1,0 +1,125 @@
+"""The engine in a process of its own (engc run's default): streams through it, aborts reach it, its death
+ends every open stream with the engine's error, and a start-up error in it is one line."""
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from engc.runtime.engine import Engine
+from live_server import LiveServer
+from test_cli import assert_one_line_error, engc
+
+CHAT = {"temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "Hello"}]}
+
+
+@pytest.fixture(scope="module")
+def psrv(tiny_bundle):
+    with LiveServer(tiny_bundle("llama"), process=True) as s:
+        yield s
+
+
+def record_finishes(engine) -> None:
+    """From now on the engine keeps why each sequence ended (run in the engine's process)."""
+    engine.finish_reasons = []
+    finish = engine.scheduler.finish
+
+    def recorded(seq, reason):
+        engine.finish_reasons.append(reason)
+        return finish(seq, reason)
+    engine.scheduler.finish = recorded
+
+
+def finish_reasons(engine) -> list:
+    return engine.finish_reasons
+
+
+def slow_steps(engine) -> None:
+    """Each step takes 50 ms more, as a slow device's would: an answer to the end of the context outlasts a
+    client's read of its first token."""
+    step = engine.step
+
+    def slow():
+        time.sleep(0.05)
+        return step()
+    engine.step = slow
+
+
+def engine_pid(engine) -> int:
+    return os.getpid()
+
+
+def events(lines) -> list:
+    return [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+
+
+def test_a_chat_streams_through_the_engine_process(psrv):
+    assert psrv.call(engine_pid) == psrv.engine.process.pid != os.getpid()
+    body = {**CHAT, "model": psrv.model, "max_tokens": 12}
+    text = httpx.post(psrv.url + "/v1/chat/completions", json=body, timeout=60).text
+    chunks = events(text.split("\n\n"))
+    assert text.rstrip().endswith("data: [DONE]")
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+    plain = httpx.post(psrv.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60).json()
+    assert plain["choices"][0]["message"]["content"] == "".join(
+        c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    stats = psrv.wait_idle()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    psrv.call(Engine.check_integrity)
+    metrics = httpx.get(psrv.url + "/metrics").text
+    assert "engc_num_requests_running 0.0" in metrics and "engc_generation_tokens_total 24.0" in metrics
+
+
+def test_a_client_that_leaves_aborts_its_request_in_the_engine_process(psrv):
+    psrv.call(record_finishes)
+    psrv.call(slow_steps)
+    body = {**CHAT, "model": psrv.model}   # to the end of the context
+    with httpx.stream("POST", psrv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if '"content"' in line:
+                break   # one token read, then the connection closes
+    psrv.wait_idle()
+    assert psrv.call(finish_reasons) == ["abort"]
+    psrv.call(Engine.check_integrity)
+
+
+def test_a_dead_engine_process_ends_open_streams_and_health_says_so(tiny_bundle):
+    with LiveServer(tiny_bundle("llama"), process=True) as srv:
+        srv.call(slow_steps)
+        body = {**CHAT, "model": srv.model}
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:
+                if '"content"' in line:
+                    os.kill(srv.engine.process.pid, signal.SIGKILL)
+                    break
+            rest = list(lines)
+        error = events(rest)[-1]["error"]
+        assert error["type"] == "server_error" and "killed by SIGKILL" in error["message"], rest
+        assert [x for x in rest if x][-1] == "data: [DONE]"
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 503 and "killed by SIGKILL" in health.json()["reason"]
+        again = httpx.post(srv.url + "/v1/chat/completions", json={**body, "stream": False})
+        assert again.status_code == 503 and "the engine is down" in again.json()["error"]["message"]
+        assert httpx.get(srv.url + "/v1/models").status_code == 200   # the server keeps answering
+
+
+def test_a_bundle_the_engine_process_cannot_load_is_one_line(tiny_bundle, tmp_path):
+    """The server's process reads the small files; the weights are the engine process's, whose refusal
+    reaches the command line as the one line it would be in one process."""
+    import shutil
+    bad = tmp_path / "b"
+    shutil.copytree(tiny_bundle("llama"), bad)
+    weights = bad / "weights" / "rank0.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    r = engc("run", bad, "--port", "0", "--device", "cpu")
+    assert_one_line_error(r, "rank0.safetensors")
