@@ -98,8 +98,8 @@ class EngineClient(EngineFront):
         self.added += 1
         self.routes[rid] = route
         self._queue(("add", rid, prompt_ids, params, priority, session_id, route.index))
-        if self.down is not None:   # failed after generate checked: fail's sweep may have missed this route
-            self.fail(self.down)
+        if self.down is not None and self.routes.pop(rid, None) is not None:   # fail's sweep may have missed it
+            self._post([(route, EngineDown(f"the engine is down: {self.down}"))])
 
     def submit_abort(self, rid: str) -> None:
         self.routes.pop(rid, None)
