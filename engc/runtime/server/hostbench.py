@@ -3,18 +3,21 @@ the process spends per streamed token outside the model (the engine thread's sch
 and detokenizing; the event loop's handoff, chunks and HTTP writes).
 
     python -m engc.runtime.server.hostbench BUNDLE [--port 23333] [--step-ms 0] [--loop asyncio --http h11]
+                                                   [--no-engine-process]
     python bench/serve_bench.py run --url http://127.0.0.1:23333 --model hostbench --workload fixed ...
 
 The bundle's tokenizer, scheduler, KV block accounting and output processing are the real ones; only the
 forward and the sampling are replaced: each step's sampled rows get random ordinary tokens (seeded), and a
 step's tokens are ready `--step-ms` after its launch (a sleep, which releases the GIL as a GPU wait does), so
-the host work of the next step overlaps it as on a GPU. On exit (Ctrl-C) it prints the process's CPU seconds
-per streamed token. `--loop asyncio --http h11` is uvicorn without uvloop and httptools, as in an image
-that lacks them.
+the host work of the next step overlaps it as on a GPU. The engine runs as `engc run` runs it: in a process of
+its own, or with --no-engine-process in a thread of the server's. On exit (Ctrl-C) it prints the CPU seconds
+per streamed token of the server's process and of the engine's (its process, or its thread). `--loop asyncio
+--http h11` is uvicorn without uvloop and httptools, as in an image that lacks them.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import random
@@ -25,6 +28,7 @@ import torch
 
 from engc.runtime.async_engine import AsyncEngine
 from engc.runtime.engine import Engine, EngineConfig
+from engc.runtime.engine_process import EngineClient
 from engc.runtime.runner import InFlight
 from engc.runtime.server.metrics import Metrics
 
@@ -72,10 +76,36 @@ def thread_cpu_seconds(native_id: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
 
 
+def stub_engine(bundle: str, config: EngineConfig, step_s: float) -> Engine:
+    """The bundle's engine with the stub forward (in the engine's process, where it has one)."""
+    from engc.runtime.loader import load
+    model = load(bundle, "cpu")
+    zeros = torch.zeros
+    torch.zeros = torch.empty   # the KV cache: the stub never reads or writes it, so its pages stay untouched
+    try:
+        engine = Engine(model, config)
+    finally:
+        torch.zeros = zeros
+    stub_forward(engine, step_s)
+    return engine
+
+
+def engine_usage(engine: Engine) -> tuple[float, int]:
+    """(CPU seconds of the engine's own process, steps so far): run there between steps."""
+    return cpu_seconds(), engine.stub_steps
+
+
+def _engine_cpu(front):
+    """() -> (the engine's CPU seconds: its process's, or its thread's, and the steps so far)."""
+    if isinstance(front, EngineClient):
+        return lambda: front.submit_call(engine_usage).result(60)
+    native_id, engine = front.thread.native_id, front.engine
+    return lambda: (thread_cpu_seconds(native_id), engine.stub_steps)
+
+
 def main(argv=None) -> None:
     import uvicorn
 
-    from engc.runtime.loader import load
     from engc.runtime.server.app import create_app, listening_socket, settle_heap
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -90,19 +120,18 @@ def main(argv=None) -> None:
                     help="AsyncEngine's flush_streams: above it a step's readers are woken every few steps")
     ap.add_argument("--loop", default="auto", help="uvicorn's loop: auto, asyncio, uvloop")
     ap.add_argument("--http", default="auto", help="uvicorn's HTTP protocol: auto, h11, httptools")
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=EngineConfig.engine_process,
+                    help="the engine in a process of its own (engc run's --engine-process)")
     args = ap.parse_args(argv)
 
     sock = listening_socket(args.host, args.port)
-    model = load(args.bundle, "cpu")
-    zeros = torch.zeros
-    torch.zeros = torch.empty   # the KV cache: the stub never reads or writes it, so its pages stay untouched
-    try:
-        engine = Engine(model, EngineConfig(num_blocks=args.num_blocks, max_num_seqs=args.max_batch_size,
-                                            cuda_graphs=False))
-    finally:
-        torch.zeros = zeros
-    stub_forward(engine, args.step_ms / 1000)
-    async_engine = AsyncEngine(engine, Metrics(), args.flush_streams).start()
+    config = EngineConfig(num_blocks=args.num_blocks, max_num_seqs=args.max_batch_size, cuda_graphs=False,
+                          engine_process=args.engine_process)
+    build = functools.partial(stub_engine, args.bundle, config, args.step_ms / 1000)
+    if config.engine_process:
+        async_engine = EngineClient.start(args.bundle, config, build, Metrics(), args.flush_streams)
+    else:
+        async_engine = AsyncEngine(build(), Metrics(), args.flush_streams).start()
     app = create_app(async_engine, args.model_name)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", loop=args.loop, http=args.http))
     print(f"hostbench: serving {args.model_name} on http://{args.host}:{sock.getsockname()[1]}", flush=True)
@@ -117,17 +146,18 @@ def main(argv=None) -> None:
             pauses[info["generation"]][1] += time.perf_counter() - began[0]
     gc.callbacks.append(gc_timer)
     settle_heap()   # as engc run does
-    start, engine_start = cpu_seconds(), thread_cpu_seconds(async_engine.thread.native_id)
+    engine_cpu = _engine_cpu(async_engine)
+    start, engine_start = cpu_seconds(), engine_cpu()
     try:
         server.run(sockets=[sock])
     finally:
-        engine_used = thread_cpu_seconds(async_engine.thread.native_id) - engine_start
+        (engine_used, steps), used = engine_cpu(), cpu_seconds() - start
+        engine_used -= engine_start[0]
         async_engine.shutdown()
-        tokens = async_engine.metrics.generation_tokens._value.get()
-        used = cpu_seconds() - start
-        print(f"hostbench: {tokens:.0f} tokens streamed in {engine.stub_steps} steps, {used:.2f} CPU s, "
-              f"{1e6 * used / max(tokens, 1):.1f} CPU us a token ({1e6 * engine_used / max(tokens, 1):.1f} in the "
-              "engine thread)", flush=True)
+        tokens = max(async_engine.metrics.generation_tokens._value.get(), 1)
+        where = "process" if args.engine_process else "thread, within the server's"
+        print(f"hostbench: {tokens:.0f} tokens streamed in {steps} steps; CPU us a token: server process "
+              f"{1e6 * used / tokens:.1f}, engine {where} {1e6 * engine_used / tokens:.1f}", flush=True)
         print("hostbench: gc " + ", ".join(f"gen{g} {n} in {t:.3f} s" for g, (n, t) in pauses.items()), flush=True)
 
 
