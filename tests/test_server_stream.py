@@ -278,7 +278,7 @@ def test_a_failed_step_ends_each_stream_with_its_error_after_what_it_streamed(sr
 def test_settle_heap_leaves_what_start_up_made_out_of_collections():
     import gc
 
-    from engc.runtime.server.app import settle_heap
+    from engc.runtime.heap import settle_heap
     threshold = gc.get_threshold()
     kept = [[i] for i in range(1000)]   # objects alive at start-up
     try:

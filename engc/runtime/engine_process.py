@@ -29,6 +29,7 @@ import traceback
 from engc.errors import UserError
 from engc.runtime.async_engine import Delta, EngineDown, EngineFront
 from engc.runtime.engine import Engine, EngineConfig, check_request
+from engc.runtime.heap import settle_heap
 from engc.runtime.step_loop import StepLoop
 
 log = logging.getLogger("engc.engine")
@@ -244,6 +245,7 @@ def child_main(conn, build) -> None:
             e = UserError(f"the engine could not start: {e.__class__.__name__}: {str(e)[:300]}")
         conn.send(("failed", e))
         sys.exit(1)
+    settle_heap()   # the model's objects, out of the collections that would stall steps
     _Child(conn, engine).run()
 
 

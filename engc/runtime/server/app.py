@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import gc
 import hmac
 import json
 import socket
@@ -27,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engc.errors import UserError
 from engc.runtime.async_engine import AsyncEngine, EngineDown, EngineFront, QueueFull
 from engc.runtime.engine import Engine, EngineConfig
+from engc.runtime.heap import settle_heap
 from engc.runtime.sampling import SamplingParams
 from engc.runtime.server.metrics import Metrics
 
@@ -305,17 +305,6 @@ def build_server(bundle: str, config: EngineConfig, model_name: str | None = Non
         engine = AsyncEngine(Engine(load_rank(bundle, device, tp), config), Metrics()).start()
     name = model_name or engine.manifest.get("source", {}).get("name") or "engc"
     return create_app(engine, name, api_key, max_body_bytes), engine
-
-
-def settle_heap() -> None:
-    """Takes what start-up left alive (the model's modules and tensors, the tokenizer, the app: some 10^5 objects)
-    out of the garbage collector's view, and lets it collect the young generation less often. A full collection
-    otherwise walks all of it every few hundred requests (0.18 s a time on the SmolLM2 bundle, on this project's
-    2-core CPU) with the GIL held: every stream and the engine's next step wait that long. What requests
-    allocate is still collected."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(10_000, 10, 10)
 
 
 def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int = 23333,

@@ -106,7 +106,8 @@ def _engine_cpu(front):
 def main(argv=None) -> None:
     import uvicorn
 
-    from engc.runtime.server.app import create_app, listening_socket, settle_heap
+    from engc.runtime.heap import settle_heap
+    from engc.runtime.server.app import create_app, listening_socket
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundle")

@@ -15,7 +15,8 @@ from ray import serve
 from ray.serve import Application
 
 from engc.runtime.engine import EngineConfig
-from engc.runtime.server.app import build_server, settle_heap
+from engc.runtime.heap import settle_heap
+from engc.runtime.server.app import build_server
 
 
 @serve.ingress()
