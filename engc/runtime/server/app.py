@@ -312,8 +312,8 @@ def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int 
           max_body_bytes: int | None = None, tp: int | None = None) -> None:
     """Serves until interrupted. The address is taken before the model loads, so a port in use is one
     line at once, not an error after the load; port 0 takes a free port and says which. If the engine
-    goes down (its process or a tensor-parallel rank died), it answers 503 for ENGC_DOWN_DRAIN_S seconds (default 3: a
-    load balancer sees /health fail) and exits with one line and status 1."""
+    goes down (its process or a tensor-parallel rank died), it answers 503 for ENGC_DOWN_DRAIN_S seconds
+    (default 3: a load balancer sees /health fail) and exits with one line and status 1."""
     import os
     import threading
     import uvicorn
