@@ -315,6 +315,8 @@ def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int 
     goes down (its process or a tensor-parallel rank died), it answers 503 for ENGC_DOWN_DRAIN_S seconds
     (default 3: a load balancer sees /health fail) and exits with one line and status 1."""
     import os
+    import signal
+    import sys
     import threading
     import uvicorn
     sock = listening_socket(host, port)
@@ -332,6 +334,9 @@ def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int 
         timer.start()
     engine.on_down.append(exit_after_drain)
     settle_heap()
+    # uvicorn raises a SIGTERM it handled again once it has shut down: an exit here, so the finally below stops
+    # the engine's process (and the ranks) rather than leaving them to find their pipes closed
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
         server.run(sockets=[sock])
     finally:
