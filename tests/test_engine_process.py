@@ -123,3 +123,37 @@ def test_a_bundle_the_engine_process_cannot_load_is_one_line(tiny_bundle, tmp_pa
     weights.write_bytes(bytes(data))
     r = engc("run", bad, "--port", "0", "--device", "cpu")
     assert_one_line_error(r, "rank0.safetensors")
+
+
+def test_engc_run_streams_and_its_sigterm_stops_the_engine_process(tiny_bundle):
+    """The command itself: a chat streamed through engc run, then SIGTERM: the server shuts down and stops the
+    engine's process on its way out."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    proc = subprocess.Popen([sys.executable, "-m", "engc.cli", "run", str(tiny_bundle("llama")), "--port", "0",
+                             "--served-model-name", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    try:
+        url = proc.stdout.readline().split()[-1]   # printed before the engine starts; it answers once it has
+        body = {**CHAT, "model": "tiny", "max_tokens": 8}
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                text = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).text
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the server did not answer"
+                time.sleep(0.1)
+        assert events(text.split("\n\n"))[-1]["usage"]["completion_tokens"] == 8
+        children = [int(c) for task in Path(f"/proc/{proc.pid}/task").iterdir()
+                    for c in (task / "children").read_text().split()]
+        engine = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(engine) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not Path(f"/proc/{engine[0]}").exists()   # stopped and reaped by the server before it exited
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
