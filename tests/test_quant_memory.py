@@ -67,4 +67,23 @@ def test_peak_memory_is_about_one_layer(method, deep_model, tmp_path):
     assert len(set(s["tensors_after_layer"][1:])) == 1, s["tensors_after_layer"]
     rss = s["layer_end_rss_mb"]
     assert max(rss[1:]) - min(rss[1:]) < 0.1 * layer_mb, rss
-    assert len(list((tmp_path / "q").glob("model-*.safetensors"))) == SHAPE["layers"] + 2
+    # a shard a layer, and the embedding with the final norm in one (under REST_SHARD_BYTES together)
+    assert len(list((tmp_path / "q").glob("model-*.safetensors"))) == SHAPE["layers"] + 1
+
+
+@pytest.mark.parametrize("limit, rest_shards", [(1 << 20, 1), (1000, 2)])
+def test_tensors_outside_the_layers_share_shards_up_to_the_limit(limit, rest_shards, tiny_dir, tmp_path, monkeypatch):
+    """The embedding and the final norm: one shard under the limit, each its own over it (a tensor past the limit
+    alone); every shard named -of-<n> for the n written, and the index naming the file that holds each tensor."""
+    import json
+    from safetensors import safe_open
+    from engc.compiler.quantize import QuantOptions, stream
+    monkeypatch.setattr(stream, "REST_SHARD_BYTES", limit)
+    stream.quantize_checkpoint(str(tiny_dir("llama")), tmp_path / "q", QuantOptions(method="rtn", group_size=32))
+    files = sorted(p.name for p in (tmp_path / "q").glob("model-*.safetensors"))
+    assert len(files) == 2 + rest_shards and all(f.endswith(f"-of-{len(files):05d}.safetensors") for f in files)
+    index = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index.values()) == set(files)
+    for name, file in index.items():
+        with safe_open(str(tmp_path / "q" / file), framework="pt") as f:
+            assert name in f.keys()

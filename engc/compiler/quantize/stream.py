@@ -76,14 +76,14 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
     # --lm-head: the head is written quantized instead
     rest_names = [n for n in source.names() if not names.is_layer_tensor(n)
                   and not (opts.lm_head and head == "lm_head.weight" and n == names.head + "weight")]
-    shards = cfg.num_layers + len(rest_names) + opts.lm_head
+    shards = cfg.num_layers + opts.lm_head   # and the rest's, counted once written (_write_rest)
     index, layer_bytes, layer_rss = {}, 0, []
     with atomic_folder(out) as tmp:
         bar = progress.bar(f"quantize {opts.method} g{opts.group_size}", total=cfg.num_layers)
         for i in range(cfg.num_layers):
             tensors, x, nbytes = quantize_layer(ckpt, cfg, rope, i, x, opts, names)
             layer_bytes = max(layer_bytes, nbytes)
-            shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            shard = f"model-{i + 1:05d}.safetensors"
             save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
             index.update({name: shard for name in tensors})
             del tensors
@@ -96,19 +96,14 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
                 norm = ckpt.get("model.norm.weight").float()
                 tensors = quantize_head(ckpt.get(head), norm + 1 if cfg.norm_unit_offset else norm, x,
                                         cfg.rms_norm_eps, opts, pack_of(opts))
-            shard = f"model-{shards:05d}-of-{shards:05d}.safetensors"
+            shard = f"model-{shards:05d}.safetensors"
             save_file({f"{names.head}{k}": t.contiguous() for k, t in tensors.items()}, str(tmp / shard),
                       metadata={"format": "pt"})
             index.update({f"{names.head}{k}": shard for k in tensors})
             del tensors
             release_freed_memory()
         del x
-        # embedding, lm_head, final norm: one shard each, so at most one of them is in memory
-        for j, name in enumerate(rest_names, cfg.num_layers + 1):
-            shard = f"model-{j:05d}-of-{shards:05d}.safetensors"
-            save_file({name: source.get(name).contiguous()}, str(tmp / shard), metadata={"format": "pt"})
-            index[name] = shard
-            release_freed_memory()
+        _write_rest(tmp, source, rest_names, shards, index)
         write_metadata(tmp, source, opts, index, float_modules(cfg, source.hf_config))
     return {"out": str(out), "model": ckpt.name, "method": opts.method, "bits": opts.bits,
             "group_size": opts.group_size, "format": opts.format, "layers": cfg.num_layers, "lm_head": opts.lm_head,
@@ -255,6 +250,39 @@ def float_modules(cfg, hf: dict) -> list[str]:
     if cfg.shared_expert_intermediate_size:
         keep.append("shared_experts" if ex.shared_experts_count_key else "shared_expert")
     return keep
+
+
+REST_SHARD_BYTES = 1 << 30
+
+
+def _write_rest(folder: Path, source: Checkpoint, rest: list[str], written: int, index: dict) -> None:
+    """The tensors outside the layers, as they are, in shards of up to REST_SHARD_BYTES (a larger tensor, an
+    embedding, alone): a shard is in memory while it is written, and a vision tower's hundreds of small tensors
+    become a few files, not one each. Then every shard gets its name, model-<i>-of-<n>, n known at last."""
+    group, size = {}, 0
+
+    def flush():
+        nonlocal group, size, written
+        if group:
+            written += 1
+            save_file(group, str(folder / f"model-{written:05d}.safetensors"), metadata={"format": "pt"})
+            index.update({name: f"model-{written:05d}.safetensors" for name in group})
+            group, size = {}, 0
+            release_freed_memory()
+    for name in rest:
+        t = source.get(name).contiguous()
+        if size + t.numel() * t.element_size() > REST_SHARD_BYTES:
+            flush()
+        group[name] = t
+        size += t.numel() * t.element_size()
+        del t
+        if size >= REST_SHARD_BYTES:   # written before the next is loaded: two embeddings are never in memory
+            flush()
+    flush()
+    final = {f"model-{i:05d}.safetensors": f"model-{i:05d}-of-{written:05d}.safetensors" for i in range(1, written + 1)}
+    for old, new in final.items():
+        (folder / old).rename(folder / new)
+    index.update({name: final[shard] for name, shard in index.items()})
 
 
 def write_metadata(folder: Path, ckpt: Checkpoint, opts: QuantOptions, index: dict,
