@@ -110,6 +110,8 @@ def bench_shape(shape: str, args) -> dict:
         lambda: Engine(model, EngineConfig(max_num_seqs=max([256, *batches_of(args, base_shape(shape))]),
                                            max_batched_tokens=8192, kv_memory_fraction=kv_fraction)))
     res["kv_blocks"] = engine.kv.allocator.num_blocks
+    # the largest 128-in / 128-out batch the KV cache holds at once (each sequence's 256 tokens in whole blocks)
+    res["kv_holds_128_128_seqs"] = engine.kv.allocator.num_blocks // -(-256 // engine.kv.allocator.block_size)
     if args.profile_only:
         # batch 1 and the shape's first throughput batch (--batch-sizes), 32 without one
         profiled = (1, ([n for n in batches_of(args, base_shape(shape)) if n > 1] or [32])[0])
