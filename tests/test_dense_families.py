@@ -133,15 +133,20 @@ def _internlm2_tensors(t: dict, heads: int, kv_heads: int, head_dim: int) -> dic
     return out
 
 
-def test_internlm2(llama_src, tmp_path):
-    cfg = json.loads((llama_src / "config.json").read_text())
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+def internlm2_config(cfg: dict) -> dict:
+    """The config.json of an InternLM2 model computing what the HF Llama model of config cfg computes."""
     internlm2 = {k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
                                      "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id")}
     internlm2.update(model_type="internlm2", architectures=["InternLM2ForCausalLM"], bias=False, hidden_act="silu",
                      rope_theta=cfg["rope_parameters"]["rope_theta"], rope_scaling=None)
-    _relaid(llama_src, tmp_path / "internlm2", internlm2,
+    return internlm2
+
+
+def test_internlm2(llama_src, tmp_path):
+    cfg = json.loads((llama_src / "config.json").read_text())
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    _relaid(llama_src, tmp_path / "internlm2", internlm2_config(cfg),
             lambda t: _internlm2_tensors(t, heads, kv, cfg["hidden_size"] // heads))
     build(str(tmp_path / "internlm2"), tmp_path / "b", BuildOptions())
     greedy_matches(tmp_path / "b", llama_src)

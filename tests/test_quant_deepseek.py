@@ -16,7 +16,7 @@ from engc.compiler.frontend.decoder import _rope_table, resolve_config
 from engc.compiler.quantize import QuantOptions
 from engc.compiler.quantize.stream import first_layer_input, llama_view, quantize_checkpoint
 from test_dense_families import _relaid
-from test_quant_families import CALIB, IDS, assert_bundle_matches, awq_pack, oracle_of
+from test_quant_families import CALIB, IDS, assert_bundle_matches, awq_pack, hf_layer_io, oracle_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,21 +82,6 @@ def test_quantized_deepseek_builds_and_matches_its_dequantized_weights(family, m
             if ".layers." in name and name.endswith(("proj.weight", "proj_with_mqa.weight")):
                 err = (dequantized[name] - w).norm() / w.norm()
                 assert 0 <= err < 0.1, (name, err)
-
-
-def hf_layer_io(src, ids):
-    """Each HF decoder layer's (input, output) on ids, and the model."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    seen = []
-    hooks = [layer.register_forward_hook(
-        lambda m, args, kwargs, out: seen.append((args[0] if args else kwargs["hidden_states"],
-                                                  out[0] if isinstance(out, tuple) else out)), with_kwargs=True)
-        for layer in model.model.layers]
-    with torch.no_grad():
-        model(ids)
-    for h in hooks:
-        h.remove()
-    return seen
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])

@@ -18,7 +18,7 @@ from engc.compiler.frontend.decoder import _rope_table, resolve_config
 from engc.compiler.quantize import QuantOptions
 from engc.compiler.quantize.layer import DecoderLayer
 from engc.compiler.quantize.stream import first_layer_input, llama_view, quantize_checkpoint
-from test_dense_families import _internlm2_tensors, _relaid
+from test_dense_families import _internlm2_tensors, _relaid, internlm2_config
 from test_quant_e2e import bundle_logits, dequant_awq, dequant_gptq
 
 transformers = pytest.importorskip("transformers")
@@ -35,13 +35,9 @@ def internlm2_src(tmp_path_factory):
     llama = make_tiny("llama", tmp_path_factory.mktemp("llama"), seed=5, rope_scaling=None)
     cfg = json.loads((llama / "config.json").read_text())
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    internlm2 = {k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
-                                     "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id")}
-    internlm2.update(model_type="internlm2", architectures=["InternLM2ForCausalLM"], bias=False, hidden_act="silu",
-                     rope_theta=cfg["rope_parameters"]["rope_theta"], rope_scaling=None)
     folder = tmp_path_factory.mktemp("internlm2") / "m"
-    _relaid(llama, folder, internlm2, lambda t: _internlm2_tensors(t, heads, kv, cfg["hidden_size"] // heads))
+    _relaid(llama, folder, internlm2_config(cfg),
+            lambda t: _internlm2_tensors(t, heads, kv, cfg["hidden_size"] // heads))
     return folder, llama
 
 
@@ -172,6 +168,21 @@ def test_prequantized_fused_checkpoint_builds(family, tiny_dir, internlm2_src, t
     assert_bundle_matches(tmp_path / "b", oracle_of(tmp_path / "q", internlm2_src, tmp_path))
 
 
+def hf_layer_io(src, ids):
+    """Each HF decoder layer's (input, output) on ids."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    seen = []
+    hooks = [layer.register_forward_hook(
+        lambda m, args, kwargs, out: seen.append((args[0] if args else kwargs["hidden_states"],
+                                                  out[0] if isinstance(out, tuple) else out)), with_kwargs=True)
+        for layer in model.model.layers]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_quantizer_layer_is_the_hf_layer(family, tiny_dir, internlm2_src):
     """Each layer of the quantizer (the build's view of the weights, the ModelConfig's facts) against the HF
@@ -181,18 +192,8 @@ def test_quantizer_layer_is_the_hf_layer(family, tiny_dir, internlm2_src):
     source = read_source(str(src))
     cfg = resolve_config(source.hf_config)
     view = llama_view(source, cfg)
-    hf_folder = internlm2_src[1] if family == "internlm2" else src
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
-    seen = []
-    hooks = [layer.register_forward_hook(
-        lambda m, args, kwargs, out: seen.append((args[0] if args else kwargs["hidden_states"],
-                                                  out[0] if isinstance(out, tuple) else out)), with_kwargs=True)
-        for layer in model.model.layers]
     ids = torch.tensor([IDS[:20]])
-    with torch.no_grad():
-        model(ids)
-    for h in hooks:
-        h.remove()
+    seen = hf_layer_io(internlm2_src[1] if family == "internlm2" else src, ids)
     assert torch.allclose(first_layer_input(view, cfg, ids), seen[0][0], atol=1e-6)
     rope = _rope_table(cfg, cfg.rope_theta, cfg.rope_scaling)
     local = _rope_table(cfg, cfg.local_rope_theta, None) if cfg.local_rope_theta else None
