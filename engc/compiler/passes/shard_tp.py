@@ -32,6 +32,7 @@ from engc.bundle.model_config import ModelConfig
 from engc.bundle.tp import kv_head_of, shard_problem, vocab_rows
 from engc.compiler.ir import Graph, Node
 from engc.errors import UserError
+from engc.kernels.int4_linear.layout import CHUNK, PACK
 
 _PROJECTION = re.compile(r"layers\.\d+\.(q|q_a|q_b|kv_a|k|v|o|gate|up|down)\.(weight|bias|qweight)$")
 # latent attention's down-projections: every rank reads the whole latent (and q's) they make
@@ -75,11 +76,11 @@ def _shard(g: Graph, cfg: ModelConfig, tp: int) -> Graph:
             if kind in _REPLICATED:
                 continue
             if kind in ("q", "q_b"):
-                _out_rows(g, node, lambda r, n=per_rank_heads * d: slice(r * n, (r + 1) * n))
+                _out_rows(g, node, _nth(per_rank_heads * d))
             elif kind in ("k", "v"):
                 _out_rows(g, node, lambda r: slice(*(h * d for h in _span(kv_head_of(cfg, tp, r)))))
             elif kind in inter:
-                _out_rows(g, node, lambda r, n=inter[kind]: slice(r * n, (r + 1) * n))
+                _out_rows(g, node, _nth(inter[kind]))
             else:   # o, down: split by input columns, summed by an AllReduce
                 width = per_rank_heads * (cfg.v_head_dim or d) if kind == "o" else inter["gate"]
                 _in_cols(g, node, width, tp)
@@ -87,13 +88,18 @@ def _shard(g: Graph, cfg: ModelConfig, tp: int) -> Graph:
         elif node.op == "MLAAttention":
             node.attrs["num_heads"] = per_rank_heads
             for w in node.inputs[10:12]:   # w_uk [H, nope, R], w_uv [H, v, R]: this rank's heads
-                _rows(g, w, lambda r, n=per_rank_heads: slice(r * n, (r + 1) * n))
+                _rows(g, w, _nth(per_rank_heads))
         elif node.op == "MoE":
             _shard_moe(g, node, cfg.moe_intermediate_size // tp, cfg.shared_expert_intermediate_size // tp, tp)
             _all_reduce(g, node)
         else:
             raise UserError(f"--tp {tp}: {node.op} nodes do not shard yet")
     return g
+
+
+def _nth(n: int):
+    """rank -> the rank's slice of n-wide parts: [r * n, (r + 1) * n)."""
+    return lambda r: slice(r * n, (r + 1) * n)
 
 
 def _span(first_count: tuple[int, int]) -> tuple[int, int]:
@@ -138,16 +144,15 @@ def _in_cols(g: Graph, node: Node, width: int, tp: int) -> None:
         if node.attrs.get("act_order"):
             raise UserError(f"--tp {tp}: '{node.inputs[1]}' is act-order int4 (desc_act), whose input order "
                             "spans the ranks' slices; quantize without act-order or build with --tp 1")
-        if width % 32 or (not per_channel and width % group):
+        if width % CHUNK or (not per_channel and width % group):
             raise UserError(f"--tp {tp}: '{node.inputs[1]}' would give a rank {width} inputs, not a multiple of "
-                            f"32 and of its int4 group size {group}")
+                            f"{CHUNK} and of its int4 group size {group}")
     for w in node.inputs[1:]:
         key = w.rsplit(".", 1)[1]
         if key in ("weight", "qweight"):
-            per = width // 8 if key == "qweight" else width
-            _cols(g, w, lambda r, n=per: slice(r * n, (r + 1) * n))
+            _cols(g, w, _nth(width // PACK if key == "qweight" else width))
         elif key in ("scales", "zeros", "offsets") and not per_channel:
-            _cols(g, w, lambda r, n=width // group: slice(r * n, (r + 1) * n))
+            _cols(g, w, _nth(width // group))
         elif key not in ("scales", "zeros", "offsets"):
             raise UserError(f"--tp {tp}: '{w}' of a row-parallel projection does not shard")
 
@@ -183,20 +188,18 @@ def _shard_moe(g: Graph, node: Node, inter: int, shared: int, tp: int) -> None:
     """Every expert's gate and up rows and down columns of this rank's intermediate slice (int4 experts: their
     codes, scales and zeros likewise, down's by words and groups); the router and the shared expert's gate stay
     whole."""
-    def cut(i: int):
-        return lambda r: slice(r * i, (r + 1) * i)
     _, _, gate_up, down, *rest = node.inputs
     group = node.attrs.get("group_size", 0)
-    if group and (inter % 32 or inter % group):
+    if group and (inter % CHUNK or inter % group):
         raise UserError(f"--tp {tp}: int4 experts would give a rank {inter} intermediate columns, not a multiple "
-                        f"of 32 and of their group size {group}")
+                        f"of {CHUNK} and of their group size {group}")
     # [E, 2I, ...]: gate rows then up rows, each sliced
     for w in [gate_up] + [n for n in node.inputs if n.startswith(gate_up + ".")]:
-        _per_rank(g, w, lambda t, r: torch.cat([half[:, cut(inter)(r)] for half in t.chunk(2, dim=1)], dim=1))
-    _per_rank(g, down, lambda t, r: t[:, :, cut(inter // 8 if group else inter)(r)])
+        _per_rank(g, w, lambda t, r: torch.cat([half[:, _nth(inter)(r)] for half in t.chunk(2, dim=1)], dim=1))
+    _per_rank(g, down, lambda t, r: t[:, :, _nth(inter // PACK if group else inter)(r)])
     for w in [n for n in node.inputs if n.startswith(down + ".")]:   # int4 scales and zeros [E, H, I / group]
-        _per_rank(g, w, lambda t, r: t[:, :, cut(inter // group)(r)])
+        _per_rank(g, w, lambda t, r: t[:, :, _nth(inter // group)(r)])
     if node.attrs.get("has_shared_expert"):
         shared_gate_up, shared_down = rest[:2]
-        _per_rank(g, shared_gate_up, lambda t, r: torch.cat([half[cut(shared)(r)] for half in t.chunk(2)]))
-        _cols(g, shared_down, cut(shared))
+        _per_rank(g, shared_gate_up, lambda t, r: torch.cat([half[_nth(shared)(r)] for half in t.chunk(2)]))
+        _cols(g, shared_down, _nth(shared))
