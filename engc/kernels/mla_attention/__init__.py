@@ -215,8 +215,9 @@ def forward(run, q, ckv, kv_norm, positions, inv_freq, kv_cache, slot_mapping, b
     """The node on the GPU: the cache write (a kernel: a padded row's negative slot must write nothing, which
     torch could only do by a masked index that waits on the GPU), the query kernel (q's absorption into the
     latent, its rope, each row's sequence), the attention kernels, and the value up-projection (bmm).
-    run(launches) runs a launch rule's output (BundleKernels, or the interpreter in the tests). Nothing here waits on the GPU, so a CUDA graph can hold it. A step whose
-    longest query (max_query_len, the host's) absorbs() would not take takes the decompressed form instead."""
+    run(launches) runs a launch rule's output (BundleKernels, or the interpreter in the tests). Nothing here
+    waits on the GPU, so a CUDA graph can hold it. A step whose longest query (max_query_len, the host's)
+    absorbs() would not take takes the decompressed form instead."""
     t = q.shape[0]
     if max_context_len is None:   # a CUDA graph's capture: the block table's capacity
         max_context_len = block_tables.shape[1] * kv_cache.shape[2]

@@ -1,10 +1,7 @@
 """The nodes the MLA kernels serve: MLAAttention (latent write, rope, absorbed attention over the latent cache),
-and LatentRMSNorm, the RMSNorm of q_lora_rank-wide rows (DeepSeek's q_a_layernorm), which the rms_norm kernel's
-variant of that width runs on a GPU."""
-import torch
-
+and LatentRMSNorm, the RMSNorm of q_lora_rank-wide rows (DeepSeek's q_a_layernorm), whose reference is here and
+whose GPU binding is the rms_norm kernel's variant of that width (kernels/rms_norm/bind.py)."""
 from engc.bundle.program import ENGC_DOMAIN
-from engc.kernels import rms_norm as norm_op
 from engc.kernels.mla_attention import forward, mla_attention
 from engc.kernels.rms_norm import rms_norm
 
@@ -28,12 +25,4 @@ def gpu_ops(ctx) -> dict:
                         max_query_len=ctx.facts.max_query_len,
                         consts=ctx.consts("mla_attention"), **attrs),)
 
-    def latent_norm(x, w, eps):
-        out = torch.empty_like(x)
-        ctx.run("rms_norm", norm_op.launch(x, w, eps, out, latent=True))
-        return (out,)
-
-    ops = {(ENGC_DOMAIN, "MLAAttention"): attention}
-    if ctx.has("rms_norm") and norm_op.LATENT_VARIANT in ctx.consts("rms_norm"):
-        ops[(ENGC_DOMAIN, "LatentRMSNorm")] = latent_norm
-    return ops
+    return {(ENGC_DOMAIN, "MLAAttention"): attention}

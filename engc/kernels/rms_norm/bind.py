@@ -1,12 +1,13 @@
 """The nodes the rms_norm kernel serves: RMSNorm and AddRMSNorm; in fp8 programs RMSNormFP8 and AddRMSNormFP8,
 which write their output as float8 codes and a scale a row for the FP8 GEMM after them; Gemma's
-RMSNormUnitOffset and AddRMSNormUnitOffset ((1 + weight), half-precision bundles)."""
+RMSNormUnitOffset and AddRMSNormUnitOffset ((1 + weight), half-precision bundles); DeepSeek's LatentRMSNorm
+(q_lora_rank-wide rows; its reference is kernels/mla_attention's)."""
 import torch
 
 from engc.bundle.program import ENGC_DOMAIN
 from engc.kernels.fp8_quant import FP8, quantize_rows
-from engc.kernels.rms_norm import (UNIT_OFFSET_VARIANTS, add_rms_norm, add_rms_norm_unit_offset, launch, rms_norm,
-                                   rms_norm_unit_offset)
+from engc.kernels.rms_norm import (LATENT_VARIANT, UNIT_OFFSET_VARIANTS, add_rms_norm, add_rms_norm_unit_offset, launch,
+                                   rms_norm, rms_norm_unit_offset)
 
 
 def _quantized_first(y, *rest):
@@ -26,9 +27,9 @@ CPU_OPS = {
 def gpu_ops(ctx) -> dict:
     if not ctx.has("rms_norm"):
         return {}
-    def norm(x, w, eps, unit_offset=False):
+    def norm(x, w, eps, unit_offset=False, latent=False):
         out = torch.empty_like(x)
-        ctx.run("rms_norm", launch(x, w, eps, out, unit_offset=unit_offset))
+        ctx.run("rms_norm", launch(x, w, eps, out, unit_offset=unit_offset, latent=latent))
         return (out,)
 
     def add_norm(x, r, w, eps, unit_offset=False):
@@ -57,4 +58,6 @@ def gpu_ops(ctx) -> dict:
         ops.update({(ENGC_DOMAIN, "RMSNormUnitOffset"): lambda x, w, eps: norm(x, w, eps, unit_offset=True),
                     (ENGC_DOMAIN, "AddRMSNormUnitOffset"): lambda x, r, w, eps: add_norm(x, r, w, eps,
                                                                                         unit_offset=True)})
+    if LATENT_VARIANT in ctx.consts("rms_norm"):
+        ops[(ENGC_DOMAIN, "LatentRMSNorm")] = lambda x, w, eps: norm(x, w, eps, latent=True)
     return ops

@@ -16,27 +16,22 @@ def specs(b: Build) -> list:
 
 def rms_norm_specs(cfg, t: str, arch: str, overrides=None, partials: bool = False, fp8: bool = False,
                    unit_offset: bool = False) -> list:
-    block = pow2(cfg.hidden_size)
     types = {"x_ptr": f"*{t}", "residual_ptr": f"*{t}", "weight_ptr": f"*{t}", "out_ptr": f"*{t}",
              "residual_out_ptr": f"*{t}", "scale_ptr": f"*{t}", "eps": "fp32", "splits": "i32"}
     plain = (("rms_norm", False), ("add_rms_norm", True))   # (variant, has a residual)
-    # (variant, has a residual, sums partials, writes fp8, (1 + weight))
-    variants = [(v, res, False, False, False) for v, res in plain]
-    variants += [(PARTIALS_VARIANT, True, True, False, False)] if partials else []
-    variants += [(FP8_VARIANTS[v], res, False, True, False) for v, res in plain] if fp8 else []
-    variants += [(UNIT_OFFSET_VARIANTS[v], res, False, False, True) for v, res in plain] if unit_offset else []
-    specs = [make_spec("rms_norm", variant, arch, "rms_norm_kernel",
-                       dict(types, **({"x_ptr": "*fp32"} if part else {}),
-                            **({"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"} if q else {})),
-                       {"HIDDEN": cfg.hidden_size, "BLOCK": block, "HAS_RESIDUAL": has_res, "PARTIALS": part,
-                        "MAX_SPLITS": MAX_SPLITS if part else 1, "FP8_OUT": q, "FP8_MAX": FP8_MAX,
-                        "MIN_AMAX": MIN_AMAX, "UNIT_OFFSET": unit},
-                       tune.block_bucket(block), overrides=overrides)
-             for variant, has_res, part, q, unit in variants]
-    if cfg.q_lora_rank:   # without a kernel of that width the GPU ran the norm's torch reference, ~6 launches a layer
-        width = pow2(cfg.q_lora_rank)
-        specs.append(make_spec("rms_norm", LATENT_VARIANT, arch, "rms_norm_kernel", types,
-                               {"HIDDEN": cfg.q_lora_rank, "BLOCK": width, "HAS_RESIDUAL": False, "PARTIALS": False,
-                                "MAX_SPLITS": 1, "FP8_OUT": False, "FP8_MAX": FP8_MAX, "MIN_AMAX": MIN_AMAX,
-                                "UNIT_OFFSET": False}, tune.block_bucket(width), overrides=overrides))
-    return specs
+    h = cfg.hidden_size
+    # (variant, has a residual, sums partials, writes fp8, (1 + weight), row width)
+    variants = [(v, res, False, False, False, h) for v, res in plain]
+    variants += [(PARTIALS_VARIANT, True, True, False, False, h)] if partials else []
+    variants += [(FP8_VARIANTS[v], res, False, True, False, h) for v, res in plain] if fp8 else []
+    variants += [(UNIT_OFFSET_VARIANTS[v], res, False, False, True, h) for v, res in plain] if unit_offset else []
+    # without a kernel of that width the GPU ran the latent norm's torch reference, ~6 launches a layer
+    variants += [(LATENT_VARIANT, False, False, False, False, cfg.q_lora_rank)] if cfg.q_lora_rank else []
+    return [make_spec("rms_norm", variant, arch, "rms_norm_kernel",
+                      dict(types, **({"x_ptr": "*fp32"} if part else {}),
+                           **({"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"} if q else {})),
+                      {"HIDDEN": width, "BLOCK": pow2(width), "HAS_RESIDUAL": has_res, "PARTIALS": part,
+                       "MAX_SPLITS": MAX_SPLITS if part else 1, "FP8_OUT": q, "FP8_MAX": FP8_MAX,
+                       "MIN_AMAX": MIN_AMAX, "UNIT_OFFSET": unit},
+                      tune.block_bucket(pow2(width)), overrides=overrides)
+            for variant, has_res, part, q, unit, width in variants]
