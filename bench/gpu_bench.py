@@ -273,13 +273,21 @@ def _sampled_long_prefill(shape: str, engine, cfg, args) -> dict:
         engine.add_request(prompts(1, n, cfg.vocab_size, seed)[0],
                            SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
         _, dt = synced(engine.step)
-    _, params = step_weight_bytes(shape, cfg)
-    flops = 2 * params * n + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n  # causal
     res["prefill_4k_tokens"] = n
     res["prefill_4k_s"] = round(dt, 4)
-    res["prefill_4k_tflops"] = round(flops / dt / 1e12, 1)
-    res["prefill_4k_frac_of_gemm_peak"] = frac_of_gemm_peak(flops / dt)
+    res.update(_prefill_rate("prefill_4k", prefill_flops(shape, cfg, n), dt))
     return res
+
+
+def prefill_flops(shape: str, cfg, n: int) -> int:
+    """FLOPs of one n-token prompt's prefill: every weight once a token, and causal attention."""
+    _, params = step_weight_bytes(shape, cfg)
+    return 2 * params * n + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n
+
+
+def _prefill_rate(key: str, flops: int, seconds: float) -> dict:
+    return {f"{key}_tflops": round(flops / seconds / 1e12, 1),
+            f"{key}_frac_of_gemm_peak": frac_of_gemm_peak(flops / seconds)}
 
 
 def _long_context(shape: str, engine, cfg) -> dict:
@@ -287,16 +295,13 @@ def _long_context(shape: str, engine, cfg) -> dict:
     GEMM peak; then the decode step at that context, for 1 and 8 sequences. Each timed run follows an untimed one
     of the same size with other prompts (the long steps' first allocations), and no two prompts share a prefix."""
     n, vocab = long_context_of(shape), cfg.vocab_size
-    _, params = step_weight_bytes(shape, cfg)
-    flops = 2 * params * n + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n   # causal
     res = {"long_prompt_tokens": n, "prefill_chunk_tokens": engine.config.max_batched_tokens}
     for b, seed in ((1, 11), (8, 21)):
         run_batch(engine, prompts(b, n, vocab, seed), 2)
         _, total, first = run_batch(engine, prompts(b, n, vocab, seed + 1), 65)
         if b == 1:
             res["prefill_long_s"] = round(first, 3)
-            res["prefill_long_tflops"] = round(flops / first / 1e12, 1)
-            res["prefill_long_frac_of_gemm_peak"] = frac_of_gemm_peak(flops / first)
+            res.update(_prefill_rate("prefill_long", prefill_flops(shape, cfg, n), first))
         res[f"decode_at_long_b{b}_ms_per_step"] = round(1000 * (total - first) / 64, 3)
         res[f"decode_at_long_b{b}_out_tok_s"] = round(b * 64 / (total - first), 1)
     return res
