@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engc.kernels import argmax, sampling
-from engc.runtime import cuda_graphs
+from engc.runtime import cuda_graphs, staged_inputs
 from engc.runtime.cuda_graphs import GraphedExecutor
 from engc.runtime.engine import Engine, EngineConfig
 from engc.runtime.gpu_ops import StepFacts
@@ -211,7 +211,7 @@ def test_staged_inputs_start_16_byte_aligned(max_batch, width, monkeypatch):
     """Kernels are compiled assuming 16-byte aligned pointers (BundleKernels.run refuses others): every
     staged field, block_tables included, must start on a 16-byte boundary whatever the batch size."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)   # no accelerator here to pin for
-    staged = cuda_graphs.StagedInputs(max_batch, width, "cpu")
+    staged = staged_inputs.StagedInputs(max_batch, width, "cpu")
     base = staged.device.data_ptr()
     for name, view in staged.dev.items():
         assert (view.data_ptr() - base) % 16 == 0, name
@@ -416,7 +416,7 @@ def test_mapped_view_is_none_where_the_gpu_cannot_address_host_memory():
     """No CUDA here: mapped_view says so with None (then the GPU executor runs decode steps eagerly)."""
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: test_gpu_graphed_steps_match_eager checks the mapped view")
-    assert cuda_graphs.mapped_view(torch.zeros(4, dtype=torch.int32)) is None
+    assert staged_inputs.mapped_view(torch.zeros(4, dtype=torch.int32)) is None
 
 
 def test_graph_keys_by_batch_and_context_bucket(model, monkeypatch):
@@ -459,7 +459,7 @@ def test_narrow_context_graphs_stage_narrow_tables_and_match_eager(model, monkey
               add_later=[(6, ids[0][:9], params[1])])
     eager, _, _ = run(model, True, requests, **kw)
     staged_widths = []
-    send = cuda_graphs.StagedInputs.send
+    send = staged_inputs.StagedInputs.send
 
     def send_to_a_cleared_turn(self, inputs, n, b, width, *a):
         """Block 0 everywhere first, so what a row's context needs must be what this step staged: the blocks
@@ -472,7 +472,7 @@ def test_narrow_context_graphs_stage_narrow_tables_and_match_eager(model, monkey
             need = -(-int(context) // model.block_size)
             assert need <= width and (staged[row, :need] == table[:need]).all()
         return turn
-    monkeypatch.setattr(cuda_graphs.StagedInputs, "send", send_to_a_cleared_turn)
+    monkeypatch.setattr(staged_inputs.StagedInputs, "send", send_to_a_cleared_turn)
     graphed, engine, _ = run(model, True, requests, graphed=True, **kw)
     assert graphed == eager and engine.scheduler.num_preemptions > 0
     keys = set(engine.runner.executor.graphs)
@@ -706,7 +706,7 @@ def test_gpu_graphed_steps_match_eager(gpu_bundle):  # noqa: F811
     """On the GPU: decode graphs that stage their inputs from pinned memory, fill in-flight ids, take the
     greedy tokens and write them to pinned memory themselves give what eager steps give, greedy and
     sampled rows, batches joining and leaving."""
-    from engc.runtime.cuda_graphs import mapped_view
+    from engc.runtime.staged_inputs import mapped_view
     model = load(gpu_bundle, device="cuda")
     probe = torch.arange(4, dtype=torch.int64).pin_memory()
     view = mapped_view(probe)   # without it, decode steps would run without graphs
