@@ -7,9 +7,12 @@ w_mean^(1-a) over a grid of a in [0, 1), scoring each candidate by the MSE of th
 The best s is folded into the previous op (a norm's scale, w or Gemma's 1 + w, or projection rows) and
 multiplied into the projections, so the float network is unchanged and only quantization error moves. Then, per output
 channel and group, the clipping range max|w| * (1 - i/grid), i < grid/2, minimizing the projection's
-output error on a token sample. This is the search of the paper and of AutoAWQ.
+output error on a token sample. This is the search of the paper and of AutoAWQ. An MoE layer's MLP is
+experts.awq_experts's, on the pieces here (search_scale, scale_projections, clip_projections).
 """
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -22,24 +25,16 @@ CLIP_ELEMENTS = 1 << 24  # elements of one clipping-search batch: bounds its mem
 
 
 def awq_layer(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int = 20) -> None:
-    """Rewrites layer.w in place (scales folded, weights clipped); x [B, T, D] is the layer's input."""
-    w, cfg = layer.w, layer.cfg
-    h = batched(layer.attn_in, x)
-    qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
-    _scale(layer, ATTN_NORM, qkv, h, lambda inp: batched(layer.attention, inp), group_size, grid)
-    h = batched(layer.attn_in, x)
-    if cfg.num_heads == cfg.num_kv_heads:  # v -> o folds only when v's outputs are o's inputs one to one
-        ctx = batched(layer.attn_context, h)
-        _scale(layer, "self_attn.v_proj", ["self_attn.o_proj"], ctx,
-               lambda inp: layer.linear(inp, "self_attn.o_proj"), group_size, grid)
-    x_mid = x + batched(layer.attention, h)
+    """A dense layer: rewrites layer.w in place (scales folded, weights clipped); x [B, T, D] is the layer's input."""
+    scale_attention(layer, x, group_size, grid)
+    x_mid = x + batched(layer.attention, batched(layer.attn_in, x))
     m = batched(layer.mlp_in, x_mid)
-    _scale(layer, layer.mlp_norm, ["mlp.gate_proj", "mlp.up_proj"], m,
-           lambda inp: batched(layer.mlp, inp), group_size, grid)
+    scale_projections(layer, layer.mlp_norm, ["mlp.gate_proj", "mlp.up_proj"], m,
+                      lambda inp: batched(layer.mlp, inp), group_size, grid)
     m = batched(layer.mlp_in, x_mid)
     act = batched(layer.mlp_act, m)
-    _scale(layer, "mlp.up_proj", ["mlp.down_proj"], act,
-           lambda inp: layer.linear(inp, "mlp.down_proj"), group_size, grid)
+    scale_projections(layer, "mlp.up_proj", ["mlp.down_proj"], act,
+                      lambda inp: layer.linear(inp, "mlp.down_proj"), group_size, grid)
 
     # clipping, on the inputs as they are after scaling; q and k are left alone (as in AWQ: their
     # errors pass through the softmax, which a per-projection MSE does not see)
@@ -47,43 +42,87 @@ def awq_layer(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int =
     ctx = batched(layer.attn_context, h)
     m = batched(layer.mlp_in, x + layer.attn_out(ctx))
     act = batched(layer.mlp_act, m)
-    for name, inp in (("self_attn.v_proj", h), ("self_attn.o_proj", ctx), ("mlp.gate_proj", m),
-                      ("mlp.up_proj", m), ("mlp.down_proj", act)):
-        w[name + ".weight"] = clip_weight(w[name + ".weight"], inp, group_size, grid)
+    clip_projections(layer, (("self_attn.v_proj", h), ("self_attn.o_proj", ctx), ("mlp.gate_proj", m),
+                             ("mlp.up_proj", m), ("mlp.down_proj", act)), group_size, grid)
 
 
-def _scale(layer: DecoderLayer, prev: str, names: list[str], inp: torch.Tensor, block, group_size: int,
-           grid: int) -> None:
+def awq_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int = 20) -> None:
+    """An MoE layer's attention, scaled and clipped as awq_layer's (experts.awq_experts does its MLP)."""
+    scale_attention(layer, x, group_size, grid)
+    h = batched(layer.attn_in, x)
+    clip_projections(layer, (("self_attn.v_proj", h), ("self_attn.o_proj", batched(layer.attn_context, h))),
+                     group_size, grid)
+
+
+def scale_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int) -> None:
+    h = batched(layer.attn_in, x)
+    qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    scale_projections(layer, ATTN_NORM, qkv, h, lambda inp: batched(layer.attention, inp), group_size, grid)
+    if layer.cfg.num_heads == layer.cfg.num_kv_heads:  # v -> o folds only when v's outputs are o's inputs one to one
+        ctx = batched(layer.attn_context, batched(layer.attn_in, x))
+        scale_projections(layer, "self_attn.v_proj", ["self_attn.o_proj"], ctx,
+                          lambda inp: layer.linear(inp, "self_attn.o_proj"), group_size, grid)
+
+
+def scale_projections(layer: DecoderLayer, prev: str, names: list[str], inp: torch.Tensor, block,
+                      group_size: int, grid: int) -> None:
+    """The scale of the projections `names`, which read inp (prev's output): each candidate's weights
+    fake-quantized into layer.w and scored on block(inp), the best multiplied into them and divided out of prev."""
     w = layer.w
     originals = {n: w[n + ".weight"] for n in names}
-    x_mean = inp.abs().reshape(-1, inp.shape[-1]).float().mean(0)
-    weight = torch.cat(list(originals.values()), dim=0)
-    g = pad_groups(weight.abs(), group_size).reshape(weight.shape[0], -1, group_size)
-    w_mean = (g / g.amax(dim=-1, keepdim=True).clamp(min=1e-8)).reshape(weight.shape[0], -1)
-    w_mean = w_mean[:, :weight.shape[1]].mean(0)
-    del weight, g  # two copies of the group's weights: kept through the search, they were its peak
+
+    def loss(s: torch.Tensor) -> float:
+        for n, orig in originals.items():
+            w[n + ".weight"] = orig  # frees the previous candidate before this one is made
+            w[n + ".weight"] = fake_quantize(orig * s, group_size).div_(s)  # fresh: divided in place
+        return (block(inp) - reference).float().pow(2).mean().item()
+
     with torch.no_grad():
         reference = block(inp)
-        best, best_loss = torch.ones_like(x_mean), float("inf")
-        for i in range(grid):
-            ratio = i / grid
-            s = (x_mean.pow(ratio) / w_mean.pow(1 - ratio).clamp(min=1e-4)).clamp(min=1e-4)
-            s = s / (s.max() * s.min()).sqrt()
-            for n, orig in originals.items():
-                w[n + ".weight"] = orig  # frees the previous candidate before this one is made
-                w[n + ".weight"] = fake_quantize(orig * s, group_size).div_(s)  # fresh: divided in place
-            loss = (block(inp) - reference).float().pow(2).mean().item()
-            if loss < best_loss:
-                best, best_loss = s, loss
+        best = search_scale(inp, originals.values(), loss, group_size, grid)
     for n, orig in originals.items():
         w[n + ".weight"] = orig * best
-    prev_w = prev + ".weight"
     if prev.endswith("layernorm"):
         layer.divide_norm(prev, best)
     else:  # a projection: its output rows (and bias) feed the scaled inputs
-        w[prev_w] = w[prev_w] / best[:, None]
+        w[prev + ".weight"] = w[prev + ".weight"] / best[:, None]
         if prev + ".bias" in w:
             w[prev + ".bias"] = w[prev + ".bias"] / best
+
+
+def search_scale(inp: torch.Tensor, weights: Iterable[torch.Tensor], loss: Callable[[torch.Tensor], float],
+                 group_size: int, grid: int) -> torch.Tensor:
+    """AWQ's grid over a in [0, 1): s = x_mean^a / w_mean^(1-a), x_mean the mean |input| of each channel,
+    w_mean the mean over all the weights' rows of |w| over its group's max|w|. The s of least loss(s)."""
+    x_mean = inp.abs().reshape(-1, inp.shape[-1]).float().mean(0)
+    w_mean = weight_mean(weights, group_size)
+    best, best_loss = torch.ones_like(x_mean), float("inf")
+    for i in range(grid):
+        ratio = i / grid
+        s = (x_mean.pow(ratio) / w_mean.pow(1 - ratio).clamp(min=1e-4)).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        candidate = loss(s)
+        if candidate < best_loss:
+            best, best_loss = s, candidate
+    return best
+
+
+def weight_mean(weights: Iterable[torch.Tensor], group_size: int) -> torch.Tensor:
+    """Per input channel, the mean over every row of the weights of |w| / max|w| of its group: summed one weight
+    at a time, so no concatenation of them all (an MoE layer's experts) is ever made."""
+    total, rows = 0, 0
+    for weight in weights:
+        g = pad_groups(weight.abs(), group_size).reshape(weight.shape[0], -1, group_size)
+        g = g / g.amax(dim=-1, keepdim=True).clamp(min=1e-8)
+        total = total + g.reshape(weight.shape[0], -1)[:, :weight.shape[1]].sum(0)
+        rows += weight.shape[0]
+    return total / rows
+
+
+def clip_projections(layer: DecoderLayer, pairs, group_size: int, grid: int) -> None:
+    """Each (projection, its input) of pairs: the projection's weight clipped (clip_weight)."""
+    for name, inp in pairs:
+        layer.w[name + ".weight"] = clip_weight(layer.w[name + ".weight"], inp, group_size, grid)
 
 
 def clip_weight(weight: torch.Tensor, inp: torch.Tensor, group_size: int, grid: int) -> torch.Tensor:
