@@ -1,4 +1,5 @@
-"""engc quantize of MoE models: each expert quantized one by one (RTN, GPTQ from its routed tokens), written
+"""engc quantize of MoE models: each expert quantized one by one (RTN, GPTQ from its routed tokens, AWQ's one scale
+over the MLP's input for all experts, then each expert's down scale and clipping from its routed tokens), written
 one int4 projection per expert, built into the MoE op's int4 stacks; the oracle is HF's float model of the
 dequantized weights."""
 from __future__ import annotations
@@ -15,22 +16,24 @@ from test_moe import PROMPT_IDS, _assert_matches_hf, _fuse_experts
 
 transformers = pytest.importorskip("transformers")
 
+AWQ_CALIB = dict(calib_samples=8, calib_seqlen=32, awq_grid=10)
+
 
 @pytest.mark.parametrize("family,fused,method", [
     ("qwen3_moe", False, "rtn"), ("qwen2_moe", False, "rtn"), ("mixtral", True, "rtn"),
-    ("qwen3_moe", False, "gptq"), ("qwen2_moe", False, "gptq")],
+    ("qwen3_moe", False, "gptq"), ("qwen2_moe", False, "gptq"), ("qwen2_moe", False, "awq"), ("mixtral", True, "awq")],
     ids=["qwen3_moe-rtn", "qwen2_moe-shared-expert-and-dense-layer-rtn", "mixtral-fused-experts-rtn",
-         "qwen3_moe-gptq", "qwen2_moe-gptq"])
+         "qwen3_moe-gptq", "qwen2_moe-gptq", "qwen2_moe-shared-expert-and-dense-layer-awq", "mixtral-fused-experts-awq"])
 def test_quantize_quantizes_each_expert_and_builds(family, fused, method, tiny_dir, tmp_path):
     """engc quantize writes one int4 projection per expert (from fused experts too), engc build stacks them for
     the MoE op, and the bundle decodes as HF's float model of the dequantized weights (the unpacking in
-    test_quant_e2e, written from the GPTQ format independently of engc's)."""
-    from safetensors.torch import load_file, save_file
-    from test_quant_e2e import dequant_gptq
+    test_quant_e2e, written from the AWQ and GPTQ formats independently of engc's)."""
+    from safetensors.torch import load_file
+    from test_quant_families import oracle_of
     from engc.compiler.quantize import QuantOptions
     from engc.compiler.quantize.stream import quantize_checkpoint
     src = _fuse_experts(tiny_dir(family), tmp_path / "fused", family) if fused else tiny_dir(family)
-    calib = dict(calib_samples=8, calib_seqlen=32) if method == "gptq" else {}
+    calib = {"gptq": dict(calib_samples=8, calib_seqlen=32), "awq": AWQ_CALIB}.get(method, {})
     quantize_checkpoint(str(src), tmp_path / "q", QuantOptions(method=method, group_size=32, **calib))
     tensors = {}
     for f in sorted((tmp_path / "q").glob("*.safetensors")):
@@ -38,27 +41,25 @@ def test_quantize_quantizes_each_expert_and_builds(family, fused, method, tiny_d
     experts = {k for k in tensors if ".experts." in k}
     assert experts and all(k.endswith(("qweight", "qzeros", "scales", "g_idx")) for k in experts)
     assert not any("shared_expert" in k and k.endswith("qweight") for k in tensors)   # kept float
+    qc = json.loads((tmp_path / "q/config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == ("awq" if method == "awq" else "gptq")
     build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())
     # the oracle: the dequantized weights as a float checkpoint of the same family
-    state = {k: v.float() for k, v in tensors.items() if not k.endswith(("qweight", "qzeros", "scales", "g_idx"))}
-    for name in [k[:-len("qweight")] for k in tensors if k.endswith("qweight")]:
-        state[name + "weight"] = dequant_gptq(tensors, name).contiguous()
-    oracle = tmp_path / "oracle"
-    oracle.mkdir()
-    save_file(state, str(oracle / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((tmp_path / "q/config.json").read_text())
-    cfg.pop("quantization_config")
-    (oracle / "config.json").write_text(json.dumps(cfg))
-    _assert_matches_hf(tmp_path / "b", oracle, PROMPT_IDS)
+    _assert_matches_hf(tmp_path / "b", oracle_of(tmp_path / "q", None, tmp_path), PROMPT_IDS)
 
 
-def test_quantize_refuses_what_it_cannot_calibrate(tiny_dir, tmp_path):
-    from engc.compiler.quantize import QuantOptions
-    from engc.compiler.quantize.stream import quantize_checkpoint
-    with pytest.raises(UserError, match="rtn or gptq, not awq"):
-        quantize_checkpoint(str(tiny_dir("qwen3_moe")), tmp_path / "q", QuantOptions(method="awq", group_size=32))
-    with pytest.raises(UserError, match="rtn, not gptq"):   # OLMoE's whole-projection q/k norm
-        quantize_checkpoint(str(tiny_dir("olmoe")), tmp_path / "q", QuantOptions(method="gptq", group_size=32))
+@pytest.mark.parametrize("family,args,message", [
+    ("olmoe", [], "olmoe models with --method rtn, not awq: the calibration layer has no q/k norm over the whole "
+                  "projection"),
+    ("olmoe", ["--method", "gptq"], "olmoe models with --method rtn, not gptq"),
+    ("deepseek_v2", ["--method", "awq"], "deepseek_v2 models with --method rtn or gptq, not awq: AWQ has no scale "
+                                         "search for multi-head latent attention"),
+], ids=["olmoe-awq-by-default", "olmoe-gptq", "deepseek-awq"])
+def test_quantize_refuses_what_it_cannot_calibrate(family, args, message, tiny_dir, tmp_path):
+    """OLMoE's q/k norm spans the whole projection, the quantizer's layer norms per head; DeepSeek's latent
+    attention has GPTQ's stages but no AWQ search: one line naming it, exit 1, before any calibration."""
+    from test_quant_bad_input import one_line_error, quantize
+    one_line_error(quantize(tiny_dir(family), tmp_path, *args), message)
 
 
 def test_quantizer_moe_layer_computes_the_moe_op(tiny_dir):
@@ -91,31 +92,16 @@ def test_gptq_experts_beat_rtn_on_the_moe_output(tiny_dir):
     """Each expert's GPTQ from the tokens routed to it: on held-out inputs of the calibration's distribution
     (channels of very different scales, as real activations have), the MoE output is closer to the float
     layer's than with RTN experts (the same RTN attention in both)."""
-    from safetensors.torch import load_file
-    from engc.compiler.frontend.decoder import resolve_config
-    from engc.compiler.frontend.rope import inv_freq
     from engc.compiler.quantize import QuantOptions
-    from engc.compiler.quantize.experts import MoeMlp, gptq_experts, moe_linears
+    from engc.compiler.quantize.experts import gptq_experts
     from engc.compiler.quantize.formats import to_gptq
-    from engc.compiler.quantize.layer import DecoderLayer
     from engc.compiler.quantize.rtn import quantize_rtn
-    src = tiny_dir("qwen3_moe")
-    hf = json.loads((src / "config.json").read_text())
-    cfg = resolve_config(hf)
-    rope = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    tensors = load_file(str(next(src.glob("*.safetensors"))))
-
-    def layer0():
-        w = {k[len("model.layers.0."):]: v.float() for k, v in tensors.items() if k.startswith("model.layers.0.")}
-        linears = moe_linears(hf, 0, w, {k: v.dtype for k, v in w.items()})
-        layer = DecoderLayer(cfg, w, rope)
-        layer.moe = MoeMlp(hf, linears)
-        return layer, linears
+    make, linears = layer_maker(tiny_dir("qwen3_moe"))
 
     g = torch.Generator().manual_seed(0)
     scale = torch.exp(1.5 * torch.randn(64, generator=g))
     calib, held = torch.randn(16, 32, 64, generator=g) * scale, torch.randn(8, 32, 64, generator=g) * scale
-    (ref, linears), (rtn, _), (gptq, _) = layer0(), layer0(), layer0()
+    ref, rtn, gptq = make(), make(), make()
     for n in linears[:4]:
         rtn.w[n + ".weight"] = gptq.w[n + ".weight"] = quantize_rtn(ref.w[n + ".weight"], 32).dequantize()
     for n in linears[4:]:
@@ -125,3 +111,136 @@ def test_gptq_experts_beat_rtn_on_the_moe_output(tiny_dir):
     want = ref.moe(ref, h)
     err = {name: float((q.moe(q, h) - want).norm() / want.norm()) for name, q in (("rtn", rtn), ("gptq", gptq))}
     assert err["gptq"] < 0.97 * err["rtn"], err
+
+
+def layer_maker(src, index: int = 0):
+    """(make, linears): make() is the quantizer's layer `index` of the checkpoint src as stream.quantize_layer
+    reads it (the build's view of the weights, experts one per name), with fresh weight dicts each call."""
+    from engc.compiler.build import read_source
+    from engc.compiler.frontend.decoder import _rope_table, resolve_config
+    from engc.compiler.quantize.experts import MoeMlp, moe_linears
+    from engc.compiler.quantize.layer import DecoderLayer
+    from engc.compiler.quantize.stream import llama_view
+    source = read_source(str(src))
+    cfg = resolve_config(source.hf_config)
+    view = llama_view(source, cfg)
+    rope = _rope_table(cfg, cfg.rope_theta, cfg.rope_scaling)
+    prefix = f"model.layers.{index}."
+    weights = {n[len(prefix):]: view.get(n).float() for n in view.names() if n.startswith(prefix)}
+    linears = moe_linears(view.hf_config, index, weights, {k: v.dtype for k, v in weights.items()})
+
+    def make():
+        layer = DecoderLayer(cfg, dict(weights), rope, index)
+        layer.moe = MoeMlp(view.hf_config, linears)
+        return layer
+    return make, linears
+
+
+def outlier_inputs(hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Calibration [16, 32, hidden] and held-out [8, 32, hidden] layer inputs whose first four channels are 20x
+    the others, as real activations have outlier channels (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    scale = torch.ones(hidden)
+    scale[:4] = 20
+    return torch.randn(16, 32, hidden, generator=g) * scale, torch.randn(8, 32, hidden, generator=g) * scale
+
+
+@pytest.mark.parametrize("family,readers", [
+    ("qwen2_moe", ["mlp.gate", "mlp.shared_expert_gate", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"]),
+    ("qwen3_moe", ["mlp.gate"]), ("mixtral", ["block_sparse_moe.gate"])])
+def test_awq_expert_scales_leave_the_float_layer_and_its_routing_unchanged(family, readers, tiny_dir, monkeypatch):
+    """AWQ's scales folded alone (the clipping, which does change weights, left out): the MLP's input norm divided
+    by s, every expert's gate and up multiplied by it, and the other readers of the norm's output compensated (the
+    router's columns, Qwen2-MoE's float shared expert and its sigmoid gate), so the float layer's output and the
+    experts each calibration token is routed to are as they were."""
+    from engc.compiler.quantize import awq
+    from engc.compiler.quantize.experts import awq_experts
+    monkeypatch.setattr(awq, "clip_weight", lambda w, *args: w)
+    make, linears = layer_maker(tiny_dir(family))
+    ref, layer = make(), make()
+    x, _ = outlier_inputs(ref.cfg.hidden_size)
+    with torch.no_grad():
+        awq.awq_attention(layer, x, 32, grid=4)
+        awq_experts(layer, x, 32, grid=4)
+        norm = ref.mlp_norm + ".weight"
+        s = ref.w[norm] / layer.w[norm]
+        assert s.max() / s.min() > 1.5   # the channels' scales differ: the fold moved the weights
+        assert layer.moe.float_readers(layer) == readers
+        for n in readers:
+            assert torch.allclose(layer.w[n + ".weight"], ref.w[n + ".weight"] * s, rtol=1e-5)
+        gate = linears[4] + ".weight"
+        assert torch.allclose(layer.w[gate], ref.w[gate] * s, rtol=1e-5)
+        assert torch.allclose(layer.forward(x), ref.forward(x), atol=1e-5, rtol=1e-5)
+        h_ref, h = (L.mlp_in(x + L.attention(L.attn_in(x))).reshape(-1, x.shape[-1]) for L in (ref, layer))
+        want = ref.moe(ref, h_ref)
+        assert (layer.moe(layer, h) - want).abs().max() < 1e-5 * want.abs().max()   # the MLP's own, not the residual's
+        assert torch.equal(layer.moe.routed(layer, h)[1], ref.moe.routed(ref, h_ref)[1])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_awq_experts_beat_rtn_on_outlier_channels(family, tiny_dir):
+    """On held-out inputs with outlier channels (the calibration's distribution), AWQ's experts bring the MoE output
+    closer to the float layer's than RTN's (the same RTN attention before both), and AWQ's whole layer (its
+    attention's scales too) the layer's output."""
+    from engc.compiler.quantize.awq import awq_attention
+    from engc.compiler.quantize.experts import awq_experts
+    from engc.compiler.quantize.rtn import quantize_rtn
+    make, linears = layer_maker(tiny_dir(family))
+    ref, rtn, experts_awq, layer_awq = make(), make(), make(), make()
+    calib, held = outlier_inputs(ref.cfg.hidden_size)
+
+    def rtn_of(layer, names):
+        for n in names:
+            layer.w[n + ".weight"] = quantize_rtn(layer.w[n + ".weight"], 32).dequantize()
+
+    with torch.no_grad():
+        rtn_of(rtn, linears)
+        rtn_of(experts_awq, linears[:4])
+        awq_experts(experts_awq, calib, 32)
+        rtn_of(experts_awq, linears[4:])
+        awq_attention(layer_awq, calib, 32)
+        awq_experts(layer_awq, calib, 32)
+        rtn_of(layer_awq, linears)
+        x_mid = held + rtn.attention(rtn.attn_in(held))   # the RTN attention: experts_awq's too
+        want = ref.moe(ref, ref.mlp_in(x_mid))
+        moe = {k: (L.moe(L, L.mlp_in(x_mid)) - want).pow(2).mean().item() for k, L in (("rtn", rtn), ("awq", experts_awq))}
+        want = ref.forward(held)
+        whole = {k: (L.forward(held) - want).pow(2).mean().item() for k, L in (("rtn", rtn), ("awq", layer_awq))}
+    assert moe["awq"] < 0.7 * moe["rtn"], moe       # measured 0.47-0.49x
+    assert whole["awq"] < 0.7 * whole["rtn"], whole   # measured 0.43-0.50x
+
+
+def test_awq_expert_no_calibration_token_reaches_is_rtn_and_builds(tiny_dir, tmp_path):
+    """32 experts, top-2, calibrated on 8 tokens: at most 16 experts a layer see a calibration token, so at least
+    16 do not. Their down_proj keeps s = 1 and no clipping: its codes, zeros and scales are RTN's of the float
+    weight, where a reached expert's are not. The bundle decodes prompts that reach such an expert as HF's float
+    model of the dequantized weights."""
+    from safetensors.torch import load_file
+    from test_quant_e2e import dequant_awq
+    from test_quant_families import oracle_of
+    from engc.compiler.quantize import QuantOptions
+    from engc.compiler.quantize.formats import to_awq
+    from engc.compiler.quantize.rtn import quantize_rtn
+    from engc.compiler.quantize.stream import quantize_checkpoint
+    src = tiny_dir("qwen3_moe", num_experts=32)
+    quantize_checkpoint(str(src), tmp_path / "q", QuantOptions(method="awq", group_size=32, calib_samples=1,
+                                                               calib_seqlen=8, awq_grid=10))
+    source = load_file(str(next(src.glob("*.safetensors"))))
+    written = {k: v for f in sorted((tmp_path / "q").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    unreached = {}
+    for i in range(2):
+        down = [f"model.layers.{i}.mlp.experts.{e}.down_proj." for e in range(32)]
+        unreached[i] = {e for e, p in enumerate(down) if torch.equal(
+            dequant_awq(written, p, 32), dequant_awq(to_awq(quantize_rtn(source[p + "weight"], 32)), "", 32))}
+        assert 16 <= len(unreached[i]) < 32, (i, sorted(unreached[i]))
+    build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())
+    oracle = oracle_of(tmp_path / "q", None, tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32).eval()
+    routed = []
+    hook = model.model.layers[0].mlp.gate.register_forward_hook(lambda m, args, out: routed.append(out[-1]))
+    with torch.no_grad():
+        for ids in PROMPT_IDS:
+            model(torch.tensor([ids]))
+    hook.remove()
+    assert unreached[0] & set(torch.cat(routed).flatten().tolist())   # the prompts use an uncalibrated expert
+    _assert_matches_hf(tmp_path / "b", oracle, PROMPT_IDS)

@@ -3,9 +3,10 @@ in the layer's stream; the router (and DeepSeek-V3's correction bias), the norms
 float.
 
 RTN reads the weights alone. GPTQ quantizes each expert from the calibration tokens the router sends it
-(gptq_experts), and the next layer's input comes through the quantized MoE (MoeMlp, the MoE op's math on
-the layer's weights). AWQ's scale search over a layer's MLP input has no single input to search for
-experts that each see other tokens: it is refused for MoE models.
+(gptq_experts). AWQ searches one scale over the MLP norm's output channels for every expert's gate and up,
+scored on the experts' weighted sum over all the calibration tokens, and each expert's down scale and clipping
+from the tokens routed to that expert (awq_experts). Either way the next layer's input comes through the
+quantized MoE (MoeMlp, the MoE op's math on the layer's weights).
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import torch.nn.functional as F
 from engc.compiler.frontend.block_facts import with_defaults
 from engc.compiler.frontend.families import family_of
 from engc.compiler.frontend.moe import _routing_attrs, is_moe_layer
-from engc.compiler.quantize.layer import LINEARS
+from engc.compiler.quantize.awq import clip_projections, scale_projections, search_scale
+from engc.compiler.quantize.layer import LINEARS, batched
+from engc.compiler.quantize.rtn import fake_quantize
 from engc.kernels.moe import glu, route, routing_of
 
 
@@ -71,13 +74,7 @@ class MoeMlp:
 
     def __call__(self, layer, h: torch.Tensor) -> torch.Tensor:
         shape, h = h.shape, h.reshape(-1, h.shape[-1])
-        weights, ids = self.routed(layer, h)
-        out = torch.zeros_like(h)
-        for e, (gate, up, down) in enumerate(self.experts):
-            token, slot = torch.where(ids == e)
-            if token.numel():
-                act = F.silu(layer.linear(h[token], gate)) * layer.linear(h[token], up)
-                out.index_add_(0, token, layer.linear(act, down) * weights[token, slot, None])
+        out = self.routed_experts(layer, h, *self.routed(layer, h))
         if "mlp.shared_expert_gate.weight" in layer.w:
             se = "mlp.shared_expert."
             act = F.silu(layer.linear(h, se + "gate_proj")) * layer.linear(h, se + "up_proj")
@@ -87,13 +84,33 @@ class MoeMlp:
             out += glu(h, torch.cat([w("gate_proj"), w("up_proj")]), w("down_proj"))
         return out.reshape(shape)
 
+    def routed_experts(self, layer, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                       linear=None) -> torch.Tensor:
+        """The routed experts' weighted sum [N, H] over h [N, H] as routed (weights, ids [N, k]); each projection
+        applied by linear(x, name), layer.linear unless given (AWQ's search passes its candidates')."""
+        linear = linear or layer.linear
+        out = torch.zeros_like(h)
+        for e, (gate, up, down) in enumerate(self.experts):
+            token, slot = torch.where(ids == e)
+            if token.numel():
+                act = F.silu(linear(h[token], gate)) * linear(h[token], up)
+                out.index_add_(0, token, linear(act, down) * weights[token, slot, None])
+        return out
+
+    def float_readers(self, layer) -> list[str]:
+        """The float projections that read the MLP norm's output beside the experts: the router, and the shared
+        expert's gate and up (and Qwen2-MoE's sigmoid gate of it). AWQ multiplies their columns by the scale it
+        divides the norm by, which leaves their outputs (the router's logits among them) as they were."""
+        names = (f"{self.block}.gate", "mlp.shared_expert_gate", "mlp.shared_expert.gate_proj",
+                 "mlp.shared_expert.up_proj", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")
+        return [n for n in names if n + ".weight" in layer.w]
+
 
 def gptq_experts(layer, x: torch.Tensor, opts, pack) -> dict:
     """GPTQ of each expert from the calibration tokens routed to it, after the attention's stages: gate and up
     from those tokens' normed hidden states, then down from the GLU of the quantized gate and up. An expert no
     calibration token reaches has no Hessian to work from: it gets RTN."""
     from engc.compiler.quantize.gptq import Hessian, gptq_quantize
-    from engc.compiler.quantize.layer import batched
     from engc.compiler.quantize.rtn import quantize_rtn
     moe = layer.moe
     h = batched(lambda xs: layer.mlp_in(xs + layer.attention(layer.attn_in(xs))), x).reshape(-1, x.shape[-1])
@@ -117,3 +134,49 @@ def gptq_experts(layer, x: torch.Tensor, opts, pack) -> dict:
         quantize(up, rows)
         quantize(down, F.silu(layer.linear(rows, gate)) * layer.linear(rows, up))
     return packed
+
+
+def awq_experts(layer, x: torch.Tensor, group_size: int, grid: int = 20) -> None:
+    """AWQ of an MoE layer's MLP after its attention's (awq.awq_attention), as AutoAWQ does Mixtral's and
+    Qwen-MoE's; rewrites layer.w in place. One scale s over the MLP norm's output channels for every expert's
+    gate and up, scored on the routed experts' weighted sum over all the calibration tokens with those
+    projections fake-quantized; folded into the norm and the experts, and into the float readers of the norm
+    (float_readers). The float shared expert adds the same output to every candidate and to the reference, so
+    it is left out of the search's sum: the error of the whole block is the routed experts'. Then, expert by
+    expert on the tokens routed to it, its down's scale (from its GLU's output, folded into its up's rows) and
+    the clipping of its three projections. An expert no calibration token reaches keeps s = 1 at its down and
+    its weights unclipped: plain RTN, as gptq_experts gives it."""
+    moe, w = layer.moe, layer.w
+    x_mid = batched(lambda xs: xs + layer.attention(layer.attn_in(xs)), x)
+    h = batched(layer.mlp_in, x_mid).reshape(-1, x.shape[-1])
+    weights, ids = moe.routed(layer, h)
+    gate_up = [n for gate, up, _ in moe.experts for n in (gate, up)]
+    searched = set(gate_up)
+
+    def loss(s: torch.Tensor) -> float:
+        def linear(inp: torch.Tensor, name: str) -> torch.Tensor:
+            # an expert's candidate is made when its tokens are reached and freed after: never all experts' at once
+            weight = w[name + ".weight"]
+            if name in searched:
+                weight = fake_quantize(weight * s, group_size).div_(s)
+            return F.linear(inp, weight, w.get(name + ".bias"))
+        return (moe.routed_experts(layer, h, weights, ids, linear) - reference).pow(2).mean().item()
+
+    with torch.no_grad():
+        reference = moe.routed_experts(layer, h, weights, ids)
+        s = search_scale(h, (w[n + ".weight"] for n in gate_up), loss, group_size, grid)
+        del reference
+    for n in gate_up + moe.float_readers(layer):
+        w[n + ".weight"] = w[n + ".weight"] * s
+    layer.divide_norm(layer.mlp_norm, s)
+    h = batched(layer.mlp_in, x_mid).reshape(-1, x.shape[-1])   # the norm's output as folded: h / s
+    weights, ids = moe.routed(layer, h)   # the fold left the routing as it was (test_moe_quantize checks)
+
+    for e, (gate, up, down) in enumerate(moe.experts):
+        rows = h[(ids == e).any(dim=-1)]
+        if not rows.shape[0]:
+            continue
+        act = F.silu(layer.linear(rows, gate)) * layer.linear(rows, up)
+        scale_projections(layer, up, [down], act, lambda inp, down=down: layer.linear(inp, down), group_size, grid)
+        act = F.silu(layer.linear(rows, gate)) * layer.linear(rows, up)
+        clip_projections(layer, ((gate, rows), (up, rows), (down, act)), group_size, grid)

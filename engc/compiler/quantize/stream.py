@@ -22,9 +22,9 @@ from engc.compiler.frontend.decoder import _rope_table, head_source, resolve_con
 from engc.compiler.frontend.families import family_of
 from engc.compiler.frontend.layouts import llama_names, text_part
 from engc.compiler.frontend.mla import interleaved
-from engc.compiler.quantize.awq import awq_layer
+from engc.compiler.quantize.awq import awq_attention, awq_layer
 from engc.compiler.quantize.calibration import calibration_samples
-from engc.compiler.quantize.experts import MoeMlp, gptq_experts, moe_linears
+from engc.compiler.quantize.experts import MoeMlp, awq_experts, gptq_experts, moe_linears
 from engc.compiler.quantize.formats import to_awq, to_gptq
 from engc.compiler.quantize.gptq import Hessian, gptq_quantize
 from engc.compiler.quantize.head import quantize_head
@@ -56,10 +56,7 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
     cfg = resolve_config(source.hf_config)
     names = SourceNames.of(source)
     ckpt = llama_view(source, cfg)
-    if cfg.num_experts and (opts.method == "awq" or (opts.method == "gptq" and qk_norm_projection(ckpt))):
-        # experts.py says why AWQ; layer.py's attention norms q and k per head, not OLMoE's whole projections
-        raise UserError(f"{ckpt.name}: engc quantize quantizes {cfg.family} models with --method "
-                        f"{'rtn or gptq' if opts.method == 'awq' else 'rtn'}, not {opts.method}, so far")
+    refuse_uncalibrated(ckpt, cfg, opts.method)
     check_shapes(cfg, opts.group_size, opts.lm_head)
     x, calib = None, {}
     if opts.method != "rtn":
@@ -160,7 +157,10 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions, n
         elif opts.method == "gptq":
             quantized = gptq_layer(layer, x, opts, keep, attn_stages + GPTQ_STAGES[2:])
         else:
-            if opts.method == "awq":
+            if opts.method == "awq" and layer.moe is not None:   # the attention's scales, then the experts'
+                awq_attention(layer, x, opts.group_size, opts.awq_grid)
+                awq_experts(layer, x, opts.group_size, opts.awq_grid)
+            elif opts.method == "awq":
                 awq_layer(layer, x, opts.group_size, opts.awq_grid)
             quantized = {}
             for n in linears:
@@ -184,8 +184,18 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions, n
     return tensors, x, nbytes
 
 
-def qk_norm_projection(ckpt: Checkpoint) -> bool:
-    return family_of(ckpt.hf_config).qk_norm_projection
+def refuse_uncalibrated(ckpt: Checkpoint, cfg, method: str) -> None:
+    """The calibrated methods a family's layers lack here, in one line naming what is missing: layer.py's attention
+    norms q and k per head, not OLMoE's whole projections; mla_layer.py has GPTQ's stages but no AWQ search."""
+    if family_of(ckpt.hf_config).qk_norm_projection:
+        methods, missing = ("rtn",), "the calibration layer has no q/k norm over the whole projection"
+    elif cfg.kv_lora_rank:
+        methods, missing = ("rtn", "gptq"), "AWQ has no scale search for multi-head latent attention"
+    else:
+        return
+    if method not in methods:
+        raise UserError(f"{ckpt.name}: engc quantize quantizes {cfg.family} models with --method "
+                        f"{' or '.join(methods)}, not {method}: {missing}")
 
 
 def pack_of(opts: QuantOptions):
