@@ -21,9 +21,11 @@ AWQ_CALIB = dict(calib_samples=8, calib_seqlen=32, awq_grid=10)
 
 @pytest.mark.parametrize("family,fused,method", [
     ("qwen3_moe", False, "rtn"), ("qwen2_moe", False, "rtn"), ("mixtral", True, "rtn"),
-    ("qwen3_moe", False, "gptq"), ("qwen2_moe", False, "gptq"), ("qwen2_moe", False, "awq"), ("mixtral", True, "awq")],
+    ("qwen3_moe", False, "gptq"), ("qwen2_moe", False, "gptq"),
+    ("qwen2_moe", False, "awq"), ("mixtral", True, "awq")],
     ids=["qwen3_moe-rtn", "qwen2_moe-shared-expert-and-dense-layer-rtn", "mixtral-fused-experts-rtn",
-         "qwen3_moe-gptq", "qwen2_moe-gptq", "qwen2_moe-shared-expert-and-dense-layer-awq", "mixtral-fused-experts-awq"])
+         "qwen3_moe-gptq", "qwen2_moe-gptq",
+         "qwen2_moe-shared-expert-and-dense-layer-awq", "mixtral-fused-experts-awq"])
 def test_quantize_quantizes_each_expert_and_builds(family, fused, method, tiny_dir, tmp_path):
     """engc quantize writes one int4 projection per expert (from fused experts too), engc build stacks them for
     the MoE op, and the bundle decodes as HF's float model of the dequantized weights (the unpacking in
@@ -203,7 +205,8 @@ def test_awq_experts_beat_rtn_on_outlier_channels(family, tiny_dir):
         rtn_of(layer_awq, linears)
         x_mid = held + rtn.attention(rtn.attn_in(held))   # the RTN attention: experts_awq's too
         want = ref.moe(ref, ref.mlp_in(x_mid))
-        moe = {k: (L.moe(L, L.mlp_in(x_mid)) - want).pow(2).mean().item() for k, L in (("rtn", rtn), ("awq", experts_awq))}
+        moe = {k: (L.moe(L, L.mlp_in(x_mid)) - want).pow(2).mean().item()
+               for k, L in (("rtn", rtn), ("awq", experts_awq))}
         want = ref.forward(held)
         whole = {k: (L.forward(held) - want).pow(2).mean().item() for k, L in (("rtn", rtn), ("awq", layer_awq))}
     assert moe["awq"] < 0.7 * moe["rtn"], moe       # measured 0.47-0.49x
