@@ -22,10 +22,11 @@ AWQ_CALIB = dict(calib_samples=8, calib_seqlen=32, awq_grid=10)
 @pytest.mark.parametrize("family,fused,method", [
     ("qwen3_moe", False, "rtn"), ("qwen2_moe", False, "rtn"), ("mixtral", True, "rtn"),
     ("qwen3_moe", False, "gptq"), ("qwen2_moe", False, "gptq"),
-    ("qwen2_moe", False, "awq"), ("mixtral", True, "awq")],
+    ("qwen2_moe", False, "awq"), ("mixtral", True, "awq"), ("olmoe", False, "gptq"), ("olmoe", False, "awq")],
     ids=["qwen3_moe-rtn", "qwen2_moe-shared-expert-and-dense-layer-rtn", "mixtral-fused-experts-rtn",
          "qwen3_moe-gptq", "qwen2_moe-gptq",
-         "qwen2_moe-shared-expert-and-dense-layer-awq", "mixtral-fused-experts-awq"])
+         "qwen2_moe-shared-expert-and-dense-layer-awq", "mixtral-fused-experts-awq",
+         "olmoe-qk-norm-over-the-projection-gptq", "olmoe-qk-norm-over-the-projection-awq"])
 def test_quantize_quantizes_each_expert_and_builds(family, fused, method, tiny_dir, tmp_path):
     """engc quantize writes one int4 projection per expert (from fused experts too), engc build stacks them for
     the MoE op, and the bundle decodes as HF's float model of the dequantized weights (the unpacking in
@@ -34,7 +35,9 @@ def test_quantize_quantizes_each_expert_and_builds(family, fused, method, tiny_d
     from test_quant_families import oracle_of
     from engc.compiler.quantize import QuantOptions
     from engc.compiler.quantize.stream import quantize_checkpoint
-    src = _fuse_experts(tiny_dir(family), tmp_path / "fused", family) if fused else tiny_dir(family)
+    # the int4 layout's inputs are whole 32-wide chunks: the tiny OLMoE's experts are 16 wide
+    src = tiny_dir(family, **({"intermediate_size": 32} if family == "olmoe" else {}))
+    src = _fuse_experts(src, tmp_path / "fused", family) if fused else src
     calib = {"gptq": dict(calib_samples=8, calib_seqlen=32), "awq": AWQ_CALIB}.get(method, {})
     quantize_checkpoint(str(src), tmp_path / "q", QuantOptions(method=method, group_size=32, **calib))
     tensors = {}
@@ -50,18 +53,43 @@ def test_quantize_quantizes_each_expert_and_builds(family, fused, method, tiny_d
     _assert_matches_hf(tmp_path / "b", oracle_of(tmp_path / "q", None, tmp_path), PROMPT_IDS)
 
 
-@pytest.mark.parametrize("family,args,message", [
-    ("olmoe", [], "olmoe models with --method rtn, not awq: the calibration layer has no q/k norm over the whole "
-                  "projection"),
-    ("olmoe", ["--method", "gptq"], "olmoe models with --method rtn, not gptq"),
-    ("deepseek_v2", ["--method", "awq"], "deepseek_v2 models with --method rtn or gptq, not awq: AWQ has no scale "
-                                         "search for multi-head latent attention"),
-], ids=["olmoe-awq-by-default", "olmoe-gptq", "deepseek-awq"])
-def test_quantize_refuses_what_it_cannot_calibrate(family, args, message, tiny_dir, tmp_path):
-    """OLMoE's q/k norm spans the whole projection, the quantizer's layer norms per head; DeepSeek's latent
-    attention has GPTQ's stages but no AWQ search: one line naming it, exit 1, before any calibration."""
+def test_quantize_refuses_awq_of_latent_attention(tiny_dir, tmp_path):
+    """DeepSeek's latent attention has GPTQ's stages but no AWQ search: one line naming it, exit 1, before any
+    calibration."""
     from test_quant_bad_input import one_line_error, quantize
-    one_line_error(quantize(tiny_dir(family), tmp_path, *args), message)
+    one_line_error(quantize(tiny_dir("deepseek_v2"), tmp_path, "--method", "awq"),
+                   "deepseek_v2 models with --method rtn or gptq, not awq: AWQ has no scale search for multi-head "
+                   "latent attention")
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+def test_quantizer_moe_layer_is_the_hf_layer(family, tiny_dir):
+    """The quantizer's MoE layers against HF's decoder layers on the same input: OLMoE's q/k norms over the whole
+    projection and its unrenormalized top-8 routing, Qwen3-MoE's per-head q/k norms and renormalized routing."""
+    from engc.compiler.build import read_source
+    from engc.compiler.frontend.decoder import _rope_table, resolve_config
+    from engc.compiler.frontend.families import family_of
+    from engc.compiler.quantize.experts import MoeMlp, moe_linears
+    from engc.compiler.quantize.layer import DecoderLayer
+    from engc.compiler.quantize.stream import first_layer_input, llama_view
+    from test_quant_families import hf_layer_io
+    src = tiny_dir(family)
+    source = read_source(str(src))
+    cfg = resolve_config(source.hf_config)
+    view = llama_view(source, cfg)
+    ids = torch.tensor([PROMPT_IDS[0] * 3])
+    seen = hf_layer_io(src, ids)
+    assert torch.allclose(first_layer_input(view, cfg, ids), seen[0][0], atol=1e-6)
+    rope = _rope_table(cfg, cfg.rope_theta, cfg.rope_scaling)
+    for i, (x, expected) in enumerate(seen):
+        prefix = f"model.layers.{i}."
+        weights = {n[len(prefix):]: view.get(n).float() for n in view.names() if n.startswith(prefix)}
+        layer = DecoderLayer(cfg, weights, rope, i, None, family_of(view.hf_config).qk_norm_projection)
+        layer.moe = MoeMlp(view.hf_config, moe_linears(view.hf_config, i, weights,
+                                                        {k: v.dtype for k, v in weights.items()}))
+        with torch.no_grad():
+            ours = layer.forward(x)
+        assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-5), (i, (ours - expected).abs().max())
 
 
 def test_quantizer_moe_layer_computes_the_moe_op(tiny_dir):

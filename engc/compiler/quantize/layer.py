@@ -2,11 +2,11 @@
 
 Built from the same op references the runtime uses (engc.kernels) and driven by the resolved ModelConfig
 alone, so the quantizer sees exactly the network the bundle runs, for every family the lowering computes
-(frontend/decoder.py), without transformers: (1 + weight) norms and Gemma's sandwich norms, q/k norms,
-the GLU's activation, the attention's scale and soft-cap, each layer's window and rope table. Weights are a
-dict keyed by Llama's names relative to the layer ("self_attn.q_proj.weight", ...) as frontend/layouts.py
-shows every layout (q/k rows in the partial rotary order, LongRoPE's scaling applied); the quantizers swap
-entries of it and re-run pieces.
+(frontend/decoder.py), without transformers: (1 + weight) norms and Gemma's sandwich norms, q/k norms (a
+head's, or OLMoE's over the whole projection), the GLU's activation, the attention's scale and soft-cap, each
+layer's window and rope table. Weights are a dict keyed by Llama's names relative to the layer
+("self_attn.q_proj.weight", ...) as frontend/layouts.py shows every layout (q/k rows in the partial rotary
+order, LongRoPE's scaling applied); the quantizers swap entries of it and re-run pieces.
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ class DecoderLayer:
     the layer's number, for its window."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor,
-                 index: int = 0, local_inv_freq: torch.Tensor | None = None):
+                 index: int = 0, local_inv_freq: torch.Tensor | None = None, qk_norm_projection: bool = False):
         self.cfg, self.w, self.index = cfg, weights, index
+        self.qk_norm_projection = qk_norm_projection   # OLMoE: q and k normed over the whole projection
         self.moe = None   # an MoE layer's MLP in place of the dense one (quantize/experts.py: MoeMlp)
         self._rotary: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.window = 0
@@ -64,8 +65,10 @@ class DecoderLayer:
         """Normed hidden [B, T, D] -> attention output before o_proj [B, T, heads * head_dim]."""
         c = self.cfg
         b, t, _ = h.shape
-        q = self.linear(h, "self_attn.q_proj").view(b * t, c.num_heads, c.head_dim)
-        k = self.linear(h, "self_attn.k_proj").view(b * t, c.num_kv_heads, c.head_dim)
+        q, k = self.linear(h, "self_attn.q_proj"), self.linear(h, "self_attn.k_proj")
+        if self.qk_norm_projection:
+            q, k = self.norm(q, "self_attn.q_norm"), self.norm(k, "self_attn.k_norm")
+        q, k = q.view(b * t, c.num_heads, c.head_dim), k.view(b * t, c.num_kv_heads, c.head_dim)
         v = self.linear(h, "self_attn.v_proj").view(b, t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.norm(q, "self_attn.q_norm"), self.norm(k, "self_attn.k_norm")

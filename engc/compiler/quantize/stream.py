@@ -143,7 +143,8 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions, n
         layer = MlaLayer(cfg, weights, rope[0], i, interleaved(ckpt.hf_config, family_of(ckpt.hf_config)))
         attn_stages = gptq_stages(cfg)
     else:
-        layer, attn_stages = DecoderLayer(cfg, weights, rope[0], i, rope[1]), GPTQ_STAGES[:2]
+        layer = DecoderLayer(cfg, weights, rope[0], i, rope[1], family_of(ckpt.hf_config).qk_norm_projection)
+        attn_stages = GPTQ_STAGES[:2]
     if moe:
         layer.moe = MoeMlp(ckpt.hf_config, linears)
     missing = [n for n in linears if n + ".weight" not in layer.w]
@@ -185,17 +186,10 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions, n
 
 
 def refuse_uncalibrated(ckpt: Checkpoint, cfg, method: str) -> None:
-    """The calibrated methods a family's layers lack here, in one line naming what is missing: layer.py's attention
-    norms q and k per head, not OLMoE's whole projections; mla_layer.py has GPTQ's stages but no AWQ search."""
-    if family_of(ckpt.hf_config).qk_norm_projection:
-        methods, missing = ("rtn",), "the calibration layer has no q/k norm over the whole projection"
-    elif cfg.kv_lora_rank:
-        methods, missing = ("rtn", "gptq"), "AWQ has no scale search for multi-head latent attention"
-    else:
-        return
-    if method not in methods:
-        raise UserError(f"{ckpt.name}: engc quantize quantizes {cfg.family} models with --method "
-                        f"{' or '.join(methods)}, not {method}: {missing}")
+    """AWQ of latent attention, in one line: mla_layer.py has GPTQ's stages but no AWQ search."""
+    if cfg.kv_lora_rank and method == "awq":
+        raise UserError(f"{ckpt.name}: engc quantize quantizes {cfg.family} models with --method rtn or gptq, "
+                        f"not awq: AWQ has no scale search for multi-head latent attention")
 
 
 def pack_of(opts: QuantOptions):
