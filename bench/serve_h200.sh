@@ -19,7 +19,8 @@
 # Everything lands in /tmp/gb (back as $OUT/gb.tgz): serve_engc.json, serve_lmdeploy.json (levels, ready_s,
 # warm_s, bench_s), serve.png, serve_summary.json, the parts (serve_LABEL_PART.json, bench_*.log, cpu_*.txt),
 # prep.log, engc_server.log, lmdeploy_server.log.
-# Settings (environment): SHAPE, CONC, REQS, RATES (empty: none), RATE_REQS, BUDGET, LMD=0 (engc only).
+# Settings (environment): SHAPE, CONC, REQS, RATES (empty: none), RATE_REQS, BUDGET, LMD=0 (engc only), ENGC=0
+# (LMDeploy only).
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 
@@ -68,6 +69,7 @@ else
   echo "peer site installed $(el)"
 fi
 LMD_LAUNCH=${LMD_LAUNCH:-python3 -m lmdeploy}
+ENGC=${ENGC:-1}
 MODEL=m                        # the name both servers answer to
 PORT_E=23391
 PORT_L=23392
@@ -152,6 +154,9 @@ from engc.compiler.build import BuildOptions, build  # noqa: E402
 
 bundle = work / f"bundle-{shape}-serve"
 t = time.perf_counter()
+if sys.argv[5] == "0":   # ENGC=0: LMDeploy alone needs the folder only
+    print("PREP " + json.dumps({**res, "ckpt": str(ckpt), "bundle": ""}), flush=True)
+    sys.exit(0)
 if not (bundle / "manifest.json").exists():
     build(str(ckpt), bundle, BuildOptions(archs=("sm90",) if device == "cuda" else ("cpu",),
                                           dtype="float32" if shape == "tiny" else "bfloat16", kernel_cache=cache,
@@ -171,7 +176,7 @@ PY
 
 echo "== checkpoint and bundle: $SHAPE $(el)"
 timeout $(( $(left) < 240 ? $(left) : 240 )) python3 /tmp/gb/serve_prep.py "$SHAPE" "$WORK" "$ROOT/.kc" "$DEVICE" \
-  > /tmp/gb/prep.log 2>&1
+  "$ENGC" > /tmp/gb/prep.log 2>&1
 rc=$?
 PREP=$(grep '^PREP ' /tmp/gb/prep.log | tail -1 | cut -c6-)
 echo "[prep rc=$rc $(el)] $PREP"
@@ -390,6 +395,7 @@ min() { echo $(( $1 < $2 ? $1 : $2 )); }
 
 # ----------------------------------------------------------------------------------------------------------------
 # engc
+if [ "$ENGC" = 1 ]; then
 note engc prep "$PREP"
 echo "== engc run $(el)  (GPU memory used $(gpu_mem) MiB)"
 start_server /tmp/gb/engc_server.log python3 -m engc.cli run "$BUNDLE" --device "$DEVICE" --host 127.0.0.1 \
@@ -419,6 +425,7 @@ else
   tail -25 /tmp/gb/engc_server.log
 fi
 stop_server
+fi
 
 # ----------------------------------------------------------------------------------------------------------------
 # LMDeploy's api_server (PyTorch engine) on the same HF folder
