@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from engc.compiler.build import BuildOptions, build
-from engc.errors import UserError
 from engc.kernels.moe import moe
 from test_moe import PROMPT_IDS, _assert_matches_hf, _fuse_experts
 
@@ -66,30 +65,17 @@ def test_quantize_refuses_awq_of_latent_attention(tiny_dir, tmp_path):
 def test_quantizer_moe_layer_is_the_hf_layer(family, tiny_dir):
     """The quantizer's MoE layers against HF's decoder layers on the same input: OLMoE's q/k norms over the whole
     projection and its unrenormalized top-8 routing, Qwen3-MoE's per-head q/k norms and renormalized routing."""
-    from engc.compiler.build import read_source
-    from engc.compiler.frontend.decoder import _rope_table, resolve_config
     from engc.compiler.frontend.families import family_of
     from engc.compiler.quantize.experts import MoeMlp, moe_linears
     from engc.compiler.quantize.layer import DecoderLayer
-    from engc.compiler.quantize.stream import first_layer_input, llama_view
-    from test_quant_families import hf_layer_io
-    src = tiny_dir(family)
-    source = read_source(str(src))
-    cfg = resolve_config(source.hf_config)
-    view = llama_view(source, cfg)
-    ids = torch.tensor([PROMPT_IDS[0] * 3])
-    seen = hf_layer_io(src, ids)
-    assert torch.allclose(first_layer_input(view, cfg, ids), seen[0][0], atol=1e-6)
-    rope = _rope_table(cfg, cfg.rope_theta, cfg.rope_scaling)
-    for i, (x, expected) in enumerate(seen):
-        prefix = f"model.layers.{i}."
-        weights = {n[len(prefix):]: view.get(n).float() for n in view.names() if n.startswith(prefix)}
-        layer = DecoderLayer(cfg, weights, rope, i, None, family_of(view.hf_config).qk_norm_projection)
+    from test_quant_families import assert_layers_match_hf
+
+    def moe_layer(cfg, view, i, weights, rope, local):
+        layer = DecoderLayer(cfg, weights, rope, i, local, family_of(view.hf_config).qk_norm_projection)
         layer.moe = MoeMlp(view.hf_config, moe_linears(view.hf_config, i, weights,
                                                         {k: v.dtype for k, v in weights.items()}))
-        with torch.no_grad():
-            ours = layer.forward(x)
-        assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-5), (i, (ours - expected).abs().max())
+        return layer
+    assert_layers_match_hf(tiny_dir(family), torch.tensor([PROMPT_IDS[0] * 3]), moe_layer)
 
 
 def test_quantizer_moe_layer_computes_the_moe_op(tiny_dir):

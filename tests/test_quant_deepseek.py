@@ -12,11 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from engc.compiler.build import BuildOptions, build
-from engc.compiler.frontend.decoder import _rope_table, resolve_config
 from engc.compiler.quantize import QuantOptions
-from engc.compiler.quantize.stream import first_layer_input, llama_view, quantize_checkpoint
+from engc.compiler.quantize.stream import quantize_checkpoint
 from test_dense_families import _relaid
-from test_quant_families import CALIB, IDS, assert_bundle_matches, awq_pack, hf_layer_io, oracle_of
+from test_quant_families import CALIB, IDS, assert_bundle_matches, assert_layers_match_hf, awq_pack, oracle_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,30 +87,20 @@ def test_quantized_deepseek_builds_and_matches_its_dequantized_weights(family, m
 def test_quantizer_layer_is_the_hf_layer(family, tiny_dir):
     """The quantizer's layer (MLA from kernels/mla_attention's references, DeepSeek's routing from kernels/moe,
     ungated shared experts) against HF's decoder layers: the dense first one and an MoE one."""
-    from engc.compiler.build import read_source
     from engc.compiler.frontend.families import family_of
     from engc.compiler.frontend.mla import interleaved
     from engc.compiler.quantize.experts import MoeMlp, moe_linears
     from engc.compiler.quantize.mla_layer import MlaLayer, attention_linears
-    src = source(family, tiny_dir)
-    view = llama_view(read_source(str(src)), resolve_config(json.loads((src / "config.json").read_text())))
-    cfg = resolve_config(view.hf_config)
-    ids = torch.tensor([IDS[:20]])
-    seen = hf_layer_io(src, ids)
-    assert torch.allclose(first_layer_input(view, cfg, ids), seen[0][0], atol=1e-6)
-    rope = _rope_table(cfg, cfg.rope_theta, cfg.rope_scaling)
-    for i, (x, expected) in enumerate(seen):
-        prefix = f"model.layers.{i}."
-        weights = {n[len(prefix):]: view.get(n).float() for n in view.names() if n.startswith(prefix)}
+
+    def deepseek_layer(cfg, view, i, weights, rope, local):
         layer = MlaLayer(cfg, weights, rope, i, interleaved(view.hf_config, family_of(view.hf_config)))
         moe = moe_linears(view.hf_config, i, weights, {k: v.dtype for k, v in weights.items()},
                           attention_linears(cfg))
         assert (moe is None) == (i == 0)   # first_k_dense_replace = 1
         if moe:
             layer.moe = MoeMlp(view.hf_config, moe)
-        with torch.no_grad():
-            ours = layer.forward(x)
-        assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-5), (i, (ours - expected).abs().max())
+        return layer
+    assert_layers_match_hf(source(family, tiny_dir), torch.tensor([IDS[:20]]), deepseek_layer)
 
 
 def test_awq_of_deepseek_is_refused_in_one_line(tiny_dir, tmp_path):

@@ -183,17 +183,15 @@ def hf_layer_io(src, ids):
     return seen
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_quantizer_layer_is_the_hf_layer(family, tiny_dir, internlm2_src):
-    """Each layer of the quantizer (the build's view of the weights, the ModelConfig's facts) against the HF
-    decoder layer's output on the same input, and the first layer's input against HF's embedding output."""
+def assert_layers_match_hf(src, ids, make_layer, hf_src=None) -> None:
+    """The quantizer's layers against HF's decoder layers (of hf_src, default src) on ids: the first layer's input
+    against HF's embedding output, then each layer, make_layer(cfg, view, i, weights, rope, local_rope), on the
+    input HF's layer saw. weights: the layer's tensors in the build's view (frontend/layouts.py), float32."""
     from engc.compiler.build import read_source
-    src = source_of(family, tiny_dir, internlm2_src)
     source = read_source(str(src))
     cfg = resolve_config(source.hf_config)
     view = llama_view(source, cfg)
-    ids = torch.tensor([IDS[:20]])
-    seen = hf_layer_io(internlm2_src[1] if family == "internlm2" else src, ids)
+    seen = hf_layer_io(hf_src or src, ids)
     assert torch.allclose(first_layer_input(view, cfg, ids), seen[0][0], atol=1e-6)
     rope = _rope_table(cfg, cfg.rope_theta, cfg.rope_scaling)
     local = _rope_table(cfg, cfg.local_rope_theta, None) if cfg.local_rope_theta else None
@@ -201,8 +199,17 @@ def test_quantizer_layer_is_the_hf_layer(family, tiny_dir, internlm2_src):
         prefix = f"model.layers.{i}."
         weights = {n[len(prefix):]: view.get(n).float() for n in view.names() if n.startswith(prefix)}
         with torch.no_grad():
-            ours = DecoderLayer(cfg, weights, rope, i, local).forward(x)
+            ours = make_layer(cfg, view, i, weights, rope, local).forward(x)
         assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-5), (i, (ours - expected).abs().max())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantizer_layer_is_the_hf_layer(family, tiny_dir, internlm2_src):
+    """Each layer of the quantizer (the build's view of the weights, the ModelConfig's facts) against the HF
+    decoder layer's output on the same input, and the first layer's input against HF's embedding output."""
+    assert_layers_match_hf(source_of(family, tiny_dir, internlm2_src), torch.tensor([IDS[:20]]),
+                           lambda cfg, view, i, weights, rope, local: DecoderLayer(cfg, weights, rope, i, local),
+                           internlm2_src[1] if family == "internlm2" else None)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
