@@ -65,17 +65,9 @@ def test_quantize_refuses_awq_of_latent_attention(tiny_dir, tmp_path):
 def test_quantizer_moe_layer_is_the_hf_layer(family, tiny_dir):
     """The quantizer's MoE layers against HF's decoder layers on the same input: OLMoE's q/k norms over the whole
     projection and its unrenormalized top-8 routing, Qwen3-MoE's per-head q/k norms and renormalized routing."""
-    from engc.compiler.frontend.families import family_of
-    from engc.compiler.quantize.experts import MoeMlp, moe_linears
-    from engc.compiler.quantize.layer import DecoderLayer
     from test_quant_families import assert_layers_match_hf
-
-    def moe_layer(cfg, view, i, weights, rope, local):
-        layer = DecoderLayer(cfg, weights, rope, i, local, family_of(view.hf_config).qk_norm_projection)
-        layer.moe = MoeMlp(view.hf_config, moe_linears(view.hf_config, i, weights,
-                                                        {k: v.dtype for k, v in weights.items()}))
-        return layer
-    assert_layers_match_hf(tiny_dir(family), torch.tensor([PROMPT_IDS[0] * 3]), moe_layer)
+    layers = assert_layers_match_hf(tiny_dir(family), torch.tensor([PROMPT_IDS[0] * 3]))
+    assert all(layer.moe is not None for layer in layers)
 
 
 def test_quantizer_moe_layer_computes_the_moe_op(tiny_dir):
@@ -134,22 +126,18 @@ def layer_maker(src, index: int = 0):
     reads it (the build's view of the weights, experts one per name), with fresh weight dicts each call."""
     from engc.compiler.build import read_source
     from engc.compiler.frontend.decoder import _rope_table, resolve_config
-    from engc.compiler.quantize.experts import MoeMlp, moe_linears
-    from engc.compiler.quantize.layer import DecoderLayer
-    from engc.compiler.quantize.stream import llama_view
+    from engc.compiler.quantize.stream import calibration_layer, llama_view
     source = read_source(str(src))
     cfg = resolve_config(source.hf_config)
     view = llama_view(source, cfg)
-    rope = _rope_table(cfg, cfg.rope_theta, cfg.rope_scaling)
+    rope = (_rope_table(cfg, cfg.rope_theta, cfg.rope_scaling), None)
     prefix = f"model.layers.{index}."
     weights = {n[len(prefix):]: view.get(n).float() for n in view.names() if n.startswith(prefix)}
-    linears = moe_linears(view.hf_config, index, weights, {k: v.dtype for k, v in weights.items()})
+    dtypes = {k: v.dtype for k, v in weights.items()}
 
     def make():
-        layer = DecoderLayer(cfg, dict(weights), rope, index)
-        layer.moe = MoeMlp(view.hf_config, linears)
-        return layer
-    return make, linears
+        return calibration_layer(view.hf_config, cfg, rope, index, dict(weights), dict(dtypes))
+    return (lambda: make()[0]), make()[1]
 
 
 def outlier_inputs(hidden: int) -> tuple[torch.Tensor, torch.Tensor]:

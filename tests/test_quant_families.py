@@ -183,24 +183,29 @@ def hf_layer_io(src, ids):
     return seen
 
 
-def assert_layers_match_hf(src, ids, make_layer, hf_src=None) -> None:
-    """The quantizer's layers against HF's decoder layers (of hf_src, default src) on ids: the first layer's input
-    against HF's embedding output, then each layer, make_layer(cfg, view, i, weights, rope, local_rope), on the
-    input HF's layer saw. weights: the layer's tensors in the build's view (frontend/layouts.py), float32."""
+def assert_layers_match_hf(src, ids, hf_src=None) -> list:
+    """The quantizer's layers (stream.calibration_layer, on the build's view of the weights) against HF's decoder
+    layers (of hf_src, default src) on ids: the first layer's input against HF's embedding output, then each layer
+    on the input HF's layer saw. Returns the layers."""
     from engc.compiler.build import read_source
+    from engc.compiler.quantize.stream import calibration_layer
     source = read_source(str(src))
     cfg = resolve_config(source.hf_config)
     view = llama_view(source, cfg)
     seen = hf_layer_io(hf_src or src, ids)
     assert torch.allclose(first_layer_input(view, cfg, ids), seen[0][0], atol=1e-6)
-    rope = _rope_table(cfg, cfg.rope_theta, cfg.rope_scaling)
-    local = _rope_table(cfg, cfg.local_rope_theta, None) if cfg.local_rope_theta else None
+    rope = (_rope_table(cfg, cfg.rope_theta, cfg.rope_scaling),
+            _rope_table(cfg, cfg.local_rope_theta, None) if cfg.local_rope_theta else None)
+    layers = []
     for i, (x, expected) in enumerate(seen):
         prefix = f"model.layers.{i}."
         weights = {n[len(prefix):]: view.get(n).float() for n in view.names() if n.startswith(prefix)}
+        layer, _ = calibration_layer(view.hf_config, cfg, rope, i, weights, {k: v.dtype for k, v in weights.items()})
         with torch.no_grad():
-            ours = make_layer(cfg, view, i, weights, rope, local).forward(x)
+            ours = layer.forward(x)
         assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-5), (i, (ours - expected).abs().max())
+        layers.append(layer)
+    return layers
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -208,7 +213,6 @@ def test_quantizer_layer_is_the_hf_layer(family, tiny_dir, internlm2_src):
     """Each layer of the quantizer (the build's view of the weights, the ModelConfig's facts) against the HF
     decoder layer's output on the same input, and the first layer's input against HF's embedding output."""
     assert_layers_match_hf(source_of(family, tiny_dir, internlm2_src), torch.tensor([IDS[:20]]),
-                           lambda cfg, view, i, weights, rope, local: DecoderLayer(cfg, weights, rope, i, local),
                            internlm2_src[1] if family == "internlm2" else None)
 
 

@@ -136,17 +136,8 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions, n
             dtypes[n[len(prefix):]], weights[n[len(prefix):]] = t.dtype, t.float()
             del t
     nbytes = sum(t.numel() * 4 for t in weights.values())
-    attention = attention_linears(cfg)
-    moe = moe_linears(ckpt.hf_config, i, weights, dtypes, attention)   # an MoE layer's: each expert's too
-    linears = moe or attention + MLP_LINEARS
-    if cfg.kv_lora_rank:   # DeepSeek's latent attention (mla_layer.py)
-        layer = MlaLayer(cfg, weights, rope[0], i, interleaved(ckpt.hf_config, family_of(ckpt.hf_config)))
-        attn_stages = gptq_stages(cfg)
-    else:
-        layer = DecoderLayer(cfg, weights, rope[0], i, rope[1], family_of(ckpt.hf_config).qk_norm_projection)
-        attn_stages = GPTQ_STAGES[:2]
-    if moe:
-        layer.moe = MoeMlp(ckpt.hf_config, linears)
+    layer, linears = calibration_layer(ckpt.hf_config, cfg, rope, i, weights, dtypes)
+    attn_stages = gptq_stages(cfg) if cfg.kv_lora_rank else GPTQ_STAGES[:2]
     missing = [n for n in linears if n + ".weight" not in layer.w]
     if missing:
         raise UserError(f"checkpoint {ckpt.name} is missing tensor '{prefix}{missing[0]}.weight'")
@@ -183,6 +174,23 @@ def quantize_layer(ckpt: Checkpoint, cfg, rope, i: int, x, opts: QuantOptions, n
         for key, t in pack(quantized.pop(n)).items():
             tensors[f"{out}{n}.{key}"] = t
     return tensors, x, nbytes
+
+
+def calibration_layer(hf: dict, cfg, rope, i: int, weights: dict, dtypes: dict):
+    """(layer i as the quantizer computes it, the projections it quantizes) over weights, the layer's float32
+    tensors under Llama's names (dtypes: their source dtypes). rope: the global and local rope tables. DeepSeek's
+    latent attention is mla_layer.py's; an MoE layer's MLP is MoeMlp over each expert's projections, which
+    moe_linears names (splitting fused experts in weights)."""
+    family = family_of(hf)
+    attention = attention_linears(cfg)
+    moe = moe_linears(hf, i, weights, dtypes, attention)
+    if cfg.kv_lora_rank:
+        layer = MlaLayer(cfg, weights, rope[0], i, interleaved(hf, family))
+    else:
+        layer = DecoderLayer(cfg, weights, rope[0], i, rope[1], family.qk_norm_projection)
+    if moe:
+        layer.moe = MoeMlp(hf, moe)
+    return layer, moe or attention + MLP_LINEARS
 
 
 def refuse_uncalibrated(ckpt: Checkpoint, cfg, method: str) -> None:
