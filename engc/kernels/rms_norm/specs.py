@@ -25,7 +25,7 @@ def rms_norm_specs(cfg, t: str, arch: str, overrides=None, partials: bool = Fals
     variants += [(PARTIALS_VARIANT, True, True, False, False, h)] if partials else []
     variants += [(FP8_VARIANTS[v], res, False, True, False, h) for v, res in plain] if fp8 else []
     variants += [(UNIT_OFFSET_VARIANTS[v], res, False, False, True, h) for v, res in plain] if unit_offset else []
-    # without a kernel of that width the GPU ran the latent norm's torch reference, ~6 launches a layer
+    # DeepSeek's q_a_layernorm: without a kernel of its width the GPU would run the torch reference, ~6 launches
     variants += [(LATENT_VARIANT, False, False, False, False, cfg.q_lora_rank)] if cfg.q_lora_rank else []
     return [make_spec("rms_norm", variant, arch, "rms_norm_kernel",
                       dict(types, **({"x_ptr": "*fp32"} if part else {}),
