@@ -134,8 +134,9 @@ def bench_shape(shape: str, args) -> dict:
     res.update(_throughput(shape, engine, cfg, args))
     if not args.quick:
         res.update(_sampled_long_prefill(shape, engine, cfg, args))
-    elif args.sampled:
-        res.update(_sampled(shape, engine, cfg))
+    else:   # --quick times only what is asked for beyond the throughput batches
+        res.update(_sampled(shape, engine, cfg) if args.sampled else {})
+        res.update(_long(engine, cfg) if args.long else {})
     return res
 
 
@@ -265,8 +266,7 @@ def _sampled_long_prefill(shape: str, engine, cfg, args) -> dict:
     if base == "tiny":
         return res
     if args.long:
-        _, total, _ = run_batch(engine, prompts(64, 1000, cfg.vocab_size, 7), 1000)
-        res["b64_1000_1000_out_tok_s"] = round(64 * 1000 / total, 1)
+        res.update(_long(engine, cfg))
     # 4,096 tokens, or all the context holds with the one output token (OLMoE's is 4,096 in all)
     n = min(4096, engine.max_context - 1)
     for seed in (3, 4):  # distinct prompts: the prefix cache must not serve the second one
@@ -277,6 +277,12 @@ def _sampled_long_prefill(shape: str, engine, cfg, args) -> dict:
     res["prefill_4k_s"] = round(dt, 4)
     res.update(_prefill_rate("prefill_4k", prefill_flops(shape, cfg, n), dt))
     return res
+
+
+def _long(engine, cfg) -> dict:
+    """1000 in / 1000 out at batch 64."""
+    _, total, _ = run_batch(engine, prompts(64, 1000, cfg.vocab_size, 7), 1000)
+    return {"b64_1000_1000_out_tok_s": round(64 * 1000 / total, 1)}
 
 
 def prefill_flops(shape: str, cfg, n: int) -> int:
