@@ -1,6 +1,7 @@
 """The command line: one clear line and a non-zero exit for every bad input, never a traceback."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -162,6 +163,9 @@ def test_run_on_port_0_says_which_port_it_took(tiny_bundle):
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     try:
+        # where the start went (no graphs on the CPU), then the address
+        ready = proc.stdout.readline().strip()
+        assert re.fullmatch(r"engc: engine ready in \d+\.\d s: weights \d+\.\d s, KV cache for [\d,]+ tokens", ready), ready
         line = proc.stdout.readline()
         assert line.startswith("engc: serving ") and "http://127.0.0.1:" in line, line
         url = line.split()[-1]

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engc.runtime.engine import Engine, EngineConfig
+from engc.runtime.engine import Engine, EngineConfig, Startup
 from engc.runtime.sampling import Sampled, SamplingParams
 from engc.runtime.step_loop import EngineDown, EngineError, StepLoop
 from engc.runtime.tokenizer import Tokenizer
@@ -63,7 +63,7 @@ class QueueFull(RuntimeError):
 
 class EngineFront(abc.ABC):
     """What the server holds: the engine's fixed facts (the bundle's manifest, tokenizer, config, max_context,
-    block_size, vocab_size, check_request) and the request side. A subclass says where commands go
+    block_size, vocab_size, check_request, startup: where its start went) and the request side. A subclass says where commands go
     (submit_add, submit_abort, submit_call) and feeds each step's (route, Delta or exception) pairs to _post
     and its stats to .stats."""
     manifest: dict
@@ -72,6 +72,7 @@ class EngineFront(abc.ABC):
     max_context: int
     block_size: int
     vocab_size: int
+    startup: Startup
 
     def __init__(self, metrics=None, flush_streams: int = 64):
         """flush_streams: the streams of a step whose readers are all woken at once (the module's doc)."""
@@ -168,6 +169,7 @@ class AsyncEngine(EngineFront):
     def __init__(self, engine: Engine, metrics=None, flush_streams: int = 64):
         super().__init__(metrics, flush_streams)
         self.engine = engine
+        self.startup = engine.startup
         self.manifest = engine.model.bundle.manifest
         self.tokenizer = engine.model.tokenizer
         self.config = engine.config

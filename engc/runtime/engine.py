@@ -8,6 +8,8 @@ it from one worker.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
@@ -48,6 +50,32 @@ def check_request(prompt_ids: list[int], params: SamplingParams, max_context: in
         raise ValueError(f"token ids must be in [0, {vocab_size})")
 
 
+@dataclass
+class Startup:
+    """Where an engine's start went, said in one line when a server starts: the operator sees which part a slow
+    start is (a cold disk under the weights, graph capture) without a profiler."""
+    load_s: float = 0.0      # the bundle opened, the weights read (and their digests checked meanwhile)
+    kv_tokens: int = 0
+    graphs: int = 0          # decode CUDA graphs captured, and the time they took
+    graphs_s: float = 0.0
+    total_s: float = 0.0     # until the engine served: also the imports of an engine process of its own
+
+    def line(self) -> str:
+        graphs = f", {self.graphs} decode graphs in {self.graphs_s:.1f} s" if self.graphs else ""
+        return (f"engine ready in {self.total_s:.1f} s: weights {self.load_s:.1f} s, KV cache for "
+                f"{self.kv_tokens:,} tokens{graphs}")
+
+
+def start_engine(load: Callable[[], LoadedModel], config: EngineConfig) -> "Engine":
+    """Engine(load(), config) with the load's time in its startup."""
+    t = time.perf_counter()
+    model = load()
+    load_s = time.perf_counter() - t
+    engine = Engine(model, config)
+    engine.startup.load_s = load_s
+    return engine
+
+
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
         self.model = model
@@ -64,8 +92,11 @@ class Engine:
         self.scheduler = Scheduler(self.kv.allocator, config.max_num_seqs, config.max_batched_tokens,
                                    config.max_sessions)
         self.max_context = context_limit(model, num_blocks, config.max_context)
+        t = time.perf_counter()
         self.runner = ModelRunner(model, self.kv, self.max_context, config.max_num_seqs, config.cuda_graphs,
                                   config.overlap)
+        self.startup = Startup(kv_tokens=num_blocks * model.block_size, graphs=self.runner.graphs,
+                               graphs_s=(time.perf_counter() - t) if self.runner.graphs else 0.0)
         self.output = OutputProcessor(model.tokenizer, self.max_context, self._finish)
         self.sequences: dict[str, Sequence] = {}
 

@@ -24,11 +24,12 @@ import multiprocessing
 import signal
 import sys
 import threading
+import time
 import traceback
 
 from engc.errors import UserError
 from engc.runtime.async_engine import Delta, EngineDown, EngineFront
-from engc.runtime.engine import Engine, EngineConfig, check_request
+from engc.runtime.engine import Engine, EngineConfig, check_request, start_engine
 from engc.runtime.heap import settle_heap
 from engc.runtime.step_loop import StepLoop
 
@@ -38,7 +39,7 @@ log = logging.getLogger("engc.engine")
 def load_engine(bundle: str, config: EngineConfig, device: str, tp: int | None) -> Engine:
     """The child's engine: rank 0 of the bundle (its other ranks started as tp.py starts them)."""
     from engc.runtime.tp import load_rank
-    return Engine(load_rank(bundle, device, tp), config)
+    return start_engine(lambda: load_rank(bundle, device, tp), config)
 
 
 class EngineClient(EngineFront):
@@ -52,6 +53,7 @@ class EngineClient(EngineFront):
         child raised it, anything else as one line naming it."""
         from engc.bundle.reader import open_bundle
         from engc.runtime.tokenizer import Tokenizer
+        started = time.perf_counter()
         build = build or functools.partial(load_engine, bundle, config, "auto", None)
         ctx = multiprocessing.get_context("spawn")
         conn, child_conn = ctx.Pipe()
@@ -70,6 +72,8 @@ class EngineClient(EngineFront):
         client.manifest, client.tokenizer = facts.manifest, tokenizer
         client.block_size = facts.manifest["kv_block_size"]
         client.vocab_size, client.max_context, client.stats = facts.config.vocab_size, ready[1], ready[2]
+        client.startup = ready[3]
+        client.startup.total_s = time.perf_counter() - started
         client.reader.start()
         return client
 
@@ -259,7 +263,7 @@ class _Child:
             engine.model.tp.on_failure.append(self.down)
 
     def run(self) -> None:
-        self.send(("ready", self.engine.max_context, self.loop.stats))
+        self.send(("ready", self.engine.max_context, self.loop.stats, self.engine.startup))
         threading.Thread(target=self.read, name="engc-engine-inbox", daemon=True).start()
         self.loop.run()
         if self.engine.model.tp is not None:

@@ -60,6 +60,7 @@ class ModelRunner:
         self.kv = kv
         self.overlap = overlap
         self.executor = model.executor
+        self.graphs = 0   # decode graphs captured at start
         if model.device.type == "cuda":
             from engc.runtime.cuda_graphs import GraphedExecutor
             from engc.runtime.gpu_ops import warm_cublas
@@ -70,6 +71,7 @@ class ModelRunner:
                                             block_size=model.block_size)
             if cuda_graphs:   # every tensor-parallel rank captures the same graphs, collectives included
                 self.executor.capture(kv.layers)
+                self.graphs = sum(len(turns) for turns in self.executor.graphs.values())
         if model.tp is not None and model.tp.rank == 0:   # each forward's inputs go to the workers first
             from engc.runtime.tp import Leader
             self.executor = Leader(self.executor, model.tp)

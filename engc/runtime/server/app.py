@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engc.errors import UserError
 from engc.runtime.async_engine import AsyncEngine, EngineDown, EngineFront, QueueFull
-from engc.runtime.engine import Engine, EngineConfig
+from engc.runtime.engine import EngineConfig
 from engc.runtime.heap import settle_heap
 from engc.runtime.sampling import SamplingParams
 from engc.runtime.server.metrics import Metrics
@@ -295,14 +295,16 @@ def build_server(bundle: str, config: EngineConfig, model_name: str | None = Non
     than 0 of a tensor-parallel launch this serves as a worker and exits."""
     import functools
     import os
+    import time
     from engc.runtime.engine_process import EngineClient, load_engine
-    from engc.runtime.tp import load_rank
     outside_worker = int(os.environ.get("RANK", "0")) != 0   # an outside launcher's rank > 0 serves no HTTP
     if config.engine_process and not outside_worker:
         engine = EngineClient.start(bundle, config, functools.partial(load_engine, bundle, config, device, tp),
                                     Metrics())
     else:
-        engine = AsyncEngine(Engine(load_rank(bundle, device, tp), config), Metrics()).start()
+        started = time.perf_counter()
+        engine = AsyncEngine(load_engine(bundle, config, device, tp), Metrics()).start()
+        engine.startup.total_s = time.perf_counter() - started
     name = model_name or engine.manifest.get("source", {}).get("name") or "engc"
     return create_app(engine, name, api_key, max_body_bytes), engine
 
@@ -323,6 +325,7 @@ def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int 
     port = sock.getsockname()[1]
     app, engine = build_server(bundle, config, model_name, api_key, device, max_body_bytes, tp)
     shown = f"[{host}]" if ":" in host else host
+    print(f"engc: {engine.startup.line()}", flush=True)
     print(f"engc: serving {app.state.engc.model_name} on http://{shown}:{port}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                            timeout_graceful_shutdown=5))
