@@ -25,9 +25,22 @@ CLIP_ELEMENTS = 1 << 24  # elements of one clipping-search batch: bounds its mem
 
 
 def awq_layer(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int = 20) -> None:
-    """A dense layer: rewrites layer.w in place (scales folded, weights clipped); x [B, T, D] is the layer's input."""
+    """A dense layer: rewrites layer.w in place (scales folded, weights clipped); x [B, T, D] is the layer's input.
+    The MLP's search reads the attention as scaled but not yet clipped, as AWQ clips a layer's projections last."""
     scale_attention(layer, x, group_size, grid)
-    x_mid = x + batched(layer.attention, batched(layer.attn_in, x))
+    awq_mlp(layer, x + batched(layer.attention, batched(layer.attn_in, x)), group_size, grid)
+    clip_attention(layer, x, group_size, grid)
+
+
+def awq_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int = 20) -> None:
+    """An MoE layer's attention, scaled and clipped as awq_layer's (experts.awq_experts does its MLP)."""
+    scale_attention(layer, x, group_size, grid)
+    clip_attention(layer, x, group_size, grid)
+
+
+def awq_mlp(layer: DecoderLayer, x_mid: torch.Tensor, group_size: int, grid: int) -> None:
+    """A dense MLP, x_mid its block's input (the residual after the attention): gate/up's scale over the MLP's
+    input norm, down's over up's output, then the clipping of the three on their inputs as scaled."""
     m = batched(layer.mlp_in, x_mid)
     scale_projections(layer, layer.mlp_norm, ["mlp.gate_proj", "mlp.up_proj"], m,
                       lambda inp: batched(layer.mlp, inp), group_size, grid)
@@ -35,23 +48,9 @@ def awq_layer(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int =
     act = batched(layer.mlp_act, m)
     scale_projections(layer, "mlp.up_proj", ["mlp.down_proj"], act,
                       lambda inp: layer.linear(inp, "mlp.down_proj"), group_size, grid)
-
-    # clipping, on the inputs as they are after scaling; q and k are left alone (as in AWQ: their
-    # errors pass through the softmax, which a per-projection MSE does not see)
-    h = batched(layer.attn_in, x)
-    ctx = batched(layer.attn_context, h)
-    m = batched(layer.mlp_in, x + layer.attn_out(ctx))
+    m = batched(layer.mlp_in, x_mid)
     act = batched(layer.mlp_act, m)
-    clip_projections(layer, (("self_attn.v_proj", h), ("self_attn.o_proj", ctx), ("mlp.gate_proj", m),
-                             ("mlp.up_proj", m), ("mlp.down_proj", act)), group_size, grid)
-
-
-def awq_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int = 20) -> None:
-    """An MoE layer's attention, scaled and clipped as awq_layer's (experts.awq_experts does its MLP)."""
-    scale_attention(layer, x, group_size, grid)
-    h = batched(layer.attn_in, x)
-    clip_projections(layer, (("self_attn.v_proj", h), ("self_attn.o_proj", batched(layer.attn_context, h))),
-                     group_size, grid)
+    clip_projections(layer, (("mlp.gate_proj", m), ("mlp.up_proj", m), ("mlp.down_proj", act)), group_size, grid)
 
 
 def scale_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int) -> None:
@@ -62,6 +61,14 @@ def scale_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid:
         ctx = batched(layer.attn_context, batched(layer.attn_in, x))
         scale_projections(layer, "self_attn.v_proj", ["self_attn.o_proj"], ctx,
                           lambda inp: layer.linear(inp, "self_attn.o_proj"), group_size, grid)
+
+
+def clip_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int) -> None:
+    """v and o clipped on their inputs as scaled; q and k are left alone (as in AWQ: their errors pass through
+    the softmax, which a per-projection MSE does not see)."""
+    h = batched(layer.attn_in, x)
+    clip_projections(layer, (("self_attn.v_proj", h), ("self_attn.o_proj", batched(layer.attn_context, h))),
+                     group_size, grid)
 
 
 def scale_projections(layer: DecoderLayer, prev: str, names: list[str], inp: torch.Tensor, block,
