@@ -20,6 +20,9 @@ from test_quant_families import CALIB, IDS, assert_bundle_matches, assert_layers
 transformers = pytest.importorskip("transformers")
 
 OVERRIDES = {"deepseek_v2": {}, "deepseek_v3": {"q_lora_rank": 32}}
+# the latent attentions AWQ's search meets: q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj
+MLA_VARIANTS = {"deepseek_v2": ("deepseek_v2", {}), "deepseek_v2-q_lora": ("deepseek_v2", {"q_lora_rank": 32}),
+                "deepseek_v3": ("deepseek_v3", OVERRIDES["deepseek_v3"])}
 
 
 def source(family, tiny_dir):
@@ -100,6 +103,71 @@ def test_awq_of_deepseek_is_refused_in_one_line(tiny_dir, tmp_path):
     with pytest.raises(UserError, match="deepseek_v2 models with --method rtn or gptq, not awq"):
         quantize_checkpoint(str(source("deepseek_v2", tiny_dir)), tmp_path / "q", QuantOptions(method="awq", **CALIB))
     assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("variant", list(MLA_VARIANTS))
+def test_awq_scales_leave_the_float_mla_layers_and_their_routing_unchanged(variant, tiny_dir, monkeypatch):
+    """AWQ's scales folded alone (the clipping, which does change weights, left out), in the dense first layer and
+    an MoE one: input_layernorm divided by s and q (or q_a) and kv_a multiplied by it, q_a_layernorm and q_b_proj
+    likewise, kv_b_proj's value rows divided by o_proj's s (its key rows as they were), the MLP's as every family's.
+    The float layer's output and the experts each token is routed to are as they were."""
+    from test_moe_quantize import layer_maker, outlier_inputs
+    from engc.compiler.quantize import awq
+    from engc.compiler.quantize.experts import awq_experts
+    from engc.compiler.quantize.mla_layer import KV_B, O, Q_A_NORM
+    monkeypatch.setattr(awq, "clip_weight", lambda w, *args: w)
+    family, overrides = MLA_VARIANTS[variant]
+    for index in (0, 1):   # first_k_dense_replace = 1
+        make, _ = layer_maker(tiny_dir(family, **overrides), index)
+        ref, layer = make(), make()
+        c = ref.cfg
+        x, _ = outlier_inputs(c.hidden_size)
+        with torch.no_grad():
+            if ref.moe is None:
+                awq.awq_layer(layer, x, 32, grid=4)
+            else:
+                awq.awq_attention(layer, x, 32, grid=4)
+                awq_experts(layer, x, 32, grid=4)
+            assert torch.allclose(layer.forward(x), ref.forward(x), atol=1e-5, rtol=1e-5), index
+            for norm in ["input_layernorm", ref.mlp_norm] + [Q_A_NORM] * bool(c.q_lora_rank):
+                s = ref.w[norm + ".weight"] / layer.w[norm + ".weight"]
+                assert s.max() / s.min() > 1.5, norm   # the channels' scales differ: the fold moved the weights
+            kv_b = {L: L.w[KV_B + ".weight"].view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+                    for L in (ref, layer)}
+            s = layer.w[O + ".weight"][0] / ref.w[O + ".weight"][0]
+            assert s.max() / s.min() > 1.5
+            assert torch.equal(kv_b[layer][:, :c.qk_nope_head_dim], kv_b[ref][:, :c.qk_nope_head_dim])
+            assert torch.allclose(kv_b[layer][:, c.qk_nope_head_dim:] * s.view(c.num_heads, c.v_head_dim, 1),
+                                  kv_b[ref][:, c.qk_nope_head_dim:], rtol=1e-5, atol=1e-7)
+            if ref.moe is not None:
+                h_ref, h = (L.mlp_in(x + L.attention(L.attn_in(x))).reshape(-1, c.hidden_size) for L in (ref, layer))
+                assert torch.equal(layer.moe.routed(layer, h)[1], ref.moe.routed(ref, h_ref)[1])
+
+
+@pytest.mark.parametrize("variant", list(MLA_VARIANTS))
+def test_awq_of_latent_attention_beats_rtn_on_outlier_channels(variant, tiny_dir):
+    """On held-out inputs with outlier channels (the calibration's distribution), AWQ's scales and clipping bring
+    an MoE layer's latent attention output, and the dense first layer's whole output, closer to the float layer's
+    than RTN's (every projection quantized RTN after AWQ's search)."""
+    from test_moe_quantize import layer_maker, outlier_inputs
+    from engc.compiler.quantize.awq import awq_attention, awq_layer
+    from engc.compiler.quantize.rtn import quantize_rtn
+    family, overrides = MLA_VARIANTS[variant]
+    err = {}
+    for index in (0, 1):
+        make, linears = layer_maker(tiny_dir(family, **overrides), index)
+        ref, rtn, layer_awq = make(), make(), make()
+        calib, held = outlier_inputs(ref.cfg.hidden_size)
+        with torch.no_grad():
+            (awq_layer if ref.moe is None else awq_attention)(layer_awq, calib, 32)
+            for L in (rtn, layer_awq):
+                for n in linears:
+                    L.w[n + ".weight"] = quantize_rtn(L.w[n + ".weight"], 32).dequantize()
+            out = (lambda L: L.forward(held)) if ref.moe is None else (lambda L: L.attention(L.attn_in(held)))
+            want = out(ref)
+            err[index] = {k: (out(L) - want).pow(2).mean().item() for k, L in (("rtn", rtn), ("awq", layer_awq))}
+    for e in err.values():
+        assert e["awq"] < 0.7 * e["rtn"], err   # measured 0.46-0.52x
 
 
 def test_dequantized_act_order_projection_is_in_channel_order():

@@ -1,7 +1,8 @@
 """AWQ (Lin et al. 2023): activation-aware per-input-channel scales, then a weight clipping search.
 
 For each group of projections that read one input (qkv after input_layernorm, gate/up after the MLP's
-input norm, down after up, o after v when the shapes allow), search s = x_mean^a /
+input norm, down after up, o after v when the shapes allow; DeepSeek's latent attention: q or q_a and kv_a
+after input_layernorm, q_b after q_a_layernorm, o after kv_b_proj's value rows), search s = x_mean^a /
 w_mean^(1-a) over a grid of a in [0, 1), scoring each candidate by the MSE of the *block output*
 (attention or MLP output, or the projection's own for down/o) with the scaled weights fake-quantized.
 The best s is folded into the previous op (a norm's scale, w or Gemma's 1 + w, or projection rows) and
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from engc.compiler.quantize.layer import ATTN_NORM, DecoderLayer, batched
+from engc.compiler.quantize.mla_layer import KV_A, O, Q, Q_A, Q_A_NORM, Q_B, MlaLayer
 from engc.compiler.quantize.rtn import fake_quantize, pad_groups
 
 CLIP_TOKENS = 512       # tokens sampled for the clipping search
@@ -54,6 +56,8 @@ def awq_mlp(layer: DecoderLayer, x_mid: torch.Tensor, group_size: int, grid: int
 
 
 def scale_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int) -> None:
+    if isinstance(layer, MlaLayer):
+        return scale_latent_attention(layer, x, group_size, grid)
     h = batched(layer.attn_in, x)
     qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
     scale_projections(layer, ATTN_NORM, qkv, h, lambda inp: batched(layer.attention, inp), group_size, grid)
@@ -63,18 +67,36 @@ def scale_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid:
                           lambda inp: layer.linear(inp, "self_attn.o_proj"), group_size, grid)
 
 
-def clip_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int) -> None:
-    """v and o clipped on their inputs as scaled; q and k are left alone (as in AWQ: their errors pass through
-    the softmax, which a per-projection MSE does not see)."""
+def scale_latent_attention(layer: MlaLayer, x: torch.Tensor, group_size: int, grid: int) -> None:
+    """DeepSeek's attention, as AutoAWQ's deepseek_v2: q_proj (or q_a_proj) and kv_a_proj_with_mqa over the input
+    norm's output, and q_b_proj over q_a_layernorm's, each scored on the attention's output; then o_proj over the
+    attention's context, its scale folded into kv_b_proj's value rows (divide_values), which stay float."""
     h = batched(layer.attn_in, x)
-    clip_projections(layer, (("self_attn.v_proj", h), ("self_attn.o_proj", batched(layer.attn_context, h))),
-                     group_size, grid)
+    first = [Q_A if layer.cfg.q_lora_rank else Q, KV_A]
+    scale_projections(layer, ATTN_NORM, first, h, lambda inp: batched(layer.attention, inp), group_size, grid)
+    h = batched(layer.attn_in, x)
+    if layer.cfg.q_lora_rank:
+        def from_latent(latent: torch.Tensor) -> torch.Tensor:   # the attention's output, q_b_proj reading latent
+            return batched(lambda lat, hs: layer.attn_out(layer.attn_context(hs, lat)), latent, h)
+        scale_projections(layer, Q_A_NORM, [Q_B], batched(layer.q_latent, h), from_latent, group_size, grid)
+    ctx = batched(layer.attn_context, h)
+    scale_projections(layer, layer.divide_values, [O], ctx, lambda inp: layer.linear(inp, O), group_size, grid)
 
 
-def scale_projections(layer: DecoderLayer, prev: str, names: list[str], inp: torch.Tensor, block,
+def clip_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int) -> None:
+    """v (latent attention: kv_a_proj_with_mqa) and o clipped on their inputs as scaled; q and k are left alone
+    (as in AWQ: their errors pass through the softmax, which a per-projection MSE does not see), and so are latent
+    attention's q_proj, q_a_proj and q_b_proj."""
+    h = batched(layer.attn_in, x)
+    values = KV_A if isinstance(layer, MlaLayer) else "self_attn.v_proj"
+    clip_projections(layer, ((values, h), ("self_attn.o_proj", batched(layer.attn_context, h))), group_size, grid)
+
+
+def scale_projections(layer: DecoderLayer, prev: str | Callable, names: list[str], inp: torch.Tensor, block,
                       group_size: int, grid: int) -> None:
     """The scale of the projections `names`, which read inp (prev's output): each candidate's weights
-    fake-quantized into layer.w and scored on block(inp), the best multiplied into them and divided out of prev."""
+    fake-quantized into layer.w and scored on block(inp), the best multiplied into them and divided out of prev,
+    a norm's or a projection's name, or a function that divides prev's output by s (MlaLayer.divide_values)."""
     w = layer.w
     originals = {n: w[n + ".weight"] for n in names}
 
@@ -89,7 +111,9 @@ def scale_projections(layer: DecoderLayer, prev: str, names: list[str], inp: tor
         best = search_scale(inp, originals.values(), loss, group_size, grid)
     for n, orig in originals.items():
         w[n + ".weight"] = orig * best
-    if prev.endswith("layernorm"):
+    if callable(prev):
+        prev(best)
+    elif prev.endswith("layernorm"):
         layer.divide_norm(prev, best)
     else:  # a projection: its output rows (and bias) feed the scaled inputs
         w[prev + ".weight"] = w[prev + ".weight"] / best[:, None]

@@ -125,6 +125,6 @@ class DecoderLayer:
         return x + self.mlp(self.mlp_in(x))
 
 
-def batched(fn, x: torch.Tensor, rows: int = 8) -> torch.Tensor:
-    """fn over x [B, ...] a few sequences at a time: bounds the activations of the wide MLP."""
-    return torch.cat([fn(x[i:i + rows]) for i in range(0, x.shape[0], rows)])
+def batched(fn, *xs: torch.Tensor, rows: int = 8) -> torch.Tensor:
+    """fn over xs, each [B, ...], a few sequences at a time: bounds the activations of the wide MLP."""
+    return torch.cat([fn(*(x[i:i + rows] for x in xs)) for i in range(0, xs[0].shape[0], rows)])

@@ -21,6 +21,7 @@ from engc.kernels.rms_norm import rms_norm
 
 KV_A, KV_B, O = "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj"
 Q, Q_A, Q_B = "self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj"
+Q_A_NORM = "self_attn.q_a_layernorm"
 # the projections that read one input: GPTQ's true-sequential stages need them apart
 MLP_LINEARS = LINEARS[4:]
 
@@ -53,7 +54,22 @@ class MlaLayer(DecoderLayer):
 
     def q_latent(self, h: torch.Tensor) -> torch.Tensor:
         """q_a_proj's output normed: q_b_proj's input (q_lora_rank models)."""
-        return rms_norm(self.linear(h, Q_A), self.w["self_attn.q_a_layernorm.weight"], LATENT_NORM_EPS)
+        return rms_norm(self.linear(h, Q_A), self.w[Q_A_NORM + ".weight"], LATENT_NORM_EPS)
+
+    def divide_norm(self, name: str, s: torch.Tensor) -> None:
+        if name == Q_A_NORM:   # by w, as q_latent and the build's LatentRMSNorm scale, whatever the other norms do
+            self.w[name + ".weight"] = self.w[name + ".weight"] / s
+        else:
+            super().divide_norm(name, s)
+
+    def divide_values(self, s: torch.Tensor) -> None:
+        """The attention's context [.., heads * v_head_dim] divided by s per channel: the value rows of kv_b_proj
+        (w_uv, a head's v_head_dim rows after its nope key rows) divided, as a dense layer's v_proj rows take
+        o_proj's AWQ scale. kv_b_proj stays float, so the fold costs no accuracy."""
+        c = self.cfg
+        kv_b = self.w[KV_B + ".weight"].view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+        values = kv_b[:, c.qk_nope_head_dim:] / s.view(c.num_heads, c.v_head_dim, 1)
+        self.w[KV_B + ".weight"] = torch.cat([kv_b[:, :c.qk_nope_head_dim], values], dim=1).reshape(-1, c.kv_lora_rank)
 
     def rope_dims(self, x: torch.Tensor, keep: int) -> torch.Tensor:
         """x [..., keep + rope] with the rope dims in rotate-half order and times the attention factor."""
@@ -63,12 +79,16 @@ class MlaLayer(DecoderLayer):
             pe = torch.cat([pe[..., 0::2], pe[..., 1::2]], dim=-1)
         return torch.cat([x[..., :keep], pe * c.rope_attention_factor], dim=-1)
 
-    def attn_context(self, h: torch.Tensor) -> torch.Tensor:
-        """Normed hidden [B, T, D] -> attention output before o_proj [B, T, heads * v_head_dim]."""
+    def attn_context(self, h: torch.Tensor, latent: torch.Tensor | None = None) -> torch.Tensor:
+        """Normed hidden [B, T, D] -> attention output before o_proj [B, T, heads * v_head_dim]. latent: q_b_proj's
+        input where given, q_latent(h) otherwise (AWQ's search of q_b_proj scores the attention on its candidates)."""
         c = self.cfg
         b, t, _ = h.shape
         heads, nope, rope, r = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
-        q = self.linear(self.q_latent(h), Q_B) if c.q_lora_rank else self.linear(h, Q)
+        if c.q_lora_rank:
+            q = self.linear(self.q_latent(h) if latent is None else latent, Q_B)
+        else:
+            q = self.linear(h, Q)
         q = self.rope_dims(q.view(b, t, heads, nope + rope), nope).reshape(b, t, -1)
         ckv = self.rope_dims(self.linear(h, KV_A), r)
         kv_b = self.w[KV_B + ".weight"].view(heads, nope + c.v_head_dim, r)
