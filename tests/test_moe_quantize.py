@@ -52,15 +52,6 @@ def test_quantize_quantizes_each_expert_and_builds(family, fused, method, tiny_d
     _assert_matches_hf(tmp_path / "b", oracle_of(tmp_path / "q", None, tmp_path), PROMPT_IDS)
 
 
-def test_quantize_refuses_awq_of_latent_attention(tiny_dir, tmp_path):
-    """DeepSeek's latent attention has GPTQ's stages but no AWQ search: one line naming it, exit 1, before any
-    calibration."""
-    from test_quant_bad_input import one_line_error, quantize
-    one_line_error(quantize(tiny_dir("deepseek_v2"), tmp_path, "--method", "awq"),
-                   "deepseek_v2 models with --method rtn or gptq, not awq: AWQ has no scale search for multi-head "
-                   "latent attention")
-
-
 @pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
 def test_quantizer_moe_layer_is_the_hf_layer(family, tiny_dir):
     """The quantizer's MoE layers against HF's decoder layers on the same input: OLMoE's q/k norms over the whole

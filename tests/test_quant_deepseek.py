@@ -57,13 +57,14 @@ def test_prequantized_awq_deepseek_builds(family, tiny_dir, tmp_path):
     assert_bundle_matches(tmp_path / "b", oracle_of(tmp_path / "q", None, tmp_path))
 
 
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
 def test_quantized_deepseek_builds_and_matches_its_dequantized_weights(family, method, tiny_dir, tmp_path):
     """engc quantize writes DeepSeek's own checkpoint: every attention projection but kv_b_proj int4, each
     expert int4, the dense first layer's MLP int4; kv_b_proj, the shared experts, the router and its bias
-    float and named in modules_to_not_convert. engc build reads it, and the bundle's logits are the float
-    model's of the dequantized weights."""
+    float and named in modules_to_not_convert. engc build reads it, and the bundle's logits, greedy tokens and
+    their log-probs are the float model's of the dequantized weights."""
+    from test_moe import PROMPT_IDS, _assert_matches_hf
     src = source(family, tiny_dir)
     quantize_checkpoint(str(src), tmp_path / "q", QuantOptions(method=method, group_size=32, **CALIB))
     written = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["weight_map"]
@@ -75,9 +76,11 @@ def test_quantized_deepseek_builds_and_matches_its_dequantized_weights(family, m
         assert f"model.layers.1.{name}" in written
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert qc["modules_to_not_convert"] == ["kv_b_proj", "shared_experts"]
+    assert qc["quant_method"] == ("awq" if method == "awq" else "gptq")
     build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())
     oracle = oracle_of(tmp_path / "q", None, tmp_path)
     assert_bundle_matches(tmp_path / "b", oracle)
+    _assert_matches_hf(tmp_path / "b", oracle, PROMPT_IDS)
     if method == "rtn":   # no calibration moved the weights: each is its float source's, rounded, in its rows
         expected, dequantized = tensors_of(src), load_file(str(oracle / "model.safetensors"))
         for name, w in expected.items():
@@ -96,13 +99,20 @@ def test_quantizer_layer_is_the_hf_layer(family, tiny_dir):
     assert [layer.moe is None for layer in layers] == [True, False]   # first_k_dense_replace = 1
 
 
-def test_awq_of_deepseek_is_refused_in_one_line(tiny_dir, tmp_path):
-    """AWQ's scale search has no single MLP input for experts that each see other tokens (quantize/experts.py),
-    and every DeepSeek model has experts."""
-    from engc.errors import UserError
-    with pytest.raises(UserError, match="deepseek_v2 models with --method rtn or gptq, not awq"):
-        quantize_checkpoint(str(source("deepseek_v2", tiny_dir)), tmp_path / "q", QuantOptions(method="awq", **CALIB))
-    assert not (tmp_path / "q").exists()
+def test_engc_quantize_of_deepseek_is_awq_by_default(tiny_dir, tmp_path):
+    """`engc quantize` of DeepSeek with the default method: an AWQ checkpoint, whose float kv_b_proj carries
+    o_proj's scales in its value rows (its key rows as the source's)."""
+    from test_quant_bad_input import quantize
+    src = source("deepseek_v2", tiny_dir)
+    result = quantize(src, tmp_path, "--calib-samples", "4", "--calib-seqlen", "32")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]["quant_method"] == "awq"
+    cfg = json.loads((src / "config.json").read_text())
+    heads, nope = cfg["num_attention_heads"], cfg["qk_nope_head_dim"]
+    kv_b = "model.layers.1.self_attn.kv_b_proj.weight"
+    before, after = (tensors_of(f)[kv_b].view(heads, nope + cfg["v_head_dim"], -1) for f in (src, tmp_path / "o"))
+    assert torch.equal(after[:, :nope], before[:, :nope])
+    assert not torch.allclose(after[:, nope:], before[:, nope:])
 
 
 @pytest.mark.parametrize("variant", list(MLA_VARIANTS))

@@ -56,7 +56,6 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
     cfg = resolve_config(source.hf_config)
     names = SourceNames.of(source)
     ckpt = llama_view(source, cfg)
-    refuse_uncalibrated(ckpt, cfg, opts.method)
     check_shapes(cfg, opts.group_size, opts.lm_head)
     x, calib = None, {}
     if opts.method != "rtn":
@@ -191,13 +190,6 @@ def calibration_layer(hf: dict, cfg, rope, i: int, weights: dict, dtypes: dict):
     if moe:
         layer.moe = MoeMlp(hf, moe)
     return layer, moe or attention + MLP_LINEARS
-
-
-def refuse_uncalibrated(ckpt: Checkpoint, cfg, method: str) -> None:
-    """AWQ of latent attention, in one line: mla_layer.py has GPTQ's stages but no AWQ search."""
-    if cfg.kv_lora_rank and method == "awq":
-        raise UserError(f"{ckpt.name}: engc quantize quantizes {cfg.family} models with --method rtn or gptq, "
-                        f"not awq: AWQ has no scale search for multi-head latent attention")
 
 
 def pack_of(opts: QuantOptions):
