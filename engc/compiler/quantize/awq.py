@@ -68,9 +68,10 @@ def scale_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid:
 
 
 def scale_latent_attention(layer: MlaLayer, x: torch.Tensor, group_size: int, grid: int) -> None:
-    """DeepSeek's attention, as AutoAWQ's deepseek_v2: q_proj (or q_a_proj) and kv_a_proj_with_mqa over the input
-    norm's output, and q_b_proj over q_a_layernorm's, each scored on the attention's output; then o_proj over the
-    attention's context, its scale folded into kv_b_proj's value rows (divide_values), which stay float."""
+    """DeepSeek's attention, after AutoAWQ's deepseek_v2: q_proj (or q_a_proj) and kv_a_proj_with_mqa over the
+    input norm's output, and q_b_proj over q_a_layernorm's, both scored on the attention's output (q_b_proj's
+    error reaches it through the softmax); then o_proj over the attention's context, its scale folded into
+    kv_b_proj's value rows (divide_values), which stay float."""
     h = batched(layer.attn_in, x)
     first = [Q_A if layer.cfg.q_lora_rank else Q, KV_A]
     scale_projections(layer, ATTN_NORM, first, h, lambda inp: batched(layer.attention, inp), group_size, grid)
