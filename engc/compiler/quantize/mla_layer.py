@@ -65,7 +65,7 @@ class MlaLayer(DecoderLayer):
     def divide_values(self, s: torch.Tensor) -> None:
         """The attention's context [.., heads * v_head_dim] divided by s per channel: the value rows of kv_b_proj
         (w_uv, a head's v_head_dim rows after its nope key rows) divided, as a dense layer's v_proj rows take
-        o_proj's AWQ scale. kv_b_proj stays float, so the fold costs no accuracy."""
+        o_proj's AWQ scale. kv_b_proj is not quantized, so the fold moves no quantization error into it."""
         c = self.cfg
         kv_b = self.w[KV_B + ".weight"].view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
         values = kv_b[:, c.qk_nope_head_dim:] / s.view(c.num_heads, c.v_head_dim, 1)
