@@ -7,7 +7,8 @@
 #   here:   python bench/gpu_bench.py prepare --shapes 8b --cache .kc; bash ../shared/peer/prepare.sh (fills .peer);
 #           then the api_server's and serve_bench's own wheels, which prepare.sh leaves out:
 #           pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#             --platform manylinux2014_x86_64 -d .peer/wheels openai jiter distro sniffio httpx httpcore h11 anyio
+#             --platform manylinux2014_x86_64 -d .peer/wheels "openai<3" jiter distro sniffio httpx httpcore h11 anyio
+#           (openai 3 imports httpx2, which LMDeploy's api_server does not get)
 #   device: bash bench/serve_h200.sh    carry [".kc", ".whl", ".peer"]; about 8 minutes, finish by BUDGET (545 s)
 #   here:   SERVE_LOCAL=1 bash bench/serve_h200.sh
 #           a CPU rehearsal: the "tiny" shape, engc on the CPU, a few requests; LMDeploy only with LMD_LAUNCH and
