@@ -6,7 +6,9 @@ what the GPU binding runs: the routing variants, the decode path (one (token, ex
 grouped paths (pairs sorted by expert, padded to BLOCK_M: the decode-sized batches' small tile and the
 prefill variants' large one; the sort kernel's schedule exactly sort_by_expert's), with and without a shared
 expert, and both with the fp8 experts of engc build --quant fp8 (float8 weights, a scale per channel, inputs
-quantized per row: the FP8_W specialization, W8A8).
+quantized per row: the FP8_W specialization, W8A8). Without a shared expert the decode path is fused (gate_up
+routing its own pairs, down summing each token's): bit for bit the unfused kernels' for every routing, ties,
+and float, fp8 and int4 experts.
 """
 from __future__ import annotations
 
@@ -81,8 +83,46 @@ def test_grouped_variants_follow_the_token_count():
     assert grouped_variants(4096, 8, 128, {"gate_up_decode": consts["gate_up_decode"]}) == ("gate_up", "down")
 
 
-@pytest.mark.parametrize("shared,fp8", [(0, False), (40, False), (40, True)],
-                         ids=["routed", "shared-expert", "fp8-experts"])
+@pytest.mark.parametrize("family,attrs,decode", [
+    ("qwen3_moe", dict(renormalize=1), ["router_small", "gate_up_decode", "down_decode"]),
+    ("mixtral", dict(renormalize=1, float32_weights=1), ["router_small", "gate_up_decode", "down_decode"]),
+    ("olmoe", {}, ["router_small", "gate_up_decode", "down_decode"]),
+    ("qwen2_moe", dict(has_shared_expert=1), ["router_small", "route", "gate_up_decode", "down_decode", "combine"]),
+    ("deepseek_v3", dict(has_shared_expert=1, shared_ungated=1, sigmoid_scores=1, n_group=2, topk_group=1,
+                         routed_scaling_factor=2.5),
+     ["router_deepseek_small", "route_deepseek", "gate_up_decode", "down_decode", "combine"])])
+def test_decode_launches_of_each_routing(family, attrs, decode):
+    """What forward() passes to run, counted: a routing without a shared expert (Qwen3-MoE, Mixtral, OLMoE)
+    decodes, at one token and at a few, in three MoE launches (the router, gate_up routing its own pairs, down
+    summing each token's pairs), not five; a shared expert (Qwen2-MoE) keeps the route and the combine, DeepSeek
+    its routing kernel and the combine; past max_pairs every model routes, sorts and combines."""
+    import torch
+    from engc.compiler.codegen.specs import model_specs
+    from engc.kernels import moe as op
+    shared = 40 if attrs.get("has_shared_expert") else 0
+    cfg = _cfg(family=family, shared_expert_intermediate_size=shared, num_experts=4 if shared else 6)
+    consts = {s.variant: s.launch for s in model_specs(cfg, torch.bfloat16, "sm90", 16) if s.op == "moe"}
+    assert bool(consts["gate_up_decode"].get("fused")) == (not shared)
+    e, bf = cfg.num_experts, torch.bfloat16
+    inputs = [torch.randn(e, 64, dtype=bf), torch.randn(e, 96, 64, dtype=bf), torch.randn(e, 64, 48, dtype=bf)]
+    if shared:
+        inputs += [torch.randn(2 * shared, 64, dtype=bf), torch.randn(64, shared, dtype=bf)]
+        inputs += [] if attrs.get("shared_ungated") else [torch.randn(1, 64, dtype=bf)]
+
+    def launched(tokens):
+        seen = []
+        op.forward(lambda launches: seen.extend(v for v, _, _ in launches), torch.randn(tokens, 64, dtype=bf),
+                   *inputs, top_k=2, consts=consts, **attrs)
+        return seen
+    assert launched(1) == decode and launched(4) == decode
+    most = consts["gate_up_decode"]["max_pairs"] // 2   # tokens of top-2 on the decode path (past the small router)
+    assert launched(most)[1:] == decode[1:]
+    grouped = launched(most + 1)
+    assert grouped[1:] == [decode[1] if shared else "route", "sort", "gate_up", "down", "combine"], grouped
+
+
+@pytest.mark.parametrize("shared,fp8", [(0, False), (40, False), (0, True), (40, True)],
+                         ids=["routed", "shared-expert", "fp8-experts", "fp8-experts-shared"])
 def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared, fp8):
     """Every MoE kernel compiles ahead of time for both archs (no GPU), and each launch forward() makes, on
     both paths, passes the compiled kernel's parameters in order, with the recorded types. fp8 experts: sm90
@@ -325,10 +365,69 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
     kind = "_decode" if pairs <= max_pairs else "_prefill" if pairs >= min_rows * experts else ""
     router = "router_small" if tokens <= specs["router_small"].launch["max_tokens"] else "router"
     quant_x, quant_act = ([f"k{cfg.hidden_size}"], [f"k{cfg.moe_intermediate_size}"]) if fp8 else ([], [])
-    expected = [router, "route", *([] if kind == "_decode" else ["sort"]), *quant_x, "gate_up" + kind, *quant_act,
-                "down" + kind, "combine"]
+    if kind == "_decode" and not shared:   # the fused decode kernels: no route, no combine
+        expected = [router, *quant_x, "gate_up_decode", *quant_act, "down_decode"]
+    else:
+        expected = [router, "route", *([] if kind == "_decode" else ["sort"]), *quant_x, "gate_up" + kind,
+                    *quant_act, "down" + kind, "combine"]
     assert run.variants == expected, run.variants
     return _rel(out, ref), run.variants
+
+
+def check_fused_decode(dtype, tokens, top_k=2, softmax_first=1, renormalize=0, float32_weights=0, fp8=False, int4=0,
+                       ties=False):
+    """The fused decode path of a routing without a shared expert (gate_up routing its pairs itself, down summing
+    each token's pairs) against the same model's unfused decode kernels (route, gate_up, down, combine: the
+    decode variants a shared-expert model compiles, which take the same constexprs) bit for bit, and against
+    the reference. ties: expert 3 a copy of expert 0 (router row and weights), both a clear second to expert
+    1 (x's first input 1, their router's first column 2 against its 3), so the two equal logits straddle the
+    top-2 boundary of every token: the kernels take expert 0, and either choice is the reference's output."""
+    import torch
+    from engc.kernels import moe as op
+    cfg = _cfg(num_experts=6, num_experts_per_tok=top_k, **({"moe_intermediate_size": 64} if int4 else {}))
+    tiles = {"BLOCK_N": 32, "BLOCK_K": 32}
+    fused = _specs(cfg, dtype, tiles, fp8=fp8, int4=int4)
+    shared = _specs(_cfg(num_experts=6, num_experts_per_tok=top_k, shared_expert_intermediate_size=40,
+                         **({"moe_intermediate_size": 64} if int4 else {})), dtype, tiles, fp8=fp8, int4=int4)
+    unfused = {**fused, "gate_up_decode": shared["gate_up_decode"], "down_decode": shared["down_decode"]}
+    assert fused["gate_up_decode"].launch["fused"] and fused["down_decode"].launch["fused"]
+    assert not {"fused"} & (set(unfused["gate_up_decode"].launch) | set(unfused["down_decode"].launch))
+    w, r = _weights(cfg, dtype, seed=tokens + 100 * top_k, fp8=fp8, int4=int4)
+    x = r(tokens, cfg.hidden_size, std=1.0)
+    if ties:
+        w["router"] = r(6, cfg.hidden_size, std=0.01)
+        w["router"][:, 0] = torch.tensor([2.0, 3.0, -1.0, 2.0, 0.0, -2.0])
+        x[:, 0] = 1.0
+        for name in ("router", "gate_up", "down", "gate_up_scale", "down_scale", "gate_up_scales", "gate_up_zeros",
+                     "down_scales", "down_zeros"):
+            if name in w:
+                w[name][3] = w[name][0]
+    attrs = dict(top_k=top_k, softmax_first=softmax_first, renormalize=renormalize, has_shared_expert=0,
+                 **({"float32_weights": 1} if float32_weights else {}), **({"fp8_experts": 1} if fp8 else {}),
+                 **({"group_size": int4} if int4 else {}))
+    inputs = [x, w["router"], w["gate_up"], w["down"], *_quant_inputs(w)]
+    ref = op.moe(*inputs, **attrs)
+    outs, routing = {}, {}
+    for name, specs in (("fused", fused), ("unfused", unfused)):
+        ran = _runner(specs)
+
+        def run(launches, ran=ran, name=name):
+            launches = list(launches)
+            ran(launches)
+            for variant, _, args in launches:   # the routing the down GEMM reads: (weights, ids)
+                if variant == "route" or (name == "fused" and variant == "gate_up_decode"):
+                    routing[name] = (args[3], args[4]) if variant == "route" else (args[6], args[7])
+        outs[name] = op.forward(run, *inputs, consts={v: s.launch for v, s in specs.items()}, quant=run, **attrs)
+        outs[name + "_launches"] = [v for v in ran.variants if not v.startswith("k")]   # the MoE op's
+    assert outs["fused_launches"] == ["router_small", "gate_up_decode", "down_decode"], outs["fused_launches"]
+    assert outs["unfused_launches"] == ["router_small", "route", "gate_up_decode", "down_decode", "combine"], \
+        outs["unfused_launches"]
+    assert all(torch.equal(a, b) for a, b in zip(routing["fused"], routing["unfused"])), routing
+    if ties:   # expert 1 first, then the tie's lower id in both paths
+        assert torch.equal(routing["fused"][1][:, :2], torch.tensor([[1, 0]] * tokens, dtype=torch.int32)), routing
+    if not torch.equal(outs["fused"], outs["unfused"]):
+        return float("inf"), [float((outs["fused"] - outs["unfused"]).abs().max())]
+    return _rel(outs["fused"], ref), outs["fused_launches"]
 
 
 def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False, groups=True):
@@ -436,6 +535,27 @@ def main():
         # more experts than pairs: most experts get no rows, the schedule's tail blocks are padding
         "grouped_many_experts_fp32": (lambda: check_forward(f32, 9, experts=32, top_k=4, max_pairs=4), tol[f32]),
         "gpu_binding_fp32": (lambda: check_binding(f32), tol[f32]),
+        # the fused decode path (no shared expert: three launches) bit for bit the unfused kernels', and near
+        # the reference: Qwen3-MoE (softmax, top-k, renormalized), OLMoE (not renormalized), Mixtral's
+        # top-k-then-softmax and float32 weights, equal logits at the top-k boundary, one token and a few,
+        # float, fp8 and int4 experts
+        "fused_qwen3_one_token_bf16": (lambda: check_fused_decode(bf16, 1, top_k=4, renormalize=1), tol[bf16]),
+        "fused_qwen3_fp32": (lambda: check_fused_decode(f32, 5, top_k=4, renormalize=1), tol[f32]),
+        "fused_olmoe_bf16": (lambda: check_fused_decode(bf16, 3), tol[bf16]),
+        "fused_olmoe_one_token_fp32": (lambda: check_fused_decode(f32, 1), tol[f32]),
+        "fused_mixtral_topk_first_fp32": (lambda: check_fused_decode(f32, 4, softmax_first=0), tol[f32]),
+        "fused_mixtral_float32_weights_bf16": (lambda: check_fused_decode(bf16, 4, renormalize=1, float32_weights=1),
+                                               tol[bf16]),
+        "fused_mixtral_float32_weights_one_token_bf16": (
+            lambda: check_fused_decode(bf16, 1, softmax_first=0, float32_weights=1), tol[bf16]),
+        "fused_ties_fp32": (lambda: check_fused_decode(f32, 3, renormalize=1, ties=True), tol[f32]),
+        "fused_ties_bf16": (lambda: check_fused_decode(bf16, 1, ties=True), tol[bf16]),
+        "fused_fp8_bf16": (lambda: check_fused_decode(bf16, 3, renormalize=1, fp8=True), tol[bf16]),
+        "fused_fp8_one_token_fp32": (lambda: check_fused_decode(f32, 1, top_k=4, fp8=True), tol[f32]),
+        "fused_fp8_ties_bf16": (lambda: check_fused_decode(bf16, 2, ties=True, fp8=True), tol[bf16]),
+        "fused_int4_bf16": (lambda: check_fused_decode(bf16, 3, renormalize=1, int4=32), tol[bf16]),
+        "fused_int4_one_token_fp32": (lambda: check_fused_decode(f32, 1, softmax_first=0, int4=32), tol[f32]),
+        "fused_int4_ties_bf16": (lambda: check_fused_decode(bf16, 4, ties=True, int4=32), tol[bf16]),
         "deepseek_v2_decode_fp32": (lambda: check_deepseek(f32, 5, v3=False), tol[f32]),
         "deepseek_v3_grouped_fp32": (lambda: check_deepseek(f32, 23, v3=True, max_pairs=4), tol[f32]),
         "deepseek_v2_lite_routing_fp32": (lambda: check_deepseek(f32, 7, v3=False, groups=False), tol[f32]),
@@ -481,7 +601,8 @@ def main():
         "sort_one_program_loops": (lambda: check_sort(200, 4, 60, 32, overrides={"RANK_BLOCK": 16,
                                                                                 "max_programs": 1}), 0),
     }
-    print_report(checks)
+    wanted = sys.argv[1:]   # case names: only those (a file's checks take minutes under the interpreter)
+    print_report({k: v for k, v in checks.items() if not wanted or k in wanted})
 
 
 if __name__ == "__main__":

@@ -494,9 +494,12 @@ class _StandIn:
     launch's pointers name (what the real kernel reads and writes), so MoeBench's launch wiring (schedule,
     grids, argument order, BLOCK_M) and its check are tested without a GPU."""
 
+    SIGNATURES = {"moe_gate_up_kernel": "p" * 8 + "i", "moe_down_kernel": "p" * 9 + "i",
+                  "moe_gate_up_route_kernel": "p" * 9 + "iii", "moe_down_combine_kernel": "p" * 8}
+
     def __init__(self, record, tensors, broken=False):
         self.record, self.tensors, self.broken = record, tensors, broken
-        self.signature = "p" * (8 if record["entry"].startswith("moe_gate_up") else 9) + "i"
+        self.signature = self.SIGNATURES[record["entry"]]
         self.grids = []
 
     def launch(self, grid, ptrs, stream):
@@ -505,6 +508,25 @@ class _StandIn:
         if self.broken:
             return
         t = self.tensors()
+        tensor = lambda p: t[p] if p in t else p  # noqa: E731
+        if self.record["entry"] == "moe_gate_up_route_kernel":   # the routing from the logits, then the GLUs
+            x, _, w, _, _, logits, weights, ids, act, softmax_first, renormalize, _ = map(tensor, ptrs)
+            assert (softmax_first, renormalize) == (1, 1)   # the bench's routing, Qwen3's
+            probs = torch.softmax(logits.float(), dim=-1)
+            top, top_ids = torch.topk(probs, ids.shape[1], dim=-1)
+            weights.copy_((top / top.sum(-1, keepdim=True)).to(x.dtype).float())
+            ids.copy_(top_ids)
+            for pair, e in enumerate(ids.view(-1).tolist()):
+                g, u = F.linear(x[pair // ids.shape[1]], w[e]).chunk(2)
+                act[pair] = F.silu(g) * u
+            return
+        if self.record["entry"] == "moe_down_combine_kernel":
+            act, _, w, _, _, ids, weights, out = map(tensor, ptrs)
+            k = ids.shape[1]
+            for tok in range(out.shape[0]):
+                out[tok] = sum((F.linear(act[tok * k + j], w[int(ids[tok, j])]) * weights[tok, j]).to(out.dtype)
+                               for j in range(k))
+            return
         bm = self.record["launch"].get("BLOCK_M", 1)
         gate_up = self.record["entry"].startswith("moe_gate_up")
         if gate_up:   # float experts: the scale and zero pointers (after x, after w) are x's and w's, unread
@@ -557,7 +579,8 @@ def test_moe_bench_launches_check_against_the_reference_on_cpu(tmp_path, cls, mo
     (up, _), (down, _) = bench.kernels[(shape, cand)]
     blocks = 2 * shape.tokens if cls == "decode" else up.grids[-1][0]
     assert up.grids[-1] == (blocks, -(-32 // dict(cand.fields)["BLOCK_N"]), 1)
-    assert down.grids[-1] == (blocks, -(-64 // dict(cand.fields)["BLOCK_N"]), 1)
+    # the fused decode down: a program a token (and N tile), summing its pairs
+    assert down.grids[-1] == (shape.tokens if cls == "decode" else blocks, -(-64 // dict(cand.fields)["BLOCK_N"]), 1)
     bench.kernels = kernels(True)   # a kernel that writes nothing is caught (nan: over any tolerance)
     assert not bench.check(shape, cand) <= 1e-2
 

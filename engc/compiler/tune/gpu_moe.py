@@ -7,6 +7,8 @@ The weights: one layer's experts, random, in as many copies as overflow L2 three
 The routing: route() of a seeded random router on seeded random tokens (the Qwen3 routing: softmax, top-k,
 renormalized), near uniform over the experts as a trained router's load balancing makes it. The schedule
 (sort_by_expert) is made once per BLOCK_M outside the timed graph: it does not depend on the tile otherwise.
+A model whose decode pair is fused (no shared expert) times it as forward() launches it: the gate_up routing
+from the router's logits (made once, outside the graph) and the down writing each token's sum.
 """
 from __future__ import annotations
 
@@ -53,9 +55,21 @@ class MoeBench:
             ref = op.moe(x, w["router"], w["gate_up"][0], w["down"][0], top_k=self.k, softmax_first=1,
                          renormalize=1)
             pairs = torch.empty(tokens * self.k, self.h, dtype=self.dtype, device=self.device)
+            # the fused decode variants' own: the router's logits they route from, the routing they write,
+            # the output they sum each token's pairs into
+            fused = dict(logits=torch.nn.functional.linear(x, w["router"]),
+                         routed_weights=torch.empty_like(weights),
+                         routed_ids=torch.empty_like(ids, dtype=torch.int32),
+                         out=torch.empty(tokens, self.h, dtype=self.dtype, device=self.device))
             self._inputs[tokens] = dict(x=x, weights=weights.to(self.dtype).float().contiguous(),
-                                        ids=ids.to(torch.int32).contiguous(), ref=ref.float(), pairs=pairs)
+                                        ids=ids.to(torch.int32).contiguous(), ref=ref.float(), pairs=pairs, **fused)
         return self._inputs[tokens]
+
+    def fused(self, shape, cand) -> bool:
+        """The candidate's decode pair is the fused kernels (kernels/moe fused_decode): routing from the logits,
+        each token's pairs summed into out."""
+        return shape.name == "decode" and op.fused_decode({r["variant"]: r["launch"]
+                                                           for _, r in self.kernels[(shape, cand)]})
 
     def schedule(self, tokens: int, block_m: int | None):
         """(rows, block_expert, act) for the batch: sort_by_expert's at block_m, or the decode variants' one
@@ -83,13 +97,18 @@ class MoeBench:
         gate_up = tm.CLASSES[cls][0]
         b = self.inputs(shape.tokens)
         rows, block_expert, act = self.schedule(shape.tokens, None if decode else consts[gate_up]["BLOCK_M"])
+        weights = b["weights"]
+        fused = {}
+        if self.fused(shape, cand):   # the bench's routing (Qwen3's), computed by the gate_up kernel itself
+            weights, block_expert = b["routed_weights"], b["routed_ids"]
+            fused = dict(logits=b["logits"], out=b["out"], routing=dict(softmax_first=1, renormalize=1))
         w = self.weights()
         fns = []
         for c in range(self.copies):
             plan = []
             for variant, grid, args in op.launch_experts(b["x"], w["gate_up"][c], w["down"][c], rows, block_expert,
-                                                         b["weights"], act, b["pairs"], consts,
-                                                         None if decode else tm.CLASSES[cls]):
+                                                         weights, act, b["pairs"], consts,
+                                                         None if decode else tm.CLASSES[cls], **fused):
                 kernel, _ = by_variant[variant]
                 plan.append((kernel, grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a
                                             for a in args[:len(kernel.signature)]]))
@@ -102,11 +121,12 @@ class MoeBench:
 
     def check(self, shape, cand) -> float:
         """Relative error of the candidate's MoE output (its pairs summed per token, as the combine kernel
-        sums them) against moe()'s."""
+        sums them, or the fused decode down's output) against moe()'s."""
         b = self.inputs(shape.tokens)
-        b["pairs"].fill_(float("nan"))
+        fused = self.fused(shape, cand)
+        b["out" if fused else "pairs"].fill_(float("nan"))
         self.launches(shape, cand)[0]()
         if self.device != "cpu":
             torch.cuda.synchronize()
-        out = b["pairs"].float().view(shape.tokens, self.k, self.h).sum(1)
+        out = b["out"].float() if fused else b["pairs"].float().view(shape.tokens, self.k, self.h).sum(1)
         return float((out - b["ref"]).norm() / b["ref"].norm())

@@ -4,7 +4,8 @@ A class is the pair of variants one launch rule picks (kernels/moe grouped_varia
 it serves, the routing drawn from a seeded random router (the reference's own route()):
   grouped  gate_up + down            T = 32, 64, 256 (decode-sized batches: a few to tens of rows an expert)
   prefill  gate_up_prefill + down_prefill   T = 4096 (a prompt chunk: hundreds of rows an expert)
-  decode   gate_up_decode + down_decode     T = 1, 4 (one (token, expert) pair a program, no sort)
+  decode   gate_up_decode + down_decode     T = 1, 4 (one (token, expert) pair a program, no sort; without
+           a shared expert the fused pair: gate_up routing its own pairs, down summing each token's)
 A candidate sets one tile on both GEMMs of its class (the down walks the gate_up's schedule, so its BLOCK_M
 is the gate_up's: the down's entry never names it). A class leaves its current tile only if the candidate's
 time, averaged over the class's token counts as a fraction of the current tile's, is less by more than the

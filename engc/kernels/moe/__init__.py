@@ -299,10 +299,51 @@ def launch_down(act, down, rows, block_expert, weights, pairs, consts, variant: 
               down if down_zero is None else down_zero, rows, block_expert, weights, pairs, num_pairs, 0, 0])]
 
 
-def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, variants):
+def fused_decode(consts) -> bool:
+    """The bundle's decode variants are the fused kernels (specs: a routing without a shared expert): gate_up
+    routes from the router's logits itself and down sums each token's pairs, so no route or combine launch."""
+    return bool(consts["gate_up_decode"].get("fused"))
+
+
+def launch_gate_up_route(x, gate_up, logits, weights, ids, act, consts, softmax_first: int, renormalize: int,
+                         float32_weights: int = 0, gate_up_scale=None, x_scale=None, gate_up_zero=None):
+    """moe_gate_up_route_kernel (the fused "gate_up_decode"), grid (T*k, cdiv(I, BLOCK_N)): each program routes
+    its pair's token from logits [T, E] (launch_router's) as launch_route's kernel does, writes the pair's
+    weight and expert into weights [T, k] f32 and ids [T, k] i32 (the first N tile's programs), and computes
+    act [T*k, I] as launch_gate_up's decode variant; the weight forms as there. args: x, x_scale, gate_up,
+    gate_up_scale, gate_up_zero, logits, weights, ids, act, softmax_first, renormalize, float32_weights,
+    scratch, scratch."""
+    if ids.numel() == 0:
+        return []
+    inter = gate_up.shape[1] // 2
+    return [("gate_up_decode", (ids.numel(), _cdiv(inter, consts["gate_up_decode"]["BLOCK_N"]), 1),
+             [x, x if x_scale is None else x_scale, gate_up, gate_up if gate_up_scale is None else gate_up_scale,
+              gate_up if gate_up_zero is None else gate_up_zero, logits, weights, ids, act, int(softmax_first),
+              int(renormalize), int(float32_weights), 0, 0])]
+
+
+def launch_down_combine(act, down, ids, weights, out, consts, down_scale=None, act_scale=None, down_zero=None):
+    """moe_down_combine_kernel (the fused "down_decode"), grid (T, cdiv(H, BLOCK_N)): out [T, H] = the sum of
+    each token's k pairs, as launch_down's decode variant then launch_combine compute it, bit for bit (no
+    shared expert); ids and weights launch_gate_up_route's, the weight forms as launch_down's. args: act,
+    act_scale, down, down_scale, down_zero, ids, weights, out, scratch, scratch."""
+    if out.shape[0] == 0:
+        return []
+    return [("down_decode", (out.shape[0], _cdiv(down.shape[1], consts["down_decode"]["BLOCK_N"]), 1),
+             [act, act if act_scale is None else act_scale, down, down if down_scale is None else down_scale,
+              down if down_zero is None else down_zero, ids, weights, out, 0, 0])]
+
+
+def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, consts, variants, logits=None,
+                   out=None, routing=None):
     """Float experts' gate_up then down launches (launch_gate_up, launch_down), as forward() makes them: engc
     tune's MoE bench launches a candidate's pair so. variants: grouped_variants' (gate_up, down) pair, None for
-    the decode ones. consts: '<variant>' -> {'BLOCK_M', 'BLOCK_N'}."""
+    the decode ones. consts: '<variant>' -> {'BLOCK_M', 'BLOCK_N'}. Fused decode variants (fused_decode):
+    gate_up routes from logits [T, E] by routing (launch_gate_up_route's softmax_first, renormalize) into
+    weights and block_expert (the ids), and down writes out [T, H]; rows and pairs are unused."""
+    if variants is None and fused_decode(consts):
+        return (launch_gate_up_route(x, gate_up, logits, weights, block_expert, act, consts, **routing)
+                + launch_down_combine(act, down, block_expert, weights, out, consts))
     gate_up_variant, down_variant = variants or ("gate_up_decode", "down_decode")
     return (launch_gate_up(x, gate_up, rows, block_expert, act, weights.numel(), consts, gate_up_variant)
             + launch_down(act, down, rows, block_expert, weights, pairs, consts, down_variant))
@@ -333,7 +374,10 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
     the interpreter in the tests). Up to consts['gate_up_decode']['max_pairs'] (token, expert) pairs take the decode
     variants, which skip the sort; more are sorted by expert and padded to BLOCK_M for the grouped GEMMs (one
     launch of the sort kernel, its outputs sized from the shapes), the prefill pair's where the pairs an
-    expert reach its prefill_min_rows on average (grouped_variants).
+    expert reach its prefill_min_rows on average (grouped_variants). Where the bundle's decode variants are
+    the fused kernels (fused_decode: a routing without a shared expert), the decode path is three launches:
+    the router, gate_up routing each pair's token itself (no route launch) and down summing each token's
+    pairs into the output (no pairs buffer, no combine launch).
     The shared expert is a dense SiLU GLU on every token: its GEMMs are torch's (cuBLAS). DeepSeek's routings
     (groups, sigmoid scores, the correction bias, the scaling factor) take their own routing kernel; the
     expert GEMMs and the combine are the same kernels. fp8 experts take the
@@ -354,6 +398,8 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
     out = torch.empty_like(x)
     if t == 0:
         return out
+    variants = grouped_variants(t, top_k, e, consts)
+    fused = variants is None and fused_decode(consts)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
     shared_weight = torch.empty(t if has_shared_expert else 1, dtype=torch.float32, device=x.device)
@@ -365,9 +411,9 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
     else:
         logits = torch.empty(t, e, dtype=x.dtype, device=x.device)
         run(launch_router(x, router, logits, consts))
-        run(launch_route(x, logits, shared_gate if has_shared_expert else router, weights, ids, shared_weight,
-                         softmax_first, renormalize, float32_weights))
-    variants = grouped_variants(t, top_k, e, consts)
+        if not fused:   # the fused decode gate_up routes its pairs itself
+            run(launch_route(x, logits, shared_gate if has_shared_expert else router, weights, ids, shared_weight,
+                             softmax_first, renormalize, float32_weights))
     if variants is None:
         rows = torch.arange(t * top_k, dtype=torch.int32, device=x.device)
         block_expert = ids.reshape(-1)
@@ -378,14 +424,21 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
         block_expert = torch.empty(blocks, dtype=torch.int32, device=x.device)
         run(launch_sort(ids, rows, block_expert, block_m, consts))
     act = torch.empty(t * top_k, gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)   # I, packed or not
-    pairs = torch.empty(t * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     gate_up_variant, down_variant = variants or ("gate_up_decode", "down_decode")
     # W8A8: each GEMM's input quantized per row by fp8_quant's kernel first (int4 experts are W4A16: the
     # kernels' INT4_W specialization dequantizes each weight tile)
     x_in, x_scale = _quantized(quant, x) if fp8_experts else (x, None)
-    run(launch_gate_up(x_in, gate_up, rows, block_expert, act, t * top_k, consts, gate_up_variant, x_scale=x_scale,
-                       **gate_up_q))
+    if fused:
+        run(launch_gate_up_route(x_in, gate_up, logits, weights, ids, act, consts, softmax_first, renormalize,
+                                 float32_weights, x_scale=x_scale, **gate_up_q))
+    else:
+        run(launch_gate_up(x_in, gate_up, rows, block_expert, act, t * top_k, consts, gate_up_variant,
+                           x_scale=x_scale, **gate_up_q))
     act_in, act_scale = _quantized(quant, act) if fp8_experts else (act, None)
+    if fused:   # each token's pairs summed into out by the down GEMM itself
+        run(launch_down_combine(act_in, down, ids, weights, out, consts, act_scale=act_scale, **down_q))
+        return out
+    pairs = torch.empty(t * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     run(launch_down(act_in, down, rows, block_expert, weights, pairs, consts, down_variant, act_scale=act_scale,
                     **down_q))
     shared = glu(x, shared_gate_up, shared_down) if has_shared_expert else pairs

@@ -7,8 +7,8 @@ moe_router_kernel      grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E)): the router log
                        "_small" variants (a decode step's few tokens) give each program one token and two
                        experts, summed without tensor cores: 64 programs at Qwen3-30B-A3B's 128 experts, each
                        a short row read, where 16-expert tiles left 8 programs looping over the hidden size
-moe_route_kernel       grid (T,): softmax, top-k of those logits (ties to the lower expert id), the weights;
-                       the shared expert's sigmoid gate
+moe_route_kernel       grid (T,): softmax, top-k of those logits (ties to the lower expert id), the weights
+                       (_route_token, which the fused decode gate_up calls too); the shared expert's sigmoid gate
 moe_route_deepseek_kernel  grid (T,): DeepSeek's routings of moe_router_kernel's float32 logits (its
                        float32-output specialization, as HF computes them), softmax or sigmoid scores, the
                        correction bias, the experts of the topk_group best of n_group groups (a group scored
@@ -24,6 +24,19 @@ moe_gate_up_kernel     grid (row blocks, cdiv(I, BLOCK_N)): act[pair] = silu(x W
 moe_down_kernel        grid (row blocks, cdiv(H, BLOCK_N)): pairs[pair] = weight[pair] * (act[pair] W_down^T)
 moe_combine_kernel     grid (T, cdiv(H, BLOCK)): y[t] = sum over the token's k pairs (+ its gated shared
                        expert's output, whose two GEMMs are the library's: they are dense)
+
+The fused decode path (the "gate_up_decode" / "down_decode" variants of a routing without a shared expert:
+Mixtral, Qwen3-MoE, OLMoE) is three launches, the router and these two, where the others take five: at batch
+1 each launch costs a few microseconds of ramp beyond its reads (H200, in a CUDA graph).
+moe_gate_up_route_kernel  grid (T * k, cdiv(I, BLOCK_N)): each program routes its pair's token from the router's
+                       logits (_route_token: the token's routing recomputed by its k * I / BLOCK_N programs, no
+                       route launch), takes its slot's expert, and computes act[pair] as moe_gate_up_kernel's
+                       decode variant; the first N tile's programs store the pair's weight and expert for the
+                       down kernel, which runs after it in stream order
+moe_down_combine_kernel   grid (T, cdiv(H, BLOCK_N)): y[t] for one N tile, the token's k pairs in slot order, each
+                       rounded as moe_down_kernel rounds its pair, summed as moe_combine_kernel sums them (the
+                       same result, bit for bit; no pairs buffer, no combine launch)
+The GEMMs' bodies (tiles.py: gate_up_block, down_block) are one code for the grouped, decode and fused kernels.
 
 Accumulation is float32; outputs round to the storage dtype where the reference's torch ops do (the GLU's
 silu and product, each expert's output before it is weighted).
@@ -44,21 +57,10 @@ INT4_W (the group size of int4 experts from an AWQ/GPTQ checkpoint or engc quant
 the weights are the engc int4 layout (kernels/int4_linear/layout), each tile dequantized in registers as the
 layout's dequantize computes it (bit for bit), then the float dot or GEMV; w_zero_ptr is read only then.
 """
-import os
-
 import triton
 import triton.language as tl
 
-from engc.kernels.silu_rows import silu_times_up
-
-if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter's bf16/fp16 tl.dot is wrong: the same products in fp32
-    @triton.jit
-    def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-else:
-    @triton.jit
-    def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
-        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+from engc.kernels.moe.tiles import down_block, dot, gate_up_block
 
 
 @triton.jit
@@ -74,7 +76,7 @@ def moe_router_kernel(x_ptr, router_ptr, logits_ptr, T, H: tl.constexpr, E: tl.c
         if BLOCK_T >= 16 and BLOCK_E >= 16:
             w = tl.load(router_ptr + e[None, :] * H + kk[:, None], mask=(e[None, :] < E) & (kk[:, None] < H),
                         other=0.0)
-            acc = _dot(a, w, acc, DOT_PRECISION)
+            acc = dot(a, w, acc, DOT_PRECISION)
         else:   # the small variants: a few experts a program, products summed in float32 (no tile to fill)
             w = tl.load(router_ptr + e[:, None] * H + kk[None, :], mask=(e[:, None] < E) & (kk[None, :] < H),
                         other=0.0)
@@ -84,22 +86,14 @@ def moe_router_kernel(x_ptr, router_ptr, logits_ptr, T, H: tl.constexpr, E: tl.c
 
 
 @triton.jit
-def moe_route_kernel(x_ptr, logits_ptr, shared_gate_ptr, weights_ptr, ids_ptr, shared_weight_ptr,
-                     softmax_first, renormalize, float32_weights, H: tl.constexpr, E: tl.constexpr,
-                     TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_SHARED: tl.constexpr):
-    # softmax_first, renormalize and float32_weights are the node's attributes (runtime flags: the model
-    # config has no routing)
-    t = tl.program_id(0).to(tl.int64)
+def _route_token(logits_ptr, t, softmax_first, renormalize, float32_weights, dt: tl.constexpr, E: tl.constexpr,
+                 TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    """Token t's routing from its router logits (model dtype): softmax then top-k of the probabilities
+    (renormalized or not), or top-k of the logits then their softmax; ties to the lower expert id. Returns
+    (weights [K_PAD] float32, rounded to dt unless float32_weights; expert ids [K_PAD] int32), slot order,
+    the lanes past TOP_K unused."""
     e = tl.arange(0, E_PAD)
-    dt = x_ptr.dtype.element_ty
-    logits = tl.load(logits_ptr + t * E + e, mask=e < E, other=0.0).to(tl.float32)   # model dtype, as F.linear's
-    if HAS_SHARED:   # the shared expert's gate: one row, read here
-        shared = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + t * H + kk, mask=kk < H, other=0.0).to(tl.float32)
-            shared += tl.load(shared_gate_ptr + kk, mask=kk < H, other=0.0).to(tl.float32) * x
+    logits = tl.load(logits_ptr + t * E + e, mask=e < E, other=0.0).to(tl.float32)
     logits = tl.where(e < E, logits, float("-inf"))
     p = tl.exp(logits - tl.max(logits, axis=0))
     scores = tl.where(softmax_first != 0, p / tl.sum(p, axis=0), logits)
@@ -117,37 +111,31 @@ def moe_route_kernel(x_ptr, logits_ptr, shared_gate_ptr, weights_ptr, ids_ptr, s
     renormalized = vals / tl.sum(tl.where(in_k, vals, 0.0), axis=0)
     vals = tl.where(softmax_first == 0, q / tl.sum(q, axis=0), tl.where(renormalize != 0, renormalized, vals))
     vals = tl.where(float32_weights != 0, vals, vals.to(dt).to(tl.float32))   # Mixtral's stay float32
+    return vals, ids
+
+
+@triton.jit
+def moe_route_kernel(x_ptr, logits_ptr, shared_gate_ptr, weights_ptr, ids_ptr, shared_weight_ptr,
+                     softmax_first, renormalize, float32_weights, H: tl.constexpr, E: tl.constexpr,
+                     TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+                     HAS_SHARED: tl.constexpr):
+    # softmax_first, renormalize and float32_weights are the node's attributes (runtime flags: the model
+    # config has no routing)
+    t = tl.program_id(0).to(tl.int64)
+    dt = x_ptr.dtype.element_ty
+    vals, ids = _route_token(logits_ptr, t, softmax_first, renormalize, float32_weights, dt, E, TOP_K, E_PAD,
+                             K_PAD)
+    slot = tl.arange(0, K_PAD)
     tl.store(weights_ptr + t * TOP_K + slot, vals, mask=slot < TOP_K)
     tl.store(ids_ptr + t * TOP_K + slot, ids, mask=slot < TOP_K)
-    if HAS_SHARED:
+    if HAS_SHARED:   # the shared expert's gate: one row, read here
+        shared = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + t * H + kk, mask=kk < H, other=0.0).to(tl.float32)
+            shared += tl.load(shared_gate_ptr + kk, mask=kk < H, other=0.0).to(tl.float32) * x
         g = tl.sum(shared, axis=0).to(dt).to(tl.float32)
         tl.store(shared_weight_ptr + t, (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32))
-
-
-@triton.jit
-def _gemv_step(acc, a, w, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc [1, BLOCK_N] += a [1, BLOCK_K] . w [BLOCK_K, BLOCK_N] in float32 (decode: no tensor-core tile to
-    fill; float8 codes widen exactly, and their products are exact in float32)."""
-    return acc + tl.sum(a.to(tl.float32).reshape(BLOCK_K, 1) * w.to(tl.float32), axis=0).reshape(1, BLOCK_N)
-
-
-@triton.jit
-def _int4_tile(q_base, s_base, z_base, n, kk, n_ok, K: tl.constexpr, GROUP: tl.constexpr):
-    """w[k, n] of an int4 expert (kernels/int4_linear/layout: row n's words [K / 8], input 32c + 4j + i in
-    nibble j of word 4c + i; scales and uint8 zeros [N, cdiv(K, GROUP)]) for kk (BLOCK_K) x n (BLOCK_N),
-    dequantized as the layout's dequantize: (q - zero) in the scales' dtype, times the scale."""
-    word = (kk // 32) * 4 + kk % 4
-    shift = (kk % 32) // 4 * 4
-    mask = n_ok[None, :] & (kk[:, None] < K)
-    packed = tl.load(q_base + n[None, :].to(tl.int64) * (K // 8) + word[:, None], mask=mask, other=0)
-    q = (packed >> shift[:, None]) & 0xF   # an arithmetic shift: the mask drops the sign bits
-    groups: tl.constexpr = (K + GROUP - 1) // GROUP
-    at = n[None, :].to(tl.int64) * groups + (kk // GROUP)[:, None]
-    scale = tl.load(s_base + at, mask=mask, other=0.0)
-    zero = tl.load(z_base + at, mask=mask, other=0).to(tl.int32)
-    # (q - zero) times the scale is exact in float32 (a 5-bit integer times a model-dtype value); rounded
-    # once to the model dtype it is torch's product in that dtype
-    return ((q - zero).to(tl.float32) * scale.to(tl.float32)).to(scale.dtype)
 
 
 @triton.jit
@@ -156,69 +144,37 @@ def moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, rows_
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        FP8_W: tl.constexpr, INT4_W: tl.constexpr):
     pid_m = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + pid_m)
     # blocks past the last expert's are padding (expert -1): every row and column masked off
-    live = expert >= 0
-    e64 = tl.maximum(expert, 0).to(tl.int64)
-    # int4 experts: w_ptr their packed words (8 inputs a word), w_scale_ptr / w_zero_ptr each row's groups'
-    W_ROW: tl.constexpr = H // 8 if INT4_W else H
-    GROUPS: tl.constexpr = (H + INT4_W - 1) // INT4_W if INT4_W else 1
-    w_base = w_ptr + e64 * (2 * INTER * W_ROW)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(rows_ptr + offs_m)
-    valid = pair < tl.where(live, num_pairs, 0)
-    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m)
+    pair = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair < tl.where(expert >= 0, num_pairs, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < tl.where(live, INTER, 0)
-    SWAP: tl.constexpr = FP8_W and BLOCK_M > 1   # [BLOCK_N, BLOCK_M] accumulators (the module's docstring)
-    if SWAP:
-        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + token[:, None] * H + kk[None, :], mask=valid[:, None] & (kk[None, :] < H), other=0.0)
-        if SWAP:
-            w_mask = n_ok[:, None] & (kk[None, :] < H)
-            wg = tl.load(w_base + n[:, None] * H + kk[None, :], mask=w_mask, other=0.0)
-            wu = tl.load(w_base + (n[:, None] + INTER) * H + kk[None, :], mask=w_mask, other=0.0)
-            acc_g = _dot(wg, tl.trans(a), acc_g, DOT_PRECISION)
-            acc_u = _dot(wu, tl.trans(a), acc_u, DOT_PRECISION)
-        else:
-            if INT4_W:
-                g_base = e64 * (2 * INTER * GROUPS)
-                wg = _int4_tile(w_base, w_scale_ptr + g_base, w_zero_ptr + g_base, n, kk, n_ok, H, INT4_W)
-                u_base = g_base + INTER * GROUPS
-                wu = _int4_tile(w_base + INTER * W_ROW, w_scale_ptr + u_base, w_zero_ptr + u_base, n, kk, n_ok, H,
-                                INT4_W)
-            else:
-                w_mask = n_ok[None, :] & (kk[:, None] < H)
-                wg = tl.load(w_base + n[None, :] * H + kk[:, None], mask=w_mask, other=0.0)
-                wu = tl.load(w_base + (n[None, :] + INTER) * H + kk[:, None], mask=w_mask, other=0.0)
-            if BLOCK_M == 1:
-                acc_g = _gemv_step(acc_g, a, wg, BLOCK_K, BLOCK_N)
-                acc_u = _gemv_step(acc_u, a, wu, BLOCK_K, BLOCK_N)
-            else:
-                acc_g = _dot(a, wg, acc_g, DOT_PRECISION)
-                acc_u = _dot(a, wu, acc_u, DOT_PRECISION)
-    dt = act_ptr.dtype.element_ty
-    if FP8_W:   # the codes' sums times each output channel's and each token's scale
-        s_base = w_scale_ptr + tl.maximum(expert, 0).to(tl.int64) * (2 * INTER)
-        s_g = tl.load(s_base + n, mask=n_ok, other=0.0)
-        s_u = tl.load(s_base + INTER + n, mask=n_ok, other=0.0)
-        x_scale = tl.load(x_scale_ptr + token, mask=valid, other=0.0)
-        if SWAP:
-            acc_g = tl.trans(acc_g * s_g[:, None] * x_scale[None, :])
-            acc_u = tl.trans(acc_u * s_u[:, None] * x_scale[None, :])
-        else:
-            acc_g = acc_g * s_g[None, :] * x_scale[:, None]
-            acc_u = acc_u * s_u[None, :] * x_scale[:, None]
-    # F.linear rounds gate and up to the model dtype before the silu
-    act = silu_times_up(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), dt)
-    # act is indexed by pair, not by schedule row: no padding rows to size, quantize or skip
-    tl.store(act_ptr + pair.to(tl.int64)[:, None] * INTER + n[None, :], act, mask=valid[:, None] & n_ok[None, :])
+    gate_up_block(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, act_ptr, expert, pair, valid, n, H, INTER,
+                  TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, FP8_W, INT4_W)
+
+
+@triton.jit
+def moe_gate_up_route_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, logits_ptr, weights_ptr, ids_ptr,
+                             act_ptr, softmax_first, renormalize, float32_weights, H: tl.constexpr,
+                             INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
+                             K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             FP8_W: tl.constexpr, INT4_W: tl.constexpr):
+    # program (t * TOP_K + slot, N tile): the token's routing, as moe_route_kernel's, then its slot's expert
+    pair = tl.program_id(0)
+    t = (pair // TOP_K).to(tl.int64)
+    vals, ids = _route_token(logits_ptr, t, softmax_first, renormalize, float32_weights,
+                             act_ptr.dtype.element_ty, E, TOP_K, E_PAD, K_PAD)
+    slot = tl.arange(0, K_PAD)
+    mine = slot == pair % TOP_K
+    if tl.program_id(1) == 0:   # the first N tile's programs hand each pair's weight and expert to the down GEMM
+        tl.store(weights_ptr + t * TOP_K + slot, vals, mask=mine)
+        tl.store(ids_ptr + t * TOP_K + slot, ids, mask=mine)
+    expert = tl.sum(tl.where(mine, ids, 0), axis=0)
+    pairs = pair + tl.arange(0, 1)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # one pair a program: the GEMV, whose float32 sums take no dot precision ("ieee" unread)
+    gate_up_block(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, act_ptr, expert, pairs, pairs >= 0, n, H,
+                  INTER, TOP_K, 1, BLOCK_N, BLOCK_K, "ieee", FP8_W, INT4_W)
 
 
 @triton.jit
@@ -229,50 +185,33 @@ def moe_down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, rows
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     live = expert >= 0
-    e64 = tl.maximum(expert, 0).to(tl.int64)
-    W_ROW: tl.constexpr = INTER // 8 if INT4_W else INTER
-    GROUPS: tl.constexpr = (INTER + INT4_W - 1) // INT4_W if INT4_W else 1
-    w_base = w_ptr + e64 * (H * W_ROW)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(rows_ptr + offs_m)
+    pair = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pair < tl.where(live, num_pairs, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < tl.where(live, H, 0)
-    SWAP: tl.constexpr = FP8_W and BLOCK_M > 1
-    if SWAP:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(act_ptr + pair.to(tl.int64)[:, None] * INTER + kk[None, :],
-                    mask=valid[:, None] & (kk[None, :] < INTER), other=0.0)
-        if SWAP:
-            w = tl.load(w_base + n[:, None] * INTER + kk[None, :], mask=n_ok[:, None] & (kk[None, :] < INTER),
-                        other=0.0)
-            acc = _dot(w, tl.trans(a), acc, DOT_PRECISION)
-        else:
-            if INT4_W:
-                g_base = e64 * (H * GROUPS)
-                w = _int4_tile(w_base, w_scale_ptr + g_base, w_zero_ptr + g_base, n, kk, n_ok, INTER, INT4_W)
-            else:
-                w = tl.load(w_base + n[None, :] * INTER + kk[:, None], mask=n_ok[None, :] & (kk[:, None] < INTER),
-                            other=0.0)
-            if BLOCK_M == 1:
-                acc = _gemv_step(acc, a, w, BLOCK_K, BLOCK_N)
-            else:
-                acc = _dot(a, w, acc, DOT_PRECISION)
-    if FP8_W:   # times each output channel's and each act row's scale
-        s = tl.load(w_scale_ptr + tl.maximum(expert, 0).to(tl.int64) * H + n, mask=n_ok, other=0.0)
-        a_scale = tl.load(act_scale_ptr + pair, mask=valid, other=0.0)
-        if SWAP:
-            acc = tl.trans(acc * s[:, None] * a_scale[None, :])
-        else:
-            acc = acc * s[None, :] * a_scale[:, None]
-    dt = pairs_ptr.dtype.element_ty
-    weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
-    y = acc.to(dt).to(tl.float32) * weight[:, None]
-    tl.store(pairs_ptr + pair.to(tl.int64)[:, None] * H + n[None, :], y.to(dt), mask=valid[:, None] & n_ok[None, :])
+    y = down_block(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, weights_ptr, expert, pair, valid, n, n_ok,
+                   pairs_ptr.dtype.element_ty, H, INTER, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, FP8_W, INT4_W)
+    tl.store(pairs_ptr + pair.to(tl.int64)[:, None] * H + n[None, :], y, mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_down_combine_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, ids_ptr, weights_ptr, out_ptr,
+                            H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, FP8_W: tl.constexpr, INT4_W: tl.constexpr):
+    # program (t, N tile): the token's pairs in slot order, each as moe_down_kernel computes and rounds it,
+    # summed as moe_combine_kernel sums them
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    for j in range(TOP_K):
+        pair = t * TOP_K + j
+        pairs = pair + tl.arange(0, 1)
+        y = down_block(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, weights_ptr, tl.load(ids_ptr + pair),
+                       pairs, pairs >= 0, n, n_ok, dt, H, INTER, 1, BLOCK_N, BLOCK_K, "ieee", FP8_W, INT4_W)
+        acc += y.to(tl.float32)
+    tl.store(out_ptr + t * H + n[None, :], acc.to(dt), mask=n_ok[None, :])
 
 
 @triton.jit
