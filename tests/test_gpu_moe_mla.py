@@ -2,14 +2,16 @@
 a CUDA device and engc._native).
 
 float32 bundles: greedy tokens on the GPU (CUDA graphs on and off) are the CPU reference's, through the MoE
-kernels' decode path (a few (token, expert) pairs) and grouped path (a prefill's pairs sorted per expert), and
-MLA's cache write, absorbed split-KV decode and reduce. bfloat16 bundles: each prompt token's log-probability
+kernels' decode path (a few (token, expert) pairs; fused to three launches without a shared expert, also
+checked at batch 1) and grouped path (a prefill's pairs sorted per expert), and MLA's cache write, absorbed
+split-KV decode and reduce. bfloat16 bundles: each prompt token's log-probability
 on the GPU (the prefill's kernels, tensor-core math) within bf16's reach of the float32 CPU's; `--quant fp8`
 bundles (float8 experts, W8A8 projections) and int4 experts (engc quantize's): the GPU's within the same reach
 of the same bundle on the CPU.
 
 As tests/test_gpu.py: ENGC_KERNEL_CACHE names a kernel cache filled on a CPU machine (bench/fake_sm90.py).
 """
+import json
 import os
 
 import pytest
@@ -51,6 +53,31 @@ def test_float32_greedy_on_the_gpu_is_the_cpus(family, tiny_dir, tmp_path):
     cpu = greedy(bundle, "cpu")
     assert greedy(bundle, "cuda") == cpu
     assert greedy(bundle, "cuda", graphs=False) == cpu
+
+
+def _greedy_one_at_a_time(bundle, device):
+    """greedy()'s prompts one sequence at a time (batch 1, CUDA graphs on)."""
+    model = load(bundle, device=device)
+    engine = Engine(model, EngineConfig(num_blocks=256, max_num_seqs=1, cuda_graphs=True))
+    seqs = []
+    for text in PROMPTS:
+        seqs.append(engine.add_request(model.tokenizer.encode(text),
+                                       SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)))
+        engine.run_to_completion()
+    return [s.output_ids for s in seqs]
+
+
+@needs_gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fused_decode_at_batch_one_is_the_cpus(family, tiny_dir, tmp_path):
+    """A routing without a shared expert decodes through the fused kernels (gate_up routing its own pairs, down
+    summing each token's: three MoE launches a layer); at batch 1 from the CUDA graphs its greedy tokens are
+    the CPU's."""
+    bundle = _build(tiny_dir(family), tmp_path / "b", "float32")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert {r["variant"]: r["launch"].get("fused") for r in manifest["kernels"]
+            if r["op"] == "moe" and r["variant"].endswith("_decode")} == {"gate_up_decode": 1, "down_decode": 1}
+    assert _greedy_one_at_a_time(bundle, "cuda") == _greedy_one_at_a_time(bundle, "cpu")
 
 
 def _prompt_logprobs(bundle, device, ids):
