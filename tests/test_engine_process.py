@@ -135,7 +135,8 @@ def test_engc_run_streams_and_its_sigterm_stops_the_engine_process(tiny_bundle):
                              "--served-model-name", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     try:
-        url = proc.stdout.readline().split()[-1]   # printed before the engine starts; it answers once it has
+        assert proc.stdout.readline().startswith("engc: engine ready in ")
+        url = proc.stdout.readline().split()[-1]   # printed once the engine serves; it answers once uvicorn has
         body = {**CHAT, "model": "tiny", "max_tokens": 8}
         deadline = time.monotonic() + 120
         while True:
