@@ -9,7 +9,8 @@ import time
 import uvicorn
 
 from engc.runtime.engine import EngineConfig
-from engc.runtime.server.app import build_server, listening_socket
+from engc.runtime.server.app import build_server
+from engc.runtime.server.listen import listening_socket
 
 
 class LiveServer:

@@ -10,10 +10,8 @@ prompt does not hold up other requests or /health. openapi.py writes the documen
 from __future__ import annotations
 
 import asyncio
-import errno
 import hmac
 import json
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -28,6 +26,7 @@ from engc.runtime.async_engine import AsyncEngine, EngineDown, EngineFront, Queu
 from engc.runtime.engine import EngineConfig
 from engc.runtime.heap import settle_heap
 from engc.runtime.sampling import SamplingParams
+from engc.runtime.server.listen import listening_socket
 from engc.runtime.server.metrics import Metrics
 
 # json.dumps(obj, ensure_ascii=False) with one encoder for the process, not a new one a call: both APIs' streamed
@@ -347,25 +346,3 @@ def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int 
         sock.close()
     if engine.down is not None:
         raise UserError(f"the server stopped: {engine.down}")
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A bound socket for (host, port), as uvicorn would bind it (SO_REUSEADDR, so a port in TIME_WAIT
-    is free); UserError if the address is taken or not this machine's."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as e:
-        raise UserError(f"--host {host}: not an address of this machine ({e.strerror})") from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise UserError(f"port {port} on {host} is in use: give another with --port, or --port 0 "
-                            "for a free one") from None
-        raise UserError(f"cannot listen on {host}:{port} ({e.strerror})") from None
-    sock.set_inheritable(True)
-    return sock

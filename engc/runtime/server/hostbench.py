@@ -107,7 +107,8 @@ def main(argv=None) -> None:
     import uvicorn
 
     from engc.runtime.heap import settle_heap
-    from engc.runtime.server.app import create_app, listening_socket
+    from engc.runtime.server.app import create_app
+    from engc.runtime.server.listen import listening_socket
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundle")
