@@ -10,6 +10,10 @@ parent sends the adds and aborts of one event-loop turn as one message, and the 
 outputs, every sequence's delta as a tuple, with its stats snapshot, as one message, which the parent's
 reader thread (blocked in recv without the GIL) hands to the event loop in one call_soon_threadsafe.
 
+The spawn is engine_spawn.py's, a module light to import: engc run spawns the child right after binding its
+port, before it imports the server and torch (seconds), so the child's imports and load overlap the parent's;
+EngineClient.start then waits for the child to serve.
+
 The child's end is watched from both sides: a child that dies ends every open stream with EngineDown (the
 server's 503 path, /health says why); a parent that dies closes the pipe, and the child stops.
 """
@@ -20,7 +24,6 @@ import concurrent.futures
 import functools
 import itertools
 import logging
-import multiprocessing
 import signal
 import sys
 import threading
@@ -29,51 +32,40 @@ import traceback
 
 from engc.errors import UserError
 from engc.runtime.async_engine import Delta, EngineDown, EngineFront
-from engc.runtime.engine import Engine, EngineConfig, check_request, start_engine
+from engc.runtime.engine import Engine, EngineConfig, check_request
+from engc.runtime.engine_spawn import Spawned, kill, load_engine, spawn
 from engc.runtime.heap import settle_heap
 from engc.runtime.step_loop import StepLoop
 
 log = logging.getLogger("engc.engine")
 
 
-def load_engine(bundle: str, config: EngineConfig, device: str, tp: int | None) -> Engine:
-    """The child's engine: rank 0 of the bundle (its other ranks started as tp.py starts them)."""
-    from engc.runtime.tp import load_rank
-    return start_engine(lambda: load_rank(bundle, device, tp), config)
-
-
 class EngineClient(EngineFront):
     """The request side in the server's process, over an engine in a child process (the module's doc)."""
 
     @classmethod
-    def start(cls, bundle: str, config: EngineConfig, build=None, metrics=None,
-              flush_streams: int = 64) -> "EngineClient":
-        """Spawns the engine's process, which runs build() (picklable; default: load_engine(bundle, config,
-        'auto', None)) and waits until it serves. A start-up error there is raised here: a UserError as the
-        child raised it, anything else as one line naming it."""
-        from engc.bundle.reader import open_bundle
-        from engc.runtime.tokenizer import Tokenizer
-        started = time.perf_counter()
-        build = build or functools.partial(load_engine, bundle, config, "auto", None)
-        ctx = multiprocessing.get_context("spawn")
-        conn, child_conn = ctx.Pipe()
-        process = ctx.Process(target=child_main, args=(child_conn, build), name="engc-engine", daemon=True)
-        process.start()
-        child_conn.close()   # the child's end lives in the child only: its exit is this end's EOF
+    def start(cls, bundle: str, config: EngineConfig, build=None, metrics=None, flush_streams: int = 64,
+              child: Spawned | None = None) -> "EngineClient":
+        """Waits until the engine's process serves: child, as engine_spawn.spawn started it, or one spawned
+        here to run build() (picklable; default: load_engine(bundle, config, 'auto', None)). A start-up error
+        there is raised here: a UserError as the child raised it, anything else as one line naming it; on any
+        error here the process is killed."""
+        child = child or spawn(build or functools.partial(load_engine, bundle, config, "auto", None))
         try:
+            from engc.bundle.reader import open_bundle
+            from engc.runtime.tokenizer import Tokenizer
             facts = open_bundle(bundle, verify_hashes=True, defer_big=True)   # the weights are the child's
             tokenizer = Tokenizer(facts.file("tokenizer"), facts.config.eos_token_ids)
-            ready = _receive_ready(conn, process)
+            ready = _receive_ready(child.conn, child.process)
         except BaseException:
-            process.kill()
-            process.join()
+            kill(child.process)
             raise
-        client = cls(process, conn, config, metrics, flush_streams)
+        client = cls(child.process, child.conn, config, metrics, flush_streams)
         client.manifest, client.tokenizer = facts.manifest, tokenizer
         client.block_size = facts.manifest["kv_block_size"]
         client.vocab_size, client.max_context, client.stats = facts.config.vocab_size, ready[1], ready[2]
         client.startup = ready[3]
-        client.startup.total_s = time.perf_counter() - started
+        client.startup.total_s = time.perf_counter() - child.started
         client.reader.start()
         return client
 
@@ -239,8 +231,7 @@ def _fields(*fields) -> tuple:
 
 
 def child_main(conn, build) -> None:
-    # Ctrl-C in a terminal reaches the whole process group: the parent takes it and stops this process
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """The engine's process, once engine_spawn's target has imported this module (SIGINT ignored there)."""
     try:
         engine = build()
     except BaseException as e:  # noqa: BLE001 - handed to the parent, which says it in one line

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -24,9 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engc.errors import UserError
 from engc.runtime.async_engine import AsyncEngine, EngineDown, EngineFront, QueueFull
 from engc.runtime.engine import EngineConfig
+from engc.runtime.engine_spawn import Spawned, load_engine, runs_apart
 from engc.runtime.heap import settle_heap
 from engc.runtime.sampling import SamplingParams
-from engc.runtime.server.listen import listening_socket
 from engc.runtime.server.metrics import Metrics
 
 # json.dumps(obj, ensure_ascii=False) with one encoder for the process, not a new one a call: both APIs' streamed
@@ -288,18 +289,18 @@ def _authorized(request: Request, key: str) -> bool:
 
 def build_server(bundle: str, config: EngineConfig, model_name: str | None = None,
                  api_key: str | None = None, device: str = "cpu",
-                 max_body_bytes: int | None = None, tp: int | None = None) -> tuple[FastAPI, EngineFront]:
-    """The app over an engine in a process of its own (config.engine_process) or in a thread of this one.
-    tp: the ranks the command line asked for (checked against the bundle's; runtime/tp.py). On a rank other
-    than 0 of a tensor-parallel launch this serves as a worker and exits."""
+                 max_body_bytes: int | None = None, tp: int | None = None,
+                 child: Spawned | None = None) -> tuple[FastAPI, EngineFront]:
+    """The app over an engine in a process of its own (config.engine_process; child: that process as
+    engine_spawn.spawn started it, else it is spawned here) or in a thread of this one. tp: the ranks the
+    command line asked for (checked against the bundle's; runtime/tp.py). On a rank other than 0 of a
+    tensor-parallel launch this serves as a worker and exits."""
     import functools
-    import os
     import time
-    from engc.runtime.engine_process import EngineClient, load_engine
-    outside_worker = int(os.environ.get("RANK", "0")) != 0   # an outside launcher's rank > 0 serves no HTTP
-    if config.engine_process and not outside_worker:
+    if runs_apart(config):
+        from engc.runtime.engine_process import EngineClient
         engine = EngineClient.start(bundle, config, functools.partial(load_engine, bundle, config, device, tp),
-                                    Metrics())
+                                    Metrics(), child=child)
     else:
         started = time.perf_counter()
         engine = AsyncEngine(load_engine(bundle, config, device, tp), Metrics()).start()
@@ -308,21 +309,21 @@ def build_server(bundle: str, config: EngineConfig, model_name: str | None = Non
     return create_app(engine, name, api_key, max_body_bytes), engine
 
 
-def serve(bundle: str, config: EngineConfig, host: str = "127.0.0.1", port: int = 23333,
+def serve(bundle: str, config: EngineConfig, sock: socket.socket, host: str = "127.0.0.1",
           model_name: str | None = None, api_key: str | None = None, device: str = "auto",
-          max_body_bytes: int | None = None, tp: int | None = None) -> None:
-    """Serves until interrupted. The address is taken before the model loads, so a port in use is one
-    line at once, not an error after the load; port 0 takes a free port and says which. If the engine
-    goes down (its process or a tensor-parallel rank died), it answers 503 for ENGC_DOWN_DRAIN_S seconds
-    (default 3: a load balancer sees /health fail) and exits with one line and status 1."""
+          max_body_bytes: int | None = None, tp: int | None = None, child: Spawned | None = None) -> None:
+    """Serves on sock, listen.listening_socket's for host, until interrupted (engc run binds it first, so a port
+    in use is one line at once; with port 0 the port it took is said here). child: the engine's process as
+    engc run spawned it before importing this module (build_server). If the engine goes down (its process or
+    a tensor-parallel rank died), it answers 503 for ENGC_DOWN_DRAIN_S seconds (default 3: a load balancer
+    sees /health fail) and exits with one line and status 1."""
     import os
     import signal
     import sys
     import threading
     import uvicorn
-    sock = listening_socket(host, port)
     port = sock.getsockname()[1]
-    app, engine = build_server(bundle, config, model_name, api_key, device, max_body_bytes, tp)
+    app, engine = build_server(bundle, config, model_name, api_key, device, max_body_bytes, tp, child)
     shown = f"[{host}]" if ":" in host else host
     print(f"engc: {engine.startup.line()}", flush=True)
     print(f"engc: serving {app.state.engc.model_name} on http://{shown}:{port}", flush=True)
