@@ -8,12 +8,26 @@ import sys
 from pathlib import Path
 
 
-def engc(*args, check=False):
+def engc(*args, check=False, env=None):
     r = subprocess.run([sys.executable, "-m", "engc.cli", *map(str, args)], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), **(env or {})})
     if check:
         assert r.returncode == 0, r.stderr
     return r
+
+
+def marked_processes(mark: str, command: str = "") -> list[int]:
+    """The processes whose environment holds ENGC_TEST_MARK=mark (an engc started with it and every process it
+    started: they inherit it) and whose command line holds command."""
+    found, entry = [], f"ENGC_TEST_MARK={mark}".encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc.name.isdigit() and entry in (proc / "environ").read_bytes().split(b"\0")
+                    and command.encode() in (proc / "cmdline").read_bytes()):
+                found.append(int(proc.name))
+        except OSError:   # gone meanwhile
+            pass
+    return found
 
 
 def assert_one_line_error(r, *fragments):
@@ -142,9 +156,11 @@ def test_verify_and_inspect_of_a_cut_short_weight_file(tiny_bundle, tmp_path):
     assert_one_line_error(r, "weights/rank0.safetensors", "cut short")
 
 
-def test_run_on_a_busy_port_refuses_before_loading(tmp_path):
-    """The port is checked first: a damaged bundle behind a busy port is refused for the port."""
+def test_run_on_a_busy_port_refuses_before_loading(tmp_path, tiny_bundle):
+    """The port is checked first: a damaged bundle behind a busy port is refused for the port, and a good one is
+    refused before the engine's process is spawned (none is left behind)."""
     import socket
+    import uuid
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
@@ -152,6 +168,11 @@ def test_run_on_a_busy_port_refuses_before_loading(tmp_path):
     try:
         assert_one_line_error(engc("run", tmp_path / "no-bundle", "--port", port), f"port {port}", "in use",
                               "--port 0")
+        for process in ("--engine-process", "--no-engine-process"):
+            mark = uuid.uuid4().hex
+            r = engc("run", tiny_bundle("llama"), "--port", port, process, env={"ENGC_TEST_MARK": mark})
+            assert_one_line_error(r, f"port {port}", "in use")
+            assert marked_processes(mark) == []
     finally:
         busy.close()
 

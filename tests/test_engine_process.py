@@ -10,7 +10,7 @@ import pytest
 
 from engc.runtime.engine import Engine
 from live_server import LiveServer
-from test_cli import assert_one_line_error, engc
+from test_cli import assert_one_line_error, engc, marked_processes
 
 CHAT = {"temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": "Hello"}]}
@@ -158,3 +158,33 @@ def test_engc_run_streams_and_its_sigterm_stops_the_engine_process(tiny_bundle):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_ctrl_c_while_engc_run_starts_kills_the_engine_process(tiny_bundle):
+    """engc run spawns the engine's process before it imports the server: Ctrl-C meanwhile (while it imports,
+    or waits for the engine) is one line and status 130, the engine's process killed and reaped, not left
+    loading."""
+    import subprocess
+    import sys
+    import uuid
+    from pathlib import Path
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "engc.cli", "run", str(tiny_bundle("llama")), "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "ENGC_TEST_MARK": mark})
+    try:
+        deadline = time.monotonic() + 60
+        while not marked_processes(mark, "spawn_main"):
+            assert proc.poll() is None and time.monotonic() < deadline, "no engine process was spawned"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        stderr = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # 130, or a death by SIGINT once it has said so: CPython's exit when the interrupt fell in code that a native
+    # module's import runs through PyRun_String (a flag no handler clears)
+    assert proc.returncode in (130, -signal.SIGINT) and stderr.rstrip().endswith("engc: interrupted"), stderr
+    assert "Traceback" not in stderr, stderr
+    assert marked_processes(mark, "spawn_main") == []

@@ -61,3 +61,20 @@ def test_loading_the_serving_side_loads_no_compiler():
             " or m.startswith('engc.compiler')]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_engc_run_spawns_the_engine_before_it_imports_the_server():
+    """engc run spawns the engine's process before it imports torch and the server's modules (seconds), so the
+    child's imports and load overlap the parent's: what the parent has imported when it spawns."""
+    heavy = ("torch", "fastapi", "uvicorn", "engc.runtime.engine", "engc.runtime.engine_process",
+             "engc.runtime.server.app")
+    code = ("import sys\n"
+            "import engc.runtime.engine_spawn as engine_spawn\n"
+            "def spawn(build):\n"
+            f"    print(sorted(m for m in {heavy!r} if m in sys.modules), build.func.__module__, flush=True)\n"
+            "    sys.exit(0)\n"
+            "engine_spawn.spawn = spawn\n"
+            "from engc.cli import main\n"
+            "main(['run', 'bundle', '--port', '0'])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout == "[] engc.runtime.engine_spawn\n", r.stdout + r.stderr
