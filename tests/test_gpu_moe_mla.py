@@ -2,8 +2,8 @@
 a CUDA device and engc._native).
 
 float32 bundles: greedy tokens on the GPU (CUDA graphs on and off) are the CPU reference's, through the MoE
-kernels' decode path (a few (token, expert) pairs; fused to three launches without a shared expert, also
-checked at batch 1) and grouped path (a prefill's pairs sorted per expert), and MLA's cache write, absorbed
+kernels' decode path (a few (token, expert) pairs; the fused three launches of a routing without a shared
+expert, where the tune table turns them on, checked at batch 1) and grouped path (a prefill's pairs sorted per expert), and MLA's cache write, absorbed
 split-KV decode and reduce. bfloat16 bundles: each prompt token's log-probability
 on the GPU (the prefill's kernels, tensor-core math) within bf16's reach of the float32 CPU's; `--quant fp8`
 bundles (float8 experts, W8A8 projections) and int4 experts (engc quantize's): the GPU's within the same reach
@@ -31,8 +31,8 @@ LONG = ("The quick brown fox jumps over the lazy dog. Paris is the capital of Fr
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _build(src, out, dtype, quant="auto"):
-    build(str(src), out, BuildOptions(archs=("cpu", sm_arch()), dtype=dtype, quant=quant,
+def _build(src, out, dtype, quant="auto", tune=None):
+    build(str(src), out, BuildOptions(archs=("cpu", sm_arch()), dtype=dtype, quant=quant, tune=tune,
                                       kernel_cache=os.environ.get("ENGC_KERNEL_CACHE")))
     return out
 
@@ -70,10 +70,12 @@ def _greedy_one_at_a_time(bundle, device):
 @needs_gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_fused_decode_at_batch_one_is_the_cpus(family, tiny_dir, tmp_path):
-    """A routing without a shared expert decodes through the fused kernels (gate_up routing its own pairs, down
-    summing each token's: three MoE launches a layer); at batch 1 from the CUDA graphs its greedy tokens are
-    the CPU's."""
-    bundle = _build(tiny_dir(family), tmp_path / "b", "float32")
+    """A routing without a shared expert, built with both decode fusions on (the tune field "fused": gate_up
+    routing its own pairs, down summing each token's, three MoE launches a layer), decodes at batch 1 from the
+    CUDA graphs to the CPU's greedy tokens."""
+    arch = sm_arch()
+    bundle = _build(tiny_dir(family), tmp_path / "b", "float32",
+                    tune={f"{arch}/moe/{v}/any": {"fused": 1} for v in ("gate_up_decode", "down_decode")})
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert {r["variant"]: r["launch"].get("fused") for r in manifest["kernels"]
             if r["op"] == "moe" and r["variant"].endswith("_decode")} == {"gate_up_decode": 1, "down_decode": 1}

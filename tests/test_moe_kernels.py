@@ -6,9 +6,9 @@ what the GPU binding runs: the routing variants, the decode path (one (token, ex
 grouped paths (pairs sorted by expert, padded to BLOCK_M: the decode-sized batches' small tile and the
 prefill variants' large one; the sort kernel's schedule exactly sort_by_expert's), with and without a shared
 expert, and both with the fp8 experts of engc build --quant fp8 (float8 weights, a scale per channel, inputs
-quantized per row: the FP8_W specialization, W8A8). Without a shared expert the decode path is fused (gate_up
-routing its own pairs, down summing each token's): bit for bit the unfused kernels' for every routing, ties,
-and float, fp8 and int4 experts.
+quantized per row: the FP8_W specialization, W8A8). Without a shared expert the decode path can be fused where
+the tune table says so (gate_up routing its own pairs, down summing each token's): bit for bit the unfused
+kernels' for every routing, ties, and float, fp8 and int4 experts.
 """
 from __future__ import annotations
 
@@ -83,26 +83,35 @@ def test_grouped_variants_follow_the_token_count():
     assert grouped_variants(4096, 8, 128, {"gate_up_decode": consts["gate_up_decode"]}) == ("gate_up", "down")
 
 
-@pytest.mark.parametrize("family,attrs,decode", [
-    ("qwen3_moe", dict(renormalize=1), ["router_small", "gate_up_decode", "down_decode"]),
-    ("mixtral", dict(renormalize=1, float32_weights=1), ["router_small", "gate_up_decode", "down_decode"]),
-    ("olmoe", {}, ["router_small", "gate_up_decode", "down_decode"]),
-    ("qwen2_moe", dict(has_shared_expert=1), ["router_small", "route", "gate_up_decode", "down_decode", "combine"]),
+@pytest.mark.parametrize("fused", ["", "gate_up_decode", "down_decode", "gate_up_decode,down_decode"])
+@pytest.mark.parametrize("family,attrs", [
+    ("qwen3_moe", dict(renormalize=1)),
+    ("mixtral", dict(renormalize=1, float32_weights=1)),
+    ("olmoe", {}),
+    ("qwen2_moe", dict(has_shared_expert=1)),
     ("deepseek_v3", dict(has_shared_expert=1, shared_ungated=1, sigmoid_scores=1, n_group=2, topk_group=1,
-                         routed_scaling_factor=2.5),
-     ["router_deepseek_small", "route_deepseek", "gate_up_decode", "down_decode", "combine"])])
-def test_decode_launches_of_each_routing(family, attrs, decode):
-    """What forward() passes to run, counted: a routing without a shared expert (Qwen3-MoE, Mixtral, OLMoE)
-    decodes, at one token and at a few, in three MoE launches (the router, gate_up routing its own pairs, down
-    summing each token's pairs), not five; a shared expert (Qwen2-MoE) keeps the route and the combine, DeepSeek
-    its routing kernel and the combine; past max_pairs every model routes, sorts and combines."""
+                         routed_scaling_factor=2.5))])
+def test_decode_launches_of_each_routing(family, attrs, fused):
+    """What forward() passes to run, counted, with the decode fusions the tune table turns on (field "fused" of
+    the decode variants; off by default): a routing without a shared expert (Qwen3-MoE, Mixtral, OLMoE) drops the
+    route launch where gate_up routes its own pairs and the combine where down sums each token's pairs (three
+    launches with both, five with neither), at one token and at a few; a shared expert (Qwen2-MoE) keeps the
+    route and the combine, DeepSeek its routing kernel and the combine, whatever the table says; past max_pairs
+    every model routes, sorts and combines."""
     import torch
+    from engc.compiler import tune
     from engc.compiler.codegen.specs import model_specs
     from engc.kernels import moe as op
     shared = 40 if attrs.get("has_shared_expert") else 0
     cfg = _cfg(family=family, shared_expert_intermediate_size=shared, num_experts=4 if shared else 6)
-    consts = {s.variant: s.launch for s in model_specs(cfg, torch.bfloat16, "sm90", 16) if s.op == "moe"}
-    assert bool(consts["gate_up_decode"].get("fused")) == (not shared)
+    on = set(fused.split(",")) - {""} if not shared else set()
+    with tune.overridden({f"sm90/moe/{v}/any": {"fused": 1} for v in fused.split(",") if v}):
+        consts = {s.variant: s.launch for s in model_specs(cfg, torch.bfloat16, "sm90", 16) if s.op == "moe"}
+    assert {v for v in ("gate_up_decode", "down_decode") if consts[v].get("fused")} == on
+    router = "router_deepseek_small" if family.startswith("deepseek") else "router_small"
+    route = "route_deepseek" if family.startswith("deepseek") else "route"
+    decode = [router, *([] if "gate_up_decode" in on else [route]), "gate_up_decode", "down_decode",
+              *([] if "down_decode" in on else ["combine"])]
     e, bf = cfg.num_experts, torch.bfloat16
     inputs = [torch.randn(e, 64, dtype=bf), torch.randn(e, 96, 64, dtype=bf), torch.randn(e, 64, 48, dtype=bf)]
     if shared:
@@ -118,7 +127,7 @@ def test_decode_launches_of_each_routing(family, attrs, decode):
     most = consts["gate_up_decode"]["max_pairs"] // 2   # tokens of top-2 on the decode path (past the small router)
     assert launched(most)[1:] == decode[1:]
     grouped = launched(most + 1)
-    assert grouped[1:] == [decode[1] if shared else "route", "sort", "gate_up", "down", "combine"], grouped
+    assert grouped[1:] == [route, "sort", "gate_up", "down", "combine"], grouped
 
 
 @pytest.mark.parametrize("shared,fp8", [(0, False), (40, False), (0, True), (40, True)],
@@ -365,11 +374,8 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
     kind = "_decode" if pairs <= max_pairs else "_prefill" if pairs >= min_rows * experts else ""
     router = "router_small" if tokens <= specs["router_small"].launch["max_tokens"] else "router"
     quant_x, quant_act = ([f"k{cfg.hidden_size}"], [f"k{cfg.moe_intermediate_size}"]) if fp8 else ([], [])
-    if kind == "_decode" and not shared:   # the fused decode kernels: no route, no combine
-        expected = [router, *quant_x, "gate_up_decode", *quant_act, "down_decode"]
-    else:
-        expected = [router, "route", *([] if kind == "_decode" else ["sort"]), *quant_x, "gate_up" + kind,
-                    *quant_act, "down" + kind, "combine"]
+    expected = [router, "route", *([] if kind == "_decode" else ["sort"]), *quant_x, "gate_up" + kind,
+                *quant_act, "down" + kind, "combine"]
     assert run.variants == expected, run.variants
     return _rel(out, ref), run.variants
 
@@ -386,10 +392,8 @@ def check_fused_decode(dtype, tokens, top_k=2, softmax_first=1, renormalize=0, f
     from engc.kernels import moe as op
     cfg = _cfg(num_experts=6, num_experts_per_tok=top_k, **({"moe_intermediate_size": 64} if int4 else {}))
     tiles = {"BLOCK_N": 32, "BLOCK_K": 32}
-    fused = _specs(cfg, dtype, tiles, fp8=fp8, int4=int4)
-    shared = _specs(_cfg(num_experts=6, num_experts_per_tok=top_k, shared_expert_intermediate_size=40,
-                         **({"moe_intermediate_size": 64} if int4 else {})), dtype, tiles, fp8=fp8, int4=int4)
-    unfused = {**fused, "gate_up_decode": shared["gate_up_decode"], "down_decode": shared["down_decode"]}
+    fused = _specs(cfg, dtype, {**tiles, "fused": 1}, fp8=fp8, int4=int4)   # both decode fusions on
+    unfused = _specs(cfg, dtype, tiles, fp8=fp8, int4=int4)
     assert fused["gate_up_decode"].launch["fused"] and fused["down_decode"].launch["fused"]
     assert not {"fused"} & (set(unfused["gate_up_decode"].launch) | set(unfused["down_decode"].launch))
     w, r = _weights(cfg, dtype, seed=tokens + 100 * top_k, fp8=fp8, int4=int4)

@@ -65,11 +65,12 @@ class MoeBench:
                                         ids=ids.to(torch.int32).contiguous(), ref=ref.float(), pairs=pairs, **fused)
         return self._inputs[tokens]
 
-    def fused(self, shape, cand) -> bool:
-        """The candidate's decode pair is the fused kernels (kernels/moe fused_decode): routing from the logits,
-        each token's pairs summed into out."""
-        return shape.name == "decode" and op.fused_decode({r["variant"]: r["launch"]
-                                                           for _, r in self.kernels[(shape, cand)]})
+    def fused(self, shape, cand) -> tuple[bool, bool]:
+        """Which of the candidate's decode pair are fused kernels (kernels/moe fused_decode): (gate_up routing from
+        the logits, down summing each token's pairs into out)."""
+        if shape.name != "decode":
+            return False, False
+        return op.fused_decode({r["variant"]: r["launch"] for _, r in self.kernels[(shape, cand)]})
 
     def schedule(self, tokens: int, block_m: int | None):
         """(rows, block_expert, act) for the batch: sort_by_expert's at block_m, or the decode variants' one
@@ -98,10 +99,11 @@ class MoeBench:
         b = self.inputs(shape.tokens)
         rows, block_expert, act = self.schedule(shape.tokens, None if decode else consts[gate_up]["BLOCK_M"])
         weights = b["weights"]
-        fused = {}
-        if self.fused(shape, cand):   # the bench's routing (Qwen3's), computed by the gate_up kernel itself
+        route, combine = self.fused(shape, cand)
+        fused = dict(logits=b["logits"], out=b["out"], routing=dict(softmax_first=1, renormalize=1)) \
+            if route or combine else {}
+        if route:   # the bench's routing (Qwen3's), computed by the gate_up kernel itself
             weights, block_expert = b["routed_weights"], b["routed_ids"]
-            fused = dict(logits=b["logits"], out=b["out"], routing=dict(softmax_first=1, renormalize=1))
         w = self.weights()
         fns = []
         for c in range(self.copies):
@@ -123,7 +125,7 @@ class MoeBench:
         """Relative error of the candidate's MoE output (its pairs summed per token, as the combine kernel
         sums them, or the fused decode down's output) against moe()'s."""
         b = self.inputs(shape.tokens)
-        fused = self.fused(shape, cand)
+        fused = self.fused(shape, cand)[1]
         b["out" if fused else "pairs"].fill_(float("nan"))
         self.launches(shape, cand)[0]()
         if self.device != "cpu":

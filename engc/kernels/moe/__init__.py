@@ -299,10 +299,10 @@ def launch_down(act, down, rows, block_expert, weights, pairs, consts, variant: 
               down if down_zero is None else down_zero, rows, block_expert, weights, pairs, num_pairs, 0, 0])]
 
 
-def fused_decode(consts) -> bool:
-    """The bundle's decode variants are the fused kernels (specs: a routing without a shared expert): gate_up
-    routes from the router's logits itself and down sums each token's pairs, so no route or combine launch."""
-    return bool(consts["gate_up_decode"].get("fused"))
+def fused_decode(consts) -> tuple[bool, bool]:
+    """Which decode fusions the bundle compiled (specs, tune field "fused"): (gate_up routes from the router's
+    logits itself, so no route launch; down sums each token's pairs, so no combine launch)."""
+    return bool(consts["gate_up_decode"].get("fused")), bool(consts["down_decode"].get("fused"))
 
 
 def launch_gate_up_route(x, gate_up, logits, weights, ids, act, consts, softmax_first: int, renormalize: int,
@@ -338,15 +338,15 @@ def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, co
                    out=None, routing=None):
     """Float experts' gate_up then down launches (launch_gate_up, launch_down), as forward() makes them: engc
     tune's MoE bench launches a candidate's pair so. variants: grouped_variants' (gate_up, down) pair, None for
-    the decode ones. consts: '<variant>' -> {'BLOCK_M', 'BLOCK_N'}. Fused decode variants (fused_decode):
+    the decode ones. consts: '<variant>' -> {'BLOCK_M', 'BLOCK_N'}. Fused decode variants (fused_decode): a fused
     gate_up routes from logits [T, E] by routing (launch_gate_up_route's softmax_first, renormalize) into
-    weights and block_expert (the ids), and down writes out [T, H]; rows and pairs are unused."""
-    if variants is None and fused_decode(consts):
-        return (launch_gate_up_route(x, gate_up, logits, weights, block_expert, act, consts, **routing)
-                + launch_down_combine(act, down, block_expert, weights, out, consts))
+    weights and block_expert (the ids); a fused decode down writes out [T, H], not pairs."""
+    route, combine = fused_decode(consts) if variants is None else (False, False)
     gate_up_variant, down_variant = variants or ("gate_up_decode", "down_decode")
-    return (launch_gate_up(x, gate_up, rows, block_expert, act, weights.numel(), consts, gate_up_variant)
-            + launch_down(act, down, rows, block_expert, weights, pairs, consts, down_variant))
+    return ((launch_gate_up_route(x, gate_up, logits, weights, block_expert, act, consts, **routing) if route else
+             launch_gate_up(x, gate_up, rows, block_expert, act, weights.numel(), consts, gate_up_variant))
+            + (launch_down_combine(act, down, block_expert, weights, out, consts) if combine else
+               launch_down(act, down, rows, block_expert, weights, pairs, consts, down_variant)))
 
 
 def launch_combine(pairs, shared, shared_weight, out, consts):
@@ -374,10 +374,9 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
     the interpreter in the tests). Up to consts['gate_up_decode']['max_pairs'] (token, expert) pairs take the decode
     variants, which skip the sort; more are sorted by expert and padded to BLOCK_M for the grouped GEMMs (one
     launch of the sort kernel, its outputs sized from the shapes), the prefill pair's where the pairs an
-    expert reach its prefill_min_rows on average (grouped_variants). Where the bundle's decode variants are
-    the fused kernels (fused_decode: a routing without a shared expert), the decode path is three launches:
-    the router, gate_up routing each pair's token itself (no route launch) and down summing each token's
-    pairs into the output (no pairs buffer, no combine launch).
+    expert reach its prefill_min_rows on average (grouped_variants). Where the bundle compiled the decode
+    fusions (fused_decode, each a tune field), gate_up routes each pair's token itself (no route launch) and
+    down sums each token's pairs into the output (no pairs buffer, no combine launch): three launches with both.
     The shared expert is a dense SiLU GLU on every token: its GEMMs are torch's (cuBLAS). DeepSeek's routings
     (groups, sigmoid scores, the correction bias, the scaling factor) take their own routing kernel; the
     expert GEMMs and the combine are the same kernels. fp8 experts take the
@@ -399,7 +398,7 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
     if t == 0:
         return out
     variants = grouped_variants(t, top_k, e, consts)
-    fused = variants is None and fused_decode(consts)
+    fuse_route, fuse_combine = fused_decode(consts) if variants is None else (False, False)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
     shared_weight = torch.empty(t if has_shared_expert else 1, dtype=torch.float32, device=x.device)
@@ -411,7 +410,7 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
     else:
         logits = torch.empty(t, e, dtype=x.dtype, device=x.device)
         run(launch_router(x, router, logits, consts))
-        if not fused:   # the fused decode gate_up routes its pairs itself
+        if not fuse_route:   # a fused decode gate_up routes its pairs itself
             run(launch_route(x, logits, shared_gate if has_shared_expert else router, weights, ids, shared_weight,
                              softmax_first, renormalize, float32_weights))
     if variants is None:
@@ -428,14 +427,14 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
     # W8A8: each GEMM's input quantized per row by fp8_quant's kernel first (int4 experts are W4A16: the
     # kernels' INT4_W specialization dequantizes each weight tile)
     x_in, x_scale = _quantized(quant, x) if fp8_experts else (x, None)
-    if fused:
+    if fuse_route:
         run(launch_gate_up_route(x_in, gate_up, logits, weights, ids, act, consts, softmax_first, renormalize,
                                  float32_weights, x_scale=x_scale, **gate_up_q))
     else:
         run(launch_gate_up(x_in, gate_up, rows, block_expert, act, t * top_k, consts, gate_up_variant,
                            x_scale=x_scale, **gate_up_q))
     act_in, act_scale = _quantized(quant, act) if fp8_experts else (act, None)
-    if fused:   # each token's pairs summed into out by the down GEMM itself
+    if fuse_combine:   # each token's pairs summed into out by the down GEMM itself
         run(launch_down_combine(act_in, down, ids, weights, out, consts, act_scale=act_scale, **down_q))
         return out
     pairs = torch.empty(t * top_k, x.shape[1], dtype=x.dtype, device=x.device)

@@ -4,10 +4,11 @@ routings (groups, sigmoid scores, a correction bias) their own routing kernel. A
 expert GEMMs are the FP8_W specialization (float8 weights with a float32 scale per channel, inputs quantized
 per row by the fp8 program's fp8_quant kernels: kernels/moe); the same variant names, as a bundle's experts
 are all fp8 or all float. int4 experts (an AWQ/GPTQ checkpoint's, engc quantize's) are the INT4_W
-specialization, their group size. Without a shared expert or DeepSeek's routing, the decode variants are the
-fused kernels: gate_up routes its own pairs, down sums each token's (no route or combine launch)."""
+specialization, their group size. Without a shared expert or DeepSeek's routing, the decode variants can be
+fused kernels (gate_up routing its own pairs, down summing each token's), where the tune table says so."""
 from dataclasses import replace
 
+from engc.compiler import tune
 from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
 
 # Untuned starting points (no tune-table line yet; `engc tune --ops moe` measures them): BLOCK_M 16 keeps the
@@ -33,8 +34,8 @@ DEFAULTS = {
     "gate_up_prefill": {"num_warps": 8, "num_stages": 3, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
                         "prefill_min_rows": 64},
     "down_prefill": {"num_warps": 8, "num_stages": 3, "BLOCK_N": 128, "BLOCK_K": 64},   # BLOCK_M: gate_up_prefill's
-    "gate_up_decode": {"num_warps": 4, "num_stages": 2, "BLOCK_N": 32, "BLOCK_K": 128, "max_pairs": 64},
-    "down_decode": {"num_warps": 4, "num_stages": 2, "BLOCK_N": 32, "BLOCK_K": 128},
+    "gate_up_decode": {"num_warps": 4, "num_stages": 2, "BLOCK_N": 32, "BLOCK_K": 128, "max_pairs": 64, "fused": 0},
+    "down_decode": {"num_warps": 4, "num_stages": 2, "BLOCK_N": 32, "BLOCK_K": 128, "fused": 0},
     "combine": {"num_warps": 4, "num_stages": 1, "BLOCK": 1024},
     "sort": {"num_warps": 4, "num_stages": 1, "SCAN_BLOCK": 1024, "max_programs": 128},
 }
@@ -74,12 +75,17 @@ def specs(b: Build) -> list:
     sort = {"ids_ptr": "*i32", "rows_ptr": "*i32", "block_expert_ptr": "*i32", "num_pairs": "i32", "block_m": "i32",
             "num_blocks": "i32"}
     combine = {"pairs_ptr": f"*{t}", "shared_ptr": f"*{t}", "shared_weight_ptr": "*fp32", "out_ptr": f"*{t}"}
-    # A routing without a shared expert (Mixtral, Qwen3-MoE, OLMoE) fuses its decode path to three launches:
-    # the decode gate_up routes each pair's token itself from the router's logits (no route launch) and the
-    # decode down sums each token's pairs (no combine launch). A shared expert's output joins in the combine,
-    # and DeepSeek's routings are their own kernel: those keep all five. The fused kernels keep the variant
-    # names, so the tune table's decode entries size them, and the records say which form they are.
-    fused = not shared and not cfg.family.startswith("deepseek")
+    # A routing without a shared expert (Mixtral, Qwen3-MoE, OLMoE) can take two fusions on its decode path, each
+    # its decode variant's tune field "fused": gate_up routing each pair's token itself from the router's logits
+    # (no route launch), and down summing each token's pairs (no combine launch; one program a token's N tile
+    # reads all its experts' rows, where the unfused down spreads them over TOP_K times the programs). Both are
+    # off until a step A/B on the arch keeps them (gpu_bench.py --tune). A shared expert's output joins in the
+    # combine, and DeepSeek's routings are their own kernel: those keep all five launches. The fused kernels
+    # keep the variant names, so the decode entries size them, and the records say which form they are.
+    plain = not shared and not cfg.family.startswith("deepseek")
+    route_fused, combine_fused = (plain and bool(tune.lookup(b.arch, "moe", v, "any", b.ov("moe"),
+                                                             DEFAULTS[v])[1].get("fused"))
+                                  for v in ("gate_up_decode", "down_decode"))
     gate_up_route = {**x_in, **w, "logits_ptr": f"*{t}", "weights_ptr": "*fp32", "ids_ptr": "*i32",
                      "act_ptr": f"*{t}", "softmax_first": "i32", "renormalize": "i32", "float32_weights": "i32"}
     down_combine = {**act_in, **w, "ids_ptr": "*i32", "weights_ptr": "*fp32", "out_ptr": f"*{t}"}
@@ -110,14 +116,14 @@ def specs(b: Build) -> list:
          ("BLOCK_M", "BLOCK_N", "prefill_min_rows")),
         ("down_prefill", "moe_down_kernel", down, {**sizes, "BLOCK_M": block_m["gate_up_prefill"]},
          ("BLOCK_M", "BLOCK_N")),
-        *([("gate_up_decode", "moe_gate_up_route_kernel", gate_up_route,
-            {"H": h, "INTER": inter, "E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k), "FP8_W": fp8,
-             "INT4_W": int4}, ("BLOCK_N", "max_pairs")),
-           ("down_decode", "moe_down_combine_kernel", down_combine,
-            {"H": h, "INTER": inter, "TOP_K": k, "FP8_W": fp8, "INT4_W": int4}, ("BLOCK_N",))] if fused else
-          [("gate_up_decode", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k, "BLOCK_M": 1},
-            ("BLOCK_N", "max_pairs")),
-           ("down_decode", "moe_down_kernel", down, {**sizes, "BLOCK_M": 1}, ("BLOCK_N",))]),
+        ("gate_up_decode", "moe_gate_up_route_kernel", gate_up_route,
+         {"H": h, "INTER": inter, "E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k), "FP8_W": fp8,
+          "INT4_W": int4}, ("BLOCK_N", "max_pairs")) if route_fused else
+        ("gate_up_decode", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k, "BLOCK_M": 1},
+         ("BLOCK_N", "max_pairs")),
+        ("down_decode", "moe_down_combine_kernel", down_combine,
+         {"H": h, "INTER": inter, "TOP_K": k, "FP8_W": fp8, "INT4_W": int4}, ("BLOCK_N",)) if combine_fused else
+        ("down_decode", "moe_down_kernel", down, {**sizes, "BLOCK_M": 1}, ("BLOCK_N",)),
         ("combine", "moe_combine_kernel", combine, {"H": h, "TOP_K": k, "HAS_SHARED": shared}, ("BLOCK",)),
         # one kernel for both grouped pairs: BLOCK_M is a runtime argument. RANK_BLOCK x E_PAD is the one-hot
         # a rank step holds: 4K elements (32 pairs of 128 experts) stay in registers, and a batch's pairs
@@ -129,6 +135,6 @@ def specs(b: Build) -> list:
     specs = [make_spec("moe", variant, b.arch, fn, types, consts, "any", launch_keys=keys, overrides=b.ov("moe"),
                        defaults=DEFAULTS[variant])
              for variant, fn, types, consts, keys in rows]
-    # launch constant "fused": the launch rules launch the decode variants as the fused kernels
-    return [replace(s, launch={**s.launch, "fused": 1}) if fused and s.variant in ("gate_up_decode", "down_decode")
-            else s for s in specs]
+    # launch constant "fused": the launch rules launch that decode variant as its fused kernel
+    fused = {"gate_up_decode": route_fused, "down_decode": combine_fused}
+    return [replace(s, launch={**s.launch, "fused": 1}) if fused.get(s.variant) else s for s in specs]

@@ -25,9 +25,12 @@ moe_down_kernel        grid (row blocks, cdiv(H, BLOCK_N)): pairs[pair] = weight
 moe_combine_kernel     grid (T, cdiv(H, BLOCK)): y[t] = sum over the token's k pairs (+ its gated shared
                        expert's output, whose two GEMMs are the library's: they are dense)
 
-The fused decode path (the "gate_up_decode" / "down_decode" variants of a routing without a shared expert:
-Mixtral, Qwen3-MoE, OLMoE) is three launches, the router and these two, where the others take five: at batch
-1 each launch costs a few microseconds of ramp beyond its reads (H200, in a CUDA graph).
+The fused decode forms (the "gate_up_decode" / "down_decode" variants of a routing without a shared expert:
+Mixtral, Qwen3-MoE, OLMoE, where the tune table's field "fused" turns each on) make the decode path three
+launches, the router and these two, where the others take five: at batch 1 each launch costs a few
+microseconds of ramp beyond its reads (H200, in a CUDA graph). The fused down has TOP_K times fewer programs
+than the unfused one, each reading its token's TOP_K experts' rows in turn: which form is faster is for a step
+A/B to say per arch.
 moe_gate_up_route_kernel  grid (T * k, cdiv(I, BLOCK_N)): each program routes its pair's token from the router's
                        logits (_route_token: the token's routing recomputed by its k * I / BLOCK_N programs, no
                        route launch), takes its slot's expert, and computes act[pair] as moe_gate_up_kernel's
