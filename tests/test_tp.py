@@ -155,6 +155,7 @@ def test_a_dead_rank_makes_the_server_answer_503_and_exit(tp_bundles):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**ENV, "ENGC_DOWN_DRAIN_S": "5"})
     try:
+        assert proc.stdout.readline().startswith("engc: engine ready in ")   # where the start went, then the address
         url = proc.stdout.readline().split()[-1]
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         for _ in range(600):   # the socket is bound before the ranks load; it answers once they have
