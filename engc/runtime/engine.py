@@ -92,11 +92,10 @@ class Engine:
         self.scheduler = Scheduler(self.kv.allocator, config.max_num_seqs, config.max_batched_tokens,
                                    config.max_sessions)
         self.max_context = context_limit(model, num_blocks, config.max_context)
-        t = time.perf_counter()
         self.runner = ModelRunner(model, self.kv, self.max_context, config.max_num_seqs, config.cuda_graphs,
                                   config.overlap)
         self.startup = Startup(kv_tokens=num_blocks * model.block_size, graphs=self.runner.graphs,
-                               graphs_s=(time.perf_counter() - t) if self.runner.graphs else 0.0)
+                               graphs_s=self.runner.graphs_s)
         self.output = OutputProcessor(model.tokenizer, self.max_context, self._finish)
         self.sequences: dict[str, Sequence] = {}
 

@@ -23,6 +23,7 @@ row's logits go to the host (sampler.sample_now). launch holds these rules.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -60,7 +61,7 @@ class ModelRunner:
         self.kv = kv
         self.overlap = overlap
         self.executor = model.executor
-        self.graphs = 0   # decode graphs captured at start
+        self.graphs, self.graphs_s = 0, 0.0   # decode graphs captured at start, and the seconds they took
         if model.device.type == "cuda":
             from engc.runtime.cuda_graphs import GraphedExecutor
             from engc.runtime.gpu_ops import warm_cublas
@@ -70,7 +71,9 @@ class ModelRunner:
                                             max_num_seqs, model.device, cuda_graphs, greedy, draw,
                                             block_size=model.block_size)
             if cuda_graphs:   # every tensor-parallel rank captures the same graphs, collectives included
+                started = time.perf_counter()
                 self.executor.capture(kv.layers)
+                self.graphs_s = time.perf_counter() - started
                 self.graphs = sum(len(turns) for turns in self.executor.graphs.values())
         if model.tp is not None and model.tp.rank == 0:   # each forward's inputs go to the workers first
             from engc.runtime.tp import Leader
