@@ -83,9 +83,8 @@ def specs(b: Build) -> list:
     # combine, and DeepSeek's routings are their own kernel: those keep all five launches. The fused kernels
     # keep the variant names, so the decode entries size them, and the records say which form they are.
     plain = not shared and not cfg.family.startswith("deepseek")
-    route_fused, combine_fused = (plain and bool(tune.lookup(b.arch, "moe", v, "any", b.ov("moe"),
-                                                             DEFAULTS[v])[1].get("fused"))
-                                  for v in ("gate_up_decode", "down_decode"))
+    fused = {v: plain and bool(tune.lookup(b.arch, "moe", v, "any", b.ov("moe"), DEFAULTS[v])[1].get("fused"))
+             for v in ("gate_up_decode", "down_decode")}
     gate_up_route = {**x_in, **w, "logits_ptr": f"*{t}", "weights_ptr": "*fp32", "ids_ptr": "*i32",
                      "act_ptr": f"*{t}", "softmax_first": "i32", "renormalize": "i32", "float32_weights": "i32"}
     down_combine = {**act_in, **w, "ids_ptr": "*i32", "weights_ptr": "*fp32", "out_ptr": f"*{t}"}
@@ -118,11 +117,11 @@ def specs(b: Build) -> list:
          ("BLOCK_M", "BLOCK_N")),
         ("gate_up_decode", "moe_gate_up_route_kernel", gate_up_route,
          {"H": h, "INTER": inter, "E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k), "FP8_W": fp8,
-          "INT4_W": int4}, ("BLOCK_N", "max_pairs")) if route_fused else
+          "INT4_W": int4}, ("BLOCK_N", "max_pairs")) if fused["gate_up_decode"] else
         ("gate_up_decode", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k, "BLOCK_M": 1},
          ("BLOCK_N", "max_pairs")),
         ("down_decode", "moe_down_combine_kernel", down_combine,
-         {"H": h, "INTER": inter, "TOP_K": k, "FP8_W": fp8, "INT4_W": int4}, ("BLOCK_N",)) if combine_fused else
+         {"H": h, "INTER": inter, "TOP_K": k, "FP8_W": fp8, "INT4_W": int4}, ("BLOCK_N",)) if fused["down_decode"] else
         ("down_decode", "moe_down_kernel", down, {**sizes, "BLOCK_M": 1}, ("BLOCK_N",)),
         ("combine", "moe_combine_kernel", combine, {"H": h, "TOP_K": k, "HAS_SHARED": shared}, ("BLOCK",)),
         # one kernel for both grouped pairs: BLOCK_M is a runtime argument. RANK_BLOCK x E_PAD is the one-hot
@@ -136,5 +135,4 @@ def specs(b: Build) -> list:
                        defaults=DEFAULTS[variant])
              for variant, fn, types, consts, keys in rows]
     # launch constant "fused": the launch rules launch that decode variant as its fused kernel
-    fused = {"gate_up_decode": route_fused, "down_decode": combine_fused}
     return [replace(s, launch={**s.launch, "fused": 1}) if fused.get(s.variant) else s for s in specs]
