@@ -12,7 +12,9 @@ down-projection kv_a is replicated, since every head reads the whole latent, and
 cache (one row a token, whatever the heads). int4 weights (QLinear, int4 experts) split like float ones: their
 codes, scales and zeros by output rows; along the input (o, down) by 8-input words and whole groups, so a rank's
 slice must be a multiple of the layout's 32-input chunk and of the group size, and act-order's input
-permutation, which spans the ranks' slices, is refused.
+permutation, which spans the ranks' slices, is refused. A norm over the whole q or k projection (OLMoE's)
+normalizes rows that the ranks each hold a part of: each rank's sum of squares is all-reduced (one float a
+token), and each rank scales its part by its slice of the norm's weight.
 
 The embedding stays whole on every rank: a lookup reads only the step's rows, and a vocabulary-parallel
 one would cost one more all-reduce a step for memory the lm_head saves anyway. The lm_head is split by
@@ -60,11 +62,11 @@ def _shard(g: Graph, cfg: ModelConfig, tp: int) -> Graph:
     inter = {"gate": cfg.intermediate_size // tp, "up": cfg.intermediate_size // tp}
     head_gather = next(n for n in g.nodes if n.op == "Gather" and n.inputs[1:] == ["logits_indices"])
     for node in list(g.nodes):
-        if node.op in _AS_IS:
-            if node.op == "RMSNorm" and _is_projection(g, node.inputs[0], ("q", "k")):
-                raise UserError(f"--tp {tp}: {cfg.family}'s q/k norm over the whole projection does not shard")
+        if node.op == "RMSNorm" and _projection_kind(g, node.inputs[0]) in ("q", "k"):
+            _shard_projection_norm(g, node, _heads_rows(cfg, tp, _projection_kind(g, node.inputs[0])), tp)
+        elif node.op in _AS_IS:
             continue
-        if node.op in _HEADS:
+        elif node.op in _HEADS:
             node.attrs.update(num_heads=per_rank_heads, num_kv_heads=kv_head_of(cfg, tp, 0)[1])
         elif node.op in ("Gemm", "QLinear") and node.inputs[0] == head_gather.outputs[0]:
             _shard_head(g, node, cfg, tp)
@@ -75,10 +77,8 @@ def _shard(g: Graph, cfg: ModelConfig, tp: int) -> Graph:
             kind = m.group(1)
             if kind in _REPLICATED:
                 continue
-            if kind in ("q", "q_b"):
-                _out_rows(g, node, _nth(per_rank_heads * d))
-            elif kind in ("k", "v"):
-                _out_rows(g, node, lambda r: slice(*(h * d for h in _span(kv_head_of(cfg, tp, r)))))
+            if kind in ("q", "q_b", "k", "v"):
+                _out_rows(g, node, _heads_rows(cfg, tp, kind))
             elif kind in inter:
                 _out_rows(g, node, _nth(inter[kind]))
             else:   # o, down: split by input columns, summed by an AllReduce
@@ -107,10 +107,33 @@ def _span(first_count: tuple[int, int]) -> tuple[int, int]:
     return first, first + count
 
 
-def _is_projection(g: Graph, value: str, kinds: tuple[str, ...]) -> bool:
+def _heads_rows(cfg: ModelConfig, tp: int, kind: str):
+    """rank -> its rows of a q (q_b) or k / v projection: its heads' head_dim-wide rows (a KV head that ranks
+    share, on each of them)."""
+    d = cfg.head_dim
+    if kind in ("q", "q_b"):
+        return _nth(cfg.num_heads // tp * d)
+    return lambda r: slice(*(h * d for h in _span(kv_head_of(cfg, tp, r))))
+
+
+def _projection_kind(g: Graph, value: str) -> str | None:
+    """'q', 'k', ... when value is a projection's output (float or int4), else None."""
     p = g.producer(value)
-    m = p is not None and p.op == "Gemm" and _PROJECTION.match(p.inputs[1])
-    return bool(m) and m.group(1) in kinds
+    m = p is not None and p.op in ("Gemm", "QLinear") and _PROJECTION.match(p.inputs[1])
+    return m.group(1) if m else None
+
+
+def _shard_projection_norm(g: Graph, node: Node, rows, tp: int) -> None:
+    """RMSNorm(x, weight) over a projection the ranks hold parts of, as SquareMean -> AllReduce -> RMSNormByMean
+    on the rank's part (kernels/rms_norm). Every rank's part is equally wide (heads by rank, or one shared KV
+    head each), so the summed per-part means are the whole row's mean square."""
+    x, weight = node.inputs
+    _rows(g, weight, rows)
+    mean_square = node.outputs[0] + ".mean_square"
+    at = g.nodes.index(node)
+    g.nodes[at:at + 1] = [Node("SquareMean", [x], [mean_square + ".partial"], {"parts": tp}),
+                          Node("AllReduce", [mean_square + ".partial"], [mean_square]),
+                          Node("RMSNormByMean", [x, mean_square, weight], node.outputs, {"eps": node.attrs["eps"]})]
 
 
 def _per_rank(g: Graph, name: str, part) -> None:

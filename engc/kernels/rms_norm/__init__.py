@@ -2,6 +2,12 @@
 
 ONNX: ai.engc::RMSNorm(x, weight) -> y and ai.engc::AddRMSNorm(x, residual, weight) -> (y, x + residual),
 attribute eps. One kernel serves both: the residual is just an optional input.
+
+A norm over a row that tensor-parallel ranks each hold a part of (OLMoE's q/k norm over the whole projection,
+compiler/passes/shard_tp.py) is two nodes around an AllReduce: ai.engc::SquareMean(x) -> each row's sum of
+squares over `parts` times its width (float32 [..., 1]; summed over the ranks, the whole row's mean square,
+as every rank's part is equally wide), and ai.engc::RMSNormByMean(x, mean_square, weight) -> y, attribute
+eps. They are small (one [rows, 1] all-reduce a norm) and run as torch ops on every device.
 """
 import torch
 
@@ -11,6 +17,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * y.to(x.dtype)
+
+
+def square_mean(x: torch.Tensor, parts: int) -> torch.Tensor:
+    xf = x.float()
+    return xf.pow(2).sum(-1, keepdim=True) / (x.shape[-1] * parts)
+
+
+def rms_norm_by_mean(x: torch.Tensor, mean_square: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm with the row's mean square given: the same float32 steps and the same rounding."""
+    return weight * (x.float() * torch.rsqrt(mean_square + eps)).to(x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):

@@ -1,13 +1,14 @@
 """The nodes the rms_norm kernel serves: RMSNorm and AddRMSNorm; in fp8 programs RMSNormFP8 and AddRMSNormFP8,
 which write their output as float8 codes and a scale a row for the FP8 GEMM after them; Gemma's
 RMSNormUnitOffset and AddRMSNormUnitOffset ((1 + weight), half-precision bundles); DeepSeek's LatentRMSNorm
-(q_lora_rank-wide rows; its reference is kernels/mla_attention's)."""
+(q_lora_rank-wide rows; its reference is kernels/mla_attention's); SquareMean and RMSNormByMean, a norm
+over a row the tensor-parallel ranks share (torch on every device)."""
 import torch
 
 from engc.bundle.program import ENGC_DOMAIN
 from engc.kernels.fp8_quant import FP8, quantize_rows
 from engc.kernels.rms_norm import (LATENT_VARIANT, UNIT_OFFSET_VARIANTS, add_rms_norm, add_rms_norm_unit_offset, launch,
-                                   rms_norm, rms_norm_unit_offset)
+                                   rms_norm, rms_norm_by_mean, rms_norm_unit_offset, square_mean)
 
 
 def _quantized_first(y, *rest):
@@ -21,6 +22,8 @@ CPU_OPS = {
     (ENGC_DOMAIN, "AddRMSNormFP8"): lambda x, r, w, eps: _quantized_first(*add_rms_norm(x, r, w, eps)),
     (ENGC_DOMAIN, "RMSNormUnitOffset"): lambda x, w, eps: (rms_norm_unit_offset(x, w, eps),),
     (ENGC_DOMAIN, "AddRMSNormUnitOffset"): lambda x, r, w, eps: add_rms_norm_unit_offset(x, r, w, eps),
+    (ENGC_DOMAIN, "SquareMean"): lambda x, parts: (square_mean(x, parts),),
+    (ENGC_DOMAIN, "RMSNormByMean"): lambda x, ms, w, eps: (rms_norm_by_mean(x, ms, w, eps),),
 }
 
 
