@@ -458,6 +458,3 @@ def bench_(bundle, device, batch_sizes, input_len, output_len, as_json):
     report = bench(str(bundle), device, sizes, input_len, output_len, Progress(enabled=not as_json))
     click.echo(json.dumps(report, sort_keys=True) if as_json else table(report))
 
-
-if __name__ == "__main__":
-    main(prog_name="engc")
