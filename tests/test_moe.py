@@ -14,7 +14,8 @@ import torch
 
 from engc.compiler.build import BuildOptions, build
 from engc.errors import UserError
-from engc.kernels.moe import moe, route, sort_by_expert
+from engc.kernels.moe import moe, route
+from engc.kernels.moe.launch import sort_by_expert
 from gguf_writer import STEMS, add_hparams, permute_qk, tensor_name
 
 transformers = pytest.importorskip("transformers")

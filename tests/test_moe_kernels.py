@@ -51,7 +51,8 @@ def test_moe_kernel_matches_reference(report, case):
 
 def test_op_contract_does_not_import_triton():
     import subprocess
-    code = "import sys, engc.kernels.moe, engc.kernels.moe.bind; assert 'triton' not in sys.modules"
+    code = ("import sys, engc.kernels.moe; assert 'engc.kernels.moe.launch' not in sys.modules; "
+            "import engc.kernels.moe.bind; assert 'triton' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
@@ -72,7 +73,7 @@ def test_grouped_variants_follow_the_token_count():
     """The launch rule's choice: decode up to max_pairs pairs, prefill from prefill_min_rows pairs an expert on
     average (Qwen3-30B-A3B's shape: 128 experts, top-8), the small-tile grouped pair between; a bundle
     without the prefill variants keeps the grouped pair."""
-    from engc.kernels.moe import grouped_variants
+    from engc.kernels.moe.launch import grouped_variants
     from engc.kernels.moe.specs import DEFAULTS
     consts = {v: DEFAULTS[v] for v in ("gate_up_decode", "gate_up_prefill")}
     min_rows = DEFAULTS["gate_up_prefill"]["prefill_min_rows"]
@@ -101,7 +102,7 @@ def test_decode_launches_of_each_routing(family, attrs, fused):
     import torch
     from engc.compiler import tune
     from engc.compiler.codegen.specs import model_specs
-    from engc.kernels import moe as op
+    from engc.kernels.moe import launch as gpu
     shared = 40 if attrs.get("has_shared_expert") else 0
     cfg = _cfg(family=family, shared_expert_intermediate_size=shared, num_experts=4 if shared else 6)
     on = set(fused.split(",")) - {""} if not shared else set()
@@ -120,8 +121,8 @@ def test_decode_launches_of_each_routing(family, attrs, fused):
 
     def launched(tokens):
         seen = []
-        op.forward(lambda launches: seen.extend(v for v, _, _ in launches), torch.randn(tokens, 64, dtype=bf),
-                   *inputs, top_k=2, consts=consts, **attrs)
+        gpu.forward(lambda launches: seen.extend(v for v, _, _ in launches), torch.randn(tokens, 64, dtype=bf),
+                    *inputs, top_k=2, consts=consts, **attrs)
         return seen
     assert launched(1) == decode and launched(4) == decode
     most = consts["gate_up_decode"]["max_pairs"] // 2   # tokens of top-2 on the decode path (past the small router)
@@ -140,7 +141,7 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
     import torch
     from engc.compiler.codegen.record import compile_specs
     from engc.compiler.codegen.specs import model_specs
-    from engc.kernels import moe as op
+    from engc.kernels.moe import launch as gpu
     cfg = _cfg(shared_expert_intermediate_size=shared)
     archs = ("sm90",) if fp8 else ("sm80", "sm90")
     specs = [s for arch in archs for s in model_specs(cfg, torch.bfloat16, arch, 16, quant="fp8" if fp8 else "none")
@@ -179,8 +180,8 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
     # the decode path, the grouped one, the prefill one (past prefill_min_rows pairs an expert of the 6)
     prefill = records[("sm90", "gate_up_prefill")]["launch"]["prefill_min_rows"] * 6 // 2 + 8
     for tokens in (3, 80, prefill):
-        op.forward(check, torch.randn(tokens, 64, dtype=bf), w["router"], w["gate_up"], w["down"], *extra,
-                   top_k=2, consts=consts, quant=check, has_shared_expert=int(bool(shared)), fp8_experts=int(fp8))
+        gpu.forward(check, torch.randn(tokens, 64, dtype=bf), w["router"], w["gate_up"], w["down"], *extra,
+                    top_k=2, consts=consts, quant=check, has_shared_expert=int(bool(shared)), fp8_experts=int(fp8))
     assert check.seen == {v for a, v in records if a == "sm90"}
 
 
@@ -200,7 +201,7 @@ def test_int4_expert_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rule
     import torch
     from engc.compiler.codegen.record import compile_specs
     from engc.compiler.codegen.specs import model_specs
-    from engc.kernels import moe as op
+    from engc.kernels.moe import launch as gpu
     cfg = _cfg(moe_intermediate_size=64)
     specs = [s for arch in ("sm80", "sm90") for s in model_specs(cfg, torch.bfloat16, arch, 16, int4_experts=32)
              if s.op == "moe"]
@@ -219,8 +220,8 @@ def test_int4_expert_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rule
             torch.ones(6, 64, 2, dtype=bf), torch.zeros(6, 64, 2, dtype=torch.uint8))
     prefill = records[("sm90", "gate_up_prefill")]["launch"]["prefill_min_rows"] * 6 // 2 + 8
     for tokens in (3, 80, prefill):
-        op.forward(check, torch.randn(tokens, 64, dtype=bf), torch.randn(6, 64, dtype=bf), *packed, *int4, top_k=2,
-                   consts=consts, group_size=32)
+        gpu.forward(check, torch.randn(tokens, 64, dtype=bf), torch.randn(6, 64, dtype=bf), *packed, *int4, top_k=2,
+                    consts=consts, group_size=32)
     assert check.seen == {v for a, v in records if a == "sm90"}
 
 
@@ -231,7 +232,7 @@ def test_deepseek_routing_kernel_compiles_and_matches_its_launch_rule():
     import torch
     from engc.compiler.codegen.record import compile_specs
     from engc.compiler.codegen.specs import model_specs
-    from engc.kernels import moe as op
+    from engc.kernels.moe import launch as gpu
     deepseek = {"router_deepseek", "router_deepseek_small", "route_deepseek"}
     assert not deepseek & {s.variant for s in model_specs(_cfg(), torch.bfloat16, "sm90", 16)}
     cfg = _cfg(family="deepseek_v3", num_experts=8, shared_expert_intermediate_size=40)
@@ -243,15 +244,15 @@ def test_deepseek_routing_kernel_compiles_and_matches_its_launch_rule():
     x, logits = torch.randn(3, 64, dtype=torch.bfloat16), torch.empty(3, 8)
     consts = {s.variant: s.launch for s in specs if s.arch == "sm90"}
     for tokens, expected in ((3, "router_deepseek_small"), (40, "router_deepseek")):   # decode's few, prefill's many
-        (variant, grid, args), = op.launch_router(torch.randn(tokens, 64, dtype=torch.bfloat16),
-                                                  torch.randn(8, 64, dtype=torch.bfloat16), torch.empty(tokens, 8),
-                                                  consts, "router_deepseek")
+        (variant, grid, args), = gpu.launch_router(torch.randn(tokens, 64, dtype=torch.bfloat16),
+                                                   torch.randn(8, 64, dtype=torch.bfloat16), torch.empty(tokens, 8),
+                                                   consts, "router_deepseek")
         assert variant == expected
         check_launch(grid, args, records[variant], null_pointers=False)
-    launches = op.launch_route_deepseek(x, logits, torch.randn(8),
-                                        torch.empty(3, 2), torch.empty(3, 2, dtype=torch.int32), torch.empty(3),
-                                        renormalize=1, float32_weights=0, sigmoid_scores=1, n_group=4,
-                                        topk_group=2, group_top2=1, routed_scaling_factor=2.5)
+    launches = gpu.launch_route_deepseek(x, logits, torch.randn(8),
+                                         torch.empty(3, 2), torch.empty(3, 2, dtype=torch.int32), torch.empty(3),
+                                         renormalize=1, float32_weights=0, sigmoid_scores=1, n_group=4,
+                                         topk_group=2, group_top2=1, routed_scaling_factor=2.5)
     (variant, grid, args), = launches
     assert variant == "route_deepseek" and grid == (3, 1, 1)
     check_launch(grid, args, records[variant], null_pointers=False)
@@ -326,6 +327,7 @@ def check_route(dtype, softmax_first, renormalize, ties=False, float32_weights=0
     """The router and routing kernels against route(): 13 tokens take the small router, 40 the tiled one."""
     import torch
     from engc.kernels import moe as op
+    from engc.kernels.moe import launch as gpu
     cfg = _cfg(num_experts=10, num_experts_per_tok=3)
     specs = _specs(cfg, dtype)
     w, r = _weights(cfg, dtype)
@@ -335,8 +337,8 @@ def check_route(dtype, softmax_first, renormalize, ties=False, float32_weights=0
     ids = torch.full((tokens, 3), -7, dtype=torch.int32)
     logits = torch.full((tokens, 10), float("nan")).to(dtype)
     run = _runner(specs)
-    run(op.launch_router(x, router, logits, {v: s.launch for v, s in specs.items()}))
-    run(op.launch_route(x, logits, router, weights, ids, weights, softmax_first, renormalize, float32_weights))
+    run(gpu.launch_router(x, router, logits, {v: s.launch for v, s in specs.items()}))
+    run(gpu.launch_route(x, logits, router, weights, ids, weights, softmax_first, renormalize, float32_weights))
     assert run.variants[0] == ("router_small" if tokens <= 16 else "router"), run.variants
     if ties:   # every score equal: the kernel takes the lowest expert ids, in order
         ok = (ids == torch.arange(3, dtype=torch.int32)).all() and torch.allclose(weights, torch.full_like(weights, 0.1 if not renormalize else 1 / 3))
@@ -354,6 +356,7 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
     """forward() against the reference; min_rows: the prefill variants' prefill_min_rows (by default out of
     reach, so a grouped case stays on the small-tile pair)."""
     from engc.kernels import moe as op
+    from engc.kernels.moe import launch as gpu
     # int4: the layout packs 32 inputs a chunk, so the experts' width is 64 there
     cfg = _cfg(num_experts=experts, num_experts_per_tok=top_k, shared_expert_intermediate_size=shared,
                **({"moe_intermediate_size": 64} if int4 else {}))
@@ -369,7 +372,7 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
     ref = op.moe(*inputs, **attrs)
     run = _runner(specs)
     consts = {v: s.launch for v, s in specs.items()}
-    out = op.forward(run, *inputs, consts=consts, quant=run, **attrs)
+    out = gpu.forward(run, *inputs, consts=consts, quant=run, **attrs)
     pairs = tokens * top_k
     kind = "_decode" if pairs <= max_pairs else "_prefill" if pairs >= min_rows * experts else ""
     router = "router_small" if tokens <= specs["router_small"].launch["max_tokens"] else "router"
@@ -390,6 +393,7 @@ def check_fused_decode(dtype, tokens, top_k=2, softmax_first=1, renormalize=0, f
     top-2 boundary of every token: the kernels take expert 0, and either choice is the reference's output."""
     import torch
     from engc.kernels import moe as op
+    from engc.kernels.moe import launch as gpu
     cfg = _cfg(num_experts=6, num_experts_per_tok=top_k, **({"moe_intermediate_size": 64} if int4 else {}))
     tiles = {"BLOCK_N": 32, "BLOCK_K": 32}
     fused = _specs(cfg, dtype, {**tiles, "fused": 1}, fp8=fp8, int4=int4)   # both decode fusions on
@@ -421,7 +425,7 @@ def check_fused_decode(dtype, tokens, top_k=2, softmax_first=1, renormalize=0, f
             for variant, _, args in launches:   # the routing the down GEMM reads: (weights, ids)
                 if variant == "route" or (name == "fused" and variant == "gate_up_decode"):
                     routing[name] = (args[3], args[4]) if variant == "route" else (args[6], args[7])
-        outs[name] = op.forward(run, *inputs, consts={v: s.launch for v, s in specs.items()}, quant=run, **attrs)
+        outs[name] = gpu.forward(run, *inputs, consts={v: s.launch for v, s in specs.items()}, quant=run, **attrs)
         outs[name + "_launches"] = [v for v in ran.variants if not v.startswith("k")]   # the MoE op's
     assert outs["fused_launches"] == ["router_small", "gate_up_decode", "down_decode"], outs["fused_launches"]
     assert outs["unfused_launches"] == ["router_small", "route", "gate_up_decode", "down_decode", "combine"], \
@@ -440,6 +444,7 @@ def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False, groups=True
     DeepSeek's, the same expert and combine kernels."""
     import torch
     from engc.kernels import moe as op
+    from engc.kernels.moe import launch as gpu
     cfg = _cfg(family="deepseek_v3" if v3 else "deepseek_v2", num_experts=8, num_experts_per_tok=2,
                shared_expert_intermediate_size=40)
     specs = _specs(cfg, dtype, {"max_pairs": max_pairs, "BLOCK_N": 32, "BLOCK_K": 32}, fp8=fp8)
@@ -455,7 +460,7 @@ def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False, groups=True
     inputs = [x, w["router"], w["gate_up"], w["down"], w["shared_gate_up"], w["shared_down"], *extra]
     ref = op.moe(*inputs, **attrs)
     run = _runner(specs)
-    out = op.forward(run, *inputs, consts={v: s.launch for v, s in specs.items()}, quant=run, **attrs)
+    out = gpu.forward(run, *inputs, consts={v: s.launch for v, s in specs.items()}, quant=run, **attrs)
     assert run.variants[:2] == ["router_deepseek_small" if tokens <= 16 else "router_deepseek", "route_deepseek"], \
         run.variants
     return _rel(out, ref), run.variants
@@ -465,18 +470,18 @@ def check_sort(tokens, top_k, experts, block_m, ids=None, overrides=None):
     """launch_sort's kernel against sort_by_expert, exactly: every row and block (the outputs start as garbage,
     so one the kernel leaves unwritten shows). ids: random distinct experts a token by default."""
     import torch
-    from engc.kernels import moe as op
+    from engc.kernels.moe import launch as gpu
     specs = _specs(_cfg(num_experts=experts, num_experts_per_tok=top_k), torch.float32, overrides)
     if ids is None:
         g = torch.Generator().manual_seed(tokens)
         ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     ids = ids.to(torch.int32)
-    blocks = op.sort_blocks(ids.numel(), experts, block_m)
+    blocks = gpu.sort_blocks(ids.numel(), experts, block_m)
     rows = torch.full((blocks * block_m,), -7, dtype=torch.int32)
     block_expert = torch.full((blocks,), -7, dtype=torch.int32)
-    launches = op.launch_sort(ids, rows, block_expert, block_m, {v: s.launch for v, s in specs.items()})
+    launches = gpu.launch_sort(ids, rows, block_expert, block_m, {v: s.launch for v, s in specs.items()})
     _runner(specs)(launches)
-    ref_rows, ref_blocks = op.sort_by_expert(ids, experts, block_m)
+    ref_rows, ref_blocks = gpu.sort_by_expert(ids, experts, block_m)
     ok = torch.equal(rows, ref_rows) and torch.equal(block_expert, ref_blocks)
     return 0.0 if ok else float("inf"), [grid for _, grid, _ in launches]
 

@@ -1,6 +1,6 @@
 """The MoE op's candidates on the GPU (gpu.GpuBench delegates moe shapes here): one class's gate_up and down
-cubins launched by the op's own launch rule (kernels/moe launch_experts) over a seeded random routing, checked
-against the op's torch reference (kernels/moe moe()), timed as gpu.py times a launch.
+cubins launched by the op's own launch rule (kernels/moe/launch.py launch_experts) over a seeded random
+routing, checked against the op's torch reference (kernels/moe moe()), timed as gpu.py times a launch.
 
 The weights: one layer's experts, random, in as many copies as overflow L2 three times (a Qwen3-30B-A3B layer,
 1.2 GB, is one copy), cycled through so every launch pair reads its experts from memory as a decode step does.
@@ -18,6 +18,7 @@ import torch
 
 from engc.compiler.tune import moe as tm
 from engc.kernels import moe as op
+from engc.kernels.moe import launch as gpu
 
 
 class MoeBench:
@@ -66,11 +67,11 @@ class MoeBench:
         return self._inputs[tokens]
 
     def fused(self, shape, cand) -> tuple[bool, bool]:
-        """Which of the candidate's decode pair are fused kernels (kernels/moe fused_decode): (gate_up routing from
-        the logits, down summing each token's pairs into out)."""
+        """Which of the candidate's decode pair are fused kernels (kernels/moe/launch.py fused_decode): (gate_up
+        routing from the logits, down summing each token's pairs into out)."""
         if shape.name != "decode":
             return False, False
-        return op.fused_decode({r["variant"]: r["launch"] for _, r in self.kernels[(shape, cand)]})
+        return gpu.fused_decode({r["variant"]: r["launch"] for _, r in self.kernels[(shape, cand)]})
 
     def schedule(self, tokens: int, block_m: int | None):
         """(rows, block_expert, act) for the batch: sort_by_expert's at block_m, or the decode variants' one
@@ -82,7 +83,7 @@ class MoeBench:
                 rows = torch.arange(ids.numel(), dtype=torch.int32, device=self.device)
                 block_expert = ids.reshape(-1)
             else:
-                rows, block_expert = op.sort_by_expert(ids, self.e, block_m)
+                rows, block_expert = gpu.sort_by_expert(ids, self.e, block_m)
             act = torch.empty(ids.numel(), self.i, dtype=self.dtype, device=self.device)   # a row a pair
             self._schedules[key] = (rows, block_expert, act)
         return self._schedules[key]
@@ -108,9 +109,9 @@ class MoeBench:
         fns = []
         for c in range(self.copies):
             plan = []
-            for variant, grid, args in op.launch_experts(b["x"], w["gate_up"][c], w["down"][c], rows, block_expert,
-                                                         weights, act, b["pairs"], consts,
-                                                         None if decode else tm.CLASSES[cls], **fused):
+            for variant, grid, args in gpu.launch_experts(b["x"], w["gate_up"][c], w["down"][c], rows, block_expert,
+                                                          weights, act, b["pairs"], consts,
+                                                          None if decode else tm.CLASSES[cls], **fused):
                 kernel, _ = by_variant[variant]
                 plan.append((kernel, grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a
                                             for a in args[:len(kernel.signature)]]))

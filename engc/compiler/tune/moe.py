@@ -1,7 +1,7 @@
 """engc tune's MoE op: the grouped expert GEMMs (kernels/moe) of a mixture-of-experts model, per variant class.
 
-A class is the pair of variants one launch rule picks (kernels/moe grouped_variants), measured at token counts
-it serves, the routing drawn from a seeded random router (the reference's own route()):
+A class is the pair of variants one launch rule picks (kernels/moe/launch.py grouped_variants), measured at
+token counts it serves, the routing drawn from a seeded random router (the reference's own route()):
   grouped  gate_up + down            T = 32, 64, 256 (decode-sized batches: a few to tens of rows an expert)
   prefill  gate_up_prefill + down_prefill   T = 4096 (a prompt chunk: hundreds of rows an expert)
   decode   gate_up_decode + down_decode     T = 1, 4 (one (token, expert) pair a program, no sort; without
