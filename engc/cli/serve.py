@@ -44,8 +44,7 @@ def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_pref
         cache_max_entry_count, num_blocks, no_prefix_cache, max_waiting, max_body_bytes, max_context, engine_process,
         device, tp):
     """Serve BUNDLE over HTTP with OpenAI- and Anthropic-compatible APIs (see docs/serving.md)."""
-    import functools
-    from engc.runtime.engine_spawn import kill, load_engine, runs_apart, spawn
+    from engc.runtime.engine_spawn import kill, runs_apart, spawn_engine
     from engc.runtime.server.listen import listening_socket
     extra = {"kv_memory_fraction": cache_max_entry_count} if cache_max_entry_count else {}
     if num_blocks:
@@ -56,7 +55,7 @@ def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_pref
     # The address first: a port in use is one line at once, before anything starts. Then the engine's process,
     # before the server's modules and torch are imported here (seconds): its imports and load overlap them
     sock = listening_socket(host, port)
-    child = spawn(functools.partial(load_engine, str(bundle), config, device, tp)) if runs_apart(config) else None
+    child = spawn_engine(str(bundle), config, device, tp) if runs_apart(config) else None
     try:
         from engc.runtime.server.app import serve
         serve(str(bundle), config, sock, host, served_model_name, api_key, device, max_body_bytes, tp, child)

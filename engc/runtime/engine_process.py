@@ -33,7 +33,7 @@ import traceback
 from engc.errors import UserError
 from engc.runtime.async_engine import Delta, EngineDown, EngineFront
 from engc.runtime.engine import Engine, EngineConfig, check_request
-from engc.runtime.engine_spawn import Spawned, kill, load_engine, spawn
+from engc.runtime.engine_spawn import Spawned, kill
 from engc.runtime.heap import settle_heap
 from engc.runtime.step_loop import StepLoop
 
@@ -44,13 +44,11 @@ class EngineClient(EngineFront):
     """The request side in the server's process, over an engine in a child process (the module's doc)."""
 
     @classmethod
-    def start(cls, bundle: str, config: EngineConfig, build=None, metrics=None, flush_streams: int = 64,
-              child: Spawned | None = None) -> "EngineClient":
-        """Waits until the engine's process serves: child, as engine_spawn.spawn started it, or one spawned
-        here to run build() (picklable; default: load_engine(bundle, config, 'auto', None)). A start-up error
-        there is raised here: a UserError as the child raised it, anything else as one line naming it; on any
-        error here the process is killed."""
-        child = child or spawn(build or functools.partial(load_engine, bundle, config, "auto", None))
+    def start(cls, bundle: str, config: EngineConfig, child: Spawned, metrics=None,
+              flush_streams: int = 64) -> "EngineClient":
+        """Waits until the engine's process serves: child, as engine_spawn started it (spawn_engine: a server's
+        engine; spawn: any build). A start-up error there is raised here: a UserError as the child raised it,
+        anything else as one line naming it; on any error here the process is killed."""
         try:
             from engc.bundle.reader import open_bundle
             from engc.runtime.tokenizer import Tokenizer

@@ -4,6 +4,7 @@ here imports torch, fastapi or the engine at import time: load_engine and the ch
 need when they run."""
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -36,6 +37,12 @@ def load_engine(bundle: str, config: EngineConfig, device: str, tp: int | None) 
     from engc.runtime.engine import start_engine
     from engc.runtime.tp import load_rank
     return start_engine(lambda: load_rank(bundle, device, tp), config)
+
+
+def spawn_engine(bundle: str, config: EngineConfig, device: str, tp: int | None) -> Spawned:
+    """A server's engine (load_engine's) in a process of its own: engc run's, spawned before it imports the
+    server, or build_server's where it is given none."""
+    return spawn(functools.partial(load_engine, bundle, config, device, tp))
 
 
 def spawn(build) -> Spawned:

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engc.errors import UserError
 from engc.runtime.async_engine import AsyncEngine, EngineDown, EngineFront, QueueFull
 from engc.runtime.engine import EngineConfig
-from engc.runtime.engine_spawn import Spawned, load_engine, runs_apart
+from engc.runtime.engine_spawn import Spawned, load_engine, runs_apart, spawn_engine
 from engc.runtime.heap import settle_heap
 from engc.runtime.sampling import SamplingParams
 from engc.runtime.server.metrics import Metrics
@@ -292,15 +292,13 @@ def build_server(bundle: str, config: EngineConfig, model_name: str | None = Non
                  max_body_bytes: int | None = None, tp: int | None = None,
                  child: Spawned | None = None) -> tuple[FastAPI, EngineFront]:
     """The app over an engine in a process of its own (config.engine_process; child: that process as
-    engine_spawn.spawn started it, else it is spawned here) or in a thread of this one. tp: the ranks the
+    engine_spawn.spawn_engine started it, else it is spawned here) or in a thread of this one. tp: the ranks the
     command line asked for (checked against the bundle's; runtime/tp.py). On a rank other than 0 of a
     tensor-parallel launch this serves as a worker and exits."""
-    import functools
     import time
     if runs_apart(config):
         from engc.runtime.engine_process import EngineClient
-        engine = EngineClient.start(bundle, config, functools.partial(load_engine, bundle, config, device, tp),
-                                    Metrics(), child=child)
+        engine = EngineClient.start(bundle, config, child or spawn_engine(bundle, config, device, tp), Metrics())
     else:
         started = time.perf_counter()
         engine = AsyncEngine(load_engine(bundle, config, device, tp), Metrics()).start()

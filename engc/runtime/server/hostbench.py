@@ -29,6 +29,7 @@ import torch
 from engc.runtime.async_engine import AsyncEngine
 from engc.runtime.engine import Engine, EngineConfig
 from engc.runtime.engine_process import EngineClient
+from engc.runtime.engine_spawn import spawn
 from engc.runtime.runner import InFlight
 from engc.runtime.server.metrics import Metrics
 
@@ -131,7 +132,7 @@ def main(argv=None) -> None:
                           engine_process=args.engine_process)
     build = functools.partial(stub_engine, args.bundle, config, args.step_ms / 1000)
     if config.engine_process:
-        async_engine = EngineClient.start(args.bundle, config, build, Metrics(), args.flush_streams)
+        async_engine = EngineClient.start(args.bundle, config, spawn(build), Metrics(), args.flush_streams)
     else:
         async_engine = AsyncEngine(build(), Metrics(), args.flush_streams).start()
     app = create_app(async_engine, args.model_name)
