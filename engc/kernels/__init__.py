@@ -2,6 +2,7 @@
 
     __init__.py   the plain-torch reference (the CPU path and the test oracle) and the launch rule, which
                   turns tensors into [(variant, grid, args)] for the bundle's kernels; free of Triton
+                  (where an op's GPU path outgrows that, its launch rules sit beside it: moe/launch.py)
     triton.py     the Triton kernels (the compiler's)
     specs.py      specs(b): the kernels a model's build needs, as KernelSpecs (the compiler's)
     bind.py       the program nodes the op serves: CPU_OPS (and HALF_OPS), gpu_ops(ctx) (the runtime's)
