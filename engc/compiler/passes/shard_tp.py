@@ -62,8 +62,8 @@ def _shard(g: Graph, cfg: ModelConfig, tp: int) -> Graph:
     inter = {"gate": cfg.intermediate_size // tp, "up": cfg.intermediate_size // tp}
     head_gather = next(n for n in g.nodes if n.op == "Gather" and n.inputs[1:] == ["logits_indices"])
     for node in list(g.nodes):
-        if node.op == "RMSNorm" and _projection_kind(g, node.inputs[0]) in ("q", "k"):
-            _shard_projection_norm(g, node, _heads_rows(cfg, tp, _projection_kind(g, node.inputs[0])), tp)
+        if node.op == "RMSNorm" and (kind := _projection_kind(g, node.inputs[0])) in ("q", "k"):
+            _shard_projection_norm(g, node, _heads_rows(cfg, tp, kind), tp)
         elif node.op in _AS_IS:
             continue
         elif node.op in _HEADS:
