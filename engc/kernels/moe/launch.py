@@ -259,8 +259,8 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
         if not fuse_route:   # a fused decode gate_up routes its pairs itself
             run(launch_route(x, logits, shared_gate if has_shared_expert else router, weights, ids, shared_weight,
                              softmax_first, renormalize, float32_weights))
-    if variants is None:
-        rows = torch.arange(t * top_k, dtype=torch.int32, device=x.device)
+    if variants is None:   # one pair a program, in pair order (both fusions read ids, not rows)
+        rows = None if fuse_route and fuse_combine else torch.arange(t * top_k, dtype=torch.int32, device=x.device)
         block_expert = ids.reshape(-1)
     else:
         block_m = consts[variants[0]]["BLOCK_M"]
