@@ -5,9 +5,9 @@ float32 bundles: greedy tokens on the GPU (CUDA graphs on and off) are the CPU r
 kernels' decode path (a few (token, expert) pairs; the fused three launches of a routing without a shared
 expert, where the tune table turns them on, checked at batch 1) and grouped path (a prefill's pairs sorted
 per expert), and MLA's cache write, absorbed split-KV decode and reduce. bfloat16 bundles: each prompt
-token's log-probability on the GPU (the prefill's kernels, tensor-core math) within bf16's reach of the float32 CPU's; `--quant fp8`
-bundles (float8 experts, W8A8 projections) and int4 experts (engc quantize's): the GPU's within the same reach
-of the same bundle on the CPU.
+token's log-probability on the GPU (the prefill's kernels, tensor-core math) within bf16's reach of the float32
+CPU's; `--quant fp8` bundles (float8 experts, W8A8 projections) and int4 experts (engc quantize's): the GPU's
+within the same reach of the same bundle on the CPU.
 
 As tests/test_gpu.py: ENGC_KERNEL_CACHE names a kernel cache filled on a CPU machine (bench/fake_sm90.py).
 """
