@@ -118,11 +118,11 @@ def launch_gate_up(x, gate_up, rows, block_expert, act, num_pairs: int, consts, 
                    gate_up_scale=None, x_scale=None, gate_up_zero=None):
     """moe_gate_up_kernel over the schedule rows/block_expert (launch_sort's with the variant's BLOCK_M, or for
     the decode variant one pair a program: rows = 0..T*k-1, block_expert = ids), grid (blocks,
-    cdiv(I, BLOCK_N)). act [T*k, I], a row a (token, slot) pair. fp8 experts: x float8 [T, H] with x_scale [T] (kernels/fp8_quant's
-    per-token quantization) and gate_up_scale [E, 2I]; float experts pass x and the weight where the scales
-    go (the kernel, compiled without FP8_W, reads neither). int4 experts: gate_up int32 [E, 2I, H / 8], its
-    scales and uint8 zeros [E, 2I, H / group] (the engc int4 layout). args: x, x_scale, gate_up, gate_up_scale,
-    gate_up_zero, rows, block_expert, act, num_pairs, scratch, scratch."""
+    cdiv(I, BLOCK_N)). act [T*k, I], a row a (token, slot) pair. fp8 experts: x float8 [T, H] with x_scale [T]
+    (kernels/fp8_quant's per-token quantization) and gate_up_scale [E, 2I]; float experts pass x and the
+    weight where the scales go (the kernel, compiled without FP8_W, reads neither). int4 experts: gate_up
+    int32 [E, 2I, H / 8], its scales and uint8 zeros [E, 2I, H / group] (the engc int4 layout). args: x,
+    x_scale, gate_up, gate_up_scale, gate_up_zero, rows, block_expert, act, num_pairs, scratch, scratch."""
     if num_pairs == 0:
         return []
     inter = gate_up.shape[1] // 2   # 2I rows whatever the weights' form

@@ -14,9 +14,7 @@ import torch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalize in float32 whatever the storage dtype, as the HF reference does.
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
+    return rms_norm_by_mean(x, x.float().pow(2).mean(-1, keepdim=True), weight, eps)
 
 
 def square_mean(x: torch.Tensor, parts: int) -> torch.Tensor:
