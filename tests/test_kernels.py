@@ -25,6 +25,7 @@ def report():
 
 
 CASES = ["rms_norm_fp32", "rms_norm_bf16", "silu_mul_fp32", "silu_mul_bf16", "qk_norm_fp32", "qk_norm_bf16",
+         "qk_norm_projection_fp32", "qk_norm_projection_bf16",
          "rotary_fp32_i64", "rotary_bf16_i32", "attention_mixed_fp32", "attention_mixed_bf16",
          "attention_gqa3_d64_fp32", "attention_prefill_only_fp32", "attention_decode_split_fp32",
          "attention_decode_bf16", "attention_window_fp32", "attention_window_long_fp32",
@@ -198,6 +199,27 @@ def check_qk_norm(dtype):
     _run(specs, op.launch(qkv, qw, kw, 1e-6, out))
     inplace = qkv.clone()
     _run(specs, op.launch(inplace, qw, kw, 1e-6, inplace))
+    return max(_rel(out, ref), _rel(inplace, ref))
+
+
+def check_qk_norm_projection(dtype):
+    """OLMoE's q and k each normed over the whole projection (GQA: k narrower than q), in place and into another
+    buffer; against the op's reference and against the two RMSNorms the frontend lowers (the unfused program)."""
+    import torch
+    from engc.kernels import qk_norm as op
+    from engc.kernels.rms_norm import rms_norm
+    cfg = _cfg(family="olmoe", qk_norm=False, num_heads=6, num_kv_heads=2, head_dim=24)
+    specs = _specs(cfg, dtype)["qk_norm"]
+    assert set(specs) == {"projection"}
+    qkv = 3 * torch.randn(5, (6 + 4) * 24, dtype=dtype)
+    qw, kw = torch.randn(6 * 24, dtype=dtype), torch.randn(2 * 24, dtype=dtype)
+    ref = op.qk_norm_projection(qkv, qw, kw, 1e-6)
+    q, k, v = qkv.split([6 * 24, 2 * 24, 2 * 24], dim=-1)
+    assert torch.equal(ref, torch.cat([rms_norm(q, qw, 1e-6), rms_norm(k, kw, 1e-6), v], dim=-1))
+    out = torch.full_like(qkv, float("nan"))
+    _run(specs, op.launch(qkv, qw, kw, 1e-6, out, variant="projection"))
+    inplace = qkv.clone()
+    _run(specs, op.launch(inplace, qw, kw, 1e-6, inplace, variant="projection"))
     return max(_rel(out, ref), _rel(inplace, ref))
 
 
@@ -431,6 +453,8 @@ def main():
         "silu_mul_bf16": (lambda: check_silu_mul(bf16), tol[bf16]),
         "qk_norm_fp32": (lambda: check_qk_norm(f32), tol[f32]),
         "qk_norm_bf16": (lambda: check_qk_norm(bf16), tol[bf16]),
+        "qk_norm_projection_fp32": (lambda: check_qk_norm_projection(f32), tol[f32]),
+        "qk_norm_projection_bf16": (lambda: check_qk_norm_projection(bf16), tol[bf16]),
         "rotary_fp32_i64": (lambda: check_rotary(f32, torch.int64), tol[f32]),
         "rotary_bf16_i32": (lambda: check_rotary(bf16, torch.int32), tol[bf16]),
         "attention_mixed_fp32": (lambda: check_attention(f32, mixed, overrides=small_tiles), attn_tol[f32]),

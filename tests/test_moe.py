@@ -168,12 +168,24 @@ def test_router_bias_is_refused(tiny_dir, tmp_path):
         build(str(src), tmp_path / "b", BuildOptions())
 
 
+def test_olmoe_qkv_is_one_gemm_and_one_norm(tiny_dir, tmp_path):
+    """OLMoE's q and k norms over the whole projections move behind the qkv Concat (QKNormProjection), so q, k
+    and v are one GEMM; the GPU build has the norm's kernel for any projection widths (the tiny model's k is
+    narrower than q and than the hidden size)."""
+    from engc.bundle.program import parse_program
+    build(str(tiny_dir("olmoe")), tmp_path / "b", BuildOptions(archs=("cpu", "sm90")))
+    nodes = parse_program((tmp_path / "b" / "program.onnx").read_bytes()).nodes
+    ops = [n.op for n in nodes]
+    assert ops.count("QKNormProjection") == 2 and "Concat" not in ops
+    assert ops.count("RMSNorm") == 1   # the final norm: no norm of a projection is left
+    layer0 = [n.op for n in nodes if n.outputs[0].startswith("layers.0.")]
+    assert layer0[:4] == ["RMSNorm", "Gemm", "QKNormProjection", "RotaryPagedAttention"]
+    manifest = json.loads((tmp_path / "b/manifest.json").read_text())
+    assert [r["variant"] for r in manifest["kernels"] if r["op"] == "qk_norm"] == ["projection"]
+
+
 def test_what_moe_lacks_is_refused_in_one_line(tiny_dir, tmp_path):
     from test_cli import assert_one_line_error, engc
-    # the tiny OLMoE's k projection (2 kv heads) is narrower than the hidden size its GPU RMSNorm is built for
-    assert_one_line_error(engc("build", tiny_dir("olmoe"), "-o", tmp_path / "b", "--arch", "sm90"),
-                          "q/k norm", "sm90")
-    assert not (tmp_path / "b").exists()
     # fp8 experts need the FP8 conversions of sm89+, as the dense fp8 projections do
     assert_one_line_error(engc("build", tiny_dir("mixtral"), "-o", tmp_path / "b", "--arch", "sm80", "--quant", "fp8"),
                           "fp8", "sm80")
@@ -250,10 +262,10 @@ def check_fp8_close(r: dict) -> None:
 
 
 @pytest.mark.parametrize("family,archs", [("qwen3_moe", ("cpu", "sm90")), ("mixtral", ("cpu", "sm90")),
-                                          ("qwen2_moe", ("cpu",)), ("olmoe", ("cpu",))])
+                                          ("qwen2_moe", ("cpu",)), ("olmoe", ("cpu", "sm90"))])
 def test_fp8_experts_bundle_close_to_float_bundle(family, archs, tiny_dir, tiny_bundle, tmp_path):
-    """--quant fp8 on an MoE model: the experts float8 too (the tiny OLMoE's q/k norm has no GPU kernel, and
-    Qwen2-MoE's shared expert stays float on every arch, so those two build for the CPU only)."""
+    """--quant fp8 on an MoE model: the experts float8 too (Qwen2-MoE's shared expert stays float on every
+    arch, so it builds for the CPU only)."""
     check_fp8_close(fp8_experts_bundle(tiny_dir(family), tiny_bundle(family), tmp_path / "b", archs))
 
 

@@ -185,19 +185,6 @@ def _int4_experts(g: Graph, ckpt, per: list[str], names: tuple, p: str, dtype: t
                                            for key in ("scales", "zeros")]}
 
 
-def check_moe_build(cfg, hf: dict, gpu_archs: list[str]) -> None:
-    """What a GPU bundle of an MoE model would lack, refused in one line: OLMoE's q/k norm where a projection
-    is narrower than the hidden size (the RMSNorm kernel is specialized on the hidden size; OLMoE's released
-    shapes have q and k that wide). fp8 and int4 experts have their kernels (kernels/moe's FP8_W and INT4_W
-    specializations), on the archs --quant fp8 allows for the former."""
-    from engc.compiler.frontend.families import family_of
-    if gpu_archs and family_of(hf).qk_norm_projection and \
-            (cfg.q_size, cfg.kv_size) != (cfg.hidden_size, cfg.hidden_size):
-        raise UserError(f"{cfg.family}: q/k norm over projections {cfg.q_size} and {cfg.kv_size} wide, not the "
-                        f"hidden size {cfg.hidden_size}, has no GPU kernel; build with --arch cpu, not "
-                        f"{','.join(gpu_archs)}")
-
-
 def _shared_expert_loaders(ckpt, se: str, qc: dict, hidden: int, inter: int) -> dict:
     """Loaders of the shared expert's float gate, up and down weights: an int4 one (AutoAWQ quantizes
     DeepSeek's) is dequantized, the MoE node computing the shared expert as dense GEMMs."""

@@ -1,8 +1,12 @@
-"""Per-head RMSNorm of the q and k parts of the fused qkv projection (Qwen3), before rotary.
+"""RMSNorm of the q and k parts of the fused qkv projection, before rotary.
 
-ONNX: ai.engc::QKNorm(qkv, q_weight, k_weight) -> qkv, attributes num_heads, num_kv_heads, head_dim, eps;
-ai.engc::QKNormUnitOffset the same with Gemma's (1 + weight) norm (half-precision bundles): the kernel's
-'unit_offset' variant.
+ONNX: ai.engc::QKNorm(qkv, q_weight, k_weight) -> qkv, attributes num_heads, num_kv_heads, head_dim, eps: each
+head normed on its own, with one head_dim-wide weight (Qwen3); ai.engc::QKNormUnitOffset the same with Gemma's
+(1 + weight) norm (half-precision bundles): the kernel's 'unit_offset' variant.
+ai.engc::QKNormProjection(qkv, q_weight, k_weight) -> qkv, attribute eps: q normed as one vector over all its
+heads and k likewise, with weights as wide as q and k (OLMoE; passes/fuse_projection_qk_norm.py makes it from
+the RMSNorms the frontend puts on the two projections): the kernel's 'projection' variant. The weights' widths
+give the parts' widths; v, the rest of the row, passes through.
 """
 import torch
 
@@ -22,12 +26,18 @@ def qk_norm_unit_offset(qkv, q_weight, k_weight, num_heads: int, num_kv_heads: i
     return qk_norm(qkv, q_weight, k_weight, num_heads, num_kv_heads, head_dim, eps, norm=rms_norm_unit_offset)
 
 
+def qk_norm_projection(qkv, q_weight, k_weight, eps: float):
+    q, k, v = qkv.split([q_weight.numel(), k_weight.numel(), qkv.shape[-1] - q_weight.numel() - k_weight.numel()],
+                        dim=-1)
+    return torch.cat([rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), v], dim=-1)
+
+
 def launch(qkv, q_weight, k_weight, eps: float, out, consts=None, variant: str = "default"):
     """Launch rule of qk_norm_kernel: [(variant, grid, args)].
 
     qkv, out: contiguous [T, (H + 2 KV) * D]; out may be qkv (in place, v untouched) or a separate buffer
-    (v is copied). variant: 'default' or 'unit_offset'. args: qkv, q_weight, k_weight, out, eps (fp32), copy_v (i32),
-    global_scratch=0, profile_scratch=0. consts is unused.
+    (v is copied). variant: 'default', 'unit_offset' or 'projection'. args: qkv, q_weight, k_weight, out,
+    eps (fp32), copy_v (i32), global_scratch=0, profile_scratch=0. consts is unused.
     """
     rows = qkv.numel() // qkv.shape[-1]
     assert qkv.is_contiguous() and out.is_contiguous()

@@ -1,5 +1,5 @@
-"""Per-head RMSNorm of q and k inside the fused qkv row (Qwen3; Gemma's (1 + weight) with UNIT_OFFSET); one
-program per token.
+"""RMSNorm of q and k inside the fused qkv row, one program per token: per head (Qwen3; Gemma's (1 + weight)
+with UNIT_OFFSET), or with PROJECTION each of q and k as one vector over all its heads (OLMoE).
 
 out may be qkv itself (in place: the launch rule then sets copy_v = 0 and v is left where it is) or a
 separate [T, q + 2kv] buffer (copy_v = 1 copies the v heads across).
@@ -32,7 +32,7 @@ def _norm_heads(src, dst, w_ptr, eps, N_HEADS: tl.constexpr, H_PAD: tl.constexpr
 def qk_norm_kernel(qkv_ptr, q_weight_ptr, k_weight_ptr, out_ptr, eps, copy_v,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                    H_PAD: tl.constexpr, KV_PAD: tl.constexpr, D_PAD: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PROJECTION: tl.constexpr, Q_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     ROW: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
@@ -41,8 +41,13 @@ def qk_norm_kernel(qkv_ptr, q_weight_ptr, k_weight_ptr, out_ptr, eps, copy_v,
     t = tl.program_id(0).to(tl.int64)
     src = qkv_ptr + t * ROW
     dst = out_ptr + t * ROW
-    _norm_heads(src, dst, q_weight_ptr, eps, NUM_HEADS, H_PAD, HEAD_DIM, D_PAD, UNIT_OFFSET)
-    _norm_heads(src + Q_SIZE, dst + Q_SIZE, k_weight_ptr, eps, NUM_KV_HEADS, KV_PAD, HEAD_DIM, D_PAD, UNIT_OFFSET)
+    if PROJECTION:   # q and k each one "head" as wide as the projection, with a weight as wide
+        _norm_heads(src, dst, q_weight_ptr, eps, 1, 1, Q_SIZE, Q_PAD, UNIT_OFFSET)
+        _norm_heads(src + Q_SIZE, dst + Q_SIZE, k_weight_ptr, eps, 1, 1, KV_SIZE, K_PAD, UNIT_OFFSET)
+    else:
+        _norm_heads(src, dst, q_weight_ptr, eps, NUM_HEADS, H_PAD, HEAD_DIM, D_PAD, UNIT_OFFSET)
+        _norm_heads(src + Q_SIZE, dst + Q_SIZE, k_weight_ptr, eps, NUM_KV_HEADS, KV_PAD, HEAD_DIM, D_PAD,
+                    UNIT_OFFSET)
     if copy_v != 0:
         h = tl.arange(0, KV_PAD)[:, None]
         d = tl.arange(0, D_PAD)[None, :]
