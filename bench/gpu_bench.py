@@ -38,8 +38,8 @@ from timing import COPY_BW, frac_of_gemm_peak, synced  # noqa: E402
 # throughput of batch N, output tok/s
 LMDEPLOY = {"1b": {"b1": 517.0, "bN": 14356.0, "N": 64}, "8b": {"b1": 214.7, "bN": 5347.0, "N": 32}}
 BATCHES = {"1b": [64, 256], "8b": [32, 64, 256], "tiny": [4],   # throughput batches of each base shape
-           "olmoe": [32, 64, 256], "qwen3moe": [32, 64, 256], "qwen3moe48": [32, 64, 256], "qwen3moe4": [32, 64, 256],
-           "v2lite": [32, 64, 256]}
+           "olmoe": [32, 64, 256], "olmoe4": [32, 64, 256], "qwen3moe": [32, 64, 256], "qwen3moe48": [32, 64, 256],
+           "qwen3moe4": [32, 64, 256], "v2lite": [32, 64, 256]}
 
 
 def tune_overrides(args) -> dict | None:

@@ -4,7 +4,8 @@ built from them.
 
 Qwen3-30B-A3B's 48 layers are 61 GB of bf16 weights, more than the GPU machine's disk holds twice (checkpoint
 and bundle): "qwen3moe" has its first 16 layers (a third of the model; per-layer figures are the model's,
-whole-model ones a third), "qwen3moe48" all of them for a machine with the room, "qwen3moe4" four (profiles).
+whole-model ones a third), "qwen3moe48" all of them for a machine with the room, "qwen3moe4" four (profiles);
+"olmoe4" is OLMoE's first four layers, for the same.
 
 A shape name may carry build variants after its base: "-kv8" / "-kvfp8" build with --kv-cache int8 / fp8,
 "-fp8" with --quant fp8 (W8A8 projections); these share the base shape's checkpoint. "-int4" is a random
@@ -45,9 +46,11 @@ MOE_FAMILY = {   # shape -> the family's own config keys
                      rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=8192, rms_norm_eps=1e-6,
                      decoder_sparse_step=1, mlp_only_layers=[], bos_token_id=None, eos_token_id=151645),
 }
-# four layers: per-layer kernel profiles and tile A/B runs without a 20 GB checkpoint
+# four layers: per-layer kernel profiles and tile A/B runs without a 20 GB (or 13 GB) checkpoint
 SHAPES["qwen3moe4"] = dict(SHAPES["qwen3moe"], num_hidden_layers=4)
+SHAPES["olmoe4"] = dict(SHAPES["olmoe"], num_hidden_layers=4)
 MOE_FAMILY["qwen3moe48"] = MOE_FAMILY["qwen3moe4"] = MOE_FAMILY["qwen3moe"]
+MOE_FAMILY["olmoe4"] = MOE_FAMILY["olmoe"]
 KV_VARIANTS = {"kv8": "int8", "kvfp8": "fp8"}   # shape suffix -> --kv-cache
 INT4_GROUP = 128
 LONG_CONTEXT = {"32k": 32768}   # shape suffix -> the long-context figures' prompt tokens
