@@ -1,4 +1,4 @@
-"""bench/gpu_bench.py --skip-pass: a build without the named graph pass (a fusion's same-lease A/B on the H200),
+"""bench/gpu_bench.py --skip-pass: a build without the named graph pass (a fusion's A/B on one GPU machine),
 named so in the manifest; an unknown name is one clear line."""
 from __future__ import annotations
 
