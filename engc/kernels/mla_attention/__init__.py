@@ -238,5 +238,8 @@ def forward(run, q, ckv, kv_norm, positions, inv_freq, kv_cache, slot_mapping, b
     o_lat = torch.empty(t, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     run(launch(q_abs, kv_cache, block_tables, context_lens, query_start_loc, row_seq, partial, lse, o_lat,
                splits=splits, scale=scale, consts=consts, kv_scale=kv_scale))
-    out = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)          # [T, H, v]
-    return out.reshape(t, num_heads * v_head_dim).contiguous()
+    # the value up-projection per head, written straight into [T, H, v] rows (the output's transposed view is a
+    # strided batch cuBLAS writes as it is, so no copy kernel follows)
+    out = torch.empty(t, num_heads, v_head_dim, dtype=q.dtype, device=q.device)
+    torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+    return out.reshape(t, num_heads * v_head_dim)
