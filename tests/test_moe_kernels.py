@@ -94,7 +94,7 @@ def test_grouped_variants_follow_the_token_count():
                          routed_scaling_factor=2.5))])
 def test_decode_launches_of_each_routing(family, attrs, fused):
     """What forward() passes to run, counted, with the decode fusions the tune table turns on (field "fused" of
-    the decode variants; off by default): a routing without a shared expert (Qwen3-MoE, Mixtral, OLMoE) drops the
+    the decode variants, each set here): a routing without a shared expert (Qwen3-MoE, Mixtral, OLMoE) drops the
     route launch where gate_up routes its own pairs and the combine where down sums each token's pairs (three
     launches with both, five with neither), at one token and at a few; a shared expert (Qwen2-MoE) keeps the
     route and the combine, DeepSeek its routing kernel and the combine, whatever the table says; past max_pairs
@@ -106,7 +106,7 @@ def test_decode_launches_of_each_routing(family, attrs, fused):
     shared = 40 if attrs.get("has_shared_expert") else 0
     cfg = _cfg(family=family, shared_expert_intermediate_size=shared, num_experts=4 if shared else 6)
     on = set(fused.split(",")) - {""} if not shared else set()
-    with tune.overridden({f"sm90/moe/{v}/any": {"fused": 1} for v in fused.split(",") if v}):
+    with tune.overridden({f"sm90/moe/{v}/any": {"fused": int(v in fused)} for v in ("gate_up_decode", "down_decode")}):
         consts = {s.variant: s.launch for s in model_specs(cfg, torch.bfloat16, "sm90", 16) if s.op == "moe"}
     assert {v for v in ("gate_up_decode", "down_decode") if consts[v].get("fused")} == on
     router = "router_deepseek_small" if family.startswith("deepseek") else "router_small"
@@ -377,8 +377,10 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
     kind = "_decode" if pairs <= max_pairs else "_prefill" if pairs >= min_rows * experts else ""
     router = "router_small" if tokens <= specs["router_small"].launch["max_tokens"] else "router"
     quant_x, quant_act = ([f"k{cfg.hidden_size}"], [f"k{cfg.moe_intermediate_size}"]) if fp8 else ([], [])
-    expected = [router, "route", *([] if kind == "_decode" else ["sort"]), *quant_x, "gate_up" + kind,
-                *quant_act, "down" + kind, "combine"]
+    # the table's decode gate_up may route its own pairs (tune field "fused"; never with a shared expert)
+    routes = kind != "_decode" or not specs["gate_up_decode"].launch.get("fused")
+    expected = [router, *(["route"] if routes else []), *([] if kind == "_decode" else ["sort"]), *quant_x,
+                "gate_up" + kind, *quant_act, "down" + kind, "combine"]
     assert run.variants == expected, run.variants
     return _rel(out, ref), run.variants
 
@@ -397,7 +399,7 @@ def check_fused_decode(dtype, tokens, top_k=2, softmax_first=1, renormalize=0, f
     cfg = _cfg(num_experts=6, num_experts_per_tok=top_k, **({"moe_intermediate_size": 64} if int4 else {}))
     tiles = {"BLOCK_N": 32, "BLOCK_K": 32}
     fused = _specs(cfg, dtype, {**tiles, "fused": 1}, fp8=fp8, int4=int4)   # both decode fusions on
-    unfused = _specs(cfg, dtype, tiles, fp8=fp8, int4=int4)
+    unfused = _specs(cfg, dtype, {**tiles, "fused": 0}, fp8=fp8, int4=int4)
     assert fused["gate_up_decode"].launch["fused"] and fused["down_decode"].launch["fused"]
     assert not {"fused"} & (set(unfused["gate_up_decode"].launch) | set(unfused["down_decode"].launch))
     w, r = _weights(cfg, dtype, seed=tokens + 100 * top_k, fp8=fp8, int4=int4)

@@ -534,6 +534,7 @@ class _StandIn:
         else:
             act, _, w, _, _, rows, be, weights, pairs, n = (t[p] if i < 9 else p for i, p in enumerate(ptrs))
         assert grid[0] * bm == rows.numel()
+        be = be.reshape(-1)   # a fused gate_up's ids [T, k], read flat: a block a pair
         for r, pair in enumerate(rows.tolist()):
             e = int(be[r // bm])
             if pair >= n or e < 0:
@@ -545,7 +546,8 @@ class _StandIn:
                 pairs[pair] = (F.linear(act[pair], w[e]) * weights.view(-1)[pair]).to(pairs.dtype)
 
 
-@pytest.mark.parametrize("cls,fused", [("grouped", 0), ("prefill", 0), ("decode", 0), ("decode", 1)])
+@pytest.mark.parametrize("cls,fused", [("grouped", (0, 0)), ("prefill", (0, 0)), ("decode", (0, 0)),
+                                       ("decode", (1, 0)), ("decode", (1, 1))])
 def test_moe_bench_launches_check_against_the_reference_on_cpu(tmp_path, cls, fused, monkeypatch):
     from engc.compiler.tune import moe
     from engc.compiler.tune.gpu_moe import MoeBench
@@ -555,9 +557,8 @@ def test_moe_bench_launches_check_against_the_reference_on_cpu(tmp_path, cls, fu
     cfg = dict(QWEN3_30B_A3B, hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
     (tmp_path / "m").mkdir()
     (tmp_path / "m/config.json").write_text(json.dumps(cfg))
-    # fused: the decode pair as the fused kernels (gate_up routing its pairs, down summing each token's)
-    with tune.overridden({f"sm90/moe/{v}/any": {"fused": 1} for v in ("gate_up_decode", "down_decode")}
-                         if fused else None):
+    # fused: which of the decode pair are the fused kernels (gate_up routing its pairs, down summing each token's)
+    with tune.overridden({f"sm90/moe/{v}/any": {"fused": f} for v, f in zip(("gate_up_decode", "down_decode"), fused)}):
         prepare(str(tmp_path / "m"), tmp_path / "p", MOE, "sm90", 132, say=lambda m: None, compiler=fake_compile)
         prep = prepared.load(tmp_path / "p")   # under the table it was prepared with
     shape = [s for s in prep.plan.shapes if s.name == cls][-1]
@@ -582,10 +583,10 @@ def test_moe_bench_launches_check_against_the_reference_on_cpu(tmp_path, cls, fu
     (up, _), (down, _) = bench.kernels[(shape, cand)]
     blocks = 2 * shape.tokens if cls == "decode" else up.grids[-1][0]
     assert up.grids[-1] == (blocks, -(-32 // dict(cand.fields)["BLOCK_N"]), 1)
-    assert (up.record["entry"], down.record["entry"]) == (("moe_gate_up_route_kernel", "moe_down_combine_kernel")
-                                                          if fused else ("moe_gate_up_kernel", "moe_down_kernel"))
+    assert up.record["entry"] == ("moe_gate_up_route_kernel" if fused[0] else "moe_gate_up_kernel")
+    assert down.record["entry"] == ("moe_down_combine_kernel" if fused[1] else "moe_down_kernel")
     # the fused decode down: a program a token (and N tile), summing its pairs
-    assert down.grids[-1] == (shape.tokens if fused else blocks, -(-64 // dict(cand.fields)["BLOCK_N"]), 1)
+    assert down.grids[-1] == (shape.tokens if fused[1] else blocks, -(-64 // dict(cand.fields)["BLOCK_N"]), 1)
     bench.kernels = kernels(True)   # a kernel that writes nothing is caught (nan: over any tolerance)
     assert not bench.check(shape, cand) <= 1e-2
 

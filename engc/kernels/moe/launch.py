@@ -186,13 +186,14 @@ def launch_experts(x, gate_up, down, rows, block_expert, weights, act, pairs, co
     tune's MoE bench launches a candidate's pair so. variants: grouped_variants' (gate_up, down) pair, None for
     the decode ones. consts: '<variant>' -> {'BLOCK_M', 'BLOCK_N'}. Fused decode variants (fused_decode): a fused
     gate_up routes from logits [T, E] by routing (launch_gate_up_route's softmax_first, renormalize) into
-    weights and block_expert (the ids); a fused decode down writes out [T, H], not pairs."""
+    weights and block_expert (the ids [T, k], which an unfused down reads flat, a block a pair); a fused decode
+    down writes out [T, H], not pairs."""
     route, combine = fused_decode(consts) if variants is None else (False, False)
     gate_up_variant, down_variant = variants or ("gate_up_decode", "down_decode")
     return ((launch_gate_up_route(x, gate_up, logits, weights, block_expert, act, consts, **routing) if route else
              launch_gate_up(x, gate_up, rows, block_expert, act, weights.numel(), consts, gate_up_variant))
             + (launch_down_combine(act, down, block_expert, weights, out, consts) if combine else
-               launch_down(act, down, rows, block_expert, weights, pairs, consts, down_variant)))
+               launch_down(act, down, rows, block_expert.reshape(-1), weights, pairs, consts, down_variant)))
 
 
 def launch_combine(pairs, shared, shared_weight, out, consts):

@@ -78,10 +78,11 @@ def specs(b: Build) -> list:
     # A routing without a shared expert (Mixtral, Qwen3-MoE, OLMoE) can take two fusions on its decode path, each
     # its decode variant's tune field "fused": gate_up routing each pair's token itself from the router's logits
     # (no route launch), and down summing each token's pairs (no combine launch; one program a token's N tile
-    # reads all its experts' rows, where the unfused down spreads them over TOP_K times the programs). Both are
-    # off until a step A/B on the arch keeps them (gpu_bench.py --tune). A shared expert's output joins in the
-    # combine, and DeepSeek's routings are their own kernel: those keep all five launches. The fused kernels
-    # keep the variant names, so the decode entries size them, and the records say which form they are.
+    # reads all its experts' rows, where the unfused down spreads them over TOP_K times the programs). Each is on
+    # where a step A/B on the arch kept it (gpu_bench.py --tune; sm90 keeps gate_up's, sm80 neither). A shared
+    # expert's output joins in the combine, and DeepSeek's routings are their own kernel: those keep all five
+    # launches. The fused kernels keep the variant names, so the decode entries size them, and the records say
+    # which form they are.
     plain = not shared and not cfg.family.startswith("deepseek")
     fused = {v: plain and bool(tune.lookup(b.arch, "moe", v, "any", b.ov("moe"), DEFAULTS[v])[1].get("fused"))
              for v in ("gate_up_decode", "down_decode")}
