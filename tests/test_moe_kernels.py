@@ -105,8 +105,9 @@ def test_decode_launches_of_each_routing(family, attrs, fused):
     from engc.kernels.moe import launch as gpu
     shared = 40 if attrs.get("has_shared_expert") else 0
     cfg = _cfg(family=family, shared_expert_intermediate_size=shared, num_experts=4 if shared else 6)
-    on = set(fused.split(",")) - {""} if not shared else set()
-    with tune.overridden({f"sm90/moe/{v}/any": {"fused": int(v in fused)} for v in ("gate_up_decode", "down_decode")}):
+    chosen = set(fused.split(",")) - {""}
+    on = chosen if not shared else set()
+    with tune.overridden({f"sm90/moe/{v}/any": {"fused": int(v in chosen)} for v in ("gate_up_decode", "down_decode")}):
         consts = {s.variant: s.launch for s in model_specs(cfg, torch.bfloat16, "sm90", 16) if s.op == "moe"}
     assert {v for v in ("gate_up_decode", "down_decode") if consts[v].get("fused")} == on
     router = "router_deepseek_small" if family.startswith("deepseek") else "router_small"
