@@ -60,12 +60,12 @@ def test_flipped_weight_byte_is_caught(copy_of):
         open_bundle(b)
 
 
-@pytest.mark.parametrize("version, says", [([8, 0], "newer than this engc reads"),
-                                           ([6, 0], "written by an older engc .* rebuild it")])
+@pytest.mark.parametrize("version, says", [([9, 0], "newer than this engc reads"),
+                                           ([7, 0], "written by an older engc .* rebuild it")])
 def test_other_formats_are_refused_with_what_to_do(copy_of, version, says):
-    """One bundle format per major: a newer one asks for a newer engc, an older one (6.0: MoE expert kernels
-    without their inputs' scales, launched with fewer arguments than this runtime passes) for a rebuild;
-    neither is half-read."""
+    """One bundle format per major: a newer one asks for a newer engc, an older one (7.0: an MoE node whose
+    inputs are its shared expert's weights, where this runtime reads the shared expert's output) for a
+    rebuild; neither is half-read."""
     b = copy_of()
     m = json.loads((b / "manifest.json").read_text())
     m["format_version"] = version

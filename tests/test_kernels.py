@@ -178,13 +178,22 @@ def check_unit_offset_norm(dtype):
 
 
 def check_silu_mul(dtype):
+    """The model's intermediate size, and a shared expert's other width (an MoE model's dense GLU beside its
+    experts), which the launch sends to the variant specialized on it."""
     import torch
     from engc.kernels import silu_mul as op
-    specs = _specs(_cfg(), dtype)["silu_mul"]
-    gu = torch.randn(5, 3000, dtype=dtype)
-    out = torch.full((5, 1500), float("nan"), dtype=dtype)
-    _run(specs, op.launch(gu, out, consts=_consts(specs)))
-    return _rel(out, op.silu_mul(gu))
+    specs = _specs(_cfg(family="qwen2_moe", shared_expert_intermediate_size=200, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=64), dtype)["silu_mul"]
+    assert set(specs) == {"default", "default_i200"}, set(specs)
+    errs = []
+    for inter in (1500, 200):
+        gu = torch.randn(5, 2 * inter, dtype=dtype)
+        out = torch.full((5, inter), float("nan"), dtype=dtype)
+        launches = op.launch(gu, out, consts=_consts(specs))
+        assert [v for v, _, _ in launches] == ["default" if inter == 1500 else "default_i200"]
+        _run(specs, launches)
+        errs.append(_rel(out, op.silu_mul(gu)))
+    return max(errs)
 
 
 def check_qk_norm(dtype):

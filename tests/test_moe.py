@@ -63,20 +63,20 @@ def test_routing_variants():
 
 def test_moe_equals_a_dense_loop():
     torch.manual_seed(1)
-    t, h, inter, e, k, s = 9, 16, 8, 5, 3, 12
+    t, h, inter, e, k = 9, 16, 8, 5, 3
     x, router = torch.randn(t, h), torch.randn(e, h)
     gate_up, down = torch.randn(e, 2 * inter, h), torch.randn(e, h, inter)
-    sgu, sd, sg = torch.randn(2 * s, h), torch.randn(h, s), torch.randn(1, h)
-    out = moe(x, router, gate_up, down, sgu, sd, sg, top_k=k, renormalize=1, has_shared_expert=1)
+    shared, sg = torch.randn(t, h), torch.randn(1, h)   # the shared expert's output (the program's dense MLP)
+    out = moe(x, router, gate_up, down, shared, sg, top_k=k, renormalize=1, has_shared_expert=1)
+    ungated = moe(x, router, gate_up, down, shared, top_k=k, renormalize=1, has_shared_expert=1, shared_ungated=1)
     w, ids = route(x, router, k, renormalize=1)
     for i in range(t):
         want = torch.zeros(h)
         for j in range(k):
             g, u = (gate_up[ids[i, j]] @ x[i]).chunk(2)
             want += w[i, j] * (down[ids[i, j]] @ (torch.nn.functional.silu(g) * u))
-        g, u = (sgu @ x[i]).chunk(2)
-        want += torch.sigmoid(sg @ x[i]) * (sd @ (torch.nn.functional.silu(g) * u))
-        assert torch.allclose(out[i], want, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(out[i], want + torch.sigmoid(sg @ x[i]) * shared[i], atol=1e-4, rtol=1e-4)
+        assert torch.allclose(ungated[i], want + shared[i], atol=1e-4, rtol=1e-4)
 
 
 def test_sort_by_expert_pads_each_expert_to_whole_blocks():
@@ -184,6 +184,39 @@ def test_olmoe_qkv_is_one_gemm_and_one_norm(tiny_dir, tmp_path):
     assert [r["variant"] for r in manifest["kernels"] if r["op"] == "qk_norm"] == ["projection"]
 
 
+# the tiny DeepSeek's latent width (40) is not one _scaled_mm takes, so its fp8 GPU build is refused
+@pytest.mark.parametrize("family,width,quants", [("qwen2_moe", 48, ("auto", "fp8")), ("deepseek_v2", 32, ("auto",))])
+def test_shared_expert_is_a_dense_mlp_beside_the_moe_node(family, width, quants, tiny_dir, tmp_path):
+    """A shared expert (Qwen2-MoE's gated one, DeepSeek's ungated ones) is lowered as the dense MLP: one fused
+    gate_up Gemm, the SiLU GLU, down; the MoE node takes its output (and Qwen2-MoE's gate). Its width differs
+    from the dense layer's, so the GPU build has the GLU kernels of that width too: the SiLU-fused decode GEMV,
+    the silu_mul variant of its own, and with --quant fp8 its projections are FP8Linear with their own input
+    quantization."""
+    from engc.bundle.program import parse_program
+    for quant in quants:
+        out = tmp_path / quant
+        build(str(tiny_dir(family)), out, BuildOptions(archs=("cpu", "sm90"), dtype="bfloat16", quant=quant))
+        nodes = parse_program((out / "program.onnx").read_bytes()).nodes
+        moe = next(n for n in nodes if n.op == "MoE")
+        layer = moe.outputs[0].split(".")[1]
+        shared = [n for n in nodes if n.outputs[0].startswith(f"layers.{layer}.shared_expert.")
+                  and not n.outputs[0].endswith(".decode")]
+        ops = [n.op for n in shared]
+        linear = "FP8Linear" if quant == "fp8" else "Gemm"
+        assert ops[0] in (linear, "FP8LinearQ") and ops.count("Concat") == 0, ops   # gate and up: one GEMM
+        assert ops.count(linear) + ops.count("FP8LinearQ") + ops.count("SiluMulLinear") == 2, ops
+        assert moe.inputs[4] == shared[-1].outputs[0]   # the node adds the down projection's output
+        gated = list(moe.inputs[5:6]) == [f"layers.{layer}.shared_expert_gate.weight"]
+        assert gated == (family == "qwen2_moe") and bool(moe.attrs.get("shared_ungated")) == (not gated)
+        manifest = json.loads((out / "manifest.json").read_text())
+        variants = {(r["op"], r["variant"]) for r in manifest["kernels"]}
+        assert ("silu_mul", f"default_i{width}") in variants
+        if quant == "fp8":
+            assert {("fp8_quant", f"k{width}"), ("fp8_quant", f"silu_k{width}")} <= variants
+        else:
+            assert any(op == "gemv" and v.startswith(f"silu_k{width}_") for op, v in variants), variants
+
+
 def test_what_moe_lacks_is_refused_in_one_line(tiny_dir, tmp_path):
     from test_cli import assert_one_line_error, engc
     # fp8 experts need the FP8 conversions of sm89+, as the dense fp8 projections do
@@ -210,10 +243,11 @@ def test_int4_experts_build_for_the_gpu(tiny_dir, tmp_path):
 
 def fp8_experts_bundle(src, float_bundle, out, archs=("cpu", "sm90")) -> dict:
     """Builds src with --quant fp8 for archs and checks what it holds: every MoE node's experts float8 with a
-    float32 scale per channel per expert, the router and shared expert in the model dtype, the GPU's expert
-    kernels the FP8_W specialization. Then its CPU logits and greedy tokens against the float bundle's:
-    returns the largest logit error relative to the logits' range, the share of argmaxes alike, and for each
-    greedy token the fp8 bundle picks how far below the float bundle's best it scores (in logit stds)."""
+    float32 scale per channel per expert, the router and the shared expert's gate in the model dtype (the shared
+    expert itself a dense MLP, FP8Linear as any), the GPU's expert kernels the FP8_W specialization. Then its
+    CPU logits and greedy tokens against the float bundle's: returns the largest logit error relative to the
+    logits' range, the share of argmaxes alike, and for each greedy token the fp8 bundle picks how far below
+    the float bundle's best it scores (in logit stds)."""
     from engc.runtime.eval import _forward
     from engc.runtime.kv_cache import KVCache
     from engc.runtime.loader import load
@@ -234,8 +268,11 @@ def fp8_experts_bundle(src, float_bundle, out, archs=("cpu", "sm90")) -> dict:
         assert gate_up.shape == (e, 2 * inter, h) and down.shape == (e, h, inter)
         scales = [w[i] for i in n.inputs if i.endswith("_scale")]
         assert [(s.dtype, tuple(s.shape)) for s in scales] == [(torch.float32, (e, 2 * inter)), (torch.float32, (e, h))]
-        float_inputs = list(n.inputs[1:2]) + (list(n.inputs[4:7]) if n.attrs.get("has_shared_expert") else [])
+        float_inputs = list(n.inputs[1:2]) + (list(n.inputs[4:6]) if n.attrs.get("has_shared_expert") else [])
         assert all(w[i].dtype == model.dtype for i in float_inputs if i in w and not i.endswith("_scale"))
+        if n.attrs.get("has_shared_expert"):
+            down = next(p for p in model.executor.program.nodes if p.outputs[0] == n.inputs[4])
+            assert down.op.startswith("FP8Linear") and w[down.inputs[-2]].dtype == torch.float8_e4m3fn, down
 
     reference = load(float_bundle)
     kv = lambda m: KVCache(m.config, 8, m.block_size, m.dtype, m.device)  # noqa: E731

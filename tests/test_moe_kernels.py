@@ -169,8 +169,7 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
     bf = torch.bfloat16
     w = dict(router=torch.randn(6, 64, dtype=bf), gate_up=torch.randn(6, 96, 64, dtype=bf),
              down=torch.randn(6, 64, 48, dtype=bf))
-    extra = (torch.randn(2 * shared, 64, dtype=bf), torch.randn(64, shared, dtype=bf), torch.randn(1, 64, dtype=bf)) \
-        if shared else ()
+    extra = ()
     if fp8:
         w["gate_up"], w["down"] = w["gate_up"].to(torch.float8_e4m3fn), w["down"].to(torch.float8_e4m3fn)
         extra += (torch.rand(6, 96), torch.rand(6, 64))
@@ -181,8 +180,11 @@ def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared
     # the decode path, the grouped one, the prefill one (past prefill_min_rows pairs an expert of the 6)
     prefill = records[("sm90", "gate_up_prefill")]["launch"]["prefill_min_rows"] * 6 // 2 + 8
     for tokens in (3, 80, prefill):
-        gpu.forward(check, torch.randn(tokens, 64, dtype=bf), w["router"], w["gate_up"], w["down"], *extra,
-                    top_k=2, consts=consts, quant=check, has_shared_expert=int(bool(shared)), fp8_experts=int(fp8))
+        # the shared expert's output (the program's dense MLP) and its gate
+        shared_in = (torch.randn(tokens, 64, dtype=bf), torch.randn(1, 64, dtype=bf)) if shared else ()
+        gpu.forward(check, torch.randn(tokens, 64, dtype=bf), w["router"], w["gate_up"], w["down"], *shared_in,
+                    *extra, top_k=2, consts=consts, quant=check, has_shared_expert=int(bool(shared)),
+                    fp8_experts=int(fp8))
     assert check.seen == {v for a, v in records if a == "sm90"}
 
 
@@ -317,6 +319,13 @@ def _weights(cfg, dtype, seed=0, shared=0, fp8=False, int4=0):
     return w, r
 
 
+def _shared_inputs(w, x, gated: bool = True) -> list:
+    """The node's shared-expert inputs: the shared expert's output on x (the program's dense MLP computes it),
+    and Qwen2-MoE's gate."""
+    from engc.kernels.moe import glu
+    return [glu(x, w["shared_gate_up"], w["shared_down"])] + ([w["shared_gate"]] if gated else [])
+
+
 def _quant_inputs(w) -> list:
     """The node's fp8 or int4 inputs (after the shared expert's), absent for float experts."""
     if "gate_up_zeros" in w:
@@ -368,8 +377,7 @@ def check_forward(dtype, tokens, shared=0, max_pairs=64, experts=6, top_k=2, sof
     x = r(tokens, cfg.hidden_size, std=1.0)
     attrs = dict(top_k=top_k, softmax_first=softmax_first, renormalize=renormalize, has_shared_expert=int(bool(shared)),
                  **({"fp8_experts": 1} if fp8 else {}), **({"group_size": int4} if int4 else {}))
-    shared_inputs = [w["shared_gate_up"], w["shared_down"], w["shared_gate"]] if shared else []
-    inputs = [x, w["router"], w["gate_up"], w["down"], *shared_inputs, *_quant_inputs(w)]
+    inputs = [x, w["router"], w["gate_up"], w["down"], *(_shared_inputs(w, x) if shared else []), *_quant_inputs(w)]
     ref = op.moe(*inputs, **attrs)
     run = _runner(specs)
     consts = {v: s.launch for v, s in specs.items()}
@@ -460,7 +468,7 @@ def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False, groups=True
     if v3:
         attrs.update(sigmoid_scores=1, correction_bias=1, group_top2=1, renormalize=1)
         extra += [torch.randn(8, generator=torch.Generator().manual_seed(1)) * 0.05]
-    inputs = [x, w["router"], w["gate_up"], w["down"], w["shared_gate_up"], w["shared_down"], *extra]
+    inputs = [x, w["router"], w["gate_up"], w["down"], *_shared_inputs(w, x, gated=False), *extra]
     ref = op.moe(*inputs, **attrs)
     run = _runner(specs)
     out = gpu.forward(run, *inputs, consts={v: s.launch for v, s in specs.items()}, quant=run, **attrs)
@@ -514,8 +522,7 @@ def check_binding(dtype, fp8=False):
     ctx = Context()
     w, r = _weights(cfg, dtype, seed=3, shared=24, fp8=fp8)
     x = r(5, cfg.hidden_size, std=1.0)
-    inputs = [x, w["router"], w["gate_up"], w["down"], w["shared_gate_up"], w["shared_down"], w["shared_gate"],
-              *_quant_inputs(w)]
+    inputs = [x, w["router"], w["gate_up"], w["down"], *_shared_inputs(w, x), *_quant_inputs(w)]
     attrs = dict(num_experts=6, top_k=2, softmax_first=1, renormalize=0, has_shared_expert=1,
                  **({"fp8_experts": True} if fp8 else {}))
     (out,) = bind.gpu_ops(ctx)[(ENGC_DOMAIN, "MoE")](*inputs, **attrs)

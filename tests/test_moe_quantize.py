@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engc.compiler.build import BuildOptions, build
-from engc.kernels.moe import moe
+from engc.kernels.moe import glu, moe
 from test_moe import PROMPT_IDS, _assert_matches_hf, _fuse_experts
 
 transformers = pytest.importorskip("transformers")
@@ -78,11 +78,11 @@ def test_quantizer_moe_layer_computes_the_moe_op(tiny_dir):
     h = torch.randn(2, 7, 64)
     experts = [f"mlp.experts.{e}." for e in range(4)]
     w = lambda n: weights[n + ".weight"]  # noqa: E731
-    expected = moe(h.reshape(-1, 64), w("mlp.gate"),
-                   torch.stack([torch.cat([w(e + "gate_proj"), w(e + "up_proj")]) for e in experts]),
-                   torch.stack([w(e + "down_proj") for e in experts]),
-                   torch.cat([w("mlp.shared_expert.gate_proj"), w("mlp.shared_expert.up_proj")]),
-                   w("mlp.shared_expert.down_proj"), w("mlp.shared_expert_gate"),
+    x = h.reshape(-1, 64)
+    shared = glu(x, torch.cat([w("mlp.shared_expert.gate_proj"), w("mlp.shared_expert.up_proj")]),
+                 w("mlp.shared_expert.down_proj"))   # the program's dense MLP beside the node
+    expected = moe(x, w("mlp.gate"), torch.stack([torch.cat([w(e + "gate_proj"), w(e + "up_proj")]) for e in experts]),
+                   torch.stack([w(e + "down_proj") for e in experts]), shared, w("mlp.shared_expert_gate"),
                    top_k=2, renormalize=0, has_shared_expert=1)
     assert torch.allclose(mlp(layer, h).reshape(-1, 64), expected, atol=1e-6)
 

@@ -99,7 +99,9 @@ def test_rank_files_hold_the_shards(tp_bundles):
     assert part["layers.0.o.weight"] == (64, whole["layers.0.o.weight"][1] // 2)
     assert part["layers.0.experts.gate_up"] == (4, 32 // 2 * 2, 64)                   # each expert's I halved
     assert part["layers.0.experts.down"] == (4, 64, 16)
-    assert part["layers.0.shared.gate_up"][0] == 48 and part["layers.0.router.weight"] == (4, 64)
+    # the shared expert (a dense MLP) as the dense layer's: gate and up by rows, down by columns
+    assert part["layers.0.shared_expert.gate_up.weight"] == (48, 64) and part["layers.0.router.weight"] == (4, 64)
+    assert part["layers.0.shared_expert.down.weight"] == (64, 24)
     assert part["embed.weight"] == whole["embed.weight"]                               # replicated
     assert part["lm_head.weight"][0] == whole["lm_head.weight"][0] // 2               # vocab-parallel
     with safe_open(str(tp2 / "weights/rank0.safetensors"), "pt") as a, \

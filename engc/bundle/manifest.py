@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 FORMAT = "engc-bundle"
-FORMAT_VERSION = (7, 0)
-# The majors this runtime reads. 7.0: the program has its decode form (passes/decode_form), sampling is the
-# four launches of kernels/sampling (stats, bound, compact, finish over a row cut into slices), an MoE
-# model's GPU kernels include the router-logits and the expert-sort kernels the MoE op launches, and its
-# expert GEMMs take their inputs' row scales (fp8 experts are W8A8, their inputs quantized by the fp8_quant
-# kernels); a bundle of an older format is refused with a line saying to rebuild it.
-READABLE_MAJORS = (7,)
+FORMAT_VERSION = (8, 0)
+# The majors this runtime reads. 8.0: an MoE layer's shared expert is a dense MLP of the program, whose output
+# the MoE node takes in place of the shared expert's weights (kernels/moe); the program has its decode form
+# (passes/decode_form), sampling is the four launches of kernels/sampling, and an MoE model's GPU kernels
+# include the router-logits and expert-sort kernels and take their inputs' row scales, as in 7.0. A bundle of
+# an older format is refused with a line saying to rebuild it.
+READABLE_MAJORS = (8,)
 MANIFEST = "manifest.json"
 PROGRAM = "program.onnx"
 WEIGHTS = "weights/rank0.safetensors"

@@ -65,6 +65,12 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def mlp_sizes(self) -> tuple[int, ...]:
+        """The intermediate widths of the program's dense GLUs: the dense MLP's and a shared expert's (MoE layers
+        lower their shared expert as a dense GLU beside the MoE node), each with its own kernels."""
+        return tuple(sorted({self.intermediate_size, self.shared_expert_intermediate_size} - {0}))
+
+    @property
     def kv_cache_row(self) -> tuple[int, int, int]:
         """(K-and-V planes, rows a token, values a row) of one layer's cache: [2, KV heads, head_dim], or for
         latent attention one plane of one row, the latent then the rope key."""

@@ -6,6 +6,7 @@ is deliberately unfused (one Gemm per projection, joined by Concat): fusion is t
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -77,8 +78,8 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
     if cfg.local_rope_theta:
         local_rope = _rope_table(cfg, cfg.local_rope_theta, None)
         g.weights["rope.local.inv_freq"] = lambda: local_rope
-    eps = cfg.rms_norm_eps
     norm = _norms(g, weight, cfg, dtype)
+    mlp = functools.partial(_mlp, g, weight, cfg)
 
     embed = weight("embed.weight", EMBED)
     x = g.onnx_op("Gather", [embed, "input_ids"], "h.embed", axis=0)
@@ -98,18 +99,23 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
         h, residual = norm(x, residual, p + "mlp_norm.weight", hf + ("pre_feedforward_layernorm.weight"
                            if cfg.sandwich_norms else "post_attention_layernorm.weight"), f"{p}mlp_in")
         if is_moe_layer(ckpt.hf_config, family, i):
-            x = lower_moe(g, h, ckpt, weight, family, ckpt.hf_config, i, dtype)
+            x = lower_moe(g, h, ckpt, weight, family, ckpt.hf_config, i, dtype, mlp)
             continue
-        gate_up = _concat(g, [_linear(g, h, weight, p + n, hf + f"mlp.{n}_proj", False, cfg.hidden_size)
-                              for n in ("gate", "up")], p + "gate_up")
-        act = g.add(ACTIVATION_OPS[cfg.hidden_act], [gate_up], p + "act")
-        x = _linear(g, act, weight, p + "down", hf + "mlp.down_proj", False,
-                    cfg.intermediate_size)
+        x = mlp(h, p, hf + "mlp.", cfg.intermediate_size)
         if cfg.sandwich_norms:
             x = norm(x, None, p + "mlp_out_norm.weight", hf + "post_feedforward_layernorm.weight", f"{p}mlp_out")[0]
 
     h, _ = norm(x, residual, "norm.weight", "model.norm.weight", "final")
     return _head(g, h, ckpt, weight, embed, cfg)
+
+
+def _mlp(g: Graph, weight, cfg: ModelConfig, h: str, p: str, hf: str, width: int) -> str:
+    """A GLU MLP (gate and up, the activation, down) on h: a dense layer's, or an MoE layer's shared expert
+    (p and hf its prefixes, width its intermediate size)."""
+    gate_up = _concat(g, [_linear(g, h, weight, p + n, f"{hf}{n}_proj", False, cfg.hidden_size)
+                          for n in ("gate", "up")], p + "gate_up")
+    act = g.add(ACTIVATION_OPS[cfg.hidden_act], [gate_up], p + "act")
+    return _linear(g, act, weight, p + "down", hf + "down_proj", False, width)
 
 
 def _attention(g: Graph, h: str, weight, norm, cfg: ModelConfig, family: Family, i: int) -> str:

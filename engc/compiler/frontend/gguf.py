@@ -331,8 +331,8 @@ def _loaders(arch: str, tensors: dict, config: dict, file_name: str,
         row_groups = None
         if arch in PERMUTED_QK and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             row_groups = heads if ".attn_q." in gguf_name else kv_heads
-        # the MoE op takes float weights, its shared expert's too
-        if keep_quant and "shared_expert" not in hf_name and gguf_quant.keeps(tensor, hf_name):
+        # the MoE op takes float weights, its shared expert's gate too (the shared expert is a dense MLP)
+        if keep_quant and "shared_expert_gate" not in hf_name and gguf_quant.keeps(tensor, hf_name):
             reorder = (lambda a, groups=row_groups: _unpermute_rows(a, groups)) if row_groups else None
             loaders.update(gguf_quant.kept_loaders(tensor, hf_name.removesuffix(".weight"), reorder))
             kept[gguf_name] = tensor.tensor_type.name

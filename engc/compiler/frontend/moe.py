@@ -4,7 +4,9 @@ A family's Experts facts (families.py) say where config.json and the checkpoint 
 expert weights; the routing variant becomes the node's attributes (kernels/moe). Expert weights are
 stacked for the kernels: gate_up [E, 2I, H] (each expert's gate rows, then its up rows) and down [E, H, I],
 from either layout transformers uses: one tensor per expert and projection (experts.{e}.gate_proj, Mixtral's
-w1/w3/w2) or the fused experts.gate_up_proj / experts.down_proj of recent transformers.
+w1/w3/w2) or the fused experts.gate_up_proj / experts.down_proj of recent transformers. A shared expert
+(Qwen2-MoE's, DeepSeek's) is the dense MLP's GLU beside the node, whose output the node adds (behind
+Qwen2-MoE's sigmoid gate): so it takes every path a dense projection takes (the decode GEMVs, fp8, int4).
 """
 from __future__ import annotations
 
@@ -83,8 +85,10 @@ def is_moe_layer(hf: dict, family: Family, layer: int) -> bool:
     return layer not in (hf.get("mlp_only_layers") or []) and (layer + 1) % step == 0
 
 
-def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: int, dtype: torch.dtype) -> str:
-    """Emits the MoE node of one layer on the normed hidden state h; returns its output (residual excluded)."""
+def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: int, dtype: torch.dtype,
+              mlp) -> str:
+    """Emits the MoE node of one layer on the normed hidden state h; returns its output (residual excluded).
+    mlp(h, prefix, hf_prefix, width) lowers a dense GLU (the decoder's): the shared expert's."""
     ex = family.experts
     hf = with_defaults(hf, family)
     counts = expert_counts(hf, family)
@@ -120,15 +124,12 @@ def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: i
     inputs = [h, weight(p + "router.weight", router_name), p + "experts.gate_up", p + "experts.down"]
     shared = counts["shared_expert_intermediate_size"] > 0
     gated = ex.shared_experts_count_key is None   # Qwen2-MoE's shared expert has a sigmoid gate; DeepSeek's none
-    if shared:
+    if shared:   # a dense GLU of its own (any weight form the dense MLP takes), its output added by the node
         se = f"model.layers.{layer}.mlp.{'shared_expert' if gated else 'shared_experts'}."
-        get = _shared_expert_loaders(ckpt, se, weight.quant_config, hf["hidden_size"],
-                                     counts["shared_expert_intermediate_size"])
-        g.weights[p + "shared.gate_up"] = lambda: torch.cat([get["gate_proj"](), get["up_proj"]()]).to(dtype)
-        g.weights[p + "shared.down"] = lambda: get["down_proj"]().to(dtype).contiguous()
-        inputs += [p + "shared.gate_up", p + "shared.down"]
+        inputs.append(mlp(h, p + "shared_expert.", se, counts["shared_expert_intermediate_size"]))
         if gated:
-            inputs.append(weight(p + "shared.gate", f"model.layers.{layer}.mlp.shared_expert_gate.weight"))
+            inputs.append(weight(p + "shared_expert_gate.weight",
+                                 f"model.layers.{layer}.mlp.shared_expert_gate.weight"))
     renormalize = hf.get(ex.renormalize, False) if isinstance(ex.renormalize, str) else ex.renormalize
     routing = _routing_attrs(hf, ex.routing)
     if own_bias:   # noaux_tc's e_score_correction_bias: the node's last input, float32 as HF keeps it
@@ -183,20 +184,6 @@ def _int4_experts(g: Graph, ckpt, per: list[str], names: tuple, p: str, dtype: t
         g.weights[f"{p}experts.{part}.zeros"] = stacked(projections, "zeros", False)
     return {"group_size": group, "inputs": [f"{p}experts.{part}.{key}" for part in ("gate_up", "down")
                                            for key in ("scales", "zeros")]}
-
-
-def _shared_expert_loaders(ckpt, se: str, qc: dict, hidden: int, inter: int) -> dict:
-    """Loaders of the shared expert's float gate, up and down weights: an int4 one (AutoAWQ quantizes
-    DeepSeek's) is dequantized, the MoE node computing the shared expert as dense GEMMs."""
-    from engc.compiler.frontend.quantized import dequantized
-    out = {}
-    for n, k in (("gate_proj", hidden), ("up_proj", hidden), ("down_proj", inter)):
-        if ckpt.has(f"{se}{n}.qweight"):
-            out[n] = dequantized(ckpt.get, ckpt.has, se + n, qc, k)
-        else:
-            _check_present(ckpt, f"{se}{n}.weight")
-            out[n] = lambda n=n: ckpt.get(f"{se}{n}.weight")
-    return out
 
 
 def _check_present(ckpt, name: str) -> None:

@@ -12,7 +12,8 @@ Gemms, and stay in the bundle's dtype.
 
 An MoE node's stacked experts, gate_up [E, 2I, H] and down [E, H, I], are quantized a row at a time the same
 way (one scale per output channel per expert), their scales the node's inputs after the shared expert's;
-the router, the shared expert and its gate stay in the bundle's dtype (kernels/moe says why).
+the router and the shared expert's gate stay in the bundle's dtype (kernels/moe says why). A shared expert
+is a dense MLP of the layer (frontend/moe.py): its projections are Gemms like the others, quantized so.
 """
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ from engc.kernels.fp8_quant import FP8, FP8_ARCHS, FP8_MAX, quantize_rows
 FP8_MANIFEST = {"method": "fp8", "bits": 8, "format": "float8_e4m3fn",
                 "weights": f"per output channel, absmax/{FP8_MAX:g}, static",
                 "activations": f"per token, absmax/{FP8_MAX:g}, dynamic",
-                "scope": "decoder-layer projections (qkv, o, gate_up, down); embeddings and lm_head unquantized"}
+                "scope": "decoder-layer projections (qkv, o, gate_up, down; a shared expert's too); embeddings and "
+                         "lm_head unquantized"}
 FP8_EXPERTS = {"experts": f"MoE experts' gate_up and down: per output channel per expert, absmax/{FP8_MAX:g}, "
-                          "static; activations per token (gate_up) and per pair (down), absmax/448, dynamic; router and shared expert "
-                          "unquantized"}
+                          "static; activations per token (gate_up) and per pair (down), absmax/448, dynamic; "
+                          "router and shared expert gate unquantized"}
 
 
 def fp8_manifest(g: Graph) -> dict:
@@ -61,6 +63,7 @@ def check_fp8_shapes(cfg: ModelConfig) -> None:
     """torch._scaled_mm takes K and N in multiples of 16: every projection's in and out widths."""
     # q_lora_rank 0 (q straight from x) passes: 0 % 16 == 0
     widths = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+              "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
               "num_heads * head_dim": cfg.q_size, "num_kv_heads * head_dim": cfg.kv_size}
     if cfg.kv_lora_rank:   # latent attention's q_a / q_b, kv_a and o (the experts are Triton's: any width)
         widths.update({"q_lora_rank": cfg.q_lora_rank,
@@ -93,7 +96,7 @@ def _quantize_experts(g: Graph, node: Node) -> None:
     for name in (gate_up, down):
         scales.append(name + "_scale")
         g.weights[name], g.weights[name + "_scale"] = _quantized_loaders(g.weights[name], _quantize_experts_rows)
-    shared = (2 if node.attrs.get("shared_ungated") else 3) if node.attrs.get("has_shared_expert") else 0
+    shared = (1 if node.attrs.get("shared_ungated") else 2) if node.attrs.get("has_shared_expert") else 0
     at = 4 + shared
     node.inputs[at:at] = scales
     node.attrs["fp8_experts"] = True

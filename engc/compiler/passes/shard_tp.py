@@ -4,9 +4,10 @@ One program serves every rank; only the weights differ, and each lazy weight loa
 the writer asks for (Graph.rank). Column-parallel projections (q, k, v by heads; gate and up by
 intermediate columns) need no communication; the row-parallel ones after them (o, down) each produce a
 partial sum that an AllReduce completes, so a layer costs two all-reduces. A MoE layer splits every
-expert's (and the shared expert's) intermediate the same way, keeping the router whole: each rank runs
-the same routing and the same kernels on narrower experts, so no rank idles when the router favours some
-experts, and one AllReduce completes the layer. Latent attention (DeepSeek) splits by heads too: q (or q_b
+expert's intermediate the same way, keeping the router whole: each rank runs the same routing and the same
+kernels on narrower experts, so no rank idles when the router favours some experts. A shared expert is a
+dense MLP split as the others, but its down's partial sum is the MoE node's input, added into the node's
+own partial sum: one AllReduce completes the layer. Latent attention (DeepSeek) splits by heads too: q (or q_b
 after the replicated q_a and its norm) by rows, each head's w_uk and w_uv, o by columns; the latent's
 down-projection kv_a is replicated, since every head reads the whole latent, and so is each rank's latent
 cache (one row a token, whatever the heads). int4 weights (QLinear, int4 experts) split like float ones: their
@@ -36,7 +37,8 @@ from engc.compiler.ir import Graph, Node
 from engc.errors import UserError
 from engc.kernels.int4_linear.layout import CHUNK, PACK
 
-_PROJECTION = re.compile(r"layers\.\d+\.(q|q_a|q_b|kv_a|k|v|o|gate|up|down)\.(weight|bias|qweight)$")
+# a layer's projection, the dense MLP's or (shared_expert.) an MoE layer's shared expert's
+_PROJECTION = re.compile(r"layers\.\d+\.(shared_expert\.)?(q|q_a|q_b|kv_a|k|v|o|gate|up|down)\.(weight|bias|qweight)$")
 # latent attention's down-projections: every rank reads the whole latent (and q's) they make
 _REPLICATED = ("q_a", "kv_a")
 _HEADS = ("RotaryKVWrite", "PagedAttention", "QKNorm", "QKNormUnitOffset")
@@ -60,6 +62,7 @@ def _shard(g: Graph, cfg: ModelConfig, tp: int) -> Graph:
     g.tp = tp
     d, per_rank_heads = cfg.head_dim, cfg.num_heads // tp
     inter = {"gate": cfg.intermediate_size // tp, "up": cfg.intermediate_size // tp}
+    shared = cfg.shared_expert_intermediate_size // tp
     head_gather = next(n for n in g.nodes if n.op == "Gather" and n.inputs[1:] == ["logits_indices"])
     for node in list(g.nodes):
         if node.op == "RMSNorm" and (kind := _projection_kind(g, node.inputs[0])) in ("q", "k"):
@@ -74,10 +77,14 @@ def _shard(g: Graph, cfg: ModelConfig, tp: int) -> Graph:
             m = _PROJECTION.match(node.inputs[1])
             if m is None:
                 raise UserError(f"--tp {tp}: the projection '{node.inputs[1]}' has no tensor-parallel layout")
-            kind = m.group(1)
+            kind = m.group(2)
             if kind in _REPLICATED:
                 continue
-            if kind in ("q", "q_b", "k", "v"):
+            if m.group(1) and kind in inter:   # the shared expert's gate and up
+                _out_rows(g, node, _nth(shared))
+            elif m.group(1):   # its down: a partial sum the MoE node adds to its own, which one AllReduce completes
+                _in_cols(g, node, shared, tp)
+            elif kind in ("q", "q_b", "k", "v"):
                 _out_rows(g, node, _heads_rows(cfg, tp, kind))
             elif kind in inter:
                 _out_rows(g, node, _nth(inter[kind]))
@@ -90,7 +97,7 @@ def _shard(g: Graph, cfg: ModelConfig, tp: int) -> Graph:
             for w in node.inputs[10:12]:   # w_uk [H, nope, R], w_uv [H, v, R]: this rank's heads
                 _rows(g, w, _nth(per_rank_heads))
         elif node.op == "MoE":
-            _shard_moe(g, node, cfg.moe_intermediate_size // tp, cfg.shared_expert_intermediate_size // tp, tp)
+            _shard_moe(g, node, cfg.moe_intermediate_size // tp, tp)
             _all_reduce(g, node)
         else:
             raise UserError(f"--tp {tp}: {node.op} nodes do not shard yet")
@@ -120,7 +127,7 @@ def _projection_kind(g: Graph, value: str) -> str | None:
     """'q', 'k', ... when value is a projection's output (float or int4), else None."""
     p = g.producer(value)
     m = p is not None and p.op in ("Gemm", "QLinear") and _PROJECTION.match(p.inputs[1])
-    return m.group(1) if m else None
+    return m.group(2) if m else None
 
 
 def _shard_projection_norm(g: Graph, node: Node, rows, tp: int) -> None:
@@ -207,11 +214,11 @@ def _shard_head(g: Graph, node: Node, cfg: ModelConfig, tp: int) -> None:
     g.nodes.insert(g.nodes.index(node) + 1, Node("AllGather", [out + ".shard"], [out], {"size": cfg.vocab_size}))
 
 
-def _shard_moe(g: Graph, node: Node, inter: int, shared: int, tp: int) -> None:
+def _shard_moe(g: Graph, node: Node, inter: int, tp: int) -> None:
     """Every expert's gate and up rows and down columns of this rank's intermediate slice (int4 experts: their
     codes, scales and zeros likewise, down's by words and groups); the router and the shared expert's gate stay
-    whole."""
-    _, _, gate_up, down, *rest = node.inputs
+    whole, and the shared expert's output (a dense MLP's, sharded as one) is the rank's partial sum."""
+    _, _, gate_up, down, *_ = node.inputs
     group = node.attrs.get("group_size", 0)
     if group and (inter % CHUNK or inter % group):
         raise UserError(f"--tp {tp}: int4 experts would give a rank {inter} intermediate columns, not a multiple "
@@ -222,7 +229,3 @@ def _shard_moe(g: Graph, node: Node, inter: int, shared: int, tp: int) -> None:
     _per_rank(g, down, lambda t, r: t[:, :, _nth(inter // PACK if group else inter)(r)])
     for w in [n for n in node.inputs if n.startswith(down + ".")]:   # int4 scales and zeros [E, H, I / group]
         _per_rank(g, w, lambda t, r: t[:, :, _nth(inter // group)(r)])
-    if node.attrs.get("has_shared_expert"):
-        shared_gate_up, shared_down = rest[:2]
-        _per_rank(g, shared_gate_up, lambda t, r: torch.cat([half[_nth(shared)(r)] for half in t.chunk(2)]))
-        _cols(g, shared_down, _nth(shared))

@@ -142,7 +142,8 @@ def model_shapes(cfg, ops, int4: bool = False, int4_lm_head: bool = False) -> li
     from engc.kernels.gemv.specs import dense_projections
     names: dict[tuple[int, int], list[str]] = {}
     for kn, name in (((cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), "qkv"), ((cfg.q_size, cfg.hidden_size), "o"),
-                     ((cfg.hidden_size, 2 * cfg.intermediate_size), "gate_up")):
+                     ((cfg.hidden_size, 2 * cfg.intermediate_size), "gate_up"),
+                     ((cfg.hidden_size, 2 * cfg.shared_expert_intermediate_size), "shared_gate_up")):
         names.setdefault(kn, []).append(name)
     shapes = []
     if "gemv" in ops and not (int4 and int4_lm_head):
@@ -152,7 +153,9 @@ def model_shapes(cfg, ops, int4: bool = False, int4_lm_head: bool = False) -> li
             shapes.append(Shape("gemv", "+".join(layer + ["lm_head"] * head), k, n,
                                 cfg.num_layers * len(layer) + head))
     if "silu_gemv" in ops and not int4:
-        shapes.append(Shape("silu_gemv", "down", cfg.intermediate_size, cfg.hidden_size, cfg.num_layers))
+        for i in cfg.mlp_sizes:
+            name = "down" if i == cfg.intermediate_size else "shared_down"
+            shapes.append(Shape("silu_gemv", name, i, cfg.hidden_size, cfg.num_layers))
     if "moe" in ops and not int4:   # int4 experts have no GPU kernels
         shapes += moe.shapes(cfg, Shape)
     return shapes

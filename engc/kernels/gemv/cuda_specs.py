@@ -65,7 +65,7 @@ def gemv_specs(cfg, t: str, arch: str, overrides=None) -> tuple[list[CudaKernelS
     for bucket in gemv_kernels.CUDA_M_CLASSES:
         _, entry = tune.lookup(arch, "gemv", "cuda", bucket, (overrides or {}).get(bucket))
         kinds = {(cfg.hidden_size, False), (cfg.q_size, False)} if entry["plain"] else set()
-        kinds |= {(cfg.intermediate_size, True)} if entry["silu"] else set()
+        kinds |= {(i, True) for i in cfg.mlp_sizes} if entry["silu"] else set()
         for k, silu in sorted(kinds):
             spec, why = gemv_spec(k, silu, t, arch, bucket, (overrides or {}).get(bucket))
             if spec is None:

@@ -1,7 +1,7 @@
 """The decode GEMVs a model needs, per input width K (hidden: qkv, gate_up, lm_head; q_size: o; SiLU-fused
-intermediate: down) and M class of the tune table; and the model's dense projections, which the GEMV and
-the skinny GEMM (kernels/skinny_gemm) serve. N is a run-time argument, so one kernel of an M class serves
-every projection of its width."""
+intermediate: down, one per GLU width of cfg.mlp_sizes) and M class of the tune table; and the model's dense
+projections, which the GEMV and the skinny GEMM (kernels/skinny_gemm) serve. N is a run-time argument, so one
+kernel of an M class serves every projection of its width."""
 import dataclasses
 
 from engc.compiler import tune
@@ -24,11 +24,11 @@ def specs(b: Build) -> list:
 
 def dense_projections(cfg, layers: bool = True) -> set[tuple[int, int]]:
     """(K, N) of the program's plain Gemms (x @ W^T, no bias), after fuse_parallel_gemms: the fused qkv
-    (unless it has a bias: then cuBLAS adds it), o, the fused gate_up and the lm_head. layers=False: the
-    lm_head only (--quant fp8 and int4 programs make the layer projections FP8Linear / QLinear)."""
+    (unless it has a bias: then cuBLAS adds it), o, the fused gate_up (a shared expert's too) and the lm_head.
+    layers=False: the lm_head only (--quant fp8 and int4 programs make the layer projections FP8Linear / QLinear)."""
     shapes = {(cfg.hidden_size, cfg.vocab_size)}
     if layers:
-        shapes |= {(cfg.q_size, cfg.hidden_size), (cfg.hidden_size, 2 * cfg.intermediate_size)}
+        shapes |= {(cfg.q_size, cfg.hidden_size)} | {(cfg.hidden_size, 2 * i) for i in cfg.mlp_sizes}
         if not cfg.qkv_bias:
             shapes.add((cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size))
     return shapes
@@ -61,7 +61,7 @@ def gemv_specs(cfg, t: str, arch: str, overrides=None, classes=None, projections
     classes = classes or M_CLASSES + PLAIN_CLASSES
     projections = dense_projections(cfg) if projections is None else projections
     out = []
-    for k, silu in sorted({(cfg.hidden_size, False), (cfg.q_size, False), (cfg.intermediate_size, True)}):
+    for k, silu in sorted({(cfg.hidden_size, False), (cfg.q_size, False)} | {(i, True) for i in cfg.mlp_sizes}):
         for bucket in classes:
             if bucket in PLAIN_CLASSES:
                 continue

@@ -32,7 +32,7 @@ def int4_gemm_specs(cfg, t: str, arch: str, group_sizes, overrides=None, classes
         if enabled_only and not entry["enabled"]:
             continue
         for g in sorted(set(int(g) for g in group_sizes)):
-            for k in sorted(widths or {cfg.hidden_size, cfg.q_size, cfg.intermediate_size}):
+            for k in sorted(widths or {cfg.hidden_size, cfg.q_size, *cfg.mlp_sizes}):
                 out.append(make_spec("int4_gemm", variant_name(k, g, entry["max_m"]), arch, "int4_gemm_kernel",
                                      types, {"K": k, "GROUP": g, "SILU": False}, bucket, launch_keys=keys,
                                      overrides=bucket_ov))

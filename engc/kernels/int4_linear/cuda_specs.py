@@ -108,9 +108,10 @@ def _shape_of(kind: str) -> tuple[int, int] | None:
 
 
 def int4_shapes(cfg) -> set[tuple[int, int]]:
-    """[N, K] of every projection an int4 program may quantize: qkv, o, gate_up, down and the lm_head."""
-    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    return {(q + 2 * kv, h), (h, q), (2 * i, h), (h, i), (cfg.vocab_size, h)}
+    """[N, K] of every projection an int4 program may quantize: qkv, o, gate_up, down (a shared expert's too)
+    and the lm_head."""
+    h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    return {(q + 2 * kv, h), (h, q), (cfg.vocab_size, h)} | {s for i in cfg.mlp_sizes for s in ((2 * i, h), (h, i))}
 
 
 def selected_int4_specs(triton_specs: list, overrides=None, shapes=()) -> tuple[list[CudaKernelSpec], list[str]]:

@@ -1,10 +1,11 @@
 """A mixture-of-experts MLP: route each token to its top-k experts, run their SiLU GLUs, sum them weighted.
 
-ONNX: ai.engc::MoE(x, router, gate_up, down[, shared_gate_up, shared_down[, shared_gate]]
+ONNX: ai.engc::MoE(x, router, gate_up, down[, shared[, shared_gate]]
                    [, gate_up_scales, gate_up_zeros, down_scales, down_zeros | gate_up_scale, down_scale]
                    [, correction_bias]) -> y
   x [T, H]; router [E, H]; gate_up [E, 2I, H] (each expert's gate rows, then its up rows); down [E, H, I];
-  the optional shared expert (Qwen2-MoE): shared_gate_up [2S, H], shared_down [H, S], shared_gate [1, H].
+  the optional shared expert's output shared [T, H] (the program computes it as a dense MLP beside the node)
+  and its gate (Qwen2-MoE) shared_gate [1, H].
   int4 experts (group_size > 0): gate_up and down are stacks of the engc int4 layout (kernels/int4_linear),
   qweight [E, 2I, H / 8] and [E, H, I / 8], their scales and zeros [E, N, K / group_size] at the end.
   fp8 experts (fp8_experts = 1, engc build --quant fp8): gate_up and down are float8_e4m3fn, and where int4's
@@ -15,9 +16,9 @@ Attributes (the routing variant; one op serves every family):
   softmax_first      1: softmax over all E router logits, then top-k of the probabilities (Mixtral, Qwen-MoE,
                      OLMoE); 0: top-k of the logits, then softmax over those k (renormalized by construction)
   renormalize        1: the k weights are divided by their sum (Mixtral; norm_topk_prob)
-  has_shared_expert  1: add sigmoid(x @ shared_gate.T) * the shared expert's SiLU GLU of x
-  shared_ungated     1: the shared expert is added as it is, with no shared_gate input (DeepSeek's shared
-                     experts, stacked as one GLU of n_shared_experts * moe_intermediate_size)
+  has_shared_expert  1: add sigmoid(x @ shared_gate.T) * shared
+  shared_ungated     1: shared is added as it is, with no shared_gate input (DeepSeek's shared experts,
+                     stacked as one GLU of n_shared_experts * moe_intermediate_size)
 DeepSeek's routings (absent: as above):
   sigmoid_scores     1: scores are sigmoid(logits), not their softmax (DeepSeek-V3)
   correction_bias    1: the last input, a float32 [E] bias, is added to the scores to choose the experts; the
@@ -38,9 +39,9 @@ the fp8 program's own quantization kernel (kernels/fp8_quant), and the GEMMs tak
 summed in float32 times both scales. A decode step is bound by the bytes of the experts it reads, which
 float8 halves; at batch sizes where every expert is read, the float8 tensor cores keep the grouped GEMMs at
 the copy rate.
-The router, the shared expert and its gate stay in the model dtype: the shared expert's GEMMs are dense
-(the library's, like the router's), not the grouped kernels, and DeepSeek's MLA projections and dense
-layers are Gemms the dense pass quantizes (W8A8).
+The router and the shared expert's gate stay in the model dtype. The shared expert is the program's own
+dense MLP (its GEMMs are the dense projections', which the dense pass quantizes (W8A8) as it does
+DeepSeek's MLA projections and dense layers); the node only adds its output, in the combine.
 
 Ties between router scores go as torch.topk breaks them, which is what HF transformers calls: the
 reference calls it on the same float32 probabilities, so a CPU bundle picks the experts HF picks.
@@ -126,7 +127,7 @@ def fp8_glu(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
 
 def expert_inputs(rest: tuple, has_shared_expert: int, shared_ungated: int, correction_bias: int) -> tuple:
     """The node's inputs after down, split: (shared expert's, the experts' quantization's, correction bias)."""
-    n_shared = (2 if shared_ungated else 3) if has_shared_expert else 0
+    n_shared = (1 if shared_ungated else 2) if has_shared_expert else 0
     shared, rest = rest[:n_shared], rest[n_shared:]
     bias, rest = (rest[-1], rest[:-1]) if correction_bias else (None, rest)
     return shared, rest, bias
@@ -158,8 +159,7 @@ def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torc
         pairs[token, slot] = glu(x[token], w_gate_up, w_down) * weights[token, slot, None]
     out = pairs.sum(dim=1).to(x.dtype)
     if has_shared_expert and shared_ungated:
-        out = out + glu(x, shared[0], shared[1])
+        out = out + shared[0]
     elif has_shared_expert:
-        shared_gate_up, shared_down, shared_gate = shared
-        out = out + torch.sigmoid(F.linear(x, shared_gate)) * glu(x, shared_gate_up, shared_down)
+        out = out + torch.sigmoid(F.linear(x, shared[1])) * shared[0]
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from engc.kernels import fp8_quant
-from engc.kernels.moe import DEEPSEEK_ROUTING, expert_inputs, glu
+from engc.kernels.moe import DEEPSEEK_ROUTING, expert_inputs
 
 
 def sort_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -224,14 +224,14 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
     expert reach its prefill_min_rows on average (grouped_variants). Where the bundle compiled the decode
     fusions (fused_decode, each a tune field), gate_up routes each pair's token itself (no route launch) and
     down sums each token's pairs into the output (no pairs buffer, no combine launch): three launches with both.
-    The shared expert is a dense SiLU GLU on every token: its GEMMs are torch's (cuBLAS). DeepSeek's routings
+    The shared expert's output (the program's dense MLP) is added by the combine. DeepSeek's routings
     (groups, sigmoid scores, the correction bias, the scaling factor) take their own routing kernel; the
     expert GEMMs and the combine are the same kernels. fp8 experts take the
     gate_up / down variants the bundle compiled with FP8_W (an fp8 bundle's are all so), their inputs
     quantized per row first by quant(launches), which runs kernels/fp8_quant's launches (the fp8 program's
     own per-token quantization, with a variant for the experts' intermediate size)."""
     shared, scales, bias = expert_inputs(rest, has_shared_expert, shared_ungated, correction_bias)
-    shared_gate_up, shared_down, shared_gate = (list(shared) + [None, None, None])[:3]
+    shared_out, shared_gate = (list(shared) + [None, None])[:2]
     # each GEMM's weight quantization inputs, as its launch rule names them (none for float experts)
     if fp8_experts:
         gate_up_q, down_q = dict(gate_up_scale=scales[0]), dict(down_scale=scales[1])
@@ -287,6 +287,5 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
     pairs = torch.empty(t * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     run(launch_down(act_in, down, rows, block_expert, weights, pairs, consts, down_variant, act_scale=act_scale,
                     **down_q))
-    shared = glu(x, shared_gate_up, shared_down) if has_shared_expert else pairs
-    run(launch_combine(pairs, shared, shared_weight, out, consts))
+    run(launch_combine(pairs, shared_out if has_shared_expert else pairs, shared_weight, out, consts))
     return out

@@ -22,6 +22,9 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # variant -> the kernel's ACT constexpr; the variant a model's hidden_act builds
 ACTIVATIONS = {"default": 0, "gelu_tanh": 1}
 VARIANT_OF_ACT = {"silu": "default", "gelu_pytorch_tanh": "gelu_tanh"}
+# the kernel is specialized on the intermediate size: another GLU width of the model (a shared expert's) has
+# a variant of its own, named so, which the launch picks where the bundle has it
+VARIANT_WIDTH = "{}_i{}"
 
 
 def launch(gate_up, out, consts, variant: str = "default"):
@@ -34,5 +37,6 @@ def launch(gate_up, out, consts, variant: str = "default"):
     assert gate_up.is_contiguous() and out.is_contiguous()
     if rows == 0:
         return []
+    variant = VARIANT_WIDTH.format(variant, inter) if VARIANT_WIDTH.format(variant, inter) in consts else variant
     block = consts[variant]["BLOCK"]
     return [(variant, (rows, (inter + block - 1) // block, 1), [gate_up, out, 0, 0])]

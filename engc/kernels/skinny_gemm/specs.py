@@ -27,7 +27,7 @@ def skinny_gemm_specs(cfg, t: str, arch: str, overrides=None, classes=None, laye
                    "max_splits", "min_split_k_tiles")
     kinds = {(k, False) for k, _ in dense_projections(cfg, layers)}
     if layers:
-        kinds.add((cfg.intermediate_size, True))
+        kinds |= {(i, True) for i in cfg.mlp_sizes}
     out = []
     for bucket in classes or M_CLASSES:
         ov = (overrides or {}).get(bucket)
