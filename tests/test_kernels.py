@@ -217,7 +217,7 @@ def check_qk_norm_projection(dtype):
     import torch
     from engc.kernels import qk_norm as op
     from engc.kernels.rms_norm import rms_norm
-    cfg = _cfg(family="olmoe", qk_norm=False, num_heads=6, num_kv_heads=2, head_dim=24)
+    cfg = _cfg(family="olmoe", qk_norm=False, qk_norm_projection=True, num_heads=6, num_kv_heads=2, head_dim=24)
     specs = _specs(cfg, dtype)["qk_norm"]
     assert set(specs) == {"projection"}
     qkv = 3 * torch.randn(5, (6 + 4) * 24, dtype=dtype)

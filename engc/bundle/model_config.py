@@ -24,7 +24,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: bool = False             # q and k normed per head (Qwen3, Gemma 3)
+    qk_norm_projection: bool = False  # q and k each normed over its whole projection (OLMoE)
     rope_scaling: dict | None = None
     sliding_window: int = 0           # 0: full attention
     bos_token_id: int | None = None

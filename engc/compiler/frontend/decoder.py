@@ -41,7 +41,7 @@ def resolve_config(hf: dict) -> ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=family.qkv_bias or bool(hf.get("attention_bias", False)),
-            qk_norm=family.qk_norm, rope_scaling=scaling,
+            qk_norm=family.qk_norm, qk_norm_projection=family.qk_norm_projection, rope_scaling=scaling,
             sliding_window=_sliding_window(hf, family),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),

@@ -4,12 +4,10 @@ a float32 bundle folds the 1 into the weights); or over the whole q and k projec
 QKNormProjection), specialized on their widths."""
 from engc.compiler import tune
 from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
-from engc.compiler.frontend.families import FAMILIES
 
 
 def specs(b: Build) -> list:
-    family = FAMILIES.get(b.cfg.family)
-    if family is not None and family.qk_norm_projection:
+    if b.cfg.qk_norm_projection:
         return qk_norm_specs(b.cfg, b.t, b.arch, b.ov("qk_norm"), projection=True)
     if not b.cfg.qk_norm:
         return []
