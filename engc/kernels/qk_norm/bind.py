@@ -15,7 +15,7 @@ def gpu_ops(ctx) -> dict:
     consts = ctx.consts("qk_norm")
 
     def qk(variant):
-        def run(qkv, qw, kw, eps, **heads):
+        def run(qkv, qw, kw, eps, **heads):   # the head counts are the kernel's constants (specs.py)
             out = torch.empty_like(qkv)
             ctx.run("qk_norm", launch(qkv, qw, kw, eps, out, variant=variant))
             return (out,)
