@@ -190,8 +190,7 @@ def test_shared_expert_is_a_dense_mlp_beside_the_moe_node(family, width, quants,
     """A shared expert (Qwen2-MoE's gated one, DeepSeek's ungated ones) is lowered as the dense MLP: one fused
     gate_up Gemm, the SiLU GLU, down; the MoE node takes its output (and Qwen2-MoE's gate). Its width differs
     from the dense layer's, so the GPU build has the GLU kernels of that width too: the SiLU-fused decode GEMV,
-    the silu_mul variant of its own, and with --quant fp8 its projections are FP8Linear with their own input
-    quantization."""
+    the silu_mul variant of its own. --quant fp8 leaves it in the model dtype (passes/quantize_fp8 says why)."""
     from engc.bundle.program import parse_program
     for quant in quants:
         out = tmp_path / quant
@@ -202,19 +201,15 @@ def test_shared_expert_is_a_dense_mlp_beside_the_moe_node(family, width, quants,
         shared = [n for n in nodes if n.outputs[0].startswith(f"layers.{layer}.shared_expert.")
                   and not n.outputs[0].endswith(".decode")]
         ops = [n.op for n in shared]
-        linear = "FP8Linear" if quant == "fp8" else "Gemm"
-        assert ops[0] in (linear, "FP8LinearQ") and ops.count("Concat") == 0, ops   # gate and up: one GEMM
-        assert ops.count(linear) + ops.count("FP8LinearQ") + ops.count("SiluMulLinear") == 2, ops
+        assert ops == ["Gemm", "SiluMulLinear"], ops   # gate and up one GEMM, then the SiLU-fused down
         assert moe.inputs[4] == shared[-1].outputs[0]   # the node adds the down projection's output
         gated = list(moe.inputs[5:6]) == [f"layers.{layer}.shared_expert_gate.weight"]
         assert gated == (family == "qwen2_moe") and bool(moe.attrs.get("shared_ungated")) == (not gated)
         manifest = json.loads((out / "manifest.json").read_text())
         variants = {(r["op"], r["variant"]) for r in manifest["kernels"]}
         assert ("silu_mul", f"default_i{width}") in variants
-        if quant == "fp8":
-            assert {("fp8_quant", f"k{width}"), ("fp8_quant", f"silu_k{width}")} <= variants
-        else:
-            assert any(op == "gemv" and v.startswith(f"silu_k{width}_") for op, v in variants), variants
+        assert any(op == "gemv" and v.startswith(f"silu_k{width}_") for op, v in variants), variants
+        assert not any(op == "fp8_quant" and v.endswith(f"k{width}") for op, v in variants), variants
 
 
 def test_what_moe_lacks_is_refused_in_one_line(tiny_dir, tmp_path):
@@ -242,12 +237,11 @@ def test_int4_experts_build_for_the_gpu(tiny_dir, tmp_path):
 # ---- fp8 experts (engc build --quant fp8) -------------------------------------------------------------
 
 def fp8_experts_bundle(src, float_bundle, out, archs=("cpu", "sm90")) -> dict:
-    """Builds src with --quant fp8 for archs and checks what it holds: every MoE node's experts float8 with a
-    float32 scale per channel per expert, the router and the shared expert's gate in the model dtype (the shared
-    expert itself a dense MLP, FP8Linear as any), the GPU's expert kernels the FP8_W specialization. Then its
-    CPU logits and greedy tokens against the float bundle's: returns the largest logit error relative to the
-    logits' range, the share of argmaxes alike, and for each greedy token the fp8 bundle picks how far below
-    the float bundle's best it scores (in logit stds)."""
+    """Builds src with --quant fp8 for archs and checks what it holds: every MoE node's experts float8 with a float32
+    scale per channel per expert, the router and the shared expert (a dense MLP beside the node) in the model dtype,
+    the GPU's expert kernels the FP8_W specialization. Then its CPU logits and greedy tokens against the float
+    bundle's: returns the largest logit error relative to the logits' range, the share of argmaxes alike, and for
+    each greedy token the fp8 bundle picks how far below the float bundle's best it scores (in logit stds)."""
     from engc.runtime.eval import _forward
     from engc.runtime.kv_cache import KVCache
     from engc.runtime.loader import load
@@ -272,7 +266,7 @@ def fp8_experts_bundle(src, float_bundle, out, archs=("cpu", "sm90")) -> dict:
         assert all(w[i].dtype == model.dtype for i in float_inputs if i in w and not i.endswith("_scale"))
         if n.attrs.get("has_shared_expert"):
             down = next(p for p in model.executor.program.nodes if p.outputs[0] == n.inputs[4])
-            assert down.op.startswith("FP8Linear") and w[down.inputs[-2]].dtype == torch.float8_e4m3fn, down
+            assert down.op in ("Gemm", "SiluMulLinear") and w[down.inputs[1]].dtype == model.dtype, down
 
     reference = load(float_bundle)
     kv = lambda m: KVCache(m.config, 8, m.block_size, m.dtype, m.device)  # noqa: E731

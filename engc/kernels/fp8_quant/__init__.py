@@ -48,12 +48,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def projection_input_widths(cfg) -> list[int]:
     """The K of every decoder-layer projection an fp8 program quantizes the input of: the hidden size (qkv and
     gate_up; latent attention's q or q_a and kv_a), the attention's output (o: q_size, or num_heads *
-    v_head_dim under latent attention), latent attention's q_lora_rank (q_b) and the intermediate sizes (down:
-    the dense MLP's and a shared expert's)."""
+    v_head_dim under latent attention), latent attention's q_lora_rank (q_b) and the intermediate size (down; a
+    shared expert stays in the model dtype: passes/quantize_fp8)."""
     if cfg.kv_lora_rank:
-        widths = {cfg.hidden_size, cfg.num_heads * cfg.v_head_dim, *cfg.mlp_sizes, cfg.q_lora_rank}
+        widths = {cfg.hidden_size, cfg.num_heads * cfg.v_head_dim, cfg.intermediate_size, cfg.q_lora_rank}
     else:
-        widths = {cfg.hidden_size, cfg.q_size, *cfg.mlp_sizes}
+        widths = {cfg.hidden_size, cfg.q_size, cfg.intermediate_size}
     return sorted(widths - {0})
 
 

@@ -1,6 +1,6 @@
 """The fp8_quant kernels of an fp8 program: per-token FP8 activation quantization, one per projection input
 width (kernels/fp8_quant projection_input_widths), and the one of silu(gate) * up from a fused gate_up
-(silu_k<inter>, SiluMulFP8) of each GLU width (cfg.mlp_sizes)."""
+(silu_k<inter>, SiluMulFP8)."""
 from engc.compiler import tune
 from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
 from engc.errors import UserError
@@ -21,4 +21,4 @@ def fp8_quant_specs(cfg, t: str, arch: str, overrides=None) -> list:
     return [make_spec("fp8_quant", variant, arch, "fp8_quant_kernel", types,
                       {"K": k, "BLOCK": pow2(k), "FP8_MAX": FP8_MAX, "MIN_AMAX": MIN_AMAX, "SILU": silu},
                       tune.block_bucket(pow2(k)), overrides=overrides)
-            for variant, k, silu in widths + [(f"silu_k{i}", i, True) for i in cfg.mlp_sizes]]
+            for variant, k, silu in widths + [(f"silu_k{cfg.intermediate_size}", cfg.intermediate_size, True)]]
