@@ -308,9 +308,10 @@ _GGUF_STEMS = {**STEMS, "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "f
                "mlp.shared_expert.down_proj": "ffn_down_shexp"}
 
 
-def _write_moe_gguf(path, arch: str, model) -> None:
+def _write_moe_gguf(path, arch: str, model, encode=None) -> None:
     """A float32 GGUF laid out as llama.cpp's converter writes the family: experts stacked per projection
-    (ffn_{gate,up,down}_exps), Mixtral as a "llama" with its q/k rows permuted, Qwen2-MoE's shared gate 1-D."""
+    (ffn_{gate,up,down}_exps), Mixtral as a "llama" with its q/k rows permuted, Qwen2-MoE's shared gate 1-D.
+    encode(gguf_name, array) -> (data, GGML type or None for float32), as test_gguf's writer takes it."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     cfg = model.config
@@ -351,7 +352,8 @@ def _write_moe_gguf(path, arch: str, model) -> None:
             array = permute_qk(array, cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads)
         if ".ffn_gate_inp_shexp." in gguf_name:
             array = array.reshape(-1)
-        w.add_tensor(gguf_name, np.ascontiguousarray(array))
+        data, raw_dtype = encode(gguf_name, np.ascontiguousarray(array)) if encode else (array, None)
+        w.add_tensor(gguf_name, np.ascontiguousarray(data), raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -389,6 +391,37 @@ def test_gguf_moe_matches_transformers(family, arch, transformers_reads, tiny_di
                 assert torch.equal(ckpt.get(name), expected), name
     build(str(path), tmp_path / "b", BuildOptions())
     _assert_matches_hf(tmp_path / "b", tiny_dir(family), PROMPT_IDS)
+
+
+def test_gguf_4bit_shared_expert_is_kept_4bit(tiny_dir, tmp_path):
+    """--quant keep on a Qwen2-MoE GGUF whose shared expert's gate and up are Q4_0 (its down, 48 inputs wide,
+    is no whole number of Q4_0's 32-input blocks, so it stays float; layer 1 is dense): the shared expert is a
+    dense MLP, so they stay 4-bit as a dense layer's do (QLinear), and the bundle computes what the float build
+    of the same GGUF computes."""
+    import gguf
+    from engc.bundle.program import parse_program
+    from engc.runtime.eval import _forward
+    from engc.runtime.kv_cache import KVCache
+    from engc.runtime.loader import load
+
+    def encode(name, array):
+        if ".ffn_gate_shexp." in name or ".ffn_up_shexp." in name:
+            return gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q4_0), gguf.GGMLQuantizationType.Q4_0
+        return array, None
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir("qwen2_moe"), dtype=torch.float32)
+    path = tmp_path / "qwen2moe-q4.gguf"
+    _write_moe_gguf(path, "qwen2moe", model, encode)
+    build(str(path), tmp_path / "keep", BuildOptions(quant="keep"))
+    build(str(path), tmp_path / "float", BuildOptions())
+    nodes = parse_program((tmp_path / "keep/program.onnx").read_bytes()).nodes
+    shared = [n.op for n in nodes if n.outputs[0].startswith("layers.0.shared_expert.")
+              and not n.outputs[0].endswith(".decode")]
+    assert shared[0].startswith("QLinear"), shared
+    assert json.loads((tmp_path / "keep/manifest.json").read_text())["quantization"]["kept"] == {"Q4_0": 2}
+    kept, floats = load(tmp_path / "keep"), load(tmp_path / "float")
+    kv = lambda m: KVCache(m.config, 8, m.block_size, m.dtype, m.device)  # noqa: E731
+    a, b = (_forward(m, kv(m), PROMPT_IDS[0]).float() for m in (floats, kept))
+    assert float((a - b).abs().max() / a.abs().max()) < 1e-5
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
