@@ -6,7 +6,8 @@ stacked for the kernels: gate_up [E, 2I, H] (each expert's gate rows, then its u
 from either layout transformers uses: one tensor per expert and projection (experts.{e}.gate_proj, Mixtral's
 w1/w3/w2) or the fused experts.gate_up_proj / experts.down_proj of recent transformers. A shared expert
 (Qwen2-MoE's, DeepSeek's) is the dense MLP's GLU beside the node, whose output the node adds (behind
-Qwen2-MoE's sigmoid gate): so it takes every path a dense projection takes (the decode GEMVs, fp8, int4).
+Qwen2-MoE's sigmoid gate): so it takes the paths a dense projection takes (the decode GEMVs, int4; --quant
+fp8 leaves it in the model dtype, passes/quantize_fp8 says why).
 """
 from __future__ import annotations
 

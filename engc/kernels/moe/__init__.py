@@ -39,9 +39,10 @@ the fp8 program's own quantization kernel (kernels/fp8_quant), and the GEMMs tak
 summed in float32 times both scales. A decode step is bound by the bytes of the experts it reads, which
 float8 halves; at batch sizes where every expert is read, the float8 tensor cores keep the grouped GEMMs at
 the copy rate.
-The router and the shared expert's gate stay in the model dtype. The shared expert is the program's own
-dense MLP (its GEMMs are the dense projections', which the dense pass quantizes (W8A8) as it does
-DeepSeek's MLA projections and dense layers); the node only adds its output, in the combine.
+The router stays in the model dtype, as do the shared expert's gate and the shared expert, which is the
+program's own dense MLP beside the node (passes/quantize_fp8 says why fp8 leaves it so; DeepSeek's MLA
+projections and dense layers are Gemms the dense pass quantizes, W8A8); the node only adds its output, in the
+combine.
 
 Ties between router scores go as torch.topk breaks them, which is what HF transformers calls: the
 reference calls it on the same float32 probabilities, so a CPU bundle picks the experts HF picks.
