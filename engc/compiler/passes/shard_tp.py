@@ -61,8 +61,8 @@ def tp_pass(cfg: ModelConfig, tp: int):
 def _shard(g: Graph, cfg: ModelConfig, tp: int) -> Graph:
     g.tp = tp
     d, per_rank_heads = cfg.head_dim, cfg.num_heads // tp
-    inter = {"gate": cfg.intermediate_size // tp, "up": cfg.intermediate_size // tp}
-    shared = cfg.shared_expert_intermediate_size // tp
+    # a rank's intermediate width: the dense MLP's, or (by the projection's prefix) a shared expert's
+    mlp_width = {"": cfg.intermediate_size // tp, "shared_expert.": cfg.shared_expert_intermediate_size // tp}
     head_gather = next(n for n in g.nodes if n.op == "Gather" and n.inputs[1:] == ["logits_indices"])
     for node in list(g.nodes):
         if node.op == "RMSNorm" and (kind := _projection_kind(g, node.inputs[0])) in ("q", "k"):
@@ -77,21 +77,18 @@ def _shard(g: Graph, cfg: ModelConfig, tp: int) -> Graph:
             m = _PROJECTION.match(node.inputs[1])
             if m is None:
                 raise UserError(f"--tp {tp}: the projection '{node.inputs[1]}' has no tensor-parallel layout")
-            kind = m.group(2)
+            shared_expert, kind = m.group(1) or "", m.group(2)
             if kind in _REPLICATED:
                 continue
-            if m.group(1) and kind in inter:   # the shared expert's gate and up
-                _out_rows(g, node, _nth(shared))
-            elif m.group(1):   # its down: a partial sum the MoE node adds to its own, which one AllReduce completes
-                _in_cols(g, node, shared, tp)
-            elif kind in ("q", "q_b", "k", "v"):
+            if kind in ("q", "q_b", "k", "v"):
                 _out_rows(g, node, _heads_rows(cfg, tp, kind))
-            elif kind in inter:
-                _out_rows(g, node, _nth(inter[kind]))
+            elif kind in ("gate", "up"):
+                _out_rows(g, node, _nth(mlp_width[shared_expert]))
             else:   # o, down: split by input columns, summed by an AllReduce
-                width = per_rank_heads * (cfg.v_head_dim or d) if kind == "o" else inter["gate"]
+                width = per_rank_heads * (cfg.v_head_dim or d) if kind == "o" else mlp_width[shared_expert]
                 _in_cols(g, node, width, tp)
-                _all_reduce(g, node)
+                if not shared_expert:   # a shared expert's down feeds the MoE node, whose AllReduce sums both
+                    _all_reduce(g, node)
         elif node.op == "MLAAttention":
             node.attrs["num_heads"] = per_rank_heads
             for w in node.inputs[10:12]:   # w_uk [H, nope, R], w_uv [H, v, R]: this rank's heads

@@ -37,6 +37,7 @@ def launch(gate_up, out, consts, variant: str = "default"):
     assert gate_up.is_contiguous() and out.is_contiguous()
     if rows == 0:
         return []
-    variant = VARIANT_WIDTH.format(variant, inter) if VARIANT_WIDTH.format(variant, inter) in consts else variant
+    own = VARIANT_WIDTH.format(variant, inter)
+    variant = own if own in consts else variant
     block = consts[variant]["BLOCK"]
     return [(variant, (rows, (inter + block - 1) // block, 1), [gate_up, out, 0, 0])]
