@@ -18,24 +18,35 @@ transformers = pytest.importorskip("transformers")
 AWQ_CALIB = dict(calib_samples=8, calib_seqlen=32, awq_grid=10)
 
 
-@pytest.mark.parametrize("family,fused,method", [
-    ("qwen3_moe", False, "rtn"), ("qwen2_moe", False, "rtn"), ("mixtral", True, "rtn"),
-    ("qwen3_moe", False, "gptq"), ("qwen2_moe", False, "gptq"),
-    ("qwen2_moe", False, "awq"), ("mixtral", True, "awq"), ("olmoe", False, "gptq"), ("olmoe", False, "awq")],
-    ids=["qwen3_moe-rtn", "qwen2_moe-shared-expert-and-dense-layer-rtn", "mixtral-fused-experts-rtn",
-         "qwen3_moe-gptq", "qwen2_moe-gptq",
-         "qwen2_moe-shared-expert-and-dense-layer-awq", "mixtral-fused-experts-awq",
-         "olmoe-qk-norm-over-the-projection-gptq", "olmoe-qk-norm-over-the-projection-awq"])
-def test_quantize_quantizes_each_expert_and_builds(family, fused, method, tiny_dir, tmp_path):
+# a tiny Qwen2-MoE's shared expert 64 wide: its down's inputs fit the engc int4 layout, so it is quantized
+# (the default tiny one's 48 keep it float)
+INT4_SHARED = {"shared_expert_intermediate_size": 64}
+
+
+@pytest.mark.parametrize("family,fused,method,config", [
+    ("qwen3_moe", False, "rtn", {}), ("qwen2_moe", False, "rtn", {}), ("mixtral", True, "rtn", {}),
+    ("qwen3_moe", False, "gptq", {}), ("qwen2_moe", False, "gptq", {}),
+    ("qwen2_moe", False, "awq", {}), ("mixtral", True, "awq", {}), ("olmoe", False, "gptq", {}),
+    ("olmoe", False, "awq", {}), ("qwen2_moe", False, "rtn", INT4_SHARED), ("qwen2_moe", False, "gptq", INT4_SHARED),
+    ("qwen2_moe", False, "awq", INT4_SHARED)],
+    ids=["qwen3_moe-rtn", "qwen2_moe-float-shared-expert-and-dense-layer-rtn", "mixtral-fused-experts-rtn",
+         "qwen3_moe-gptq", "qwen2_moe-float-shared-expert-gptq",
+         "qwen2_moe-float-shared-expert-and-dense-layer-awq", "mixtral-fused-experts-awq",
+         "olmoe-qk-norm-over-the-projection-gptq", "olmoe-qk-norm-over-the-projection-awq",
+         "qwen2_moe-int4-shared-expert-rtn", "qwen2_moe-int4-shared-expert-gptq", "qwen2_moe-int4-shared-expert-awq"])
+def test_quantize_quantizes_each_expert_and_builds(family, fused, method, config, tiny_dir, tmp_path):
     """engc quantize writes one int4 projection per expert (from fused experts too), engc build stacks them for
     the MoE op, and the bundle decodes as HF's float model of the dequantized weights (the unpacking in
-    test_quant_e2e, written from the AWQ and GPTQ formats independently of engc's)."""
+    test_quant_e2e, written from the AWQ and GPTQ formats independently of engc's). A shared expert is int4 where
+    the engc int4 layout holds it (built as the dense MLP's QLinear projections), its sigmoid gate float; one
+    48 wide stays float, and modules_to_not_convert names what stayed float."""
     from safetensors.torch import load_file
     from test_quant_families import oracle_of
+    from engc.bundle.program import parse_program
     from engc.compiler.quantize import QuantOptions
     from engc.compiler.quantize.stream import quantize_checkpoint
     # the int4 layout's inputs are whole 32-wide chunks: the tiny OLMoE's experts are 16 wide
-    src = tiny_dir(family, **({"intermediate_size": 32} if family == "olmoe" else {}))
+    src = tiny_dir(family, **({"intermediate_size": 32} if family == "olmoe" else {}), **config)
     src = _fuse_experts(src, tmp_path / "fused", family) if fused else src
     calib = {"gptq": dict(calib_samples=8, calib_seqlen=32), "awq": AWQ_CALIB}.get(method, {})
     quantize_checkpoint(str(src), tmp_path / "q", QuantOptions(method=method, group_size=32, **calib))
@@ -44,10 +55,22 @@ def test_quantize_quantizes_each_expert_and_builds(family, fused, method, tiny_d
         tensors.update(load_file(str(f)))
     experts = {k for k in tensors if ".experts." in k}
     assert experts and all(k.endswith(("qweight", "qzeros", "scales", "g_idx")) for k in experts)
-    assert not any("shared_expert" in k and k.endswith("qweight") for k in tensors)   # kept float
     qc = json.loads((tmp_path / "q/config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == ("awq" if method == "awq" else "gptq")
+    shared = {k.split(".mlp.")[1] for k in tensors if ".layers.0.mlp.shared_expert" in k}
+    if config:   # packed as each expert's projections are; the sigmoid gate float
+        packed = {k.rsplit(".", 1)[1] for k in tensors if ".layers.0.mlp.experts.0.down_proj." in k}
+        assert shared == {"shared_expert_gate.weight"} | {
+            f"shared_expert.{n}_proj.{part}" for n in ("gate", "up", "down") for part in packed}
+        assert qc["modules_to_not_convert"] == ["shared_expert_gate"]
+    elif family == "qwen2_moe":
+        assert not any(k.endswith("qweight") for k in shared) and shared
+        assert qc["modules_to_not_convert"] == ["shared_expert"]
     build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())
+    if config:
+        nodes = parse_program((tmp_path / "b/program.onnx").read_bytes()).nodes
+        ops = {n.op for n in nodes if n.outputs[0].startswith("layers.0.shared_expert.")}
+        assert ops and all(op.startswith("QLinear") for op in ops), ops
     # the oracle: the dequantized weights as a float checkpoint of the same family
     _assert_matches_hf(tmp_path / "b", oracle_of(tmp_path / "q", None, tmp_path), PROMPT_IDS)
 
@@ -87,15 +110,18 @@ def test_quantizer_moe_layer_computes_the_moe_op(tiny_dir):
     assert torch.allclose(mlp(layer, h).reshape(-1, 64), expected, atol=1e-6)
 
 
-def test_gptq_experts_beat_rtn_on_the_moe_output(tiny_dir):
-    """Each expert's GPTQ from the tokens routed to it: on held-out inputs of the calibration's distribution
-    (channels of very different scales, as real activations have), the MoE output is closer to the float
-    layer's than with RTN experts (the same RTN attention in both)."""
+@pytest.mark.parametrize("family,config", [("qwen3_moe", {}), ("qwen2_moe", INT4_SHARED)],
+                         ids=["qwen3_moe", "qwen2_moe-int4-shared-expert"])
+def test_gptq_experts_beat_rtn_on_the_moe_output(family, config, tiny_dir):
+    """Each expert's GPTQ from the tokens routed to it, the shared expert's from all: on held-out inputs of the
+    calibration's distribution (channels of very different scales, as real activations have), the MoE output
+    is closer to the float layer's than with RTN experts (the same RTN attention in both), and so is the
+    shared expert's own output."""
     from engc.compiler.quantize import QuantOptions
     from engc.compiler.quantize.experts import gptq_experts
     from engc.compiler.quantize.formats import to_gptq
     from engc.compiler.quantize.rtn import quantize_rtn
-    make, linears = layer_maker(tiny_dir("qwen3_moe"))
+    make, linears = layer_maker(tiny_dir(family, **config))
 
     g = torch.Generator().manual_seed(0)
     scale = torch.exp(1.5 * torch.randn(64, generator=g))
@@ -110,6 +136,12 @@ def test_gptq_experts_beat_rtn_on_the_moe_output(tiny_dir):
     want = ref.moe(ref, h)
     err = {name: float((q.moe(q, h) - want).norm() / want.norm()) for name, q in (("rtn", rtn), ("gptq", gptq))}
     assert err["gptq"] < 0.97 * err["rtn"], err
+    if config:
+        assert gptq.moe.quantized_shared and linears[-3:] == gptq.moe.shared
+        want = ref.moe.shared_out(ref, h)
+        err = {name: float((q.moe.shared_out(q, h) - want).norm() / want.norm())
+               for name, q in (("rtn", rtn), ("gptq", gptq))}
+        assert err["gptq"] < 0.97 * err["rtn"], err   # measured 0.92x
 
 
 def layer_maker(src, index: int = 0):
@@ -140,18 +172,22 @@ def outlier_inputs(hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 32, hidden, generator=g) * scale, torch.randn(8, 32, hidden, generator=g) * scale
 
 
-@pytest.mark.parametrize("family,readers", [
-    ("qwen2_moe", ["mlp.gate", "mlp.shared_expert_gate", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"]),
-    ("qwen3_moe", ["mlp.gate"]), ("mixtral", ["block_sparse_moe.gate"])])
-def test_awq_expert_scales_leave_the_float_layer_and_its_routing_unchanged(family, readers, tiny_dir, monkeypatch):
+@pytest.mark.parametrize("family,readers,config", [
+    ("qwen2_moe", ["mlp.gate", "mlp.shared_expert_gate", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"],
+     {}),
+    ("qwen2_moe", ["mlp.gate", "mlp.shared_expert_gate"], INT4_SHARED),
+    ("qwen3_moe", ["mlp.gate"], {}), ("mixtral", ["block_sparse_moe.gate"], {})],
+    ids=["qwen2_moe-float-shared-expert", "qwen2_moe-int4-shared-expert", "qwen3_moe", "mixtral"])
+def test_awq_expert_scales_leave_the_float_layer_and_its_routing_unchanged(family, readers, config, tiny_dir,
+                                                                          monkeypatch):
     """AWQ's scales folded alone (the clipping, which does change weights, left out): the MLP's input norm divided
-    by s, every expert's gate and up multiplied by it, and the other readers of the norm's output compensated (the
-    router's columns, Qwen2-MoE's float shared expert and its sigmoid gate), so the float layer's output and the
-    experts each calibration token is routed to are as they were."""
+    by s, every expert's gate and up multiplied by it (an int4 shared expert's too), and the other readers of the
+    norm's output compensated (the router's columns, Qwen2-MoE's sigmoid gate of the shared expert, a float shared
+    expert), so the float layer's output and the experts each calibration token is routed to are as they were."""
     from engc.compiler.quantize import awq
     from engc.compiler.quantize.experts import awq_experts
     monkeypatch.setattr(awq, "clip_weight", lambda w, *args: w)
-    make, linears = layer_maker(tiny_dir(family))
+    make, linears = layer_maker(tiny_dir(family, **config))
     ref, layer = make(), make()
     x, _ = outlier_inputs(ref.cfg.hidden_size)
     with torch.no_grad():
@@ -163,8 +199,8 @@ def test_awq_expert_scales_leave_the_float_layer_and_its_routing_unchanged(famil
         assert layer.moe.float_readers(layer) == readers
         for n in readers:
             assert torch.allclose(layer.w[n + ".weight"], ref.w[n + ".weight"] * s, rtol=1e-5)
-        gate = linears[4] + ".weight"
-        assert torch.allclose(layer.w[gate], ref.w[gate] * s, rtol=1e-5)
+        for gate in (linears[4], *(["mlp.shared_expert.gate_proj"] if config else [])):   # searched with s
+            assert torch.allclose(layer.w[gate + ".weight"], ref.w[gate + ".weight"] * s, rtol=1e-5)
         assert torch.allclose(layer.forward(x), ref.forward(x), atol=1e-5, rtol=1e-5)
         h_ref, h = (L.mlp_in(x + L.attention(L.attn_in(x))).reshape(-1, x.shape[-1]) for L in (ref, layer))
         want = ref.moe(ref, h_ref)
@@ -172,15 +208,17 @@ def test_awq_expert_scales_leave_the_float_layer_and_its_routing_unchanged(famil
         assert torch.equal(layer.moe.routed(layer, h)[1], ref.moe.routed(ref, h_ref)[1])
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
-def test_awq_experts_beat_rtn_on_outlier_channels(family, tiny_dir):
-    """On held-out inputs with outlier channels (the calibration's distribution), AWQ's experts bring the MoE output
-    closer to the float layer's than RTN's (the same RTN attention before both), and AWQ's whole layer (its
-    attention's scales too) the layer's output."""
+@pytest.mark.parametrize("family,config", [("qwen3_moe", {}), ("qwen2_moe", {}), ("qwen2_moe", INT4_SHARED),
+                                           ("mixtral", {})],
+                         ids=["qwen3_moe", "qwen2_moe-float-shared-expert", "qwen2_moe-int4-shared-expert", "mixtral"])
+def test_awq_experts_beat_rtn_on_outlier_channels(family, config, tiny_dir):
+    """On held-out inputs with outlier channels (the calibration's distribution), AWQ's experts (and int4 shared
+    expert) bring the MoE output closer to the float layer's than RTN's (the same RTN attention before both), and
+    AWQ's whole layer (its attention's scales too) the layer's output."""
     from engc.compiler.quantize.awq import awq_attention
     from engc.compiler.quantize.experts import awq_experts
     from engc.compiler.quantize.rtn import quantize_rtn
-    make, linears = layer_maker(tiny_dir(family))
+    make, linears = layer_maker(tiny_dir(family, **config))
     ref, rtn, experts_awq, layer_awq = make(), make(), make(), make()
     calib, held = outlier_inputs(ref.cfg.hidden_size)
 

@@ -61,23 +61,29 @@ def test_prequantized_awq_deepseek_builds(family, tiny_dir, tmp_path):
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
 def test_quantized_deepseek_builds_and_matches_its_dequantized_weights(family, method, tiny_dir, tmp_path):
     """engc quantize writes DeepSeek's own checkpoint: every attention projection but kv_b_proj int4, each
-    expert int4, the dense first layer's MLP int4; kv_b_proj, the shared experts, the router and its bias
-    float and named in modules_to_not_convert. engc build reads it, and the bundle's logits, greedy tokens and
-    their log-probs are the float model's of the dequantized weights."""
+    expert and the shared experts int4, the dense first layer's MLP int4; kv_b_proj, the router and its bias
+    float, kv_b_proj named in modules_to_not_convert. engc build reads it (the shared experts as the dense MLP's
+    int4 projections), and the bundle's logits, greedy tokens and their log-probs are the float model's of the
+    dequantized weights."""
+    from engc.bundle.program import parse_program
     from test_moe import PROMPT_IDS, _assert_matches_hf
     src = source(family, tiny_dir)
     quantize_checkpoint(str(src), tmp_path / "q", QuantOptions(method=method, group_size=32, **CALIB))
     written = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["weight_map"]
     q = ("self_attn.q_a_proj", "self_attn.q_b_proj") if family == "deepseek_v3" else ("self_attn.q_proj",)
-    for name in q + ("self_attn.kv_a_proj_with_mqa", "self_attn.o_proj", "mlp.experts.7.down_proj"):
+    for name in q + ("self_attn.kv_a_proj_with_mqa", "self_attn.o_proj", "mlp.experts.7.down_proj",
+                     "mlp.shared_experts.gate_proj", "mlp.shared_experts.down_proj"):
         assert f"model.layers.1.{name}.qweight" in written and f"model.layers.1.{name}.weight" not in written
     assert "model.layers.0.mlp.gate_proj.qweight" in written   # the dense first layer
-    for name in ("self_attn.kv_b_proj.weight", "mlp.shared_experts.down_proj.weight", "mlp.gate.weight"):
+    for name in ("self_attn.kv_b_proj.weight", "mlp.gate.weight"):
         assert f"model.layers.1.{name}" in written
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
-    assert qc["modules_to_not_convert"] == ["kv_b_proj", "shared_experts"]
+    assert qc["modules_to_not_convert"] == ["kv_b_proj"]
     assert qc["quant_method"] == ("awq" if method == "awq" else "gptq")
     build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())
+    nodes = parse_program((tmp_path / "b/program.onnx").read_bytes()).nodes
+    shared = {n.op for n in nodes if n.outputs[0].startswith("layers.1.shared_expert.")}
+    assert shared and all(op.startswith("QLinear") for op in shared), shared   # gate_up (SiLU fused) and down
     oracle = oracle_of(tmp_path / "q", None, tmp_path)
     assert_bundle_matches(tmp_path / "b", oracle)
     _assert_matches_hf(tmp_path / "b", oracle, PROMPT_IDS)

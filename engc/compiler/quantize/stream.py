@@ -24,7 +24,8 @@ from engc.compiler.frontend.layouts import llama_names, text_part
 from engc.compiler.frontend.mla import interleaved
 from engc.compiler.quantize.awq import awq_attention, awq_layer
 from engc.compiler.quantize.calibration import calibration_samples
-from engc.compiler.quantize.experts import MoeMlp, awq_experts, gptq_experts, moe_linears
+from engc.compiler.quantize.experts import (MoeMlp, awq_experts, gptq_experts, moe_linears, shared_expert,
+                                              shared_linears)
 from engc.compiler.quantize.formats import to_awq, to_gptq
 from engc.compiler.quantize.gptq import Hessian, gptq_quantize
 from engc.compiler.quantize.head import quantize_head
@@ -248,11 +249,14 @@ def check_shapes(cfg, group_size: int, lm_head: bool = False) -> None:
 def float_modules(cfg, hf: dict) -> list[str]:
     """The modules of the written checkpoint that engc quantize keeps float, as AutoAWQ and GPTQModel name such
     exclusions (quantization_config's modules_to_not_convert, matched as parts of module names): DeepSeek's
-    kv_b_proj (small, and split per head at build: mla_layer.py) and the shared experts (experts.py)."""
-    ex = family_of(hf).experts
+    kv_b_proj (small, and split per head at build: mla_layer.py), Qwen2-MoE's sigmoid gate of the shared expert
+    (one output row) and a shared expert the engc int4 layout cannot hold (experts.shared_linears)."""
+    shared = shared_expert(hf)
     keep = ["kv_b_proj"] if cfg.kv_lora_rank else []
-    if cfg.shared_expert_intermediate_size:
-        keep.append("shared_experts" if ex.shared_experts_count_key else "shared_expert")
+    if shared and not shared_linears(hf):
+        keep.append(shared[0].split(".")[1])   # "shared_expert" covers its gate too
+    elif shared and shared[0] == "mlp.shared_expert.":
+        keep.append("shared_expert_gate")
     return keep
 
 
