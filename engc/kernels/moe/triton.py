@@ -41,6 +41,10 @@ moe_down_combine_kernel   grid (T, cdiv(H, BLOCK_N)): y[t] for one N tile, the t
                        same result, bit for bit; no pairs buffer, no combine launch)
 The GEMMs' bodies (tiles.py: gate_up_block, down_block) are one code for the grouped, decode and fused kernels.
 
+Every kernel here is built for programmatic dependent launch (kernels/pdl.py) where the arch has it: each
+waits on the kernel before it first (every input but the weights is an earlier kernel's), then lets the next
+one launch, so a decode step's MoE launches overlap the previous kernel's tail as the dense kernels' do.
+
 Accumulation is float32; outputs round to the storage dtype where the reference's torch ops do (the GLU's
 silu and product, each expert's output before it is weighted).
 
@@ -63,12 +67,15 @@ layout's dequantize computes it (bit for bit), then the float dot or GEMV; w_zer
 import triton
 import triton.language as tl
 
+from engc.kernels import pdl
 from engc.kernels.moe.tiles import down_block, dot, gate_up_block
 
 
 @triton.jit
 def moe_router_kernel(x_ptr, router_ptr, logits_ptr, T, H: tl.constexpr, E: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
@@ -121,9 +128,11 @@ def _route_token(logits_ptr, t, softmax_first, renormalize, float32_weights, dt:
 def moe_route_kernel(x_ptr, logits_ptr, shared_gate_ptr, weights_ptr, ids_ptr, shared_weight_ptr,
                      softmax_first, renormalize, float32_weights, H: tl.constexpr, E: tl.constexpr,
                      TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_SHARED: tl.constexpr):
+                     HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
     # softmax_first, renormalize and float32_weights are the node's attributes (runtime flags: the model
     # config has no routing)
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     dt = x_ptr.dtype.element_ty
     vals, ids = _route_token(logits_ptr, t, softmax_first, renormalize, float32_weights, dt, E, TOP_K, E_PAD,
@@ -145,7 +154,9 @@ def moe_route_kernel(x_ptr, logits_ptr, shared_gate_ptr, weights_ptr, ids_ptr, s
 def moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, rows_ptr, block_expert_ptr, act_ptr,
                        num_pairs, H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       FP8_W: tl.constexpr, INT4_W: tl.constexpr):
+                       FP8_W: tl.constexpr, INT4_W: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     pid_m = tl.program_id(0)
     # blocks past the last expert's are padding (expert -1): every row and column masked off
     expert = tl.load(block_expert_ptr + pid_m)
@@ -161,8 +172,10 @@ def moe_gate_up_route_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr,
                              act_ptr, softmax_first, renormalize, float32_weights, H: tl.constexpr,
                              INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
                              K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             FP8_W: tl.constexpr, INT4_W: tl.constexpr):
+                             FP8_W: tl.constexpr, INT4_W: tl.constexpr, PDL: tl.constexpr):
     # program (t * TOP_K + slot, N tile): the token's routing, as moe_route_kernel's, then its slot's expert
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     pair = tl.program_id(0)
     t = (pair // TOP_K).to(tl.int64)
     vals, ids = _route_token(logits_ptr, t, softmax_first, renormalize, float32_weights,
@@ -184,7 +197,9 @@ def moe_gate_up_route_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr,
 def moe_down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, rows_ptr, block_expert_ptr, weights_ptr,
                     pairs_ptr, num_pairs, H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_W: tl.constexpr,
-                    INT4_W: tl.constexpr):
+                    INT4_W: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     live = expert >= 0
@@ -200,9 +215,11 @@ def moe_down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, rows
 @triton.jit
 def moe_down_combine_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, ids_ptr, weights_ptr, out_ptr,
                             H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, FP8_W: tl.constexpr, INT4_W: tl.constexpr):
+                            BLOCK_K: tl.constexpr, FP8_W: tl.constexpr, INT4_W: tl.constexpr, PDL: tl.constexpr):
     # program (t, N tile): the token's pairs in slot order, each as moe_down_kernel computes and rounds it,
     # summed as moe_combine_kernel sums them
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
@@ -219,7 +236,9 @@ def moe_down_combine_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, w_zero_p
 
 @triton.jit
 def moe_combine_kernel(pairs_ptr, shared_ptr, shared_weight_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr,
-                       HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = n < H
@@ -238,8 +257,10 @@ def moe_route_deepseek_kernel(x_ptr, logits_ptr, bias_ptr, weights_ptr, ids_ptr,
                               sigmoid_scores, has_bias, n_group, topk_group, group_top2, renormalize,
                               routed_scaling_factor, float32_weights, E: tl.constexpr, TOP_K: tl.constexpr,
                               E_PAD: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr,
-                              HAS_SHARED: tl.constexpr):
+                              HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
     # x_ptr is read for its dtype only (the weights' rounding); the float32 logits are moe_router_kernel's
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     dt = x_ptr.dtype.element_ty
@@ -306,9 +327,11 @@ def _count_experts(ids_ptr, lo, hi, E_PAD: tl.constexpr, SCAN_BLOCK: tl.constexp
 
 @triton.jit
 def moe_sort_kernel(ids_ptr, rows_ptr, block_expert_ptr, num_pairs, block_m, num_blocks, E: tl.constexpr,
-                    E_PAD: tl.constexpr, RANK_BLOCK: tl.constexpr, SCAN_BLOCK: tl.constexpr):
+                    E_PAD: tl.constexpr, RANK_BLOCK: tl.constexpr, SCAN_BLOCK: tl.constexpr, PDL: tl.constexpr):
     # A counting sort: every program counts all the ids (a histogram, cheap next to ranking) and ranks its own
     # span of pairs, so the programs need not wait on one another; no atomics, so the rows are the same each run
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     e = tl.arange(0, E_PAD)
