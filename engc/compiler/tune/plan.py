@@ -141,9 +141,10 @@ def model_shapes(cfg, ops, int4: bool = False, int4_lm_head: bool = False) -> li
     an int4 lm_head too: none)."""
     from engc.kernels.gemv.specs import dense_projections
     names: dict[tuple[int, int], list[str]] = {}
-    for kn, name in (((cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), "qkv"), ((cfg.q_size, cfg.hidden_size), "o"),
-                     ((cfg.hidden_size, 2 * cfg.intermediate_size), "gate_up"),
-                     ((cfg.hidden_size, 2 * cfg.shared_expert_intermediate_size), "shared_gate_up")):
+    shared = [((cfg.hidden_size, 2 * cfg.shared_expert_intermediate_size), "shared_gate_up")] \
+        if cfg.shared_expert_intermediate_size else []
+    for kn, name in [((cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), "qkv"), ((cfg.q_size, cfg.hidden_size), "o"),
+                     ((cfg.hidden_size, 2 * cfg.intermediate_size), "gate_up"), *shared]:
         names.setdefault(kn, []).append(name)
     shapes = []
     if "gemv" in ops and not (int4 and int4_lm_head):
@@ -156,7 +157,7 @@ def model_shapes(cfg, ops, int4: bool = False, int4_lm_head: bool = False) -> li
         for i in cfg.mlp_sizes:
             name = "down" if i == cfg.intermediate_size else "shared_down"
             shapes.append(Shape("silu_gemv", name, i, cfg.hidden_size, cfg.num_layers))
-    if "moe" in ops and not int4:   # int4 experts have no GPU kernels
+    if "moe" in ops and not int4:   # candidates time float experts; int4 ones take the same entries, untimed
         shapes += moe.shapes(cfg, Shape)
     return shapes
 
