@@ -533,8 +533,10 @@ class _StandIn:
             x, _, w, _, _, rows, be, act, n = (t[p] if i < 8 else p for i, p in enumerate(ptrs))
         else:
             act, _, w, _, _, rows, be, weights, pairs, n = (t[p] if i < 9 else p for i, p in enumerate(ptrs))
-        assert grid[0] * bm == rows.numel()
         be = be.reshape(-1)   # a fused gate_up's ids [T, k], read flat: a block a pair
+        if self.record["constexprs"]["PAIR_ORDER"]:   # the decode variants: program m is pair m, rows unread
+            rows = torch.arange(be.numel())
+        assert grid[0] * bm == rows.numel()
         for r, pair in enumerate(rows.tolist()):
             e = int(be[r // bm])
             if pair >= n or e < 0:
@@ -568,7 +570,7 @@ def test_moe_bench_launches_check_against_the_reference_on_cpu(tmp_path, cls, fu
     def tensors():
         found = [*bench._weights["gate_up"], *bench._weights["down"]]
         found += [v for b in bench._inputs.values() for v in b.values()]
-        found += [v for sched in bench._schedules.values() for v in sched]
+        found += [v for sched in bench._schedules.values() for v in sched if v is not None]   # decode: no rows
         return {v.data_ptr(): v for v in found}
 
     def kernels(broken):

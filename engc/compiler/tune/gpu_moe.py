@@ -75,13 +75,12 @@ class MoeBench:
 
     def schedule(self, tokens: int, block_m: int | None):
         """(rows, block_expert, act) for the batch: sort_by_expert's at block_m, or the decode variants' one
-        pair a program (block_m None)."""
+        pair a program in pair order (block_m None: no rows, block_expert the ids)."""
         key = (tokens, block_m)
         if key not in self._schedules:
             ids = self.inputs(tokens)["ids"]
             if block_m is None:
-                rows = torch.arange(ids.numel(), dtype=torch.int32, device=self.device)
-                block_expert = ids.reshape(-1)
+                rows, block_expert = None, ids.reshape(-1)
             else:
                 rows, block_expert = gpu.sort_by_expert(ids, self.e, block_m)
             act = torch.empty(ids.numel(), self.i, dtype=self.dtype, device=self.device)   # a row a pair

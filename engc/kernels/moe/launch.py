@@ -117,7 +117,7 @@ def grouped_variants(num_tokens: int, top_k: int, num_experts: int, consts: dict
 def launch_gate_up(x, gate_up, rows, block_expert, act, num_pairs: int, consts, variant: str,
                    gate_up_scale=None, x_scale=None, gate_up_zero=None):
     """moe_gate_up_kernel over the schedule rows/block_expert (launch_sort's with the variant's BLOCK_M, or for
-    the decode variant one pair a program: rows = 0..T*k-1, block_expert = ids), grid (blocks,
+    the decode variant one pair a program in pair order: rows None, unread, block_expert = ids), grid (blocks,
     cdiv(I, BLOCK_N)). act [T*k, I], a row a (token, slot) pair. fp8 experts: x float8 [T, H] with x_scale [T]
     (kernels/fp8_quant's per-token quantization) and gate_up_scale [E, 2I]; float experts pass x and the
     weight where the scales go (the kernel, compiled without FP8_W, reads neither). int4 experts: gate_up
@@ -128,21 +128,24 @@ def launch_gate_up(x, gate_up, rows, block_expert, act, num_pairs: int, consts, 
     inter = gate_up.shape[1] // 2   # 2I rows whatever the weights' form
     return [(variant, (block_expert.numel(), _cdiv(inter, consts[variant]["BLOCK_N"]), 1),
              [x, x if x_scale is None else x_scale, gate_up, gate_up if gate_up_scale is None else gate_up_scale,
-              gate_up if gate_up_zero is None else gate_up_zero, rows, block_expert, act, num_pairs, 0, 0])]
+              gate_up if gate_up_zero is None else gate_up_zero, block_expert if rows is None else rows, block_expert,
+              act, num_pairs, 0, 0])]
 
 
 def launch_down(act, down, rows, block_expert, weights, pairs, consts, variant: str, down_scale=None,
                 act_scale=None, down_zero=None):
-    """moe_down_kernel over gate_up's schedule, grid (blocks, cdiv(H, BLOCK_N)): pairs [T*k, H] (each pair's
-    weighted expert output). fp8 experts: act float8 [T*k, I] with act_scale [T*k] and down_scale
-    [E, H]; int4 experts: down int32 [E, H, I / 8] with its scales and zeros. args: act, act_scale, down,
-    down_scale, down_zero, rows, block_expert, weights, pairs, num_pairs, scratch, scratch."""
+    """moe_down_kernel over gate_up's schedule (rows None for the decode variant, as there), grid (blocks,
+    cdiv(H, BLOCK_N)): pairs [T*k, H] (each pair's weighted expert output). fp8 experts: act float8 [T*k, I]
+    with act_scale [T*k] and down_scale [E, H]; int4 experts: down int32 [E, H, I / 8] with its scales and
+    zeros. args: act, act_scale, down, down_scale, down_zero, rows, block_expert, weights, pairs, num_pairs,
+    scratch, scratch."""
     num_pairs = weights.numel()
     if num_pairs == 0:
         return []
     return [(variant, (block_expert.numel(), _cdiv(down.shape[1], consts[variant]["BLOCK_N"]), 1),
              [act, act if act_scale is None else act_scale, down, down if down_scale is None else down_scale,
-              down if down_zero is None else down_zero, rows, block_expert, weights, pairs, num_pairs, 0, 0])]
+              down if down_zero is None else down_zero, block_expert if rows is None else rows, block_expert, weights,
+              pairs, num_pairs, 0, 0])]
 
 
 def fused_decode(consts) -> tuple[bool, bool]:
@@ -260,9 +263,8 @@ def forward(run, x, router, gate_up, down, *rest, top_k: int, consts: dict, quan
         if not fuse_route:   # a fused decode gate_up routes its pairs itself
             run(launch_route(x, logits, shared_gate if has_shared_expert else router, weights, ids, shared_weight,
                              softmax_first, renormalize, float32_weights))
-    if variants is None:   # one pair a program, in pair order (both fusions read ids, not rows)
-        rows = None if fuse_route and fuse_combine else torch.arange(t * top_k, dtype=torch.int32, device=x.device)
-        block_expert = ids.reshape(-1)
+    if variants is None:   # one pair a program, in pair order: no row list (the decode variants read ids only)
+        rows, block_expert = None, ids.reshape(-1)
     else:
         block_m = consts[variants[0]]["BLOCK_M"]
         blocks = sort_blocks(t * top_k, e, block_m)

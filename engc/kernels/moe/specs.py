@@ -110,20 +110,22 @@ def specs(b: Build) -> list:
            ("route_deepseek", "moe_route_deepseek_kernel", route_deepseek,
             {"E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k), "G_PAD": pow2(e), "HAS_SHARED": shared},
             ())] if cfg.family.startswith("deepseek") else []),
-        ("gate_up", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k}, ("BLOCK_M", "BLOCK_N")),
-        ("down", "moe_down_kernel", down, {**sizes, "BLOCK_M": block_m["gate_up"]}, ("BLOCK_M", "BLOCK_N")),
-        ("gate_up_prefill", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k},
+        ("gate_up", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k, "PAIR_ORDER": 0}, ("BLOCK_M", "BLOCK_N")),
+        ("down", "moe_down_kernel", down, {**sizes, "BLOCK_M": block_m["gate_up"], "PAIR_ORDER": 0},
+         ("BLOCK_M", "BLOCK_N")),
+        ("gate_up_prefill", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k, "PAIR_ORDER": 0},
          ("BLOCK_M", "BLOCK_N", "prefill_min_rows")),
-        ("down_prefill", "moe_down_kernel", down, {**sizes, "BLOCK_M": block_m["gate_up_prefill"]},
+        ("down_prefill", "moe_down_kernel", down, {**sizes, "BLOCK_M": block_m["gate_up_prefill"], "PAIR_ORDER": 0},
          ("BLOCK_M", "BLOCK_N")),
         ("gate_up_decode", "moe_gate_up_route_kernel", gate_up_route,
          {"H": h, "INTER": inter, "E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k), "FP8_W": fp8,
           "INT4_W": int4}, ("BLOCK_N", "max_pairs")) if fused["gate_up_decode"] else
-        ("gate_up_decode", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k, "BLOCK_M": 1},
+        # unfused decode variants: one pair a program, in pair order (PAIR_ORDER: no row list to read)
+        ("gate_up_decode", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k, "BLOCK_M": 1, "PAIR_ORDER": 1},
          ("BLOCK_N", "max_pairs")),
         ("down_decode", "moe_down_combine_kernel", down_combine,
          {"H": h, "INTER": inter, "TOP_K": k, "FP8_W": fp8, "INT4_W": int4}, ("BLOCK_N",)) if fused["down_decode"] else
-        ("down_decode", "moe_down_kernel", down, {**sizes, "BLOCK_M": 1}, ("BLOCK_N",)),
+        ("down_decode", "moe_down_kernel", down, {**sizes, "BLOCK_M": 1, "PAIR_ORDER": 1}, ("BLOCK_N",)),
         ("combine", "moe_combine_kernel", combine, {"H": h, "TOP_K": k, "HAS_SHARED": shared}, ("BLOCK",)),
         # one kernel for both grouped pairs: BLOCK_M is a runtime argument. RANK_BLOCK x E_PAD is the one-hot
         # a rank step holds: 4K elements (32 pairs of 128 experts) stay in registers, and a batch's pairs

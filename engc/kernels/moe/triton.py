@@ -20,7 +20,8 @@ moe_sort_kernel        grid (up to max_programs,): the grouped GEMMs' schedule, 
                        argument: one kernel serves the grouped and the prefill pairs), each block's expert
 moe_gate_up_kernel     grid (row blocks, cdiv(I, BLOCK_N)): act[pair] = silu(x W_gate^T) * (x W_up^T) of the block's
                        expert, for BLOCK_M (token, slot) pairs listed under it (moe_sort_kernel's schedule);
-                       BLOCK_M 1 is the decode path: one pair a program, reading only its expert's weights
+                       the decode variant (PAIR_ORDER, BLOCK_M 1): one pair a program in pair order, its block's
+                       expert the pair's id, reading only its expert's weights
 moe_down_kernel        grid (row blocks, cdiv(H, BLOCK_N)): pairs[pair] = weight[pair] * (act[pair] W_down^T)
 moe_combine_kernel     grid (T, cdiv(H, BLOCK)): y[t] = sum over the token's k pairs (+ its gated shared
                        expert's output, whose two GEMMs are the library's: they are dense)
@@ -151,16 +152,25 @@ def moe_route_kernel(x_ptr, logits_ptr, shared_gate_ptr, weights_ptr, ids_ptr, s
 
 
 @triton.jit
+def _schedule_rows(rows_ptr, pid_m, BLOCK_M: tl.constexpr, PAIR_ORDER: tl.constexpr):
+    """The (token, slot) pairs of row block pid_m: the sort's schedule, or with PAIR_ORDER (the decode variants,
+    BLOCK_M 1) pair pid_m itself, so a decode step makes no row list (rows_ptr unread)."""
+    if PAIR_ORDER:
+        return pid_m + tl.arange(0, BLOCK_M)
+    return tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+
+
+@triton.jit
 def moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, rows_ptr, block_expert_ptr, act_ptr,
                        num_pairs, H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       FP8_W: tl.constexpr, INT4_W: tl.constexpr, PDL: tl.constexpr):
+                       FP8_W: tl.constexpr, INT4_W: tl.constexpr, PAIR_ORDER: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     pid_m = tl.program_id(0)
     # blocks past the last expert's are padding (expert -1): every row and column masked off
     expert = tl.load(block_expert_ptr + pid_m)
-    pair = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair = _schedule_rows(rows_ptr, pid_m, BLOCK_M, PAIR_ORDER)
     valid = pair < tl.where(expert >= 0, num_pairs, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     gate_up_block(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, act_ptr, expert, pair, valid, n, H, INTER,
@@ -197,13 +207,13 @@ def moe_gate_up_route_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr,
 def moe_down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, rows_ptr, block_expert_ptr, weights_ptr,
                     pairs_ptr, num_pairs, H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_W: tl.constexpr,
-                    INT4_W: tl.constexpr, PDL: tl.constexpr):
+                    INT4_W: tl.constexpr, PAIR_ORDER: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     live = expert >= 0
-    pair = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair = _schedule_rows(rows_ptr, pid_m, BLOCK_M, PAIR_ORDER)
     valid = pair < tl.where(live, num_pairs, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < tl.where(live, H, 0)
