@@ -132,6 +132,22 @@ def test_decode_launches_of_each_routing(family, attrs, fused):
     assert grouped[1:] == [route, "sort", "gate_up", "down", "combine"], grouped
 
 
+def test_moe_kernels_take_pdl_only_where_the_tune_table_turns_it_on():
+    """Every MoE kernel is written for programmatic dependent launch (the PDL constexpr); on sm90 the table keeps
+    it off until a step A/B turns an entry on, and an entry's PDL 1 reaches that kernel's compiled constant and
+    its record's launch constant alone."""
+    import torch
+    from engc.compiler import tune
+    from engc.compiler.codegen.specs import model_specs
+    cfg = _cfg()
+    specs = [s for s in model_specs(cfg, torch.bfloat16, "sm90", 16) if s.op == "moe"]
+    assert specs and all(s.constexprs["PDL"] == 0 == s.launch["PDL"] for s in specs)
+    with tune.overridden({"sm90/moe/gate_up_decode/any": {"PDL": 1}}):
+        on = {s.variant: (s.constexprs["PDL"], s.launch["PDL"]) for s in model_specs(cfg, torch.bfloat16, "sm90", 16)
+              if s.op == "moe"}
+    assert {v for v, flags in on.items() if any(flags)} == {"gate_up_decode"} and on["gate_up_decode"] == (1, 1)
+
+
 @pytest.mark.parametrize("shared,fp8", [(0, False), (40, False), (0, True), (40, True)],
                          ids=["routed", "shared-expert", "fp8-experts", "fp8-experts-shared"])
 def test_moe_kernels_compile_for_sm80_and_sm90_and_match_the_launch_rules(shared, fp8):

@@ -18,26 +18,30 @@ from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
 # rows; 64, one such tile an expert, Qwen3-30B-A3B's 1024 tokens); the decode variants
 # read one expert's rows a program, BLOCK_K wide; up to max_pairs (token, expert) pairs take them, which
 # skips the sort. The sort ranks RANK_BLOCK pairs at a time (specs: sized from the expert count) and counts ids
-# SCAN_BLOCK at a time; a launch takes up to max_programs programs (one wave on an H100/H200).
+# SCAN_BLOCK at a time; a launch takes up to max_programs programs (one wave on an H100/H200). PDL 0: the
+# kernels take programmatic dependent launch (kernels/pdl.py), off until a step A/B on the arch keeps it.
 DEFAULTS = {
     # the router's logits: 16 experts a program (8 programs share Qwen3-30B-A3B's 128 at batch 1), 128-deep K
-    "router": {"num_warps": 4, "num_stages": 3, "BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 128},
-    "route": {"num_warps": 4, "num_stages": 1, "BLOCK_K": 64},
-    "router_deepseek": {"num_warps": 4, "num_stages": 3, "BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 128},
+    "router": {"num_warps": 4, "num_stages": 3, "BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 128, "PDL": 0},
+    "route": {"num_warps": 4, "num_stages": 1, "BLOCK_K": 64, "PDL": 0},
+    "router_deepseek": {"num_warps": 4, "num_stages": 3, "BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 128, "PDL": 0},
     # up to max_tokens tokens (decode steps): a token and two experts a program, the hidden size 1024 at a time
-    "router_small": {"num_warps": 4, "num_stages": 2, "BLOCK_T": 1, "BLOCK_E": 2, "BLOCK_K": 1024, "max_tokens": 16},
+    "router_small": {"num_warps": 4, "num_stages": 2, "BLOCK_T": 1, "BLOCK_E": 2, "BLOCK_K": 1024, "max_tokens": 16,
+                     "PDL": 0},
     "router_deepseek_small": {"num_warps": 4, "num_stages": 2, "BLOCK_T": 1, "BLOCK_E": 2, "BLOCK_K": 1024,
-                              "max_tokens": 16},
-    "route_deepseek": {"num_warps": 4, "num_stages": 1},
-    "gate_up": {"num_warps": 4, "num_stages": 3, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64},
-    "down": {"num_warps": 4, "num_stages": 3, "BLOCK_N": 64, "BLOCK_K": 64},   # BLOCK_M: gate_up's
+                              "max_tokens": 16, "PDL": 0},
+    "route_deepseek": {"num_warps": 4, "num_stages": 1, "PDL": 0},
+    "gate_up": {"num_warps": 4, "num_stages": 3, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "PDL": 0},
+    "down": {"num_warps": 4, "num_stages": 3, "BLOCK_N": 64, "BLOCK_K": 64, "PDL": 0},   # BLOCK_M: gate_up's
     "gate_up_prefill": {"num_warps": 8, "num_stages": 3, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
-                        "prefill_min_rows": 64},
-    "down_prefill": {"num_warps": 8, "num_stages": 3, "BLOCK_N": 128, "BLOCK_K": 64},   # BLOCK_M: gate_up_prefill's
-    "gate_up_decode": {"num_warps": 4, "num_stages": 2, "BLOCK_N": 32, "BLOCK_K": 128, "max_pairs": 64, "fused": 0},
-    "down_decode": {"num_warps": 4, "num_stages": 2, "BLOCK_N": 32, "BLOCK_K": 128, "fused": 0},
-    "combine": {"num_warps": 4, "num_stages": 1, "BLOCK": 1024},
-    "sort": {"num_warps": 4, "num_stages": 1, "SCAN_BLOCK": 1024, "max_programs": 128},
+                        "prefill_min_rows": 64, "PDL": 0},
+    # BLOCK_M: gate_up_prefill's
+    "down_prefill": {"num_warps": 8, "num_stages": 3, "BLOCK_N": 128, "BLOCK_K": 64, "PDL": 0},
+    "gate_up_decode": {"num_warps": 4, "num_stages": 2, "BLOCK_N": 32, "BLOCK_K": 128, "max_pairs": 64, "fused": 0,
+                       "PDL": 0},
+    "down_decode": {"num_warps": 4, "num_stages": 2, "BLOCK_N": 32, "BLOCK_K": 128, "fused": 0, "PDL": 0},
+    "combine": {"num_warps": 4, "num_stages": 1, "BLOCK": 1024, "PDL": 0},
+    "sort": {"num_warps": 4, "num_stages": 1, "SCAN_BLOCK": 1024, "max_programs": 128, "PDL": 0},
 }
 
 
