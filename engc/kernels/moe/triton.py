@@ -42,9 +42,10 @@ moe_down_combine_kernel   grid (T, cdiv(H, BLOCK_N)): y[t] for one N tile, the t
                        same result, bit for bit; no pairs buffer, no combine launch)
 The GEMMs' bodies (tiles.py: gate_up_block, down_block) are one code for the grouped, decode and fused kernels.
 
-Every kernel here is built for programmatic dependent launch (kernels/pdl.py) where the arch has it: each
-waits on the kernel before it first (every input but the weights is an earlier kernel's), then lets the next
-one launch, so a decode step's MoE launches overlap the previous kernel's tail as the dense kernels' do.
+Every kernel here can take programmatic dependent launch (kernels/pdl.py; its tune entry's PDL, off until a step
+A/B on the arch keeps it): each waits on the kernel before it first (every input but the weights is an earlier
+kernel's), then lets the next one launch, so a decode step's MoE launches would overlap the previous kernel's
+tail as the dense kernels' do.
 
 Accumulation is float32; outputs round to the storage dtype where the reference's torch ops do (the GLU's
 silu and product, each expert's output before it is weighted).
