@@ -1,5 +1,6 @@
-"""Gemma 2, Gemma 3 (text, and the text part of a gemma3 checkpoint), Phi-3, InternLM3 and InternLM2 against
-an oracle in float32 on the CPU: greedy tokens identical, log-probabilities within 1e-4.
+"""Gemma 2, Gemma 3 (text, and the text part of a gemma3 checkpoint), Phi-3, InternLM3, InternLM2 and SmolLM3
+against an oracle in float32 on the CPU: greedy tokens identical, log-probabilities within 1e-4 (SmolLM3's in
+test_hf_parity, beside Llama's).
 
 transformers has Gemma 2, Gemma 3 and Phi-3 classes: they are the oracle. It has none for InternLM2/3
 (their modeling code ships with the checkpoints). Their published modeling code is Llama's math under
@@ -59,6 +60,29 @@ def test_program_carries_the_layer_facts(tiny_bundle):
     assert [n.attrs["sliding_window"] for n in attn] == [8, 0, 8]
     assert [n.inputs[2] for n in attn] == ["rope.local.inv_freq", "rope.inv_freq", "rope.local.inv_freq"]
     assert all(abs(n.attrs["scale"] - 24 ** -0.5) < 1e-6 for n in attn)
+
+
+def test_smollm3_nope_layers_rotate_by_a_zero_table(tiny_dir, tiny_bundle):
+    """SmolLM3's NoPE layers (here every second, config.json's no_rope_layers) read a rope table of zeros, which
+    leaves q and k as they are, and their attention scale leaves out YaRN's attention factor, which only the
+    rotated layers' q and k carry; a window (use_sliding_window) lands on the layers layer_types names."""
+    from engc.bundle.program import parse_program
+    from engc.bundle.reader import open_bundle
+    from engc.runtime.loader import load
+    bundle = open_bundle(tiny_bundle("smollm3"))
+    program = parse_program(bundle.read(bundle.manifest["program"]))
+    rot = [n for n in program.nodes if n.op.startswith("Rotary")]
+    assert [n.inputs[2] for n in rot] == ["rope.inv_freq", "rope.none.inv_freq"] * 2
+    attn = [n for n in program.nodes if n.op in ("PagedAttention", "RotaryPagedAttention")]
+    factor = load(tiny_bundle("smollm3")).config.rope_attention_factor
+    assert factor > 1.1
+    scales = [n.attrs["scale"] for n in attn]
+    head = 16 ** -0.5   # hidden 64, 4 heads
+    assert scales[1] == scales[3] == head and scales[0] == scales[2] == pytest.approx(head * factor ** 2)
+    windowed = open_bundle(tiny_bundle("smollm3", use_sliding_window=True, sliding_window=8))
+    nodes = parse_program(windowed.read(windowed.manifest["program"])).nodes
+    windows = [n.attrs["sliding_window"] for n in nodes if n.op in ("PagedAttention", "RotaryPagedAttention")]
+    assert windows == [0, 8] * 2
 
 
 def _relaid(src, dst, config: dict, rename) -> None:
@@ -198,8 +222,22 @@ def test_gemma3_gpu_bundle_has_its_kernels(tiny_dir, tmp_path):
     assert {"GeluTanhMul", "RMSNormUnitOffset", "AddRMSNormUnitOffset", "QKNormUnitOffset"} <= ops
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"attention_bias": True}, "sets attention_bias: true"),
+    ({"mlp_bias": True}, "sets mlp_bias: true"),
+    ({"no_rope_layers": [1, 0]}, "no_rope_layers must give 0 or 1 for each of the 4 layers"),
+], ids=["attention-bias", "mlp-bias", "short-no-rope-layers"])
+def test_unsupported_smollm3_refused(tiny_dir, tmp_path, change, message):
+    src = tiny_dir("smollm3")
+    cfg = {**json.loads((src / "config.json").read_text()), **change}
+    _relaid(src, tmp_path / "m", cfg, lambda t: t)
+    with pytest.raises(UserError, match=message) as e:
+        build(str(tmp_path / "m"), tmp_path / "b", BuildOptions())
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "internlm3"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "internlm3", "smollm3"])
 def test_gpu_greedy_matches_cpu(family, tiny_dir, qwen2_src, tmp_path):
     """On a GPU: the float32 bundle's greedy tokens on the GPU (CUDA graphs on and off) are the CPU's."""
     from test_gpu import greedy, gpu_ready, sm_arch
@@ -313,7 +351,7 @@ def test_gguf_matches_transformers(tmp_path, arch, model_type, extra):
     assert torch.allclose(torch.tensor([s.logprob for s in seq.logprobs]), theirs, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "smollm3"])
 def test_bfloat16_matches_hf(family, tiny_dir, tmp_path):
     """A bfloat16 bundle on the CPU against HF in bfloat16, as tests/test_bf16_cpu.py checks the others: the
     same greedy tokens, the prompt's logits within a few bfloat16 ulps of the largest. Covers the (1 + weight)

@@ -63,6 +63,12 @@ FAMILIES = {
                         routed_scaling_factor=2.5, tie_word_embeddings=False,
                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                       "mscale": 1.0, "mscale_all_dim": 0.8}),
+    # SmolLM3: the second layer of every two without rotary embedding (NoPE), YaRN with an attention factor
+    # (which the NoPE layers do without), tied embeddings
+    "smollm3": dict(model_type="smollm3", architectures=["SmolLM3ForCausalLM"], num_hidden_layers=4,
+                    no_rope_layer_interval=2, pad_token_id=None, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                     "rope_theta": 10000.0}),
     # Phi-3: fused qkv/gate_up, half the head rotated, LongRoPE short factors and its attention factor
     "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], pad_token_id=1, max_position_embeddings=512,
                  original_max_position_embeddings=128, partial_rotary_factor=0.5,

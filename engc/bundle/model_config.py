@@ -43,6 +43,7 @@ class ModelConfig:
     final_logit_softcap: float = 0.0  # the same on the logits
     layer_windows: tuple[int, ...] = ()   # each layer's sliding window (0: global) where layers differ
     local_rope_theta: float = 0.0     # the rope base of the layers with a window, where it differs (Gemma 3)
+    nope_layers: tuple[int, ...] = ()     # layers whose attention rotates nothing (SmolLM3's every fourth)
     rotary_dim: int = 0               # the rotated width of a head where it is less than head_dim
     rope_attention_factor: float = 1.0    # LongRoPE's multiplier of the rotated dims of q and k
     norm_unit_offset: bool = False    # RMSNorm scales by (1 + weight) (Gemma)
@@ -83,6 +84,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_windows"] = list(self.layer_windows)
+        d["nope_layers"] = list(self.nope_layers)
         return d
 
     @classmethod
@@ -91,4 +93,5 @@ class ModelConfig:
         d = {k: v for k, v in d.items() if k in known}
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         d["layer_windows"] = tuple(d.get("layer_windows") or ())
+        d["nope_layers"] = tuple(d.get("nope_layers") or ())
         return cls(**d)

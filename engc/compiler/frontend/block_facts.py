@@ -51,8 +51,28 @@ def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positi
     rotary = rotary_dim(hf, head_dim)
     if rotary != head_dim:
         facts["rotary_dim"] = rotary
+    if family.nope_layers:
+        facts.update(_nope(hf, window))
     if family.sliding_window_pattern:
         facts.update(_interleaved(hf, family, window))
+    return facts
+
+
+def _nope(hf: dict, window: int) -> dict:
+    """SmolLM3's layers without rotary embedding (NoPE) and, where a window is on, the layers it applies to."""
+    layers = hf["num_hidden_layers"]
+    rotates = hf.get("no_rope_layers")
+    if rotates is None:
+        every = int(hf["no_rope_layer_interval"])
+        rotates = [int((i + 1) % every != 0) for i in range(layers)]
+    if len(rotates) < layers or any(r not in (0, 1) for r in rotates[:layers]):
+        raise UserError(f"config.json no_rope_layers must give 0 or 1 for each of the {layers} layers")
+    facts = {"nope_layers": tuple(i for i in range(layers) if not rotates[i])}
+    if window:
+        types = hf.get("layer_types") or ["full_attention" if rotates[i] else "sliding_attention" for i in range(layers)]
+        if len(types) != layers or any(t not in LAYER_TYPES for t in types):
+            raise UserError(f"config.json layer_types must list {layers} of {', '.join(LAYER_TYPES)}")
+        facts["layer_windows"] = tuple(window if t == "sliding_attention" else 0 for t in types)
     return facts
 
 

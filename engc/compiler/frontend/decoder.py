@@ -78,6 +78,8 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
     if cfg.local_rope_theta:
         local_rope = _rope_table(cfg, cfg.local_rope_theta, None)
         g.weights["rope.local.inv_freq"] = lambda: local_rope
+    if cfg.nope_layers:   # NoPE layers rotate by angle 0: cos 1, sin 0 leave q and k exactly as they are
+        g.weights[NOPE_ROPE] = lambda: torch.zeros_like(rope)
     norm = _norms(g, weight, cfg, dtype)
     mlp = functools.partial(_mlp, g, weight, cfg)
 
@@ -134,13 +136,15 @@ def _attention(g: Graph, h: str, weight, norm, cfg: ModelConfig, family: Family,
                     head_dim=cfg.head_dim, eps=eps)
     heads = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
     window = cfg.layer_windows[i] if cfg.layer_windows else cfg.sliding_window
-    rope_name = "rope.local.inv_freq" if cfg.local_rope_theta and window else "rope.inv_freq"
+    nope = i in cfg.nope_layers
+    rope_name = NOPE_ROPE if nope else "rope.local.inv_freq" if cfg.local_rope_theta and window else "rope.inv_freq"
     q = g.add("RotaryKVWrite", [qkv, "positions", rope_name, f"kv_cache.{i}", "slot_mapping"],
               p + "q.rot", **heads)
     softcap = {"softcap": cfg.attn_logit_softcap} if cfg.attn_logit_softcap else {}
+    # the rope's attention factor (LongRoPE, YaRN) scales the rotated dims of q and k: none on a NoPE layer
     attn = g.add("PagedAttention", [q, f"kv_cache.{i}", "block_tables", "context_lens",
                                     "query_start_loc"], p + "attn",
-                 scale=(cfg.attn_scale or cfg.head_dim ** -0.5) * cfg.rope_attention_factor ** 2,
+                 scale=(cfg.attn_scale or cfg.head_dim ** -0.5) * (1.0 if nope else cfg.rope_attention_factor ** 2),
                  sliding_window=window, **softcap, **heads)
     x = _linear(g, attn, weight, p + "o", hf + "self_attn.o_proj", False, cfg.q_size)
     if cfg.sandwich_norms:   # Gemma: the attention output is normed before the residual add
@@ -166,6 +170,7 @@ def _head(g: Graph, h: str, ckpt: Checkpoint, weight, embed: str, cfg: ModelConf
 
 
 EMBED = "model.embed_tokens.weight"
+NOPE_ROPE = "rope.none.inv_freq"   # the NoPE layers' rope table: zeros
 # the GLU of the MLP by config.json's activation (block_facts.ACTIVATIONS)
 ACTIVATION_OPS = {"silu": "SiluMul", "gelu_pytorch_tanh": "GeluTanhMul"}
 

@@ -65,6 +65,10 @@ class Family:
     # (x0, x1), (x2, x3)... (always for V2, as config.json's rope_interleave says for V3)
     latent_attention: bool = False
     rope_interleave: bool | str = False
+    # SmolLM3: config.json's no_rope_layers says per layer whether its attention rotates (1) or not (0: NoPE);
+    # absent, every no_rope_layer_interval-th layer is NoPE. A sliding window, where use_sliding_window turns it
+    # on, applies to the layers layer_types names sliding_attention (by default the NoPE ones)
+    nope_layers: bool = False
 
 
 _GEMMA = dict(norm_unit_offset=True, sandwich_norms=True, scaled_embedding=True, bos_always=True)
@@ -115,6 +119,8 @@ FAMILIES = {
     "phi3": Family("phi3", layout="phi3"),
     "internlm3": Family("internlm3", qkv_bias_key="qkv_bias", refused_true=("bias",)),
     "internlm2": Family("internlm2", layout="internlm2", refused_true=("bias",)),
+    "smollm3": Family("smollm3", sliding_window_switch="use_sliding_window", nope_layers=True,
+                      defaults=(("no_rope_layer_interval", 4),), refused_true=("attention_bias", "mlp_bias")),
 }
 
 

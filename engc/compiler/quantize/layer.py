@@ -4,7 +4,7 @@ Built from the same op references the runtime uses (engc.kernels) and driven by 
 alone, so the quantizer sees exactly the network the bundle runs, for every family the lowering computes
 (frontend/decoder.py), without transformers: (1 + weight) norms and Gemma's sandwich norms, q/k norms (a
 head's, or OLMoE's over the whole projection), the GLU's activation, the attention's scale and soft-cap, each
-layer's window and rope table. Weights are a dict keyed by Llama's names relative to the layer
+layer's window and rope table (none on SmolLM3's NoPE layers). Weights are a dict keyed by Llama's names relative to the layer
 ("self_attn.q_proj.weight", ...) as frontend/layouts.py shows every layout (q/k rows in the partial rotary
 order, LongRoPE's scaling applied); the quantizers swap entries of it and re-run pieces.
 """
@@ -34,10 +34,13 @@ class DecoderLayer:
         self.qk_norm_projection = qk_norm_projection   # OLMoE: q and k normed over the whole projection
         self.moe = None   # an MoE layer's MLP in place of the dense one (quantize/experts.py: MoeMlp)
         self._rotary: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.window = 0
+        self.window, self.nope = 0, False
         if cfg is not None:
             self.window = cfg.layer_windows[index] if cfg.layer_windows else cfg.sliding_window
+            self.nope = index in cfg.nope_layers   # SmolLM3's NoPE layers: no rotary, as the build's zero table
         self.inv_freq = local_inv_freq if local_inv_freq is not None and self.window else inv_freq
+        if self.nope:
+            self.inv_freq = torch.zeros_like(inv_freq)
 
     @property
     def mlp_norm(self) -> str:
@@ -79,7 +82,7 @@ class DecoderLayer:
         rep = c.num_heads // c.num_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         # the lowering's PagedAttention scale: LongRoPE's factor multiplies both q and k's rotated dims
-        scale = (c.attn_scale or c.head_dim ** -0.5) * c.rope_attention_factor ** 2
+        scale = (c.attn_scale or c.head_dim ** -0.5) * (1.0 if self.nope else c.rope_attention_factor ** 2)
         pos = torch.arange(t)
         mask = None
         if self.window:
