@@ -1,6 +1,6 @@
-"""Gemma 2, Gemma 3 (text, and the text part of a gemma3 checkpoint), Phi-3, InternLM3, InternLM2 and SmolLM3
-against an oracle in float32 on the CPU: greedy tokens identical, log-probabilities within 1e-4 (SmolLM3's in
-test_hf_parity, beside Llama's).
+"""Gemma 2, Gemma 3 (text, and the text part of a gemma3 checkpoint), Phi-3, InternLM3, InternLM2, SmolLM3 and
+Granite against an oracle in float32 on the CPU: greedy tokens identical, log-probabilities within 1e-4
+(SmolLM3's and Granite's in test_hf_parity, beside Llama's).
 
 transformers has Gemma 2, Gemma 3 and Phi-3 classes: they are the oracle. It has none for InternLM2/3
 (their modeling code ships with the checkpoints). Their published modeling code is Llama's math under
@@ -226,9 +226,10 @@ def test_gemma3_gpu_bundle_has_its_kernels(tiny_dir, tmp_path):
     ({"attention_bias": True}, "sets attention_bias: true"),
     ({"mlp_bias": True}, "sets mlp_bias: true"),
     ({"no_rope_layers": [1, 0]}, "no_rope_layers must give 0 or 1 for each of the 4 layers"),
-], ids=["attention-bias", "mlp-bias", "short-no-rope-layers"])
-def test_unsupported_smollm3_refused(tiny_dir, tmp_path, change, message):
-    src = tiny_dir("smollm3")
+    ({"model_type": "granite", "attention_bias": True}, "sets attention_bias: true for a granite model"),
+], ids=["attention-bias", "mlp-bias", "short-no-rope-layers", "granite-bias"])
+def test_unsupported_smollm3_and_granite_refused(tiny_dir, tmp_path, change, message):
+    src = tiny_dir(change.get("model_type", "smollm3"))
     cfg = {**json.loads((src / "config.json").read_text()), **change}
     _relaid(src, tmp_path / "m", cfg, lambda t: t)
     with pytest.raises(UserError, match=message) as e:
@@ -237,7 +238,7 @@ def test_unsupported_smollm3_refused(tiny_dir, tmp_path, change, message):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "internlm3", "smollm3"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "internlm3", "smollm3", "granite"])
 def test_gpu_greedy_matches_cpu(family, tiny_dir, qwen2_src, tmp_path):
     """On a GPU: the float32 bundle's greedy tokens on the GPU (CUDA graphs on and off) are the CPU's."""
     from test_gpu import greedy, gpu_ready, sm_arch
@@ -351,15 +352,18 @@ def test_gguf_matches_transformers(tmp_path, arch, model_type, extra):
     assert torch.allclose(torch.tensor([s.logprob for s in seq.logprobs]), theirs, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "smollm3"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "smollm3", "granite"])
 def test_bfloat16_matches_hf(family, tiny_dir, tmp_path):
     """A bfloat16 bundle on the CPU against HF in bfloat16, as tests/test_bf16_cpu.py checks the others: the
     same greedy tokens, the prompt's logits within a few bfloat16 ulps of the largest. Covers the (1 + weight)
     norms in float32 (the *UnitOffset ops), Gemma 2's soft-capped eager attention and the embedding scale
-    rounded to bfloat16. (The prompts avoid "The quick brown fox", where this tiny Gemma 3 meets an exact
-    bfloat16 tie between two tokens at its 14th step.)"""
+    rounded to bfloat16, and Granite's multipliers where bfloat16 holds them exactly (powers of two, as the
+    released models' embedding and logits ones are: the residual one folded into o and down is then exact
+    too). (The prompts avoid "The quick brown fox", where this tiny Gemma 3 meets an exact bfloat16 tie
+    between two tokens at its 14th step.)"""
     from test_bf16_cpu import engine_greedy, hf_greedy as hf_cached_greedy, one_ulp
-    src = tiny_dir(family)
+    exact = dict(embedding_multiplier=4.0, attention_multiplier=0.25, residual_multiplier=0.5, logits_scaling=2.0)
+    src = tiny_dir(family, **(exact if family == "granite" else {}))
     build(str(src), tmp_path / "b", BuildOptions(dtype="bfloat16"))
     model = load(tmp_path / "b")
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()

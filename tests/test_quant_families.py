@@ -100,7 +100,7 @@ def assert_bundle_matches(bundle, oracle):
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 
 
-FAMILIES = ("gemma2", "gemma3_text", "phi3", "internlm2", "smollm3")
+FAMILIES = ("gemma2", "gemma3_text", "phi3", "internlm2", "smollm3", "granite")
 
 
 @pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])

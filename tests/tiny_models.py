@@ -69,6 +69,9 @@ FAMILIES = {
                     no_rope_layer_interval=2, pad_token_id=None, tie_word_embeddings=True,
                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                      "rope_theta": 10000.0}),
+    # Granite: its four multipliers, none of them a power of two (the bf16 test sets ones that are)
+    "granite": dict(model_type="granite", architectures=["GraniteForCausalLM"], embedding_multiplier=3.0,
+                    attention_multiplier=0.3, residual_multiplier=0.7, logits_scaling=2.5, tie_word_embeddings=True),
     # Phi-3: fused qkv/gate_up, half the head rotated, LongRoPE short factors and its attention factor
     "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], pad_token_id=1, max_position_embeddings=512,
                  original_max_position_embeddings=128, partial_rotary_factor=0.5,

@@ -49,6 +49,10 @@ class ModelConfig:
     norm_unit_offset: bool = False    # RMSNorm scales by (1 + weight) (Gemma)
     sandwich_norms: bool = False      # attention and MLP outputs are normed before the residual add
     embed_scale: float = 0.0          # the embedding is multiplied by this (Gemma: sqrt(hidden_size))
+    # Granite: each attention and MLP output times residual_scale before the residual add (the build folds it
+    # into o_proj's and down_proj's weights), and the logits times logit_scale (1 / logits_scaling)
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
     # multi-head latent attention (DeepSeek-V2/V3; 0: none): the KV cache holds per token the normed latent
     # (kv_lora_rank values) and the rotated shared key (qk_rope_head_dim); heads are qk_nope_head_dim +
     # qk_rope_head_dim wide for q.k (head_dim) and v_head_dim for v; q_lora_rank 0: q straight from x

@@ -29,7 +29,7 @@ ONNX_OPS = {
     ("", "Gemm"): _gemm,
     ("", "Concat"): lambda *xs, axis: (torch.cat(xs, dim=axis),),
     ("", "Cast"): lambda x, to: (x.to(torch_dtype(to)),),
-    ("", "Mul"): lambda a, b: (a * b,),   # Gemma's embedding times sqrt(hidden_size), in the model dtype
+    ("", "Mul"): lambda a, b: (a * b,),   # the embedding (Gemma, Granite) or logits (Granite) scale, model dtype
 }
 _BINDS = parts("bind")
 REFERENCE_OPS = {**ONNX_OPS, **{k: v for b in _BINDS for k, v in getattr(b, "CPU_OPS", {}).items()}}

@@ -51,6 +51,11 @@ def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positi
     rotary = rotary_dim(hf, head_dim)
     if rotary != head_dim:
         facts["rotary_dim"] = rotary
+    if family.multipliers:   # Granite's: its attention_multiplier is the scale itself, whatever head_dim is
+        facts.update(attn_scale=float(hf["attention_multiplier"]), residual_scale=float(hf["residual_multiplier"]),
+                     logit_scale=1.0 / float(hf["logits_scaling"]))
+        if float(hf["embedding_multiplier"]) != 1.0:
+            facts["embed_scale"] = float(hf["embedding_multiplier"])
     if family.nope_layers:
         facts.update(_nope(hf, window))
     if family.sliding_window_pattern:
@@ -69,7 +74,7 @@ def _nope(hf: dict, window: int) -> dict:
         raise UserError(f"config.json no_rope_layers must give 0 or 1 for each of the {layers} layers")
     facts = {"nope_layers": tuple(i for i in range(layers) if not rotates[i])}
     if window:
-        types = hf.get("layer_types") or ["full_attention" if rotates[i] else "sliding_attention" for i in range(layers)]
+        types = hf.get("layer_types") or ["full_attention" if r else "sliding_attention" for r in rotates[:layers]]
         if len(types) != layers or any(t not in LAYER_TYPES for t in types):
             raise UserError(f"config.json layer_types must list {layers} of {', '.join(LAYER_TYPES)}")
         facts["layer_windows"] = tuple(window if t == "sliding_attention" else 0 for t in types)

@@ -86,7 +86,8 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
     embed = weight("embed.weight", EMBED)
     x = g.onnx_op("Gather", [embed, "input_ids"], "h.embed", axis=0)
     if cfg.embed_scale:
-        # HF multiplies by sqrt(hidden_size) rounded to the model dtype
+        # HF multiplies by sqrt(hidden_size) rounded to the model dtype (Gemma), or by embedding_multiplier
+        # (Granite's, a whole number in the released models, which the model dtype holds exactly)
         scale = torch.tensor([cfg.embed_scale], dtype=torch.float32).to(dtype)
         g.weights["embed.scale"] = lambda: scale
         x = g.onnx_op("Mul", [x, "embed.scale"], "h.embed.scaled")
@@ -104,6 +105,7 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
             x = lower_moe(g, h, ckpt, weight, family, ckpt.hf_config, i, dtype, mlp)
             continue
         x = mlp(h, p, hf + "mlp.", cfg.intermediate_size)
+        _scale_output(g, p + "down", cfg.residual_scale)
         if cfg.sandwich_norms:
             x = norm(x, None, p + "mlp_out_norm.weight", hf + "post_feedforward_layernorm.weight", f"{p}mlp_out")[0]
 
@@ -147,6 +149,7 @@ def _attention(g: Graph, h: str, weight, norm, cfg: ModelConfig, family: Family,
                  scale=(cfg.attn_scale or cfg.head_dim ** -0.5) * (1.0 if nope else cfg.rope_attention_factor ** 2),
                  sliding_window=window, **softcap, **heads)
     x = _linear(g, attn, weight, p + "o", hf + "self_attn.o_proj", False, cfg.q_size)
+    _scale_output(g, p + "o", cfg.residual_scale)
     if cfg.sandwich_norms:   # Gemma: the attention output is normed before the residual add
         x = norm(x, None, p + "attn_out_norm.weight", hf + "post_attention_layernorm.weight", f"{p}attn_out")[0]
     return x
@@ -165,6 +168,10 @@ def _head(g: Graph, h: str, ckpt: Checkpoint, weight, embed: str, cfg: ModelConf
         logits = g.onnx_op("Gemm", [sampled, head], "logits.raw", transB=1)
     if cfg.final_logit_softcap:   # Gemma 2: in the model dtype, before the float32 cast, as HF rounds it
         logits = g.add("LogitSoftcap", [logits], "logits.capped", cap=cfg.final_logit_softcap)
+    if cfg.logit_scale != 1.0:   # Granite's division by logits_scaling (a power of two in the released models)
+        scale = torch.tensor([cfg.logit_scale], dtype=torch.float32).to(getattr(torch, g.dtype))
+        g.weights["logits.scale"] = lambda: scale
+        logits = g.onnx_op("Mul", [logits, "logits.scale"], "logits.scaled")
     g.onnx_op("Cast", [logits], "logits", to=1)  # float32 logits for sampling
     return cfg, g
 
@@ -250,6 +257,19 @@ def _qlinear(g: Graph, x: str, weight, name: str, hf_prefix: str, bias: bool, in
         inputs.append(weight(name + ".offsets", hf_prefix + ".offsets"))
     return g.add("QLinear", inputs, name + ".out", has_bias=bias, act_order=act_order,
                  group_size=group_size(weight.quant_config, in_features), **offsets)
+
+
+def _scale_output(g: Graph, name: str, factor: float) -> None:
+    """A projection whose output HF multiplies by factor (Granite's residual_multiplier): the factor folded into
+    what makes its output, the weight (an int4 one's scales and offsets) and bias, in float32, then rounded to
+    their dtype once."""
+    if factor == 1.0:
+        return
+    for key in (name + s for s in (".weight", ".scales", ".offsets", ".bias") if name + s in g.weights):
+        def scaled(load=g.weights[key]):
+            w = load()
+            return (w.float() * factor).to(w.dtype)
+        g.weights[key] = scaled
 
 
 def _concat(g: Graph, parts: list[str], name: str) -> str:

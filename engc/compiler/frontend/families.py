@@ -69,6 +69,9 @@ class Family:
     # absent, every no_rope_layer_interval-th layer is NoPE. A sliding window, where use_sliding_window turns it
     # on, applies to the layers layer_types names sliding_attention (by default the NoPE ones)
     nope_layers: bool = False
+    # Granite: config.json's embedding_multiplier, attention_multiplier (the q.k scale itself),
+    # residual_multiplier (each block's output before the residual add) and logits_scaling (the logits' divisor)
+    multipliers: bool = False
 
 
 _GEMMA = dict(norm_unit_offset=True, sandwich_norms=True, scaled_embedding=True, bos_always=True)
@@ -121,6 +124,9 @@ FAMILIES = {
     "internlm2": Family("internlm2", layout="internlm2", refused_true=("bias",)),
     "smollm3": Family("smollm3", sliding_window_switch="use_sliding_window", nope_layers=True,
                       defaults=(("no_rope_layer_interval", 4),), refused_true=("attention_bias", "mlp_bias")),
+    "granite": Family("granite", multipliers=True, refused_true=("attention_bias", "mlp_bias"),
+                      defaults=(("embedding_multiplier", 1.0), ("attention_multiplier", 1.0),
+                                ("residual_multiplier", 1.0), ("logits_scaling", 1.0))),
 }
 
 

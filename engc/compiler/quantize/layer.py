@@ -4,9 +4,10 @@ Built from the same op references the runtime uses (engc.kernels) and driven by 
 alone, so the quantizer sees exactly the network the bundle runs, for every family the lowering computes
 (frontend/decoder.py), without transformers: (1 + weight) norms and Gemma's sandwich norms, q/k norms (a
 head's, or OLMoE's over the whole projection), the GLU's activation, the attention's scale and soft-cap, each
-layer's window and rope table (none on SmolLM3's NoPE layers). Weights are a dict keyed by Llama's names relative to the layer
-("self_attn.q_proj.weight", ...) as frontend/layouts.py shows every layout (q/k rows in the partial rotary
-order, LongRoPE's scaling applied); the quantizers swap entries of it and re-run pieces.
+layer's window and rope table (none on SmolLM3's NoPE layers), Granite's residual multiplier. Weights are a
+dict keyed by Llama's names relative to the layer ("self_attn.q_proj.weight", ...) as frontend/layouts.py
+shows every layout (q/k rows in the partial rotary order, LongRoPE's scaling applied); the quantizers swap
+entries of it and re-run pieces.
 """
 from __future__ import annotations
 
@@ -124,8 +125,10 @@ class DecoderLayer:
         return self.norm(out, "post_feedforward_layernorm") if self.cfg.sandwich_norms else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attn_in(x))
-        return x + self.mlp(self.mlp_in(x))
+        # Granite's residual_multiplier scales each block's output (1 elsewhere; the build folds it into o and down)
+        m = self.cfg.residual_scale
+        x = x + self.attention(self.attn_in(x)) * m
+        return x + self.mlp(self.mlp_in(x)) * m
 
 
 def batched(fn, *xs: torch.Tensor, rows: int = 8) -> torch.Tensor:
