@@ -114,6 +114,25 @@ def test_gemma3_multimodal_text_part(tiny_dir, tmp_path):
     greedy_matches(tmp_path / "b", src)
 
 
+def test_mistral3_multimodal_text_part(tiny_dir, tmp_path):
+    """A mistral3 checkpoint (Mistral Small 3.x: a mistral text_config, transformers 5's model.language_model.*
+    tensors beside a vision tower and projector, its own lm_head) builds its text model."""
+    src = tiny_dir("mistral")
+    text = json.loads((src / "config.json").read_text())
+
+    def rename(t):
+        out = {("lm_head." + k[len("lm_head."):] if k.startswith("lm_head.")
+                else "model.language_model." + k[len("model."):]): v for k, v in t.items()}
+        out["model.vision_tower.ln_pre.weight"] = torch.ones(8)
+        out["model.multi_modal_projector.linear_1.weight"] = torch.ones(8, 8)
+        return out
+    _relaid(src, tmp_path / "mm", {"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+                                   "text_config": {k: v for k, v in text.items() if k != "architectures"},
+                                   "vision_config": {"model_type": "pixtral"}}, rename)
+    build(str(tmp_path / "mm"), tmp_path / "b", BuildOptions())
+    greedy_matches(tmp_path / "b", src)
+
+
 @pytest.fixture(scope="module")
 def qwen2_src(tmp_path_factory):
     from tiny_models import make_tiny

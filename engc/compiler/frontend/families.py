@@ -119,6 +119,7 @@ FAMILIES = {
     "gemma3_text": Family("gemma3_text", qk_norm=True, sliding_window_pattern=6, defaults=_GEMMA3_DEFAULTS,
                           **_GEMMA),
     "gemma3": Family("gemma3", text_config=True),   # its text_config is a gemma3_text model
+    "mistral3": Family("mistral3", text_config=True),   # Mistral Small 3.x: its text_config is a mistral model
     "phi3": Family("phi3", layout="phi3"),
     "internlm3": Family("internlm3", qkv_bias_key="qkv_bias", refused_true=("bias",)),
     "internlm2": Family("internlm2", layout="internlm2", refused_true=("bias",)),
