@@ -69,6 +69,8 @@ FAMILIES = {
                     no_rope_layer_interval=2, pad_token_id=None, tie_word_embeddings=True,
                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                      "rope_theta": 10000.0}),
+    # OLMo 2: no pre-norms, q/k normed over the whole projection, each block's output normed before the add
+    "olmo2": dict(model_type="olmo2", architectures=["Olmo2ForCausalLM"], tie_word_embeddings=False),
     # Granite: its four multipliers, none of them a power of two (the bf16 test sets ones that are)
     "granite": dict(model_type="granite", architectures=["GraniteForCausalLM"], embedding_multiplier=3.0,
                     attention_multiplier=0.3, residual_multiplier=0.7, logits_scaling=2.5, tie_word_embeddings=True),

@@ -29,6 +29,7 @@ ONNX_OPS = {
     ("", "Gemm"): _gemm,
     ("", "Concat"): lambda *xs, axis: (torch.cat(xs, dim=axis),),
     ("", "Cast"): lambda x, to: (x.to(torch_dtype(to)),),
+    ("", "Add"): lambda a, b: (a + b,),   # the residual sum where a family has no pre-norm to fuse it into (OLMo 2)
     ("", "Mul"): lambda a, b: (a * b,),   # the embedding (Gemma, Granite) or logits (Granite) scale, model dtype
 }
 _BINDS = parts("bind")

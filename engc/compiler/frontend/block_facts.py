@@ -34,7 +34,8 @@ def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positi
     facts = dict(hidden_act=act, qkv_bias=family.qkv_bias or bool(hf.get(family.qkv_bias_key, False)),
                  attn_logit_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
                  final_logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
-                 norm_unit_offset=family.norm_unit_offset, sandwich_norms=family.sandwich_norms)
+                 norm_unit_offset=family.norm_unit_offset, sandwich_norms=family.sandwich_norms,
+                 pre_norms=family.pre_norms)
     if family.scaled_embedding:
         facts["embed_scale"] = hf["hidden_size"] ** 0.5
     scale = hf["query_pre_attn_scalar"] ** -0.5 if "query_pre_attn_scalar" in hf else head_dim ** -0.5

@@ -81,6 +81,7 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
     if cfg.nope_layers:   # NoPE layers rotate by angle 0: cos 1, sin 0 leave q and k exactly as they are
         g.weights[NOPE_ROPE] = lambda: torch.zeros_like(rope)
     norm = _norms(g, weight, cfg, dtype)
+    pre_norm = norm if cfg.pre_norms else functools.partial(_residual_sum, g)
     mlp = functools.partial(_mlp, g, weight, cfg)
 
     embed = weight("embed.weight", EMBED)
@@ -94,13 +95,13 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
     residual = None
     for i in range(cfg.num_layers):
         hf, p = f"model.layers.{i}.", f"layers.{i}."
-        h, residual = norm(x, residual, p + "attn_norm.weight", hf + "input_layernorm.weight", f"{p}attn_in")
+        h, residual = pre_norm(x, residual, p + "attn_norm.weight", hf + "input_layernorm.weight", f"{p}attn_in")
         if family.latent_attention:   # DeepSeek's MLA: frontend/mla.py, then the MLP as for every family
             x = lower_mla(g, h, weight, cfg, ckpt.hf_config, family, i, dtype)
         else:
             x = _attention(g, h, weight, norm, cfg, family, i)
-        h, residual = norm(x, residual, p + "mlp_norm.weight", hf + ("pre_feedforward_layernorm.weight"
-                           if cfg.sandwich_norms else "post_attention_layernorm.weight"), f"{p}mlp_in")
+        h, residual = pre_norm(x, residual, p + "mlp_norm.weight", hf + ("pre_feedforward_layernorm.weight"
+                               if cfg.sandwich_norms else "post_attention_layernorm.weight"), f"{p}mlp_in")
         if is_moe_layer(ckpt.hf_config, family, i):
             x = lower_moe(g, h, ckpt, weight, family, ckpt.hf_config, i, dtype, mlp)
             continue
@@ -274,6 +275,15 @@ def _scale_output(g: Graph, name: str, factor: float) -> None:
 
 def _concat(g: Graph, parts: list[str], name: str) -> str:
     return g.onnx_op("Concat", parts, name, axis=-1)
+
+
+def _residual_sum(g: Graph, x: str, residual: str | None, name: str, hf_name: str, out: str):
+    """A pre-norm's place where the family has none (OLMo 2): the block reads the residual stream itself, the
+    sum of the residual and the previous block's (post-normed) output; (input, residual) as a norm returns."""
+    if residual is None:
+        return x, x
+    total = g.onnx_op("Add", [x, residual], out + ".sum")
+    return total, total
 
 
 def _norm(g: Graph, x: str, residual: str | None, w: str, eps: float, name: str, variant: str = ""):

@@ -51,6 +51,9 @@ class Family:
     # before the residual add ("sandwich"); the embedding is multiplied by sqrt(hidden_size)
     norm_unit_offset: bool = False
     sandwich_norms: bool = False
+    # OLMo 2: no norm before the attention and the MLP, which read the residual stream itself; their outputs
+    # are normed (sandwich_norms' post norms) before the residual add
+    pre_norms: bool = True
     scaled_embedding: bool = False
     # one global layer every N, the others local (sliding window), for a config.json without layer_types
     # (0: every layer alike)
@@ -105,6 +108,7 @@ FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", qk_norm=True, sliding_window_switch="use_sliding_window",
                         experts=Experts(dense_layers=True)),
     "olmoe": Family("olmoe", qk_norm_projection=True, experts=Experts(intermediate_key="intermediate_size")),
+    "olmo2": Family("olmo2", qk_norm_projection=True, sandwich_norms=True, pre_norms=False),
     # V2's router never renormalizes (HF's ignores norm_topk_prob); defaults: transformers' config classes'
     "deepseek_v2": Family("deepseek_v2", latent_attention=True, rope_interleave=True,
                           defaults=(("first_k_dense_replace", 0), ("n_shared_experts", 2), ("topk_method", "greedy"),

@@ -43,7 +43,7 @@ _PROJECTION = re.compile(r"layers\.\d+\.(shared_expert\.)?(q|q_a|q_b|kv_a|k|v|o|
 _REPLICATED = ("q_a", "kv_a")
 _HEADS = ("RotaryKVWrite", "PagedAttention", "QKNorm", "QKNormUnitOffset")
 # nodes that compute the same on a shard as on the whole (per row, per head, or replicated weights)
-_AS_IS = {"Gather", "Concat", "Cast", "Mul", "RMSNorm", "AddRMSNorm", "RMSNormUnitOffset",
+_AS_IS = {"Gather", "Concat", "Cast", "Add", "Mul", "RMSNorm", "AddRMSNorm", "RMSNormUnitOffset",
           "AddRMSNormUnitOffset", "SiluMul", "GeluTanhMul", "LogitSoftcap", "LatentRMSNorm"}
 
 

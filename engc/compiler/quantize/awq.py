@@ -44,8 +44,9 @@ def awq_mlp(layer: DecoderLayer, x_mid: torch.Tensor, group_size: int, grid: int
     """A dense MLP, x_mid its block's input (the residual after the attention): gate/up's scale over the MLP's
     input norm, down's over up's output, then the clipping of the three on their inputs as scaled."""
     m = batched(layer.mlp_in, x_mid)
-    scale_projections(layer, layer.mlp_norm, ["mlp.gate_proj", "mlp.up_proj"], m,
-                      lambda inp: batched(layer.mlp, inp), group_size, grid)
+    if layer.cfg.pre_norms:   # as q/k/v's: gate/up's scale folds only into a norm before them
+        scale_projections(layer, layer.mlp_norm, ["mlp.gate_proj", "mlp.up_proj"], m,
+                          lambda inp: batched(layer.mlp, inp), group_size, grid)
     m = batched(layer.mlp_in, x_mid)
     act = batched(layer.mlp_act, m)
     scale_projections(layer, "mlp.up_proj", ["mlp.down_proj"], act,
@@ -60,7 +61,8 @@ def scale_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid:
         return scale_latent_attention(layer, x, group_size, grid)
     h = batched(layer.attn_in, x)
     qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
-    scale_projections(layer, ATTN_NORM, qkv, h, lambda inp: batched(layer.attention, inp), group_size, grid)
+    if layer.cfg.pre_norms:   # without a norm before them (OLMo 2) there is nothing to fold q/k/v's scale into
+        scale_projections(layer, ATTN_NORM, qkv, h, lambda inp: batched(layer.attention, inp), group_size, grid)
     if layer.cfg.num_heads == layer.cfg.num_kv_heads:  # v -> o folds only when v's outputs are o's inputs one to one
         ctx = batched(layer.attn_context, batched(layer.attn_in, x))
         scale_projections(layer, "self_attn.v_proj", ["self_attn.o_proj"], ctx,

@@ -63,7 +63,7 @@ class DecoderLayer:
     # --- the pieces, each taking the input of its first projection ------------------------------
 
     def attn_in(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x, ATTN_NORM)
+        return self.norm(x, ATTN_NORM) if self.cfg.pre_norms else x   # OLMo 2: the residual stream itself
 
     def attn_context(self, h: torch.Tensor) -> torch.Tensor:
         """Normed hidden [B, T, D] -> attention output before o_proj [B, T, heads * head_dim]."""
@@ -112,7 +112,7 @@ class DecoderLayer:
         return self.attn_out(self.attn_context(h))
 
     def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x, self.mlp_norm)
+        return self.norm(x, self.mlp_norm) if self.cfg.pre_norms else x
 
     def mlp_act(self, h: torch.Tensor) -> torch.Tensor:
         # silu_mul's / gelu_tanh_mul's arithmetic on the two halves they would split, without concatenating them
