@@ -100,7 +100,7 @@ def assert_bundle_matches(bundle, oracle):
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 
 
-FAMILIES = ("gemma2", "gemma3_text", "phi3", "internlm2", "smollm3", "granite", "olmo2")
+FAMILIES = ("gemma2", "gemma3_text", "phi3", "internlm2", "smollm3", "granite", "olmo2", "glm4")
 
 
 @pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
@@ -114,7 +114,8 @@ def test_quantized_family_builds_and_matches_its_dequantized_weights(family, met
     extra = {"act_order": True, "static_groups": False} if (family, method) == ("phi3", "gptq") else {}
     quantize_checkpoint(str(src), tmp_path / "q", QuantOptions(method=method, group_size=32, **CALIB, **extra))
     written = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["weight_map"]
-    fused = {"phi3": ("self_attn.qkv_proj", "mlp.gate_up_proj"), "internlm2": ("attention.wqkv", "feed_forward.w1")}
+    fused = {"phi3": ("self_attn.qkv_proj", "mlp.gate_up_proj"), "internlm2": ("attention.wqkv", "feed_forward.w1"),
+             "glm4": ("self_attn.q_proj", "mlp.gate_up_proj")}
     for name in fused.get(family, ("self_attn.q_proj", "mlp.gate_proj")):   # the source family's own names
         assert f"model.layers.0.{name}.qweight" in written and f"model.layers.0.{name}.weight" not in written
     build(str(tmp_path / "q"), tmp_path / "b", BuildOptions())

@@ -71,6 +71,9 @@ FAMILIES = {
                                      "rope_theta": 10000.0}),
     # OLMo 2: no pre-norms, q/k normed over the whole projection, each block's output normed before the add
     "olmo2": dict(model_type="olmo2", architectures=["Olmo2ForCausalLM"], tie_word_embeddings=False),
+    # GLM-4: half of each 16-wide head rotated in interleaved pairs, q/k/v biases, Gemma's four norms
+    "glm4": dict(model_type="glm4", architectures=["Glm4ForCausalLM"], partial_rotary_factor=0.5,
+                 attention_bias=True, pad_token_id=None, eos_token_id=1, tie_word_embeddings=False),
     # Granite: its four multipliers, none of them a power of two (the bf16 test sets ones that are)
     "granite": dict(model_type="granite", architectures=["GraniteForCausalLM"], embedding_multiplier=3.0,
                     attention_multiplier=0.3, residual_multiplier=0.7, logits_scaling=2.5, tie_word_embeddings=True),

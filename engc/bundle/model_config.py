@@ -45,6 +45,9 @@ class ModelConfig:
     local_rope_theta: float = 0.0     # the rope base of the layers with a window, where it differs (Gemma 3)
     nope_layers: tuple[int, ...] = ()     # layers whose attention rotates nothing (SmolLM3's every fourth)
     rotary_dim: int = 0               # the rotated width of a head where it is less than head_dim
+    # the checkpoint rotates interleaved pairs (2j, 2j + 1) of q's and k's rotated dims (GLM-4), where the
+    # kernels rotate halves: the build permutes those rows (frontend/layouts.py partial_rotary_order)
+    rotary_interleaved: bool = False
     rope_attention_factor: float = 1.0    # LongRoPE's multiplier of the rotated dims of q and k
     norm_unit_offset: bool = False    # RMSNorm scales by (1 + weight) (Gemma)
     sandwich_norms: bool = False      # attention and MLP outputs are normed before the residual add

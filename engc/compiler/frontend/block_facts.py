@@ -52,6 +52,8 @@ def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positi
     rotary = rotary_dim(hf, head_dim)
     if rotary != head_dim:
         facts["rotary_dim"] = rotary
+    if family.rope_interleave is True and not family.latent_attention:   # latent attention's are mla.py's
+        facts["rotary_interleaved"] = True
     if family.multipliers:   # Granite's: its attention_multiplier is the scale itself, whatever head_dim is
         facts.update(attn_scale=float(hf["attention_multiplier"]), residual_scale=float(hf["residual_multiplier"]),
                      logit_scale=1.0 / float(hf["logits_scaling"]))

@@ -109,6 +109,10 @@ FAMILIES = {
                         experts=Experts(dense_layers=True)),
     "olmoe": Family("olmoe", qk_norm_projection=True, experts=Experts(intermediate_key="intermediate_size")),
     "olmo2": Family("olmo2", qk_norm_projection=True, sandwich_norms=True, pre_norms=False),
+    # GLM-4 (-0414): Gemma's four norms (layouts.py renames them), fused gate_up, half of each head rotated in
+    # interleaved pairs, a bias on q, k and v (attention_bias, true in its configs)
+    "glm4": Family("glm4", layout="glm4", sandwich_norms=True, rope_interleave=True,
+                   defaults=(("attention_bias", True), ("partial_rotary_factor", 0.5))),
     # V2's router never renormalizes (HF's ignores norm_topk_prob); defaults: transformers' config classes'
     "deepseek_v2": Family("deepseek_v2", latent_attention=True, rope_interleave=True,
                           defaults=(("first_k_dense_replace", 0), ("n_shared_experts", 2), ("topk_method", "greedy"),

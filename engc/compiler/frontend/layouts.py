@@ -43,6 +43,12 @@ QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 LAYER_TENSORS = {
     "llama": {},
     "phi3": {"self_attn.qkv_proj": QKV, "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
+    # GLM-4: Gemma's four norms under other names (listed in this order, so that writing a checkpoint back,
+    # source_layout, renames post_attention_layernorm to post_self_attn_layernorm before it reuses the name)
+    "glm4": {"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+             "post_self_attn_layernorm": ("post_attention_layernorm",),
+             "post_attention_layernorm": ("pre_feedforward_layernorm",),
+             "post_mlp_layernorm": ("post_feedforward_layernorm",)},
     "internlm2": {"attention.wqkv": QKV, "attention.wo": ("self_attn.o_proj",),
                   "feed_forward.w1": ("mlp.gate_proj",), "feed_forward.w3": ("mlp.up_proj",),
                   "feed_forward.w2": ("mlp.down_proj",), "attention_norm": ("input_layernorm",),
@@ -102,20 +108,21 @@ def llama_names(ckpt: Checkpoint, layout: str, cfg: ModelConfig, rotary_dim: int
         for name in _head_rows(loaders, "q_proj", SCALED_TENSORS):
             loaders[name] = _lazy(head_rows_scaled, loaders[name], rotary_dim, cfg.head_dim, cfg.num_heads,
                                   rope_factor ** -2, name.endswith(".weight") or name.endswith(".bias"))
-    if rotary_dim < cfg.head_dim:
-        perm = partial_rotary_order(cfg.head_dim, rotary_dim)
+    if rotary_dim < cfg.head_dim or cfg.rotary_interleaved:
+        perm = partial_rotary_order(cfg.head_dim, rotary_dim, cfg.rotary_interleaved)
         for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads)):
             for name in _head_rows(loaders, proj, ROW_TENSORS):
                 loaders[name] = _lazy(head_rows_permuted, loaders[name], perm, heads)
     return dataclasses.replace(ckpt, loaders=loaders)
 
 
-def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """The order of a head's dims that puts HF's rotated pairs (i, i + rotary_dim/2) at (j, j + head_dim/2)
-    for j < rotary_dim/2 and the unrotated dims at the rest."""
+def partial_rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> torch.Tensor:
+    """The order of a head's dims that puts HF's rotated pairs (i, i + rotary_dim/2), or interleaved ones
+    (2i, 2i + 1) (GLM-4), at (j, j + head_dim/2) for j < rotary_dim/2 and the unrotated dims at the rest."""
     r, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
-    return torch.cat([torch.arange(0, r), torch.arange(2 * r, 2 * r + p), torch.arange(r, 2 * r),
-                      torch.arange(2 * r + p, head_dim)])
+    first, second = (torch.arange(0, 2 * r, 2), torch.arange(1, 2 * r, 2)) if interleaved else \
+        (torch.arange(0, r), torch.arange(r, 2 * r))
+    return torch.cat([first, torch.arange(2 * r, 2 * r + p), second, torch.arange(2 * r + p, head_dim)])
 
 
 def head_rows_permuted(w: torch.Tensor, perm: torch.Tensor, heads: int) -> torch.Tensor:

@@ -77,9 +77,9 @@ def _joined(layout: str, source: str, cfg: ModelConfig, parts: list[QuantizedWei
 def _hf_row_order(cfg: ModelConfig, quantized: dict, floats: dict) -> None:
     """q and k rows (quantized and bias) back from the view's partial rotary order and LongRoPE scaling."""
     rotary = cfg.rotary_dim or cfg.head_dim
-    if rotary == cfg.head_dim:
+    if rotary == cfg.head_dim and not cfg.rotary_interleaved:
         return
-    inverse = torch.argsort(partial_rotary_order(cfg.head_dim, rotary))
+    inverse = torch.argsort(partial_rotary_order(cfg.head_dim, rotary, cfg.rotary_interleaved))
     for proj, heads in (("self_attn.q_proj", cfg.num_heads), ("self_attn.k_proj", cfg.num_kv_heads)):
         if proj in quantized:
             qw = quantized[proj]
