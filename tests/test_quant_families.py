@@ -100,7 +100,8 @@ def assert_bundle_matches(bundle, oracle):
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 
 
-FAMILIES = ("gemma2", "gemma3_text", "phi3", "internlm2", "smollm3", "granite", "olmo2", "glm4")
+FAMILIES = ("gemma2", "gemma3_text", "phi3", "internlm2", "smollm3", "granite", "olmo2", "glm4", "ernie4_5",
+            "exaone4")
 
 
 @pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])

@@ -74,6 +74,12 @@ FAMILIES = {
     # GLM-4: half of each 16-wide head rotated in interleaved pairs, q/k/v biases, Gemma's four norms
     "glm4": dict(model_type="glm4", architectures=["Glm4ForCausalLM"], partial_rotary_factor=0.5,
                  attention_bias=True, pad_token_id=None, eos_token_id=1, tie_word_embeddings=False),
+    # ERNIE 4.5: interleaved rotary pairs over the whole head, tied embeddings
+    "ernie4_5": dict(model_type="ernie4_5", architectures=["Ernie4_5ForCausalLM"], head_dim=16, pad_token_id=None,
+                     tie_word_embeddings=True),
+    # EXAONE 4: post-norms only, per-head q/k norms, three local layers in four and a global NoPE one
+    "exaone4": dict(model_type="exaone4", architectures=["Exaone4ForCausalLM"], num_hidden_layers=4,
+                    sliding_window=8, sliding_window_pattern=4, tie_word_embeddings=False),
     # Granite: its four multipliers, none of them a power of two (the bf16 test sets ones that are)
     "granite": dict(model_type="granite", architectures=["GraniteForCausalLM"], embedding_multiplier=3.0,
                     attention_multiplier=0.3, residual_multiplier=0.7, logits_scaling=2.5, tie_word_embeddings=True),
@@ -113,7 +119,8 @@ def make_tiny(family: str, folder: Path, seed: int = 0, dtype=torch.float32, rou
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=0, eos_token_id=1)
     cfg_kwargs.update({k: v for k, v in FAMILIES[family].items() if k not in ("model_type", "architectures")})
-    cfg_kwargs.update(overrides)
+    # a list override comes as a tuple (the tiny_dir fixture's cache keys are hashable); configs want lists
+    cfg_kwargs.update({k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()})
     config = transformers.AutoConfig.for_model(FAMILIES[family]["model_type"], **cfg_kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)

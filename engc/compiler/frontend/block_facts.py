@@ -63,6 +63,12 @@ def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positi
         facts.update(_nope(hf, window))
     if family.sliding_window_pattern:
         facts.update(_interleaved(hf, family, window))
+    if family.nope_global_layers and hf.get("sliding_window") is not None:
+        windows = facts.get("layer_windows") or (0,) * hf["num_hidden_layers"]
+        if not window:   # a window as long as the context: every layer is global (engc's window 0), and
+            types = hf.get("layer_types") or ()   # config.json's layer_types still says which ones rotate
+            windows = tuple(int(t == "sliding_attention") for t in types) or windows
+        facts["nope_layers"] = tuple(i for i, w in enumerate(windows) if not w)
     return facts
 
 

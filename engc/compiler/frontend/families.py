@@ -72,6 +72,8 @@ class Family:
     # absent, every no_rope_layer_interval-th layer is NoPE. A sliding window, where use_sliding_window turns it
     # on, applies to the layers layer_types names sliding_attention (by default the NoPE ones)
     nope_layers: bool = False
+    # EXAONE 4's hybrid attention: where config.json sets a sliding_window, its global layers rotate nothing
+    nope_global_layers: bool = False
     # Granite: config.json's embedding_multiplier, attention_multiplier (the q.k scale itself),
     # residual_multiplier (each block's output before the residual add) and logits_scaling (the logits' divisor)
     multipliers: bool = False
@@ -113,6 +115,12 @@ FAMILIES = {
     # interleaved pairs, a bias on q, k and v (attention_bias, true in its configs)
     "glm4": Family("glm4", layout="glm4", sandwich_norms=True, rope_interleave=True,
                    defaults=(("attention_bias", True), ("partial_rotary_factor", 0.5))),
+    # ERNIE 4.5 (dense): Llama's network rotating interleaved pairs of the whole head
+    "ernie4_5": Family("ernie4_5", rope_interleave=True, refused_true=("use_bias",)),
+    # EXAONE 4: OLMo 2's norms (none before, one after each block) with per-head q/k norms; with a window,
+    # three local layers in four (or config.json's layer_types) and global layers without rotary embedding
+    "exaone4": Family("exaone4", qk_norm=True, sandwich_norms=True, pre_norms=False, sliding_window_pattern=4,
+                      nope_global_layers=True),
     # V2's router never renormalizes (HF's ignores norm_topk_prob); defaults: transformers' config classes'
     "deepseek_v2": Family("deepseek_v2", latent_attention=True, rope_interleave=True,
                           defaults=(("first_k_dense_replace", 0), ("n_shared_experts", 2), ("topk_method", "greedy"),
