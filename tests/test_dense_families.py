@@ -246,8 +246,9 @@ def test_gemma3_gpu_bundle_has_its_kernels(tiny_dir, tmp_path):
     ({"mlp_bias": True}, "sets mlp_bias: true"),
     ({"no_rope_layers": [1, 0]}, "no_rope_layers must give 0 or 1 for each of the 4 layers"),
     ({"model_type": "granite", "attention_bias": True}, "sets attention_bias: true for a granite model"),
-], ids=["attention-bias", "mlp-bias", "short-no-rope-layers", "granite-bias"])
-def test_unsupported_smollm3_and_granite_refused(tiny_dir, tmp_path, change, message):
+    ({"model_type": "cohere", "use_qk_norm": True}, "sets use_qk_norm: true for a cohere model"),
+], ids=["attention-bias", "mlp-bias", "short-no-rope-layers", "granite-bias", "cohere-qk-norm"])
+def test_unsupported_variant_of_a_family_refused(tiny_dir, tmp_path, change, message):
     src = tiny_dir(change.get("model_type", "smollm3"))
     cfg = {**json.loads((src / "config.json").read_text()), **change}
     _relaid(src, tmp_path / "m", cfg, lambda t: t)
@@ -258,7 +259,7 @@ def test_unsupported_smollm3_and_granite_refused(tiny_dir, tmp_path, change, mes
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "internlm3", "smollm3", "granite", "olmo2",
-                                    "glm4", "ernie4_5", "exaone4"])
+                                    "glm4", "ernie4_5", "exaone4", "cohere"])
 def test_gpu_greedy_matches_cpu(family, tiny_dir, qwen2_src, tmp_path):
     """On a GPU: the float32 bundle's greedy tokens on the GPU (CUDA graphs on and off) are the CPU's."""
     from test_gpu import greedy, gpu_ready, sm_arch
@@ -373,7 +374,7 @@ def test_gguf_matches_transformers(tmp_path, arch, model_type, extra):
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "smollm3", "granite", "olmo2", "glm4",
-                                    "ernie4_5", "exaone4"])
+                                    "ernie4_5", "exaone4", "cohere"])
 def test_bfloat16_matches_hf(family, tiny_dir, tmp_path):
     """A bfloat16 bundle on the CPU against HF in bfloat16, as tests/test_bf16_cpu.py checks the others: the
     same greedy tokens, the prompt's logits within a few bfloat16 ulps of the largest. Covers the (1 + weight)

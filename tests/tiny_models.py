@@ -74,6 +74,9 @@ FAMILIES = {
     # GLM-4: half of each 16-wide head rotated in interleaved pairs, q/k/v biases, Gemma's four norms
     "glm4": dict(model_type="glm4", architectures=["Glm4ForCausalLM"], partial_rotary_factor=0.5,
                  attention_bias=True, pad_token_id=None, eos_token_id=1, tie_word_embeddings=False),
+    # Cohere: LayerNorm, the parallel block, interleaved rotary pairs, a logit scale, tied embeddings
+    "cohere": dict(model_type="cohere", architectures=["CohereForCausalLM"], logit_scale=0.3, layer_norm_eps=1e-5,
+                   pad_token_id=None, tie_word_embeddings=True),
     # ERNIE 4.5: interleaved rotary pairs over the whole head, tied embeddings
     "ernie4_5": dict(model_type="ernie4_5", architectures=["Ernie4_5ForCausalLM"], head_dim=16, pad_token_id=None,
                      tie_word_embeddings=True),

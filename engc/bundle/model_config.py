@@ -52,6 +52,8 @@ class ModelConfig:
     norm_unit_offset: bool = False    # RMSNorm scales by (1 + weight) (Gemma)
     sandwich_norms: bool = False      # attention and MLP outputs are normed before the residual add
     pre_norms: bool = True            # a norm before the attention and the MLP (OLMo 2: none, its inputs the sum)
+    layer_norm: bool = False          # the norms subtract the mean (Cohere's LayerNorm without bias), not RMSNorm
+    parallel_block: bool = False      # attention and MLP read one norm's output, both added to the residual (Cohere)
     embed_scale: float = 0.0          # the embedding is multiplied by this (Gemma: sqrt(hidden_size))
     # Granite: each attention and MLP output times residual_scale before the residual add (the build folds it
     # into o_proj's and down_proj's weights), and the logits times logit_scale (1 / logits_scaling)

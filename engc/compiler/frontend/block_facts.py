@@ -18,8 +18,8 @@ def with_defaults(hf: dict, family: Family) -> dict:
     """config.json over the family's transformers defaults; refuses keys set to what engc cannot compute."""
     for key in family.refused_true:
         if hf.get(key):
-            raise UserError(f"config.json sets {key}: true for a {family.name} model (biases on o_proj and the "
-                            "MLP), which engc does not support")
+            raise UserError(f"config.json sets {key}: true for a {family.name} model, which engc does not "
+                            "support (a bias it has no input for, or a per-head norm it does not compute)")
     if hf.get("use_bidirectional_attention"):
         raise UserError("config.json sets use_bidirectional_attention: true; engc builds causal decoders only")
     return {**dict(family.defaults), **hf}
@@ -59,6 +59,9 @@ def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positi
                      logit_scale=1.0 / float(hf["logits_scaling"]))
         if float(hf["embedding_multiplier"]) != 1.0:
             facts["embed_scale"] = float(hf["embedding_multiplier"])
+    if family.cohere:
+        facts.update(layer_norm=True, parallel_block=True, rms_norm_eps=float(hf["layer_norm_eps"]),
+                     logit_scale=float(hf["logit_scale"]))
     if family.nope_layers:
         facts.update(_nope(hf, window))
     if family.sliding_window_pattern:

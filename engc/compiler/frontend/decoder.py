@@ -100,6 +100,9 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
             x = lower_mla(g, h, weight, cfg, ckpt.hf_config, family, i, dtype)
         else:
             x = _attention(g, h, weight, norm, cfg, family, i)
+        if cfg.parallel_block:   # Cohere: the MLP reads the attention's input; both outputs join the residual
+            x = g.onnx_op("Add", [x, mlp(h, p, hf + "mlp.", cfg.intermediate_size)], f"{p}attn_mlp")
+            continue
         h, residual = pre_norm(x, residual, p + "mlp_norm.weight", hf + ("pre_feedforward_layernorm.weight"
                                if cfg.sandwich_norms else "post_attention_layernorm.weight"), f"{p}mlp_in")
         if is_moe_layer(ckpt.hf_config, family, i):
@@ -198,6 +201,7 @@ def _norms(g: Graph, weight, cfg: ModelConfig, dtype: torch.dtype):
     half precision the *UnitOffset ops add it in float32 themselves, as HF does."""
     fold = cfg.norm_unit_offset and dtype == torch.float32
     variant = "UnitOffset" if cfg.norm_unit_offset and not fold else ""
+    ops = ("LayerNorm", "AddLayerNorm") if cfg.layer_norm else ("RMSNorm" + variant, "AddRMSNorm" + variant)
 
     def norm_weight(name: str, hf_name: str) -> str:
         weight(name, hf_name)
@@ -207,7 +211,7 @@ def _norms(g: Graph, weight, cfg: ModelConfig, dtype: torch.dtype):
         return name
 
     def norm(x: str, residual: str | None, name: str, hf_name: str, out: str):
-        return _norm(g, x, residual, norm_weight(name, hf_name), cfg.rms_norm_eps, out, variant)
+        return _norm(g, x, residual, norm_weight(name, hf_name), cfg.rms_norm_eps, out, ops)
     norm.weight, norm.variant = norm_weight, variant
     return norm
 
@@ -286,9 +290,11 @@ def _residual_sum(g: Graph, x: str, residual: str | None, name: str, hf_name: st
     return total, total
 
 
-def _norm(g: Graph, x: str, residual: str | None, w: str, eps: float, name: str, variant: str = ""):
+def _norm(g: Graph, x: str, residual: str | None, w: str, eps: float, name: str,
+          ops: tuple[str, str] = ("RMSNorm", "AddRMSNorm")):
+    """ops: the family's norm and its residual-adding form (RMSNorm, its UnitOffset variants, or LayerNorm)."""
     if residual is None:
         # The first block: the embedding itself is the residual stream.
-        return g.add("RMSNorm" + variant, [x, w], name, eps=eps), x
-    out, res = g.add("AddRMSNorm" + variant, [x, residual, w], [name, name + ".residual"], eps=eps)
+        return g.add(ops[0], [x, w], name, eps=eps), x
+    out, res = g.add(ops[1], [x, residual, w], [name, name + ".residual"], eps=eps)
     return out, res

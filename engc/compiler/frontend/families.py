@@ -74,6 +74,9 @@ class Family:
     nope_layers: bool = False
     # EXAONE 4's hybrid attention: where config.json sets a sliding_window, its global layers rotate nothing
     nope_global_layers: bool = False
+    # Cohere: LayerNorm (mean subtracted, no bias; eps config.json's layer_norm_eps) in place of RMSNorm; the
+    # attention and the MLP read the same normed input and both add to the residual; logits times logit_scale
+    cohere: bool = False
     # Granite: config.json's embedding_multiplier, attention_multiplier (the q.k scale itself),
     # residual_multiplier (each block's output before the residual add) and logits_scaling (the logits' divisor)
     multipliers: bool = False
@@ -115,6 +118,8 @@ FAMILIES = {
     # interleaved pairs, a bias on q, k and v (attention_bias, true in its configs)
     "glm4": Family("glm4", layout="glm4", sandwich_norms=True, rope_interleave=True,
                    defaults=(("attention_bias", True), ("partial_rotary_factor", 0.5))),
+    "cohere": Family("cohere", cohere=True, rope_interleave=True, refused_true=("use_qk_norm",),
+                     defaults=(("logit_scale", 0.0625), ("layer_norm_eps", 1e-5), ("tie_word_embeddings", True))),
     # ERNIE 4.5 (dense): Llama's network rotating interleaved pairs of the whole head
     "ernie4_5": Family("ernie4_5", rope_interleave=True, refused_true=("use_bias",)),
     # EXAONE 4: OLMo 2's norms (none before, one after each block) with per-head q/k norms; with a window,

@@ -44,7 +44,8 @@ _REPLICATED = ("q_a", "kv_a")
 _HEADS = ("RotaryKVWrite", "PagedAttention", "QKNorm", "QKNormUnitOffset")
 # nodes that compute the same on a shard as on the whole (per row, per head, or replicated weights)
 _AS_IS = {"Gather", "Concat", "Cast", "Add", "Mul", "RMSNorm", "AddRMSNorm", "RMSNormUnitOffset",
-          "AddRMSNormUnitOffset", "SiluMul", "GeluTanhMul", "LogitSoftcap", "LatentRMSNorm"}
+          "AddRMSNormUnitOffset", "SiluMul", "GeluTanhMul", "LogitSoftcap", "LatentRMSNorm", "LayerNorm",
+          "AddLayerNorm"}
 
 
 def tp_pass(cfg: ModelConfig, tp: int):

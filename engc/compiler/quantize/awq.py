@@ -30,7 +30,7 @@ def awq_layer(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int =
     """A dense layer: rewrites layer.w in place (scales folded, weights clipped); x [B, T, D] is the layer's input.
     The MLP's search reads the attention as scaled but not yet clipped, as AWQ clips a layer's projections last."""
     scale_attention(layer, x, group_size, grid)
-    awq_mlp(layer, x + batched(layer.attention, batched(layer.attn_in, x)), group_size, grid)
+    awq_mlp(layer, x, group_size, grid)
     clip_attention(layer, x, group_size, grid)
 
 
@@ -40,18 +40,21 @@ def awq_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: i
     clip_attention(layer, x, group_size, grid)
 
 
-def awq_mlp(layer: DecoderLayer, x_mid: torch.Tensor, group_size: int, grid: int) -> None:
-    """A dense MLP, x_mid its block's input (the residual after the attention): gate/up's scale over the MLP's
-    input norm, down's over up's output, then the clipping of the three on their inputs as scaled."""
-    m = batched(layer.mlp_in, x_mid)
-    if layer.cfg.pre_norms:   # as q/k/v's: gate/up's scale folds only into a norm before them
+def awq_mlp(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int) -> None:
+    """A dense MLP, x the layer's input (its MLP reads layer.mlp_input(x), the attention as scaled so far):
+    gate/up's scale over the MLP's input norm, down's over up's output, then the clipping of the three on their
+    inputs as scaled."""
+    m = batched(layer.mlp_input, x)
+    # as q/k/v's: gate/up's scale folds only into a norm before them, and a parallel block's norm took it with
+    # q/k/v's (scale_attention)
+    if layer.cfg.pre_norms and not layer.cfg.parallel_block:
         scale_projections(layer, layer.mlp_norm, ["mlp.gate_proj", "mlp.up_proj"], m,
                           lambda inp: batched(layer.mlp, inp), group_size, grid)
-    m = batched(layer.mlp_in, x_mid)
+    m = batched(layer.mlp_input, x)
     act = batched(layer.mlp_act, m)
     scale_projections(layer, "mlp.up_proj", ["mlp.down_proj"], act,
                       lambda inp: layer.linear(inp, "mlp.down_proj"), group_size, grid)
-    m = batched(layer.mlp_in, x_mid)
+    m = batched(layer.mlp_input, x)
     act = batched(layer.mlp_act, m)
     clip_projections(layer, (("mlp.gate_proj", m), ("mlp.up_proj", m), ("mlp.down_proj", act)), group_size, grid)
 
@@ -61,7 +64,10 @@ def scale_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid:
         return scale_latent_attention(layer, x, group_size, grid)
     h = batched(layer.attn_in, x)
     qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
-    if layer.cfg.pre_norms:   # without a norm before them (OLMo 2) there is nothing to fold q/k/v's scale into
+    if layer.cfg.parallel_block:   # Cohere: the norm feeds q/k/v and gate/up alike, so one scale serves all five
+        scale_projections(layer, ATTN_NORM, qkv + ["mlp.gate_proj", "mlp.up_proj"], h,
+                          lambda inp: batched(layer.attention, inp) + batched(layer.mlp, inp), group_size, grid)
+    elif layer.cfg.pre_norms:   # without a norm before them (OLMo 2) there is nothing to fold q/k/v's scale into
         scale_projections(layer, ATTN_NORM, qkv, h, lambda inp: batched(layer.attention, inp), group_size, grid)
     if layer.cfg.num_heads == layer.cfg.num_kv_heads:  # v -> o folds only when v's outputs are o's inputs one to one
         ctx = batched(layer.attn_context, batched(layer.attn_in, x))

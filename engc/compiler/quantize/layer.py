@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engc.bundle.model_config import ModelConfig
+from engc.kernels.layer_norm import layer_norm
 from engc.kernels.rms_norm import rms_norm, rms_norm_unit_offset
 from engc.kernels.rotary import cos_sin, rotate
 
@@ -49,7 +50,7 @@ class DecoderLayer:
         return "pre_feedforward_layernorm" if self.cfg.sandwich_norms else "post_attention_layernorm"
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        norm = rms_norm_unit_offset if self.cfg.norm_unit_offset else rms_norm
+        norm = layer_norm if self.cfg.layer_norm else rms_norm_unit_offset if self.cfg.norm_unit_offset else rms_norm
         return norm(x, self.w[name + ".weight"], self.cfg.rms_norm_eps)
 
     def divide_norm(self, name: str, s: torch.Tensor) -> None:
@@ -114,6 +115,13 @@ class DecoderLayer:
     def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x, self.mlp_norm) if self.cfg.pre_norms else x
 
+    def mlp_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP's input from the layer's input x: the normed sum after the attention, or (a parallel block,
+        Cohere) the attention's own input."""
+        if self.cfg.parallel_block:
+            return self.attn_in(x)
+        return self.mlp_in(x + self.attention(self.attn_in(x)))
+
     def mlp_act(self, h: torch.Tensor) -> torch.Tensor:
         # silu_mul's / gelu_tanh_mul's arithmetic on the two halves they would split, without concatenating them
         return GLU_ACTIVATIONS[self.cfg.hidden_act](self.linear(h, "mlp.gate_proj")) * self.linear(h, "mlp.up_proj")
@@ -127,6 +135,9 @@ class DecoderLayer:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Granite's residual_multiplier scales each block's output (1 elsewhere; the build folds it into o and down)
         m = self.cfg.residual_scale
+        if self.cfg.parallel_block:   # Cohere: one norm's output for both, added as HF adds them
+            h = self.attn_in(x)
+            return x + self.attention(h) + self.mlp(h)
         x = x + self.attention(self.attn_in(x)) * m
         return x + self.mlp(self.mlp_in(x)) * m
 

@@ -41,8 +41,8 @@ from engc.progress import Progress
 GPTQ_STAGES = (
     (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), lambda L, x: L.attn_in(x)),
     (("self_attn.o_proj",), lambda L, x: L.attn_context(L.attn_in(x))),
-    (("mlp.gate_proj", "mlp.up_proj"), lambda L, x: L.mlp_in(x + L.attention(L.attn_in(x)))),
-    (("mlp.down_proj",), lambda L, x: L.mlp_act(L.mlp_in(x + L.attention(L.attn_in(x))))),
+    (("mlp.gate_proj", "mlp.up_proj"), lambda L, x: L.mlp_input(x)),
+    (("mlp.down_proj",), lambda L, x: L.mlp_act(L.mlp_input(x))),
 )
 
 

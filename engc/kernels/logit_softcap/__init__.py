@@ -2,7 +2,7 @@
 
 ONNX: ai.engc::LogitSoftcap(logits) -> logits, attribute cap. It sits between the lm_head and the float32
 Cast, so a half-precision bundle rounds as HF's Gemma2ForCausalLM does (divide, tanh, multiply, each in
-the model dtype). No GPU kernel yet: a GPU build of a model that needs it is refused.
+the model dtype). No GPU kernel: on the GPU the reference runs on the GPU's tensors (runtime/gpu_ops.py).
 """
 import torch
 

@@ -1,4 +1,4 @@
-"""The node logit_softcap serves: LogitSoftcap (CPU only; GPU builds needing it are refused)."""
+"""The node logit_softcap serves: LogitSoftcap (the reference on every device)."""
 from engc.bundle.program import ENGC_DOMAIN
 from engc.kernels.logit_softcap import logit_softcap
 
