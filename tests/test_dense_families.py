@@ -259,7 +259,7 @@ def test_unsupported_variant_of_a_family_refused(tiny_dir, tmp_path, change, mes
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "internlm3", "smollm3", "granite", "olmo2",
-                                    "glm4", "ernie4_5", "exaone4", "cohere"])
+                                    "glm4", "ernie4_5", "exaone4", "cohere", "cohere2"])
 def test_gpu_greedy_matches_cpu(family, tiny_dir, qwen2_src, tmp_path):
     """On a GPU: the float32 bundle's greedy tokens on the GPU (CUDA graphs on and off) are the CPU's."""
     from test_gpu import greedy, gpu_ready, sm_arch
@@ -374,7 +374,7 @@ def test_gguf_matches_transformers(tmp_path, arch, model_type, extra):
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "smollm3", "granite", "olmo2", "glm4",
-                                    "ernie4_5", "exaone4", "cohere"])
+                                    "ernie4_5", "exaone4", "cohere", "cohere2"])
 def test_bfloat16_matches_hf(family, tiny_dir, tmp_path):
     """A bfloat16 bundle on the CPU against HF in bfloat16, as tests/test_bf16_cpu.py checks the others: the
     same greedy tokens, the prompt's logits within a few bfloat16 ulps of the largest. Covers the (1 + weight)

@@ -77,6 +77,9 @@ FAMILIES = {
     # Cohere: LayerNorm, the parallel block, interleaved rotary pairs, a logit scale, tied embeddings
     "cohere": dict(model_type="cohere", architectures=["CohereForCausalLM"], logit_scale=0.3, layer_norm_eps=1e-5,
                    pad_token_id=None, tie_word_embeddings=True),
+    # Cohere 2: Cohere's block, three local layers in four, the global one NoPE
+    "cohere2": dict(model_type="cohere2", architectures=["Cohere2ForCausalLM"], num_hidden_layers=4, sliding_window=8,
+                    logit_scale=0.3, pad_token_id=None, tie_word_embeddings=True),
     # ERNIE 4.5: interleaved rotary pairs over the whole head, tied embeddings
     "ernie4_5": dict(model_type="ernie4_5", architectures=["Ernie4_5ForCausalLM"], head_dim=16, pad_token_id=None,
                      tie_word_embeddings=True),

@@ -66,13 +66,21 @@ def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positi
         facts.update(_nope(hf, window))
     if family.sliding_window_pattern:
         facts.update(_interleaved(hf, family, window))
-    if family.nope_global_layers and hf.get("sliding_window") is not None:
-        windows = facts.get("layer_windows") or (0,) * hf["num_hidden_layers"]
-        if not window:   # a window as long as the context: every layer is global (engc's window 0), and
-            types = hf.get("layer_types") or ()   # config.json's layer_types still says which ones rotate
-            windows = tuple(int(t == "sliding_attention") for t in types) or windows
-        facts["nope_layers"] = tuple(i for i, w in enumerate(windows) if not w)
+    if family.nope_global_layers:
+        facts.update(_nope_global(hf, family, facts, window))
     return facts
+
+
+def _nope_global(hf: dict, family: Family, facts: dict, window: int) -> dict:
+    """The NoPE layers of a hybrid whose global layers rotate nothing (EXAONE 4, Cohere 2)."""
+    layers = hf["num_hidden_layers"]
+    if hf.get("sliding_window") is None:   # no layer has a window: EXAONE 4 rotates them all, Cohere 2 none
+        return {"nope_layers": tuple(range(layers))} if family.nope_global_layers == "always" else {}
+    windows = facts.get("layer_windows") or (0,) * layers
+    if not window:   # a window as long as the context: every layer is global (engc's window 0), and
+        types = hf.get("layer_types") or ()   # config.json's layer_types still says which ones rotate
+        windows = tuple(int(t == "sliding_attention") for t in types) or windows
+    return {"nope_layers": tuple(i for i, w in enumerate(windows) if not w)}
 
 
 def _nope(hf: dict, window: int) -> dict:

@@ -72,8 +72,9 @@ class Family:
     # absent, every no_rope_layer_interval-th layer is NoPE. A sliding window, where use_sliding_window turns it
     # on, applies to the layers layer_types names sliding_attention (by default the NoPE ones)
     nope_layers: bool = False
-    # EXAONE 4's hybrid attention: where config.json sets a sliding_window, its global layers rotate nothing
-    nope_global_layers: bool = False
+    # hybrid attention whose global layers rotate nothing: EXAONE 4's where config.json sets a sliding_window
+    # ("window_set"), Cohere 2's always, every layer without a window then ("always")
+    nope_global_layers: str | None = None
     # Cohere: LayerNorm (mean subtracted, no bias; eps config.json's layer_norm_eps) in place of RMSNorm; the
     # attention and the MLP read the same normed input and both add to the residual; logits times logit_scale
     cohere: bool = False
@@ -120,12 +121,17 @@ FAMILIES = {
                    defaults=(("attention_bias", True), ("partial_rotary_factor", 0.5))),
     "cohere": Family("cohere", cohere=True, rope_interleave=True, refused_true=("use_qk_norm",),
                      defaults=(("logit_scale", 0.0625), ("layer_norm_eps", 1e-5), ("tie_word_embeddings", True))),
+    # Cohere 2 (Command R7B, Command A): Cohere's block, three local layers in four, the global ones NoPE
+    "cohere2": Family("cohere2", cohere=True, rope_interleave=True, sliding_window_pattern=4,
+                      nope_global_layers="always", refused_true=("attention_bias",),
+                      defaults=(("logit_scale", 0.0625), ("layer_norm_eps", 1e-5), ("tie_word_embeddings", True),
+                                ("sliding_window", 4096))),
     # ERNIE 4.5 (dense): Llama's network rotating interleaved pairs of the whole head
     "ernie4_5": Family("ernie4_5", rope_interleave=True, refused_true=("use_bias",)),
     # EXAONE 4: OLMo 2's norms (none before, one after each block) with per-head q/k norms; with a window,
     # three local layers in four (or config.json's layer_types) and global layers without rotary embedding
     "exaone4": Family("exaone4", qk_norm=True, sandwich_norms=True, pre_norms=False, sliding_window_pattern=4,
-                      nope_global_layers=True),
+                      nope_global_layers="window_set"),
     # V2's router never renormalizes (HF's ignores norm_topk_prob); defaults: transformers' config classes'
     "deepseek_v2": Family("deepseek_v2", latent_attention=True, rope_interleave=True,
                           defaults=(("first_k_dense_replace", 0), ("n_shared_experts", 2), ("topk_method", "greedy"),
