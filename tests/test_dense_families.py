@@ -98,37 +98,35 @@ def _relaid(src, dst, config: dict, rename) -> None:
     (dst / "config.json").write_text(json.dumps(config))
 
 
-def test_gemma3_multimodal_text_part(tiny_dir, tmp_path):
-    """A gemma3 checkpoint (text_config, language_model.* tensors, a vision tower) builds its text model."""
-    src = tiny_dir("gemma3_text")
+# wrapper model_type -> (its text model's family, architecture, vision_config model_type, the text model's
+# tensor names in the wrapper, vision tensors beside them)
+MULTIMODAL = {
+    # gemma3: transformers 4's language_model.* names, a vision tower
+    "gemma3": ("gemma3_text", "Gemma3ForConditionalGeneration", "siglip_vision_model",
+               lambda k: "language_model." + k, {"vision_tower.vision_model.post_layernorm.weight": (8,)}),
+    # mistral3 (Mistral Small 3.x): transformers 5's model.language_model.* names and its own lm_head, a vision
+    # tower and a projector
+    "mistral3": ("mistral", "Mistral3ForConditionalGeneration", "pixtral",
+                 lambda k: k if k.startswith("lm_head.") else "model.language_model." + k[len("model."):],
+                 {"model.vision_tower.ln_pre.weight": (8,), "model.multi_modal_projector.linear_1.weight": (8, 8)}),
+}
+
+
+@pytest.mark.parametrize("wrapper", MULTIMODAL)
+def test_multimodal_text_part(wrapper, tiny_dir, tmp_path):
+    """A multimodal checkpoint (text_config, the text model's tensors under the wrapper's names, vision tensors
+    beside them) builds its text model, which decodes as that text model."""
+    family, arch, vision, name, extra = MULTIMODAL[wrapper]
+    src = tiny_dir(family)
     text = json.loads((src / "config.json").read_text())
 
     def rename(t):
-        out = {"language_model." + k: v for k, v in t.items()}
-        out["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(8)
+        out = {name(k): v for k, v in t.items()}
+        out.update({k: torch.ones(shape) for k, shape in extra.items()})
         return out
-    _relaid(src, tmp_path / "mm", {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+    _relaid(src, tmp_path / "mm", {"model_type": wrapper, "architectures": [arch],
                                    "text_config": {k: v for k, v in text.items() if k != "architectures"},
-                                   "vision_config": {"model_type": "siglip_vision_model"}}, rename)
-    build(str(tmp_path / "mm"), tmp_path / "b", BuildOptions())
-    greedy_matches(tmp_path / "b", src)
-
-
-def test_mistral3_multimodal_text_part(tiny_dir, tmp_path):
-    """A mistral3 checkpoint (Mistral Small 3.x: a mistral text_config, transformers 5's model.language_model.*
-    tensors beside a vision tower and projector, its own lm_head) builds its text model."""
-    src = tiny_dir("mistral")
-    text = json.loads((src / "config.json").read_text())
-
-    def rename(t):
-        out = {("lm_head." + k[len("lm_head."):] if k.startswith("lm_head.")
-                else "model.language_model." + k[len("model."):]): v for k, v in t.items()}
-        out["model.vision_tower.ln_pre.weight"] = torch.ones(8)
-        out["model.multi_modal_projector.linear_1.weight"] = torch.ones(8, 8)
-        return out
-    _relaid(src, tmp_path / "mm", {"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
-                                   "text_config": {k: v for k, v in text.items() if k != "architectures"},
-                                   "vision_config": {"model_type": "pixtral"}}, rename)
+                                   "vision_config": {"model_type": vision}}, rename)
     build(str(tmp_path / "mm"), tmp_path / "b", BuildOptions())
     greedy_matches(tmp_path / "b", src)
 
