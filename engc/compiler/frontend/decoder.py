@@ -87,8 +87,8 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
     embed = weight("embed.weight", EMBED)
     x = g.onnx_op("Gather", [embed, "input_ids"], "h.embed", axis=0)
     if cfg.embed_scale:
-        # HF multiplies by sqrt(hidden_size) rounded to the model dtype (Gemma), or by embedding_multiplier
-        # (Granite's, a whole number in the released models, which the model dtype holds exactly)
+        # HF multiplies by sqrt(hidden_size) rounded to the model dtype (Gemma); Granite's embedding_multiplier
+        # rounds so too, the same product as HF's wherever the dtype holds the multiplier (a whole number does)
         scale = torch.tensor([cfg.embed_scale], dtype=torch.float32).to(dtype)
         g.weights["embed.scale"] = lambda: scale
         x = g.onnx_op("Mul", [x, "embed.scale"], "h.embed.scaled")
@@ -172,7 +172,9 @@ def _head(g: Graph, h: str, ckpt: Checkpoint, weight, embed: str, cfg: ModelConf
         logits = g.onnx_op("Gemm", [sampled, head], "logits.raw", transB=1)
     if cfg.final_logit_softcap:   # Gemma 2: in the model dtype, before the float32 cast, as HF rounds it
         logits = g.add("LogitSoftcap", [logits], "logits.capped", cap=cfg.final_logit_softcap)
-    if cfg.logit_scale != 1.0:   # Granite's division by logits_scaling (a power of two in the released models)
+    # Granite's division by logits_scaling, Cohere's logit_scale: HF's rounding wherever the dtype holds the
+    # factor exactly (a power of two does)
+    if cfg.logit_scale != 1.0:
         scale = torch.tensor([cfg.logit_scale], dtype=torch.float32).to(getattr(torch, g.dtype))
         g.weights["logits.scale"] = lambda: scale
         logits = g.onnx_op("Mul", [logits, "logits.scale"], "logits.scaled")
