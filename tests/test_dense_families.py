@@ -98,25 +98,27 @@ def _relaid(src, dst, config: dict, rename) -> None:
     (dst / "config.json").write_text(json.dumps(config))
 
 
-# wrapper model_type -> (its text model's family, architecture, vision_config model_type, the text model's
-# tensor names in the wrapper, vision tensors beside them)
+_MISTRAL3 = ("mistral3", "Mistral3ForConditionalGeneration", "pixtral",
+             lambda k: k if k.startswith("lm_head.") else "model.language_model." + k[len("model."):],
+             {"model.vision_tower.ln_pre.weight": (8,), "model.multi_modal_projector.linear_1.weight": (8, 8)})
+# test id -> (the wrapper's model_type, architecture, vision_config model_type, its text model's tensor names in
+# the wrapper, vision tensors beside them; its text model's family)
 MULTIMODAL = {
     # gemma3: transformers 4's language_model.* names, a vision tower
-    "gemma3": ("gemma3_text", "Gemma3ForConditionalGeneration", "siglip_vision_model",
-               lambda k: "language_model." + k, {"vision_tower.vision_model.post_layernorm.weight": (8,)}),
-    # mistral3 (Mistral Small 3.x): transformers 5's model.language_model.* names and its own lm_head, a vision
-    # tower and a projector
-    "mistral3": ("mistral", "Mistral3ForConditionalGeneration", "pixtral",
-                 lambda k: k if k.startswith("lm_head.") else "model.language_model." + k[len("model."):],
-                 {"model.vision_tower.ln_pre.weight": (8,), "model.multi_modal_projector.linear_1.weight": (8, 8)}),
+    "gemma3": ("gemma3", "Gemma3ForConditionalGeneration", "siglip_vision_model", lambda k: "language_model." + k,
+               {"vision_tower.vision_model.post_layernorm.weight": (8,)}, "gemma3_text"),
+    # mistral3 (Mistral Small 3.x, Ministral 3): transformers 5's model.language_model.* names and its own
+    # lm_head, a vision tower and a projector
+    "mistral3-mistral": (*_MISTRAL3, "mistral"),
+    "mistral3-ministral3": (*_MISTRAL3, "ministral3"),
 }
 
 
-@pytest.mark.parametrize("wrapper", MULTIMODAL)
-def test_multimodal_text_part(wrapper, tiny_dir, tmp_path):
+@pytest.mark.parametrize("case", MULTIMODAL)
+def test_multimodal_text_part(case, tiny_dir, tmp_path):
     """A multimodal checkpoint (text_config, the text model's tensors under the wrapper's names, vision tensors
     beside them) builds its text model, which decodes as that text model."""
-    family, arch, vision, name, extra = MULTIMODAL[wrapper]
+    wrapper, arch, vision, name, extra, family = MULTIMODAL[case]
     src = tiny_dir(family)
     text = json.loads((src / "config.json").read_text())
 
@@ -129,6 +131,15 @@ def test_multimodal_text_part(wrapper, tiny_dir, tmp_path):
                                    "vision_config": {"model_type": vision}}, rename)
     build(str(tmp_path / "mm"), tmp_path / "b", BuildOptions())
     greedy_matches(tmp_path / "b", src)
+
+
+def test_ministral3_context_stops_where_the_query_temperature_starts(tiny_dir, tiny_bundle):
+    """Ministral 3's Llama 4 query temperature (1 + beta * log(1 + floor(position / original length))) is 1 up to
+    YaRN's original length and is not computed: the bundle's context ends there, not at max_position_embeddings."""
+    from engc.runtime.loader import load
+    cfg = json.loads((tiny_dir("ministral3") / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == 512 and cfg["rope_parameters"]["llama_4_scaling_beta"] == 0.1
+    assert load(tiny_bundle("ministral3")).config.max_position_embeddings == 128
 
 
 @pytest.fixture(scope="module")

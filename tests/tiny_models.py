@@ -74,6 +74,13 @@ FAMILIES = {
     # GLM-4: half of each 16-wide head rotated in interleaved pairs, q/k/v biases, Gemma's four norms
     "glm4": dict(model_type="glm4", architectures=["Glm4ForCausalLM"], partial_rotary_factor=0.5,
                  attention_bias=True, pad_token_id=None, eos_token_id=1, tie_word_embeddings=False),
+    # Ministral 3: YaRN and Llama 4's query temperature past the original 128 positions (the bundle stops there)
+    "ministral3": dict(model_type="ministral3", architectures=["Ministral3ForCausalLM"], head_dim=16,
+                       pad_token_id=None, tie_word_embeddings=False, max_position_embeddings=512,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 128, "max_position_embeddings": 512,
+                                        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                        "llama_4_scaling_beta": 0.1}),
     # Cohere: LayerNorm, the parallel block, interleaved rotary pairs, a logit scale, tied embeddings
     "cohere": dict(model_type="cohere", architectures=["CohereForCausalLM"], logit_scale=0.3, layer_norm_eps=1e-5,
                    pad_token_id=None, tie_word_embeddings=True),

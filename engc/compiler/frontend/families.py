@@ -147,6 +147,9 @@ FAMILIES = {
                           **_GEMMA),
     "gemma3": Family("gemma3", text_config=True),   # its text_config is a gemma3_text model
     "mistral3": Family("mistral3", text_config=True),   # Mistral Small 3.x: its text_config is a mistral model
+    # Ministral 3 (a mistral3 checkpoint's text_config): Mistral's network with YaRN and Llama 4's query
+    # temperature, which the context limit keeps at 1 (rope.context_limit)
+    "ministral3": Family("ministral3"),
     "phi3": Family("phi3", layout="phi3"),
     "internlm3": Family("internlm3", qkv_bias_key="qkv_bias", refused_true=("bias",)),
     "internlm2": Family("internlm2", layout="internlm2", refused_true=("bias",)),

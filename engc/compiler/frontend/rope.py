@@ -54,8 +54,10 @@ def _rope_type(scaling: dict | None) -> str:
 
 def context_limit(scaling: dict | None, max_position_embeddings: int) -> int:
     """The longest context the resolved frequencies are exact for: the original length for dynamic NTK and
-    LongRoPE (beyond it HF switches frequencies as the sequence grows), else max_position_embeddings."""
-    if _rope_type(scaling) in ("dynamic", *LONGROPE):
+    LongRoPE (beyond it HF switches frequencies as the sequence grows) and where Llama 4's query temperature
+    is set (llama_4_scaling_beta, Ministral 3: q times 1 + beta * log(1 + floor(position / original length)),
+    which is 1 below the original length and is not computed), else max_position_embeddings."""
+    if _rope_type(scaling) in ("dynamic", *LONGROPE) or (scaling or {}).get("llama_4_scaling_beta"):
         return min(max_position_embeddings, int(scaling.get("original_max_position_embeddings")
                                                 or max_position_embeddings))
     return max_position_embeddings
