@@ -101,7 +101,7 @@ def assert_bundle_matches(bundle, oracle):
 
 
 FAMILIES = ("gemma2", "gemma3_text", "phi3", "internlm2", "smollm3", "granite", "olmo2", "glm4", "ernie4_5",
-            "exaone4", "cohere", "cohere2", "ministral3")
+            "exaone4", "cohere", "cohere2", "ministral3", "olmo3", "seed_oss")
 
 
 @pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])

@@ -31,7 +31,7 @@ ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "ENGC_TP_TIME
 CASES = {"llama": dict(num_key_value_heads=1, vocab_size=321), "mixtral": {}, "qwen2_moe": {},
          "deepseek_v2": {}, "deepseek_v3": {}, "olmoe": dict(num_key_value_heads=1), "gemma2": {},
          "gemma3_text": {}, "phi3": {}, "smollm3": {}, "granite": {}, "olmo2": {}, "glm4": {}, "exaone4": {},
-         "cohere": {}, "cohere2": {}}
+         "cohere": {}, "cohere2": {}, "olmo3": {}}
 
 
 def _greedy(bundle, **kw):

@@ -93,6 +93,16 @@ FAMILIES = {
     # EXAONE 4: post-norms only, per-head q/k norms, three local layers in four and a global NoPE one
     "exaone4": dict(model_type="exaone4", architectures=["Exaone4ForCausalLM"], num_hidden_layers=4,
                     sliding_window=8, sliding_window_pattern=4, tie_word_embeddings=False),
+    # OLMo 3: three local layers in four and a global one whose rope alone is YaRN-scaled (attention factor 1.2)
+    "olmo3": dict(model_type="olmo3", architectures=["Olmo3ForCausalLM"], num_hidden_layers=4, sliding_window=8,
+                  pad_token_id=None, tie_word_embeddings=False,
+                  rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                      "original_max_position_embeddings": 64,
+                                                      "attention_factor": 1.2},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # Seed-OSS: q/k/v biases
+    "seed_oss": dict(model_type="seed_oss", architectures=["SeedOssForCausalLM"], head_dim=16, pad_token_id=None,
+                     attention_dropout=0.0, residual_dropout=0.0, tie_word_embeddings=False),
     # Granite: its four multipliers, none of them a power of two (the bf16 test sets ones that are)
     "granite": dict(model_type="granite", architectures=["GraniteForCausalLM"], embedding_multiplier=3.0,
                     attention_multiplier=0.3, residual_multiplier=0.7, logits_scaling=2.5, tie_word_embeddings=True),

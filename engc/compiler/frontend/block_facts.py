@@ -65,7 +65,7 @@ def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positi
     if family.nope_layers:
         facts.update(_nope(hf, window))
     if family.sliding_window_pattern:
-        facts.update(_interleaved(hf, family, window))
+        facts.update(_interleaved(hf, family, window, max_positions))
     if family.nope_global_layers:
         facts.update(_nope_global(hf, family, facts, window))
     return facts
@@ -110,8 +110,9 @@ def rotary_dim(hf: dict, head_dim: int) -> int:
     return dim
 
 
-def _interleaved(hf: dict, family: Family, window: int) -> dict:
-    """Local (sliding window) and global layers and their rope bases (Gemma 2 and 3)."""
+def _interleaved(hf: dict, family: Family, window: int, max_positions: int) -> dict:
+    """Local (sliding window) and global layers and their ropes (Gemma 2 and 3, OLMo 3, EXAONE 4, Cohere 2): the
+    global layers' scaling, its attention factor and context limit, and the local layers' base."""
     layers = hf["num_hidden_layers"]
     types = hf.get("layer_types")
     if types is None:
@@ -121,10 +122,15 @@ def _interleaved(hf: dict, family: Family, window: int) -> dict:
         raise UserError(f"config.json layer_types must list {layers} of {', '.join(LAYER_TYPES)}")
     facts = {"layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types)}
     theta, scaling = layer_type_rope(hf, "full_attention")
-    facts.update(rope_theta=theta, rope_scaling=scaling)
+    facts.update(rope_theta=theta, rope_scaling=scaling, max_position_embeddings=context_limit(scaling, max_positions))
+    factor = attention_factor(scaling, max_positions)
+    if factor != 1.0:
+        facts["rope_attention_factor"] = factor
     local_theta, local_scaling = layer_type_rope(hf, "sliding_attention")
     if local_scaling is not None:
         raise UserError("rope scaling on the sliding-window layers is not supported")
-    if "sliding_attention" in types and local_theta != theta:
+    # the local layers get a table of their own where their rope differs: another base (Gemma 3), or the same
+    # base without the global layers' scaling (OLMo 3's YaRN)
+    if "sliding_attention" in types and (local_theta != theta or scaling is not None):
         facts["local_rope_theta"] = local_theta
     return facts

@@ -144,13 +144,15 @@ def _attention(g: Graph, h: str, weight, norm, cfg: ModelConfig, family: Family,
     window = cfg.layer_windows[i] if cfg.layer_windows else cfg.sliding_window
     nope = i in cfg.nope_layers
     rope_name = NOPE_ROPE if nope else "rope.local.inv_freq" if cfg.local_rope_theta and window else "rope.inv_freq"
+    scaled = rope_name == "rope.inv_freq"   # the global table, which carries the rope scaling
     q = g.add("RotaryKVWrite", [qkv, "positions", rope_name, f"kv_cache.{i}", "slot_mapping"],
               p + "q.rot", **heads)
     softcap = {"softcap": cfg.attn_logit_softcap} if cfg.attn_logit_softcap else {}
-    # the rope's attention factor (LongRoPE, YaRN) scales the rotated dims of q and k: none on a NoPE layer
+    # the rope scaling's attention factor (LongRoPE, YaRN) scales the rotated dims of q and k: only where the
+    # layer's table is the scaled one (not a NoPE layer's, nor a local layer's unscaled table)
     attn = g.add("PagedAttention", [q, f"kv_cache.{i}", "block_tables", "context_lens",
                                     "query_start_loc"], p + "attn",
-                 scale=(cfg.attn_scale or cfg.head_dim ** -0.5) * (1.0 if nope else cfg.rope_attention_factor ** 2),
+                 scale=(cfg.attn_scale or cfg.head_dim ** -0.5) * (cfg.rope_attention_factor ** 2 if scaled else 1.0),
                  sliding_window=window, **softcap, **heads)
     x = _linear(g, attn, weight, p + "o", hf + "self_attn.o_proj", False, cfg.q_size)
     _scale_output(g, p + "o", cfg.residual_scale)

@@ -115,6 +115,12 @@ FAMILIES = {
                         experts=Experts(dense_layers=True)),
     "olmoe": Family("olmoe", qk_norm_projection=True, experts=Experts(intermediate_key="intermediate_size")),
     "olmo2": Family("olmo2", qk_norm_projection=True, sandwich_norms=True, pre_norms=False),
+    # OLMo 3: OLMo 2's block with three local layers in four, the global ones' rope alone scaled (YaRN)
+    "olmo3": Family("olmo3", qk_norm_projection=True, sandwich_norms=True, pre_norms=False, sliding_window_pattern=4,
+                    refused_true=("attention_bias",)),
+    # Seed-OSS: Llama's network with a bias on q, k and v (attention_bias; attention_out_bias and mlp_bias refused)
+    "seed_oss": Family("seed_oss", defaults=(("attention_bias", True),),
+                       refused_true=("attention_out_bias", "mlp_bias")),
     # GLM-4 (-0414): Gemma's four norms (layouts.py renames them), fused gate_up, half of each head rotated in
     # interleaved pairs, a bias on q, k and v (attention_bias, true in its configs)
     "glm4": Family("glm4", layout="glm4", sandwich_norms=True, rope_interleave=True,

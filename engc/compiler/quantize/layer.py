@@ -40,7 +40,8 @@ class DecoderLayer:
         if cfg is not None:
             self.window = cfg.layer_windows[index] if cfg.layer_windows else cfg.sliding_window
             self.nope = index in cfg.nope_layers   # SmolLM3's NoPE layers: no rotary, as the build's zero table
-        self.inv_freq = local_inv_freq if local_inv_freq is not None and self.window else inv_freq
+        self.local = local_inv_freq is not None and bool(self.window)   # its table unscaled (Gemma 3, OLMo 3)
+        self.inv_freq = local_inv_freq if self.local else inv_freq
         if self.nope:
             self.inv_freq = torch.zeros_like(inv_freq)
 
@@ -84,7 +85,8 @@ class DecoderLayer:
         rep = c.num_heads // c.num_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         # the lowering's PagedAttention scale: LongRoPE's factor multiplies both q and k's rotated dims
-        scale = (c.attn_scale or c.head_dim ** -0.5) * (1.0 if self.nope else c.rope_attention_factor ** 2)
+        scaled = not (self.nope or self.local)   # the layer's table carries the rope scaling (decoder.py's rule)
+        scale = (c.attn_scale or c.head_dim ** -0.5) * (c.rope_attention_factor ** 2 if scaled else 1.0)
         pos = torch.arange(t)
         mask = None
         if self.window:
