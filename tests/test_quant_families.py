@@ -171,18 +171,21 @@ def test_prequantized_fused_checkpoint_builds(family, tiny_dir, internlm2_src, t
 
 
 def hf_layer_io(src, ids):
-    """Each HF decoder layer's (input, output) on ids."""
+    """Each HF decoder layer's (input, output, its MLP's input) on ids (the MLP's input None for a layer whose
+    MLP is not a module called `mlp` with one input)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    seen = []
+    seen, mlp_in = [], {}
     hooks = [layer.register_forward_hook(
         lambda m, args, kwargs, out: seen.append((args[0] if args else kwargs["hidden_states"],
                                                   out[0] if isinstance(out, tuple) else out)), with_kwargs=True)
         for layer in model.model.layers]
+    hooks += [layer.mlp.register_forward_pre_hook(lambda m, args, i=i: mlp_in.setdefault(i, args[0]))
+              for i, layer in enumerate(model.model.layers) if hasattr(layer, "mlp")]
     with torch.no_grad():
         model(ids)
     for h in hooks:
         h.remove()
-    return seen
+    return [(x, out, mlp_in.get(i)) for i, (x, out) in enumerate(seen)]
 
 
 def assert_layers_match_hf(src, ids, hf_src=None) -> list:
@@ -199,12 +202,15 @@ def assert_layers_match_hf(src, ids, hf_src=None) -> list:
     rope = (_rope_table(cfg, cfg.rope_theta, cfg.rope_scaling),
             _rope_table(cfg, cfg.local_rope_theta, None) if cfg.local_rope_theta else None)
     layers = []
-    for i, (x, expected) in enumerate(seen):
+    for i, (x, expected, mlp_in) in enumerate(seen):
         prefix = f"model.layers.{i}."
         weights = {n[len(prefix):]: view.get(n).float() for n in view.names() if n.startswith(prefix)}
         layer, _ = calibration_layer(view.hf_config, cfg, rope, i, weights, {k: v.dtype for k, v in weights.items()})
         with torch.no_grad():
             ours = layer.forward(x)
+            # what GPTQ's and AWQ's MLP stages calibrate on (a dense MLP's: an MoE layer's is experts.py's)
+            if mlp_in is not None and layer.moe is None and not cfg.kv_lora_rank:
+                assert torch.allclose(layer.mlp_input(x), mlp_in, atol=1e-5, rtol=1e-5), i
         assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-5), (i, (ours - expected).abs().max())
         layers.append(layer)
     return layers

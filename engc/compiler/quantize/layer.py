@@ -118,11 +118,11 @@ class DecoderLayer:
         return self.norm(x, self.mlp_norm) if self.cfg.pre_norms else x
 
     def mlp_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP's input from the layer's input x: the normed sum after the attention, or (a parallel block,
-        Cohere) the attention's own input."""
+        """The MLP's input from the layer's input x: the normed sum after the attention (as forward makes it), or
+        (a parallel block, Cohere) the attention's own input."""
         if self.cfg.parallel_block:
             return self.attn_in(x)
-        return self.mlp_in(x + self.attention(self.attn_in(x)))
+        return self.mlp_in(x + self.attention(self.attn_in(x)) * self.cfg.residual_scale)
 
     def mlp_act(self, h: torch.Tensor) -> torch.Tensor:
         # silu_mul's / gelu_tanh_mul's arithmetic on the two halves they would split, without concatenating them
