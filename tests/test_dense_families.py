@@ -383,7 +383,7 @@ def test_gguf_matches_transformers(tmp_path, arch, model_type, extra):
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "smollm3", "granite", "olmo2", "glm4",
-                                    "ernie4_5", "exaone4", "cohere", "cohere2"])
+                                    "ernie4_5", "exaone4", "cohere", "cohere2", "olmo3", "seed_oss", "ministral3"])
 def test_bfloat16_matches_hf(family, tiny_dir, tmp_path):
     """A bfloat16 bundle on the CPU against HF in bfloat16, as tests/test_bf16_cpu.py checks the others: the
     same greedy tokens, the prompt's logits within a few bfloat16 ulps of the largest. Covers the (1 + weight)
