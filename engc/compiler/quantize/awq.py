@@ -43,18 +43,19 @@ def awq_attention(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: i
 def awq_mlp(layer: DecoderLayer, x: torch.Tensor, group_size: int, grid: int) -> None:
     """A dense MLP, x the layer's input (its MLP reads layer.mlp_input(x), the attention as scaled so far):
     gate/up's scale over the MLP's input norm, down's over up's output, then the clipping of the three on their
-    inputs as scaled."""
-    m = batched(layer.mlp_input, x)
+    inputs as scaled. The norm's input is computed once (the searches change the norm, not the attention)."""
+    x_mid = batched(layer.mlp_residual, x)
+    m = batched(layer.mlp_in, x_mid)
     # as q/k/v's: gate/up's scale folds only into a norm before them, and a parallel block's norm took it with
     # q/k/v's (scale_attention)
     if layer.cfg.pre_norms and not layer.cfg.parallel_block:
         scale_projections(layer, layer.mlp_norm, ["mlp.gate_proj", "mlp.up_proj"], m,
                           lambda inp: batched(layer.mlp, inp), group_size, grid)
-    m = batched(layer.mlp_input, x)
+    m = batched(layer.mlp_in, x_mid)
     act = batched(layer.mlp_act, m)
     scale_projections(layer, "mlp.up_proj", ["mlp.down_proj"], act,
                       lambda inp: layer.linear(inp, "mlp.down_proj"), group_size, grid)
-    m = batched(layer.mlp_input, x)
+    m = batched(layer.mlp_in, x_mid)
     act = batched(layer.mlp_act, m)
     clip_projections(layer, (("mlp.gate_proj", m), ("mlp.up_proj", m), ("mlp.down_proj", act)), group_size, grid)
 

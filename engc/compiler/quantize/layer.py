@@ -47,7 +47,10 @@ class DecoderLayer:
 
     @property
     def mlp_norm(self) -> str:
-        """The norm whose output the MLP reads (AWQ folds gate/up's scales into it)."""
+        """The norm whose output the MLP reads (AWQ folds gate/up's scales into it): a parallel block's is the
+        attention's."""
+        if self.cfg.parallel_block:
+            return ATTN_NORM
         return "pre_feedforward_layernorm" if self.cfg.sandwich_norms else "post_attention_layernorm"
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -117,12 +120,16 @@ class DecoderLayer:
     def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x, self.mlp_norm) if self.cfg.pre_norms else x
 
-    def mlp_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP's input from the layer's input x: the normed sum after the attention (as forward makes it), or
-        (a parallel block, Cohere) the attention's own input."""
+    def mlp_residual(self, x: torch.Tensor) -> torch.Tensor:
+        """What the MLP's input norm reads, from the layer's input x: the sum after the attention (as forward
+        makes it), or (a parallel block, Cohere) x itself, which the attention's norm reads too (mlp_norm)."""
         if self.cfg.parallel_block:
-            return self.attn_in(x)
-        return self.mlp_in(x + self.attention(self.attn_in(x)) * self.cfg.residual_scale)
+            return x
+        return x + self.attention(self.attn_in(x)) * self.cfg.residual_scale
+
+    def mlp_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP's input from the layer's input x."""
+        return self.mlp_in(self.mlp_residual(x))
 
     def mlp_act(self, h: torch.Tensor) -> torch.Tensor:
         # silu_mul's / gelu_tanh_mul's arithmetic on the two halves they would split, without concatenating them
