@@ -39,6 +39,8 @@ def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positi
     if family.scaled_embedding:
         facts["embed_scale"] = hf["hidden_size"] ** 0.5
     scale = hf["query_pre_attn_scalar"] ** -0.5 if "query_pre_attn_scalar" in hf else head_dim ** -0.5
+    if family.sliding_window_pattern:   # the global layers' rope is the scaled one (_interleaved: the local ones')
+        scaling = layer_type_rope(hf, "full_attention")[1]
     if scaling is not None and scaling.get("original_max_position_embeddings") is None \
             and hf.get("original_max_position_embeddings"):
         scaling = {**scaling, "original_max_position_embeddings": hf["original_max_position_embeddings"]}
@@ -65,7 +67,7 @@ def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positi
     if family.nope_layers:
         facts.update(_nope(hf, window))
     if family.sliding_window_pattern:
-        facts.update(_interleaved(hf, family, window, max_positions))
+        facts.update(_interleaved(hf, family, window))
     if family.nope_global_layers:
         facts.update(_nope_global(hf, family, facts, window))
     return facts
@@ -110,9 +112,9 @@ def rotary_dim(hf: dict, head_dim: int) -> int:
     return dim
 
 
-def _interleaved(hf: dict, family: Family, window: int, max_positions: int) -> dict:
-    """Local (sliding window) and global layers and their ropes (Gemma 2 and 3, OLMo 3, EXAONE 4, Cohere 2): the
-    global layers' scaling, its attention factor and context limit, and the local layers' base."""
+def _interleaved(hf: dict, family: Family, window: int) -> dict:
+    """Local (sliding window) and global layers and their rope bases (Gemma 2 and 3, OLMo 3, EXAONE 4, Cohere 2);
+    block_facts takes the global layers' scaling, its attention factor and context limit."""
     layers = hf["num_hidden_layers"]
     types = hf.get("layer_types")
     if types is None:
@@ -122,10 +124,7 @@ def _interleaved(hf: dict, family: Family, window: int, max_positions: int) -> d
         raise UserError(f"config.json layer_types must list {layers} of {', '.join(LAYER_TYPES)}")
     facts = {"layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types)}
     theta, scaling = layer_type_rope(hf, "full_attention")
-    facts.update(rope_theta=theta, rope_scaling=scaling, max_position_embeddings=context_limit(scaling, max_positions))
-    factor = attention_factor(scaling, max_positions)
-    if factor != 1.0:
-        facts["rope_attention_factor"] = factor
+    facts["rope_theta"] = theta
     local_theta, local_scaling = layer_type_rope(hf, "sliding_attention")
     if local_scaling is not None:
         raise UserError("rope scaling on the sliding-window layers is not supported")
