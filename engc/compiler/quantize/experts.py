@@ -36,14 +36,18 @@ def shared_expert(hf: dict) -> tuple[str, int] | None:
     return ("mlp.shared_experts." if family.experts.shared_experts_count_key else "mlp.shared_expert."), width
 
 
+def shared_projections(hf: dict) -> tuple[str, ...]:
+    """The shared expert's gate, up and down (names relative to the layer), () without one."""
+    shared = shared_expert(hf)
+    return tuple(shared[0] + n for n in ("gate_proj", "up_proj", "down_proj")) if shared else ()
+
+
 def shared_linears(hf: dict) -> tuple[str, ...]:
     """The shared expert's projections engc quantize packs: all three where the engc int4 layout holds its down's
     inputs (a multiple of 32, as the published Qwen-MoE and DeepSeek widths are), else none (kept float, listed
     in the checkpoint's modules_to_not_convert: stream.float_modules)."""
     shared = shared_expert(hf)
-    if shared is None or shared[1] % CHUNK:
-        return ()
-    return tuple(shared[0] + n for n in ("gate_proj", "up_proj", "down_proj"))
+    return () if shared is None or shared[1] % CHUNK else shared_projections(hf)
 
 
 def moe_linears(hf: dict, layer: int, weights: dict, dtypes: dict, attention: tuple[str, ...] = LINEARS[:4]) \
@@ -88,8 +92,7 @@ class MoeMlp:
         self.block = ex.block
         names = [n for n in linears if n.startswith(f"{ex.block}.experts.")]
         self.experts = [names[i:i + 3] for i in range(0, len(names), 3)]   # (gate, up, down)
-        shared = shared_expert(hf)
-        self.shared = tuple(shared[0] + n for n in ("gate_proj", "up_proj", "down_proj")) if shared else ()
+        self.shared = shared_projections(hf)
         self.quantized_shared = bool(self.shared) and self.shared[0] in linears
         self.top_k = hf["num_experts_per_tok"]
         renormalize = int(bool(hf.get(ex.renormalize, False) if isinstance(ex.renormalize, str)
@@ -108,15 +111,12 @@ class MoeMlp:
             out += self.shared_out(layer, h)
         return out.reshape(shape)
 
-    def shared_act(self, layer, h: torch.Tensor, linear=None) -> torch.Tensor:
-        """The shared expert's SiLU GLU [N, I] over h [N, H], its down's input."""
-        linear = linear or layer.linear
-        return F.silu(linear(h, self.shared[0])) * linear(h, self.shared[1])
-
     def shared_out(self, layer, h: torch.Tensor, linear=None) -> torch.Tensor:
         """The shared expert's output [N, H] over h [N, H], times its sigmoid gate where it has one; each
         projection applied by linear(x, name), layer.linear unless given."""
-        out = (linear or layer.linear)(self.shared_act(layer, h, linear), self.shared[2])
+        linear = linear or layer.linear
+        gate, up, down = self.shared
+        out = linear(F.silu(linear(h, gate)) * linear(h, up), down)
         if "mlp.shared_expert_gate.weight" in layer.w:
             out = out * torch.sigmoid(layer.linear(h, "mlp.shared_expert_gate"))
         return out
