@@ -268,7 +268,8 @@ def test_unsupported_variant_of_a_family_refused(tiny_dir, tmp_path, change, mes
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "internlm3", "smollm3", "granite", "olmo2",
-                                    "glm4", "ernie4_5", "exaone4", "cohere", "cohere2"])
+                                    "olmo3", "glm4", "ernie4_5", "exaone4", "cohere", "cohere2",
+                                    "ministral3", "seed_oss"])
 def test_gpu_greedy_matches_cpu(family, tiny_dir, qwen2_src, tmp_path):
     """On a GPU: the float32 bundle's greedy tokens on the GPU (CUDA graphs on and off) are the CPU's."""
     from test_gpu import greedy, gpu_ready, sm_arch
