@@ -255,8 +255,8 @@ def test_gemma3_gpu_bundle_has_its_kernels(tiny_dir, tmp_path):
     ({"mlp_bias": True}, "sets mlp_bias: true"),
     ({"no_rope_layers": [1, 0]}, "no_rope_layers must give 0 or 1 for each of the 4 layers"),
     ({"model_type": "granite", "attention_bias": True}, "sets attention_bias: true for a granite model"),
-    ({"model_type": "cohere", "use_qk_norm": True}, "sets use_qk_norm: true for a cohere model"),
-], ids=["attention-bias", "mlp-bias", "short-no-rope-layers", "granite-bias", "cohere-qk-norm"])
+    ({"model_type": "cohere", "attention_bias": True}, "sets attention_bias: true for a cohere model"),
+], ids=["attention-bias", "mlp-bias", "short-no-rope-layers", "granite-bias", "cohere-bias"])
 def test_unsupported_variant_of_a_family_refused(tiny_dir, tmp_path, change, message):
     src = tiny_dir(change.get("model_type", "smollm3"))
     cfg = {**json.loads((src / "config.json").read_text()), **change}
@@ -395,7 +395,8 @@ def test_bfloat16_matches_hf(family, tiny_dir, tmp_path):
     between two tokens at its 14th step.)"""
     from test_bf16_cpu import engine_greedy, hf_greedy as hf_cached_greedy, one_ulp
     exact = dict(embedding_multiplier=4.0, attention_multiplier=0.25, residual_multiplier=0.5, logits_scaling=2.0)
-    src = tiny_dir(family, **(exact if family == "granite" else {}))
+    # Cohere with Command R+'s per-head q/k LayerNorm (test_hf_parity checks it in float32 too)
+    src = tiny_dir(family, **{"granite": exact, "cohere": {"use_qk_norm": True}}.get(family, {}))
     build(str(src), tmp_path / "b", BuildOptions(dtype="bfloat16"))
     model = load(tmp_path / "b")
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
@@ -437,3 +438,13 @@ def test_gemma_bundles_start_with_bos(tiny_bundle):
         tok = load(tiny_bundle(family)).tokenizer
         assert tok.encode("Paris is")[0] == 0 and tok.encode("Paris is", add_special_tokens=False)[0] != 0
     assert load(tiny_bundle("phi3")).tokenizer.encode("Paris is")[0] != 0
+
+
+def test_cohere_qk_layer_norm_needs_no_qk_norm_kernel(tiny_dir):
+    """Command R+'s per-head q/k LayerNorm is a QKLayerNorm node (layer_norm's reference on every device):
+    a GPU build compiles no qk_norm kernel for it, which would serve no node."""
+    from engc.compiler.codegen.specs import model_specs
+    from engc.compiler.frontend.decoder import resolve_config
+    cfg = resolve_config(json.loads((tiny_dir("cohere", use_qk_norm=True) / "config.json").read_text()))
+    assert cfg.qk_norm and cfg.layer_norm
+    assert not [s for s in model_specs(cfg, torch.bfloat16, "sm90", 16) if s.op == "qk_norm"]

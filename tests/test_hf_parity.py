@@ -32,12 +32,13 @@ def hf_greedy(folder, prompt_ids, n):
     ("smollm3", {}), ("smollm3", {"use_sliding_window": True, "sliding_window": 8}), ("granite", {}),
     ("olmo2", {}), ("glm4", {}), ("ernie4_5", {}), ("exaone4", {}),
     ("exaone4", {"sliding_window": None, "layer_types": ("full_attention",) * 4}), ("cohere", {}),
-    ("cohere2", {}), ("ministral3", {}), ("olmo3", {}), ("seed_oss", {}),
+    ("cohere", {"use_qk_norm": True}), ("cohere2", {}), ("ministral3", {}), ("olmo3", {}), ("seed_oss", {}),
 ], ids=["llama", "mistral", "qwen2", "qwen3", "mistral-sliding-window",
         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "mixtral-router-ties", "qwen3_moe-router-ties",
         "smollm3-nope-layers-yarn", "smollm3-window-on-the-nope-layers", "granite-multipliers",
         "olmo2-post-norms-only", "glm4-interleaved-partial-rotary", "ernie4_5-interleaved-rotary",
         "exaone4-local-layers-and-a-global-nope-one", "exaone4-global-only", "cohere-parallel-block",
+        "cohere-per-head-qk-layer-norm",
         "cohere2-local-layers-and-a-global-nope-one", "ministral3-yarn-within-the-original-context",
         "olmo3-local-layers-and-a-yarn-global-one", "seed_oss-qkv-bias"])
 def test_greedy_matches_hf(family, overrides, tiny_dir, tiny_bundle):

@@ -19,7 +19,7 @@ def with_defaults(hf: dict, family: Family) -> dict:
     for key in family.refused_true:
         if hf.get(key):
             raise UserError(f"config.json sets {key}: true for a {family.name} model, which engc does not "
-                            "support (a bias it has no input for, or a per-head norm it does not compute)")
+                            "support (a bias it has no input for)")
     if hf.get("use_bidirectional_attention"):
         raise UserError("config.json sets use_bidirectional_attention: true; engc builds causal decoders only")
     return {**dict(family.defaults), **hf}
@@ -63,7 +63,7 @@ def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positi
             facts["embed_scale"] = float(hf["embedding_multiplier"])
     if family.cohere:
         facts.update(layer_norm=True, parallel_block=True, rms_norm_eps=float(hf["layer_norm_eps"]),
-                     logit_scale=float(hf["logit_scale"]))
+                     logit_scale=float(hf["logit_scale"]), qk_norm=bool(hf.get("use_qk_norm")))
     if family.nope_layers:
         facts.update(_nope(hf, window))
     if family.sliding_window_pattern:

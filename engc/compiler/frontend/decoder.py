@@ -135,8 +135,8 @@ def _attention(g: Graph, h: str, weight, norm, cfg: ModelConfig, family: Family,
         qkv_parts[:2] = [g.add("RMSNorm", [part, weight(f"{p}{n}_norm.weight", f"{hf}self_attn.{n}_norm.weight")],
                                f"{p}{n}.normed", eps=eps) for n, part in zip("qk", qkv_parts)]
     qkv = _concat(g, qkv_parts, p + "qkv")
-    if cfg.qk_norm:
-        qkv = g.add("QKNorm" + norm.variant, [qkv, norm.weight(p + "q_norm.weight", hf + "self_attn.q_norm.weight"),
+    if cfg.qk_norm:   # per head; Cohere's LayerNorm has a weight per head ([heads, head_dim])
+        qkv = g.add("QKLayerNorm" if cfg.layer_norm else "QKNorm" + norm.variant, [qkv, norm.weight(p + "q_norm.weight", hf + "self_attn.q_norm.weight"),
                                               norm.weight(p + "k_norm.weight", hf + "self_attn.k_norm.weight")],
                     p + "qkv.normed", num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                     head_dim=cfg.head_dim, eps=eps)

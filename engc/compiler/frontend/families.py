@@ -76,7 +76,8 @@ class Family:
     # ("window_set"), Cohere 2's always, every layer without a window then ("always")
     nope_global_layers: str | None = None
     # Cohere: LayerNorm (mean subtracted, no bias; eps config.json's layer_norm_eps) in place of RMSNorm; the
-    # attention and the MLP read the same normed input and both add to the residual; logits times logit_scale
+    # attention and the MLP read the same normed input and both add to the residual; logits times logit_scale;
+    # where config.json sets use_qk_norm (Command R+), each head of q and k LayerNormed with a weight of its own
     cohere: bool = False
     # Granite: config.json's embedding_multiplier, attention_multiplier (the q.k scale itself),
     # residual_multiplier (each block's output before the residual add) and logits_scaling (the logits' divisor)
@@ -125,7 +126,8 @@ FAMILIES = {
     # interleaved pairs, a bias on q, k and v (attention_bias, true in its configs)
     "glm4": Family("glm4", layout="glm4", sandwich_norms=True, rope_interleave=True,
                    defaults=(("attention_bias", True), ("partial_rotary_factor", 0.5))),
-    "cohere": Family("cohere", cohere=True, rope_interleave=True, refused_true=("use_qk_norm",),
+    # attention_bias puts one on o_proj too, which the lowering has no input for
+    "cohere": Family("cohere", cohere=True, rope_interleave=True, refused_true=("attention_bias",),
                      defaults=(("logit_scale", 0.0625), ("layer_norm_eps", 1e-5), ("tie_word_embeddings", True))),
     # Cohere 2 (Command R7B, Command A): Cohere's block, three local layers in four, the global ones NoPE
     "cohere2": Family("cohere2", cohere=True, rope_interleave=True, sliding_window_pattern=4,

@@ -113,6 +113,8 @@ def llama_names(ckpt: Checkpoint, layout: str, cfg: ModelConfig, rotary_dim: int
         for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads)):
             for name in _head_rows(loaders, proj, ROW_TENSORS):
                 loaders[name] = _lazy(head_rows_permuted, loaders[name], perm, heads)
+        for name in _head_rows(loaders, "[qk]_norm", ("weight",)):   # a q/k norm's weights follow their dims
+            loaders[name] = _lazy(head_dims_permuted, loaders[name], perm)
     return dataclasses.replace(ckpt, loaders=loaders)
 
 
@@ -128,6 +130,12 @@ def partial_rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = Fal
 def head_rows_permuted(w: torch.Tensor, perm: torch.Tensor, heads: int) -> torch.Tensor:
     """Rows [heads * head_dim, ...] with each head's rows in the order perm."""
     return w.reshape(heads, perm.numel(), *w.shape[1:])[:, perm].reshape(w.shape).contiguous()
+
+
+def head_dims_permuted(w: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """A q/k norm's weight ([head_dim], [heads, head_dim] or [heads * head_dim]) with each head's dims in the
+    order perm, as the rows of the projection it norms."""
+    return w.reshape(-1, perm.numel())[:, perm].reshape(w.shape).contiguous()
 
 
 def head_rows_scaled(w: torch.Tensor, start: int, head_dim: int, heads: int, factor: float,

@@ -41,7 +41,7 @@ from engc.kernels.int4_linear.layout import CHUNK, PACK
 _PROJECTION = re.compile(r"layers\.\d+\.(shared_expert\.)?(q|q_a|q_b|kv_a|k|v|o|gate|up|down)\.(weight|bias|qweight)$")
 # latent attention's down-projections: every rank reads the whole latent (and q's) they make
 _REPLICATED = ("q_a", "kv_a")
-_HEADS = ("RotaryKVWrite", "PagedAttention", "QKNorm", "QKNormUnitOffset")
+_HEADS = ("RotaryKVWrite", "PagedAttention", "QKNorm", "QKNormUnitOffset", "QKLayerNorm")
 # nodes that compute the same on a shard as on the whole (per row, per head, or replicated weights)
 _AS_IS = {"Gather", "Concat", "Cast", "Add", "Mul", "RMSNorm", "AddRMSNorm", "RMSNormUnitOffset",
           "AddRMSNormUnitOffset", "SiluMul", "GeluTanhMul", "LogitSoftcap", "LatentRMSNorm", "LayerNorm",
@@ -72,6 +72,9 @@ def _shard(g: Graph, cfg: ModelConfig, tp: int) -> Graph:
             continue
         elif node.op in _HEADS:
             node.attrs.update(num_heads=per_rank_heads, num_kv_heads=kv_head_of(cfg, tp, 0)[1])
+            if node.op == "QKLayerNorm":   # a weight row per head: the rank's heads' rows
+                _rows(g, node.inputs[1], _nth(per_rank_heads))
+                _rows(g, node.inputs[2], lambda r: slice(*_span(kv_head_of(cfg, tp, r))))
         elif node.op in ("Gemm", "QLinear") and node.inputs[0] == head_gather.outputs[0]:
             _shard_head(g, node, cfg, tp)
         elif node.op in ("Gemm", "QLinear"):

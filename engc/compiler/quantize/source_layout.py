@@ -6,7 +6,7 @@ squared). What it writes is a normal AWQ / GPTQ checkpoint of the source family 
 and other tools read it as they read any such checkpoint of that family: each layer's quantized weights go
 back through that view's inverse before packing. A quantized weight's codes, scales and zeros are all one
 row an output, so every step is a row operation on the three, the input groups (g_idx) untouched: q and k
-rows back in HF's order, q's unrotated rows' scales multiplied by the factor squared ((q - zero) * scale is
+rows back in HF's order (and the dims of per-head q/k norm weights), q's unrotated rows' scales multiplied by the factor squared ((q - zero) * scale is
 the weight), fused projections' parts joined along the outputs (phi3's qkv_proj and gate_up_proj,
 internlm2's grouped wqkv), the rest renamed (internlm2's w1/w3/w2, its norms).
 """
@@ -19,8 +19,8 @@ import torch
 from engc.bundle.model_config import ModelConfig
 from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.families import family_of
-from engc.compiler.frontend.layouts import (GLOBAL_NAMES, LAYER_TENSORS, head_rows_permuted, head_rows_scaled,
-                                            join_rows, partial_rotary_order, text_config,
+from engc.compiler.frontend.layouts import (GLOBAL_NAMES, LAYER_TENSORS, head_dims_permuted, head_rows_permuted,
+                                            head_rows_scaled, join_rows, partial_rotary_order, text_config,
                                             text_source_prefix)
 from engc.compiler.quantize.rtn import QuantizedWeight
 
@@ -87,6 +87,9 @@ def _hf_row_order(cfg: ModelConfig, quantized: dict, floats: dict) -> None:
                                              for k in ("q", "scales", "zeros")})
         if proj + ".bias" in floats:
             floats[proj + ".bias"] = head_rows_permuted(floats[proj + ".bias"], inverse, heads)
+    for norm in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):   # Cohere's per-head q/k norms
+        if norm in floats:
+            floats[norm] = head_dims_permuted(floats[norm], inverse)
     factor = cfg.rope_attention_factor ** 2
     if factor != 1.0:
         scale = lambda t: head_rows_scaled(t, rotary, cfg.head_dim, cfg.num_heads, factor)  # noqa: E731

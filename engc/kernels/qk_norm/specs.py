@@ -9,7 +9,7 @@ from engc.compiler.codegen.kernel_spec import Build, make_spec, pow2
 def specs(b: Build) -> list:
     if b.cfg.qk_norm_projection:
         return qk_norm_specs(b.cfg, b.t, b.arch, b.ov("qk_norm"), projection=True)
-    if not b.cfg.qk_norm:
+    if not b.cfg.qk_norm or b.cfg.layer_norm:   # Cohere's per-head q/k LayerNorm is layer_norm's (no kernel)
         return []
     return qk_norm_specs(b.cfg, b.t, b.arch, b.ov("qk_norm"), unit_offset=b.cfg.norm_unit_offset and b.t != "fp32")
 
