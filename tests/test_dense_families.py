@@ -448,3 +448,28 @@ def test_cohere_qk_layer_norm_needs_no_qk_norm_kernel(tiny_dir):
     cfg = resolve_config(json.loads((tiny_dir("cohere", use_qk_norm=True) / "config.json").read_text()))
     assert cfg.qk_norm and cfg.layer_norm
     assert not [s for s in model_specs(cfg, torch.bfloat16, "sm90", 16) if s.op == "qk_norm"]
+
+
+@pytest.mark.parametrize("extra,refused", [
+    ("self_attn.o_proj.bias", True),     # Llama's attention_bias puts one on o_proj too: not computed
+    ("mlp.down_proj.bias", True),        # mlp_bias
+    ("self_attn.o_proj.bias", False),    # all zeros: computes nothing, builds
+    ("self_attn.rotary_emb.inv_freq", False),   # a rotary table older checkpoints saved
+], ids=["o-bias", "mlp-bias", "zero-bias", "rotary-table"])
+def test_layer_tensor_the_model_does_not_compute_is_refused(tiny_dir, tmp_path, extra, refused):
+    """A checkpoint tensor of a decoder layer that the lowering never reads is a part of the network engc
+    would leave out: the build refuses it in one line, naming it, rather than build another model."""
+    src = tiny_dir("llama")
+    cfg = json.loads((src / "config.json").read_text())
+    name = f"model.layers.1.{extra}"
+
+    def add(t):
+        t[name] = (torch.ones if refused else torch.zeros)(cfg["hidden_size"] if "bias" in extra else 8)
+        return t
+    _relaid(src, tmp_path / "m", cfg, add)
+    if not refused:
+        build(str(tmp_path / "m"), tmp_path / "b", BuildOptions())
+        return
+    with pytest.raises(UserError, match=f"has tensor '{name}'.*does not compute") as e:
+        build(str(tmp_path / "m"), tmp_path / "b", BuildOptions())
+    assert "\n" not in str(e.value)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import torch
 
@@ -70,7 +71,8 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
     if cfg.num_heads % cfg.num_kv_heads:
         raise UserError(f"num_attention_heads {cfg.num_heads} is not a multiple of "
                         f"num_key_value_heads {cfg.num_kv_heads}")
-    ckpt = llama_names(ckpt, family.layout, cfg, cfg.rotary_dim or cfg.head_dim, cfg.rope_attention_factor)
+    ckpt = llama_names(ckpt, family.layout, cfg, cfg.rotary_dim or cfg.head_dim,
+                       cfg.rope_attention_factor).tracked()
     g = Graph(num_layers=cfg.num_layers, dtype=str(dtype).removeprefix("torch."))
     weight = _weight_binder(ckpt, g, dtype)
     rope = _rope_table(cfg, cfg.rope_theta, cfg.rope_scaling)
@@ -114,7 +116,27 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
             x = norm(x, None, p + "mlp_out_norm.weight", hf + "post_feedforward_layernorm.weight", f"{p}mlp_out")[0]
 
     h, _ = norm(x, residual, "norm.weight", "model.norm.weight", "final")
+    _refuse_unread(ckpt, cfg)
     return _head(g, h, ckpt, weight, embed, cfg)
+
+
+# layer tensors that are not weights of the network: rotary tables some checkpoints saved
+_NOT_WEIGHTS = (".rotary_emb.inv_freq",)
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _refuse_unread(ckpt: Checkpoint, cfg: ModelConfig) -> None:
+    """A layer's tensor the lowering never asked for is a part of the network it leaves out (a bias on o_proj or
+    the MLP, a norm some config key adds): refused, rather than built into a model that computes something
+    else. An all-zero one (a zero bias) changes nothing and passes; layers past num_hidden_layers (DeepSeek-V3's
+    multi-token prediction layer) are not the decoder's."""
+    unread = [n for n in ckpt.names() if n not in ckpt.asked and not n.endswith(_NOT_WEIGHTS)
+              and (m := _LAYER.match(n)) and int(m.group(1)) < cfg.num_layers]
+    unread = [n for n in unread if ckpt.loaders[n]().count_nonzero()]
+    if unread:
+        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise UserError(f"checkpoint {ckpt.name} has tensor '{unread[0]}'{more}, which engc's {cfg.family} model "
+                        "does not compute (a variant of the family engc does not support)")
 
 
 def _mlp(g: Graph, weight, cfg: ModelConfig, h: str, p: str, hf: str, width: int) -> str:
