@@ -217,6 +217,9 @@ def test_what_moe_lacks_is_refused_in_one_line(tiny_dir, tmp_path):
     # fp8 experts need the FP8 conversions of sm89+, as the dense fp8 projections do
     assert_one_line_error(engc("build", tiny_dir("mixtral"), "-o", tmp_path / "b", "--arch", "sm80", "--quant", "fp8"),
                           "fp8", "sm80")
+    # Granite MoE's stacked experts have no int4 checkpoint layout to write them in
+    assert_one_line_error(engc("quantize", tiny_dir("granitemoe"), "-o", tmp_path / "q", "--method", "rtn"),
+                          "granitemoe", "stacked experts")
 
 
 def test_int4_experts_build_for_the_gpu(tiny_dir, tmp_path):
@@ -424,15 +427,19 @@ def test_gguf_4bit_shared_expert_is_kept_4bit(tiny_dir, tmp_path):
     assert float((a - b).abs().max() / a.abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"])
 def test_bfloat16_bundle_decodes_as_hf_bfloat16(family, tiny_dir, tmp_path):
     """A bfloat16 MoE bundle on the CPU rounds as transformers' default (grouped) experts do: Mixtral's float32
-    routing weights, the others' cast to bfloat16, the slots summed then rounded once."""
+    routing weights, the others' cast to bfloat16, the slots summed then rounded once. Granite MoE's multipliers
+    are powers of two here, as released models' are where bfloat16 must hold them exactly (its residual one
+    folded into the experts' down weights)."""
     from test_bf16_cpu import engine_greedy, hf_greedy, one_ulp
     from engc.runtime.loader import load
-    build(str(tiny_dir(family)), tmp_path / "b", BuildOptions(dtype="bfloat16"))
+    exact = dict(embedding_multiplier=4.0, attention_multiplier=0.25, residual_multiplier=0.5, logits_scaling=2.0)
+    src = tiny_dir(family, **(exact if family == "granitemoe" else {}))
+    build(str(src), tmp_path / "b", BuildOptions(dtype="bfloat16"))
     model = load(tmp_path / "b")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir(family), dtype=torch.bfloat16).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
     for ids in PROMPT_IDS:
         expected, hf_logits = hf_greedy(hf, ids, 16)
         tokens, logits = engine_greedy(model, ids, 16)

@@ -106,6 +106,11 @@ FAMILIES = {
     # Granite: its four multipliers, none of them a power of two (the bf16 test sets ones that are)
     "granite": dict(model_type="granite", architectures=["GraniteForCausalLM"], embedding_multiplier=3.0,
                     attention_multiplier=0.3, residual_multiplier=0.7, logits_scaling=2.5, tie_word_embeddings=True),
+    # Granite MoE: the multipliers over stacked experts routed by the softmax of their top-k logits
+    "granitemoe": dict(model_type="granitemoe", architectures=["GraniteMoeForCausalLM"], num_local_experts=8,
+                       num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=3.0,
+                       attention_multiplier=0.3, residual_multiplier=0.7, logits_scaling=2.5,
+                       tie_word_embeddings=False),
     # Phi-3: fused qkv/gate_up, half the head rotated, LongRoPE short factors and its attention factor
     "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], pad_token_id=1, max_position_embeddings=512,
                  original_max_position_embeddings=128, partial_rotary_factor=0.5,
@@ -151,7 +156,7 @@ def make_tiny(family: str, folder: Path, seed: int = 0, dtype=torch.float32, rou
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-            if router_ties and name.endswith("mlp.gate.weight"):
+            if router_ties and name.endswith(("mlp.gate.weight", "block_sparse_moe.router.weight")):
                 if name.startswith("model.layers.0."):
                     p[1:3] = p[0]
                 else:

@@ -109,6 +109,7 @@ def lower(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, Graph]:
                                if cfg.sandwich_norms else "post_attention_layernorm.weight"), f"{p}mlp_in")
         if is_moe_layer(ckpt.hf_config, family, i):
             x = lower_moe(g, h, ckpt, weight, family, ckpt.hf_config, i, dtype, mlp)
+            _scale_output(g, p + "experts.down", cfg.residual_scale)   # Granite MoE's residual multiplier
             continue
         x = mlp(h, p, hf + "mlp.", cfg.intermediate_size)
         _scale_output(g, p + "down", cfg.residual_scale)
@@ -292,14 +293,14 @@ def _qlinear(g: Graph, x: str, weight, name: str, hf_prefix: str, bias: bool, in
 
 def _scale_output(g: Graph, name: str, factor: float) -> None:
     """A projection whose output HF multiplies by factor (Granite's residual_multiplier): the factor folded into
-    what makes its output, the weight (an int4 one's scales and offsets) and bias, in float32, then rounded to
-    their dtype once."""
+    what makes its output, the weight (an int4 one's scales and offsets; stacked experts' float tensor, named
+    as the projection) and bias, in float32, then rounded to their dtype once. int4 codes stay as they are."""
     if factor == 1.0:
         return
-    for key in (name + s for s in (".weight", ".scales", ".offsets", ".bias") if name + s in g.weights):
+    for key in (name + s for s in ("", ".weight", ".scales", ".offsets", ".bias") if name + s in g.weights):
         def scaled(load=g.weights[key]):
             w = load()
-            return (w.float() * factor).to(w.dtype)
+            return (w.float() * factor).to(w.dtype) if w.is_floating_point() else w
         g.weights[key] = scaled
 
 

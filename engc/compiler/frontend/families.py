@@ -29,6 +29,9 @@ class Experts:
     shared_experts_count_key: str | None = None
     # config.json key of the number of leading layers that keep a dense MLP (DeepSeek's first_k_dense_replace)
     first_dense_key: str | None = None
+    # the routing weights: softmax over all experts, then the top-k (True), or the top-k logits, then their
+    # softmax (False: Granite MoE)
+    softmax_first: bool = True
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,11 @@ FAMILIES = {
     "internlm2": Family("internlm2", layout="internlm2", refused_true=("bias",)),
     "smollm3": Family("smollm3", sliding_window_switch="use_sliding_window", nope_layers=True,
                       defaults=(("no_rope_layer_interval", 4),), refused_true=("attention_bias", "mlp_bias")),
+    # Granite MoE (granite-3.x-*-a*m): Granite's multipliers over stacked experts (layouts.py names them as
+    # transformers' fused experts), routed by the softmax of the top-k logits
+    "granitemoe": Family("granitemoe", layout="granitemoe", multipliers=True, refused_true=("attention_bias",),
+                         experts=Experts(intermediate_key="intermediate_size", renormalize=False,
+                                         softmax_first=False)),
     "granite": Family("granite", multipliers=True, refused_true=("attention_bias", "mlp_bias"),
                       defaults=(("embedding_multiplier", 1.0), ("attention_multiplier", 1.0),
                                 ("residual_multiplier", 1.0), ("logits_scaling", 1.0))),

@@ -6,6 +6,8 @@ source and takes its rows (the passes fuse q/k/v and gate/up again into the GEMM
   `language_model.lm_head.*` in the released files, `model.language_model.*` and `lm_head.*` as transformers
   5 saves them); the vision tower is left out.
 - phi3: `qkv_proj` rows are q, k, v; `gate_up_proj` rows are gate, then up.
+- granitemoe: `block_sparse_moe.input_linear` / `output_linear` are the stacked experts transformers 5
+  calls `mlp.experts.gate_up_proj` / `down_proj`, `block_sparse_moe.router.layer` the router `mlp.gate`.
 - internlm2: `attention.wqkv` rows are grouped per KV head, [q heads of the group..., k, v] (the published
   modeling code's rearrange "(h gs d)"), `w1`/`w3`/`w2` are gate/up/down, `attention_norm`/`ffn_norm` the
   two norms, `tok_embeddings` and `output` the embedding and the head.
@@ -49,11 +51,15 @@ LAYER_TENSORS = {
              "post_self_attn_layernorm": ("post_attention_layernorm",),
              "post_attention_layernorm": ("pre_feedforward_layernorm",),
              "post_mlp_layernorm": ("post_feedforward_layernorm",)},
+    "granitemoe": {"block_sparse_moe.router.layer": ("mlp.gate",)},
     "internlm2": {"attention.wqkv": QKV, "attention.wo": ("self_attn.o_proj",),
                   "feed_forward.w1": ("mlp.gate_proj",), "feed_forward.w3": ("mlp.up_proj",),
                   "feed_forward.w2": ("mlp.down_proj",), "attention_norm": ("input_layernorm",),
                   "ffn_norm": ("post_attention_layernorm",)},
 }
+# stacked experts ([E, 2I, H] gate rows then up rows, [E, H, I]) under transformers' fused experts' names
+STACKED_EXPERTS = {"granitemoe": {"block_sparse_moe.input_linear.weight": "mlp.experts.gate_up_proj",
+                                  "block_sparse_moe.output_linear.weight": "mlp.experts.down_proj"}}
 # the tensors outside the layers that Llama names otherwise: source prefix -> Llama's
 GLOBAL_NAMES = {"internlm2": (("model.tok_embeddings.", "model.embed_tokens."), ("output.", "lm_head."))}
 # tensors of a projection whose rows are its outputs (float weight and bias; the engc int4 layout's), and the
@@ -193,9 +199,13 @@ def _renamed(loaders: dict, prefixes) -> dict:
 def _layer_view(loaders: dict, layout: str, cfg: ModelConfig) -> dict:
     """Each model.layers.{i}.{source}.{tensor} of the layout's table under its parts' Llama names: renamed, or
     for a fused source its row tensors split and its input tensors shared."""
-    table = LAYER_TENSORS[layout]
+    table, stacked = LAYER_TENSORS[layout], STACKED_EXPERTS.get(layout, {})
     out = {}
     for name, load in loaders.items():
+        m = re.fullmatch(r"(model\.layers\.\d+\.)(.+)", name)
+        if m and m.group(2) in stacked:
+            out[m.group(1) + stacked[m.group(2)]] = load
+            continue
         m = re.fullmatch(r"(model\.layers\.\d+\.)(.+)\.(\w+)", name)
         if m is None or m.group(2) not in table:
             out[name] = load

@@ -137,7 +137,7 @@ def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: i
         _check_present(ckpt, block + own_bias[0])
         g.weights[p + "router.bias"] = lambda: ckpt.get(block + own_bias[0]).float().contiguous()
     return g.add("MoE", inputs + int4.get("inputs", []) + ([p + "router.bias"] if own_bias else []), p + "moe",
-                 num_experts=counts["num_experts"], top_k=counts["num_experts_per_tok"], softmax_first=True,
+                 num_experts=counts["num_experts"], top_k=counts["num_experts_per_tok"], softmax_first=ex.softmax_first,
                  renormalize=bool(renormalize), has_shared_expert=shared,
                  **({"shared_ungated": True} if shared and not gated else {}), **routing,
                  **({"group_size": int4["group_size"]} if int4 else {}),

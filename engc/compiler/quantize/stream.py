@@ -20,7 +20,7 @@ from engc.atomic import atomic_folder
 from engc.compiler.frontend.checkpoint import Checkpoint
 from engc.compiler.frontend.decoder import _rope_table, head_source, resolve_config
 from engc.compiler.frontend.families import family_of
-from engc.compiler.frontend.layouts import llama_names, text_part
+from engc.compiler.frontend.layouts import STACKED_EXPERTS, llama_names, text_part
 from engc.compiler.frontend.mla import interleaved
 from engc.compiler.quantize.awq import awq_attention, awq_layer
 from engc.compiler.quantize.calibration import calibration_samples
@@ -55,6 +55,9 @@ def quantize_checkpoint(src: str, out: Path, opts: QuantOptions, progress: Progr
     source = read_source(src)
     refuse_quantized(source)
     cfg = resolve_config(source.hf_config)
+    if family_of(source.hf_config).layout in STACKED_EXPERTS:
+        raise UserError(f"engc quantize does not write {cfg.family}'s stacked experts as int4 (no int4 checkpoint "
+                        "layout holds them); build the float checkpoint, with --quant fp8 for 8-bit experts")
     names = SourceNames.of(source)
     ckpt = llama_view(source, cfg)
     check_shapes(cfg, opts.group_size, opts.lm_head)

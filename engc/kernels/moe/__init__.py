@@ -14,7 +14,8 @@ ONNX: ai.engc::MoE(x, router, gate_up, down[, shared[, shared_gate]]
 Attributes (the routing variant; one op serves every family):
   top_k              experts per token
   softmax_first      1: softmax over all E router logits, then top-k of the probabilities (Mixtral, Qwen-MoE,
-                     OLMoE); 0: top-k of the logits, then softmax over those k (renormalized by construction)
+                     OLMoE); 0: top-k of the logits, then softmax over those k (renormalized by construction;
+                     Granite MoE)
   renormalize        1: the k weights are divided by their sum (Mixtral; norm_topk_prob)
   has_shared_expert  1: add sigmoid(x @ shared_gate.T) * shared
   shared_ungated     1: shared is added as it is, with no shared_gate input (DeepSeek's shared experts,
