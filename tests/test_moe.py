@@ -427,7 +427,7 @@ def test_gguf_4bit_shared_expert_is_kept_4bit(tiny_dir, tmp_path):
     assert float((a - b).abs().max() / a.abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe"])
 def test_bfloat16_bundle_decodes_as_hf_bfloat16(family, tiny_dir, tmp_path):
     """A bfloat16 MoE bundle on the CPU rounds as transformers' default (grouped) experts do: Mixtral's float32
     routing weights, the others' cast to bfloat16, the slots summed then rounded once. Granite MoE's multipliers

@@ -28,11 +28,13 @@ ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "ENGC_TP_TIME
 # o and down before they are split); OLMo 2's residual sums in place of pre-norms; GLM-4's interleaved rotary
 # rows permuted before q and k are split by heads; EXAONE 4's local layers and global NoPE one; Cohere's
 # LayerNorm and parallel block (both outputs all-reduced, then added) with Command R+'s per-head q/k LayerNorm
-# (each rank its heads' weight rows); Granite MoE's stacked experts, their residual multiplier folded in
+# (each rank its heads' weight rows); Granite MoE's stacked experts, their residual multiplier folded in; GLM-4.5's
+# partial rotary rows and q/k norm weights permuted, its grouped routing and shared expert
 CASES = {"llama": dict(num_key_value_heads=1, vocab_size=321), "mixtral": {}, "qwen2_moe": {},
          "deepseek_v2": {}, "deepseek_v3": {}, "olmoe": dict(num_key_value_heads=1), "gemma2": {},
          "gemma3_text": {}, "phi3": {}, "smollm3": {}, "granite": {}, "olmo2": {}, "glm4": {}, "exaone4": {},
-         "cohere": {"use_qk_norm": True}, "cohere2": {}, "olmo3": {}, "granitemoe": {}}
+         "cohere": {"use_qk_norm": True}, "cohere2": {}, "olmo3": {}, "granitemoe": {},
+         "glm4_moe": {"use_qk_norm": True}}
 
 
 def _greedy(bundle, **kw):

@@ -106,6 +106,12 @@ FAMILIES = {
     # Granite: its four multipliers, none of them a power of two (the bf16 test sets ones that are)
     "granite": dict(model_type="granite", architectures=["GraniteForCausalLM"], embedding_multiplier=3.0,
                     attention_multiplier=0.3, residual_multiplier=0.7, logits_scaling=2.5, tie_word_embeddings=True),
+    # GLM-4.5: DeepSeek-V3's routing (two groups, one chosen) and shared expert after a dense first layer, q/k/v
+    # biases, half of each head rotated (rotate-half)
+    "glm4_moe": dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], n_routed_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                     n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+                     partial_rotary_factor=0.5, head_dim=32, tie_word_embeddings=False),
     # Granite MoE: the multipliers over stacked experts routed by the softmax of their top-k logits
     "granitemoe": dict(model_type="granitemoe", architectures=["GraniteMoeForCausalLM"], num_local_experts=8,
                        num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=3.0,

@@ -63,7 +63,9 @@ def block_facts(hf: dict, family: Family, head_dim: int, window: int, max_positi
             facts["embed_scale"] = float(hf["embedding_multiplier"])
     if family.cohere:
         facts.update(layer_norm=True, parallel_block=True, rms_norm_eps=float(hf["layer_norm_eps"]),
-                     logit_scale=float(hf["logit_scale"]), qk_norm=bool(hf.get("use_qk_norm")))
+                     logit_scale=float(hf["logit_scale"]))
+    if family.qk_norm_key and hf.get(family.qk_norm_key):
+        facts["qk_norm"] = True
     if family.nope_layers:
         facts.update(_nope(hf, window))
     if family.sliding_window_pattern:
@@ -105,7 +107,7 @@ def _nope(hf: dict, window: int) -> dict:
 
 def rotary_dim(hf: dict, head_dim: int) -> int:
     params = hf.get("rope_parameters") or {}
-    factor = hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) or 1.0
+    factor = hf.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0
     dim = int(head_dim * factor)
     if dim % 2 or dim <= 0 or dim > head_dim:
         raise UserError(f"partial_rotary_factor {factor} gives a rotary width {dim} for head_dim {head_dim}")

@@ -39,6 +39,8 @@ class Family:
     name: str
     qkv_bias: bool = False
     qk_norm: bool = False
+    # config.json key that, when true, turns the per-head q/k norm on (Command R+'s, GLM-4.5's use_qk_norm)
+    qk_norm_key: str | None = None
     # config.json key that, when true, turns the sliding window on (None: always on when set)
     sliding_window_switch: str | None = None
     # OLMoE: q and k normed each as one vector over all heads (RMSNorm of the whole projection), not per head
@@ -80,7 +82,7 @@ class Family:
     nope_global_layers: str | None = None
     # Cohere: LayerNorm (mean subtracted, no bias; eps config.json's layer_norm_eps) in place of RMSNorm; the
     # attention and the MLP read the same normed input and both add to the residual; logits times logit_scale;
-    # where config.json sets use_qk_norm (Command R+), each head of q and k LayerNormed with a weight of its own
+    # its q/k norm (Command R+'s) LayerNorms each head with a weight of its own
     cohere: bool = False
     # Granite: config.json's embedding_multiplier, attention_multiplier (the q.k scale itself),
     # residual_multiplier (each block's output before the residual add) and logits_scaling (the logits' divisor)
@@ -130,7 +132,8 @@ FAMILIES = {
     "glm4": Family("glm4", layout="glm4", sandwich_norms=True, rope_interleave=True,
                    defaults=(("attention_bias", True), ("partial_rotary_factor", 0.5))),
     # attention_bias puts one on o_proj too, which the lowering has no input for
-    "cohere": Family("cohere", cohere=True, rope_interleave=True, refused_true=("attention_bias",),
+    "cohere": Family("cohere", cohere=True, rope_interleave=True, qk_norm_key="use_qk_norm",
+                     refused_true=("attention_bias",),
                      defaults=(("logit_scale", 0.0625), ("layer_norm_eps", 1e-5), ("tie_word_embeddings", True))),
     # Cohere 2 (Command R7B, Command A): Cohere's block, three local layers in four, the global ones NoPE
     "cohere2": Family("cohere2", cohere=True, rope_interleave=True, sliding_window_pattern=4,
@@ -153,6 +156,14 @@ FAMILIES = {
                                     ("topk_group", 4), ("routed_scaling_factor", 2.5), ("first_k_dense_replace", 3),
                                     ("n_shared_experts", 1)),
                           experts=_DEEPSEEK(routing="deepseek_v3")),
+    # GLM-4.5 / 4.6 (glm4_moe): grouped-query attention over half of each head's dims (rotate-half), q/k/v
+    # biases, Qwen3's q/k norm where use_qk_norm; DeepSeek-V3's experts and routing (multi-token prediction
+    # layers past num_hidden_layers are not the decoder's). Defaults: transformers' Glm4MoeConfig's
+    "glm4_moe": Family("glm4_moe", qk_norm_key="use_qk_norm",
+                       defaults=(("partial_rotary_factor", 0.5), ("norm_topk_prob", True), ("n_group", 1),
+                                 ("topk_group", 1), ("routed_scaling_factor", 1.0), ("first_k_dense_replace", 1),
+                                 ("n_shared_experts", 1)),
+                       experts=_DEEPSEEK(routing="deepseek_v3")),
     "gemma2": Family("gemma2", sliding_window_pattern=2, defaults=_GEMMA2_DEFAULTS, **_GEMMA),
     "gemma3_text": Family("gemma3_text", qk_norm=True, sliding_window_pattern=6, defaults=_GEMMA3_DEFAULTS,
                           **_GEMMA),
