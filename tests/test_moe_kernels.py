@@ -29,7 +29,7 @@ CASES = ["route_softmax_fp32", "route_tiled_router_fp32", "route_softmax_renorm_
          "route_ties_pick_lower_ids", "decode_fp32", "decode_shared_fp32", "grouped_fp32", "grouped_shared_fp32",
          "grouped_bf16", "decode_bf16", "grouped_many_experts_fp32", "gpu_binding_fp32",
          "deepseek_v2_decode_fp32", "deepseek_v3_grouped_fp32",
-         "deepseek_v2_lite_routing_fp32", "deepseek_v2_bf16", "fp8_decode_bf16", "fp8_grouped_bf16",
+         "deepseek_v2_lite_routing_fp32", "deepseek_v2_bf16", "ernie4_5_softmax_bias_bf16", "fp8_decode_bf16", "fp8_grouped_bf16",
          "fp8_decode_shared_fp32", "fp8_grouped_fp32", "fp8_deepseek_v3_grouped_bf16", "fp8_gpu_binding_bf16",
          "int4_decode_bf16", "int4_grouped_bf16", "int4_grouped_shared_fp32", "int4_prefill_fp32",
          "int4_whole_row_group_fp32", "prefill_fp32", "prefill_bf16", "prefill_shared_fp32", "prefill_many_blocks_fp32",
@@ -286,6 +286,8 @@ def _cfg(**kw):
                 max_position_embeddings=512, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=2,
                 moe_intermediate_size=48, shared_expert_intermediate_size=0)
     base.update(kw)
+    # the frontend's fact for DeepSeek's routings (frontend/moe.py expert_counts)
+    base.setdefault("moe_scored_routing", base["family"].startswith("deepseek"))
     return ModelConfig(**base)
 
 
@@ -465,10 +467,11 @@ def check_fused_decode(dtype, tokens, top_k=2, softmax_first=1, renormalize=0, f
     return _rel(outs["fused"], ref), outs["fused_launches"]
 
 
-def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False, groups=True):
+def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False, groups=True, softmax_bias=False):
     """DeepSeek's routings (groups, scaling; V3's sigmoid scores and correction bias; V2-Lite's plain softmax
     top-k in float32 without groups) with ungated shared experts through forward(): the routing kernel of
-    DeepSeek's, the same expert and combine kernels."""
+    DeepSeek's, the same expert and combine kernels. softmax_bias: ERNIE 4.5's softmax scores with a correction
+    bias, renormalized, no groups."""
     import torch
     from engc.kernels import moe as op
     from engc.kernels.moe import launch as gpu
@@ -483,6 +486,9 @@ def check_deepseek(dtype, tokens, v3: bool, max_pairs=64, fp8=False, groups=True
     extra = _quant_inputs(w)
     if v3:
         attrs.update(sigmoid_scores=1, correction_bias=1, group_top2=1, renormalize=1)
+    if softmax_bias:
+        attrs.update(correction_bias=1, renormalize=1, routed_scaling_factor=1.0)
+    if v3 or softmax_bias:
         extra += [torch.randn(8, generator=torch.Generator().manual_seed(1)) * 0.05]
     inputs = [x, w["router"], w["gate_up"], w["down"], *_shared_inputs(w, x, gated=False), *extra]
     ref = op.moe(*inputs, **attrs)
@@ -595,6 +601,8 @@ def main():
         "deepseek_v3_grouped_fp32": (lambda: check_deepseek(f32, 23, v3=True, max_pairs=4), tol[f32]),
         "deepseek_v2_lite_routing_fp32": (lambda: check_deepseek(f32, 7, v3=False, groups=False), tol[f32]),
         "deepseek_v2_bf16": (lambda: check_deepseek(bf16, 6, v3=False), tol[bf16]),
+        "ernie4_5_softmax_bias_bf16": (lambda: check_deepseek(bf16, 6, v3=False, groups=False, softmax_bias=True),
+                                       tol[bf16]),
         # fp8 experts (W8A8): bf16 activations as an fp8 bundle has them, quantized per row inside the
         # kernels as the reference quantizes them (the same codes: only the sums' order differs, so bf16's
         # room is the same); float32 checks the scales' arithmetic itself

@@ -28,13 +28,15 @@ INT4_SHARED = {"shared_expert_intermediate_size": 64}
     ("qwen3_moe", False, "gptq", {}), ("qwen2_moe", False, "gptq", {}),
     ("qwen2_moe", False, "awq", {}), ("mixtral", True, "awq", {}), ("olmoe", False, "gptq", {}),
     ("olmoe", False, "awq", {}), ("qwen2_moe", False, "rtn", INT4_SHARED), ("qwen2_moe", False, "gptq", INT4_SHARED),
-    ("qwen2_moe", False, "awq", INT4_SHARED), ("glm4_moe", False, "gptq", {}), ("glm4_moe", False, "awq", {})],
+    ("qwen2_moe", False, "awq", INT4_SHARED), ("glm4_moe", False, "gptq", {}), ("glm4_moe", False, "awq", {}),
+    ("ernie4_5_moe", False, "gptq", {})],
     ids=["qwen3_moe-rtn", "qwen2_moe-float-shared-expert-and-dense-layer-rtn", "mixtral-fused-experts-rtn",
          "qwen3_moe-gptq", "qwen2_moe-float-shared-expert-gptq",
          "qwen2_moe-float-shared-expert-and-dense-layer-awq", "mixtral-fused-experts-awq",
          "olmoe-qk-norm-over-the-projection-gptq", "olmoe-qk-norm-over-the-projection-awq",
          "qwen2_moe-int4-shared-expert-rtn", "qwen2_moe-int4-shared-expert-gptq", "qwen2_moe-int4-shared-expert-awq",
-         "glm4_moe-grouped-sigmoid-routing-partial-rotary-gptq", "glm4_moe-grouped-sigmoid-routing-partial-rotary-awq"])
+         "glm4_moe-grouped-sigmoid-routing-partial-rotary-gptq", "glm4_moe-grouped-sigmoid-routing-partial-rotary-awq",
+         "ernie4_5_moe-softmax-scores-correction-bias-gptq"])
 def test_quantize_quantizes_each_expert_and_builds(family, fused, method, config, tiny_dir, tmp_path):
     """engc quantize writes one int4 projection per expert (from fused experts too), engc build stacks them for
     the MoE op, and the bundle decodes as HF's float model of the dequantized weights (the unpacking in
@@ -76,15 +78,17 @@ def test_quantize_quantizes_each_expert_and_builds(family, fused, method, config
     _assert_matches_hf(tmp_path / "b", oracle_of(tmp_path / "q", None, tmp_path), PROMPT_IDS)
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "glm4_moe", "ernie4_5_moe"])
 def test_quantizer_moe_layer_is_the_hf_layer(family, tiny_dir):
     """The quantizer's MoE layers against HF's decoder layers on the same input: OLMoE's q/k norms over the whole
     projection and its unrenormalized top-8 routing, Qwen3-MoE's per-head q/k norms and renormalized routing,
-    GLM-4.5's grouped sigmoid routing and shared expert after its dense first layer (with its q/k norm on)."""
+    GLM-4.5's grouped sigmoid routing and shared expert after its dense first layer (with its q/k norm on), ERNIE 4.5's
+    softmax scores with a correction bias in its range of MoE layers."""
     from test_quant_families import assert_layers_match_hf
     src = tiny_dir(family, **({"use_qk_norm": True} if family == "glm4_moe" else {}))
     layers = assert_layers_match_hf(src, torch.tensor([PROMPT_IDS[0] * 3]))
-    assert all(layer.moe is not None for layer in layers[family == "glm4_moe":])
+    moe_layers = {"glm4_moe": [1], "ernie4_5_moe": [1]}.get(family, range(len(layers)))
+    assert [i for i, layer in enumerate(layers) if layer.moe is not None] == list(moe_layers)
 
 
 def test_quantizer_moe_layer_computes_the_moe_op(tiny_dir):

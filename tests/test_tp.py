@@ -29,12 +29,13 @@ ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "ENGC_TP_TIME
 # rows permuted before q and k are split by heads; EXAONE 4's local layers and global NoPE one; Cohere's
 # LayerNorm and parallel block (both outputs all-reduced, then added) with Command R+'s per-head q/k LayerNorm
 # (each rank its heads' weight rows); Granite MoE's stacked experts, their residual multiplier folded in; GLM-4.5's
-# partial rotary rows and q/k norm weights permuted, its grouped routing and shared expert
+# partial rotary rows and q/k norm weights permuted, its grouped routing and shared expert; ERNIE 4.5 MoE's
+# correction bias (replicated) in its range of MoE layers
 CASES = {"llama": dict(num_key_value_heads=1, vocab_size=321), "mixtral": {}, "qwen2_moe": {},
          "deepseek_v2": {}, "deepseek_v3": {}, "olmoe": dict(num_key_value_heads=1), "gemma2": {},
          "gemma3_text": {}, "phi3": {}, "smollm3": {}, "granite": {}, "olmo2": {}, "glm4": {}, "exaone4": {},
          "cohere": {"use_qk_norm": True}, "cohere2": {}, "olmo3": {}, "granitemoe": {},
-         "glm4_moe": {"use_qk_norm": True}}
+         "glm4_moe": {"use_qk_norm": True}, "ernie4_5_moe": {}}
 
 
 def _greedy(bundle, **kw):

@@ -112,6 +112,12 @@ FAMILIES = {
                      num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                      n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
                      partial_rotary_factor=0.5, head_dim=32, tie_word_embeddings=False),
+    # ERNIE 4.5 MoE: experts chosen by softmax scores plus a correction bias, a shared expert, the MoE layers a
+    # range (layer 1 of 3), interleaved rotary
+    "ernie4_5_moe": dict(model_type="ernie4_5_moe", architectures=["Ernie4_5_MoeForCausalLM"], num_hidden_layers=3,
+                         moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
+                         moe_layer_start_index=1, moe_layer_end_index=1, head_dim=16, pad_token_id=None,
+                         tie_word_embeddings=False),
     # Granite MoE: the multipliers over stacked experts routed by the softmax of their top-k logits
     "granitemoe": dict(model_type="granitemoe", architectures=["GraniteMoeForCausalLM"], num_local_experts=8,
                        num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=3.0,

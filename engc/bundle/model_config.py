@@ -36,6 +36,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # the router scores float32 logits (DeepSeek's routings, GLM-4.5's, ERNIE 4.5's: sigmoid or softmax scores,
+    # groups, a correction bias): the GPU build compiles the float32 router and the scored route kernel
+    moe_scored_routing: bool = False
     # what the layers compute beyond Llama's (Gemma, Phi-3); the program's nodes carry each as attributes
     hidden_act: str = "silu"          # the MLP's GLU activation: silu, gelu_pytorch_tanh
     attn_scale: float = 0.0           # q.k scale (0: head_dim ** -0.5); Gemma's query_pre_attn_scalar ** -0.5

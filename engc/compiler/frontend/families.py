@@ -23,8 +23,11 @@ class Experts:
     float32_weights: bool = False
     # DeepSeek's routing (kernels/moe): "deepseek_v2" (softmax scores; topk_method greedy or group_limited_greedy,
     # best expert a group) or "deepseek_v3" (noaux_tc: sigmoid scores plus the e_score_correction_bias choose,
-    # best two a group); both scale by routed_scaling_factor. None: softmax top-k as above
+    # best two a group); both scale by routed_scaling_factor. "ernie4_5": softmax scores plus the correction bias
+    # choose, the unbiased scores weigh. None: softmax top-k as above
     routing: str | None = None
+    # the router's correction bias (a routing that has one), relative to the MoE block
+    correction_bias: str = "gate.e_score_correction_bias"
     # config.json key of the number of always-on, ungated shared experts of moe_intermediate_size each (DeepSeek)
     shared_experts_count_key: str | None = None
     # config.json key of the number of leading layers that keep a dense MLP (DeepSeek's first_k_dense_replace)
@@ -32,6 +35,9 @@ class Experts:
     # the routing weights: softmax over all experts, then the top-k (True), or the top-k logits, then their
     # softmax (False: Granite MoE)
     softmax_first: bool = True
+    # config.json keys of the first and last MoE layer and the interval between MoE layers (ERNIE 4.5's
+    # moe_layer_start_index, moe_layer_end_index, moe_layer_interval; the others keep a dense MLP)
+    layer_range_keys: tuple[str, str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +148,18 @@ FAMILIES = {
                                 ("sliding_window", 4096))),
     # ERNIE 4.5 (dense): Llama's network rotating interleaved pairs of the whole head
     "ernie4_5": Family("ernie4_5", rope_interleave=True, refused_true=("use_bias",)),
+    # ERNIE 4.5 MoE (21B-A3B, 300B-A47B): its dense block around experts chosen by softmax scores plus a
+    # correction bias (moe_statics), renormalized; shared experts; MoE layers in a range of layers.
+    # Defaults: transformers' Ernie4_5_MoeConfig's
+    "ernie4_5_moe": Family("ernie4_5_moe", rope_interleave=True, refused_true=("use_bias",),
+                           defaults=(("moe_num_experts", 64), ("moe_k", 6), ("moe_intermediate_size", 1536),
+                                     ("moe_num_shared_experts", 2), ("moe_layer_start_index", 1),
+                                     ("moe_layer_interval", 1), ("tie_word_embeddings", True)),
+                           experts=Experts(routing="ernie4_5", renormalize=True,
+                                           correction_bias="moe_statics.e_score_correction_bias",
+                                           shared_experts_count_key="moe_num_shared_experts",
+                                           layer_range_keys=("moe_layer_start_index", "moe_layer_end_index",
+                                                             "moe_layer_interval"))),
     # EXAONE 4: OLMo 2's norms (none before, one after each block) with per-head q/k norms; with a window,
     # three local layers in four (or config.json's layer_types) and global layers without rotary embedding
     "exaone4": Family("exaone4", qk_norm=True, sandwich_norms=True, pre_norms=False, sliding_window_pattern=4,

@@ -35,8 +35,11 @@ _VARIANTS = {
 _ROUTINGS = {
     "deepseek_v2": {"scoring_func": ("softmax",), "topk_method": ("greedy", "group_limited_greedy")},
     "deepseek_v3": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
+    "ernie4_5": {},
 }
 _ROUTING_OWNS = ("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")
+# the routings whose router has a correction bias (Experts.correction_bias names it)
+CORRECTION_BIAS = ("deepseek_v3", "ernie4_5")
 
 
 def expert_counts(hf: dict, family: Family) -> dict:
@@ -50,8 +53,9 @@ def expert_counts(hf: dict, family: Family) -> dict:
         if hf.get(key) is not None and hf[key] not in supported:
             raise UserError(f"unsupported MoE variant: {key} = {hf[key]!r} in config.json (engc computes "
                             f"{' or '.join(repr(s) for s in supported) if supported else 'only its absence'})")
-    experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
-    top_k = hf.get("num_experts_per_tok")
+    experts = (hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
+               or hf.get("moe_num_experts"))
+    top_k = hf.get("num_experts_per_tok") or hf.get("moe_k")
     inter = hf.get(ex.intermediate_key)
     if not experts or not top_k or not inter:
         missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", top_k),
@@ -70,7 +74,7 @@ def expert_counts(hf: dict, family: Family) -> dict:
             raise UserError(f"noaux_tc routing scores each group by its best two experts; n_group {groups} leaves "
                             f"{experts // groups} a group")
     return dict(num_experts=int(experts), num_experts_per_tok=int(top_k), moe_intermediate_size=int(inter),
-                shared_expert_intermediate_size=int(shared or 0))
+                shared_expert_intermediate_size=int(shared or 0), moe_scored_routing=ex.routing is not None)
 
 
 def is_moe_layer(hf: dict, family: Family, layer: int) -> bool:
@@ -80,6 +84,10 @@ def is_moe_layer(hf: dict, family: Family, layer: int) -> bool:
         return False
     if family.experts.first_dense_key:
         return layer >= int(with_defaults(hf, family).get(family.experts.first_dense_key) or 0)
+    if family.experts.layer_range_keys:   # ERNIE 4.5: an end index below 0 is the last layer
+        start, end, every = (with_defaults(hf, family).get(k) for k in family.experts.layer_range_keys)
+        end = hf["num_hidden_layers"] - 1 if end is None or end < 0 else end
+        return int(start or 0) <= layer <= end and (layer + 1) % int(every or 1) == 0
     if not family.experts.dense_layers:
         return True
     step = hf.get("decoder_sparse_step") or 1
@@ -94,7 +102,7 @@ def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: i
     hf = with_defaults(hf, family)
     counts = expert_counts(hf, family)
     block, p = f"model.layers.{layer}.{ex.block}.", f"layers.{layer}."
-    own_bias = ("gate.e_score_correction_bias",) if ex.routing == "deepseek_v3" else ()
+    own_bias = (ex.correction_bias,) if ex.routing in CORRECTION_BIAS else ()
     for bias in ("gate.bias", "gate.e_score_correction_bias", "experts.gate_up_proj_bias"):
         if bias in own_bias:
             continue
@@ -135,7 +143,7 @@ def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: i
     routing = _routing_attrs(hf, ex.routing)
     if own_bias:   # noaux_tc's e_score_correction_bias: the node's last input, float32 as HF keeps it
         _check_present(ckpt, block + own_bias[0])
-        g.weights[p + "router.bias"] = lambda: ckpt.get(block + own_bias[0]).float().contiguous()
+        g.weights[p + "router.bias"] = lambda: ckpt.get(block + own_bias[0]).float().reshape(-1).contiguous()
     return g.add("MoE", inputs + int4.get("inputs", []) + ([p + "router.bias"] if own_bias else []), p + "moe",
                  num_experts=counts["num_experts"], top_k=counts["num_experts_per_tok"], softmax_first=ex.softmax_first,
                  renormalize=bool(renormalize), has_shared_expert=shared,
@@ -150,6 +158,8 @@ def _routing_attrs(hf: dict, routing: str | None) -> dict:
         return {}
     grouped = routing == "deepseek_v3" or hf.get("topk_method") == "group_limited_greedy"
     attrs = {"routed_scaling_factor": float(hf.get("routed_scaling_factor") or 1.0)}
+    if routing == "ernie4_5":   # softmax scores, the correction bias choosing; no groups
+        return {**attrs, "correction_bias": True}
     if routing == "deepseek_v3":
         attrs.update(sigmoid_scores=True, correction_bias=True)
     if grouped and int(hf.get("n_group") or 1) > 1:

@@ -89,19 +89,20 @@ class MoeMlp:
         family = family_of(hf)
         ex = family.experts
         hf = with_defaults(hf, family)
-        self.block = ex.block
+        self.block, self.bias = ex.block, f"{ex.block}.{ex.correction_bias}"
         names = [n for n in linears if n.startswith(f"{ex.block}.experts.")]
         self.experts = [names[i:i + 3] for i in range(0, len(names), 3)]   # (gate, up, down)
         self.shared = shared_projections(hf)
         self.quantized_shared = bool(self.shared) and self.shared[0] in linears
-        self.top_k = hf["num_experts_per_tok"]
+        self.top_k = expert_counts(hf, family)["num_experts_per_tok"]
         renormalize = int(bool(hf.get(ex.renormalize, False) if isinstance(ex.renormalize, str)
                                else ex.renormalize))
-        self.routing = {"softmax_first": 1, "renormalize": renormalize, **_routing_attrs(hf, ex.routing)}
+        self.routing = {"softmax_first": int(ex.softmax_first), "renormalize": renormalize,
+                        **_routing_attrs(hf, ex.routing)}
 
     def routed(self, layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [N, H] -> (weights [N, k], ids [N, k]) as the MoE op routes."""
-        bias = layer.w.get(f"{self.block}.gate.e_score_correction_bias")
+        bias = layer.w.get(self.bias)
         return route(h, layer.w[f"{self.block}.gate.weight"], self.top_k, **routing_of(self.routing, bias))
 
     def __call__(self, layer, h: torch.Tensor) -> torch.Tensor:

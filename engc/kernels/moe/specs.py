@@ -87,7 +87,7 @@ def specs(b: Build) -> list:
     # expert's output joins in the combine, and DeepSeek's routings are their own kernel: those keep all five
     # launches. The fused kernels keep the variant names, so the decode entries size them, and the records say
     # which form they are.
-    plain = not shared and not cfg.family.startswith("deepseek")
+    plain = not shared and not cfg.moe_scored_routing
     fused = {v: plain and bool(tune.lookup(b.arch, "moe", v, "any", b.ov("moe"), DEFAULTS[v])[1].get("fused"))
              for v in ("gate_up_decode", "down_decode")}
     gate_up_route = {**x_in, **w, "logits_ptr": f"*{t}", "weights_ptr": "*fp32", "ids_ptr": "*i32",
@@ -113,7 +113,7 @@ def specs(b: Build) -> list:
             {"H": h, "E": e, "DOT_PRECISION": sizes["DOT_PRECISION"]}, ("BLOCK_T", "BLOCK_E", "max_tokens")),
            ("route_deepseek", "moe_route_deepseek_kernel", route_deepseek,
             {"E": e, "TOP_K": k, "E_PAD": pow2(e), "K_PAD": pow2(k), "G_PAD": pow2(e), "HAS_SHARED": shared},
-            ())] if cfg.family.startswith("deepseek") else []),
+            ())] if cfg.moe_scored_routing else []),
         ("gate_up", "moe_gate_up_kernel", gate_up, {**sizes, "TOP_K": k, "PAIR_ORDER": 0}, ("BLOCK_M", "BLOCK_N")),
         ("down", "moe_down_kernel", down, {**sizes, "BLOCK_M": block_m["gate_up"], "PAIR_ORDER": 0},
          ("BLOCK_M", "BLOCK_N")),
