@@ -103,6 +103,8 @@ _GEMMA3_DEFAULTS = (("vocab_size", 262208), ("hidden_size", 2304), ("intermediat
                     ("max_position_embeddings", 131072), ("rms_norm_eps", 1e-6), ("rope_theta", 1_000_000.0),
                     ("rope_local_base_freq", 10_000.0), ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
                     ("tie_word_embeddings", True), ("bos_token_id", 2), ("eos_token_id", 1))
+_GRANITE_DEFAULTS = (("embedding_multiplier", 1.0), ("attention_multiplier", 1.0), ("residual_multiplier", 1.0),
+                     ("logits_scaling", 1.0))
 _GEMMA2_DEFAULTS = (("hidden_activation", "gelu_pytorch_tanh"), ("head_dim", 256), ("rms_norm_eps", 1e-6),
                     ("query_pre_attn_scalar", 256), ("sliding_window", 4096), ("final_logit_softcapping", 30.0),
                     ("attn_logit_softcapping", 50.0), ("tie_word_embeddings", True))
@@ -198,11 +200,11 @@ FAMILIES = {
     # Granite MoE (granite-3.x-*-a*m): Granite's multipliers over stacked experts (layouts.py names them as
     # transformers' fused experts), routed by the softmax of the top-k logits
     "granitemoe": Family("granitemoe", layout="granitemoe", multipliers=True, refused_true=("attention_bias",),
+                         defaults=_GRANITE_DEFAULTS,
                          experts=Experts(intermediate_key="intermediate_size", renormalize=False,
                                          softmax_first=False)),
     "granite": Family("granite", multipliers=True, refused_true=("attention_bias", "mlp_bias"),
-                      defaults=(("embedding_multiplier", 1.0), ("attention_multiplier", 1.0),
-                                ("residual_multiplier", 1.0), ("logits_scaling", 1.0))),
+                      defaults=_GRANITE_DEFAULTS),
 }
 
 
