@@ -23,7 +23,8 @@ from engc.runtime.loader import load
 from engc.runtime.sampling import SamplingParams
 from test_gpu import PROMPTS, greedy, gpu_ready, sm_arch
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "granitemoe", "glm4_moe", "ernie4_5_moe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "granitemoe", "glm4_moe",
+            "ernie4_5_moe"]
 # a prompt long enough that its prefill runs the grouped MoE path and MLA's decompressed prefill
 LONG = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. Hello, world! How are "
         "you today? engc compiles a checkpoint into a bundle of weights, a program and kernels.")

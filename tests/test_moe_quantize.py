@@ -82,8 +82,8 @@ def test_quantize_quantizes_each_expert_and_builds(family, fused, method, config
 def test_quantizer_moe_layer_is_the_hf_layer(family, tiny_dir):
     """The quantizer's MoE layers against HF's decoder layers on the same input: OLMoE's q/k norms over the whole
     projection and its unrenormalized top-8 routing, Qwen3-MoE's per-head q/k norms and renormalized routing,
-    GLM-4.5's grouped sigmoid routing and shared expert after its dense first layer (with its q/k norm on), ERNIE 4.5's
-    softmax scores with a correction bias in its range of MoE layers."""
+    GLM-4.5's grouped sigmoid routing and shared expert after its dense first layer (with its q/k norm on),
+    ERNIE 4.5's softmax scores with a correction bias in its range of MoE layers."""
     from test_quant_families import assert_layers_match_hf
     src = tiny_dir(family, **({"use_qk_norm": True} if family == "glm4_moe" else {}))
     layers = assert_layers_match_hf(src, torch.tensor([PROMPT_IDS[0] * 3]))

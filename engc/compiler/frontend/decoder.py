@@ -133,10 +133,11 @@ def _refuse_unread(ckpt: Checkpoint, cfg: ModelConfig) -> None:
     multi-token prediction layer) are not the decoder's."""
     unread = [n for n in ckpt.names() if n not in ckpt.asked and not n.endswith(_NOT_WEIGHTS)
               and (m := _LAYER.match(n)) and int(m.group(1)) < cfg.num_layers]
-    unread = [n for n in unread if ckpt.loaders[n]().count_nonzero()]
-    if unread:
-        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
-        raise UserError(f"checkpoint {ckpt.name} has tensor '{unread[0]}'{more}, which engc's {cfg.family} model "
+    # loaded one by one, only until the first that is not all zeros (an unsupported module can be GBs)
+    first = next((n for n in unread if ckpt.loaders[n]().count_nonzero()), None)
+    if first is not None:
+        more = f" (of {len(unread)} tensors it does not read)" if len(unread) > 1 else ""
+        raise UserError(f"checkpoint {ckpt.name} has tensor '{first}'{more}, which engc's {cfg.family} model "
                         "does not compute (a variant of the family engc does not support)")
 
 
@@ -159,8 +160,9 @@ def _attention(g: Graph, h: str, weight, norm, cfg: ModelConfig, family: Family,
                                f"{p}{n}.normed", eps=eps) for n, part in zip("qk", qkv_parts)]
     qkv = _concat(g, qkv_parts, p + "qkv")
     if cfg.qk_norm:   # per head; Cohere's LayerNorm has a weight per head ([heads, head_dim])
-        qkv = g.add("QKLayerNorm" if cfg.layer_norm else "QKNorm" + norm.variant, [qkv, norm.weight(p + "q_norm.weight", hf + "self_attn.q_norm.weight"),
-                                              norm.weight(p + "k_norm.weight", hf + "self_attn.k_norm.weight")],
+        op = "QKLayerNorm" if cfg.layer_norm else "QKNorm" + norm.variant
+        qkv = g.add(op, [qkv, norm.weight(p + "q_norm.weight", hf + "self_attn.q_norm.weight"),
+                         norm.weight(p + "k_norm.weight", hf + "self_attn.k_norm.weight")],
                     p + "qkv.normed", num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                     head_dim=cfg.head_dim, eps=eps)
     heads = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)

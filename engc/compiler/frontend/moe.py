@@ -38,8 +38,6 @@ _ROUTINGS = {
     "ernie4_5": {},
 }
 _ROUTING_OWNS = ("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")
-# the routings whose router has a correction bias (Experts.correction_bias names it)
-CORRECTION_BIAS = ("deepseek_v3", "ernie4_5")
 
 
 def expert_counts(hf: dict, family: Family) -> dict:
@@ -102,7 +100,8 @@ def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: i
     hf = with_defaults(hf, family)
     counts = expert_counts(hf, family)
     block, p = f"model.layers.{layer}.{ex.block}.", f"layers.{layer}."
-    own_bias = (ex.correction_bias,) if ex.routing in CORRECTION_BIAS else ()
+    routing = _routing_attrs(hf, ex.routing)
+    own_bias = (ex.correction_bias,) if routing.get("correction_bias") else ()
     for bias in ("gate.bias", "gate.e_score_correction_bias", "experts.gate_up_proj_bias"):
         if bias in own_bias:
             continue
@@ -140,13 +139,12 @@ def lower_moe(g: Graph, h: str, ckpt, weight, family: Family, hf: dict, layer: i
             inputs.append(weight(p + "shared_expert_gate.weight",
                                  f"model.layers.{layer}.mlp.shared_expert_gate.weight"))
     renormalize = hf.get(ex.renormalize, False) if isinstance(ex.renormalize, str) else ex.renormalize
-    routing = _routing_attrs(hf, ex.routing)
-    if own_bias:   # noaux_tc's e_score_correction_bias: the node's last input, float32 as HF keeps it
+    if own_bias:   # the router's correction bias: the node's last input, float32 as HF keeps it
         _check_present(ckpt, block + own_bias[0])
         g.weights[p + "router.bias"] = lambda: ckpt.get(block + own_bias[0]).float().reshape(-1).contiguous()
     return g.add("MoE", inputs + int4.get("inputs", []) + ([p + "router.bias"] if own_bias else []), p + "moe",
-                 num_experts=counts["num_experts"], top_k=counts["num_experts_per_tok"], softmax_first=ex.softmax_first,
-                 renormalize=bool(renormalize), has_shared_expert=shared,
+                 num_experts=counts["num_experts"], top_k=counts["num_experts_per_tok"],
+                 softmax_first=ex.softmax_first, renormalize=bool(renormalize), has_shared_expert=shared,
                  **({"shared_ungated": True} if shared and not gated else {}), **routing,
                  **({"group_size": int4["group_size"]} if int4 else {}),
                  **({"float32_weights": True} if ex.float32_weights else {}))

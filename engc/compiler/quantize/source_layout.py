@@ -5,10 +5,10 @@ projections split, q/k rows in the partial rotary order, q's unrotated rows divi
 squared). What it writes is a normal AWQ / GPTQ checkpoint of the source family instead, so that engc build
 and other tools read it as they read any such checkpoint of that family: each layer's quantized weights go
 back through that view's inverse before packing. A quantized weight's codes, scales and zeros are all one
-row an output, so every step is a row operation on the three, the input groups (g_idx) untouched: q and k
-rows back in HF's order (and the dims of per-head q/k norm weights), q's unrotated rows' scales multiplied by the factor squared ((q - zero) * scale is
-the weight), fused projections' parts joined along the outputs (phi3's qkv_proj and gate_up_proj,
-internlm2's grouped wqkv), the rest renamed (internlm2's w1/w3/w2, its norms).
+row an output, so every step is a row operation on the three, the input groups (g_idx) untouched: q and k rows
+back in HF's order (and the dims of q/k norm weights), q's unrotated rows' scales multiplied by the factor
+squared ((q - zero) * scale is the weight), fused projections' parts joined along the outputs (phi3's qkv_proj
+and gate_up_proj, internlm2's grouped wqkv), the rest renamed (internlm2's w1/w3/w2, its norms).
 """
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ def _hf_row_order(cfg: ModelConfig, quantized: dict, floats: dict) -> None:
                                              for k in ("q", "scales", "zeros")})
         if proj + ".bias" in floats:
             floats[proj + ".bias"] = head_rows_permuted(floats[proj + ".bias"], inverse, heads)
-    for norm in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):   # Cohere's per-head q/k norms
+    # q/k norm weights follow their dims (Cohere's per head, GLM-4.5's one for every head)
+    for norm in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
         if norm in floats:
             floats[norm] = head_dims_permuted(floats[norm], inverse)
     factor = cfg.rope_attention_factor ** 2
