@@ -7,6 +7,7 @@
 #          python3 bench/gpu_bench.py prepare --shapes 8b,1b --cache .kc       # kernels compiled here
 #          git rev-parse --short HEAD > .kc/commit
 #   there: source bench/device_env.sh; gb s8b 240 --shapes 8b; clean; gb s1b 150 --shapes 1b; finish
+#          (KC=DIR before sourcing: a kernel cache other than .kc, its commit file in it)
 #          (carry [".kc", ".whl"]; everything comes back as $OUT/gb.tgz)
 #
 # The image's `pip` is not its python3's (python3 is /opt/torch/.venv): always `python3 -m pip`, or the
@@ -24,7 +25,7 @@ python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn uvloop ht
   > /tmp/gb/pip.log 2>&1 \
   || tail -5 /tmp/gb/pip.log
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/gb/pip2.log 2>&1 || tail -20 /tmp/gb/pip2.log
-COMMIT=$(cat .kc/commit 2>/dev/null || echo unknown)
+COMMIT=$(cat ${KC:-.kc}/commit 2>/dev/null || echo unknown)
 echo "setup done $(el) commit $COMMIT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 
@@ -33,7 +34,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 gb() {
   local name=$1 to=$2
   shift 2
-  timeout "$to" python3 bench/gpu_bench.py run --cache .kc --no-hf --quick --out /tmp/gb/$name --commit "$COMMIT" \
+  timeout "$to" python3 bench/gpu_bench.py run --cache "${KC:-.kc}" --no-hf --quick --out /tmp/gb/$name --commit "$COMMIT" \
     "$@" > /tmp/gb/$name.log 2>&1
   echo "[$name rc=$? $(el)]"
   python3 - /tmp/gb/$name <<'PY'

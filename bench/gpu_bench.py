@@ -250,13 +250,23 @@ def _throughput(shape: str, engine, cfg, args) -> dict:
     return res
 
 
-def _sampled(shape: str, engine, cfg) -> dict:
-    """Sampled decoding (temperature 0.8, top-k 50, top-p 0.95 on the GPU) at LMDeploy's throughput batch, and
-    its ratio to the greedy figure of the same batch where that ran."""
+def _sampled(shape: str, engine, cfg, pairs: int = 3) -> dict:
+    """Sampled decoding (temperature 0.8, top-k 50, top-p 0.95 on the GPU) at LMDeploy's throughput batch against
+    greedy decoding of the same batch: greedy and sampled runs alternate, fresh prompts each (no prefix-cache
+    hits), and the ratio is the median of the pairs', so a drift of the machine's speed over the sitting (a few
+    percent, as large as the sampler's cost) does not decide it."""
+    import statistics
     n = LMDEPLOY.get(base_shape(shape), {}).get("N", 4)
-    _, total, _ = run_batch(engine, prompts(n, 128, cfg.vocab_size, n + 1), 128,
-                            temperature=0.8, top_k=50, top_p=0.95, seed=0)
-    return {f"b{n}_128_128_sampled_out_tok_s": round(n * 128 / total, 1)}
+    greedy, sampled = [], []
+    for i in range(pairs):
+        _, total, _ = run_batch(engine, prompts(n, 128, cfg.vocab_size, 5000 + 2 * i), 128)
+        greedy.append(n * 128 / total)
+        _, total, _ = run_batch(engine, prompts(n, 128, cfg.vocab_size, 5001 + 2 * i), 128,
+                                temperature=0.8, top_k=50, top_p=0.95, seed=0)
+        sampled.append(n * 128 / total)
+    return {f"b{n}_128_128_sampled_out_tok_s": round(statistics.median(sampled), 1),
+            f"b{n}_128_128_greedy_paired_out_tok_s": round(statistics.median(greedy), 1),
+            f"b{n}_sampled_over_greedy": round(statistics.median(s / g for s, g in zip(sampled, greedy)), 3)}
 
 
 def _sampled_long_prefill(shape: str, engine, cfg, args) -> dict:
