@@ -108,7 +108,8 @@ def bench_shape(shape: str, args) -> dict:
     kv_fraction = 0.7 if cfg.num_experts else EngineConfig.kv_memory_fraction
     engine, res["engine_init_and_graph_capture_s"] = synced(
         lambda: Engine(model, EngineConfig(max_num_seqs=max([256, *batches_of(args, base_shape(shape))]),
-                                           max_batched_tokens=8192, kv_memory_fraction=kv_fraction)))
+                                           max_batched_tokens=args.max_batched_tokens,
+                                           kv_memory_fraction=kv_fraction)))
     res["kv_blocks"] = engine.kv.allocator.num_blocks
     # the largest 128-in / 128-out batch the KV cache holds at once (each sequence's 256 tokens in whole blocks)
     res["kv_holds_128_128_seqs"] = engine.kv.allocator.num_blocks // -(-256 // engine.kv.allocator.block_size)
@@ -399,9 +400,9 @@ def _child_command(shape: str, args) -> list[str]:
     for flag in ("long", "serve", "profile_only", "no_hf", "quick", "check_only", "sampled"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
-    for opt in ("tune", "batch_sizes", "ablate", "skip_pass"):
+    for opt in ("tune", "batch_sizes", "ablate", "skip_pass", "max_batched_tokens"):
         if getattr(args, opt):
-            cmd += ["--" + opt.replace("_", "-"), getattr(args, opt)]
+            cmd += ["--" + opt.replace("_", "-"), str(getattr(args, opt))]
     return cmd
 
 
@@ -456,6 +457,8 @@ def main():
                     help="comma-separated kernel families (norm, attn, silu, gemm) removed from decode steps: an "
                          "upper bound on what fusing them away can give; outputs are garbage (bench/ablate.py)")
     ap.add_argument("--timeout", type=int, default=400, help="seconds a shape's process may take")
+    ap.add_argument("--max-batched-tokens", type=int, default=8192,
+                    help="the engine's token budget a step (a prefill chunk's size)")
     args = ap.parse_args()
     prepare(args) if args.verb == "prepare" else run(args)
 
