@@ -55,7 +55,7 @@ class FakeModel:
         self.step = 0
         base = torch.zeros(max_batch, vocab)
         self.views = {}
-        for n in range(1, max_batch + 1):
+        for n in range(max_batch + 1):
             v = torch.Tensor._make_subclass(GpuLogits, base[:n])
             v.source = self
             self.views[n] = v
@@ -85,7 +85,7 @@ def make_engine(model, batch: int, prompt_len: int, steps: int, stops: tuple[str
     engine = Engine(model, EngineConfig(num_blocks=blocks, max_num_seqs=max(batch, 1), overlap=overlap))
     text = re.sub(r"#+", "", Path(__file__).parents[1].joinpath("docs/architecture.md").read_text())
     text_ids = model.tokenizer.encode(text, add_special_tokens=False)
-    fake = FakeModel(model.config.vocab_size, text_ids, cuda_graphs.BUCKETS[-1])
+    fake = FakeModel(model.config.vocab_size, text_ids, max(cuda_graphs.BUCKETS[-1], batch))   # larger: eager steps
     ex = GraphedExecutor(fake, StepFacts(), -(-engine.max_context // bs), batch, "cpu", True, block_size=bs)
     ex.graphs = {(b, c): [(fake, fake)] * 2 for b in ex.buckets for c in ex._ctx_buckets(b)}
     graphed_forward = ex.forward
