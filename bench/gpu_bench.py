@@ -92,6 +92,10 @@ def bench_shape(shape: str, args) -> dict:
            "skip_pass": args.skip_pass,
            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d")}
     ckpt, bundle = _checkpoint_and_bundle(shape, args, res)
+    if args.fp8_slow_accum:   # the A/B of fp8_linear's FAST_ACCUM (bench/fp8_gemm_bench.py times the GEMMs alone)
+        from engc.kernels.fp8_linear import bind
+        bind.FAST_ACCUM = False
+        res["fp8_slow_accum"] = True
     if args.ablate:   # bench/ablate.py: timings only, the outputs are garbage
         import ablate
         ablate.install(set(args.ablate.split(",")))
@@ -397,7 +401,7 @@ def _child_command(shape: str, args) -> list[str]:
     cmd = [sys.executable, __file__, "run", "--child", "--shapes", shape, "--cache", args.cache,
            "--out", args.out, "--work", args.work, "--ckpt-work", args.ckpt_work, "--commit", args.commit,
            "--timeout", str(args.timeout)]
-    for flag in ("long", "serve", "profile_only", "no_hf", "quick", "check_only", "sampled"):
+    for flag in ("long", "serve", "profile_only", "no_hf", "quick", "check_only", "sampled", "fp8_slow_accum"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
     for opt in ("tune", "batch_sizes", "ablate", "skip_pass", "max_batched_tokens"):
@@ -457,6 +461,8 @@ def main():
                     help="comma-separated kernel families (norm, attn, silu, gemm) removed from decode steps: an "
                          "upper bound on what fusing them away can give; outputs are garbage (bench/ablate.py)")
     ap.add_argument("--timeout", type=int, default=400, help="seconds a shape's process may take")
+    ap.add_argument("--fp8-slow-accum", action="store_true",
+                    help="the large FP8 GEMMs promoting to float32 every 128 products (the A/B of the default)")
     ap.add_argument("--max-batched-tokens", type=int, default=8192,
                     help="the engine's token budget a step (a prefill chunk's size)")
     args = ap.parse_args()

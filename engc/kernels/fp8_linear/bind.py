@@ -9,6 +9,12 @@ from engc.bundle.program import ENGC_DOMAIN, torch_dtype
 from engc.kernels import fp8_linear as fp8_gemm
 from engc.kernels import fp8_quant
 
+# cuBLASLt's row-wise FP8 GEMM (torch's CUTLASS kernel) in its fast-accumulation mode: the tensor cores' own
+# accumulator over the whole K, not promoted to float32 every 128 products. The promoting mode runs the large
+# GEMMs of prefill and of batches past the M classes much slower, and inference engines run FP8 this way
+# (bench/results/HISTORY.md has the figures and the error against float32 of the same codes).
+FAST_ACCUM = True
+
 CPU_OPS = {
     (ENGC_DOMAIN, "FP8Linear"): lambda *xs, **a: (fp8_quant.fp8_linear(*xs, **a),),
     (ENGC_DOMAIN, "FP8LinearQ"): lambda xq, xs, w, ws, bias=None, has_bias=0, dtype=1: (
@@ -48,7 +54,7 @@ def gpu_ops(ctx) -> dict:
                                                   consts[plain], ctx.counters))
             return out
         y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],
-                             out_dtype=dtype)
+                             out_dtype=dtype, use_fast_accum=FAST_ACCUM)
         return y + bias if bias is not None else y
 
     def fp8_linear_q(xq, x_scale, weight, weight_scale, bias=None, has_bias=0, dtype=1):
