@@ -188,3 +188,24 @@ def test_ctrl_c_while_engc_run_starts_kills_the_engine_process(tiny_bundle):
     assert proc.returncode in (130, -signal.SIGINT) and stderr.rstrip().endswith("engc: interrupted"), stderr
     assert "Traceback" not in stderr, stderr
     assert marked_processes(mark, "spawn_main") == []
+
+
+def test_ctrl_c_while_the_engine_process_is_started_stops_it_whole(monkeypatch, capfd):
+    """A Ctrl-C that lands while the engine's process has been created but not yet sent its target waits until
+    the child has it all, then the child is killed at once: no half-read target (the child's own traceback after
+    engc's one line), no child left running."""
+    import multiprocessing.util
+    from engc.runtime import engine_spawn
+    spawnv = multiprocessing.util.spawnv_passfds
+
+    def spawned_then_interrupted(*args):
+        pid = spawnv(*args)
+        os.kill(os.getpid(), signal.SIGINT)   # the child exists; its target is not written yet
+        return pid
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", spawned_then_interrupted)
+    processes = []
+    monkeypatch.setattr(engine_spawn, "kill", lambda p: processes.append(p) or p.kill() or p.join())
+    with pytest.raises(KeyboardInterrupt):
+        engine_spawn.spawn(print)
+    assert len(processes) == 1 and processes[0].exitcode == -signal.SIGKILL
+    assert "Traceback" not in capfd.readouterr().err

@@ -55,8 +55,9 @@ def run(bundle, host, port, api_key, served_model_name, max_batch_size, max_pref
     # The address first: a port in use is one line at once, before anything starts. Then the engine's process,
     # before the server's modules and torch are imported here (seconds): its imports and load overlap them
     sock = listening_socket(host, port)
-    child = spawn_engine(str(bundle), config, device, tp) if runs_apart(config) else None
+    child = None
     try:
+        child = spawn_engine(str(bundle), config, device, tp) if runs_apart(config) else None
         from engc.runtime.server.app import serve
         serve(str(bundle), config, sock, host, served_model_name, api_key, device, max_body_bytes, tp, child)
     except BaseException:   # whatever fails here (an import, a refusal, Ctrl-C): the engine's process with it

@@ -8,7 +8,9 @@ import functools
 import multiprocessing
 import os
 import signal
+import threading
 import time
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, NamedTuple
@@ -51,9 +53,29 @@ def spawn(build) -> Spawned:
     conn, child_conn = ctx.Pipe()
     process = ctx.Process(target=_child, args=(child_conn, build), name="engc-engine", daemon=True)
     started = time.perf_counter()
-    process.start()
+    with _sigint_held() as interrupted:
+        process.start()
+    if interrupted:   # the child has its whole target now: stop it, then take the Ctrl-C as it would have come
+        kill(process)
+        signal.raise_signal(signal.SIGINT)
     child_conn.close()   # the child's end lives in the child only: its exit is this end's EOF
     return Spawned(process, conn, started)
+
+
+@contextmanager
+def _sigint_held():
+    """A Ctrl-C inside is held until the block ends (the yielded list says whether one came): one while start()
+    still writes the child its target would leave the child reading half of it, and a traceback of its own
+    after engc's one line. Signals reach only the main thread's handlers: elsewhere there is nothing to hold."""
+    interrupted: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def kill(process: BaseProcess) -> None:
