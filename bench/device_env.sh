@@ -34,8 +34,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 gb() {
   local name=$1 to=$2
   shift 2
-  timeout "$to" python3 bench/gpu_bench.py run --cache "${KC:-.kc}" --no-hf --quick --out /tmp/gb/$name --commit "$COMMIT" \
-    "$@" > /tmp/gb/$name.log 2>&1
+  timeout "$to" python3 bench/gpu_bench.py run --cache "${KC:-.kc}" --no-hf --quick --out /tmp/gb/$name \
+    --commit "$COMMIT" "$@" > /tmp/gb/$name.log 2>&1
   echo "[$name rc=$? $(el)]"
   python3 - /tmp/gb/$name <<'PY'
 import glob, json, sys
