@@ -28,6 +28,14 @@ def _widen(codes, dtype: tl.constexpr, KV_QUANT: tl.constexpr):
         if dtype == tl.bfloat16:
             return (f.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
         return f.to(dtype)
+    if dtype == tl.bfloat16:
+        # fp8 e4m3 -> bf16 by placing bits with integer ops, not by the three conversion instructions a pair of
+        # values takes (e4m3 -> f16 -> bf16, 16 a clock per SM): s.eeee.mmm becomes s.0000eeee.mmm0000, the code
+        # times 2^-120 exactly (exponent bias 127 against 7; subnormals too), which _scores and _pv undo
+        # (_fp8_units). The int8 sign extension copies s into the bit the shift moves it to; the mask keeps the rest.
+        return (((codes.to(tl.int8, bitcast=True).to(tl.int16) << 4) & -30736)).to(dtype, bitcast=True)   # 0x87F0
+    if dtype == tl.float16:   # the same into s.0eeee.mmm0000000: the code times 2^-8 (bias 15 against 7)
+        return (((codes.to(tl.int8, bitcast=True).to(tl.int16) << 7) & -16512)).to(dtype, bitcast=True)   # 0xBF80
     return codes.to(dtype)
 
 
@@ -39,12 +47,29 @@ def _load_kv_scales(scale_ptr, block_table_row, pos, valid, kvh, PAGE: tl.conste
 
 
 @triton.jit
+def _fp8_units(dtype: tl.constexpr, KV_QUANT: tl.constexpr):
+    """(lift, back) around a dot with fp8 codes _widen placed into bf16 (the code times 2^-120): the other operand
+    is lifted by 2^64, so its products with the smallest codes stay normal float32 instead of flushing to zero, and
+    the dot's result multiplied back by 2^56. fp16's 2^-8 needs no lift. (1, 1) for every other cache and dtype."""
+    if KV_QUANT == 2:
+        if dtype == tl.bfloat16:
+            return 18446744073709551616.0, 72057594037927936.0   # 2^64, 2^56
+        if dtype == tl.float16:
+            return 1.0, 256.0
+    return 1.0, 1.0
+
+
+@triton.jit
 def _scores(q, k, k_scale, qk_scale, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, SOFTCAP: tl.constexpr):
     """q k^T * qk_scale for one KV tile; a quantized cache's codes widened, then scaled per token.
     SOFTCAP (0: none): the scores capped as softcap * tanh(score / softcap) (Gemma 2), in the log2(e) units
     qk_scale carries, so the cap is SOFTCAP * log2(e) there."""
     if KV_QUANT != 0:
-        s = tl.dot(q, tl.trans(_widen(k, q.dtype, KV_QUANT)), input_precision=DOT_PRECISION) * (qk_scale * k_scale[None, :])
+        lift, back = _fp8_units(q.dtype, KV_QUANT)
+        if lift != 1.0:
+            q = (q.to(tl.float32) * lift).to(q.dtype)   # exact (a power of two); loop-invariant: hoisted
+        s = tl.dot(q, tl.trans(_widen(k, q.dtype, KV_QUANT)), input_precision=DOT_PRECISION) * (
+            (qk_scale * back) * k_scale[None, :])
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if SOFTCAP != 0.0:
@@ -59,7 +84,11 @@ def _scores(q, k, k_scale, qk_scale, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.c
 def _pv(p, v, v_scale, q, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
     """p v for one KV tile (in q's dtype); a quantized cache's per-token scales go onto p first."""
     if KV_QUANT != 0:
-        pv = tl.dot((p * v_scale[None, :]).to(q.dtype), _widen(v, q.dtype, KV_QUANT), input_precision=DOT_PRECISION)
+        lift, back = _fp8_units(q.dtype, KV_QUANT)
+        pv = tl.dot((p * (v_scale * lift)[None, :]).to(q.dtype), _widen(v, q.dtype, KV_QUANT),
+                    input_precision=DOT_PRECISION)
+        if back != 1.0:
+            pv = pv * back
     else:
         pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return pv

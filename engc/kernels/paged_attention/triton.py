@@ -6,8 +6,8 @@ token's page comes from the block table (page = pos // PAGE), so BLOCK_N and PAG
 Scores use exp2 with the scale folded into log2(e).
 KV_QUANT (constexpr; 0 model dtype, 1 int8, 2 fp8 e4m3) picks the cache format. A quantized cache
 (kernels/kv_quant.py) holds codes plus one float32 scale per (token, KV head): codes are widened to q's
-dtype (exact: |int8| <= 127 and e4m3 fit bf16/fp16; int8 through fp32, which is what the conversion
-lowers to anyway), K's scale multiplies the scores after the dot and
+dtype exactly with integer ops (int8 through fp32 bits; e4m3 by placing its bits in a bf16/fp16, a power of
+two off, which the dots undo: tiles._widen), K's scale multiplies the scores after the dot and
 V's the probabilities before it, both in fp32. The scale pointers are the last runtime params; the
 unquantized build has them as constexpr None, so its code and arguments are as without quantization.
 
