@@ -31,7 +31,8 @@ def report():
 CASES = [f"{case}_{kv}" for kv in KV for case in
          ("rotary_fp32_i64", "rotary_bf16_i32", "attention_mixed_fp32", "attention_mixed_bf16",
           "attention_gqa3_d64_fp32", "attention_prefill_only_fp32", "attention_decode_split_fp32",
-          "attention_decode_bf16", "attention_window_fp32")]
+          "attention_decode_bf16", "attention_window_fp32", "attention_mixed_fp16")] + [
+         "widen_fp8_bf16_every_code", "widen_fp8_fp16_every_code"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -196,6 +197,33 @@ def test_codegen_compiles_the_quantized_variants():
         model_specs(TINY, torch.bfloat16, "sm80", 16, kv_cache="fp8")
 
 
+def test_an_fp8_cache_decodes_with_its_own_tune_line():
+    """sm90 8B-class heads: the fp8 cache's decode takes the table's 'd<=128,kv-fp8' line, whose register cap
+    reaches ptxas; the fused rotary decode takes its tiles without the cap; other caches keep the head size's."""
+    import dataclasses
+    from engc.compiler.codegen.record import compile_specs
+    from engc.compiler.codegen.specs import model_specs
+    from test_codegen import TINY
+    cfg = dataclasses.replace(TINY, head_dim=128)
+    keys = {}
+    for kv in ("auto", "int8", "fp8"):
+        for s in model_specs(cfg, torch.bfloat16, "sm90", 16, kv_cache=kv):
+            if s.op == "paged_attention":
+                keys[(kv, s.variant)] = s
+    assert {v: s.tune_key for (kv, v), s in keys.items() if kv == "fp8"} == {
+        "decode": "sm90/paged_attention/decode/d<=128,kv-fp8",
+        "decode_rotary": "sm90/paged_attention/decode/d<=128,kv-fp8",
+        "prefill": "sm90/paged_attention/prefill/d<=128"}
+    plain = "sm90/paged_attention/decode/d<=128"
+    assert keys[("auto", "decode")].tune_key == keys[("int8", "decode")].tune_key == plain
+    decode, rotary = keys[("fp8", "decode")], keys[("fp8", "decode_rotary")]
+    assert decode.tune["maxnreg"] == 128 and "maxnreg" not in rotary.tune
+    assert decode.num_stages == rotary.num_stages == 2
+    result = compile_specs([decode, rotary], jobs=1)
+    ptx = {r["variant"]: result.files[r["ptx"]].decode() for r in result.records}
+    assert ".maxnreg 128" in ptx["decode"] and ".maxnreg" not in ptx["decode_rotary"]
+
+
 # ---------------------------------------------------------------- the child process (TRITON_INTERPRET=1)
 
 def check_rotary(dtype, idx_dtype, kv_dtype):
@@ -253,6 +281,32 @@ def check_attention(dtype, kv_dtype, seqs, H=4, KV_HEADS=2, D=32, page=16, windo
     return _rel(out, ref), [(v, list(g)) for v, g, _ in launches]
 
 
+def check_widen(dtype):
+    """The attention kernels widen fp8 codes by placing their bits in a bf16 / fp16 (tiles._widen): every one of
+    the 254 finite codes must come out as the code times the power of two the kernels undo (_fp8_units)."""
+    global tiles   # a jit function's names resolve in its module's globals
+    import triton
+    import triton.language as tl
+    from engc.kernels.paged_attention import tiles
+
+    @triton.jit
+    def widen_kernel(codes_ptr, out_ptr, BF16: tl.constexpr):
+        i = tl.arange(0, 256)
+        codes = tl.load(codes_ptr + i)
+        if BF16:
+            tl.store(out_ptr + i, tiles._widen(codes, tl.bfloat16, 2))
+        else:
+            tl.store(out_ptr + i, tiles._widen(codes, tl.float16, 2))
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    out = torch.empty(256, dtype=dtype)
+    widen_kernel[(1,)](codes, out, dtype == torch.bfloat16)
+    unit = 2.0 ** -120 if dtype == torch.bfloat16 else 2.0 ** -8
+    finite = codes.float().isfinite()
+    assert int(finite.sum()) == 254
+    return (out.float()[finite] - codes.float()[finite] * unit).abs().max().item() / unit
+
+
 def _patch_interpreter_fp8_convert():
     """Triton 3.9's interpreter rounds fp32 -> e4m3 without carrying a mantissa overflow into the exponent
     (127.9 -> 64); convert with torch instead: round to nearest even, as the GPU's cvt.rn.satfinite does
@@ -276,8 +330,8 @@ def main():
     _patch_interpreter_bf16_dot()
     _patch_interpreter_fp8_convert()
     torch.manual_seed(0)
-    f32, bf16 = torch.float32, torch.bfloat16
-    tol = {f32: 1e-5, bf16: 2e-2}
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    tol = {f32: 1e-5, bf16: 2e-2, f16: 3e-3}
     rotary_tol = {f32: 1e-3, bf16: 2e-2}   # dequantized caches: a rare one-step code flip is allowed
     mixed = [(37, 37), (50, 13), (1, 1), (70, 1), (16, 16), (33, 1), (20, 2)]   # (50, 13): a cached prefix
     small_tiles = {"decode": {"BLOCK_N": 16, "target_programs": 64, "min_split_tokens": 16},
@@ -301,7 +355,11 @@ def main():
                 bf16, kv, [(5, 1), (200, 1)], H=8, KV_HEADS=1, D=64, page=32, max_context_len=32), tol[bf16]),
             f"attention_window_fp32_{name}": (lambda kv=kv: check_attention(
                 f32, kv, [(150, 40), (100, 1), (90, 90)], window=33, overrides=small_tiles), tol[f32]),
+            f"attention_mixed_fp16_{name}": (lambda kv=kv: check_attention(f16, kv, mixed, overrides=small_tiles),
+                                             tol[f16]),
         })
+    checks.update({f"widen_fp8_{name}_every_code": (lambda dt=dt: check_widen(dt), 0.0)
+                   for name, dt in (("bf16", bf16), ("fp16", f16))})
     print_report(checks)
 
 

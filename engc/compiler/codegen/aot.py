@@ -36,6 +36,8 @@ def compile_spec(spec: KernelSpec, cache_dir: str | None = None):
     target = GPUTarget("cuda", ARCH_CAPABILITY[spec.arch], 32)
     options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, "ptx_version": PTX_VERSION,
                "enable_fp_fusion": True}
+    if spec.tune.get("maxnreg"):   # a register cap: more programs resident a multiprocessor, maybe spills
+        options["maxnreg"] = spec.tune["maxnreg"]
     with tempfile.TemporaryDirectory(prefix="engc-triton-") as tmp, \
             knobs.compilation.scope(), knobs.cache.scope():
         knobs.compilation.disable_line_info = True

@@ -49,8 +49,8 @@ def lookup(arch: str, op: str, variant: str, bucket: str, overrides: dict | None
 
 
 # Fields an override may add to an entry that does not spell them out (PDL: read with a per-arch default;
-# smem_carveout: absent means the driver's choice).
-OPTIONAL_FIELDS = ("PDL", "smem_carveout")
+# smem_carveout: absent means the driver's choice; maxnreg: a register cap a thread, absent means ptxas's choice).
+OPTIONAL_FIELDS = ("PDL", "smem_carveout", "maxnreg")
 
 
 def record_launch(launch: dict, entry: dict) -> dict:

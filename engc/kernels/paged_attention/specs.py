@@ -15,6 +15,14 @@ def specs(b: Build) -> list:
     return paged_attention_specs(b.cfg, b.t, b.arch, b.block_size, b.ov("paged_attention"), b.kv)
 
 
+def decode_bucket(arch: str, bucket: str, kv) -> str:
+    """The decode's tune bucket: the head size's, or its line for this KV-cache format where the table has one
+    (an fp8 cache's loop has tiles of its own: widening the codes costs registers, and they bound occupancy)."""
+    name = {v: k for k, v in kv_quant.KV_CACHE_DTYPES.items()}.get(kv)
+    own = f"{bucket},kv-{name}"
+    return own if name and f"{arch}/paged_attention/decode/{own}" in tune.TUNE else bucket
+
+
 def paged_attention_specs(cfg, t: str, arch: str, block_size: int, overrides=None, kv=None) -> list:
     group = cfg.num_heads // cfg.num_kv_heads
     precision = "ieee" if t == "fp32" else "tf32"
@@ -30,7 +38,7 @@ def paged_attention_specs(cfg, t: str, arch: str, block_size: int, overrides=Non
     # The in-kernel reduce reads [RED_SPLITS, group, D] partials at a time: ~4k fp32, 32 a thread of 4 warps.
     reduce_consts = dict(GR_PAD=pow2(group), RED_SPLITS=max(1, 4096 // (pow2(group) * pow2(cfg.head_dim))))
     decode = make_spec("paged_attention", "decode", arch, "paged_decode_kernel", decode_types,
-                       dict(common, G_PAD=max(16, pow2(group)), **reduce_consts), bucket,
+                       dict(common, G_PAD=max(16, pow2(group)), **reduce_consts), decode_bucket(arch, bucket, kv),
                        launch_keys=("BLOCK_N", "target_programs", "max_splits", "min_split_tokens",
                                     "min_split_tokens_busy", "impl", "in_kernel_reduce", "rotary_max_rows"),
                        overrides=(overrides or {}).get("decode"))
@@ -51,6 +59,9 @@ def paged_attention_specs(cfg, t: str, arch: str, block_size: int, overrides=Non
     # k/v itself (same tune entry and constexprs; positions and slots int64, as the runtime stages them)
     rotary_types = {k: v for k, v in decode_types.items() if k != "q_ptr"}
     rotary_types.update(qkv_ptr=f"*{t}", positions_ptr="*i64", inv_freq_ptr="*fp32", slot_mapping_ptr="*i64")
+    # It keeps no register cap (maxnreg): it serves batches up to rotary_max_rows, too few programs for occupancy to
+    # matter, and its rotary code would spill under the cap.
     decode_rotary = dataclasses.replace(decode, variant="decode_rotary", fn_name="paged_decode_rotary_kernel",
-                                        arg_types=rotary_types)
+                                        arg_types=rotary_types,
+                                        tune={k: v for k, v in decode.tune.items() if k != "maxnreg"})
     return [decode, decode_rotary, prefill] if reduce is None else [decode, decode_rotary, reduce, prefill]
