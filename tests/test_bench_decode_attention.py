@@ -1,0 +1,30 @@
+"""bench/decode_attention_bench.py's CPU side: variants parsed, each compiled with its override into a folder the GPU
+side loads (cubin beside a JSON of its record and what it is)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import decode_attention_bench as bench  # noqa: E402
+
+
+def test_variants_parse_into_tune_overrides():
+    assert bench.parse_variants("tuned:; n64s2: BLOCK_N=64,num_stages=2 ;capped:maxnreg=128") == {
+        "tuned": {}, "n64s2": {"BLOCK_N": 64, "num_stages": 2}, "capped": {"maxnreg": 128}}
+
+
+def test_prepare_compiles_each_variant_with_its_override(tmp_path):
+    args = argparse.Namespace(shape="tiny", kv="fp8", variants="tuned:;n16:BLOCK_N=16,maxnreg=128", label="here",
+                              out=str(tmp_path))
+    bench.prepare(args)
+    metas = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert set(metas) == {"here__fp8__tuned", "here__fp8__n16"}
+    for stem, meta in metas.items():
+        assert (tmp_path / f"{stem}.cubin").read_bytes()[:4] == b"\x7fELF"
+        assert meta["record"]["variant"] == "decode" and meta["kv"] == "fp8"
+    assert metas["here__fp8__n16"]["record"]["launch"]["BLOCK_N"] == 16
+    assert metas["here__fp8__n16"]["record"]["tune"]["maxnreg"] == 128
+    assert "maxnreg" not in metas["here__fp8__tuned"]["record"]["tune"]
