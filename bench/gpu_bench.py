@@ -32,7 +32,7 @@ from shapes import (INT4_GROUP, base_shape, checkpoint_dir, dtype_of, is_int4, i
                     is_variant, kv_cache_of, long_context_of, make_checkpoint, model_config, prompts, quant_of,
                     step_weight_bytes, tp_of)
 from step_profile import decode_breakdown, kernel_profile, step_timeline  # noqa: E402
-from timing import COPY_BW, frac_of_gemm_peak, synced  # noqa: E402
+from timing import COPY_BW, GpuClocks, frac_of_gemm_peak, synced  # noqa: E402
 
 # LMDeploy 0.18's PyTorch engine on the same H200, same shapes and 128/128 requests: b1 decode and the
 # throughput of batch N, output tok/s
@@ -245,8 +245,10 @@ def _throughput(shape: str, engine, cfg, args) -> dict:
     for n in batches_of(args, base)[:2 if args.quick else None]:
         _, total, first = run_batch(engine, prompts(n, 128, cfg.vocab_size, n + 1000), 128)
         res[f"b{n}_128_128_first_run_out_tok_s"] = round(n * 128 / total, 1)
-        _, total, first = run_batch(engine, prompts(n, 128, cfg.vocab_size, n), 128)
+        with GpuClocks() as clocks:
+            _, total, first = run_batch(engine, prompts(n, 128, cfg.vocab_size, n), 128)
         res[f"b{n}_128_128_out_tok_s"] = round(n * 128 / total, 1)
+        res[f"b{n}_128_128_gpu_clocks"] = clocks.summary
         # until every sequence has its first token (the prefill, in max_batched_tokens chunks), then decode
         res[f"b{n}_128_128_first_tokens_s"] = round(first, 4)
         res[f"b{n}_128_128_after_first_ms_per_token"] = round(1000 * (total - first) / 127, 3)
@@ -263,13 +265,15 @@ def _sampled(shape: str, engine, cfg, pairs: int = 3) -> dict:
     import statistics
     n = LMDEPLOY.get(base_shape(shape), {}).get("N", 4)
     greedy, sampled = [], []
-    for i in range(pairs):
-        _, total, _ = run_batch(engine, prompts(n, 128, cfg.vocab_size, 5000 + 2 * i), 128)
-        greedy.append(n * 128 / total)
-        _, total, _ = run_batch(engine, prompts(n, 128, cfg.vocab_size, 5001 + 2 * i), 128,
-                                temperature=0.8, top_k=50, top_p=0.95, seed=0)
-        sampled.append(n * 128 / total)
-    return {f"b{n}_128_128_sampled_out_tok_s": round(statistics.median(sampled), 1),
+    with GpuClocks() as clocks:
+        for i in range(pairs):
+            _, total, _ = run_batch(engine, prompts(n, 128, cfg.vocab_size, 5000 + 2 * i), 128)
+            greedy.append(n * 128 / total)
+            _, total, _ = run_batch(engine, prompts(n, 128, cfg.vocab_size, 5001 + 2 * i), 128,
+                                    temperature=0.8, top_k=50, top_p=0.95, seed=0)
+            sampled.append(n * 128 / total)
+    return {f"b{n}_sampled_gpu_clocks": clocks.summary,
+            f"b{n}_128_128_sampled_out_tok_s": round(statistics.median(sampled), 1),
             f"b{n}_128_128_greedy_paired_out_tok_s": round(statistics.median(greedy), 1),
             f"b{n}_sampled_over_greedy": round(statistics.median(s / g for s, g in zip(sampled, greedy)), 3)}
 

@@ -67,3 +67,47 @@ def frac_of_copy_roofline(bytes_per_s: float) -> float:
 
 def frac_of_gemm_peak(flops_per_s: float) -> float:
     return round(flops_per_s / GEMM_PEAK, 3)
+
+
+# nvidia-smi's clocks_event_reasons bits that slow a busy GPU (the rest: idle, application clocks, ...)
+SLOWDOWNS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake"}
+
+
+class GpuClocks:
+    """The SM clock, power and temperature nvidia-smi reads every 100 ms while the `with` block runs, and why the
+    clocks were held down: a figure measured at full load on a shared machine can differ by 1.5x from one run
+    to the next when the card hits its power or thermal limit, and this says whether it did. `summary` is {}
+    where nvidia-smi is missing."""
+
+    def __enter__(self):
+        import subprocess
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True)
+        except OSError:
+            self._proc = None
+        return self
+
+    def __exit__(self, *exc):
+        self.summary = {}
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate()
+        rows = []
+        for line in out.splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                rows.append((float(parts[0]), float(parts[1]), float(parts[2]), int(parts[3], 16)))
+            except (ValueError, IndexError):
+                continue
+        if rows:
+            clocks = [r[0] for r in rows]
+            mask = 0
+            for r in rows:
+                mask |= r[3]
+            self.summary = {"sm_mhz_min": min(clocks), "sm_mhz_median": statistics.median(clocks),
+                            "power_w_max": max(r[1] for r in rows), "temp_c_max": max(r[2] for r in rows),
+                            "slowed_by": [name for bit, name in SLOWDOWNS.items() if mask & bit]}
