@@ -12,6 +12,7 @@ from engc.kernels import argmax, sampling
 from engc.runtime import cuda_graphs, staged_inputs
 from engc.runtime.cuda_graphs import GraphedExecutor
 from engc.runtime.engine import Engine, EngineConfig
+from engc.runtime.executor import Executor
 from engc.runtime.gpu_ops import StepFacts
 from engc.runtime.loader import load
 from engc.runtime.sampling import SamplingParams
@@ -127,13 +128,14 @@ class ReplayOnCpu:
         return self.out[rows]
 
 
-def cpu_graphed(engine):
+def cpu_graphed(engine, max_batch=None):
     """engine's executor as the GPU's GraphedExecutor: staging, padding, device-side fills, on the CPU; its
-    graphs end with the draw where the model has a (reference) sampler, else with the argmax."""
+    graphs end with the draw where the model has a (reference) sampler, else with the argmax. max_batch: the
+    largest graph's rows (default the engine's max_num_seqs; larger decode batches run eagerly)."""
     sampler = engine.model.sampler
     ex = GraphedExecutor(engine.runner.executor, StepFacts(), -(-engine.max_context // engine.model.block_size),
-                         engine.config.max_num_seqs, "cpu", True, draw=sampler.draw if sampler is not None else None,
-                         block_size=engine.model.block_size)
+                         max_batch or engine.config.max_num_seqs, "cpu", True,
+                         draw=sampler.draw if sampler is not None else None, block_size=engine.model.block_size)
 
     def capture(key, kv_caches):
         graphs = [ReplayOnCpu(lambda t=turn: ex._step(key[0], ex.table_width(key[1]), t, kv_caches))
@@ -143,14 +145,15 @@ def cpu_graphed(engine):
     engine.runner.executor = ex
 
 
-def run(model, overlap, requests, config=EngineConfig(), abort_at=None, add_later=(), graphed=False):
+def run(model, overlap, requests, config=EngineConfig(), abort_at=None, add_later=(), graphed=False,
+        max_graph_batch=None):
     """requests: [(ids, params, session_id)], all added first; add_later: [(after_step, ids, params)].
 
     abort_at: {request index: number of known tokens after which it is aborted}. Returns per request
     what a client sees, plus how many launched steps carried a row that had already finished."""
     engine = Engine(model, EngineConfig(**{**config.__dict__, "overlap": overlap}))
     if graphed:
-        cpu_graphed(engine)
+        cpu_graphed(engine, max_graph_batch)
     seqs = [engine.add_request(ids, p, session_id=sid) for ids, p, sid in requests]
     later, steps, dropped = list(add_later), 0, 0
     texts = {}
@@ -258,6 +261,35 @@ def test_graphed_executor_fills_in_flight_ids(model, monkeypatch):
     assert engine.runner.executor.graphs  # decode batches went through the staged path
     assert [r[0] for r in sync] == [r[0] for r in run(model, False, requests, config=kw["config"],
                                                        add_later=kw["add_later"])[0]]
+
+
+def test_a_decode_batch_past_the_largest_graph_runs_the_decode_form(model, monkeypatch):
+    """Graphs up to 2 rows, 6 sequences decoding together: the eager decode steps of 3-6 rows run the program's
+    decode form (no gather, logits as the head computes them), and every output equals the ungraphed engine's:
+    greedy, seeded sampled and logprobs rows alike."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+    ids = prompts(model, 6)
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, top_k=50, top_p=0.95, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0, logprobs=2, ignore_eos=True)]
+    params += [SamplingParams(max_tokens=8 + i, temperature=1.0, seed=i, ignore_eos=True) for i in range(3)]
+    requests = [(i, p, None) for i, p in zip(ids, params)]
+    forms = []
+    forward = Executor.forward
+
+    def recording(self, inputs, kv_caches, fill=None, decode=False, draws=None):
+        forms.append((inputs["input_ids"].shape[0], decode))
+        return forward(self, inputs, kv_caches, fill, decode, draws)
+    monkeypatch.setattr(Executor, "forward", recording)
+    config = EngineConfig(num_blocks=64, max_num_seqs=8)
+    graphed, _, _ = run(model, False, requests, config=config, graphed=True, max_graph_batch=2)
+    eager_decode = [n for n, decode in forms if decode and n > 2]
+    assert eager_decode and max(eager_decode) == 6
+    forms.clear()
+    plain, _, _ = run(model, False, requests, config=config)
+    assert not any(decode for _, decode in forms)   # the ungraphed engine: the full form throughout
+    for a, b in zip(plain, graphed):
+        assert_match_to_rounding(a, b)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
