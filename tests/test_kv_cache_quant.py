@@ -294,9 +294,9 @@ def check_widen(dtype):
         i = tl.arange(0, 256)
         codes = tl.load(codes_ptr + i)
         if BF16:
-            tl.store(out_ptr + i, tiles._widen(codes, tl.bfloat16, 2))
+            tl.store(out_ptr + i, tiles._widen(codes, tl.bfloat16, 2, True))
         else:
-            tl.store(out_ptr + i, tiles._widen(codes, tl.float16, 2))
+            tl.store(out_ptr + i, tiles._widen(codes, tl.float16, 2, True))
 
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
     out = torch.empty(256, dtype=dtype)

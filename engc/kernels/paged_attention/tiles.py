@@ -18,7 +18,10 @@ def _load_kv_tile(cache_ptr, block_table_row, pos, valid, kvh, d,
 
 
 @triton.jit
-def _widen(codes, dtype: tl.constexpr, KV_QUANT: tl.constexpr):
+def _widen(codes, dtype: tl.constexpr, KV_QUANT: tl.constexpr, PLACE_BITS: tl.constexpr):
+    """A KV tile's codes in q's dtype. PLACE_BITS: fp8 codes into bf16/fp16 by bit placement, a power of two off
+    (_fp8_units): the decode loop's choice. A prefill tile serves BLOCK_M query rows (128 at 8B heads), so its
+    conversions weigh less, and placement's extra registers doubled its spills: it converts."""
     if KV_QUANT == 1:
         # int8 -> float with integer/fp32 ALU ops instead of conversions (16 a clock per SM on Hopper: they
         # bound the decode loop): the fp32 with bits 0x4B000080 + x is 2^23 + 128 + x, so subtracting
@@ -28,13 +31,13 @@ def _widen(codes, dtype: tl.constexpr, KV_QUANT: tl.constexpr):
         if dtype == tl.bfloat16:
             return (f.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
         return f.to(dtype)
-    if dtype == tl.bfloat16:
+    if PLACE_BITS and dtype == tl.bfloat16:
         # fp8 e4m3 -> bf16 by placing bits with integer ops, not by the three conversion instructions a pair of
         # values takes (e4m3 -> f16 -> bf16, 16 a clock per SM): s.eeee.mmm becomes s.0000eeee.mmm0000, the code
         # times 2^-120 exactly (exponent bias 127 against 7; subnormals too), which _scores and _pv undo
         # (_fp8_units). The int8 sign extension copies s into the bit the shift moves it to; the mask keeps the rest.
         return (((codes.to(tl.int8, bitcast=True).to(tl.int16) << 4) & -30736)).to(dtype, bitcast=True)   # 0x87F0
-    if dtype == tl.float16:   # the same into s.0eeee.mmm0000000: the code times 2^-8 (bias 15 against 7)
+    if PLACE_BITS and dtype == tl.float16:   # the same into s.0eeee.mmm0000000: the code times 2^-8 (bias 15, 7)
         return (((codes.to(tl.int8, bitcast=True).to(tl.int16) << 7) & -16512)).to(dtype, bitcast=True)   # 0xBF80
     return codes.to(dtype)
 
@@ -47,11 +50,11 @@ def _load_kv_scales(scale_ptr, block_table_row, pos, valid, kvh, PAGE: tl.conste
 
 
 @triton.jit
-def _fp8_units(dtype: tl.constexpr, KV_QUANT: tl.constexpr):
+def _fp8_units(dtype: tl.constexpr, KV_QUANT: tl.constexpr, PLACE_BITS: tl.constexpr):
     """(lift, back) around a dot with fp8 codes _widen placed into bf16 (the code times 2^-120): the other operand
     is lifted by 2^64, so its products with the smallest codes stay normal float32 instead of flushing to zero, and
     the dot's result multiplied back by 2^56. fp16's 2^-8 needs no lift. (1, 1) for every other cache and dtype."""
-    if KV_QUANT == 2:
+    if KV_QUANT == 2 and PLACE_BITS:
         if dtype == tl.bfloat16:
             return 18446744073709551616.0, 72057594037927936.0   # 2^64, 2^56
         if dtype == tl.float16:
@@ -60,15 +63,16 @@ def _fp8_units(dtype: tl.constexpr, KV_QUANT: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, k_scale, qk_scale, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, SOFTCAP: tl.constexpr):
+def _scores(q, k, k_scale, qk_scale, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
+            PLACE_BITS: tl.constexpr):
     """q k^T * qk_scale for one KV tile; a quantized cache's codes widened, then scaled per token.
     SOFTCAP (0: none): the scores capped as softcap * tanh(score / softcap) (Gemma 2), in the log2(e) units
     qk_scale carries, so the cap is SOFTCAP * log2(e) there."""
     if KV_QUANT != 0:
-        lift, back = _fp8_units(q.dtype, KV_QUANT)
+        lift, back = _fp8_units(q.dtype, KV_QUANT, PLACE_BITS)
         if lift != 1.0:
             q = (q.to(tl.float32) * lift).to(q.dtype)   # exact (a power of two); loop-invariant: hoisted
-        s = tl.dot(q, tl.trans(_widen(k, q.dtype, KV_QUANT)), input_precision=DOT_PRECISION) * (
+        s = tl.dot(q, tl.trans(_widen(k, q.dtype, KV_QUANT, PLACE_BITS)), input_precision=DOT_PRECISION) * (
             (qk_scale * back) * k_scale[None, :])
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -81,11 +85,11 @@ def _scores(q, k, k_scale, qk_scale, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.c
 
 
 @triton.jit
-def _pv(p, v, v_scale, q, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
+def _pv(p, v, v_scale, q, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, PLACE_BITS: tl.constexpr):
     """p v for one KV tile (in q's dtype); a quantized cache's per-token scales go onto p first."""
     if KV_QUANT != 0:
-        lift, back = _fp8_units(q.dtype, KV_QUANT)
-        pv = tl.dot((p * (v_scale * lift)[None, :]).to(q.dtype), _widen(v, q.dtype, KV_QUANT),
+        lift, back = _fp8_units(q.dtype, KV_QUANT, PLACE_BITS)
+        pv = tl.dot((p * (v_scale * lift)[None, :]).to(q.dtype), _widen(v, q.dtype, KV_QUANT, PLACE_BITS),
                     input_precision=DOT_PRECISION)
         if back != 1.0:
             pv = pv * back
@@ -129,13 +133,13 @@ def decode_tile_math(q, acc, m_i, l_i, k, v, k_scale, v_scale, tile, ctx, start,
         if KV_QUANT != 0:
             k_scale = tl.where(is_new, new_k_scale, k_scale)
             v_scale = tl.where(is_new, new_v_scale, v_scale)
-    s = _scores(q, k, k_scale, qk_scale, DOT_PRECISION, KV_QUANT, SOFTCAP)
+    s = _scores(q, k, k_scale, qk_scale, DOT_PRECISION, KV_QUANT, SOFTCAP, True)
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    pv = _pv(p, v, v_scale, q, DOT_PRECISION, KV_QUANT)
+    pv = _pv(p, v, v_scale, q, DOT_PRECISION, KV_QUANT, True)
     return acc * alpha[:, None] + pv, m_new, l_i
 
 
@@ -171,7 +175,7 @@ def prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
     else:
         k_scale = 0.0   # unread: a cache of the model's dtype has no scales
         v_scale = 0.0
-    s = _scores(q, k, k_scale, qk_scale, DOT_PRECISION, KV_QUANT, SOFTCAP)
+    s = _scores(q, k, k_scale, qk_scale, DOT_PRECISION, KV_QUANT, SOFTCAP, False)
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
         if sliding_window > 0:
@@ -182,7 +186,7 @@ def prefill_tile(q, acc, m_i, l_i, tile, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    pv = _pv(p, v, v_scale, q, DOT_PRECISION, KV_QUANT)
+    pv = _pv(p, v, v_scale, q, DOT_PRECISION, KV_QUANT, False)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
