@@ -6,10 +6,11 @@ token's page comes from the block table (page = pos // PAGE), so BLOCK_N and PAG
 Scores use exp2 with the scale folded into log2(e).
 KV_QUANT (constexpr; 0 model dtype, 1 int8, 2 fp8 e4m3) picks the cache format. A quantized cache
 (kernels/kv_quant.py) holds codes plus one float32 scale per (token, KV head): codes are widened to q's
-dtype exactly (int8 with integer ops through fp32 bits; e4m3 in the decode by placing its bits in a bf16/fp16, a
-power of two off, which the dots undo, and in the prefill by conversion: tiles._widen), K's scale multiplies the
-scores after the dot and V's the probabilities before it, both in fp32. The scale pointers are the last runtime params; the
-unquantized build has them as constexpr None, so its code and arguments are as without quantization.
+dtype exactly (int8 with integer ops through fp32 bits; e4m3 in the decode by placing its bits in a bf16/fp16,
+a power of two off, which the dots undo, and in the prefill by conversion: tiles._widen), K's scale multiplies
+the scores after the dot and V's the probabilities before it, both in fp32. The scale pointers are the last
+runtime params; the unquantized build has them as constexpr None, so its code and arguments are as without
+quantization.
 
 decode: grid (num_seqs, NUM_KV_HEADS, num_splits). Handles sequences with exactly one query token (it
   skips the others, so it can run beside the prefill kernel on a mixed batch). The KV tiles of a
