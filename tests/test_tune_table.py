@@ -44,3 +44,18 @@ def test_a_malformed_line_is_refused_with_its_place(tmp_path, monkeypatch, line,
     monkeypatch.setattr(table, "HERE", tmp_path)
     with pytest.raises(ValueError, match=message):
         table.read_table("sm90")
+
+
+def test_a_tune_file_may_cap_registers_where_the_entry_does_not():
+    """maxnreg is an optional field (like PDL and smem_carveout): a --tune file may add it to any entry, and
+    make_spec carries it to the compile options (codegen/aot.py). A misspelling is refused by name."""
+    from engc.compiler.codegen.kernel_spec import make_spec
+    from engc.errors import UserError
+    key = "sm90/paged_attention/decode/d<=128"
+    assert "maxnreg" not in tune.TUNE[key]
+    entries = tune.check_overrides({key: {"maxnreg": 96}})
+    with tune.overridden(entries):
+        spec = make_spec("paged_attention", "decode", "sm90", "paged_decode_kernel", {}, {}, "d<=128")
+    assert spec.tune["maxnreg"] == 96 and "maxnreg" not in tune.TUNE[key]
+    with pytest.raises(UserError, match="maxnregs"):
+        tune.check_overrides({key: {"maxnregs": 96}})
