@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from pathlib import Path
 
 import torch
 
 from shapes import model_config
-from timing import COPY_BW
+from timing import COPY_BW, median_event_us
 
 BLOCK_SIZE = 16          # the KV page (engc build's default)
 # copy rates (TB/s) of_copy divides by: the H200's measured one (timing.COPY_BW); the H100's is its 3.35 TB/s peak at
@@ -102,9 +101,9 @@ def run(args) -> None:
     stream = torch.cuda.current_stream().cuda_stream
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
+    cfg = model_config(metas[0]["shape"])
     for batch, ctx in (tuple(int(x) for x in b.split("x")) for b in args.batches.split(",")):
         for kv in sorted({m["kv"] for m in metas}):
-            cfg = model_config(metas[0]["shape"])
             q, cache, scales, bt, ctx_lens, qsl = _inputs(cfg, kv, batch, ctx, gen)
             ref = None
             for f, m in zip(files, metas):
@@ -116,11 +115,12 @@ def run(args) -> None:
                                      scale=cfg.head_dim ** -0.5, max_query_len=1, max_context_len=ctx,
                                      consts={"decode": m["record"]["launch"]}, kv_scale=scales)
                 kernel = kernels[f.stem]
+                plan = [(grid, [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in a[:len(kernel.signature)]])
+                        for _, grid, a in launches]
 
                 def go():
-                    for _, grid, a in launches:
-                        kernel.launch(grid, [x.data_ptr() if isinstance(x, torch.Tensor) else x
-                                             for x in a[:len(kernel.signature)]], stream)
+                    for grid, ptrs in plan:
+                        kernel.launch(grid, ptrs, stream)
                 go()
                 torch.cuda.synchronize()
                 if ref is None:   # the reference on the first rows only: it is a loop over sequences
@@ -129,16 +129,7 @@ def run(args) -> None:
                                              cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5, 0,
                                              kv_scale=scales).float()
                 err = ((out[:ref.shape[0]].float() - ref).abs().max() / ref.abs().max()).item()
-                times = []
-                for _ in range(args.reps):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(10):
-                        go()
-                    end.record()
-                    torch.cuda.synchronize()
-                    times.append(start.elapsed_time(end) * 100)   # us a launch
-                us = statistics.median(times)
+                us = median_event_us(lambda: [go() for _ in range(10)], reps=args.reps) / 10   # a launch
                 tbs = _kv_bytes(cfg, kv, batch, ctx) / us / 1e6
                 row = {"batch": batch, "ctx": ctx, "kv": kv, "label": m["label"], "variant": m["variant"],
                        "override": m["override"], "splits": launches[0][1][2], "us": round(us, 1),
