@@ -38,7 +38,9 @@ CASES = ["rms_norm_fp32", "rms_norm_bf16", "silu_mul_fp32", "silu_mul_bf16", "qk
          "attention_mixed_early_kv1_fp32", "gelu_tanh_mul_fp32", "gelu_tanh_mul_bf16", "attention_d256_fp32",
          "attention_d256_window_bf16", "unit_offset_norm_fp32", "unit_offset_norm_bf16", "rotary_d256_bf16", "rotary_decode_d256_window_bf16",
          "attention_softcap_fp32", "attention_softcap_window_bf16", "rotary_decode_softcap_fp32",
-         "rotary_decode_softcap_early_kv_bf16", "argmax_fp32", "argmax_bf16", "argmax_small_vocab_fp32"]
+         "rotary_decode_softcap_early_kv_bf16", "argmax_fp32", "argmax_bf16", "argmax_small_vocab_fp32",
+         "decode_prefetch_one_split_fp32", "decode_prefetch_early_kv2_bf16", "decode_prefetch_window_fp32",
+         "decode_prefetch_splits_fp32", "attention_mixed_prefetch_fp32"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -287,15 +289,16 @@ def check_attention(dtype, seqs, H=4, KV=2, D=32, page=16, window=0, overrides=N
 
 
 def check_decode_reduce(dtype, contexts, H, KV, D, page=16, block_n=16, max_context_len=None, window=0,
-                        expect_splits=None, early_kv=0):
+                        expect_splits=None, early_kv=0, prefetch=0, target_programs=128):
     """The decode kernel's in-kernel reduce: many splits of one or two tiles, launched twice on one
-    counters array, which each launch must leave zero (a CUDA graph replays on it)."""
+    counters array, which each launch must leave zero (a CUDA graph replays on it). target_programs=1: one
+    split a sequence, its whole context one program's loop."""
     import torch
     from engc.kernels import paged_attention as op
     gen = torch.Generator().manual_seed(sum(contexts) + H + D)
     cfg = _cfg(num_heads=H, num_kv_heads=KV, head_dim=D)
-    overrides = {"decode": {"BLOCK_N": block_n, "target_programs": 128, "min_split_tokens": block_n,
-                            "EARLY_KV": early_kv}}
+    overrides = {"decode": {"BLOCK_N": block_n, "target_programs": target_programs, "min_split_tokens": block_n,
+                            "EARLY_KV": early_kv, "PREFETCH": prefetch, "num_stages": 1 if prefetch else 2}}
     specs = _specs(cfg, dtype, page, {"paged_attention": overrides})["paged_attention"]
     q, kv_cache, bt, ctx, qsl = _attention_batch([(c, 1) for c in contexts], H, KV, D, page, dtype, gen)
     scale = D ** -0.5
@@ -519,6 +522,21 @@ def main():
             f32, [5, 40], H=4, KV=2, D=64, max_context_len=400, expect_splits=25, early_kv=2), attn_tol[f32]),
         "attention_mixed_early_kv1_fp32": (lambda: check_attention(
             f32, mixed, overrides={**small_tiles, "decode": {**small_tiles["decode"], "EARLY_KV": 1,
+                                                            "target_programs": 8}}), attn_tol[f32]),
+        # PREFETCH (the decode loop pipelined by hand): whole contexts in one program's loop, with and without
+        # the first tile loaded early, a window, splits of one tile (nothing left to prefetch), a mixed batch
+        "decode_prefetch_one_split_fp32": (lambda: check_decode_reduce(
+            f32, [203, 77, 1, 130, 16], H=8, KV=2, D=64, page=8, prefetch=1, target_programs=1, expect_splits=1),
+            attn_tol[f32]),
+        "decode_prefetch_early_kv2_bf16": (lambda: check_decode_reduce(
+            bf16, [100, 33, 250], H=8, KV=2, D=128, page=32, block_n=32, prefetch=1, early_kv=2, target_programs=1),
+            attn_tol[bf16]),
+        "decode_prefetch_window_fp32": (lambda: check_decode_reduce(
+            f32, [150, 61], H=6, KV=2, D=64, window=37, prefetch=1, target_programs=1), attn_tol[f32]),
+        "decode_prefetch_splits_fp32": (lambda: check_decode_reduce(
+            f32, [203], H=8, KV=2, D=128, prefetch=1, early_kv=2, expect_splits=14), attn_tol[f32]),
+        "attention_mixed_prefetch_fp32": (lambda: check_attention(
+            f32, mixed, overrides={**small_tiles, "decode": {**small_tiles["decode"], "PREFETCH": 1, "num_stages": 1,
                                                             "target_programs": 8}}), attn_tol[f32]),
         "argmax_fp32": (lambda: check_argmax(f32, block=128), 0),
         "argmax_bf16": (lambda: check_argmax(bf16, vocab=5000), 0),

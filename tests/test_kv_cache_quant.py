@@ -31,7 +31,8 @@ def report():
 CASES = [f"{case}_{kv}" for kv in KV for case in
          ("rotary_fp32_i64", "rotary_bf16_i32", "attention_mixed_fp32", "attention_mixed_bf16",
           "attention_gqa3_d64_fp32", "attention_prefill_only_fp32", "attention_decode_split_fp32",
-          "attention_decode_bf16", "attention_window_fp32", "attention_mixed_fp16")] + [
+          "attention_decode_bf16", "attention_window_fp32", "attention_mixed_fp16",
+          "attention_decode_prefetch_bf16")] + [
          "widen_fp8_bf16_every_code", "widen_fp8_fp16_every_code"]
 
 
@@ -224,6 +225,27 @@ def test_an_fp8_cache_decodes_with_its_own_tune_line():
     assert ".maxnreg 128" in ptx["decode"] and ".maxnreg" not in ptx["decode_rotary"]
 
 
+def test_the_plain_decode_pipelines_its_loop_by_hand_where_its_line_says():
+    """sm90 8B-class heads, a bf16 or int8 cache: the line sets PREFETCH, so the plain decode is compiled with one
+    stage and loads each tile a loop iteration ahead into registers (no cp.async left in it); the fused rotary decode
+    drops the constexpr and keeps the line's stages and Triton's pipelining. The fp8 cache's line does not set it."""
+    import dataclasses
+    from engc.compiler.codegen.record import compile_specs
+    from engc.compiler.codegen.specs import model_specs
+    from test_codegen import TINY
+    cfg = dataclasses.replace(TINY, head_dim=128)
+    specs = {(kv, s.variant): s for kv in ("auto", "int8", "fp8")
+             for s in model_specs(cfg, torch.bfloat16, "sm90", 16, kv_cache=kv) if s.op == "paged_attention"}
+    for kv in ("auto", "int8"):
+        decode, rotary = specs[(kv, "decode")], specs[(kv, "decode_rotary")]
+        assert decode.constexprs["PREFETCH"] == 1 and decode.num_stages == 1
+        assert "PREFETCH" not in rotary.constexprs and rotary.num_stages == decode.tune["num_stages"] == 3
+    assert specs[("fp8", "decode")].constexprs["PREFETCH"] == 0 and specs[("fp8", "decode")].num_stages == 2
+    result = compile_specs([specs[("auto", "decode")], specs[("auto", "decode_rotary")]], jobs=1)
+    ptx = {r["variant"]: result.files[r["ptx"]].decode() for r in result.records}
+    assert "cp.async" not in ptx["decode"] and "cp.async" in ptx["decode_rotary"]
+
+
 # ---------------------------------------------------------------- the child process (TRITON_INTERPRET=1)
 
 def check_rotary(dtype, idx_dtype, kv_dtype):
@@ -357,6 +379,11 @@ def main():
                 f32, kv, [(150, 40), (100, 1), (90, 90)], window=33, overrides=small_tiles), tol[f32]),
             f"attention_mixed_fp16_{name}": (lambda kv=kv: check_attention(f16, kv, mixed, overrides=small_tiles),
                                              tol[f16]),
+            # the decode loop pipelined by hand (PREFETCH): whole contexts in one program, codes and scales ahead
+            f"attention_decode_prefetch_bf16_{name}": (lambda kv=kv: check_attention(
+                bf16, kv, [(5, 1), (200, 1), (77, 1), (40, 40)], H=8, KV_HEADS=2, D=64, page=8, overrides={
+                    **small_tiles, "decode": {**small_tiles["decode"], "target_programs": 1, "PREFETCH": 1,
+                                              "num_stages": 1}}), tol[bf16]),
         })
     checks.update({f"widen_fp8_{name}_every_code": (lambda dt=dt: check_widen(dt), 0.0)
                    for name, dt in (("bf16", bf16), ("fp16", f16))})

@@ -51,11 +51,11 @@ def test_a_tune_file_may_cap_registers_where_the_entry_does_not():
     make_spec carries it to the compile options (codegen/aot.py). A misspelling is refused by name."""
     from engc.compiler.codegen.kernel_spec import make_spec
     from engc.errors import UserError
-    key = "sm90/paged_attention/decode/d<=128"
+    key = "sm90/paged_attention/decode/d>128"
     assert "maxnreg" not in tune.TUNE[key]
     entries = tune.check_overrides({key: {"maxnreg": 96}})
     with tune.overridden(entries):
-        spec = make_spec("paged_attention", "decode", "sm90", "paged_decode_kernel", {}, {}, "d<=128")
+        spec = make_spec("paged_attention", "decode", "sm90", "paged_decode_kernel", {}, {}, "d>128")
     assert spec.tune["maxnreg"] == 96 and "maxnreg" not in tune.TUNE[key]
     with pytest.raises(UserError, match="maxnregs"):
         tune.check_overrides({key: {"maxnregs": 96}})

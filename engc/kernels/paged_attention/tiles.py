@@ -9,12 +9,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _cache_rows(block_table_row, pos, valid, kvh, PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr):
+    """The cache rows (token slot * NUM_KV_HEADS + kvh) of positions pos: one round trip to the block table."""
+    page = tl.load(block_table_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+    return (page * PAGE + pos % PAGE) * NUM_KV_HEADS + kvh
+
+
+@triton.jit
+def _load_rows(cache_ptr, rows, valid, d, HEAD_DIM: tl.constexpr):
+    return tl.load(cache_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None] & (d[None, :] < HEAD_DIM),
+                   other=0.0)
+
+
+@triton.jit
 def _load_kv_tile(cache_ptr, block_table_row, pos, valid, kvh, d,
                   PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    page = tl.load(block_table_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
-    tok = page * PAGE + pos % PAGE
-    ptrs = cache_ptr + (tok * NUM_KV_HEADS + kvh)[:, None] * HEAD_DIM + d[None, :]
-    return tl.load(ptrs, mask=valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    return _load_rows(cache_ptr, _cache_rows(block_table_row, pos, valid, kvh, PAGE, NUM_KV_HEADS), valid, d,
+                      HEAD_DIM)
 
 
 @triton.jit
@@ -115,6 +126,52 @@ def load_decode_tile(tile, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_
         k_scale = 0.0
         v_scale = 0.0
     return k, v, k_scale, v_scale
+
+
+@triton.jit
+def decode_tile_rows(tile, ctx, start, hi, bt_row, kvh, PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """(cache rows, valid) of decode tile `tile`: its block-table round trip alone, so a loop can take it ahead
+    of the tile's K/V loads (prefetched_decode_tiles). Positions of tiles at or past hi are not valid."""
+    pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = (pos < tl.minimum(ctx, hi * BLOCK_N)) & (pos >= start)
+    return _cache_rows(bt_row, pos, valid, kvh, PAGE, NUM_KV_HEADS), valid
+
+
+@triton.jit
+def load_decode_rows(rows, valid, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, d, HEAD_DIM: tl.constexpr,
+                     KV_QUANT: tl.constexpr):
+    """load_decode_tile's loads from rows decode_tile_rows looked up: (k, v, k_scale, v_scale)."""
+    k = _load_rows(k_cache_ptr, rows, valid, d, HEAD_DIM)
+    v = _load_rows(v_cache_ptr, rows, valid, d, HEAD_DIM)
+    if KV_QUANT != 0:
+        k_scale = tl.load(k_scale_ptr + rows, mask=valid, other=0.0)
+        v_scale = tl.load(v_scale_ptr + rows, mask=valid, other=0.0)
+    else:
+        k_scale = 0.0
+        v_scale = 0.0
+    return k, v, k_scale, v_scale
+
+
+@triton.jit
+def prefetched_decode_tiles(q, acc, m_i, l_i, k, v, k_scale, v_scale, lo, hi, ctx, start, k_cache_ptr, v_cache_ptr,
+                            k_scale_ptr, v_scale_ptr, bt_row, kvh, d, qk_scale, PAGE: tl.constexpr,
+                            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Tiles [lo, hi) of a decode program, tile lo already loaded (k, v and scales), software-pipelined by hand:
+    while a tile's math runs, the next tile's K/V loads are in flight (into registers) and the block table entry of
+    the one after. Triton's pipeliner (num_stages) spends its stages on the block table's indirection instead: it
+    issues a tile's copies at the end of the iteration before and waits on them first thing, so each tile costs a
+    memory round trip or two on top of its math. Entries that set PREFETCH run this loop with num_stages 1."""
+    rows, valid = decode_tile_rows(lo + 1, ctx, start, hi, bt_row, kvh, PAGE, NUM_KV_HEADS, BLOCK_N)
+    for tile in range(lo, hi):
+        k_next, v_next, k_scale_next, v_scale_next = load_decode_rows(rows, valid, k_cache_ptr, v_cache_ptr,
+                                                                      k_scale_ptr, v_scale_ptr, d, HEAD_DIM, KV_QUANT)
+        rows, valid = decode_tile_rows(tile + 2, ctx, start, hi, bt_row, kvh, PAGE, NUM_KV_HEADS, BLOCK_N)
+        acc, m_i, l_i = decode_tile_math(q, acc, m_i, l_i, k, v, k_scale, v_scale, tile, ctx, start, qk_scale, 0.0,
+                                         0.0, 0.0, 0.0, BLOCK_N, DOT_PRECISION, KV_QUANT, False, SOFTCAP)
+        k, v, k_scale, v_scale = k_next, v_next, k_scale_next, v_scale_next
+    return acc, m_i, l_i
 
 
 @triton.jit

@@ -40,10 +40,11 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
                         GR_PAD: tl.constexpr, RED_SPLITS: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         KV_QUANT: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr,
-                        SOFTCAP: tl.constexpr):
+                        SOFTCAP: tl.constexpr, PREFETCH: tl.constexpr):
     """EARLY_KV: 1 (and 2) load the context length with the query offsets and the first KV tile before q.
     Unlike paged_decode_rotary_kernel, 2 does not move them before the PDL wait: the kernel before this one
-    is the rotary kernel, which writes the new token's K/V into the cache, maybe into that first tile."""
+    is the rotary kernel, which writes the new token's K/V into the cache, maybe into that first tile.
+    PREFETCH: the tiles' loads pipelined by hand (tiles.prefetched_decode_tiles), not by Triton."""
     if EARLY_KV == 0:
         pdl.wait(PDL)
         pdl.launch_dependents(PDL)
@@ -76,17 +77,28 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    if EARLY_KV == 0:
-        first_loaded = lo
+    if PREFETCH:
+        if EARLY_KV == 0:
+            k0, v0, k0_scale, v0_scale = tiles.load_decode_tile(lo, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                                                                v_scale_ptr, bt_row, kvh, d, PAGE, NUM_KV_HEADS,
+                                                                HEAD_DIM, BLOCK_N, KV_QUANT)
+        acc, m_i, l_i = tiles.prefetched_decode_tiles(q, acc, m_i, l_i, k0, v0, k0_scale, v0_scale, lo, hi, ctx, start,
+                                                      k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row, kvh,
+                                                      d, qk_scale, PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+                                                      DOT_PRECISION, KV_QUANT, SOFTCAP)
     else:
-        first_loaded = lo + 1   # every split left here holds tile lo (split < used)
-        acc, m_i, l_i = tiles.decode_tile_math(q, acc, m_i, l_i, k0, v0, k0_scale, v0_scale, lo, ctx, start,
-                                               qk_scale, 0.0, 0.0, 0.0, 0.0, BLOCK_N, DOT_PRECISION, KV_QUANT,
-                                               False, SOFTCAP)
-    for tile in range(first_loaded, hi):
-        acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                                          v_scale_ptr, bt_row, kvh, d, qk_scale, 0.0, 0.0, 0.0, 0.0, PAGE, NUM_KV_HEADS,
-                                          HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT, False, SOFTCAP)
+        if EARLY_KV == 0:
+            first_loaded = lo
+        else:
+            first_loaded = lo + 1   # every split left here holds tile lo (split < used)
+            acc, m_i, l_i = tiles.decode_tile_math(q, acc, m_i, l_i, k0, v0, k0_scale, v0_scale, lo, ctx, start,
+                                                   qk_scale, 0.0, 0.0, 0.0, 0.0, BLOCK_N, DOT_PRECISION, KV_QUANT,
+                                                   False, SOFTCAP)
+        for tile in range(first_loaded, hi):
+            acc, m_i, l_i = tiles.decode_tile(q, acc, m_i, l_i, tile, ctx, start, k_cache_ptr, v_cache_ptr,
+                                              k_scale_ptr, v_scale_ptr, bt_row, kvh, d, qk_scale, 0.0, 0.0, 0.0, 0.0,
+                                              PAGE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT, False,
+                                              SOFTCAP)
     tiles.finish_split(acc, m_i, l_i, out_ptr, part_acc_ptr, part_ml_ptr, counters_ptr, b, kvh, row, split,
                        num_splits, used, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, D_PAD, GROUP, G_PAD, GR_PAD,
                        RED_SPLITS)
