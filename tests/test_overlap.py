@@ -451,6 +451,20 @@ def test_mapped_view_is_none_where_the_gpu_cannot_address_host_memory():
     assert staged_inputs.mapped_view(torch.zeros(4, dtype=torch.int32)) is None
 
 
+def test_the_largest_graph_holds_max_num_seqs_rows(model, monkeypatch):
+    """The graphs go up to the first bucket holding max_num_seqs rows, so a full batch replays a graph (past 256
+    rows too, up to the last bucket); a larger batch runs eagerly."""
+    from engc.runtime import cuda_graphs
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+    tops = {}
+    for max_batch in (1, 3, 256, 300, 1000, 1024, 5000):
+        ex = GraphedExecutor(model.executor, StepFacts(), 8, max_batch, "cpu", True, block_size=model.block_size)
+        assert ex.buckets == [b for b in cuda_graphs.BUCKETS if b <= ex.buckets[-1]]
+        assert ex.staged.n == ex.buckets[-1]
+        tops[max_batch] = ex.buckets[-1]
+    assert tops == {1: 1, 3: 4, 256: 256, 300: 384, 1000: 1024, 1024: 1024, 5000: 1024}
+
+
 def test_graph_keys_by_batch_and_context_bucket(model, monkeypatch):
     """Small batches with short contexts replay their own graph (one KV split); the rest the batch
     bucket's graph sized for the block table's capacity; both kinds are captured at start."""

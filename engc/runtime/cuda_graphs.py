@@ -46,7 +46,11 @@ from engc.runtime.executor import Executor, TokenFill
 from engc.runtime.gpu_ops import StepFacts
 from engc.runtime.staged_inputs import TURNS, StagedInputs
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Batch buckets; the largest graph is the first bucket holding max_num_seqs rows. Those past 256 serve a larger
+# --max-batch-size: an eager step of 1,024 rows took 1.3-1.4x a graphed one's time (8B fp8, H100;
+# bench/results/HISTORY.md). Each holds its graphs' logits (four graphs a bucket: 1 MB a row at a 128k vocabulary
+# in bf16), so they stay few; batches past the last run eagerly.
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 # Longest context of the short-context graphs (255: at most 4 one-tile KV splits), and the batch buckets
 # that get them.
 # Few on purpose: each is one more graph to capture at start, and only a small model's small batches gain
@@ -81,7 +85,8 @@ class GraphedExecutor:
         self.device = device
         self.enabled = enabled
         self.greedy = greedy or (lambda logits, out: torch.argmax(logits, -1, out=out))
-        self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
+        top = next((b for b in BUCKETS if b >= max_batch), BUCKETS[-1])   # max_batch rows replay a graph
+        self.buckets = [b for b in BUCKETS if b <= top]
         self.staged = StagedInputs(self.buckets[-1], max_blocks_per_seq, device)
         if enabled and (self.staged.host_stack is None or self.staged.tokens_dev is None):
             print("engc: warning: torch cannot address pinned host memory from the GPU here; decode steps run "
