@@ -115,8 +115,7 @@ def run(args) -> None:
                                      scale=cfg.head_dim ** -0.5, max_query_len=1, max_context_len=ctx,
                                      consts={"decode": m["record"]["launch"]}, kv_scale=scales)
                 kernel = kernels[f.stem]
-                plan = [(grid, [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in a[:len(kernel.signature)]])
-                        for _, grid, a in launches]
+                plan = [(grid, kernel.pointers(a)) for _, grid, a in launches]
 
                 def go():
                     for grid, ptrs in plan:

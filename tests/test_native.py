@@ -66,6 +66,15 @@ def test_pointer_accepts_int_none_and_data_ptr():
     assert struct.unpack("<QQQ", packed) == (0x1000, 0, 0xDEADBEEF)
 
 
+def test_kernel_pointers_take_addresses_once_and_drop_the_rules_scratch_params():
+    """Kernel.pointers: a launch rule's args (its two trailing scratch params included) as launch() takes them,
+    each tensor read for its address once; no CUDA call, so it runs here."""
+    import torch
+    x = torch.zeros(4)
+    kernel = cubin.Kernel(0, 0, "k", "pif", block_x=128, shared_mem=0, scratch_params=2)
+    assert kernel.pointers([x, 7, 0.5, 0, 0]) == [x.data_ptr(), 7, 0.5]
+
+
 @pytest.mark.parametrize(
     ("signature", "args", "error", "match"),
     [

@@ -12,6 +12,7 @@ from engc.compiler import tune
 from engc.compiler.codegen.specs import model_specs
 from engc.compiler.tune import plan as tp, prepared
 from engc.compiler.tune.search import TuneOptions, prepare, summary, tune_from
+from engc.cuda.cubin import Kernel
 from engc.errors import UserError
 from test_cli import assert_one_line_error, engc
 
@@ -496,6 +497,8 @@ class _StandIn:
 
     SIGNATURES = {"moe_gate_up_kernel": "p" * 8 + "i", "moe_down_kernel": "p" * 9 + "i",
                   "moe_gate_up_route_kernel": "p" * 9 + "iii", "moe_down_combine_kernel": "p" * 8}
+
+    pointers = Kernel.pointers   # the real kernel's: it reads only the signature
 
     def __init__(self, record, tensors, broken=False):
         self.record, self.tensors, self.broken = record, tensors, broken

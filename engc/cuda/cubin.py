@@ -115,6 +115,12 @@ class Kernel:
         _native.launch(self.func, grid, self.block_x, self.shared_mem, stream, self._full_signature,
                        (*args, *self._trailing))
 
+    def pointers(self, args: Sequence[Any]) -> list:
+        """A launch rule's args for this kernel with each tensor's address taken once (launch() reads a tensor's
+        data_ptr() on every call, which a timing loop should not pay); the rule's trailing scratch params, which
+        launch() appends itself, dropped."""
+        return [a.data_ptr() if hasattr(a, "data_ptr") else a for a in args[:len(self.signature)]]
+
     def prepare(self, grid: Sequence[int] | int, args: Sequence[Any]):
         """A native Launch, packed once: call it with a stream; set_arg(i, v) to change argument i."""
         return _native.Launch(self.func, grid, self.block_x, self.shared_mem, self._full_signature,

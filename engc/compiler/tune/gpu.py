@@ -127,9 +127,8 @@ class GpuBench:
         if cand.bucket is None:
             return lambda: F.linear(b["act"], b["ws"][i])
         kernel, r = self.kernels[(shape, cand)]
-        plan = [(grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args[:len(kernel.signature)]],
-                 args) for _, grid, args in gemv.launch(b["x"], b["ws"][i], b["out"], r["variant"], r["launch"],
-                                                        self.counters)]
+        plan = [(grid, kernel.pointers(args), args) for _, grid, args in gemv.launch(
+            b["x"], b["ws"][i], b["out"], r["variant"], r["launch"], self.counters)]
 
         def run():
             for grid, ptrs, _ in plan:   # (args kept alive with the plan: they own the split partials)

@@ -112,8 +112,7 @@ class MoeBench:
                                                           weights, act, b["pairs"], consts,
                                                           None if decode else tm.CLASSES[cls], **fused):
                 kernel, _ = by_variant[variant]
-                plan.append((kernel, grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a
-                                            for a in args[:len(kernel.signature)]]))
+                plan.append((kernel, grid, kernel.pointers(args)))
 
             def run(plan=plan):
                 for kernel, grid, ptrs in plan:
