@@ -1,10 +1,11 @@
-"""The split-KV decode attention kernel (paged_attention 'decode') of one model shape, tile config against tile
-config and KV-cache format against format: compiled here for each tune override as a bundle's are ('prepare'),
-loaded and timed on the GPU ('run'). Each: us a launch, the rate its KV bytes (codes and scales) are read at
-against the copy rate, and the output's error against the torch reference (kernels/paged_attention).
+"""The split-KV decode attention kernel (paged_attention 'decode', or with --kernel decode_rotary the one fused with
+the rotary that decode-only steps of up to rotary_max_rows run) of one model shape, tile config against tile config
+and KV-cache format against format: compiled here for each tune override as a bundle's are ('prepare'), loaded and
+timed on the GPU ('run'). Each: us a launch, the rate its KV bytes (codes and scales) are read at against the copy
+rate, and the output's error against the torch reference (kernels/paged_attention).
 
     here:   python bench/decode_attention_bench.py prepare --shape 8b --kv fp8,auto --out .kc/attn \\
-                --variants 'n32:;n64:BLOCK_N=64,num_stages=2' [--label NAME]
+                --variants 'n32:;n64:BLOCK_N=64,num_stages=2' [--label NAME] [--kernel decode_rotary]
     there:  python bench/decode_attention_bench.py run --dir .kc/attn --batches 1024x192,32x1024 [--out r.json]
 
 A variant is NAME:KEY=VALUE,... over the shape's tune entry for 'decode' (empty: the entry as it is). --label
@@ -50,13 +51,13 @@ def prepare(args) -> None:
         for name, entry in parse_variants(args.variants).items():
             overrides = {"paged_attention": {"decode": entry}} if entry else None
             spec = next(s for s in model_specs(cfg, torch.bfloat16, "sm90", BLOCK_SIZE, overrides, kv_cache=kv)
-                        if (s.op, s.variant) == ("paged_attention", "decode"))
+                        if (s.op, s.variant) == ("paged_attention", args.kernel))
             result = compile_specs([spec], jobs=1)
             record = result.records[0]
-            stem = f"{args.label}__{kv}__{name}"
+            stem = f"{args.label}__{args.kernel}__{kv}__{name}"
             (out / f"{stem}.cubin").write_bytes(result.files[record["cubin"]])
             json.dump({"shape": args.shape, "kv": kv, "label": args.label, "variant": name, "override": entry,
-                       "record": record}, open(out / f"{stem}.json", "w"))
+                       "kernel": args.kernel, "record": record}, open(out / f"{stem}.json", "w"))
             print(f"{stem}: {spec.constexprs['BLOCK_N']=} {spec.num_warps=} {spec.num_stages=}")
 
 
@@ -84,6 +85,31 @@ def _inputs(cfg, kv: str, batch: int, ctx: int, gen: torch.Generator):
     return q, cache, scales, block_tables, context_lens, qsl
 
 
+def _rotary_inputs(cfg, block_tables, context_lens, gen: torch.Generator) -> dict:
+    """decode_rotary's own inputs for the step: the fused qkv rows, each row's position (its context's last) and the
+    cache slot that position's k/v go to, and the rotary's inverse frequencies."""
+    batch = block_tables.shape[0]
+    pos = (context_lens - 1).long()
+    rows = torch.arange(batch, device=pos.device)
+    slots = block_tables[rows, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    qkv = torch.randn(batch, width, generator=gen, device=pos.device).to(torch.bfloat16)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=pos.device).float() / cfg.head_dim))
+    return {"qkv": qkv, "pos": pos, "slots": slots, "inv_freq": inv_freq}
+
+
+def _reference(op, cfg, kind: str, n: int, q, cache, scales, bt, ctx_lens, qsl, step):
+    """The torch reference of the first n rows' outputs; decode_rotary's on copies of the cache it writes."""
+    scale = cfg.head_dim ** -0.5
+    if kind == "decode":
+        return op.paged_attention(q[:n], cache, bt[:n], ctx_lens[:n], qsl[:n + 1], cfg.num_heads, cfg.num_kv_heads,
+                                  cfg.head_dim, scale, 0, kv_scale=scales).float()
+    return op.rotary_paged_attention(step["qkv"][:n], step["pos"][:n], step["inv_freq"], cache.clone(),
+                                     step["slots"][:n], bt[:n], ctx_lens[:n], qsl[:n + 1], cfg.num_heads,
+                                     cfg.num_kv_heads, cfg.head_dim, scale, 0,
+                                     kv_scale=None if scales is None else scales.clone()).float()
+
+
 def _kv_bytes(cfg, kv: str, batch: int, ctx: int) -> int:
     per_token = 2 * cfg.num_kv_heads * (cfg.head_dim * (2 if kv == "auto" else 1) + (0 if kv == "auto" else 4))
     return batch * ctx * per_token
@@ -105,15 +131,21 @@ def run(args) -> None:
     for batch, ctx in (tuple(int(x) for x in b.split("x")) for b in args.batches.split(",")):
         for kv in sorted({m["kv"] for m in metas}):
             q, cache, scales, bt, ctx_lens, qsl = _inputs(cfg, kv, batch, ctx, gen)
-            ref = None
+            step = _rotary_inputs(cfg, bt, ctx_lens, gen)
+            refs = {}
             for f, m in zip(files, metas):
                 if m["kv"] != kv:
                     continue
+                kind = m.get("kernel", "decode")
                 out = torch.full_like(q, float("nan"))
-                launches = op.launch(q, cache, bt, ctx_lens, qsl, out, num_heads=cfg.num_heads,
-                                     num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                     scale=cfg.head_dim ** -0.5, max_query_len=1, max_context_len=ctx,
-                                     consts={"decode": m["record"]["launch"]}, kv_scale=scales)
+                common = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                              scale=cfg.head_dim ** -0.5, max_context_len=ctx, consts={kind: m["record"]["launch"]},
+                              kv_scale=scales)
+                if kind == "decode":
+                    launches = op.launch(q, cache, bt, ctx_lens, qsl, out, max_query_len=1, **common)
+                else:   # writes the step's k/v into its slot: the same values at every launch
+                    launches = op.launch_rotary_decode(step["qkv"], step["pos"], step["inv_freq"], cache, step["slots"],
+                                                       bt, ctx_lens, qsl, out, **common)
                 kernel = kernels[f.stem]
                 plan = [(grid, kernel.pointers(a)) for _, grid, a in launches]
 
@@ -122,20 +154,18 @@ def run(args) -> None:
                         kernel.launch(grid, ptrs, stream)
                 go()
                 torch.cuda.synchronize()
-                if ref is None:   # the reference on the first rows only: it is a loop over sequences
-                    n = min(batch, 16)
-                    ref = op.paged_attention(q[:n], cache, bt[:n], ctx_lens[:n], qsl[:n + 1], cfg.num_heads,
-                                             cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5, 0,
-                                             kv_scale=scales).float()
+                if kind not in refs:   # the reference on the first rows only: it is a loop over sequences
+                    refs[kind] = _reference(op, cfg, kind, min(batch, 16), q, cache, scales, bt, ctx_lens, qsl, step)
+                ref = refs[kind]
                 err = ((out[:ref.shape[0]].float() - ref).abs().max() / ref.abs().max()).item()
                 us = median_event_us(lambda: [go() for _ in range(10)], reps=args.reps) / 10   # a launch
                 tbs = _kv_bytes(cfg, kv, batch, ctx) / us / 1e6
-                row = {"batch": batch, "ctx": ctx, "kv": kv, "label": m["label"], "variant": m["variant"],
-                       "override": m["override"], "splits": launches[0][1][2], "us": round(us, 1),
-                       "kv_TBs": round(tbs, 2), "of_copy": round(tbs / copy, 3) if copy else None,
+                row = {"batch": batch, "ctx": ctx, "kv": kv, "kernel": kind, "label": m["label"],
+                       "variant": m["variant"], "override": m["override"], "splits": launches[0][1][2],
+                       "us": round(us, 1), "kv_TBs": round(tbs, 2), "of_copy": round(tbs / copy, 3) if copy else None,
                        "max_rel_err": float(f"{err:.2e}")}
                 rows.append(row)
-                print(f"b{batch:<5} ctx{ctx:<6} {kv:5} {m['label']:>8} {m['variant']:>10}  {us:8.1f} us  "
+                print(f"b{batch:<5} ctx{ctx:<6} {kv:5} {kind:>13} {m['label']:>8} {m['variant']:>10}  {us:8.1f} us  "
                       f"{tbs:5.2f} TB/s  {row['of_copy']}  err {err:.1e}", flush=True)
             del cache, scales
     if args.out:
@@ -150,6 +180,7 @@ def main():
     p.add_argument("--kv", default="fp8,auto")
     p.add_argument("--variants", default="tuned:")
     p.add_argument("--label", default="here")
+    p.add_argument("--kernel", default="decode", choices=("decode", "decode_rotary"))
     p.add_argument("--out", required=True)
     r = sub.add_parser("run")
     r.add_argument("--dir", required=True)

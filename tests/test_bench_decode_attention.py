@@ -18,13 +18,24 @@ def test_variants_parse_into_tune_overrides():
 
 def test_prepare_compiles_each_variant_with_its_override(tmp_path):
     args = argparse.Namespace(shape="tiny", kv="fp8", variants="tuned:;n16:BLOCK_N=16,maxnreg=128", label="here",
-                              out=str(tmp_path))
+                              kernel="decode", out=str(tmp_path))
     bench.prepare(args)
     metas = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
-    assert set(metas) == {"here__fp8__tuned", "here__fp8__n16"}
+    assert set(metas) == {"here__decode__fp8__tuned", "here__decode__fp8__n16"}
     for stem, meta in metas.items():
         assert (tmp_path / f"{stem}.cubin").read_bytes()[:4] == b"\x7fELF"
-        assert meta["record"]["variant"] == "decode" and meta["kv"] == "fp8"
-    assert metas["here__fp8__n16"]["record"]["launch"]["BLOCK_N"] == 16
-    assert metas["here__fp8__n16"]["record"]["tune"]["maxnreg"] == 128
-    assert "maxnreg" not in metas["here__fp8__tuned"]["record"]["tune"]
+        assert meta["record"]["variant"] == "decode" and meta["kv"] == "fp8" and meta["kernel"] == "decode"
+    assert metas["here__decode__fp8__n16"]["record"]["launch"]["BLOCK_N"] == 16
+    assert metas["here__decode__fp8__n16"]["record"]["tune"]["maxnreg"] == 128
+    assert "maxnreg" not in metas["here__decode__fp8__tuned"]["record"]["tune"]
+
+
+def test_prepare_compiles_the_rotary_decode_where_asked(tmp_path):
+    """--kernel decode_rotary: the kernel fused with the rotary, each variant's override in its record."""
+    args = argparse.Namespace(shape="tiny", kv="auto", variants="tuned:;n16:BLOCK_N=16", label="here",
+                              kernel="decode_rotary", out=str(tmp_path))
+    bench.prepare(args)
+    metas = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert set(metas) == {"here__decode_rotary__auto__tuned", "here__decode_rotary__auto__n16"}
+    assert all(m["record"]["variant"] == "decode_rotary" and m["kernel"] == "decode_rotary" for m in metas.values())
+    assert metas["here__decode_rotary__auto__n16"]["record"]["launch"]["BLOCK_N"] == 16
