@@ -465,6 +465,36 @@ def test_the_largest_graph_holds_max_num_seqs_rows(model, monkeypatch):
     assert tops == {1: 1, 3: 4, 256: 256, 300: 384, 1000: 1024, 1024: 1024, 5000: 1024}
 
 
+def test_graphs_past_256_rows_that_do_not_fit_are_dropped_with_a_warning(model, monkeypatch, capsys):
+    """Out of memory capturing a bucket past ALWAYS_GRAPHED: its graphs go, one warning says what happens to its
+    batches, the smaller buckets are captured; at or below it the error stands (start fails as it did)."""
+    from engc.runtime import cuda_graphs
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+    capacity_blocks = 2 * cuda_graphs.NARROW_CONTEXT // model.block_size   # two context buckets a batch bucket
+    ex = GraphedExecutor(model.executor, StepFacts(), capacity_blocks, 1024, "cpu", True, block_size=model.block_size)
+    captured = []
+
+    def capture(key, kv):
+        if key[0] in (1024, 512) and key[1] is None:   # the second context bucket of the two fails
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        captured.append(key)
+        ex.graphs[key] = []
+    monkeypatch.setattr(ex, "_capture", capture)
+    ex.capture([])
+    assert ex.buckets[-2:] == [384, 768] and 512 not in ex.buckets and 1024 not in ex.buckets
+    assert {k[0] for k in ex.graphs} == set(ex.buckets)   # the failed buckets' graphs are gone
+    assert (1024, cuda_graphs.NARROW_CONTEXT) in captured   # one of them was captured before its bucket failed
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "1024 rows" in err[0] and "without graphs" in err[0]
+    assert "512 rows" in err[1] and "replay a larger one" in err[1]
+    assert ex.graph_key(600, 100)[0] == 768
+    ex = GraphedExecutor(model.executor, StepFacts(), 8, 256, "cpu", True, block_size=model.block_size)
+    monkeypatch.setattr(ex, "_capture", lambda key, kv: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("oom")))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        ex.capture([])
+    assert cuda_graphs.ALWAYS_GRAPHED == 256
+
+
 def test_graph_keys_by_batch_and_context_bucket(model, monkeypatch):
     """Small batches with short contexts replay their own graph (one KV split); the rest the batch
     bucket's graph sized for the block table's capacity; both kinds are captured at start."""

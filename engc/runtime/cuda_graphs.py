@@ -51,6 +51,7 @@ from engc.runtime.staged_inputs import TURNS, StagedInputs
 # bench/results/HISTORY.md). Each holds its graphs' logits (four graphs a bucket: 1 MB a row at a 128k vocabulary
 # in bf16), so they stay few; batches past the last run eagerly.
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+ALWAYS_GRAPHED = 256   # the buckets past it are dropped, not fatal, where their graphs do not fit at start
 # Longest context of the short-context graphs (255: at most 4 one-tile KV splits), and the batch buckets
 # that get them.
 # Few on purpose: each is one more graph to capture at start, and only a small model's small batches gain
@@ -100,11 +101,25 @@ class GraphedExecutor:
         self.tokens_kept = True   # last_tokens holds the previous step's tokens (fills can read them)
 
     def capture(self, kv_caches: list[torch.Tensor]) -> None:
-        """Capture every bucket now (largest first, so the smaller ones reuse its memory pool)."""
+        """Capture every bucket now (largest first, so the smaller ones reuse its memory pool). A bucket past
+        ALWAYS_GRAPHED whose graphs do not fit in the memory the KV cache left is dropped, with one warning:
+        batches of its size replay a larger bucket's graphs, or past the largest left run eagerly."""
         with collector_paused():
-            for b in reversed(self.buckets):
-                for c in self._ctx_buckets(b):
-                    self._capture((b, c), kv_caches)
+            for b in reversed(list(self.buckets)):
+                try:
+                    for c in self._ctx_buckets(b):
+                        self._capture((b, c), kv_caches)
+                except torch.cuda.OutOfMemoryError:
+                    if b <= ALWAYS_GRAPHED:
+                        raise
+                    for key in [k for k in self.graphs if k[0] == b]:
+                        del self.graphs[key]
+                    self.buckets.remove(b)
+                    torch.cuda.empty_cache()
+                    instead = "replay a larger one" if b < self.buckets[-1] else "decode without graphs (slower)"
+                    print(f"engc: warning: no room beside the KV cache for the decode graphs of {b} rows: batches "
+                          f"that would replay them {instead}; a lower --cache-max-entry-count leaves room",
+                          file=sys.stderr)
 
     def _ctx_buckets(self, b: int) -> list[int | None]:
         """The context buckets of batch bucket b, shortest first, then None (the block table's capacity)."""
