@@ -115,6 +115,9 @@ def bench_shape(shape: str, args) -> dict:
                                            max_batched_tokens=args.max_batched_tokens,
                                            kv_memory_fraction=kv_fraction)))
     res["kv_blocks"] = engine.kv.allocator.num_blocks
+    # the most rows a decode step replays from a CUDA graph (larger steps run eagerly, with the host on their path)
+    graphed = getattr(engine.runner.executor, "buckets", None)
+    res["decode_graph_rows"] = graphed[-1] if graphed and engine.runner.graphs else 0
     # the largest 128-in / 128-out batch the KV cache holds at once (each sequence's 256 tokens in whole blocks)
     res["kv_holds_128_128_seqs"] = engine.kv.allocator.num_blocks // -(-256 // engine.kv.allocator.block_size)
     if args.profile_only:
