@@ -16,11 +16,14 @@ def test_variants_parse_into_tune_overrides():
         "tuned": {}, "n64s2": {"BLOCK_N": 64, "num_stages": 2}, "capped": {"maxnreg": 128}}
 
 
+def _prepared(tmp_path, **options) -> dict:
+    """bench.prepare on the tiny shape into tmp_path: {file stem: its JSON}."""
+    bench.prepare(argparse.Namespace(shape="tiny", label="here", out=str(tmp_path), **options))
+    return {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+
+
 def test_prepare_compiles_each_variant_with_its_override(tmp_path):
-    args = argparse.Namespace(shape="tiny", kv="fp8", variants="tuned:;n16:BLOCK_N=16,maxnreg=128", label="here",
-                              kernel="decode", out=str(tmp_path))
-    bench.prepare(args)
-    metas = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    metas = _prepared(tmp_path, kv="fp8", variants="tuned:;n16:BLOCK_N=16,maxnreg=128", kernel="decode")
     assert set(metas) == {"here__decode__fp8__tuned", "here__decode__fp8__n16"}
     for stem, meta in metas.items():
         assert (tmp_path / f"{stem}.cubin").read_bytes()[:4] == b"\x7fELF"
@@ -32,10 +35,7 @@ def test_prepare_compiles_each_variant_with_its_override(tmp_path):
 
 def test_prepare_compiles_the_rotary_decode_where_asked(tmp_path):
     """--kernel decode_rotary: the kernel fused with the rotary, each variant's override in its record."""
-    args = argparse.Namespace(shape="tiny", kv="auto", variants="tuned:;n16:BLOCK_N=16", label="here",
-                              kernel="decode_rotary", out=str(tmp_path))
-    bench.prepare(args)
-    metas = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    metas = _prepared(tmp_path, kv="auto", variants="tuned:;n16:BLOCK_N=16", kernel="decode_rotary")
     assert set(metas) == {"here__decode_rotary__auto__tuned", "here__decode_rotary__auto__n16"}
     assert all(m["record"]["variant"] == "decode_rotary" and m["kernel"] == "decode_rotary" for m in metas.values())
     assert metas["here__decode_rotary__auto__n16"]["record"]["launch"]["BLOCK_N"] == 16
