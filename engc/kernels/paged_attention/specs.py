@@ -42,8 +42,6 @@ def paged_attention_specs(cfg, t: str, arch: str, block_size: int, overrides=Non
                        launch_keys=("BLOCK_N", "target_programs", "max_splits", "min_split_tokens",
                                     "min_split_tokens_busy", "impl", "in_kernel_reduce", "rotary_max_rows"),
                        overrides=(overrides or {}).get("decode"))
-    if decode.constexprs.get("PREFETCH"):   # its loop is pipelined by hand: Triton's pipeliner has nothing to add
-        decode = dataclasses.replace(decode, num_stages=1)
     reduce_types = {"query_start_loc_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
                     "out_ptr": f"*{t}", "num_splits": "i32"}
     max_splits = decode.tune["max_splits"]
@@ -65,8 +63,9 @@ def paged_attention_specs(cfg, t: str, arch: str, block_size: int, overrides=Non
     # matter, and its rotary code would spill under the cap. Its loop stays Triton's to pipeline, with the entry's
     # stages (PREFETCH is the plain decode's).
     decode_rotary = dataclasses.replace(decode, variant="decode_rotary", fn_name="paged_decode_rotary_kernel",
-                                        num_stages=decode.tune["num_stages"],
                                         arg_types=rotary_types,
                                         constexprs={k: v for k, v in decode.constexprs.items() if k != "PREFETCH"},
                                         tune={k: v for k, v in decode.tune.items() if k != "maxnreg"})
+    if decode.constexprs.get("PREFETCH"):   # its loop is pipelined by hand: Triton's pipeliner has nothing to add
+        decode = dataclasses.replace(decode, num_stages=1)
     return [decode, decode_rotary, prefill] if reduce is None else [decode, decode_rotary, reduce, prefill]
